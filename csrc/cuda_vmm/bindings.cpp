@@ -1,0 +1,280 @@
+// Python bindings of the core (module vattn._C). Every call that maps, unmaps,
+// creates pages or waits on the device releases the GIL: those calls can take
+// milliseconds, and a thread holding the GIL across them would stall the
+// serving loop (and deadlock a background thread that needs the GIL).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "cuda_driver.h"
+#include "dlpack.h"
+#include "errors.h"
+#include "page_manager.h"
+#include "vmm_backend.h"
+
+namespace py = pybind11;
+using namespace vattn;
+
+namespace {
+
+// ---- DLPack ---------------------------------------------------------------
+
+struct CapsuleContext {
+  std::shared_ptr<Reservation> reservation;  // keeps the range reserved while a view lives
+  int64_t shape[1];
+  int64_t strides[1];
+};
+
+void delete_managed(DLManagedTensor* self) {
+  delete static_cast<CapsuleContext*>(self->manager_ctx);
+  delete self;
+}
+
+void capsule_destructor(PyObject* capsule) {
+  // A consumer renames the capsule to "used_dltensor" and owns the deleter;
+  // an unconsumed one still holds "dltensor" and is freed here.
+  if (PyCapsule_IsValid(capsule, "dltensor")) {
+    auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+    if (managed && managed->deleter) managed->deleter(managed);
+  }
+}
+
+// A 1-D uint8 DLPack tensor over bytes [offset, offset + nbytes) of the
+// reservation. The Python layer views it with the cache's dtype and strides.
+py::object reservation_dlpack(const std::shared_ptr<Reservation>& reservation, size_t offset,
+                              size_t nbytes) {
+  if (offset + nbytes > reservation->bytes())
+    throw std::invalid_argument("dlpack: byte range [" + std::to_string(offset) + ", " +
+                                std::to_string(offset + nbytes) + ") exceeds the reservation of " +
+                                std::to_string(reservation->bytes()) + " bytes");
+  auto* ctx = new CapsuleContext{reservation, {static_cast<int64_t>(nbytes)}, {1}};
+  auto* managed = new DLManagedTensor{};
+  managed->dl_tensor.data = reinterpret_cast<void*>(reservation->base() + offset);
+  managed->dl_tensor.device = reservation->dl_device();
+  managed->dl_tensor.ndim = 1;
+  managed->dl_tensor.dtype = DLDataType{kDLUInt, 8, 1};
+  managed->dl_tensor.shape = ctx->shape;
+  managed->dl_tensor.strides = ctx->strides;
+  managed->dl_tensor.byte_offset = 0;
+  managed->manager_ctx = ctx;
+  managed->deleter = delete_managed;
+  PyObject* capsule = PyCapsule_New(managed, "dltensor", capsule_destructor);
+  if (!capsule) {
+    delete_managed(managed);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(capsule);
+}
+
+// ---- step input -----------------------------------------------------------
+
+// Copies seq_lens (a sequence of ints, or any C-contiguous 1-D int32/int64
+// buffer such as a numpy array) into `out` while the GIL is held.
+void read_seq_lens(py::handle obj, std::vector<int64_t>& out) {
+  if (PyObject_CheckBuffer(obj.ptr())) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0)
+      throw py::error_already_set();
+    std::string fmt = view.format ? view.format : "B";
+    if (!fmt.empty() && (fmt[0] == '<' || fmt[0] == '=' || fmt[0] == '@')) fmt = fmt.substr(1);
+    bool ok = view.ndim == 1 && ((view.itemsize == 8 && (fmt == "q" || fmt == "l")) ||
+                                 (view.itemsize == 4 && (fmt == "i" || fmt == "l")));
+    if (!ok) {
+      PyBuffer_Release(&view);
+      throw std::invalid_argument("step: seq_lens must be a 1-D int32 or int64 array, got format '" +
+                                  fmt + "' with " + std::to_string(view.ndim) + " dimension(s)");
+    }
+    size_t n = static_cast<size_t>(view.shape[0]);
+    out.resize(n);
+    if (view.itemsize == 8) {
+      auto* src = static_cast<const int64_t*>(view.buf);
+      std::copy(src, src + n, out.begin());
+    } else {
+      auto* src = static_cast<const int32_t*>(view.buf);
+      std::copy(src, src + n, out.begin());
+    }
+    PyBuffer_Release(&view);
+    return;
+  }
+  PyObject* seq = PySequence_Fast(obj.ptr(), "step: seq_lens must be a sequence of ints");
+  if (!seq) throw std::invalid_argument("step: seq_lens must be a sequence of ints");
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  out.resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    // Index protocol: ints and integer scalars (numpy, torch) but not floats.
+    PyObject* idx = PyNumber_Index(items[i]);
+    long long v = idx ? PyLong_AsLongLong(idx) : -1;
+    Py_XDECREF(idx);
+    if (!idx || (v == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      Py_DECREF(seq);
+      throw std::invalid_argument("step: seq_lens[" + std::to_string(i) +
+                                  "] must be an integer number of tokens");
+    }
+    out[i] = v;
+  }
+  Py_DECREF(seq);
+}
+
+py::dict stats_dict(const PageStats& s, size_t page_size) {
+  py::dict d;
+  d["pages_total"] = s.pages_total;
+  d["pages_created"] = s.pages_created;
+  d["pages_mapped"] = s.pages_mapped;
+  d["pages_free"] = s.pages_total - s.pages_mapped;
+  d["pages_mapped_peak"] = s.pages_mapped_peak;
+  d["bytes_mapped"] = s.pages_mapped * page_size;
+  d["bytes_mapped_peak"] = s.pages_mapped_peak * page_size;
+  d["slots_allocated"] = s.slots_allocated;
+  d["tokens_active"] = s.tokens_active;
+  d["step_calls"] = s.step_calls;
+  d["failed_steps"] = s.failed_steps;
+  d["sync_page_maps"] = s.sync_page_maps;
+  d["page_unmaps"] = s.page_unmaps;
+  d["reclaimed_pages"] = s.reclaimed_pages;
+  return d;
+}
+
+void register_errors() {
+  py::module_ errors = py::module_::import("vattn.errors");
+  // Strong references kept for the life of the process on purpose: a static
+  // py::object would be decref'd after the interpreter is gone.
+  static PyObject* driver_error = py::object(errors.attr("DriverError")).release().ptr();
+  static PyObject* unavailable = py::object(errors.attr("BackendUnavailable")).release().ptr();
+  static PyObject* out_of_slots = py::object(errors.attr("OutOfSlots")).release().ptr();
+  static PyObject* closed = py::object(errors.attr("ClosedError")).release().ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const DriverError& e) {
+      py::object exc = py::reinterpret_borrow<py::object>(driver_error)(e.what(), e.call(), e.detail());
+      PyErr_SetObject(driver_error, exc.ptr());
+    } catch (const BackendUnavailable& e) {
+      PyErr_SetString(unavailable, e.what());
+    } catch (const OutOfSlots& e) {
+      PyErr_SetString(out_of_slots, e.what());
+    } catch (const ClosedError& e) {
+      PyErr_SetString(closed, e.what());
+    }
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "vattn core: VMM backends and page bookkeeping (no torch dependency)";
+  register_errors();
+
+  py::class_<VmmBackend, std::shared_ptr<VmmBackend>>(m, "VmmBackend")
+      .def_property_readonly("name", &VmmBackend::name)
+      .def_property_readonly("granularity", &VmmBackend::granularity)
+      .def_property_readonly("page_size", &VmmBackend::page_size)
+      .def_property_readonly("num_pages", &VmmBackend::num_pages)
+      .def("reserve", &VmmBackend::reserve, py::arg("nbytes"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("free_reservation", &VmmBackend::free_reservation, py::arg("base"), py::arg("nbytes"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("create_pages", &VmmBackend::create_pages, py::arg("first"), py::arg("count"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("release_pages", &VmmBackend::release_pages, py::arg("first"), py::arg("count"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "map",
+          [](VmmBackend& b, const std::vector<std::pair<uintptr_t, uint32_t>>& pairs) {
+            std::vector<PageMapping> maps;
+            maps.reserve(pairs.size());
+            for (auto& [addr, page] : pairs) {
+              if (page >= b.num_pages())
+                throw std::invalid_argument("map: page " + std::to_string(page) +
+                                            " is outside the pool of " +
+                                            std::to_string(b.num_pages()) + " pages");
+              maps.push_back(PageMapping{addr, page});
+            }
+            py::gil_scoped_release release;
+            b.map(maps.data(), maps.size());
+          },
+          py::arg("mappings"), "Map [(address, page), ...] in one call.")
+      .def(
+          "unmap",
+          [](VmmBackend& b, const std::vector<uintptr_t>& addrs) {
+            py::gil_scoped_release release;
+            b.unmap(addrs.data(), addrs.size());
+          },
+          py::arg("addresses"))
+      .def("synchronize", &VmmBackend::synchronize, py::call_guard<py::gil_scoped_release>());
+
+  m.def("host_granularity", &host_granularity);
+  m.def("make_host_backend", &make_host_backend, py::arg("page_size"), py::arg("num_pages"));
+  m.def("make_cuda_backend", &make_cuda_backend, py::arg("driver_path"), py::arg("device"),
+        py::arg("page_size"), py::arg("num_pages"), py::call_guard<py::gil_scoped_release>());
+  m.def("default_cuda_driver_path", &cu::default_driver_path);
+  m.def(
+      "cuda_device_info",
+      [](const std::string& path, int device) {
+        CudaDeviceInfo info;
+        {
+          py::gil_scoped_release release;
+          info = cuda_device_info(path, device);
+        }
+        py::dict d;
+        d["device_count"] = info.device_count;
+        d["driver_version"] = info.driver_version;
+        d["name"] = info.name;
+        d["granularity"] = info.granularity;
+        d["free_bytes"] = info.free_bytes;
+        d["total_bytes"] = info.total_bytes;
+        return d;
+      },
+      py::arg("driver_path"), py::arg("device"));
+
+  py::class_<Reservation, std::shared_ptr<Reservation>>(m, "Reservation")
+      .def_property_readonly("base", &Reservation::base)
+      .def_property_readonly("nbytes", &Reservation::bytes)
+      .def("dlpack", &reservation_dlpack, py::arg("offset"), py::arg("nbytes"),
+           "A DLPack capsule (1-D uint8) over bytes [offset, offset + nbytes).");
+
+  py::class_<PageManager>(m, "PageManager")
+      .def(py::init([](std::shared_ptr<VmmBackend> backend, size_t num_buffers, size_t num_slots,
+                       size_t slot_bytes, size_t bytes_per_token, size_t max_tokens) {
+             PageManagerConfig c{num_buffers, num_slots, slot_bytes, bytes_per_token, max_tokens};
+             py::gil_scoped_release release;
+             return new PageManager(std::move(backend), c);
+           }),
+           py::arg("backend"), py::arg("num_buffers"), py::arg("num_slots"),
+           py::arg("slot_bytes"), py::arg("bytes_per_token"), py::arg("max_tokens"))
+      .def("alloc_slot", &PageManager::alloc_slot, py::arg("prompt_tokens") = -1,
+           py::call_guard<py::gil_scoped_release>())
+      .def("free_slot", &PageManager::free_slot, py::arg("slot"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "step",
+          [](PageManager& pm, py::handle seq_lens) {
+            thread_local std::vector<int64_t> lens;
+            read_seq_lens(seq_lens, lens);
+            py::gil_scoped_release release;
+            return pm.step(lens.data(), lens.size());
+          },
+          py::arg("seq_lens"))
+      .def("reclaim", &PageManager::reclaim, py::arg("max_pages"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("close", &PageManager::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("closed", &PageManager::closed)
+      .def("mapped_pages", &PageManager::mapped_pages, py::arg("slot"))
+      .def("slot_allocated", &PageManager::slot_allocated, py::arg("slot"))
+      .def("stats", [](const PageManager& pm) { return stats_dict(pm.stats(), pm.page_size()); })
+      .def_property_readonly("page_size", &PageManager::page_size)
+      .def_property_readonly("buffer_bytes", &PageManager::buffer_bytes)
+      .def_property_readonly("reservation", &PageManager::reservation)
+      .def_property_readonly("backend_name", [](const PageManager& pm) { return pm.backend().name(); });
+
+  m.attr("build_info") = py::dict(
+      py::arg("compiler") = std::string(__VERSION__), py::arg("cplusplus") = __cplusplus,
+      py::arg("pybind11") = std::to_string(PYBIND11_VERSION_MAJOR) + "." +
+                            std::to_string(PYBIND11_VERSION_MINOR) + "." +
+                            std::to_string(PYBIND11_VERSION_PATCH),
+      py::arg("dlpack_capsule") = "dltensor (v0.8 ABI)",
+      py::arg("cuda_driver") = "dlopen at run time (" + cu::default_driver_path() + ")");
+}

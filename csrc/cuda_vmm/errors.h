@@ -1,0 +1,45 @@
+// Exceptions thrown by the C++ core. The bindings translate each to the
+// Python class of the same role in vattn.errors; nothing here ever exits.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace vattn {
+
+// A driver or OS call failed. `call` names it ("cuMemMap", "mmap"), `detail`
+// holds the CUresult name or errno text.
+class DriverError : public std::runtime_error {
+ public:
+  DriverError(const std::string& call, const std::string& detail)
+      : std::runtime_error(call + " failed: " + detail), call_(call), detail_(detail) {}
+  const std::string& call() const { return call_; }
+  const std::string& detail() const { return detail_; }
+
+ private:
+  std::string call_;
+  std::string detail_;
+};
+
+// The requested backend cannot run here (no driver, no device).
+class BackendUnavailable : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// alloc_reqid found every slot in use.
+class OutOfSlots : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A call on a manager after cleanup().
+class ClosedError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// errno as text with the call name: DriverError("mmap", "ENOMEM: Cannot allocate memory").
+[[noreturn]] void throw_errno(const std::string& call, int err);
+
+}  // namespace vattn

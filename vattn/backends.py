@@ -1,0 +1,105 @@
+"""Choosing and sizing a VMM backend: page size and physical budget defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from . import _C
+from .config import KVCacheConfig
+
+KiB = 1024
+MiB = 1024 * KiB
+
+# Host pages are cheap to map at any size; 256 KiB keeps per-request waste low
+# and the number of mappings (bounded by vm.max_map_count) moderate.
+HOST_DEFAULT_PAGE_SIZE = 256 * KiB
+HOST_BUDGET_FRACTION = 0.5  # of MemAvailable, when physical_memory is None
+CUDA_BUDGET_FRACTION = 0.9  # of free device memory, when physical_memory is None
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendSpec:
+    """A backend resolved for one cache: what `make()` will build."""
+
+    name: str  # "host" or "cuda"
+    device_index: int
+    granularity: int  # bytes; page sizes are multiples of it
+    page_size: int  # bytes per physical page
+    num_pages: int  # physical pool capacity in pages
+    driver_path: str | None = None  # cuda only
+
+    def make(self) -> Any:
+        if self.name == "host":
+            return _C.make_host_backend(self.page_size, self.num_pages)
+        return _C.make_cuda_backend(self.driver_path, self.device_index, self.page_size, self.num_pages)
+
+
+def host_meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes."""
+    out: dict[str, int] = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                out[key] = int(parts[0]) * (KiB if len(parts) > 1 else 1)
+    return out
+
+
+def cuda_info(device_index: int, driver_path: str | None = None) -> dict[str, Any]:
+    """Device name, granularity and memory; raises BackendUnavailable without a GPU."""
+    return _C.cuda_device_info(driver_path or _C.default_cuda_driver_path(), device_index)
+
+
+def resolve_backend(
+    kind: str,
+    device_index: int,
+    config: KVCacheConfig,
+    page_size: int | None,
+    physical_memory: int | None,
+) -> BackendSpec:
+    """Validates page_size and physical_memory against the backend and fills defaults."""
+    driver_path = None
+    if kind == "host":
+        granularity = _C.host_granularity()
+        default_page = max(HOST_DEFAULT_PAGE_SIZE, granularity)
+        budget_share = int(host_meminfo().get("MemAvailable", 0) * HOST_BUDGET_FRACTION)
+    else:
+        driver_path = _C.default_cuda_driver_path()
+        info = cuda_info(device_index, driver_path)
+        granularity = info["granularity"]
+        default_page = granularity
+        budget_share = int(info["free_bytes"] * CUDA_BUDGET_FRACTION)
+
+    if page_size is None:
+        page_size = default_page
+    elif isinstance(page_size, bool) or not isinstance(page_size, int):
+        raise TypeError(f"page_size must be an int number of bytes or None, got {type(page_size).__name__}")
+    elif page_size <= 0 or page_size % granularity:
+        raise ValueError(
+            f"page_size must be a positive multiple of the {kind} backend's granularity "
+            f"({granularity} bytes), got {page_size}"
+        )
+
+    min_budget = config.num_buffers * page_size  # one page in every buffer
+    full_budget = config.num_buffers * config.max_batch_size * config.slot_bytes(page_size)
+    if physical_memory is None:
+        budget = max(min(full_budget, budget_share), min_budget)
+    elif isinstance(physical_memory, bool) or not isinstance(physical_memory, int):
+        raise TypeError(f"physical_memory must be an int number of bytes or None, got {type(physical_memory).__name__}")
+    elif physical_memory < min_budget:
+        raise ValueError(
+            f"physical_memory must be at least one page per buffer = {config.num_buffers} x "
+            f"{page_size} = {min_budget} bytes, got {physical_memory}"
+        )
+    else:
+        budget = min(physical_memory, full_budget)  # more than every slot at full length is never used
+    return BackendSpec(
+        name=kind,
+        device_index=device_index,
+        granularity=granularity,
+        page_size=page_size,
+        num_pages=budget // page_size,
+        driver_path=driver_path,
+    )

@@ -1,0 +1,38 @@
+"""Exceptions raised by vattn.
+
+Bad arguments raise plain :class:`ValueError` (or :class:`TypeError` for a wrong
+type); everything else raised by vattn subclasses :class:`VAttnError`, itself a
+:class:`RuntimeError`.
+"""
+
+from __future__ import annotations
+
+
+class VAttnError(RuntimeError):
+    """Base class of vattn's own errors."""
+
+
+class DriverError(VAttnError):
+    """A driver or OS call failed (``cuMemMap``, ``mmap``, ...).
+
+    Attributes:
+        call: name of the failing call.
+        detail: the CUresult name or errno text.
+    """
+
+    def __init__(self, message: str, call: str | None = None, detail: str | None = None):
+        super().__init__(message)
+        self.call = call
+        self.detail = detail
+
+
+class BackendUnavailable(VAttnError):
+    """The requested backend cannot run on this machine (no CUDA driver or device)."""
+
+
+class OutOfSlots(VAttnError):
+    """``alloc_reqid`` found all ``max_batch_size`` reqids in use."""
+
+
+class ClosedError(VAttnError):
+    """The manager was cleaned up (or never initialised) and cannot be used."""
