@@ -129,6 +129,8 @@ class CudaBackend final : public VmmBackend {
       check("cuMemUnmap", api_.cuMemUnmap(static_cast<CUdeviceptr>(addrs[i]), page_size_));
   }
 
+  void close_pool() noexcept override { release_pages(0, static_cast<uint32_t>(handles_.size())); }
+
   void synchronize() override {
     ensure_context();
     check("cuCtxSynchronize", api_.cuCtxSynchronize());

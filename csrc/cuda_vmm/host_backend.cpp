@@ -11,6 +11,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include "errors.h"
@@ -46,7 +47,9 @@ class MemfdPool {
 class HostBackend final : public VmmBackend {
  public:
   HostBackend(size_t page_size, size_t num_pages)
-      : page_size_(page_size), num_pages_(num_pages), pool_(page_size * num_pages) {}
+      : page_size_(page_size),
+        num_pages_(num_pages),
+        pool_(std::make_unique<MemfdPool>(page_size * num_pages)) {}
 
   std::string name() const override { return "host"; }
   size_t granularity() const override { return host_granularity(); }
@@ -65,8 +68,9 @@ class HostBackend final : public VmmBackend {
   }
 
   void create_pages(uint32_t first, uint32_t count) override {
+    check_pool();
     if (count == 0) return;
-    if (fallocate(pool_.fd(), 0, offset(first), static_cast<off_t>(count) * page_size_) != 0) {
+    if (fallocate(pool_->fd(), 0, offset(first), static_cast<off_t>(count) * page_size_) != 0) {
       int err = errno;
       release_pages(first, count);  // a partial fallocate may have committed some
       throw_errno("fallocate", err);
@@ -74,16 +78,17 @@ class HostBackend final : public VmmBackend {
   }
 
   void release_pages(uint32_t first, uint32_t count) noexcept override {
-    if (count == 0) return;
-    fallocate(pool_.fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset(first),
+    if (count == 0 || !pool_) return;
+    fallocate(pool_->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset(first),
               static_cast<off_t>(count) * page_size_);
   }
 
   void map(const PageMapping* mappings, size_t count) override {
+    check_pool();
     for (size_t i = 0; i < count; ++i) {
       void* want = reinterpret_cast<void*>(mappings[i].addr);
       void* got = mmap(want, page_size_, PROT_READ | PROT_WRITE, MAP_FIXED | MAP_SHARED,
-                       pool_.fd(), offset(mappings[i].page));
+                       pool_->fd(), offset(mappings[i].page));
       if (got == MAP_FAILED) {
         int err = errno;
         for (size_t j = 0; j < i; ++j) unmap_one(mappings[j].addr);
@@ -104,7 +109,13 @@ class HostBackend final : public VmmBackend {
 
   void synchronize() override {}  // CPU work is synchronous with the caller
 
+  void close_pool() noexcept override { pool_.reset(); }
+
  private:
+  void check_pool() const {
+    if (!pool_) throw ClosedError("the host page pool was closed");
+  }
+
   off_t offset(uint32_t page) const { return static_cast<off_t>(page) * page_size_; }
 
   bool unmap_one(uintptr_t addr) noexcept {
@@ -115,7 +126,7 @@ class HostBackend final : public VmmBackend {
 
   size_t page_size_;
   size_t num_pages_;
-  MemfdPool pool_;
+  std::unique_ptr<MemfdPool> pool_;  // null once closed
 };
 
 }  // namespace

@@ -141,10 +141,8 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
       throw std::invalid_argument("step: seq_lens[" + std::to_string(s) + "] = " +
                                   std::to_string(len) + " but reqid " + std::to_string(s) +
                                   " is not allocated (use 0 for inactive reqids)");
-    size_t need = pages_for_tokens(len);
-    size_t have = mapped_of(s);
-    need_[s] = need > have ? need : have;
-    deficit += (need > have ? need - have : 0) * config_.num_buffers;
+    need_[s] = pages_for_tokens(len);
+    deficit += missing_pages(s) * config_.num_buffers;
   }
   stats_.step_calls++;
   if (deficit > 0) {
@@ -163,10 +161,12 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
     // one address run, and freshly created pages get consecutive ids along it,
     // so the host's mappings can merge and CUDA grants access once per run.
     mappings_.clear();
-    for (size_t s = 0; s < count; ++s)
+    for (size_t s = 0; s < count; ++s) {
+      size_t have = mapped_of(s), add = missing_pages(s);
       for (size_t b = 0; b < config_.num_buffers; ++b)
-        for (size_t p = mapped_of(s); p < need_[s]; ++p)
+        for (size_t p = have; p < have + add; ++p)
           mappings_.push_back(PageMapping{page_address(b, s, p), taken_[mappings_.size()]});
+    }
     try {
       backend_->map(mappings_.data(), mappings_.size());
     } catch (...) {
@@ -175,7 +175,7 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
     }
     size_t first = 0;  // index in taken_ of slot s's first new page
     for (size_t s = 0; s < count; ++s) {
-      size_t have = mapped_of(s), add = need_[s] - have;
+      size_t add = missing_pages(s);
       for (size_t p = 0; p < add; ++p)
         for (size_t b = 0; b < config_.num_buffers; ++b)
           slot_pages_[s].push_back(taken_[first + b * add + p]);
@@ -278,6 +278,7 @@ void PageManager::close() {
     slot_tokens_[s] = 0;
   }
   backend_->release_pages(0, next_uncreated_);
+  backend_->close_pool();
   free_pages_.clear();
   next_uncreated_ = 0;
   stats_.pages_mapped = 0;

@@ -84,6 +84,9 @@ class PageManager {
   size_t pages_for_tokens(int64_t tokens) const;
   uintptr_t page_address(size_t buffer, size_t slot, size_t page) const;
   size_t mapped_of(size_t slot) const { return slot_pages_[slot].size() / config_.num_buffers; }
+  // Pages per buffer slot s lacks for this step's length (need_[s]). Reclaim
+  // only touches free slots, whose need_ is 0, so this stays valid across it.
+  size_t missing_pages(size_t s) const { return need_[s] > mapped_of(s) ? need_[s] - mapped_of(s) : 0; }
   size_t available_pages() const;
   // Unmaps tail pages of free slots, smallest slots first, until `want` pages
   // are back in the pool or none are left. Caller holds mu_.
@@ -109,7 +112,7 @@ class PageManager {
   uint32_t next_uncreated_ = 0;       // pages [next_uncreated_, num_pages) not created yet
   PageStats stats_;
   // Scratch reused by every step so the hot path does not allocate.
-  std::vector<size_t> need_;
+  std::vector<size_t> need_;  // target pages per buffer per slot for the current step
   std::vector<uint32_t> taken_;
   std::vector<PageMapping> mappings_;
 };

@@ -53,6 +53,10 @@ class VmmBackend {
   virtual void unmap(const uintptr_t* addrs, size_t count) = 0;
   // Waits until device work that may read mapped pages has finished.
   virtual void synchronize() = 0;
+  // Releases every physical page and the pool's own handles; no page may be
+  // mapped. Afterwards the backend only frees reservations (tensor views may
+  // outlive the pool). Never throws.
+  virtual void close_pool() noexcept = 0;
 };
 
 // Host backend: memfd pool, mmap reservation. page_size: multiple of the OS page size.

@@ -1,0 +1,357 @@
+"""KVCacheManager on the host backend: data, growth, attention, limits, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vattn
+from conftest import manager_state
+
+KiB, MiB = 1024, 1024 * 1024
+PAGE_SIZES = [4 * KiB, 64 * KiB, 256 * KiB, 2 * MiB]
+LAYOUTS = ["per_layer", "all_layers"]
+
+
+def make(**overrides) -> vattn.KVCacheManager:
+    args = dict(num_layers=3, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=4, max_context_len=512)
+    args.update(overrides)
+    return vattn.KVCacheManager(**args)
+
+
+def lens_for(kv, **by_reqid) -> list[int]:
+    lens = [0] * kv.config.max_batch_size
+    for r, n in by_reqid.items():
+        lens[int(r[1:])] = n
+    return lens
+
+
+def stamp(reqid: int, layer: int, kind: int, start: int, stop: int, shape) -> torch.Tensor:
+    """Distinct values per (reqid, layer, K/V, token, head, dim)."""
+    t = torch.arange(start, stop, dtype=torch.float64).view(-1, 1, 1)
+    h = torch.arange(shape[0], dtype=torch.float64).view(1, -1, 1)
+    d = torch.arange(shape[1], dtype=torch.float64).view(1, 1, -1)
+    return t * 1000 + h * 100 + d + reqid * 1e6 + layer * 1e5 + kind * 0.5
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_data_reads_back_across_growth(layout, page_size):
+    cfg = dict(layout=layout, page_size=page_size, max_context_len=2048 if page_size == 2 * MiB else 512)
+    with make(**cfg) as kv:
+        L = kv.config.max_context_len
+        reqs = [kv.alloc_reqid() for _ in range(3)]
+        lens = [0] * 4
+        written = {r: 0 for r in reqs}
+        targets = [1, 7, 130, L // 3, L - 5, L]
+        for i, target in enumerate(targets):
+            for j, r in enumerate(reqs):
+                lens[r] = min(L, target + j)
+            assert kv.step(lens)
+            for r in reqs:
+                for layer in range(kv.config.num_layers):
+                    k, v = kv.layer(layer)
+                    shape = k.shape[2:]
+                    k[r, written[r] : lens[r]] = stamp(r, layer, 0, written[r], lens[r], shape).float()
+                    v[r, written[r] : lens[r]] = stamp(r, layer, 1, written[r], lens[r], shape).float()
+                written[r] = lens[r]
+            # every row written so far, in every layer, still holds its value
+            for r in reqs:
+                for layer in range(kv.config.num_layers):
+                    k, v = kv.layer(layer)
+                    shape = k.shape[2:]
+                    assert torch.equal(k[r, : written[r]], stamp(r, layer, 0, 0, written[r], shape).float())
+                    assert torch.equal(v[r, : written[r]], stamp(r, layer, 1, 0, written[r], shape).float())
+                assert kv.mapped_tokens(r) >= lens[r]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_step_maps_exactly_the_pages_needed(layout):
+    with make(layout=layout, page_size=4 * KiB) as kv:
+        cfg = kv.config
+        r = kv.alloc_reqid()
+        for n in [0, 1, 31, 32, 33, 100, 512]:
+            assert kv.step(lens_for(kv, **{f"r{r}": n}))
+            want = math.ceil(n * cfg.token_bytes_per_buffer / kv.page_size)
+            assert kv._pages.mapped_pages(r) == want
+            assert kv.stats()["pages_mapped"] == want * cfg.num_buffers
+
+
+def test_tensor_shapes_and_strides():
+    with make(layout="per_layer") as kv:
+        k, v = kv.layer(1)
+        assert k.shape == v.shape == (4, 512, 2, 32)
+        assert k.stride(-1) == 1 and k.stride(2) == 32 and k.stride(1) == 64
+        assert k.stride(0) * 4 == kv.slot_bytes
+        assert k.data_ptr() == kv.buffer_address(2) and v.data_ptr() == kv.buffer_address(3)
+    with make(layout="all_layers") as kv:
+        k, v = kv.layer(1)
+        assert k.shape == (4, 512, 2, 32)
+        assert k.stride(1) == 3 * 2 * 32  # a token row holds all layers
+        K, V = kv.buffers()
+        assert K.shape == (4, 512, 3, 2, 32)
+        assert k.data_ptr() == K.data_ptr() + 2 * 32 * 4
+        assert v.data_ptr() == kv.buffer_address(1) + 2 * 32 * 4
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (4, 4)])
+def test_sdpa_on_cache_equals_dense_copy(layout, q_heads, kv_heads):
+    torch.manual_seed(0)
+    with make(layout=layout, num_kv_heads=kv_heads, head_dim=64, page_size=64 * KiB) as kv:
+        lengths = {}
+        lens = [0] * 4
+        for n in (37, 300, 129):
+            r = kv.alloc_reqid()
+            lens[r] = lengths[r] = n
+        assert kv.step(lens)
+        dense = {}
+        for r, n in lengths.items():
+            for layer in range(kv.config.num_layers):
+                k, v = kv.layer(layer)
+                kd, vd = torch.randn(n, kv_heads, 64), torch.randn(n, kv_heads, 64)
+                k[r, :n], v[r, :n] = kd, vd
+                dense[r, layer] = (kd, vd)
+        for r, n in lengths.items():
+            for layer in range(kv.config.num_layers):
+                k, v = kv.layer(layer)
+                q = torch.randn(1, q_heads, 5, 64)
+                out = F.scaled_dot_product_attention(
+                    q, k[r, :n].transpose(0, 1)[None], v[r, :n].transpose(0, 1)[None], enable_gqa=True
+                )
+                kd, vd = dense[r, layer]
+                ref = F.scaled_dot_product_attention(
+                    q.double(), kd.transpose(0, 1)[None].double(), vd.transpose(0, 1)[None].double(), enable_gqa=True
+                )
+                torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_out_of_pages_returns_false_and_keeps_data():
+    # 4 buffers (2 layers); pool of 12 pages of 4 KiB; a token takes 256 B per buffer
+    with make(num_layers=2, head_dim=32, page_size=4 * KiB, physical_memory=12 * 4 * KiB) as kv:
+        a, b = kv.alloc_reqid(), kv.alloc_reqid()
+        lens = lens_for(kv, **{f"r{a}": 16, f"r{b}": 16})  # 1 page per buffer each: 8 pages
+        assert kv.step(lens)
+        k, _ = kv.layer(0)
+        k[a, :16] = 1.0
+        k[b, :16] = 2.0
+        lens[b] = 48  # b needs 2 more pages per buffer = 8 more, only 4 left
+        before = manager_state(kv)
+        assert kv.step(lens) is False
+        after = manager_state(kv)
+        assert dict(after[0])["failed_steps"] == dict(before[0])["failed_steps"] + 1
+        assert after[1:] == before[1:]  # nothing mapped or unmapped
+        assert torch.all(k[a, :16] == 1.0) and torch.all(k[b, :16] == 2.0)
+        # free a: its pages stay mapped (deferred), yet the same step now succeeds by reclaiming them
+        kv.free_reqid(a)
+        assert kv._pages.mapped_pages(a) == 1
+        lens[a] = 0
+        assert kv.step(lens)
+        assert kv._pages.mapped_pages(a) == 0 and kv._pages.mapped_pages(b) == 3
+        assert kv.stats()["reclaimed_pages"] == 4
+        assert torch.all(k[b, :16] == 2.0)
+
+
+def test_failed_step_reclaims_nothing_when_it_cannot_succeed():
+    with make(num_layers=2, page_size=4 * KiB, physical_memory=12 * 4 * KiB) as kv:
+        a, b = kv.alloc_reqid(), kv.alloc_reqid()
+        assert kv.step(lens_for(kv, **{f"r{a}": 16, f"r{b}": 16}))
+        kv.free_reqid(a)
+        before = manager_state(kv)
+        lens = lens_for(kv, **{f"r{b}": 512})  # far beyond the pool
+        assert not kv.step(lens)
+        assert manager_state(kv)[1:] == before[1:]  # a's pages were not thrown away for nothing
+
+
+def test_deferred_free_and_reuse_prefers_mapped_slot():
+    with make(page_size=4 * KiB) as kv:
+        r0, r1 = kv.alloc_reqid(), kv.alloc_reqid()
+        assert (r0, r1) == (0, 1)
+        assert kv.step([10, 200, 0, 0])
+        kv.free_reqid(r1)
+        kv.free_reqid(r0)
+        assert kv._pages.mapped_pages(1) > kv._pages.mapped_pages(0) > 0
+        assert kv.alloc_reqid() == 1  # most pages mapped
+        assert kv.alloc_reqid(prompt_len=5) == 0  # smallest mapping that covers 5 tokens
+        assert kv.alloc_reqid(prompt_len=100) == 2  # nothing free is mapped: lowest id
+        assert kv.alloc_reqid() == 3
+        with pytest.raises(vattn.OutOfSlots):
+            kv.alloc_reqid()
+
+
+def test_bad_inputs_raise_and_change_nothing():
+    with make(max_batch_size=3, max_context_len=64, page_size=4 * KiB) as kv:
+        r = kv.alloc_reqid()
+        assert kv.step([10, 0, 0])
+        before = manager_state(kv)
+        bad_calls = [
+            (ValueError, lambda: kv.step([10, 0])),  # wrong length
+            (ValueError, lambda: kv.step([10, 0, 0, 0])),
+            (ValueError, lambda: kv.step([-1, 0, 0])),  # negative
+            (ValueError, lambda: kv.step([65, 0, 0])),  # above max_context_len
+            (ValueError, lambda: kv.step([10, 5, 0])),  # reqid 1 not allocated
+            (ValueError, lambda: kv.step([10, 0, 1.5])),  # not an integer
+            (ValueError, lambda: kv.step(["x", 0, 0])),
+            (ValueError, lambda: kv.step(torch.tensor([[1, 2, 3]]).numpy() if False else [[1], 0, 0])),
+            (ValueError, lambda: kv.free_reqid(1)),  # never allocated
+            (ValueError, lambda: kv.free_reqid(3)),  # out of range
+            (ValueError, lambda: kv.free_reqid(-1)),
+            (TypeError, lambda: kv.free_reqid("0")),
+            (ValueError, lambda: kv.alloc_reqid(prompt_len=65)),
+            (ValueError, lambda: kv.alloc_reqid(prompt_len=-2)),
+            (TypeError, lambda: kv.alloc_reqid(prompt_len=2.0)),
+            (ValueError, lambda: kv.layer(3)),
+            (TypeError, lambda: kv.layer(1.0)),
+            (ValueError, lambda: kv.reclaim(-1)),
+        ]
+        for exc, call in bad_calls:
+            with pytest.raises(exc):
+                call()
+            assert manager_state(kv) == before
+        k, _ = kv.layer(0)
+        k[r, :10] = 3.0
+        kv.free_reqid(r)
+        with pytest.raises(ValueError, match="not allocated"):
+            kv.free_reqid(r)  # twice
+        assert torch.all(k[r, :10] == 3.0)  # deferred: still mapped
+
+
+def test_error_messages_name_argument_and_range():
+    with make(max_batch_size=3, max_context_len=64) as kv:
+        with pytest.raises(ValueError, match=r"seq_lens must have max_batch_size = 3 entries, got 2"):
+            kv.step([0, 0])
+        with pytest.raises(ValueError, match=r"seq_lens\[0\] must be in \[0, 64\].*got 99"):
+            kv.step([99, 0, 0])
+        with pytest.raises(ValueError, match=r"reqid must be in \[0, 2\], got 7"):
+            kv.free_reqid(7)
+
+
+@pytest.mark.parametrize(
+    "overrides,exc,match",
+    [
+        (dict(num_layers=0), ValueError, "num_layers"),
+        (dict(num_kv_heads=-1), ValueError, "num_kv_heads"),
+        (dict(head_dim=0), ValueError, "head_dim"),
+        (dict(max_batch_size=0), ValueError, "max_batch_size"),
+        (dict(max_context_len=0), ValueError, "max_context_len"),
+        (dict(num_layers=2.5), TypeError, "num_layers"),
+        (dict(dtype=torch.complex64), ValueError, "dtype"),
+        (dict(layout="paged"), ValueError, "layout"),
+        (dict(device="tpu"), ValueError, "device"),
+        (dict(page_size=1000), ValueError, "page_size"),
+        (dict(page_size=0), ValueError, "page_size"),
+        (dict(page_size=4096.0), TypeError, "page_size"),
+        (dict(physical_memory=100), ValueError, "physical_memory"),
+    ],
+)
+def test_bad_config_raises(overrides, exc, match):
+    with pytest.raises(exc, match=match):
+        make(**overrides)
+
+
+def test_supported_dtypes_roundtrip():
+    for dtype in (torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn):
+        with make(dtype=dtype, page_size=4 * KiB) as kv:
+            r = kv.alloc_reqid()
+            lens = [0] * 4
+            lens[r] = 100
+            assert kv.step(lens)
+            k, _ = kv.layer(2)
+            assert k.dtype == dtype
+            src = torch.randn(100, 2, 32).to(dtype)
+            k[r, :100] = src
+            assert torch.equal(k[r, :100].view(torch.uint8), src.view(torch.uint8))
+
+
+def test_step_accepts_tensors_and_tuples():
+    with make(page_size=4 * KiB) as kv:
+        r = kv.alloc_reqid()
+        assert kv.step(torch.tensor([5, 0, 0, 0], dtype=torch.int32))
+        assert kv.step((6, 0, 0, 0))
+        assert kv.step(torch.tensor([7, 0, 0, 0]))
+        assert kv.stats()["tokens_active"] == 7
+        kv.free_reqid(r)
+
+
+def test_use_after_cleanup_raises():
+    kv = make()
+    r = kv.alloc_reqid()
+    kv.cleanup()
+    assert kv.closed
+    for call in (kv.alloc_reqid, lambda: kv.step([0] * 4), lambda: kv.free_reqid(r), lambda: kv.layer(0),
+                 lambda: kv.reclaim(), lambda: kv.mapped_tokens(0)):
+        with pytest.raises(vattn.ClosedError):
+            call()
+    kv.cleanup()  # idempotent on the object
+
+
+def test_two_managers_are_independent():
+    with make(page_size=4 * KiB) as a, make(page_size=8 * KiB, layout="all_layers") as b:
+        ra, rb = a.alloc_reqid(), b.alloc_reqid()
+        assert a.step([50, 0, 0, 0]) and b.step([70, 0, 0, 0])
+        a.layer(0)[0][ra, :50] = 1.0
+        b.layer(0)[0][rb, :70] = 2.0
+        a.cleanup()
+        assert torch.all(b.layer(0)[0][rb, :70] == 2.0)
+        assert b.stats()["pages_mapped"] > 0
+
+
+def test_module_level_api():
+    kv = vattn.init(num_layers=2, num_kv_heads=1, head_dim=16, max_batch_size=2, max_context_len=128, dtype=torch.float32)
+    try:
+        with pytest.raises(vattn.VAttnError, match="already"):
+            vattn.init(num_layers=1, num_kv_heads=1, head_dim=16)
+        r = vattn.alloc_reqid()
+        lens = [0, 0]
+        lens[r] = 20
+        assert vattn.step(lens)
+        k, v = vattn.layer(1)
+        k[r, :20] = 4.0
+        assert vattn.stats()["tokens_active"] == 20
+        assert vattn.get_manager() is kv
+        vattn.free_reqid(r)
+    finally:
+        vattn.cleanup()
+    with pytest.raises(vattn.ClosedError):
+        vattn.step([0, 0])
+    with pytest.raises(vattn.ClosedError):
+        vattn.cleanup()
+    vattn.init(num_layers=1, num_kv_heads=1, head_dim=16)  # init again after cleanup works
+    vattn.cleanup()
+
+
+def test_views_keep_reservation_alive_after_manager_is_gone():
+    kv = make(page_size=4 * KiB)
+    k, _ = kv.layer(0)
+    base = kv.buffer_address(0)
+    del kv  # never cleaned up explicitly: the destructor unmaps and releases
+    import gc
+
+    gc.collect()
+    # the range stays reserved (PROT_NONE) while k exists
+    maps = open("/proc/self/maps").read()
+    assert any(line.startswith(f"{base:x}-") or _contains(line, base) for line in maps.splitlines())
+    del k
+
+
+def _contains(line: str, addr: int) -> bool:
+    lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+    return lo <= addr < hi
+
+
+def test_stats_memory_figures():
+    with make(page_size=4 * KiB) as kv:
+        r = kv.alloc_reqid()
+        lens = [0] * 4
+        lens[r] = 100
+        assert kv.step(lens)
+        s = kv.stats()
+        cfg = kv.config
+        assert s["bytes_used"] == 100 * cfg.token_bytes
+        assert s["bytes_mapped"] == s["pages_mapped"] * 4 * KiB >= s["bytes_used"]
+        assert s["bytes_static"] == 4 * 512 * cfg.token_bytes
+        assert s["bytes_reserved"] == cfg.num_buffers * 4 * kv.slot_bytes
+        assert s["pages_free"] == s["pages_total"] - s["pages_mapped"]

@@ -1,0 +1,116 @@
+"""Virtual reservations commit nothing; init/cleanup cycles leak nothing."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+
+import vattn
+
+GiB = 1024**3
+
+
+def proc_kib(path: str, key: str) -> int:
+    with open(path) as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def mapping_count() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_reserving_tens_of_gb_commits_only_the_pool():
+    page = 2 * 1024 * 1024
+    pool = 128 * page  # 256 MiB
+    rss0 = proc_kib("/proc/self/status", "VmRSS")
+    shmem0 = proc_kib("/proc/meminfo", "Shmem")
+    # 32 layers x 2 x 64 slots x 32K tokens x 8 heads x 128 x fp16 = 256 GiB of virtual space
+    kv = vattn.KVCacheManager(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16,
+                              max_batch_size=64, max_context_len=32768, page_size=page,
+                              physical_memory=pool)
+    try:
+        s = kv.stats()
+        assert s["bytes_reserved"] >= 256 * GiB
+        assert s["bytes_total"] == pool
+        assert proc_kib("/proc/self/status", "VmSize") * 1024 >= 256 * GiB  # really reserved
+        r = kv.alloc_reqid()
+        lens = [0] * 64
+        lens[r] = 2000  # 2000 tokens x 2 KiB per buffer = 2 pages x 64 buffers = the whole pool
+        assert kv.step(lens)
+        for layer in range(32):
+            k, v = kv.layer(layer)
+            k[r, :2000] = 1.0  # touch every mapped byte
+            v[r, :2000] = 1.0
+        lens[r] = 3000  # 3 pages per buffer: beyond the pool
+        assert kv.step(lens) is False
+        rss = (proc_kib("/proc/self/status", "VmRSS") - rss0) * 1024
+        shmem = (proc_kib("/proc/meminfo", "Shmem") - shmem0) * 1024
+        assert pool - 8 * 1024 * 1024 <= rss < pool + 64 * 1024 * 1024  # interpreter noise allowance
+        assert shmem <= pool + 32 * 1024 * 1024  # other processes' noise allowance
+    finally:
+        kv.cleanup()
+
+
+def test_committed_memory_follows_mapped_pages():
+    page = 2 * 1024 * 1024
+    shmem0 = proc_kib("/proc/meminfo", "Shmem")
+    with vattn.KVCacheManager(num_layers=4, num_kv_heads=8, head_dim=128, dtype=torch.float16,
+                              max_batch_size=8, max_context_len=8192, page_size=page) as kv:
+        r = kv.alloc_reqid()
+        lens = [0] * 8
+        lens[r] = 2048  # 2048 x 2 KiB = 4 MiB = 2 pages per buffer, 8 buffers -> 32 MiB
+        assert kv.step(lens)
+        grown = (proc_kib("/proc/meminfo", "Shmem") - shmem0) * 1024
+        assert 16 * page - 8 * 1024 * 1024 <= grown <= 16 * page + 16 * 1024 * 1024
+    released = (proc_kib("/proc/meminfo", "Shmem") - shmem0) * 1024
+    assert released < 8 * 1024 * 1024
+
+
+def test_init_cleanup_cycles_leave_nothing_behind():
+    def cycle(i: int) -> None:
+        kv = vattn.init(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16, max_batch_size=4,
+                        max_context_len=1024, page_size=64 * 1024, layout=("per_layer", "all_layers")[i % 2])
+        r = vattn.alloc_reqid()
+        lens = [0] * 4
+        lens[r] = 300 + i
+        assert vattn.step(lens)
+        k, v = vattn.layer(1)
+        k[r, : lens[r]] = 1.0
+        del k, v
+        vattn.free_reqid(r)
+        vattn.cleanup()
+        assert kv.closed
+
+    cycle(0)  # warm-up: first-use allocations of torch and the extension
+    gc.collect()
+    maps0, fds0 = mapping_count(), fd_count()
+    for i in range(300):
+        cycle(i)
+    gc.collect()
+    assert fd_count() == fds0
+    assert mapping_count() <= maps0 + 2  # glibc arenas may split one region; no per-cycle growth
+
+
+def test_pool_fd_closed_at_cleanup_even_with_live_views():
+    gc.collect()
+    fds0 = fd_count()
+    kv = vattn.KVCacheManager(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=2, max_context_len=256,
+                              page_size=4096)
+    k, _ = kv.layer(0)
+    assert fd_count() == fds0 + 1  # the memfd pool
+    kv.cleanup()
+    del kv
+    gc.collect()
+    # the pool is released; the view only keeps the (unbacked) address range
+    assert fd_count() == fds0
+    del k
