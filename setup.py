@@ -4,6 +4,7 @@ from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
 SOURCES = [
+    "csrc/cuda_vmm/bench_helpers.cpp",
     "csrc/cuda_vmm/bindings.cpp",
     "csrc/cuda_vmm/cuda_backend.cpp",
     "csrc/cuda_vmm/cuda_driver.cpp",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -195,7 +196,9 @@ def test_bad_inputs_raise_and_change_nothing():
             (ValueError, lambda: kv.step([10, 5, 0])),  # reqid 1 not allocated
             (ValueError, lambda: kv.step([10, 0, 1.5])),  # not an integer
             (ValueError, lambda: kv.step(["x", 0, 0])),
-            (ValueError, lambda: kv.step(torch.tensor([[1, 2, 3]]).numpy() if False else [[1], 0, 0])),
+            (ValueError, lambda: kv.step([[1], 0, 0])),
+            (ValueError, lambda: kv.step(np.zeros((3, 1), dtype=np.int64))),  # 2-D
+            (ValueError, lambda: kv.step(np.zeros(3, dtype=np.float32))),  # not integers
             (ValueError, lambda: kv.free_reqid(1)),  # never allocated
             (ValueError, lambda: kv.free_reqid(3)),  # out of range
             (ValueError, lambda: kv.free_reqid(-1)),
@@ -273,6 +276,9 @@ def test_step_accepts_tensors_and_tuples():
         assert kv.step((6, 0, 0, 0))
         assert kv.step(torch.tensor([7, 0, 0, 0]))
         assert kv.stats()["tokens_active"] == 7
+        assert kv.step(np.array([8, 0, 0, 0], dtype=np.int64))
+        assert kv.step(np.array([9, 0, 0, 0], dtype=np.int32))
+        assert kv.stats()["tokens_active"] == 9
         kv.free_reqid(r)
 
 

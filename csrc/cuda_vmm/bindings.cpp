@@ -17,6 +17,10 @@
 namespace py = pybind11;
 using namespace vattn;
 
+namespace vattn {
+std::vector<double> raw_mmap_seconds(size_t page_size, size_t count);
+}
+
 namespace {
 
 // ---- DLPack ---------------------------------------------------------------
@@ -207,6 +211,9 @@ PYBIND11_MODULE(_C, m) {
       .def("synchronize", &VmmBackend::synchronize, py::call_guard<py::gil_scoped_release>());
 
   m.def("host_granularity", &host_granularity);
+  m.def("raw_mmap_seconds", &raw_mmap_seconds, py::arg("page_size"), py::arg("count"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Benchmark floor: [map, unmap] seconds per raw mmap call on a memfd.");
   m.def("make_host_backend", &make_host_backend, py::arg("page_size"), py::arg("num_pages"));
   m.def("make_cuda_backend", &make_cuda_backend, py::arg("driver_path"), py::arg("device"),
         py::arg("page_size"), py::arg("num_pages"), py::call_guard<py::gil_scoped_release>());

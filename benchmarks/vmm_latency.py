@@ -1,0 +1,168 @@
+"""Per-call latency of each VMM operation per page size and backend, plus
+allocation bandwidth (the analog of the vAttention paper's Tables 3 and 7).
+
+    python benchmarks/vmm_latency.py [--pages N] [--backends host,cuda]
+
+Writes benchmarks/results/vmm_latency_<machine>.json and a .png plot. The
+host backend's map and unmap costs are shown next to the raw mmap syscall
+measured in the same run (the floor, timed in C++).
+
+What each figure is:
+  reserve / free   one address-range reservation of 1 GiB (per call)
+  create / release one physical page (per call)
+  map / unmap      one page per call through the Python binding (per call), and
+                   batched: `--pages` pages in one call, cost per page
+  bandwidth        page_size / (batched map time per page): GB/s of pages mapped;
+                   with create: page_size / (create + batched map) per page
+Host caveat: a host map does not touch memory; first touch then faults per 4 KiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS, machine, machine_slug, summarize, write_json  # noqa: E402
+
+from vattn import _C  # noqa: E402
+from vattn.errors import VAttnError  # noqa: E402
+
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
+PAGE_SIZES = [64 * KiB, 256 * KiB, 2 * MiB]
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def measure(backend_name: str, page_size: int, pages: int) -> dict:
+    if backend_name == "host":
+        backend = _C.make_host_backend(page_size, pages)
+    else:
+        backend = _C.make_cuda_backend(_C.default_cuda_driver_path(), 0, page_size, pages)
+    out: dict = {"backend": backend_name, "page_size": page_size, "pages": pages, "ops": {}}
+    ops = out["ops"]
+
+    # reserve / free of a 1 GiB range
+    reserve_s, free_s = [], []
+    for _ in range(200):
+        t = time.perf_counter()
+        base = backend.reserve(GiB)
+        reserve_s.append(time.perf_counter() - t)
+        free_s.append(timed(lambda: backend.free_reservation(base, GiB)))
+    ops["reserve"], ops["free"] = summarize(reserve_s), summarize(free_s)
+
+    create_s = [timed(lambda i=i: backend.create_pages(i, 1)) for i in range(pages)]
+    ops["create"] = summarize(create_s)
+
+    base = backend.reserve(pages * page_size)
+    addrs = [base + i * page_size for i in range(pages)]
+    scattered = [(addrs[i], (i * 7919) % pages) for i in range(pages)]  # a recycled pool is not in order
+    map1, unmap1 = [], []
+    for addr, page in scattered:
+        map1.append(timed(lambda: backend.map([(addr, page)])))
+    for addr in addrs:
+        unmap1.append(timed(lambda: backend.unmap([addr])))
+    ops["map_1_page_per_call"], ops["unmap_1_page_per_call"] = summarize(map1), summarize(unmap1)
+
+    batch_map, batch_unmap = [], []
+    for _ in range(5):
+        batch_map.append(timed(lambda: backend.map(scattered)) / pages)
+        batch_unmap.append(timed(lambda: backend.unmap(addrs)) / pages)
+    ops["map_batched_per_page"], ops["unmap_batched_per_page"] = summarize(batch_map), summarize(batch_unmap)
+    backend.free_reservation(base, pages * page_size)
+
+    release_s = [timed(lambda i=i: backend.release_pages(i, 1)) for i in range(pages)]
+    ops["release"] = summarize(release_s)
+
+    map_us = ops["map_batched_per_page"]["mean_us"]
+    out["bandwidth_gb_s"] = {
+        "map": page_size / (map_us * 1e-6) / 1e9,
+        "create_and_map": page_size / ((map_us + ops["create"]["mean_us"]) * 1e-6) / 1e9,
+    }
+    if backend_name == "host":
+        raw_map, raw_unmap = zip(*(_C.raw_mmap_seconds(page_size, pages) for _ in range(5)))
+        out["floor"] = {"raw_mmap_map": summarize(list(raw_map)), "raw_mmap_unmap": summarize(list(raw_unmap))}
+        out["map_over_floor"] = map_us / out["floor"]["raw_mmap_map"]["mean_us"]
+    return out
+
+
+def available_backends() -> list[str]:
+    names = ["host"]
+    try:
+        _C.cuda_device_info(_C.default_cuda_driver_path(), 0)
+        names.append("cuda")
+    except VAttnError as e:
+        print(f"cuda backend skipped: {e}")
+    return names
+
+
+def plot(results: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = sorted({r["backend"] for r in results})
+    ops = ["reserve", "create", "map_1_page_per_call", "map_batched_per_page", "unmap_1_page_per_call",
+           "unmap_batched_per_page", "release"]
+    fig, axes = plt.subplots(1, len(backends), figsize=(7 * len(backends), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], backends):
+        rows = [r for r in results if r["backend"] == name]
+        width = 0.8 / len(rows)
+        for j, r in enumerate(rows):
+            xs = [i + j * width for i in range(len(ops))]
+            ax.bar(xs, [r["ops"][op]["mean_us"] for op in ops], width, label=f"{r['page_size'] // KiB} KiB")
+            if "floor" in r:
+                floor = r["floor"]["raw_mmap_map"]["mean_us"]
+                ax.hlines(floor, -0.4, len(ops), colors=f"C{j}", linestyles="dotted", linewidth=1)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(ops))])
+        ax.set_xticklabels([op.replace("_", "\n") for op in ops], fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("µs (mean)")
+        ax.set_title(f"{name} backend" + (" (dotted: raw mmap floor)" if name == "host" else ""))
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pages", type=int, default=256, help="pages per measurement (default 256)")
+    p.add_argument("--backends", default=None, help="comma list; default: every available backend")
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args()
+    names = args.backends.split(",") if args.backends else available_backends()
+    m = machine()
+    results = []
+    cases = [(b, ps) for b in names for ps in PAGE_SIZES]
+    for i, (name, ps) in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {name} backend, {ps // KiB} KiB pages ...", flush=True)
+        r = measure(name, ps, args.pages)
+        results.append(r)
+        o = r["ops"]
+        line = (f"    create {o['create']['mean_us']:.1f} us, map {o['map_batched_per_page']['mean_us']:.2f} us/page "
+                f"(1/call {o['map_1_page_per_call']['mean_us']:.2f}), unmap {o['unmap_batched_per_page']['mean_us']:.2f} "
+                f"us/page, bandwidth {r['bandwidth_gb_s']['map']:.1f} GB/s")
+        if "floor" in r:
+            line += f"; raw mmap floor {r['floor']['raw_mmap_map']['mean_us']:.2f} us ({r['map_over_floor']:.2f}x)"
+        print(line, flush=True)
+    slug = machine_slug(m)
+    path = write_json(f"vmm_latency_{slug}", {"benchmark": "vmm_latency", "machine": m, "results": results})
+    print(f"wrote {path}")
+    if not args.no_plot:
+        png = RESULTS / f"vmm_latency_{slug}.png"
+        plot(results, png, f"VMM operation latency — {m['gpu'] or m['cpu']} ({m['cores']} cores)")
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""`python -m vattn info` / `demo`, and the README's commands matching CI."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "vattn", *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_info_reports_backends():
+    out = run_cli("info")
+    assert "backend host: available" in out
+    assert re.search(r"granularity \d+ bytes", out)
+    assert "backend cuda:" in out
+    data = json.loads(run_cli("info", "--json"))
+    assert data["backends"]["host"]["granularity"] > 0
+    assert "available" in data["backends"]["cuda"]
+
+
+def test_demo_quick_reports_throughput_and_memory():
+    out = run_cli("demo", "--quick")
+    assert re.search(r"finished 16 requests", out)
+    assert re.search(r"\d+ generated tokens/s", out)
+    peak = float(re.search(r"peak mapped ([\d.]+) MiB", out).group(1))
+    static = float(re.search(r"static max-length reservation needs (\d+) MiB", out).group(1))
+    assert 0 < peak < static
+
+
+def test_demo_preempts_under_a_small_budget():
+    out = run_cli("demo", "--quick", "--physical-memory-mb", "24")
+    assert "finished 16 requests" in out
+    assert int(re.search(r"(\d+) preemptions", out).group(1)) > 0
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    match = re.search(r"<!-- test-command -->\s*```bash\n(.+?)\n```", readme, re.S)
+    assert match, "README must show the test command after <!-- test-command -->"
+    ci_lines = [l for l in (ROOT / ".ci" / "run").read_text().splitlines() if l and not l.startswith("#")]
+    assert match.group(1).strip() in [l.strip() for l in ci_lines if not l.startswith("set ")]
