@@ -123,6 +123,16 @@ void read_seq_lens(py::handle obj, std::vector<int64_t>& out) {
   Py_DECREF(seq);
 }
 
+std::vector<uint32_t> page_range(const VmmBackend& b, uint32_t first, uint32_t count) {
+  if (static_cast<size_t>(first) + count > b.num_pages())
+    throw std::invalid_argument("pages [" + std::to_string(first) + ", " +
+                                std::to_string(static_cast<size_t>(first) + count) +
+                                ") exceed the pool of " + std::to_string(b.num_pages()) + " pages");
+  std::vector<uint32_t> ids(count);
+  for (uint32_t i = 0; i < count; ++i) ids[i] = first + i;
+  return ids;
+}
+
 py::dict stats_dict(const PageStats& s, size_t page_size) {
   py::dict d;
   d["pages_total"] = s.pages_total;
@@ -139,6 +149,12 @@ py::dict stats_dict(const PageStats& s, size_t page_size) {
   d["sync_page_maps"] = s.sync_page_maps;
   d["page_unmaps"] = s.page_unmaps;
   d["reclaimed_pages"] = s.reclaimed_pages;
+  d["background_page_maps"] = s.background_page_maps;
+  d["background_reclaimed_pages"] = s.background_reclaimed_pages;
+  d["mapper_batches"] = s.mapper_batches;
+  d["mapper_errors"] = s.mapper_errors;
+  d["step_wait_us"] = static_cast<double>(s.step_wait_ns) / 1e3;
+  d["pages_free_low"] = s.pages_free_low;
   return d;
 }
 
@@ -181,10 +197,22 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("free_reservation", &VmmBackend::free_reservation, py::arg("base"), py::arg("nbytes"),
            py::call_guard<py::gil_scoped_release>())
-      .def("create_pages", &VmmBackend::create_pages, py::arg("first"), py::arg("count"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("release_pages", &VmmBackend::release_pages, py::arg("first"), py::arg("count"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "create_pages",
+          [](VmmBackend& b, uint32_t first, uint32_t count) {
+            auto ids = page_range(b, first, count);
+            py::gil_scoped_release release;
+            b.create_pages(ids.data(), ids.size());
+          },
+          py::arg("first"), py::arg("count"), "Create pages [first, first + count).")
+      .def(
+          "release_pages",
+          [](VmmBackend& b, uint32_t first, uint32_t count) {
+            auto ids = page_range(b, first, count);
+            py::gil_scoped_release release;
+            b.release_pages(ids.data(), ids.size());
+          },
+          py::arg("first"), py::arg("count"))
       .def(
           "map",
           [](VmmBackend& b, const std::vector<std::pair<uintptr_t, uint32_t>>& pairs) {
@@ -245,13 +273,22 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<PageManager>(m, "PageManager")
       .def(py::init([](std::shared_ptr<VmmBackend> backend, size_t num_buffers, size_t num_slots,
-                       size_t slot_bytes, size_t bytes_per_token, size_t max_tokens) {
+                       size_t slot_bytes, size_t bytes_per_token, size_t max_tokens,
+                       bool background, bool deferred_reclaim, bool eager, size_t lookahead_tokens,
+                       size_t eager_tokens, double reclaim_threshold, size_t max_batch_pages) {
              PageManagerConfig c{num_buffers, num_slots, slot_bytes, bytes_per_token, max_tokens};
+             PolicyConfig p{background,   deferred_reclaim,  eager,          lookahead_tokens,
+                            eager_tokens, reclaim_threshold, max_batch_pages};
              py::gil_scoped_release release;
-             return new PageManager(std::move(backend), c);
+             return new PageManager(std::move(backend), c, p);
            }),
            py::arg("backend"), py::arg("num_buffers"), py::arg("num_slots"),
-           py::arg("slot_bytes"), py::arg("bytes_per_token"), py::arg("max_tokens"))
+           py::arg("slot_bytes"), py::arg("bytes_per_token"), py::arg("max_tokens"),
+           py::arg("background") = false, py::arg("deferred_reclaim") = true,
+           py::arg("eager") = false, py::arg("lookahead_tokens") = 1, py::arg("eager_tokens") = 0,
+           py::arg("reclaim_threshold") = 0.1, py::arg("max_batch_pages") = 1024)
+      .def("wait_idle", &PageManager::wait_idle, py::call_guard<py::gil_scoped_release>(),
+           "Block until the background mapper has nothing left to do.")
       .def("alloc_slot", &PageManager::alloc_slot, py::arg("prompt_tokens") = -1,
            py::call_guard<py::gil_scoped_release>())
       .def("free_slot", &PageManager::free_slot, py::arg("slot"),

@@ -75,23 +75,23 @@ class CudaBackend final : public VmmBackend {
     if (set_context_noexcept()) api_.cuMemAddressFree(static_cast<CUdeviceptr>(base), bytes);
   }
 
-  void create_pages(uint32_t first, uint32_t count) override {
+  void create_pages(const uint32_t* ids, size_t count) override {
     ensure_context();
-    for (uint32_t i = 0; i < count; ++i) {
-      CUresult rc = api_.cuMemCreate(&handles_[first + i], page_size_, &prop_, 0);
+    for (size_t i = 0; i < count; ++i) {
+      CUresult rc = api_.cuMemCreate(&handles_[ids[i]], page_size_, &prop_, 0);
       if (rc != CUDA_SUCCESS) {
-        handles_[first + i] = 0;
-        release_pages(first, i);
+        handles_[ids[i]] = 0;
+        release_pages(ids, i);
         throw DriverError("cuMemCreate", error_name(api_, rc));
       }
     }
   }
 
-  void release_pages(uint32_t first, uint32_t count) noexcept override {
+  void release_pages(const uint32_t* ids, size_t count) noexcept override {
     if (!set_context_noexcept()) return;
-    for (uint32_t i = first; i < first + count; ++i) {
-      if (handles_[i]) api_.cuMemRelease(handles_[i]);
-      handles_[i] = 0;
+    for (size_t i = 0; i < count; ++i) {
+      if (handles_[ids[i]]) api_.cuMemRelease(handles_[ids[i]]);
+      handles_[ids[i]] = 0;
     }
   }
 
@@ -129,7 +129,13 @@ class CudaBackend final : public VmmBackend {
       check("cuMemUnmap", api_.cuMemUnmap(static_cast<CUdeviceptr>(addrs[i]), page_size_));
   }
 
-  void close_pool() noexcept override { release_pages(0, static_cast<uint32_t>(handles_.size())); }
+  void close_pool() noexcept override {
+    if (!set_context_noexcept()) return;
+    for (auto& h : handles_) {
+      if (h) api_.cuMemRelease(h);
+      h = 0;
+    }
+  }
 
   void synchronize() override {
     ensure_context();

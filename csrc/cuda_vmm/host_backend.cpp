@@ -67,20 +67,22 @@ class HostBackend final : public VmmBackend {
     munmap(reinterpret_cast<void*>(base), bytes);
   }
 
-  void create_pages(uint32_t first, uint32_t count) override {
+  void create_pages(const uint32_t* ids, size_t count) override {
     check_pool();
-    if (count == 0) return;
-    if (fallocate(pool_->fd(), 0, offset(first), static_cast<off_t>(count) * page_size_) != 0) {
-      int err = errno;
-      release_pages(first, count);  // a partial fallocate may have committed some
-      throw_errno("fallocate", err);
+    for (size_t i = 0; i < count; ++i) {
+      if (fallocate(pool_->fd(), 0, offset(ids[i]), static_cast<off_t>(page_size_)) != 0) {
+        int err = errno;
+        release_pages(ids, i + 1);  // a partial fallocate may have committed some
+        throw_errno("fallocate", err);
+      }
     }
   }
 
-  void release_pages(uint32_t first, uint32_t count) noexcept override {
-    if (count == 0 || !pool_) return;
-    fallocate(pool_->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset(first),
-              static_cast<off_t>(count) * page_size_);
+  void release_pages(const uint32_t* ids, size_t count) noexcept override {
+    if (!pool_) return;
+    for (size_t i = 0; i < count; ++i)
+      fallocate(pool_->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset(ids[i]),
+                static_cast<off_t>(page_size_));
   }
 
   void map(const PageMapping* mappings, size_t count) override {

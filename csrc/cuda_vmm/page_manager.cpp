@@ -1,7 +1,7 @@
 #include "page_manager.h"
 
 #include <algorithm>
-#include <numeric>
+#include <chrono>
 #include <stdexcept>
 #include <string>
 
@@ -17,11 +17,14 @@ std::string range_text(int64_t lo, int64_t hi) {
 
 }  // namespace
 
-PageManager::PageManager(std::shared_ptr<VmmBackend> backend, const PageManagerConfig& config)
+PageManager::PageManager(std::shared_ptr<VmmBackend> backend, const PageManagerConfig& config,
+                         const PolicyConfig& policy)
     : backend_(std::move(backend)),
       config_(config),
+      policy_(policy),
       page_size_(backend_->page_size()),
-      pages_per_slot_(config.slot_bytes / backend_->page_size()) {
+      reclaim_floor_pages_(static_cast<size_t>(policy.reclaim_threshold *
+                                               static_cast<double>(backend_->num_pages()))) {
   if (config_.num_buffers == 0 || config_.num_slots == 0 || config_.bytes_per_token == 0 ||
       config_.max_tokens == 0)
     throw std::invalid_argument("PageManager: num_buffers, num_slots, bytes_per_token and "
@@ -30,13 +33,22 @@ PageManager::PageManager(std::shared_ptr<VmmBackend> backend, const PageManagerC
       config_.slot_bytes < config_.max_tokens * config_.bytes_per_token)
     throw std::invalid_argument("PageManager: slot_bytes must be a multiple of page_size "
                                 "covering max_tokens * bytes_per_token");
+  if (!(policy_.reclaim_threshold >= 0.0 && policy_.reclaim_threshold <= 1.0))
+    throw std::invalid_argument("reclaim_threshold must be in [0, 1]");
+  if (policy_.max_batch_pages < config_.num_buffers)
+    throw std::invalid_argument("max_batch_pages must be at least num_buffers");
   reservation_ = std::make_shared<Reservation>(backend_, config_.num_buffers * buffer_bytes());
   slot_pages_.resize(config_.num_slots);
   slot_allocated_.assign(config_.num_slots, 0);
   slot_tokens_.assign(config_.num_slots, 0);
   need_.assign(config_.num_slots, 0);
-  free_pages_.reserve(backend_->num_pages());
-  stats_.pages_total = backend_->num_pages();
+  const size_t n = backend_->num_pages();
+  free_pages_.reserve(n);
+  uncreated_.reserve(n);
+  for (size_t i = n; i > 0; --i) uncreated_.push_back(static_cast<uint32_t>(i - 1));
+  stats_.pages_total = n;
+  stats_.pages_free_low = n;
+  if (policy_.background) mapper_ = std::thread(&PageManager::mapper_loop, this);
 }
 
 PageManager::~PageManager() {
@@ -68,17 +80,24 @@ uintptr_t PageManager::page_address(size_t buffer, size_t slot, size_t page) con
          page * page_size_;
 }
 
-size_t PageManager::available_pages() const {
-  return free_pages_.size() + (backend_->num_pages() - next_uncreated_);
+void PageManager::wait_for_batch(Lock& lock) {
+  if (!inflight_) return;
+  auto t0 = std::chrono::steady_clock::now();
+  batch_done_.wait(lock, [&] { return !inflight_; });
+  stats_.step_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::steady_clock::now() - t0)
+                             .count();
 }
 
-int64_t PageManager::alloc_slot(int64_t prompt_tokens) {
-  std::lock_guard<std::mutex> lock(mu_);
-  check_open();
-  if (prompt_tokens > static_cast<int64_t>(config_.max_tokens))
-    throw std::invalid_argument("alloc_reqid: prompt_len must be in " +
-                                range_text(0, config_.max_tokens) + ", got " +
-                                std::to_string(prompt_tokens));
+void PageManager::note_mapped(size_t added) {
+  stats_.pages_mapped += added;
+  stats_.pages_mapped_peak = std::max(stats_.pages_mapped_peak, stats_.pages_mapped);
+  stats_.pages_free_low = std::min(stats_.pages_free_low, stats_.pages_total - stats_.pages_mapped);
+}
+
+// ---- slots --------------------------------------------------------------------
+
+int64_t PageManager::best_free_slot(int64_t prompt_tokens) const {
   const size_t want = prompt_tokens < 0 ? 0 : pages_for_tokens(prompt_tokens);
   int64_t best = -1;
   size_t best_pages = 0;
@@ -100,30 +119,53 @@ int64_t PageManager::alloc_slot(int64_t prompt_tokens) {
       best_pages = pages;
     }
   }
+  return best;
+}
+
+int64_t PageManager::alloc_slot(int64_t prompt_tokens) {
+  Lock lock(mu_);
+  check_open();
+  if (prompt_tokens > static_cast<int64_t>(config_.max_tokens))
+    throw std::invalid_argument("alloc_reqid: prompt_len must be in " +
+                                range_text(0, config_.max_tokens) + ", got " +
+                                std::to_string(prompt_tokens));
+  int64_t best = best_free_slot(prompt_tokens);
   if (best < 0)
     throw OutOfSlots("alloc_reqid: all " + std::to_string(config_.num_slots) +
                      " reqids are in use (max_batch_size); free one with free_reqid");
   slot_allocated_[best] = 1;
   slot_tokens_[best] = 0;
   stats_.slots_allocated++;
+  work_epoch_++;  // the eager target moved on
+  lock.unlock();
+  wake_.notify_one();
   return best;
 }
 
 void PageManager::free_slot(int64_t slot) {
-  std::lock_guard<std::mutex> lock(mu_);
+  Lock lock(mu_);
   check_open();
   check_slot(slot, "free_reqid");
   if (!slot_allocated_[slot])
     throw std::invalid_argument("free_reqid: reqid " + std::to_string(slot) +
                                 " is not allocated (freed twice, or never returned by alloc_reqid)");
+  if (!policy_.deferred_reclaim) {
+    wait_for_batch(lock);
+    unmap_slot_locked(slot);  // may throw: the slot then stays allocated, as it was
+  }
   slot_allocated_[slot] = 0;
   stats_.tokens_active -= slot_tokens_[slot];
   slot_tokens_[slot] = 0;
   stats_.slots_allocated--;
+  work_epoch_++;
+  lock.unlock();
+  wake_.notify_one();
 }
 
+// ---- step ---------------------------------------------------------------------
+
 bool PageManager::step(const int64_t* seq_lens, size_t count) {
-  std::lock_guard<std::mutex> lock(mu_);
+  Lock lock(mu_);
   check_open();
   if (count != config_.num_slots)
     throw std::invalid_argument("step: seq_lens must have max_batch_size = " +
@@ -144,7 +186,23 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
     need_[s] = pages_for_tokens(len);
     deficit += missing_pages(s) * config_.num_buffers;
   }
+  if (mapper_error_) {
+    std::exception_ptr error = mapper_error_;
+    mapper_error_ = nullptr;
+    std::rethrow_exception(error);
+  }
   stats_.step_calls++;
+  if (deficit > 0 && inflight_) {
+    // The batch may be mapping exactly these pages: let it land, then look again.
+    wait_for_batch(lock);
+    if (mapper_error_) {
+      std::exception_ptr error = mapper_error_;
+      mapper_error_ = nullptr;
+      std::rethrow_exception(error);
+    }
+    deficit = 0;
+    for (size_t s = 0; s < count; ++s) deficit += missing_pages(s) * config_.num_buffers;
+  }
   if (deficit > 0) {
     if (deficit > available_pages()) {
       size_t reclaimable = 0;
@@ -154,36 +212,9 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
         stats_.failed_steps++;
         return false;
       }
-      reclaim_locked(deficit - available_pages());
+      reclaim_locked(deficit - available_pages(), -1);  // last resort, on the critical path
     }
-    take_pages(deficit, taken_);
-    // Slot-major, then buffer, then page: each buffer's new pages of a slot are
-    // one address run, and freshly created pages get consecutive ids along it,
-    // so the host's mappings can merge and CUDA grants access once per run.
-    mappings_.clear();
-    for (size_t s = 0; s < count; ++s) {
-      size_t have = mapped_of(s), add = missing_pages(s);
-      for (size_t b = 0; b < config_.num_buffers; ++b)
-        for (size_t p = have; p < have + add; ++p)
-          mappings_.push_back(PageMapping{page_address(b, s, p), taken_[mappings_.size()]});
-    }
-    try {
-      backend_->map(mappings_.data(), mappings_.size());
-    } catch (...) {
-      free_pages_.insert(free_pages_.end(), taken_.begin(), taken_.end());
-      throw;
-    }
-    size_t first = 0;  // index in taken_ of slot s's first new page
-    for (size_t s = 0; s < count; ++s) {
-      size_t add = missing_pages(s);
-      for (size_t p = 0; p < add; ++p)
-        for (size_t b = 0; b < config_.num_buffers; ++b)
-          slot_pages_[s].push_back(taken_[first + b * add + p]);
-      first += add * config_.num_buffers;
-    }
-    stats_.sync_page_maps += deficit;
-    stats_.pages_mapped += deficit;
-    stats_.pages_mapped_peak = std::max(stats_.pages_mapped_peak, stats_.pages_mapped);
+    map_missing_locked(deficit);
   }
   size_t tokens = 0;
   for (size_t s = 0; s < count; ++s) {
@@ -191,70 +222,270 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
     tokens += seq_lens[s];
   }
   stats_.tokens_active = tokens;
+  work_epoch_++;
+  lock.unlock();
+  if (policy_.background) wake_.notify_one();
   return true;
 }
 
-void PageManager::take_pages(size_t count, std::vector<uint32_t>& out) {
+// ---- pages --------------------------------------------------------------------
+
+size_t PageManager::claim_pages(size_t count, std::vector<uint32_t>& out) {
   out.clear();
   size_t from_free = std::min(count, free_pages_.size());
   out.insert(out.end(), free_pages_.end() - from_free, free_pages_.end());
   free_pages_.resize(free_pages_.size() - from_free);
   size_t to_create = count - from_free;
+  for (size_t i = 0; i < to_create; ++i) {
+    out.push_back(uncreated_.back());
+    uncreated_.pop_back();
+  }
+  return to_create;
+}
+
+void PageManager::return_pages(const std::vector<uint32_t>& pages, size_t uncreated) {
+  size_t created = pages.size() - uncreated;
+  free_pages_.insert(free_pages_.end(), pages.begin(), pages.begin() + created);
+  for (size_t i = pages.size(); i > created; --i) uncreated_.push_back(pages[i - 1]);
+}
+
+void PageManager::map_missing_locked(size_t deficit) {
+  size_t to_create = claim_pages(deficit, taken_);
   if (to_create > 0) {
     try {
-      backend_->create_pages(next_uncreated_, static_cast<uint32_t>(to_create));
+      backend_->create_pages(taken_.data() + deficit - to_create, to_create);
     } catch (...) {
-      free_pages_.insert(free_pages_.end(), out.begin(), out.end());
+      return_pages(taken_, to_create);
       throw;
     }
-    for (size_t i = 0; i < to_create; ++i) out.push_back(next_uncreated_ + i);
-    next_uncreated_ += static_cast<uint32_t>(to_create);
-    stats_.pages_created = next_uncreated_;
+    stats_.pages_created += to_create;
   }
+  // Slot-major, then buffer, then page: each buffer's new pages of a slot are
+  // one address run, and freshly created pages get consecutive ids along it,
+  // so the host's mappings can merge and CUDA grants access once per run.
+  mappings_.clear();
+  for (size_t s = 0; s < config_.num_slots; ++s) {
+    size_t have = mapped_of(s), add = missing_pages(s);
+    for (size_t b = 0; b < config_.num_buffers; ++b)
+      for (size_t p = have; p < have + add; ++p)
+        mappings_.push_back(PageMapping{page_address(b, s, p), taken_[mappings_.size()]});
+  }
+  try {
+    backend_->map(mappings_.data(), mappings_.size());
+  } catch (...) {
+    return_pages(taken_, 0);
+    throw;
+  }
+  size_t first = 0;  // index in taken_ of slot s's first new page
+  for (size_t s = 0; s < config_.num_slots; ++s) {
+    size_t add = missing_pages(s);
+    for (size_t p = 0; p < add; ++p)
+      for (size_t b = 0; b < config_.num_buffers; ++b)
+        slot_pages_[s].push_back(taken_[first + b * add + p]);
+    first += add * config_.num_buffers;
+  }
+  stats_.sync_page_maps += deficit;
+  note_mapped(deficit);
 }
 
-size_t PageManager::reclaim(size_t max_pages) {
-  std::lock_guard<std::mutex> lock(mu_);
-  check_open();
-  return reclaim_locked(max_pages);
-}
-
-size_t PageManager::reclaim_locked(size_t want) {
+size_t PageManager::detach_free_pages(size_t want, int64_t keep_slot, std::vector<uintptr_t>& addrs,
+                                      std::vector<uint32_t>& pages) {
+  addrs.clear();
+  pages.clear();
   std::vector<size_t> victims;
   for (size_t s = 0; s < config_.num_slots; ++s)
-    if (!slot_allocated_[s] && !slot_pages_[s].empty()) victims.push_back(s);
-  if (victims.empty() || want == 0) return 0;
+    if (!slot_allocated_[s] && !slot_pages_[s].empty() && static_cast<int64_t>(s) != keep_slot)
+      victims.push_back(s);
   // Smallest slots first: the big ones are what alloc_reqid hands out next.
   std::stable_sort(victims.begin(), victims.end(),
                    [&](size_t a, size_t b) { return slot_pages_[a].size() < slot_pages_[b].size(); });
-  // A finished request's kernels may still be reading these pages.
-  backend_->synchronize();
-  size_t reclaimed = 0;
-  std::vector<uintptr_t> addrs;
   for (size_t s : victims) {
-    if (reclaimed >= want) break;
-    size_t keep = mapped_of(s);
-    while (keep > 0 && reclaimed < want) {
-      --keep;
-      reclaimed += config_.num_buffers;
-    }
-    addrs.clear();
-    for (size_t p = keep; p < mapped_of(s); ++p)
+    if (pages.size() >= want) break;
+    size_t have = mapped_of(s), keep = have;
+    while (keep > 0 && pages.size() + (have - keep) * config_.num_buffers < want) --keep;
+    for (size_t p = keep; p < have; ++p)
       for (size_t b = 0; b < config_.num_buffers; ++b) addrs.push_back(page_address(b, s, p));
-    backend_->unmap(addrs.data(), addrs.size());
-    auto& pages = slot_pages_[s];
-    free_pages_.insert(free_pages_.end(), pages.begin() + keep * config_.num_buffers, pages.end());
-    pages.resize(keep * config_.num_buffers);
-    stats_.reclaimed_pages += addrs.size();
-    stats_.page_unmaps += addrs.size();
-    stats_.pages_mapped -= addrs.size();
+    auto& owned = slot_pages_[s];
+    pages.insert(pages.end(), owned.begin() + keep * config_.num_buffers, owned.end());
+    owned.resize(keep * config_.num_buffers);
   }
-  return reclaimed;
+  return pages.size();
 }
 
+size_t PageManager::reclaim_locked(size_t want, int64_t keep_slot) {
+  std::vector<uintptr_t> addrs;
+  std::vector<uint32_t> pages;
+  if (want == 0 || detach_free_pages(want, keep_slot, addrs, pages) == 0) return 0;
+  // A finished request's kernels may still be reading these pages. If the
+  // unmap fails part-way, the detached pages stay out of the pool: handing a
+  // possibly still mapped page to another slot would be worse than losing it.
+  backend_->synchronize();
+  backend_->unmap(addrs.data(), addrs.size());
+  free_pages_.insert(free_pages_.end(), pages.begin(), pages.end());
+  stats_.reclaimed_pages += pages.size();
+  stats_.page_unmaps += pages.size();
+  stats_.pages_mapped -= pages.size();
+  return pages.size();
+}
+
+void PageManager::unmap_slot_locked(size_t slot) {
+  std::vector<uintptr_t> addrs;
+  for (size_t p = 0; p < mapped_of(slot); ++p)
+    for (size_t b = 0; b < config_.num_buffers; ++b) addrs.push_back(page_address(b, slot, p));
+  if (addrs.empty()) return;
+  backend_->synchronize();
+  backend_->unmap(addrs.data(), addrs.size());
+  auto& owned = slot_pages_[slot];
+  free_pages_.insert(free_pages_.end(), owned.begin(), owned.end());
+  stats_.page_unmaps += owned.size();
+  stats_.pages_mapped -= owned.size();
+  owned.clear();
+}
+
+size_t PageManager::reclaim(size_t max_pages) {
+  Lock lock(mu_);
+  check_open();
+  wait_for_batch(lock);
+  return reclaim_locked(max_pages, -1);
+}
+
+// ---- background mapper ----------------------------------------------------------
+
+PageManager::Batch PageManager::plan_batch() {
+  Batch batch;
+  const size_t nb = config_.num_buffers;
+  const int64_t eager_slot = policy_.eager ? best_free_slot(-1) : -1;
+  // 1. Deferred reclamation: keep free slots' pages until the pool runs low.
+  if (policy_.deferred_reclaim && available_pages() < reclaim_floor_pages_) {
+    size_t want = std::min(reclaim_floor_pages_ - available_pages(), policy_.max_batch_pages);
+    if (detach_free_pages(want, eager_slot, batch.unmap_addrs, batch.pages) > 0) return batch;
+  }
+  // 2. Lookahead for active slots, then 3. the eager slot, within the budget.
+  size_t budget = std::min(policy_.max_batch_pages, available_pages());
+  size_t planned = 0;
+  auto grow = [&](size_t s, int64_t tokens, size_t limit) {
+    size_t target = pages_for_tokens(std::min<int64_t>(tokens, config_.max_tokens));
+    size_t have = mapped_of(s);
+    if (target <= have || planned >= limit) return;
+    size_t add = std::min(target - have, (limit - planned) / nb);
+    if (add == 0) return;
+    batch.slots.push_back(s);
+    batch.run_pages.push_back(add);
+    planned += add * nb;
+  };
+  for (size_t s = 0; s < config_.num_slots; ++s)
+    if (slot_allocated_[s] && slot_tokens_[s] > 0)
+      grow(s, slot_tokens_[s] + static_cast<int64_t>(policy_.lookahead_tokens), budget);
+  if (eager_slot >= 0 && available_pages() > reclaim_floor_pages_) {
+    // Eager pages are speculative: they never eat into the reclaim floor.
+    size_t limit = std::min(budget, planned + (available_pages() - planned > reclaim_floor_pages_
+                                                   ? available_pages() - planned - reclaim_floor_pages_
+                                                   : 0));
+    grow(static_cast<size_t>(eager_slot), static_cast<int64_t>(policy_.eager_tokens), limit);
+  }
+  if (planned == 0) return batch;
+  batch.to_create = claim_pages(planned, batch.pages);
+  for (size_t i = 0, next = 0; i < batch.slots.size(); ++i) {
+    size_t s = batch.slots[i], have = mapped_of(s), add = batch.run_pages[i];
+    for (size_t b = 0; b < nb; ++b)
+      for (size_t p = have; p < have + add; ++p)
+        batch.mappings.push_back(PageMapping{page_address(b, s, p), batch.pages[next++]});
+  }
+  return batch;
+}
+
+void PageManager::run_batch(Batch& batch) {
+  if (!batch.unmap_addrs.empty()) {
+    backend_->synchronize();  // see reclaim_locked
+    backend_->unmap(batch.unmap_addrs.data(), batch.unmap_addrs.size());
+    return;
+  }
+  if (batch.to_create > 0) {
+    backend_->create_pages(batch.pages.data() + batch.pages.size() - batch.to_create, batch.to_create);
+    batch.created = true;
+  }
+  backend_->map(batch.mappings.data(), batch.mappings.size());
+}
+
+void PageManager::commit_batch(Batch& batch, std::exception_ptr error) {
+  stats_.mapper_batches++;
+  const size_t n = batch.pages.size();
+  if (error) {
+    stats_.mapper_errors++;
+    mapper_error_ = error;
+    // A failed map leaves nothing mapped (backends undo their own partial work);
+    // a failed unmap may leave pages mapped, so those stay out of the pool.
+    if (batch.unmap_addrs.empty()) return_pages(batch.pages, batch.created ? 0 : batch.to_create);
+  } else if (!batch.unmap_addrs.empty()) {
+    free_pages_.insert(free_pages_.end(), batch.pages.begin(), batch.pages.end());
+    stats_.reclaimed_pages += n;
+    stats_.background_reclaimed_pages += n;
+    stats_.page_unmaps += n;
+    stats_.pages_mapped -= n;
+  } else {
+    const size_t nb = config_.num_buffers;
+    for (size_t i = 0, first = 0; i < batch.slots.size(); ++i) {
+      size_t s = batch.slots[i], add = batch.run_pages[i];
+      for (size_t p = 0; p < add; ++p)
+        for (size_t b = 0; b < nb; ++b) slot_pages_[s].push_back(batch.pages[first + b * add + p]);
+      first += add * nb;
+    }
+    stats_.pages_created += batch.to_create;
+    stats_.background_page_maps += n;
+    note_mapped(n);
+  }
+}
+
+void PageManager::mapper_loop() {
+  Lock lock(mu_);
+  while (true) {
+    mapper_idle_ = true;
+    batch_done_.notify_all();
+    wake_.wait(lock, [&] { return stop_ || work_epoch_ != mapper_seen_epoch_; });
+    if (stop_) break;
+    mapper_idle_ = false;
+    mapper_seen_epoch_ = work_epoch_;
+    while (!stop_ && !mapper_error_) {
+      Batch batch = plan_batch();
+      if (batch.empty()) break;
+      inflight_ = true;
+      lock.unlock();
+      std::exception_ptr error;
+      try {
+        run_batch(batch);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      lock.lock();
+      commit_batch(batch, error);
+      inflight_ = false;
+      batch_done_.notify_all();
+    }
+  }
+  mapper_idle_ = true;
+  batch_done_.notify_all();
+}
+
+void PageManager::wait_idle() {
+  Lock lock(mu_);
+  if (!policy_.background) return;
+  batch_done_.wait(lock, [&] {
+    return stop_ || (mapper_idle_ && !inflight_ && mapper_seen_epoch_ == work_epoch_);
+  });
+}
+
+// ---- lifetime -------------------------------------------------------------------
+
 void PageManager::close() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!reservation_) return;
+  std::lock_guard<std::mutex> closing(close_mu_);
+  {
+    Lock lock(mu_);
+    if (!reservation_) return;
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (mapper_.joinable()) mapper_.join();  // without mu_: the mapper commits its batch first
+  Lock lock(mu_);
   // Tear down everything even if one driver call fails; report the first error.
   std::exception_ptr first_error;
   try {
@@ -277,10 +508,9 @@ void PageManager::close() {
     slot_allocated_[s] = 0;
     slot_tokens_[s] = 0;
   }
-  backend_->release_pages(0, next_uncreated_);
   backend_->close_pool();
   free_pages_.clear();
-  next_uncreated_ = 0;
+  uncreated_.clear();
   stats_.pages_mapped = 0;
   stats_.slots_allocated = 0;
   stats_.tokens_active = 0;
@@ -289,31 +519,31 @@ void PageManager::close() {
 }
 
 bool PageManager::closed() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  Lock lock(mu_);
   return !reservation_;
 }
 
 size_t PageManager::mapped_pages(int64_t slot) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  Lock lock(mu_);
   check_open();
   check_slot(slot, "mapped_pages");
   return mapped_of(slot);
 }
 
 bool PageManager::slot_allocated(int64_t slot) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  Lock lock(mu_);
   check_open();
   check_slot(slot, "is_allocated");
   return slot_allocated_[slot] != 0;
 }
 
 PageStats PageManager::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  Lock lock(mu_);
   return stats_;
 }
 
 std::shared_ptr<Reservation> PageManager::reservation() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  Lock lock(mu_);
   check_open();
   return reservation_;
 }

@@ -39,11 +39,11 @@ class VmmBackend {
   // Returns a reservation; every page in it must be unmapped. Never throws.
   virtual void free_reservation(uintptr_t base, size_t bytes) noexcept = 0;
 
-  // Creates (commits) physical pages [first, first + count). On failure the
-  // pages created by this call are released again, then it throws.
-  virtual void create_pages(uint32_t first, uint32_t count) = 0;
-  // Releases physical pages that are created and not mapped. Never throws.
-  virtual void release_pages(uint32_t first, uint32_t count) noexcept = 0;
+  // Creates (commits) the physical pages `ids`. On failure the pages created
+  // by this call are released again, then it throws.
+  virtual void create_pages(const uint32_t* ids, size_t count) = 0;
+  // Releases created, unmapped physical pages. Never throws.
+  virtual void release_pages(const uint32_t* ids, size_t count) noexcept = 0;
 
   // Maps each page at its address, readable and writable. All or nothing: on
   // failure the mappings this call made are undone, then it throws.
