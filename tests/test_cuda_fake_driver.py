@@ -23,7 +23,7 @@ CUDA_ERROR_UNKNOWN = 999
 def make(**overrides) -> vattn.KVCacheManager:
     # per token per buffer: 4 heads x 128 x fp16 = 1 KiB, so 2048 tokens = one 2 MiB page
     args = dict(num_layers=2, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=4,
-                max_context_len=8192, device="cuda", physical_memory=64 * MiB)
+                max_context_len=8192, device="cuda", physical_memory=64 * MiB, background=False)
     args.update(overrides)
     return vattn.KVCacheManager(**args)
 

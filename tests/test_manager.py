@@ -18,7 +18,9 @@ LAYOUTS = ["per_layer", "all_layers"]
 
 
 def make(**overrides) -> vattn.KVCacheManager:
-    args = dict(num_layers=3, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=4, max_context_len=512)
+    # The plain synchronous manager: exact page counts are asserted below.
+    args = dict(num_layers=3, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=4, max_context_len=512,
+                background=False)
     args.update(overrides)
     return vattn.KVCacheManager(**args)
 
@@ -38,10 +40,12 @@ def stamp(reqid: int, layer: int, kind: int, start: int, stop: int, shape) -> to
     return t * 1000 + h * 100 + d + reqid * 1e6 + layer * 1e5 + kind * 0.5
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "mapper"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_data_reads_back_across_growth(layout, page_size):
-    cfg = dict(layout=layout, page_size=page_size, max_context_len=2048 if page_size == 2 * MiB else 512)
+def test_data_reads_back_across_growth(layout, page_size, background):
+    cfg = dict(layout=layout, page_size=page_size, max_context_len=2048 if page_size == 2 * MiB else 512,
+               background=background)
     with make(**cfg) as kv:
         L = kv.config.max_context_len
         reqs = [kv.alloc_reqid() for _ in range(3)]
@@ -306,7 +310,8 @@ def test_two_managers_are_independent():
 
 
 def test_module_level_api():
-    kv = vattn.init(num_layers=2, num_kv_heads=1, head_dim=16, max_batch_size=2, max_context_len=128, dtype=torch.float32)
+    kv = vattn.init(num_layers=2, num_kv_heads=1, head_dim=16, max_batch_size=2, max_context_len=128, dtype=torch.float32,
+                    background=False)
     try:
         with pytest.raises(vattn.VAttnError, match="already"):
             vattn.init(num_layers=1, num_kv_heads=1, head_dim=16)

@@ -49,6 +49,12 @@ def init(
     device: str | torch.device = "cpu",
     layout: str = "per_layer",
     physical_memory: int | None = None,
+    background: bool = True,
+    deferred_reclaim: bool = True,
+    eager: bool = True,
+    lookahead_tokens: int = 1,
+    eager_tokens: int | None = None,
+    reclaim_threshold: float = 0.1,
 ) -> KVCacheManager:
     """Creates the default manager (see :class:`KVCacheManager` for arguments).
 
@@ -68,6 +74,12 @@ def init(
         device=device,
         layout=layout,
         physical_memory=physical_memory,
+        background=background,
+        deferred_reclaim=deferred_reclaim,
+        eager=eager,
+        lookahead_tokens=lookahead_tokens,
+        eager_tokens=eager_tokens,
+        reclaim_threshold=reclaim_threshold,
     )
     return _default
 

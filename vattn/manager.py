@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +40,22 @@ class KVCacheManager:
             of what every reqid at full length needs and a share of free memory
             (half of MemAvailable on the host, 90% of free device memory on CUDA).
             Pages are committed only when first mapped.
+        background: run one background mapper thread that, after each step,
+            maps what the next step will need (every active request
+            ``lookahead_tokens`` longer), so ``step`` maps on the critical path
+            only what the mapper has not.
+        deferred_reclaim: ``free_reqid`` keeps the request's pages mapped for
+            the next request; the mapper unmaps pages of freed reqids when free
+            pages fall below ``reclaim_threshold`` of the pool, and ``step`` does
+            as a last resort. False: ``free_reqid`` unmaps them at once.
+        eager: the mapper keeps the reqid ``alloc_reqid`` returns next mapped
+            for ``eager_tokens`` tokens (default ``min(max_context_len, 1024)``),
+            so a new request's prefill maps little or nothing. Needs ``background``.
+        lookahead_tokens: how far ahead (tokens) the mapper maps active requests.
+        reclaim_threshold: fraction of the pool, in [0, 1].
+
+    With ``background``, ``deferred_reclaim`` and ``eager`` all False the
+    manager maps and unmaps only inside ``step`` and ``free_reqid``.
 
     Example::
 
@@ -66,6 +84,12 @@ class KVCacheManager:
         device: str | torch.device = "cpu",
         layout: str = "per_layer",
         physical_memory: int | None = None,
+        background: bool = True,
+        deferred_reclaim: bool = True,
+        eager: bool = True,
+        lookahead_tokens: int = 1,
+        eager_tokens: int | None = None,
+        reclaim_threshold: float = 0.1,
     ) -> None:
         self.config = KVCacheConfig(
             num_layers=num_layers,
@@ -76,6 +100,8 @@ class KVCacheManager:
             max_context_len=max_context_len,
             layout=layout,
         )
+        policy = _policy_args(background, deferred_reclaim, eager, lookahead_tokens, eager_tokens,
+                              reclaim_threshold, max_context_len)
         kind, index = parse_device(device)
         self.device = torch.device("cpu") if kind == "host" else torch.device("cuda", index)
         self.backend: BackendSpec = resolve_backend(kind, index, self.config, page_size, physical_memory)
@@ -88,8 +114,11 @@ class KVCacheManager:
             slot_bytes=self.slot_bytes,
             bytes_per_token=self.config.token_bytes_per_buffer,
             max_tokens=self.config.max_context_len,
+            **policy,
         )
+        self.policy: dict[str, Any] = policy
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        _live_managers.add(self)
 
     # ---- tensors -------------------------------------------------------------
 
@@ -228,6 +257,11 @@ class KVCacheManager:
         )
         return s
 
+    def wait_idle(self) -> None:
+        """Blocks until the background mapper has mapped everything it planned
+        (for tests and benchmarks; serving code never needs it)."""
+        self._pages.wait_idle()
+
     @property
     def closed(self) -> bool:
         return self._pages.closed
@@ -254,6 +288,42 @@ class KVCacheManager:
             f"dtype={c.dtype}, B={c.max_batch_size}, L={c.max_context_len}, layout={c.layout}, "
             f"device={self.device}, page_size={self.page_size}, {state})"
         )
+
+
+def _policy_args(background: bool, deferred_reclaim: bool, eager: bool, lookahead_tokens: int,
+                 eager_tokens: int | None, reclaim_threshold: float, max_context_len: int) -> dict[str, Any]:
+    for name, flag in (("background", background), ("deferred_reclaim", deferred_reclaim), ("eager", eager)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    lookahead_tokens = _as_int("lookahead_tokens", lookahead_tokens)
+    if lookahead_tokens < 0:
+        raise ValueError(f"lookahead_tokens must be >= 0, got {lookahead_tokens}")
+    if eager_tokens is None:
+        eager_tokens = min(max_context_len, 1024) if isinstance(max_context_len, int) else 0
+    eager_tokens = _as_int("eager_tokens", eager_tokens)
+    if eager_tokens < 0:
+        raise ValueError(f"eager_tokens must be >= 0, got {eager_tokens}")
+    if isinstance(reclaim_threshold, bool) or not isinstance(reclaim_threshold, (int, float)):
+        raise TypeError(f"reclaim_threshold must be a number, got {type(reclaim_threshold).__name__}")
+    if not 0.0 <= reclaim_threshold <= 1.0:
+        raise ValueError(f"reclaim_threshold must be in [0, 1], got {reclaim_threshold}")
+    return dict(background=background, deferred_reclaim=deferred_reclaim, eager=eager and background,
+                lookahead_tokens=lookahead_tokens, eager_tokens=eager_tokens,
+                reclaim_threshold=float(reclaim_threshold))
+
+
+# Managers still open at interpreter exit are closed then, so their mapper
+# threads are joined before the interpreter and the driver go away.
+_live_managers: weakref.WeakSet[KVCacheManager] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_managers() -> None:
+    for manager in list(_live_managers):
+        try:
+            manager.cleanup()
+        except Exception:  # noqa: BLE001 - exit must go on; the OS reclaims the rest
+            pass
 
 
 def _as_int(name: str, value: object) -> int:

@@ -48,6 +48,7 @@ PageManager::PageManager(std::shared_ptr<VmmBackend> backend, const PageManagerC
   for (size_t i = n; i > 0; --i) uncreated_.push_back(static_cast<uint32_t>(i - 1));
   stats_.pages_total = n;
   stats_.pages_free_low = n;
+  work_epoch_ = 1;  // the mapper starts with work: the eager slot
   if (policy_.background) mapper_ = std::thread(&PageManager::mapper_loop, this);
 }
 
