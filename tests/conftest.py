@@ -37,6 +37,11 @@ def fake_cuda(fake_cuda_lib, monkeypatch):
     for name in ("live_handles", "live_mappings", "live_reservations", "sync_calls", "primary_refs"):
         getattr(lib, f"fake_cuda_{name}").restype = ctypes.c_long
     lib.fake_cuda_clear_failures()
+    # Counters are process-wide: a test that injects an unmap failure leaves its
+    # mapping behind on purpose, so leak checks compare with these baselines.
+    lib.baseline_mappings = lib.fake_cuda_live_mappings()
+    lib.baseline_handles = lib.fake_cuda_live_handles()
+    lib.baseline_reservations = lib.fake_cuda_live_reservations()
     yield lib
     lib.fake_cuda_clear_failures()
 

@@ -39,8 +39,9 @@ def read_row(kv, buffer: int, reqid: int, token: int) -> bytes:
 
 
 def assert_all_released(lib):
-    assert lib.fake_cuda_live_mappings() == 0
-    assert lib.fake_cuda_live_handles() == 0
+    assert lib.fake_cuda_live_mappings() == lib.baseline_mappings
+    assert lib.fake_cuda_live_handles() == lib.baseline_handles
+    assert lib.fake_cuda_live_reservations() == lib.baseline_reservations
 
 
 def test_granularity_and_page_size_validation(fake_cuda):
@@ -64,9 +65,8 @@ def test_data_written_through_mappings_reads_back(fake_cuda):
             for buf in range(kv.config.num_buffers):
                 assert read_row(kv, buf, a, n - 1) == bytes([0x11 + buf]) * 1024
                 assert read_row(kv, buf, b, n - 1) == bytes([0x21 + buf]) * 1024
-        assert fake_cuda.fake_cuda_live_mappings() == 2 * 3 * 4  # 2 reqs x 3 pages x 4 buffers
+        assert fake_cuda.fake_cuda_live_mappings() - fake_cuda.baseline_mappings == 2 * 3 * 4  # 2 reqs x 3 pages x 4 buffers
     assert_all_released(fake_cuda)
-    assert fake_cuda.fake_cuda_live_reservations() == 0
     del kv  # the backend keeps the primary context until its last owner goes
     gc.collect()
     assert fake_cuda.fake_cuda_primary_refs() == 0
@@ -136,7 +136,6 @@ def test_injected_failure_surfaces_cleanly(fake_cuda, call, skip, code, name):
     assert read_row(kv, 3, b, 5999) == bytes([0x33]) * 1024
     kv.cleanup()
     assert_all_released(fake_cuda)
-    assert fake_cuda.fake_cuda_live_reservations() == 0
 
 
 def test_unmap_failure_at_cleanup_still_releases_what_it_can(fake_cuda):
@@ -148,7 +147,7 @@ def test_unmap_failure_at_cleanup_still_releases_what_it_can(fake_cuda):
         kv.cleanup()
     assert kv.closed
     fake_cuda.fake_cuda_clear_failures()
-    assert fake_cuda.fake_cuda_live_handles() == 0  # handles released; one mapping is the driver's
+    assert fake_cuda.fake_cuda_live_handles() == fake_cuda.baseline_handles  # released; a mapping stays behind
 
 
 def test_no_driver_raises_backend_unavailable(monkeypatch, tmp_path):
