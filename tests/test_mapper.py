@@ -246,3 +246,22 @@ def test_cuda_reclaim_by_mapper_synchronizes_first(fake_cuda):
         kv.wait_idle()
         assert kv.stats()["background_reclaimed_pages"] == 4
         assert fake_cuda.fake_cuda_sync_calls() > syncs
+
+
+def test_mapper_keeps_created_pages_in_reserve():
+    # The pool is exactly 5 mapped page rows + a reserve of one row per request,
+    # so nothing can be created after the reserve and the counts are exact.
+    with make(physical_memory=(5 + 2) * 4 * PAGE) as kv:
+        a, b = kv.alloc_reqid(), kv.alloc_reqid()
+        lens = [0] * 4
+        lens[a], lens[b] = 20, 40
+        assert kv.step(lens)
+        kv.wait_idle()
+        s = kv.stats()
+        assert s["pages_mapped"] == (2 + 3) * 4
+        assert s["pages_created"] == s["pages_total"] == s["pages_mapped"] + 2 * 4  # the reserve
+        lens[a], lens[b] = 33, 49  # both cross into a new page before the mapper could map it
+        assert kv.step(lens)
+        after = kv.stats()
+        assert after["sync_page_maps"] == s["sync_page_maps"] + 2 * 4
+        assert after["pages_mapped"] == after["pages_total"]  # the reserve was mapped, not created

@@ -384,7 +384,23 @@ PageManager::Batch PageManager::plan_batch() {
                                                    : 0));
     grow(static_cast<size_t>(eager_slot), static_cast<int64_t>(policy_.eager_tokens), limit);
   }
-  if (planned == 0) return batch;
+  if (planned == 0) {
+    // 4. Keep one created page row per active request in the free pool: the
+    // next page-crossing wave then only maps. Creation needs no address, so
+    // it can run while steps proceed.
+    size_t active = 0;
+    for (size_t s = 0; s < config_.num_slots; ++s) active += slot_allocated_[s];
+    size_t reserve = active * nb;
+    if (free_pages_.size() < reserve && !uncreated_.empty()) {
+      size_t n = std::min({reserve - free_pages_.size(), uncreated_.size(), policy_.max_batch_pages});
+      batch.to_create = n;
+      for (size_t i = 0; i < n; ++i) {
+        batch.pages.push_back(uncreated_.back());
+        uncreated_.pop_back();
+      }
+    }
+    return batch;
+  }
   batch.to_create = claim_pages(planned, batch.pages);
   for (size_t i = 0, next = 0; i < batch.slots.size(); ++i) {
     size_t s = batch.slots[i], have = mapped_of(s), add = batch.run_pages[i];
@@ -405,7 +421,7 @@ void PageManager::run_batch(Batch& batch) {
     backend_->create_pages(batch.pages.data() + batch.pages.size() - batch.to_create, batch.to_create);
     batch.created = true;
   }
-  backend_->map(batch.mappings.data(), batch.mappings.size());
+  if (!batch.mappings.empty()) backend_->map(batch.mappings.data(), batch.mappings.size());
 }
 
 void PageManager::commit_batch(Batch& batch, std::exception_ptr error) {
@@ -423,6 +439,9 @@ void PageManager::commit_batch(Batch& batch, std::exception_ptr error) {
     stats_.background_reclaimed_pages += n;
     stats_.page_unmaps += n;
     stats_.pages_mapped -= n;
+  } else if (batch.mappings.empty()) {  // a create batch
+    free_pages_.insert(free_pages_.end(), batch.pages.begin(), batch.pages.end());
+    stats_.pages_created += batch.to_create;
   } else {
     const size_t nb = config_.num_buffers;
     for (size_t i = 0, first = 0; i < batch.slots.size(); ++i) {

@@ -130,8 +130,12 @@ class PageManager {
  private:
   using Lock = std::unique_lock<std::mutex>;
 
-  // A unit of mapper work: map `pages` behind `mappings`, or unmap `unmap_addrs`
-  // (whose pages `pages` go back to the pool), for the slots in `slots`.
+  // A unit of mapper work, one of three kinds:
+  //   map:    create the last to_create of `pages`, map `pages` behind `mappings`
+  //           for the slots in `slots`;
+  //   unmap:  unmap `unmap_addrs`; their pages `pages` go back to the pool;
+  //   create: create `pages` (all of them) into the free pool, mapping nothing,
+  //           so page creation (the driver's slowest call) is off the critical path.
   struct Batch {
     std::vector<PageMapping> mappings;
     std::vector<uint32_t> pages;
@@ -140,7 +144,7 @@ class PageManager {
     std::vector<size_t> slots;     // slot of each run, in order
     std::vector<size_t> run_pages; // pages per buffer added to that slot
     std::vector<uintptr_t> unmap_addrs;
-    bool empty() const { return mappings.empty() && unmap_addrs.empty(); }
+    bool empty() const { return pages.empty(); }
   };
 
   void check_open() const;
