@@ -53,3 +53,22 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def pyplot():
+    """matplotlib.pyplot on a file-only backend (benchmarks run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_plot(fig, name: str) -> Path:
+    """Writes a figure as results/<name>.png and says where."""
+    path = RESULTS / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+    return path

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import RESULTS, machine, machine_slug, write_json  # noqa: E402
+from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
 
 import vattn  # noqa: E402
 
@@ -98,11 +98,7 @@ def main() -> int:
                                                "compute_ms": args.compute_ms, "batch": BATCH, "prompt": PROMPT,
                                                "layers": LAYERS, "results": results})
     print(f"wrote {path}")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     shown = [(ps, layout) for ps in (64 * KiB, 2 * MiB) for layout in ("per_layer", "all_layers")]
     fig, axes = plt.subplots(len(shown), 1, figsize=(9, 2.4 * len(shown)), sharex=True)
     for ax, (ps, layout) in zip(axes, shown):
@@ -116,10 +112,7 @@ def main() -> int:
     axes[-1].set_xlabel("decode iteration")
     fig.suptitle(f"step latency per decode iteration, batch {BATCH}, {LAYERS} layers — {m['gpu'] or m['cpu']}",
                  fontsize=9)
-    fig.tight_layout()
-    png = RESULTS / f"decode_trace_{slug}.png"
-    fig.savefig(png, dpi=120)
-    print(f"wrote {png}")
+    save_plot(fig, f"decode_trace_{slug}")
     return 0
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import RESULTS, machine, machine_slug, write_json  # noqa: E402
+from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
 
 import vattn  # noqa: E402
 
@@ -83,11 +83,7 @@ def main() -> int:
     slug = machine_slug(m)
     path = write_json(f"prefill_{slug}", {"benchmark": "prefill", "machine": m, "results": rows})
     print(f"wrote {path}")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, ps in zip(axes, (64 * KiB, 2 * MiB)):
         for mode, style in (("sync", "o-"), ("policies", "s-")):
@@ -101,10 +97,7 @@ def main() -> int:
         ax.legend(fontsize=7)
     axes[0].set_ylabel("alloc_reqid + step, µs")
     fig.suptitle(f"Admitting a prefill, 32 layers — {m['gpu'] or m['cpu']}", fontsize=9)
-    fig.tight_layout()
-    png = RESULTS / f"prefill_{slug}.png"
-    fig.savefig(png, dpi=120)
-    print(f"wrote {png}")
+    save_plot(fig, f"prefill_{slug}")
     return 0
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import RESULTS, machine, machine_slug, write_json  # noqa: E402
+from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
 
 import vattn  # noqa: E402
 
@@ -85,11 +85,7 @@ def main() -> int:
                                                 "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE,
                                                 "block_size": BLOCK, "results": rows})
     print(f"wrote {path}")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for background, style in ((False, "o-"), (True, "s-")):
         sel = [r for r in rows if r["background"] is background]
@@ -103,10 +99,7 @@ def main() -> int:
     ax.set_ylabel("µs per iteration (median)")
     ax.set_title(f"Per-iteration KV metadata cost, {LAYERS} layers — {m['gpu'] or m['cpu']}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    png = RESULTS / f"step_overhead_{slug}.png"
-    fig.savefig(png, dpi=120)
-    print(f"wrote {png}")
+    save_plot(fig, f"step_overhead_{slug}")
     return 0
 
 

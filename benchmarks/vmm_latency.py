@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, machine, machine_slug, summarize, write_json  # noqa: E402
+from common import machine, machine_slug, pyplot, save_plot, summarize, write_json  # noqa: E402
 
 from vattn import _C  # noqa: E402
 from vattn.errors import VAttnError  # noqa: E402
@@ -103,12 +103,8 @@ def available_backends() -> list[str]:
     return names
 
 
-def plot(results: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results: list[dict], stem: str, title: str) -> None:
+    plt = pyplot()
     backends = sorted({r["backend"] for r in results})
     ops = ["reserve", "create", "map_1_page_per_call", "map_batched_per_page", "unmap_1_page_per_call",
            "unmap_batched_per_page", "release"]
@@ -129,8 +125,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
         ax.set_title(f"{name} backend" + (" (dotted: raw mmap floor)" if name == "host" else ""))
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_plot(fig, stem)
 
 
 def main() -> int:
@@ -158,9 +153,7 @@ def main() -> int:
     path = write_json(f"vmm_latency_{slug}", {"benchmark": "vmm_latency", "machine": m, "results": results})
     print(f"wrote {path}")
     if not args.no_plot:
-        png = RESULTS / f"vmm_latency_{slug}.png"
-        plot(results, png, f"VMM operation latency — {m['gpu'] or m['cpu']} ({m['cores']} cores)")
-        print(f"wrote {png}")
+        plot(results, f"vmm_latency_{slug}", f"VMM operation latency — {m['gpu'] or m['cpu']} ({m['cores']} cores)")
     return 0
 
 
