@@ -73,6 +73,22 @@ def test_eager_premaps_the_next_slot():
         assert kv.alloc_reqid() == 1
 
 
+@pytest.mark.parametrize(
+    "overrides,exc,match",
+    [
+        (dict(background=1), TypeError, "background"),
+        (dict(eager="yes"), TypeError, "eager"),
+        (dict(lookahead_tokens=-1), ValueError, "lookahead_tokens"),
+        (dict(eager_tokens=-5), ValueError, "eager_tokens"),
+        (dict(reclaim_threshold=1.5), ValueError, r"reclaim_threshold must be in \[0, 1\]"),
+        (dict(reclaim_threshold="0.1"), TypeError, "reclaim_threshold"),
+    ],
+)
+def test_bad_policy_arguments(overrides, exc, match):
+    with pytest.raises(exc, match=match):
+        make(**overrides)
+
+
 def test_eager_needs_the_mapper():
     with make(background=False, eager=True) as kv:
         assert kv.policy["eager"] is False

@@ -101,7 +101,7 @@ class KVCacheManager:
             layout=layout,
         )
         policy = _policy_args(background, deferred_reclaim, eager, lookahead_tokens, eager_tokens,
-                              reclaim_threshold, max_context_len)
+                              reclaim_threshold, self.config.max_context_len)
         kind, index = parse_device(device)
         self.device = torch.device("cpu") if kind == "host" else torch.device("cuda", index)
         self.backend: BackendSpec = resolve_backend(kind, index, self.config, page_size, physical_memory)
@@ -299,7 +299,7 @@ def _policy_args(background: bool, deferred_reclaim: bool, eager: bool, lookahea
     if lookahead_tokens < 0:
         raise ValueError(f"lookahead_tokens must be >= 0, got {lookahead_tokens}")
     if eager_tokens is None:
-        eager_tokens = min(max_context_len, 1024) if isinstance(max_context_len, int) else 0
+        eager_tokens = min(max_context_len, 1024)
     eager_tokens = _as_int("eager_tokens", eager_tokens)
     if eager_tokens < 0:
         raise ValueError(f"eager_tokens must be >= 0, got {eager_tokens}")
