@@ -50,6 +50,23 @@ def test_lookahead_keeps_decode_off_the_critical_path():
         assert kv._pages.mapped_pages(r) == 13  # ceil(200 / 16): one token ahead of 199
 
 
+def test_decode_steps_inside_a_page_do_not_wake_the_mapper():
+    with make(lookahead_tokens=1) as kv:
+        r = kv.alloc_reqid()
+        assert kv.step(lens_with(1, r))
+        kv.wait_idle()
+        wakeups = kv.stats()["mapper_wakeups"]
+        for n in range(2, 16):  # tokens 2..15 and the lookahead token stay in page 0
+            assert kv.step(lens_with(n, r))
+            kv.wait_idle()
+        assert kv.stats()["mapper_wakeups"] == wakeups
+        assert kv.step(lens_with(16, r))  # the lookahead token 17 needs page 1
+        kv.wait_idle()
+        s = kv.stats()
+        assert s["mapper_wakeups"] == wakeups + 1
+        assert kv._pages.mapped_pages(r) == 2 and s["sync_page_maps"] == 4
+
+
 def test_without_mapper_every_boundary_maps_in_step():
     with make(background=False) as kv:
         r = kv.alloc_reqid()

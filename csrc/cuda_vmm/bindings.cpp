@@ -133,6 +133,16 @@ std::vector<uint32_t> page_range(const VmmBackend& b, uint32_t first, uint32_t c
   return ids;
 }
 
+// A binding taking (first, count) for a backend call on page ids [first, first + count).
+template <typename Op>
+auto on_page_range(Op op) {
+  return [op](VmmBackend& b, uint32_t first, uint32_t count) {
+    auto ids = page_range(b, first, count);
+    py::gil_scoped_release release;
+    (b.*op)(ids.data(), ids.size());
+  };
+}
+
 py::dict stats_dict(const PageStats& s, size_t page_size) {
   py::dict d;
   d["pages_total"] = s.pages_total;
@@ -151,6 +161,7 @@ py::dict stats_dict(const PageStats& s, size_t page_size) {
   d["reclaimed_pages"] = s.reclaimed_pages;
   d["background_page_maps"] = s.background_page_maps;
   d["background_reclaimed_pages"] = s.background_reclaimed_pages;
+  d["mapper_wakeups"] = s.mapper_wakeups;
   d["mapper_batches"] = s.mapper_batches;
   d["mapper_errors"] = s.mapper_errors;
   d["step_wait_us"] = static_cast<double>(s.step_wait_ns) / 1e3;
@@ -197,22 +208,10 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("free_reservation", &VmmBackend::free_reservation, py::arg("base"), py::arg("nbytes"),
            py::call_guard<py::gil_scoped_release>())
-      .def(
-          "create_pages",
-          [](VmmBackend& b, uint32_t first, uint32_t count) {
-            auto ids = page_range(b, first, count);
-            py::gil_scoped_release release;
-            b.create_pages(ids.data(), ids.size());
-          },
-          py::arg("first"), py::arg("count"), "Create pages [first, first + count).")
-      .def(
-          "release_pages",
-          [](VmmBackend& b, uint32_t first, uint32_t count) {
-            auto ids = page_range(b, first, count);
-            py::gil_scoped_release release;
-            b.release_pages(ids.data(), ids.size());
-          },
-          py::arg("first"), py::arg("count"))
+      .def("create_pages", on_page_range(&VmmBackend::create_pages), py::arg("first"),
+           py::arg("count"), "Create pages [first, first + count).")
+      .def("release_pages", on_page_range(&VmmBackend::release_pages), py::arg("first"),
+           py::arg("count"), "Release pages [first, first + count).")
       .def(
           "map",
           [](VmmBackend& b, const std::vector<std::pair<uintptr_t, uint32_t>>& pairs) {

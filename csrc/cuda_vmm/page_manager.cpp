@@ -82,12 +82,7 @@ uintptr_t PageManager::page_address(size_t buffer, size_t slot, size_t page) con
 }
 
 void PageManager::wait_for_batch(Lock& lock) {
-  if (!inflight_) return;
-  auto t0 = std::chrono::steady_clock::now();
   batch_done_.wait(lock, [&] { return !inflight_; });
-  stats_.step_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                             std::chrono::steady_clock::now() - t0)
-                             .count();
 }
 
 void PageManager::note_mapped(size_t added) {
@@ -195,7 +190,11 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
   stats_.step_calls++;
   if (deficit > 0 && inflight_) {
     // The batch may be mapping exactly these pages: let it land, then look again.
+    auto t0 = std::chrono::steady_clock::now();
     wait_for_batch(lock);
+    stats_.step_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::steady_clock::now() - t0)
+                               .count();
     if (mapper_error_) {
       std::exception_ptr error = mapper_error_;
       mapper_error_ = nullptr;
@@ -217,15 +216,23 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
     }
     map_missing_locked(deficit);
   }
+  // The mapper is woken only when this step gave it work: the pool changed
+  // (pages mapped here: reserve, eager and reclaim floor may need attention) or
+  // some slot's lookahead now reaches past its mapping. A decode step inside a
+  // page does neither, and skips the wake-up.
+  bool mapper_work = deficit > 0;
   size_t tokens = 0;
   for (size_t s = 0; s < count; ++s) {
     slot_tokens_[s] = seq_lens[s];
     tokens += seq_lens[s];
+    if (seq_lens[s] > 0 && lookahead_pages(s) > mapped_of(s)) mapper_work = true;
   }
   stats_.tokens_active = tokens;
-  work_epoch_++;
-  lock.unlock();
-  if (policy_.background) wake_.notify_one();
+  if (policy_.background && mapper_work) {
+    work_epoch_++;
+    lock.unlock();
+    wake_.notify_one();
+  }
   return true;
 }
 
@@ -347,7 +354,13 @@ size_t PageManager::reclaim(size_t max_pages) {
   Lock lock(mu_);
   check_open();
   wait_for_batch(lock);
-  return reclaim_locked(max_pages, -1);
+  size_t reclaimed = reclaim_locked(max_pages, -1);
+  if (reclaimed > 0) {
+    work_epoch_++;  // freed pages may let the mapper do what it had no room for
+    lock.unlock();
+    wake_.notify_one();
+  }
+  return reclaimed;
 }
 
 // ---- background mapper ----------------------------------------------------------
@@ -364,8 +377,7 @@ PageManager::Batch PageManager::plan_batch() {
   // 2. Lookahead for active slots, then 3. the eager slot, within the budget.
   size_t budget = std::min(policy_.max_batch_pages, available_pages());
   size_t planned = 0;
-  auto grow = [&](size_t s, int64_t tokens, size_t limit) {
-    size_t target = pages_for_tokens(std::min<int64_t>(tokens, config_.max_tokens));
+  auto grow = [&](size_t s, size_t target, size_t limit) {
     size_t have = mapped_of(s);
     if (target <= have || planned >= limit) return;
     size_t add = std::min(target - have, (limit - planned) / nb);
@@ -375,14 +387,14 @@ PageManager::Batch PageManager::plan_batch() {
     planned += add * nb;
   };
   for (size_t s = 0; s < config_.num_slots; ++s)
-    if (slot_allocated_[s] && slot_tokens_[s] > 0)
-      grow(s, slot_tokens_[s] + static_cast<int64_t>(policy_.lookahead_tokens), budget);
-  if (eager_slot >= 0 && available_pages() > reclaim_floor_pages_) {
+    if (slot_allocated_[s] && slot_tokens_[s] > 0) grow(s, lookahead_pages(s), budget);
+  if (eager_slot >= 0) {
     // Eager pages are speculative: they never eat into the reclaim floor.
-    size_t limit = std::min(budget, planned + (available_pages() - planned > reclaim_floor_pages_
-                                                   ? available_pages() - planned - reclaim_floor_pages_
-                                                   : 0));
-    grow(static_cast<size_t>(eager_slot), static_cast<int64_t>(policy_.eager_tokens), limit);
+    size_t spare = available_pages() - planned;  // planned <= budget <= available
+    size_t above_floor = spare > reclaim_floor_pages_ ? spare - reclaim_floor_pages_ : 0;
+    grow(static_cast<size_t>(eager_slot),
+         pages_for_tokens(std::min(policy_.eager_tokens, config_.max_tokens)),
+         std::min(budget, planned + above_floor));
   }
   if (planned == 0) {
     // 4. Keep one created page row per active request in the free pool: the
@@ -465,6 +477,7 @@ void PageManager::mapper_loop() {
     if (stop_) break;
     mapper_idle_ = false;
     mapper_seen_epoch_ = work_epoch_;
+    stats_.mapper_wakeups++;
     while (!stop_ && !mapper_error_) {
       Batch batch = plan_batch();
       if (batch.empty()) break;

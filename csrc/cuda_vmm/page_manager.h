@@ -15,7 +15,7 @@
 // Locking discipline
 // ------------------
 // One mutex, mu_, guards every member below it in the class. Driver calls made
-// by step(), free_slot() and close() run with mu_ held. The mapper thread
+// by step(), free_slot(), reclaim() and close() run with mu_ held. The mapper thread
 // plans under mu_, then runs its driver calls WITHOUT mu_ (so a step on the
 // fast path never waits for the driver), then commits under mu_. Between plan
 // and commit the batch is "in flight" (inflight_ is true):
@@ -33,7 +33,7 @@
 //     committed) and its error is kept in mapper_error_ until the next step()
 //     raises it: no page is lost and no error is dropped.
 // There is one mapper thread per manager, started in the constructor and
-// joined by close(); it sleeps on wake_ until step/alloc/free change the work.
+// joined by close(); it sleeps on wake_ until step/alloc/free/reclaim give it work.
 #pragma once
 
 #include <condition_variable>
@@ -82,6 +82,7 @@ struct PageStats {
   uint64_t page_unmaps = 0;
   uint64_t reclaimed_pages = 0;  // pages unmapped from free slots (any path)
   uint64_t background_reclaimed_pages = 0;
+  uint64_t mapper_wakeups = 0;  // times the mapper woke to plan work
   uint64_t mapper_batches = 0;
   uint64_t mapper_errors = 0;
   uint64_t step_wait_ns = 0;   // time steps spent waiting for an in-flight mapper batch
@@ -156,6 +157,12 @@ class PageManager {
   // only touches free slots, whose need_ is 0, so this stays valid across it.
   size_t missing_pages(size_t s) const { return need_[s] > mapped_of(s) ? need_[s] - mapped_of(s) : 0; }
   size_t available_pages() const { return free_pages_.size() + uncreated_.size(); }
+  // Pages per buffer slot s should hold once the mapper has run: its last
+  // length plus lookahead_tokens.
+  size_t lookahead_pages(size_t s) const {
+    return pages_for_tokens(std::min<int64_t>(slot_tokens_[s] + static_cast<int64_t>(policy_.lookahead_tokens),
+                                              static_cast<int64_t>(config_.max_tokens)));
+  }
   int64_t best_free_slot(int64_t prompt_tokens) const;
   void wait_for_batch(Lock& lock);
   void note_mapped(size_t added);
