@@ -25,10 +25,11 @@ def make(**overrides) -> vattn.KVCacheManager:
     return vattn.KVCacheManager(**args)
 
 
-def lens_for(kv, **by_reqid) -> list[int]:
+def lens_for(kv, by_reqid: dict[int, int]) -> list[int]:
+    """seq_lens for the manager: by_reqid's lengths, 0 elsewhere."""
     lens = [0] * kv.config.max_batch_size
     for r, n in by_reqid.items():
-        lens[int(r[1:])] = n
+        lens[r] = n
     return lens
 
 
@@ -79,7 +80,7 @@ def test_step_maps_exactly_the_pages_needed(layout):
         cfg = kv.config
         r = kv.alloc_reqid()
         for n in [0, 1, 31, 32, 33, 100, 512]:
-            assert kv.step(lens_for(kv, **{f"r{r}": n}))
+            assert kv.step(lens_for(kv, {r: n}))
             want = math.ceil(n * cfg.token_bytes_per_buffer / kv.page_size)
             assert kv._pages.mapped_pages(r) == want
             assert kv.stats()["pages_mapped"] == want * cfg.num_buffers
@@ -138,7 +139,7 @@ def test_out_of_pages_returns_false_and_keeps_data():
     # 4 buffers (2 layers); pool of 12 pages of 4 KiB; a token takes 256 B per buffer
     with make(num_layers=2, head_dim=32, page_size=4 * KiB, physical_memory=12 * 4 * KiB) as kv:
         a, b = kv.alloc_reqid(), kv.alloc_reqid()
-        lens = lens_for(kv, **{f"r{a}": 16, f"r{b}": 16})  # 1 page per buffer each: 8 pages
+        lens = lens_for(kv, {a: 16, b: 16})  # 1 page per buffer each: 8 pages
         assert kv.step(lens)
         k, _ = kv.layer(0)
         k[a, :16] = 1.0
@@ -163,10 +164,10 @@ def test_out_of_pages_returns_false_and_keeps_data():
 def test_failed_step_reclaims_nothing_when_it_cannot_succeed():
     with make(num_layers=2, page_size=4 * KiB, physical_memory=12 * 4 * KiB) as kv:
         a, b = kv.alloc_reqid(), kv.alloc_reqid()
-        assert kv.step(lens_for(kv, **{f"r{a}": 16, f"r{b}": 16}))
+        assert kv.step(lens_for(kv, {a: 16, b: 16}))
         kv.free_reqid(a)
         before = manager_state(kv)
-        lens = lens_for(kv, **{f"r{b}": 512})  # far beyond the pool
+        lens = lens_for(kv, {b: 512})  # far beyond the pool
         assert not kv.step(lens)
         assert manager_state(kv)[1:] == before[1:]  # a's pages were not thrown away for nothing
 

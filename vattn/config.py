@@ -72,7 +72,7 @@ class KVCacheConfig:
 
     @property
     def element_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def num_buffers(self) -> int:

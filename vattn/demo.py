@@ -26,7 +26,7 @@ MiB = 1024 * 1024
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=64, help="requests in the trace (default 64)")
+    p.add_argument("--requests", type=int, default=None, help="requests in the trace (default 64; 16 with --quick)")
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-context-len", type=int, default=4096, help="tokens")
     p.add_argument("--page-size", type=int, default=64 * 1024, help="bytes (default 64 KiB)")
@@ -84,7 +84,7 @@ def attend(kv: KVCacheManager, req: Request, start: int, stop: int) -> None:
 def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
-    n_requests = 16 if args.quick and args.requests == 64 else args.requests
+    n_requests = args.requests or (16 if args.quick else 64)
     trace = make_trace(n_requests, args.max_context_len, rng, args.quick)
     physical = None if args.physical_memory_mb is None else args.physical_memory_mb * MiB
     kv = KVCacheManager(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
