@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -48,10 +49,15 @@ def summarize(seconds: list[float]) -> dict[str, float]:
     return {"mean_us": statistics.fmean(us), "p50_us": statistics.median(us), "p99_us": p99, "samples": len(us)}
 
 
+def _compact_lists(text: str) -> str:
+    """Puts every list of plain numbers on one line (per-iteration series stay readable)."""
+    return re.sub(r"\[\s*([-0-9.eE+,\s]+?)\s*\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
+
+
 def write_json(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    path.write_text(_compact_lists(json.dumps(payload, indent=2)) + "\n")
     return path
 
 

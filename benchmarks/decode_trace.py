@@ -44,19 +44,19 @@ def run(page_size: int, layout: str, background: bool, iterations: int, compute_
         lens = [PROMPT] * BATCH
         assert kv.step(lens)  # prefill
         prefill_sync = kv.stats()["sync_page_maps"]
-        latencies, crossing = [], []
+        latencies, crossing = [], []  # crossing: iterations whose step needs a new page
         for i in range(iterations):
             time.sleep(compute_s)
             lens = [n + 1 for n in lens]
             t = time.perf_counter()
             assert kv.step(lens)
-            latencies.append((time.perf_counter() - t) * 1e6)
-            # a new page is needed when the previous length filled its last page
-            crossing.append(tokens_per_page > 0 and (lens[0] - 1) % max(tokens_per_page, 1) == 0
-                            if tokens_per_page >= 1 else True)
+            latencies.append(round((time.perf_counter() - t) * 1e6, 2))
+            if tokens_per_page <= 1 or (lens[0] - 1) % tokens_per_page == 0:  # the last page was full
+                crossing.append(i)
         s = kv.stats()
-    cross = [x for x, c in zip(latencies, crossing) if c]
-    other = [x for x, c in zip(latencies, crossing) if not c]
+    marked = set(crossing)
+    cross = [x for i, x in enumerate(latencies) if i in marked]
+    other = [x for i, x in enumerate(latencies) if i not in marked]
     summary = {
         "page_size": page_size, "layout": layout, "background": background,
         "tokens_per_page": tokens_per_page,
@@ -68,7 +68,7 @@ def run(page_size: int, layout: str, background: bool, iterations: int, compute_
         "other_median_us": statistics.median(other) if other else None,
         "crossing_iterations": len(cross),
         "latencies_us": latencies,
-        "crossing": crossing,
+        "crossing_iteration_indices": crossing,
     }
     if cross and other:
         summary["crossing_over_other"] = summary["crossing_median_us"] / summary["other_median_us"]
