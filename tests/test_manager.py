@@ -345,7 +345,7 @@ def test_views_keep_reservation_alive_after_manager_is_gone():
     gc.collect()
     # the range stays reserved (PROT_NONE) while k exists
     maps = open("/proc/self/maps").read()
-    assert any(line.startswith(f"{base:x}-") or _contains(line, base) for line in maps.splitlines())
+    assert any(_contains(line, base) for line in maps.splitlines())
     del k
 
 
