@@ -1,0 +1,296 @@
+"""Attention adapters on the cache against a float64 reference on dense copies.
+
+The manager maps exactly each request's length (no background mapper, no
+lookahead) and several requests end exactly at a page end, so an adapter that
+read one row past a request's length would fault instead of passing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+import vattn
+from vattn.attention import (
+    AttentionBatch,
+    FlashInferAttention,
+    flash_attn_attention,
+    flashinfer_single_prefill,
+    sdpa_attention,
+    write_kv,
+)
+
+NUM_LAYERS = 2
+HEAD_DIM = 64
+
+# Tolerances for relative error against float64 (bf16 has an 8-bit mantissa).
+TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def _cuda_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
+    return None
+
+
+def _module_reason(module: str, what: str) -> str | None:
+    if _cuda_reason():
+        return _cuda_reason()
+    if importlib.util.find_spec(module) is None:
+        return f"needs {what} (python package {module!r} is not installed)"
+    return None
+
+
+def make_manager(device: str, layout: str, dtype: torch.dtype, heads_kv: int, page_size: int | None,
+                 max_context_len: int) -> vattn.KVCacheManager:
+    return vattn.KVCacheManager(num_layers=NUM_LAYERS, num_kv_heads=heads_kv, head_dim=HEAD_DIM, dtype=dtype,
+                                max_batch_size=6, max_context_len=max_context_len, page_size=page_size,
+                                device=device, layout=layout, background=False, deferred_reclaim=False,
+                                eager=False, lookahead_tokens=0)
+
+
+def boundary_cases(tokens_per_page: int) -> tuple[list[int], list[int]]:
+    """(cached_lens, query_lens) for 5 requests, placing page ends at and inside requests."""
+    t = tokens_per_page
+    cached = [0, t - 1, t, t - 5, 0]  # prefill to a page end; decode to a page end; decode
+    query = [t, 1, 1, 10, 3]  # past one; chunked prefill across a page end; short prefill
+    return cached, query
+
+
+class Scenario:
+    """A cache with history written for every request, plus the dense truth."""
+
+    def __init__(self, device: str, layout: str, dtype: torch.dtype, heads_q: int, heads_kv: int,
+                 page_size: int | None, decode_only: bool = False) -> None:
+        torch.manual_seed(0)
+        probe = make_manager(device, layout, dtype, heads_kv, page_size, 8)
+        self.tokens_per_page = probe.page_size // probe.config.token_bytes_per_buffer
+        probe.cleanup()
+        cached, query = boundary_cases(self.tokens_per_page)
+        if decode_only:
+            cached, query = [c + q - 1 for c, q in zip(cached, query)], [1] * len(query)
+        self.kv = make_manager(device, layout, dtype, heads_kv, page_size, 2 * self.tokens_per_page + 16)
+        reqids = [self.kv.alloc_reqid() for _ in cached]
+        reqids = reqids[1:] + reqids[:1]  # token order differs from reqid order
+        self.batch = AttentionBatch(reqids, cached, query, device=device)
+        lens = [0] * self.kv.config.max_batch_size
+        for r, n in zip(reqids, self.batch.seq_lens):
+            lens[r] = n
+        assert self.kv.step(lens)
+        for r, n in zip(reqids, self.batch.seq_lens):  # exact mapping, no slack
+            assert self.kv.mapped_tokens(r) < n + self.tokens_per_page
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, dtype=torch.float32).to(dtype=dtype, device=device)
+
+        self.history = {}  # (layer, reqid) -> dense K, V of cached tokens
+        self.new = []  # per layer: q, k, v of this forward's tokens
+        history_batch = [(r, c) for r, c in zip(reqids, cached) if c]
+        for layer in range(NUM_LAYERS):
+            k_cache, v_cache = self.kv.layer(layer)
+            for r, c in history_batch:
+                k_hist, v_hist = rand(c, heads_kv, HEAD_DIM), rand(c, heads_kv, HEAD_DIM)
+                write_kv(k_cache, v_cache, AttentionBatch([r], [0], [c], device=device), k_hist, v_hist)
+                self.history[layer, r] = (k_hist, v_hist)
+            t = self.batch.num_tokens
+            self.new.append((rand(t, heads_q, HEAD_DIM), rand(t, heads_kv, HEAD_DIM), rand(t, heads_kv, HEAD_DIM)))
+
+    def reference(self, layer: int, scale: float | None = None) -> torch.Tensor:
+        """float64 attention on dense copies of the same K/V."""
+        q, k_new, v_new = (x.double().cpu() for x in self.new[layer])
+        out = torch.empty_like(q)
+        b = self.batch
+        for i, (r, c, n) in enumerate(zip(b.reqids, b.cached_lens, b.seq_lens)):
+            s, e = b.query_starts[i], b.query_starts[i + 1]
+            k_hist, v_hist = (x.double().cpu() for x in self.history.get((layer, r), (k_new[:0], v_new[:0])))
+            k = torch.cat([k_hist, k_new[s:e]])
+            v = torch.cat([v_hist, v_new[s:e]])
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[s:e], k) * (scale or 1 / math.sqrt(q.shape[-1]))
+            visible = torch.arange(n)[None, :] <= (c + torch.arange(e - s))[:, None]
+            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            out[s:e] = torch.einsum("hqk,khd->qhd", probs, v)
+        return out
+
+    def check_cache_rows(self, layer: int) -> None:
+        """The new tokens landed in their rows of the cache."""
+        k_cache, v_cache = self.kv.layer(layer)
+        _, k_new, v_new = self.new[layer]
+        b = self.batch
+        for i, (r, c, n) in enumerate(zip(b.reqids, b.cached_lens, b.seq_lens)):
+            s, e = b.query_starts[i], b.query_starts[i + 1]
+            assert torch.equal(k_cache[r, c:n], k_new[s:e])
+            assert torch.equal(v_cache[r, c:n], v_new[s:e])
+
+    def close(self) -> None:
+        self.kv.cleanup()
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=rtol, atol=atol)
+
+
+HEADS = [pytest.param(8, 2, id="gqa"), pytest.param(4, 4, id="mha")]
+LAYOUTS = ["per_layer", "all_layers"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("heads_q,heads_kv", HEADS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sdpa_cpu_matches_reference(layout, heads_q, heads_kv, dtype):
+    sc = Scenario("cpu", layout, dtype, heads_q, heads_kv, page_size=16384)
+    try:
+        for layer in range(NUM_LAYERS):
+            q, k, v = sc.new[layer]
+            out = sdpa_attention(q, *sc.kv.layer(layer), sc.batch, k=k, v=v)
+            assert out.shape == q.shape and out.dtype == dtype
+            sc.check_cache_rows(layer)
+            assert_matches(out, sc.reference(layer), dtype)
+    finally:
+        sc.close()
+
+
+def test_sdpa_custom_scale_and_prewritten_kv():
+    sc = Scenario("cpu", "per_layer", torch.float32, 8, 2, page_size=16384)
+    try:
+        q, k, v = sc.new[0]
+        k_cache, v_cache = sc.kv.layer(0)
+        write_kv(k_cache, v_cache, sc.batch, k, v)
+        out = sdpa_attention(q, k_cache, v_cache, sc.batch, softmax_scale=0.3)
+        assert_matches(out, sc.reference(0, scale=0.3), torch.float32)
+    finally:
+        sc.close()
+
+
+def test_batch_validation():
+    with pytest.raises(ValueError, match="equal lengths"):
+        AttentionBatch([0, 1], [0], [1, 1])
+    with pytest.raises(ValueError, match="distinct"):
+        AttentionBatch([1, 1], [0, 0], [1, 1])
+    with pytest.raises(ValueError, match="query_lens must be >= 1"):
+        AttentionBatch([0], [3], [0])
+    with pytest.raises(ValueError, match="cached_lens must be >= 0"):
+        AttentionBatch([0], [-1], [1])
+    with pytest.raises(TypeError, match="reqids must hold ints"):
+        AttentionBatch([0.5], [0], [1])
+    b = AttentionBatch(torch.tensor([2, 0]), [3, 0], [1, 4])
+    assert b.seq_lens == [4, 4] and b.query_starts == [0, 1, 5] and not b.is_decode
+    assert b.tensor("token_positions").tolist() == [3, 0, 1, 2, 3]
+    assert b.tensor("token_reqids").tolist() == [2, 0, 0, 0, 0]
+
+
+def test_adapter_input_errors():
+    with vattn.KVCacheManager(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                              max_batch_size=2, max_context_len=64, page_size=4096) as kv:
+        k_cache, v_cache = kv.layer(0)
+        q = torch.zeros(3, 4, 16)
+        with pytest.raises(ValueError, match=r"reqids must be in \[0, 1\]"):
+            sdpa_attention(q, k_cache, v_cache, AttentionBatch([2], [0], [3]))
+        with pytest.raises(ValueError, match="<= 64"):
+            sdpa_attention(q, k_cache, v_cache, AttentionBatch([0], [62], [3]))
+        with pytest.raises(ValueError, match="q must be"):
+            sdpa_attention(q[:2], k_cache, v_cache, AttentionBatch([0], [0], [3]))
+        with pytest.raises(ValueError, match="multiple"):
+            sdpa_attention(torch.zeros(3, 3, 16), k_cache, v_cache, AttentionBatch([0], [0], [3]))
+        with pytest.raises(ValueError, match="k must be"):
+            sdpa_attention(q, k_cache, v_cache, AttentionBatch([0], [0], [3]), k=torch.zeros(3, 2, 8),
+                           v=torch.zeros(3, 2, 16))
+
+
+def test_gpu_adapters_refuse_cpu_tensors():
+    """On tensors that are not CUDA tensors the GPU adapters raise a clear error."""
+    with vattn.KVCacheManager(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float16,
+                              max_batch_size=2, max_context_len=64, page_size=4096) as kv:
+        lens = [0, 0]
+        lens[kv.alloc_reqid()] = 3
+        assert kv.step(lens)
+        batch = AttentionBatch([lens.index(3)], [0], [3])
+        for adapter in (flash_attn_attention, flashinfer_single_prefill):
+            with pytest.raises(vattn.BackendUnavailable, match="not installed|needs CUDA"):
+                adapter(torch.zeros(3, 2, 16, dtype=torch.float16), *kv.layer(0), batch)
+        with pytest.raises(vattn.BackendUnavailable, match="not installed|CUDA device"):
+            FlashInferAttention(device="cpu")
+
+
+# ---- GPU adapters ---------------------------------------------------------------
+
+GPU_DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason()))
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("heads_q,heads_kv", HEADS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sdpa_cuda_matches_reference(layout, heads_q, heads_kv, dtype):
+    sc = Scenario("cuda", layout, dtype, heads_q, heads_kv, page_size=None)
+    try:
+        for layer in range(NUM_LAYERS):
+            q, k, v = sc.new[layer]
+            out = sdpa_attention(q, *sc.kv.layer(layer), sc.batch, k=k, v=v)
+            sc.check_cache_rows(layer)
+            assert_matches(out, sc.reference(layer), dtype)
+    finally:
+        sc.close()
+
+
+FA_REASON = _module_reason("flash_attn", "FlashAttention-2")
+
+
+@pytest.mark.skipif(FA_REASON is not None, reason=str(FA_REASON))
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("heads_q,heads_kv", HEADS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_flash_attn_matches_reference(layout, heads_q, heads_kv, dtype):
+    sc = Scenario("cuda", layout, dtype, heads_q, heads_kv, page_size=None)
+    try:
+        for layer in range(NUM_LAYERS):
+            q, k, v = sc.new[layer]
+            out = flash_attn_attention(q, *sc.kv.layer(layer), sc.batch, k=k, v=v)
+            sc.check_cache_rows(layer)
+            assert_matches(out, sc.reference(layer), dtype)
+    finally:
+        sc.close()
+
+
+FI_REASON = _module_reason("flashinfer", "FlashInfer")
+
+
+@pytest.mark.skipif(FI_REASON is not None, reason=str(FI_REASON))
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("heads_q,heads_kv", HEADS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_flashinfer_single_prefill_matches_reference(layout, heads_q, heads_kv, dtype):
+    sc = Scenario("cuda", layout, dtype, heads_q, heads_kv, page_size=None)
+    try:
+        for layer in range(NUM_LAYERS):
+            q, k, v = sc.new[layer]
+            out = flashinfer_single_prefill(q, *sc.kv.layer(layer), sc.batch, k=k, v=v)
+            sc.check_cache_rows(layer)
+            assert_matches(out, sc.reference(layer), dtype)
+    finally:
+        sc.close()
+
+
+@pytest.mark.skipif(FI_REASON is not None, reason=str(FI_REASON))
+@pytest.mark.parametrize("decode_only", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("heads_q,heads_kv", HEADS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_flashinfer_batched_matches_reference(layout, heads_q, heads_kv, decode_only):
+    dtype = torch.float16
+    sc = Scenario("cuda", layout, dtype, heads_q, heads_kv, page_size=None, decode_only=decode_only)
+    try:
+        fi = FlashInferAttention(device="cuda")
+        cfg = sc.kv.config
+        fi.plan(sc.batch, heads_q, heads_kv, HEAD_DIM, cfg.max_context_len, q_dtype=dtype)
+        for layer in range(NUM_LAYERS):
+            q, k, v = sc.new[layer]
+            out = fi.run(q, *sc.kv.layer(layer), k=k, v=v)
+            sc.check_cache_rows(layer)
+            assert_matches(out, sc.reference(layer), dtype)
+    finally:
+        sc.close()

@@ -1,0 +1,409 @@
+"""Unmodified attention kernels on the vattn cache.
+
+Every kernel here reads K/V straight from the cache tensors of
+:meth:`vattn.KVCacheManager.layer` (``[B_max, L, H_kv, D]`` views, either
+layout): no block table, no gather, no copy of the cache. Each request ``r``
+is read only in rows ``[0, seq_len)``, which ``step`` has mapped; nothing reads
+the rest of the slot (a read there would fault).
+
+The per-iteration work is planned once and reused by every layer
+(FlashInfer's plan/run split)::
+
+    batch = AttentionBatch(reqids=[3, 0], cached_lens=[17, 0], query_lens=[1, 5])
+    for i in range(num_layers):
+        k_cache, v_cache = kv.layer(i)
+        out = sdpa_attention(q, k_cache, v_cache, batch, k=k_new, v=v_new)
+
+Token-packed ("varlen") tensors: ``q`` is ``[T, H_q, D]`` and ``k``/``v`` (the
+new tokens) ``[T, H_kv, D]`` where ``T = sum(query_lens)``, request ``i``'s
+tokens at rows ``[query_starts[i], query_starts[i+1])``. Attention is causal
+with the queries aligned to the end of each request (a query at position
+``cached_len + j`` sees keys ``0 .. cached_len + j``).
+
+FlashAttention and FlashInfer are imported on first use; without them, or
+without a CUDA tensor, their adapters raise :class:`vattn.BackendUnavailable`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .errors import BackendUnavailable
+
+__all__ = [
+    "AttentionBatch",
+    "write_kv",
+    "sdpa_attention",
+    "flash_attn_attention",
+    "flashinfer_single_prefill",
+    "FlashInferAttention",
+]
+
+
+class AttentionBatch:
+    """One forward's requests: which reqids, how long, how many new tokens.
+
+    Built once per iteration (it validates and precomputes the index tensors)
+    and passed to every layer's attention call.
+
+    Args:
+        reqids: cache rows (vattn reqids) of the requests in this forward, in
+            the order their tokens appear in ``q``; distinct.
+        cached_lens: tokens each request already has in the cache before this
+            forward.
+        query_lens: new tokens each request brings in this forward (>= 1).
+        device: where the index tensors the kernels take should live
+            (the cache's device).
+
+    ``seq_lens[i] = cached_lens[i] + query_lens[i]`` tokens are attended; the
+    caller must have ``step``-ed every request to at least that length.
+    """
+
+    __slots__ = ("reqids", "cached_lens", "query_lens", "seq_lens", "query_starts", "device", "_tensors")
+
+    def __init__(
+        self,
+        reqids: Sequence[int],
+        cached_lens: Sequence[int],
+        query_lens: Sequence[int],
+        device: str | torch.device = "cpu",
+    ) -> None:
+        reqids, cached_lens, query_lens = (_int_list(n, v) for n, v in
+                                            (("reqids", reqids), ("cached_lens", cached_lens),
+                                             ("query_lens", query_lens)))
+        if not len(reqids) == len(cached_lens) == len(query_lens):
+            raise ValueError(
+                f"reqids, cached_lens and query_lens must have equal lengths, got "
+                f"{len(reqids)}, {len(cached_lens)}, {len(query_lens)}"
+            )
+        if not reqids:
+            raise ValueError("reqids must name at least one request")
+        if min(reqids) < 0 or len(set(reqids)) != len(reqids):
+            raise ValueError(f"reqids must be distinct non-negative ints, got {reqids}")
+        if min(cached_lens) < 0:
+            raise ValueError(f"cached_lens must be >= 0, got {cached_lens}")
+        if min(query_lens) < 1:
+            raise ValueError(f"query_lens must be >= 1, got {query_lens}")
+        self.reqids = reqids
+        self.cached_lens = cached_lens
+        self.query_lens = query_lens
+        self.seq_lens = [c + q for c, q in zip(cached_lens, query_lens)]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        self.query_starts = starts
+        self.device = torch.device(device)
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        """T: new tokens in this forward, all requests together."""
+        return self.query_starts[-1]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request brings exactly one token."""
+        return self.num_tokens == len(self.reqids)
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """A per-batch index tensor on ``device``, built once per batch.
+
+        ``name`` is one of ``reqids``, ``cached_lens``, ``seq_lens``,
+        ``query_starts`` (length B+1), ``token_reqids`` and ``token_positions``
+        (length T: each new token's reqid and position in its request).
+        """
+        key = f"{name}:{dtype}"
+        if key not in self._tensors:
+            if name == "token_reqids":
+                values = [r for r, q in zip(self.reqids, self.query_lens) for _ in range(q)]
+            elif name == "token_positions":
+                values = [p for c, s in zip(self.cached_lens, self.seq_lens) for p in range(c, s)]
+            elif name in ("reqids", "cached_lens", "seq_lens", "query_starts"):
+                values = getattr(self, name)
+            else:
+                raise ValueError(f"unknown batch tensor {name!r}")
+            self._tensors[key] = torch.tensor(values, dtype=dtype, device=self.device)
+        return self._tensors[key]
+
+    def check_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Raises unless both caches are ``[B_max, L, H, D]`` and hold every request."""
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if cache.dim() != 4:
+                raise ValueError(f"{name} must be [max_batch_size, max_context_len, heads, head_dim], "
+                                 f"got shape {tuple(cache.shape)}")
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
+        slots, max_len = k_cache.shape[:2]
+        if max(self.reqids) >= slots:
+            raise ValueError(f"reqids must be in [0, {slots - 1}] for this cache, got {max(self.reqids)}")
+        if max(self.seq_lens) > max_len:
+            raise ValueError(f"cached_lens + query_lens must be <= {max_len} (max_context_len), "
+                             f"got {max(self.seq_lens)}")
+
+    def __repr__(self) -> str:
+        return (f"AttentionBatch(reqids={self.reqids}, cached_lens={self.cached_lens}, "
+                f"query_lens={self.query_lens})")
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Writes the new tokens' K and V (``[T, H_kv, D]``) into their cache rows.
+
+    One indexed store per tensor: row ``(reqid, cached_len + j)`` for every new
+    token; nothing else of the cache is touched.
+    """
+    batch.check_cache(k_cache, v_cache)
+    _check_new_kv(k_cache, batch, k, v)
+    rows = (batch.tensor("token_reqids", torch.long), batch.tensor("token_positions", torch.long))
+    k_cache.index_put_(rows, k)
+    v_cache.index_put_(rows, v)
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """torch ``scaled_dot_product_attention`` on the cache, CPU or GPU.
+
+    Args:
+        q: ``[T, H_q, D]`` queries; ``H_q`` a multiple of ``H_kv`` (GQA).
+        k_cache, v_cache: ``[B_max, L, H_kv, D]`` cache views of one layer.
+        batch: the forward's plan.
+        k, v: ``[T, H_kv, D]`` new tokens, written into the cache first; None
+            when the caller has written them already.
+        softmax_scale: defaults to ``1/sqrt(D)``.
+
+    Returns:
+        ``[T, H_q, D]`` in ``q``'s dtype.
+
+    Each request is one SDPA call on ``k_cache[r, :seq_len]`` (a view), so no
+    request is padded to the longest one.
+    """
+    batch.check_cache(k_cache, v_cache)
+    _check_query(q, k_cache, batch)
+    if k is not None or v is not None:
+        write_kv(k_cache, v_cache, batch, k, v)
+    gqa = q.shape[1] != k_cache.shape[2]
+    out = torch.empty_like(q)
+    starts = batch.query_starts
+    for i, (reqid, seq_len, q_len) in enumerate(zip(batch.reqids, batch.seq_lens, batch.query_lens)):
+        q_i = q[starts[i]:starts[i + 1]].transpose(0, 1)  # [H_q, q_len, D]
+        k_i = k_cache[reqid, :seq_len].transpose(0, 1)  # [H_kv, seq_len, D], a view
+        v_i = v_cache[reqid, :seq_len].transpose(0, 1)
+        mask = None
+        if 1 < q_len < seq_len:  # causal, aligned to the end of the request
+            mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q_len)
+        o_i = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=mask, is_causal=1 < q_len == seq_len,
+                                             scale=softmax_scale, enable_gqa=gqa)
+        out[starts[i]:starts[i + 1]] = o_i.transpose(0, 1)
+    return out
+
+
+def flash_attn_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """FlashAttention-2 ``flash_attn_with_kvcache`` on the whole cache.
+
+    ``cache_batch_idx`` selects the reqids and ``cache_seqlens`` their lengths,
+    so the kernel reads each request's rows in place; new ``k``/``v`` are
+    appended in place by the kernel. Requests with equal ``query_lens`` share
+    one call (a decode batch is one call). Shapes as :func:`sdpa_attention`;
+    CUDA tensors, fp16/bf16, ``head_dim`` a multiple of 8 (otherwise
+    FlashAttention pads, i.e. copies, the whole cache).
+    """
+    flash_attn = _import("flash_attn", "FlashAttention-2 (pip install flash-attn)")
+    batch.check_cache(k_cache, v_cache)
+    _check_query(q, k_cache, batch)
+    _require_cuda(q, k_cache, "flash_attn_attention")
+    if k_cache.shape[-1] % 8:
+        raise ValueError(f"flash_attn_attention needs head_dim % 8 == 0, got {k_cache.shape[-1]}")
+    appending = k is not None
+    if appending:
+        _check_new_kv(k_cache, batch, k, v)
+    lens = batch.tensor("cached_lens" if appending else "seq_lens")
+    reqids = batch.tensor("reqids")
+    out = torch.empty_like(q)
+    for q_len, members in _group_by_query_len(batch).items():
+        idx = torch.tensor(members, dtype=torch.long, device=q.device)
+        rows = _token_rows(batch, members, q.device)
+        grouped = lambda t: t[rows].view(len(members), q_len, *t.shape[1:])  # noqa: E731
+        o = flash_attn.flash_attn_with_kvcache(
+            grouped(q), k_cache, v_cache,
+            k=grouped(k) if appending else None, v=grouped(v) if appending else None,
+            cache_seqlens=lens[idx], cache_batch_idx=reqids[idx],
+            softmax_scale=softmax_scale, causal=True,
+        )
+        out[rows] = o.reshape(-1, *q.shape[1:])
+    return out
+
+
+def flashinfer_single_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """FlashInfer ``single_prefill_with_kv_cache`` per request on
+    ``k_cache[r, :seq_len]`` (NHD views). Shapes as :func:`sdpa_attention`."""
+    flashinfer = _import("flashinfer", "FlashInfer (pip install flashinfer-python)")
+    batch.check_cache(k_cache, v_cache)
+    _check_query(q, k_cache, batch)
+    _require_cuda(q, k_cache, "flashinfer_single_prefill")
+    if k is not None or v is not None:
+        write_kv(k_cache, v_cache, batch, k, v)
+    out = torch.empty_like(q)
+    starts = batch.query_starts
+    for i, (reqid, seq_len) in enumerate(zip(batch.reqids, batch.seq_lens)):
+        out[starts[i]:starts[i + 1]] = flashinfer.single_prefill_with_kv_cache(
+            q[starts[i]:starts[i + 1]], k_cache[reqid, :seq_len], v_cache[reqid, :seq_len],
+            causal=True, kv_layout="NHD", sm_scale=softmax_scale,
+        )
+    return out
+
+
+class FlashInferAttention:
+    """FlashInfer's batched paged kernels, run on the vattn cache as-is.
+
+    The cache ``[B_max, L, H_kv, D]`` is presented as a paged cache with
+    ``page_size = L``: one "page" per request, page index = reqid, last page
+    length = the request's length. So the kernel reads ``k_cache[r, :seq_len]``
+    and nothing else. :meth:`plan` once per forward, :meth:`run` per layer.
+
+    Example::
+
+        fi = FlashInferAttention(device="cuda")
+        fi.plan(batch, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                max_context_len=L, q_dtype=torch.bfloat16)
+        for i in range(num_layers):
+            out = fi.run(q[i], *kv.layer(i), k=k_new[i], v=v_new[i])
+    """
+
+    def __init__(self, device: str | torch.device = "cuda", workspace_bytes: int = 128 << 20) -> None:
+        self._flashinfer = _import("flashinfer", "FlashInfer (pip install flashinfer-python)")
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise BackendUnavailable(f"FlashInferAttention needs a CUDA device, got {self.device}")
+        self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._wrappers: dict[str, Any] = {}
+        self._batch: AttentionBatch | None = None
+        self._wrapper: Any = None
+
+    def plan(
+        self,
+        batch: AttentionBatch,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_context_len: int,
+        q_dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
+        softmax_scale: float | None = None,
+    ) -> None:
+        """Plans the batched decode (every ``query_len`` 1) or prefill kernel."""
+        if max(batch.seq_lens) > max_context_len:
+            raise ValueError(f"seq_lens must be <= max_context_len ({max_context_len}), got {max(batch.seq_lens)}")
+        n = len(batch.reqids)
+        page_indptr = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+        pages = (page_indptr, batch.tensor("reqids"), batch.tensor("seq_lens"))
+        kind = "decode" if batch.is_decode else "prefill"
+        wrapper = self._wrappers.get(kind)
+        if wrapper is None:
+            cls = (self._flashinfer.BatchDecodeWithPagedKVCacheWrapper if kind == "decode"
+                   else self._flashinfer.BatchPrefillWithPagedKVCacheWrapper)
+            wrapper = self._wrappers[kind] = cls(self._workspace, "NHD")
+        common = dict(q_data_type=q_dtype, kv_data_type=kv_dtype or q_dtype, sm_scale=softmax_scale)
+        if kind == "decode":
+            wrapper.plan(*pages, num_qo_heads, num_kv_heads, head_dim, max_context_len, **common)
+        else:
+            wrapper.plan(batch.tensor("query_starts"), *pages, num_qo_heads, num_kv_heads, head_dim,
+                         max_context_len, causal=True, **common)
+        self._batch, self._wrapper = batch, wrapper
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of ``q`` (``[T, H_q, D]``) over one layer's cache; writes
+        ``k``/``v`` (``[T, H_kv, D]``) first when given. Returns ``[T, H_q, D]``."""
+        if self._batch is None:
+            raise RuntimeError("FlashInferAttention.run called before plan()")
+        batch = self._batch
+        batch.check_cache(k_cache, v_cache)
+        _check_query(q, k_cache, batch)
+        if k is not None or v is not None:
+            write_kv(k_cache, v_cache, batch, k, v)
+        return self._wrapper.run(q, (k_cache, v_cache))
+
+
+# ---- helpers ---------------------------------------------------------------------
+
+
+def _int_list(name: str, values: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    out = list(values)
+    for x in out:
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"{name} must hold ints, got {type(x).__name__}")
+    return out
+
+
+def _check_query(q: torch.Tensor, k_cache: torch.Tensor, batch: AttentionBatch) -> None:
+    heads_kv, head_dim = k_cache.shape[2:]
+    if q.dim() != 3 or q.shape[0] != batch.num_tokens or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [{batch.num_tokens}, num_qo_heads, {head_dim}] "
+                         f"(tokens, heads, head_dim), got {tuple(q.shape)}")
+    if q.shape[1] % heads_kv:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of the cache's KV heads ({heads_kv})")
+
+
+def _check_new_kv(k_cache: torch.Tensor, batch: AttentionBatch, k: torch.Tensor | None,
+                  v: torch.Tensor | None) -> None:
+    want = (batch.num_tokens, *k_cache.shape[2:])
+    for name, t in (("k", k), ("v", v)):
+        if t is None or tuple(t.shape) != want:
+            got = None if t is None else tuple(t.shape)
+            raise ValueError(f"{name} must be {list(want)} (new tokens, kv heads, head_dim), got {got}")
+
+
+def _require_cuda(q: torch.Tensor, k_cache: torch.Tensor, what: str) -> None:
+    if q.device.type != "cuda" or k_cache.device.type != "cuda":
+        raise BackendUnavailable(f"{what} needs CUDA tensors, got q on {q.device} and the cache on {k_cache.device}")
+
+
+def _import(module: str, what: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise BackendUnavailable(f"{what} is not installed: {e}") from e
+
+
+def _group_by_query_len(batch: AttentionBatch) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = {}
+    for i, q_len in enumerate(batch.query_lens):
+        groups.setdefault(q_len, []).append(i)
+    return groups
+
+
+def _token_rows(batch: AttentionBatch, members: list[int], device: torch.device) -> torch.Tensor:
+    """Rows of the packed token tensors that belong to requests ``members``."""
+    starts = batch.query_starts
+    rows = [t for i in members for t in range(starts[i], starts[i + 1])]
+    return torch.tensor(rows, dtype=torch.long, device=device)
