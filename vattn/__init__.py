@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .errors import BackendUnavailable, ClosedError, DriverError, OutOfSlots, VAttnError
+from .errors import BackendUnavailable, ClosedError, DriverError, OutOfPages, OutOfSlots, VAttnError
 from .manager import KVCacheManager, SeqLens
 
 __version__ = "0.1.0"
@@ -24,6 +24,7 @@ __all__ = [
     "DriverError",
     "BackendUnavailable",
     "OutOfSlots",
+    "OutOfPages",
     "ClosedError",
     "init",
     "layer",

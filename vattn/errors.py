@@ -36,3 +36,11 @@ class OutOfSlots(VAttnError):
 
 class ClosedError(VAttnError):
     """The manager was cleaned up (or never initialised) and cannot be used."""
+
+
+class OutOfPages(VAttnError, MemoryError):
+    """The physical page pool cannot hold the lengths asked for.
+
+    ``step`` itself returns False in that case, so an engine can preempt; this
+    is raised by integrations that have no one to preempt (a transformers cache).
+    """
