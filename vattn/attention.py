@@ -39,6 +39,7 @@ __all__ = [
     "AttentionBatch",
     "write_kv",
     "sdpa_attention",
+    "sdpa_dense",
     "flash_attn_attention",
     "flashinfer_single_prefill",
     "FlashInferAttention",
@@ -193,20 +194,29 @@ def sdpa_attention(
     _check_query(q, k_cache, batch)
     if k is not None or v is not None:
         write_kv(k_cache, v_cache, batch, k, v)
-    gqa = q.shape[1] != k_cache.shape[2]
     out = torch.empty_like(q)
     starts = batch.query_starts
-    for i, (reqid, seq_len, q_len) in enumerate(zip(batch.reqids, batch.seq_lens, batch.query_lens)):
-        q_i = q[starts[i]:starts[i + 1]].transpose(0, 1)  # [H_q, q_len, D]
-        k_i = k_cache[reqid, :seq_len].transpose(0, 1)  # [H_kv, seq_len, D], a view
-        v_i = v_cache[reqid, :seq_len].transpose(0, 1)
-        mask = None
-        if 1 < q_len < seq_len:  # causal, aligned to the end of the request
-            mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q_len)
-        o_i = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=mask, is_causal=1 < q_len == seq_len,
-                                             scale=softmax_scale, enable_gqa=gqa)
-        out[starts[i]:starts[i + 1]] = o_i.transpose(0, 1)
+    for i, (reqid, seq_len) in enumerate(zip(batch.reqids, batch.seq_lens)):
+        # k_cache[reqid, :seq_len] is a view of the mapped rows: nothing is copied
+        out[starts[i]:starts[i + 1]] = sdpa_dense(q[starts[i]:starts[i + 1]], k_cache[reqid, :seq_len],
+                                                  v_cache[reqid, :seq_len], softmax_scale)
     return out
+
+
+def sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None) -> torch.Tensor:
+    """SDPA of one request: ``q`` ``[q_len, H_q, D]`` over ``k``/``v``
+    ``[seq_len, H_kv, D]`` (any strides), causal with the queries at the last
+    ``q_len`` positions. Returns ``[q_len, H_q, D]``."""
+    q_len, seq_len = q.shape[0], k.shape[0]
+    mask = None
+    if 1 < q_len < seq_len:  # causal, aligned to the end of the request
+        mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q_len)
+    # 4-D [1, H, tokens, D]: torch's CPU flash kernel takes only batched
+    # inputs (3-D ones fall back to the math path, ~20x slower for decode).
+    heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*heads_first, attn_mask=mask, is_causal=1 < q_len == seq_len,
+                                         scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
 
 
 def flash_attn_attention(

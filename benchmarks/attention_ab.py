@@ -1,0 +1,315 @@
+"""Attention kernel time on the vattn cache against a paged cache holding the
+same K/V (vAttention paper, Figs. 3, 4 and 9b).
+
+    python benchmarks/attention_ab.py            # the grid below, a few minutes on 2 CPU cores
+    python benchmarks/attention_ab.py --quick    # a smoke run
+
+One layer of Llama-3-8B (32 query heads, 8 KV heads, head dim 128), prefill
+(``ctx`` new tokens per request, causal) and decode (one new token over ``ctx``
+cached ones), per_layer and all_layers layouts (all_layers with ``--layers``
+layers in the buffer, layer 0 measured, so rows are strided). Each request's
+K/V are written once into a vattn cache and copied into a paged block pool
+with a shuffled block table, so both sides attend over the same numbers.
+
+CPU (always):
+  vattn      torch SDPA on k_cache[r, :n] views (vattn.attention.sdpa_attention)
+  paged-B    the paged way without a paged kernel: gather each request's
+             blocks through its block table (B tokens per block), then the
+             same SDPA call
+GPU (when torch sees one; with FlashAttention / FlashInfer when installed):
+  sdpa / sdpa-paged-16      as above on the GPU
+  fa2 / fa2-paged-{16,256}  flash_attn_with_kvcache: cache_batch_idx on the
+                            vattn cache vs block_table on the paged pool
+  fi / fi-paged-16          FlashInfer: single prefill per request (prefill)
+                            or the decode wrapper with page_size = L (decode)
+                            on the vattn cache vs its paged wrappers, block 16
+
+Every kernel's output is checked against the vattn SDPA output before it is
+timed; the kernels of one point are timed in alternation. Times are medians
+over repetitions, in ms per layer for the whole batch; the
+ratio paged / vattn is taken within one run. Writes
+benchmarks/results/attention_ab_<machine>.json and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
+
+import vattn  # noqa: E402
+from vattn.attention import AttentionBatch, FlashInferAttention, flash_attn_attention, sdpa_attention, sdpa_dense  # noqa: E402
+
+HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
+
+
+class Case:
+    """One (phase, layout, batch, ctx) point: a vattn cache and a paged copy."""
+
+    def __init__(self, phase: str, layout: str, batch: int, ctx: int, layers: int, device: str,
+                 dtype: torch.dtype, block_sizes: list[int]) -> None:
+        self.phase, self.layout, self.batch_size, self.ctx = phase, layout, batch, ctx
+        self.device = torch.device(device)
+        gen = torch.Generator(device="cpu").manual_seed(batch * 100003 + ctx)
+        self.kv = vattn.KVCacheManager(num_layers=layers if layout == "all_layers" else 1,
+                                       num_kv_heads=HEADS_KV, head_dim=HEAD_DIM, dtype=dtype,
+                                       max_batch_size=batch, max_context_len=ctx, device=device, layout=layout,
+                                       background=False, eager=False)
+        reqids = [self.kv.alloc_reqid() for _ in range(batch)]
+        assert self.kv.step([ctx] * batch)
+        self.k_cache, self.v_cache = self.kv.layer(0)
+        for r in reqids:  # one request at a time keeps the host's peak memory low
+            for cache in (self.k_cache, self.v_cache):
+                cache[r].copy_(torch.randn(ctx, HEADS_KV, HEAD_DIM, generator=gen).to(dtype))
+        q_len = ctx if phase == "prefill" else 1
+        cached = [0 if phase == "prefill" else ctx - 1] * batch
+        self.batch = AttentionBatch(reqids, cached, [q_len] * batch, device=device)
+        self.q = torch.randn(batch * q_len, HEADS_Q, HEAD_DIM, generator=gen).to(dtype=dtype, device=device)
+        self.paged = {b: self._paged_copy(b, gen) for b in block_sizes}
+
+    def _paged_copy(self, block: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k_pool, v_pool, block_table): the same K/V in shuffled blocks of ``block`` tokens."""
+        per_req = -(-self.ctx // block)
+        order = torch.randperm(self.batch_size * per_req, generator=gen)
+        table = order.view(self.batch_size, per_req).to(torch.int32)
+        pos = torch.arange(self.ctx)
+        pools = []
+        for cache in (self.k_cache, self.v_cache):
+            pool = torch.zeros(self.batch_size * per_req * block, HEADS_KV, HEAD_DIM, dtype=cache.dtype,
+                               device=self.device)
+            for i, r in enumerate(self.batch.reqids):
+                dest = table[i, pos // block].long() * block + pos % block
+                pool[dest.to(self.device)] = cache[r, :self.ctx]
+            pools.append(pool.view(-1, block, HEADS_KV, HEAD_DIM))
+        return pools[0], pools[1], table.to(self.device)
+
+    def close(self) -> None:
+        self.kv.cleanup()
+
+
+# ---- kernels: each returns {name: callable} for one case --------------------------
+
+
+def paged_sdpa(case: Case, block: int) -> torch.Tensor:
+    """Gather each request's blocks into a dense tensor, then SDPA."""
+    k_pool, v_pool, table = case.paged[block]
+    b = case.batch
+    out = torch.empty_like(case.q)
+    for i, n in enumerate(b.seq_lens):
+        blocks = table[i, :-(-n // block)].long()
+        k = k_pool.index_select(0, blocks).flatten(0, 1)[:n]
+        v = v_pool.index_select(0, blocks).flatten(0, 1)[:n]
+        s, e = b.query_starts[i], b.query_starts[i + 1]
+        out[s:e] = sdpa_dense(case.q[s:e], k, v)
+    return out
+
+
+def sdpa_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.Tensor]]:
+    fns = {"vattn": lambda: sdpa_attention(case.q, case.k_cache, case.v_cache, case.batch)}
+    for block in blocks:
+        fns[f"paged-{block}"] = lambda block=block: paged_sdpa(case, block)
+    return fns
+
+
+def fa2_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.Tensor]]:
+    import flash_attn
+
+    b = case.batch
+    q_len = b.query_lens[0]
+    q = case.q.view(len(b.reqids), q_len, HEADS_Q, HEAD_DIM)
+    seq_lens = b.tensor("seq_lens")
+    fns = {"fa2": lambda: flash_attn_attention(case.q, case.k_cache, case.v_cache, b)}
+    for block in blocks:
+        k_pool, v_pool, table = case.paged[block]
+        fns[f"fa2-paged-{block}"] = lambda k_pool=k_pool, v_pool=v_pool, table=table: (
+            flash_attn.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seq_lens, block_table=table,
+                                               causal=True))
+    return fns
+
+
+def flashinfer_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.Tensor]]:
+    import flashinfer
+
+    from vattn.attention import flashinfer_single_prefill
+
+    b = case.batch
+    fi = FlashInferAttention(device=case.device)
+    fi.plan(b, HEADS_Q, HEADS_KV, HEAD_DIM, case.ctx, q_dtype=case.q.dtype)
+    fns = {"fi-batched": lambda: fi.run(case.q, case.k_cache, case.v_cache)}
+    if case.phase == "prefill":
+        fns["fi-single"] = lambda: flashinfer_single_prefill(case.q, case.k_cache, case.v_cache, b)
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=case.device)
+    for block in blocks:
+        k_pool, v_pool, table = case.paged[block]
+        per_req = table.shape[1]
+        indptr = torch.arange(0, len(b.reqids) * per_req + 1, per_req, dtype=torch.int32, device=case.device)
+        last = torch.tensor([n - (per_req - 1) * block for n in b.seq_lens], dtype=torch.int32,
+                            device=case.device)
+        pages = (indptr, table.flatten(), last)
+        if case.phase == "decode":
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+            w.plan(*pages, HEADS_Q, HEADS_KV, HEAD_DIM, block, q_data_type=case.q.dtype)
+        else:
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            w.plan(b.tensor("query_starts"), *pages, HEADS_Q, HEADS_KV, HEAD_DIM, block, causal=True,
+                   q_data_type=case.q.dtype)
+        fns[f"fi-paged-{block}"] = lambda w=w, k_pool=k_pool, v_pool=v_pool: w.run(case.q, (k_pool, v_pool))
+    return fns
+
+
+# ---- timing -----------------------------------------------------------------------
+
+
+def time_interleaved(fns: dict[str, Callable[[], torch.Tensor]], device: torch.device, min_seconds: float,
+                     min_reps: int) -> dict[str, float]:
+    """Median ms per call of each fn, timed in alternation so that drift of
+    the machine (frequency, neighbours) touches every kernel alike."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    start = time.perf_counter()
+    while (min(len(v) for v in samples.values()) < min_reps
+           or time.perf_counter() - start < min_seconds * len(fns)):
+        for name, fn in fns.items():
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            samples[name].append((time.perf_counter() - t) * 1e3)
+        if len(samples[name]) >= 200:
+            break
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def grid(args: argparse.Namespace) -> list[tuple[str, str, int, int]]:
+    points = []
+    for phase, ctxs, batches, budget in (("decode", args.decode_ctx, args.decode_batch, args.decode_tokens),
+                                         ("prefill", args.prefill_ctx, args.prefill_batch, args.prefill_tokens)):
+        for layout in args.layouts:
+            for ctx in ctxs:
+                for batch in batches:
+                    if batch * ctx <= budget:
+                        points.append((phase, layout, batch, ctx))
+    return points
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main() -> None:
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if gpu else "cpu")
+    p.add_argument("--dtype", default="float16" if gpu else "float32",
+                   help="float32 on the CPU: torch's CPU SDPA is fastest there")
+    p.add_argument("--layouts", type=lambda s: s.split(","), default=["per_layer", "all_layers"])
+    p.add_argument("--layers", type=int, default=2, help="layers in the all_layers buffer")
+    p.add_argument("--decode-ctx", type=ints, default=[1024, 4096, 16384, 32768])
+    p.add_argument("--decode-batch", type=ints, default=[1, 8, 64])
+    p.add_argument("--decode-tokens", type=int, default=(1 << 21) if gpu else 1 << 18,
+                   help="largest batch x ctx measured in decode")
+    p.add_argument("--prefill-ctx", type=ints, default=[1024, 2048, 4096, 16384, 32768] if gpu else [1024, 2048, 4096])
+    p.add_argument("--prefill-batch", type=ints, default=[1, 4, 16, 64] if gpu else [1, 4])
+    p.add_argument("--prefill-tokens", type=int, default=(1 << 19) if gpu else 1 << 13,
+                   help="largest batch x ctx measured in prefill")
+    p.add_argument("--blocks", type=ints, default=[16, 256] if gpu else [16],
+                   help="block sizes (tokens) of the paged baselines")
+    p.add_argument("--min-seconds", type=float, default=0.3)
+    p.add_argument("--quick", action="store_true", help="tiny grid, for a smoke run")
+    args = p.parse_args()
+    if args.quick:
+        args.decode_ctx, args.decode_batch, args.prefill_ctx, args.prefill_batch = [1024], [1, 4], [512], [1]
+        args.min_seconds = 0.05
+    dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device)
+
+    families: list[Callable[[Case, list[int]], dict[str, Callable[[], torch.Tensor]]]] = [sdpa_kernels]
+    skipped = []
+    if device.type == "cuda":
+        for name, module, fam in (("FlashAttention-2", "flash_attn", fa2_kernels),
+                                  ("FlashInfer", "flashinfer", flashinfer_kernels)):
+            try:
+                __import__(module)
+                families.append(fam)
+            except ImportError:
+                skipped.append(f"{name}: python package {module!r} not installed")
+
+    points = grid(args)
+    rows = []
+    for n, (phase, layout, batch, ctx) in enumerate(points, 1):
+        case = Case(phase, layout, batch, ctx, args.layers, args.device, dtype, args.blocks)
+        try:
+            times: dict[str, float | None] = {}
+            reference = sdpa_attention(case.q, case.k_cache, case.v_cache, case.batch).float()
+            checked = {}
+            for fam in families:
+                for name, fn in fam(case, args.blocks).items():
+                    try:
+                        # every kernel must agree before it is timed (this call is also its warm-up)
+                        out = fn().reshape(reference.shape).float()
+                        torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)
+                        checked[name] = fn
+                    except Exception as e:  # noqa: BLE001 - a kernel that refuses a shape is recorded, not fatal
+                        times[name] = None
+                        skipped.append(f"{name} {phase} {layout} B={batch} ctx={ctx}: {type(e).__name__}: {e}")
+            times.update(time_interleaved(checked, device, args.min_seconds, 3))
+        finally:
+            case.close()
+        row = dict(phase=phase, layout=layout, batch=batch, ctx=ctx, ms=times)
+        base = times.get("vattn")
+        row["paged_over_vattn"] = {k: round(v / base, 3) for k, v in times.items()
+                                   if k.startswith("paged") and v and base}
+        rows.append(row)
+        shown = "  ".join(f"{k} {v:.3f}" for k, v in times.items() if v is not None)
+        print(f"[{n}/{len(points)}] {phase:7s} {layout:10s} B={batch:<3d} ctx={ctx:<6d} ms: {shown}", flush=True)
+
+    m = machine()
+    name = f"attention_ab_{machine_slug(m)}"
+    path = write_json(name, {
+        "benchmark": "attention_ab",
+        "machine": m,
+        "shape": {"heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtype": args.dtype,
+                  "all_layers_layers": args.layers},
+        "device": str(device),
+        "unit": "ms per layer for the whole batch (median)",
+        "results": rows,
+        "not_measured": skipped,
+    })
+    print(f"wrote {path}")
+    for line in skipped:
+        print("not measured:", line)
+    plot(rows, name, args.blocks)
+
+
+def plot(rows: list[dict], name: str, blocks: list[int]) -> None:
+    plt = pyplot()
+    phases = [ph for ph in ("decode", "prefill") if any(r["phase"] == ph for r in rows)]
+    fig, axes = plt.subplots(1, len(phases), figsize=(6.5 * len(phases), 4.2), squeeze=False)
+    for ax, phase in zip(axes[0], phases):
+        for layout, style in (("per_layer", "-"), ("all_layers", "--")):
+            for batch in sorted({r["batch"] for r in rows if r["phase"] == phase}):
+                sel = [r for r in rows if (r["phase"], r["layout"], r["batch"]) == (phase, layout, batch)]
+                key = f"paged-{blocks[0]}"
+                pts = [(r["ctx"], r["paged_over_vattn"][key]) for r in sel if key in r["paged_over_vattn"]]
+                if pts:
+                    xs, ys = zip(*pts)
+                    ax.plot(xs, ys, style, marker="o", label=f"{layout} B={batch}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(f"paged (block {blocks[0]}) time / vattn time")
+        ax.set_title(f"{phase}: SDPA, gather-then-attend vs contiguous")
+        ax.legend(fontsize=7)
+    save_plot(fig, name)
+
+
+if __name__ == "__main__":
+    main()
