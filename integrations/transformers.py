@@ -30,12 +30,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from vattn import KVCacheManager
 from vattn.errors import OutOfPages
 
+from ._hf_model import kv_shape
+
 __all__ = ["VAttnCache"]
-
-# Layer types whose cache is plain K/V of every token. Sliding and chunked
-# layers keep every token too (their mask limits what attention sees).
-_KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-
 
 class _Batch:
     """State the layers share: the manager, the batch size, the mapped lengths."""
@@ -218,17 +215,8 @@ class VAttnCache(Cache):
         Layers, KV heads and head dim come from the model's text config; dtype
         and device from the model's parameters unless given.
         """
-        config = model.config.get_text_config(decoder=True)
-        layer_types = getattr(config, "layer_types", None) or []
-        unsupported = sorted(set(layer_types) - set(_KV_LAYER_TYPES))
-        if unsupported:
-            raise ValueError(f"VAttnCache holds attention K/V only; this model has layer types {unsupported}")
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(
-            num_layers=config.num_hidden_layers,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
+            **kv_shape(model),
             dtype=dtype or model.dtype,
             max_batch_size=max_batch_size,
             max_context_len=max_context_len,

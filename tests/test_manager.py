@@ -84,6 +84,7 @@ def test_step_maps_exactly_the_pages_needed(layout):
             want = math.ceil(n * cfg.token_bytes_per_buffer / kv.page_size)
             assert kv._pages.mapped_pages(r) == want
             assert kv.stats()["pages_mapped"] == want * cfg.num_buffers
+            assert kv.mapped_bytes(r) == kv.stats()["bytes_mapped"] == want * cfg.num_buffers * kv.page_size
 
 
 def test_tensor_shapes_and_strides():

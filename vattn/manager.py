@@ -230,6 +230,11 @@ class KVCacheManager:
         pages = self._pages.mapped_pages(_as_int("reqid", reqid))
         return min(pages * self.page_size // self.config.token_bytes_per_buffer, self.config.max_context_len)
 
+    def mapped_bytes(self, reqid: int) -> int:
+        """Physical bytes mapped behind reqid's slices, all buffers together."""
+        pages = self._pages.mapped_pages(_as_int("reqid", reqid))
+        return pages * self.page_size * self.config.num_buffers
+
     def is_allocated(self, reqid: int) -> bool:
         return self._pages.slot_allocated(_as_int("reqid", reqid))
 
