@@ -27,18 +27,23 @@ def test_info_reports_backends():
     assert "available" in data["backends"]["cuda"]
 
 
-def test_demo_quick_reports_throughput_and_memory():
-    out = run_cli("demo", "--quick")
-    assert re.search(r"finished 16 requests", out)
-    assert re.search(r"\d+ generated tokens/s", out)
+def test_demo_quick_serves_the_trace_and_reports_throughput_and_memory(tmp_path):
+    plot = tmp_path / "demo.png"
+    out = run_cli("demo", "--quick", "--plot", str(plot))
+    assert "finished 12 requests" in out
+    assert float(re.search(r"([\d.]+) requests/s", out).group(1)) > 0
+    assert int(re.search(r"(\d+) generated tokens/s", out).group(1)) > 0
+    assert re.search(r"time to first token: mean [\d.]+ s", out)
     peak = float(re.search(r"peak mapped ([\d.]+) MiB", out).group(1))
     static = float(re.search(r"static max-length reservation needs (\d+) MiB", out).group(1))
     assert 0 < peak < static
+    assert re.search(r"fragmentation: \d+%", out)
+    assert plot.stat().st_size > 10_000
 
 
 def test_demo_preempts_under_a_small_budget():
-    out = run_cli("demo", "--quick", "--physical-memory-mb", "24")
-    assert "finished 16 requests" in out
+    out = run_cli("demo", "--quick", "--physical-memory-mb", "1")
+    assert "finished 12 requests" in out
     assert int(re.search(r"(\d+) preemptions", out).group(1)) > 0
 
 

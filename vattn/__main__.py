@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="backends, granularity, page sizes, memory, build")
     info.add_argument("--json", action="store_true", help="print as JSON")
-    demo = sub.add_parser("demo", help="a synthetic serving workload on the host backend")
+    demo = sub.add_parser("demo", help="serve a model with continuous batching on vattn (CPU)")
     from .demo import add_arguments
 
     add_arguments(demo)

@@ -1,164 +1,211 @@
-"""`python -m vattn demo`: a synthetic serving workload on the host backend.
+"""`python -m vattn demo`: serve a model with continuous batching on vattn, on the CPU.
 
-Requests with different prompt and output lengths arrive over time; each
-iteration admits what fits, calls `step` with every running request's length,
-writes the new tokens' K/V and runs torch SDPA (GQA) straight on the cache
-rows `k[reqid, :n]`. It reports throughput and how much KV memory vattn mapped
-against what it reserved virtually and what a static max-length reservation
-(one full `max_context_len` slice per request) would have committed.
+By default the model is a small random-weight Llama-style model built from a
+config (no download); ``--model PATH`` loads a local transformers checkpoint
+instead. A synthetic trace of requests with varied prompt and output lengths
+arrives over time; :class:`vattn.integrations.engine.Engine` serves it and the
+demo reports throughput, time to first token, and the KV memory vattn mapped
+over time against what a static max-length reservation (Orca-style: every
+request slot holds ``max_context_len`` tokens) would hold for the same trace.
+Needs transformers (``pip install -e ".[transformers]"``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
+import statistics
+import sys
 import time
-from collections import deque
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .config import LAYOUTS
-from .manager import KVCacheManager
 
 MiB = 1024 * 1024
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=None, help="requests in the trace (default 64; 16 with --quick)")
+    p.add_argument("--model", default=None, help="a local transformers checkpoint (default: a random-weight Llama)")
+    p.add_argument("--requests", type=int, default=None, help="requests in the trace (default 48; 12 with --quick)")
+    p.add_argument("--rate", type=float, default=6.0, help="mean arrivals per second (Poisson)")
     p.add_argument("--max-batch-size", type=int, default=16)
-    p.add_argument("--max-context-len", type=int, default=4096, help="tokens")
-    p.add_argument("--page-size", type=int, default=64 * 1024, help="bytes (default 64 KiB)")
+    p.add_argument("--max-context-len", type=int, default=1024, help="tokens")
+    p.add_argument("--page-size", type=int, default=16 * 1024,
+                   help="bytes (default 16 KiB: 32 tokens of the default model, as 64 KiB are for Llama-3-8B)")
     p.add_argument("--layout", choices=LAYOUTS, default="per_layer")
+    p.add_argument("--eager-tokens", type=int, default=256, help="tokens the mapper pre-maps for the next request")
     p.add_argument("--physical-memory-mb", type=int, default=None, help="physical KV budget in MiB")
-    p.add_argument("--quick", action="store_true", help="a short trace (a few seconds)")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw memory and batch size over time")
+    p.add_argument("--quick", action="store_true", help="a short trace (seconds), as CI runs it")
     p.add_argument("--seed", type=int, default=0)
 
 
-@dataclasses.dataclass
-class Request:
-    rid: int
-    arrival: int  # iteration at which it arrives
-    prompt_len: int  # tokens
-    output_len: int  # tokens to generate
-    generated: int = 0
-    reqid: int = -1  # vattn slot while running
-    cached: int = 0  # tokens whose K/V are in the cache
+def build_model(path: str | None, quick: bool) -> tuple[Any, str]:
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    @property
-    def length(self) -> int:
-        return self.prompt_len + self.generated
-
-
-# A small GQA attention stack: shapes only matter for the cache and kernels.
-LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 8, 16, 4, 64
+    if path:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return model.eval(), f"{path}"
+    torch.manual_seed(0)
+    layers, hidden = (4, 256) if quick else (8, 512)
+    config = LlamaConfig(vocab_size=8192, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
+                         max_position_embeddings=4096, eos_token_id=None, bos_token_id=1, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    return model, (f"a random-weight Llama-style model ({layers} layers, 8 query heads, 2 KV heads x "
+                   f"{hidden // 8}, {params:.0f}M parameters, float32)")
 
 
-def make_trace(n: int, max_context_len: int, rng: random.Random, quick: bool) -> list[Request]:
-    max_prompt, max_out = (256, 64) if quick else (1024, 256)
-    reqs, t = [], 0
-    for rid in range(n):
-        t += rng.choice((0, 0, 1, 2, 4))
-        prompt = rng.randint(32, min(max_prompt, max_context_len // 2))
-        out = rng.randint(8, min(max_out, max_context_len - prompt))
-        reqs.append(Request(rid, t, prompt, out))
-    return reqs
+def make_trace(n: int, rate: float, vocab: int, max_context_len: int, quick: bool,
+               rng: random.Random) -> list[tuple[float, list[int], int]]:
+    """(arrival second, prompt ids, max_new_tokens) per request."""
+    max_prompt, max_out = (96, 48) if quick else (512, 256)
+    max_prompt = min(max_prompt, max_context_len // 2)
+    max_out = min(max_out, max_context_len - max_prompt)
+    trace, t = [], 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(8, max_prompt))]
+        trace.append((t, prompt, rng.randint(4, max_out)))
+    return trace
 
 
-def attend(kv: KVCacheManager, req: Request, start: int, stop: int) -> None:
-    """Writes K/V of tokens [start, stop) and attends their queries to [0, stop)."""
-    r = req.reqid
-    new = stop - start
-    for layer in range(LAYERS):
-        k, v = kv.layer(layer)
-        k[r, start:stop] = torch.randn(new, KV_HEADS, HEAD_DIM)
-        v[r, start:stop] = torch.randn(new, KV_HEADS, HEAD_DIM)
-        q = torch.randn(1, Q_HEADS, new, HEAD_DIM)
-        # [n, H, D] -> [1, H, n, D]: a view of the mapped rows only
-        F.scaled_dot_product_attention(q, k[r, :stop].transpose(0, 1)[None], v[r, :stop].transpose(0, 1)[None],
-                                       is_causal=start == 0, enable_gqa=True)
-    req.cached = stop
+class Progress:
+    """One line on stderr: redrawn on a terminal, printed every 10% otherwise."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.tty, self.last_decile = total, sys.stderr.isatty(), -1
+
+    def update(self, done: int, text: str) -> None:
+        bar = "#" * (30 * done // self.total)
+        line = f"[{bar:30s}] {done}/{self.total} requests  {text}"
+        if self.tty:
+            print("\r" + line, end="", file=sys.stderr, flush=True)
+        elif 10 * done // self.total > self.last_decile:
+            self.last_decile = 10 * done // self.total
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
-    rng = random.Random(args.seed)
-    torch.manual_seed(args.seed)
-    n_requests = args.requests or (16 if args.quick else 64)
-    trace = make_trace(n_requests, args.max_context_len, rng, args.quick)
-    physical = None if args.physical_memory_mb is None else args.physical_memory_mb * MiB
-    kv = KVCacheManager(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
-                        max_batch_size=args.max_batch_size, max_context_len=args.max_context_len,
-                        page_size=args.page_size, layout=args.layout, physical_memory=physical)
-    B = args.max_batch_size
-    print(f"vattn demo: {len(trace)} requests, {LAYERS} layers, {KV_HEADS} KV heads x {HEAD_DIM} (GQA {Q_HEADS}q), "
-          f"fp32, max_batch_size {B}, max_context_len {args.max_context_len}, page {args.page_size // 1024} KiB, "
-          f"layout {args.layout}")
-    pending = deque(trace)
-    waiting: deque[Request] = deque()
-    running: list[Request] = []
-    done = 0
-    it = 0
-    tokens_out = prefill_tokens = preemptions = 0
-    mapped_samples, used_samples = [], []
-    memory_full = False
-    t0 = time.perf_counter()
-    with kv:
-        while done < len(trace):
-            while pending and pending[0].arrival <= it:
-                waiting.append(pending.popleft())
-            # After a preemption, admit nothing until a request finishes: memory is full.
-            while waiting and len(running) < B and not memory_full:
-                req = waiting.popleft()
-                req.reqid = kv.alloc_reqid(prompt_len=req.length)
-                req.cached = 0
-                running.append(req)
-            lens = [0] * B
-            for req in running:
-                lens[req.reqid] = req.length if req.cached == 0 else req.length + 1
-            while not kv.step(lens):
-                victim = running.pop()  # most recently admitted: recompute later
-                if not running:
-                    raise SystemExit("a single request does not fit in physical memory; raise --physical-memory-mb")
-                kv.free_reqid(victim.reqid)
-                lens[victim.reqid] = 0
-                waiting.appendleft(victim)
-                preemptions += 1
-                memory_full = True
-            for req in running:
-                if req.cached == 0:
-                    attend(kv, req, 0, req.length)  # prefill (or recompute after preemption)
-                    prefill_tokens += req.length
-                else:
-                    attend(kv, req, req.length, req.length + 1)
-                    req.generated += 1
-                    tokens_out += 1
-            s = kv.stats()
-            mapped_samples.append(s["bytes_mapped"])
-            used_samples.append(s["bytes_used"])
-            for req in [r for r in running if r.generated >= r.output_len]:
-                running.remove(req)
-                kv.free_reqid(req.reqid)
-                done += 1
-                memory_full = False
-            it += 1
-            if it % 50 == 0:
-                print(f"  iteration {it}: {done}/{len(trace)} done, batch {len(running)}, "
-                      f"KV mapped {s['bytes_mapped'] / MiB:.1f} MiB", flush=True)
-        elapsed = time.perf_counter() - t0
-        s = kv.stats()
-    peak = max(mapped_samples)
-    mean_mapped = sum(mapped_samples) / len(mapped_samples)
-    mean_used = sum(used_samples) / len(used_samples)
-    print(f"\nfinished {done} requests in {it} iterations, {elapsed:.1f} s")
-    print(f"  throughput: {tokens_out / elapsed:.0f} generated tokens/s, {prefill_tokens / elapsed:.0f} prefill tokens/s, "
-          f"{done / elapsed:.2f} requests/s; {preemptions} preemptions")
-    print(f"  KV memory: peak mapped {peak / MiB:.1f} MiB, mean mapped {mean_mapped / MiB:.1f} MiB "
-          f"(mean in use {mean_used / MiB:.1f} MiB)")
-    print(f"             reserved virtually {s['bytes_reserved'] / MiB:.0f} MiB; "
-          f"a static max-length reservation needs {s['bytes_static'] / MiB:.0f} MiB")
-    print(f"  In plain words: vattn committed at most {100 * peak / s['bytes_static']:.1f}% of the memory a "
-          f"static reservation would hold for the same batch, and on average "
-          f"{100 * (1 - mean_used / mean_mapped) if mean_mapped else 0:.1f}% of what it mapped was unused "
-          f"(partly filled last pages, and freed requests' pages kept for reuse).")
+    try:
+        from vattn.integrations.engine import Engine
+    except ImportError as e:
+        print(f"the demo needs transformers: pip install -e \".[transformers]\" ({e})", file=sys.stderr)
+        return 1
+    n = args.requests or (12 if args.quick else 48)
+    model, described = build_model(args.model, args.quick)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    trace = make_trace(n, args.rate, vocab, args.max_context_len, args.quick, random.Random(args.seed))
+    options: dict[str, Any] = dict(page_size=args.page_size, layout=args.layout, eager_tokens=args.eager_tokens)
+    if args.physical_memory_mb:
+        options["physical_memory"] = args.physical_memory_mb * MiB
+    engine = Engine(model, args.max_batch_size, args.max_context_len, device="cpu", **options)
+    try:
+        cfg = engine.kv.config
+        print(f"vattn demo: continuous batching of {described} on the CPU")
+        print(f"KV cache: {cfg.layout}, pages of {engine.kv.page_size // 1024} KiB, physical pool "
+              f"{engine.kv.stats()['bytes_total'] / MiB:.1f} MiB, {cfg.max_batch_size} request slots x "
+              f"{cfg.max_context_len} tokens")
+        prompts = [len(p) for _, p, _ in trace]
+        outs = [m for _, _, m in trace]
+        print(f"trace: {n} requests arriving over {trace[-1][0]:.1f} s, prompts {min(prompts)}-{max(prompts)} "
+              f"tokens, outputs {min(outs)}-{max(outs)} tokens")
+        results, t0 = serve(engine, trace)
+        report(engine, results, trace, t0)
+        if args.plot:
+            plot(engine, t0, args.plot)
+    finally:
+        engine.close()
     return 0
+
+
+def serve(engine: Any, trace: list[tuple[float, list[int], int]]) -> tuple[dict, float]:
+    """Feeds requests at their arrival times; returns finished outputs and the start time."""
+    progress = Progress(len(trace))
+    results: dict[int, Any] = {}
+    arrival_of: dict[int, float] = {}
+    pending = list(trace)
+    t0 = time.perf_counter()
+    generated = 0
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while pending and pending[0][0] <= now:
+            at, prompt, max_new = pending.pop(0)
+            arrival_of[engine.add_request(prompt, max_new)] = t0 + at
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0][0] - now))  # idle until the next arrival
+            continue
+        for out in engine.step():
+            results[out.request_id] = out
+            generated += len(out.output)
+        mapped = engine.history[-1]["bytes_mapped"] / MiB
+        progress.update(len(results), f"batch {len(engine.running):2d}  KV mapped {mapped:6.1f} MiB  "
+                                      f"{generated / (time.perf_counter() - t0):5.0f} tok/s")
+    progress.close()
+    for rid, at in arrival_of.items():  # time to first token counts from the trace's arrival
+        results[rid].arrival_time = at
+    return results, t0
+
+
+def report(engine: Any, results: dict, trace: list, t0: float) -> None:
+    outs = list(results.values())
+    elapsed = max(o.finish_time for o in outs) - t0
+    generated = sum(len(o.output) for o in outs)
+    prompt_tokens = sum(len(o.prompt) for o in outs)
+    ttft = sorted(o.first_token_time - o.arrival_time for o in outs if o.first_token_time)
+    history = engine.history
+    mapped = [h["bytes_mapped"] for h in history]
+    peak = max(mapped)
+    static = engine.kv.config.static_bytes()
+    busy = [h for h in history if h["bytes_needed"]]
+    waste = [1 - h["bytes_used"] / h["bytes_needed"] for h in busy]
+    s = engine.stats()
+    print(f"\nfinished {len(outs)} requests in {elapsed:.1f} s ({s['iterations']} iterations): "
+          f"{len(outs) / elapsed:.2f} requests/s, {generated / elapsed:.0f} generated tokens/s "
+          f"({(generated + prompt_tokens) / elapsed:.0f} tokens/s with prompts)")
+    print(f"time to first token: mean {statistics.fmean(ttft):.2f} s, median {statistics.median(ttft):.2f} s, "
+          f"p90 {ttft[int(0.9 * (len(ttft) - 1))]:.2f} s")
+    print(f"KV memory: peak mapped {peak / MiB:.1f} MiB, mean {statistics.fmean(mapped) / MiB:.1f} MiB; a static "
+          f"max-length reservation needs {static / MiB:.0f} MiB for the same {engine.kv.config.max_batch_size} "
+          f"slots. Running requests' tokens needed at most {max(h['bytes_needed'] for h in history) / MiB:.1f} MiB "
+          f"of pages; the rest stayed mapped for reuse (finished requests' pages, the pre-mapped next slot), "
+          f"to be unmapped only when free pages run low")
+    print(f"fragmentation: {100 * statistics.fmean(waste):.0f}% of the pages running requests needed held no "
+          f"token on average (the partly filled last page of each request)")
+    print(f"{s['preemptions']} preemptions (requests recomputed after running out of pages)")
+    print(f"In plain words: serving this trace, vattn committed at most {100 * peak / static:.1f}% of the "
+          f"memory a static max-length reservation would have held, and attention read the cache as plain "
+          f"dense tensors, with no block table.")
+
+
+def plot(engine: Any, t0: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    h = engine.history
+    t = [x["time"] - t0 for x in h]
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    ax.plot(t, [x["bytes_mapped"] / MiB for x in h], label="vattn: mapped (all)")
+    ax.plot(t, [x["bytes_needed"] / MiB for x in h], label="vattn: pages the running requests need")
+    ax.plot(t, [x["bytes_used"] / MiB for x in h], label="tokens held")
+    ax.axhline(engine.kv.config.static_bytes() / MiB, color="red", ls="--", label="static max-length reservation")
+    ax.set_ylabel("KV memory (MiB)")
+    ax.set_yscale("log")
+    ax.legend()
+    bx.plot(t, [x["running"] for x in h], label="running")
+    bx.plot(t, [x["waiting"] for x in h], label="waiting")
+    bx.set_ylabel("requests")
+    bx.set_xlabel("time (s)")
+    bx.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
