@@ -189,6 +189,22 @@ def test_deferred_free_and_reuse_prefers_mapped_slot():
             kv.alloc_reqid()
 
 
+def test_alloc_a_chosen_reqid():
+    with make(page_size=4 * KiB) as kv:
+        assert kv.alloc_reqid(reqid=2) == 2
+        assert kv.alloc_reqid(prompt_len=7, reqid=0) == 0
+        assert [kv.is_allocated(r) for r in range(4)] == [True, False, True, False]
+        before = manager_state(kv)
+        with pytest.raises(ValueError, match="already allocated"):
+            kv.alloc_reqid(reqid=2)
+        with pytest.raises(ValueError, match=r"reqid must be in \[0, 3\]"):
+            kv.alloc_reqid(reqid=4)
+        assert manager_state(kv) == before
+        assert kv.alloc_reqid() == 1  # the free reqids are still handed out as before
+        kv.free_reqid(2)
+        assert kv.alloc_reqid(reqid=2) == 2
+
+
 def test_bad_inputs_raise_and_change_nothing():
     with make(max_batch_size=3, max_context_len=64, page_size=4 * KiB) as kv:
         r = kv.alloc_reqid()

@@ -97,9 +97,9 @@ def layer(index: int) -> tuple[torch.Tensor, torch.Tensor]:
     return get_manager().layer(index)
 
 
-def alloc_reqid(prompt_len: int | None = None) -> int:
-    """A free reqid in ``[0, B)``; raises :class:`OutOfSlots` when none is free."""
-    return get_manager().alloc_reqid(prompt_len)
+def alloc_reqid(prompt_len: int | None = None, reqid: int | None = None) -> int:
+    """A free reqid in ``[0, B)`` (``reqid``: that one); raises :class:`OutOfSlots` when none is free."""
+    return get_manager().alloc_reqid(prompt_len, reqid)
 
 
 def free_reqid(reqid: int) -> None:

@@ -179,22 +179,29 @@ class KVCacheManager:
 
     # ---- requests ------------------------------------------------------------
 
-    def alloc_reqid(self, prompt_len: int | None = None) -> int:
+    def alloc_reqid(self, prompt_len: int | None = None, reqid: int | None = None) -> int:
         """Returns a free reqid in ``[0, max_batch_size)``.
 
         Prefers the free reqid whose pages are still mapped: with ``prompt_len``
         (tokens) the smallest mapping that covers it, else the largest mapping.
-        Raises :class:`vattn.OutOfSlots` when all reqids are in use.
+        ``reqid`` asks for that reqid instead, for callers that number requests
+        themselves (a framework's block id); it must be free. Raises
+        :class:`vattn.OutOfSlots` when all reqids are in use.
         """
+        wanted = -1
+        if reqid is not None:
+            wanted = _as_int("reqid", reqid)
+            if not 0 <= wanted < self.config.max_batch_size:
+                raise ValueError(f"reqid must be in [0, {self.config.max_batch_size - 1}], got {reqid}")
         if prompt_len is None:
-            return self._pages.alloc_slot(-1)
+            return self._pages.alloc_slot(-1, wanted)
         if isinstance(prompt_len, bool) or not isinstance(prompt_len, int):
             raise TypeError(f"prompt_len must be an int or None, got {type(prompt_len).__name__}")
         if not 0 <= prompt_len <= self.config.max_context_len:
             raise ValueError(
                 f"prompt_len must be in [0, {self.config.max_context_len}] (max_context_len), got {prompt_len}"
             )
-        return self._pages.alloc_slot(prompt_len)
+        return self._pages.alloc_slot(prompt_len, wanted)
 
     def free_reqid(self, reqid: int) -> None:
         """Ends a request. Its pages stay mapped for reuse until memory runs low."""

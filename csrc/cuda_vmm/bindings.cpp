@@ -289,7 +289,7 @@ PYBIND11_MODULE(_C, m) {
       .def("wait_idle", &PageManager::wait_idle, py::call_guard<py::gil_scoped_release>(),
            "Block until the background mapper has nothing left to do.")
       .def("alloc_slot", &PageManager::alloc_slot, py::arg("prompt_tokens") = -1,
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("wanted_slot") = -1, py::call_guard<py::gil_scoped_release>())
       .def("free_slot", &PageManager::free_slot, py::arg("slot"),
            py::call_guard<py::gil_scoped_release>())
       .def(

@@ -118,14 +118,22 @@ int64_t PageManager::best_free_slot(int64_t prompt_tokens) const {
   return best;
 }
 
-int64_t PageManager::alloc_slot(int64_t prompt_tokens) {
+int64_t PageManager::alloc_slot(int64_t prompt_tokens, int64_t wanted_slot) {
   Lock lock(mu_);
   check_open();
   if (prompt_tokens > static_cast<int64_t>(config_.max_tokens))
     throw std::invalid_argument("alloc_reqid: prompt_len must be in " +
                                 range_text(0, config_.max_tokens) + ", got " +
                                 std::to_string(prompt_tokens));
-  int64_t best = best_free_slot(prompt_tokens);
+  int64_t best = wanted_slot;
+  if (wanted_slot >= 0) {  // the caller owns slot numbering (a framework's block id)
+    check_slot(wanted_slot, "alloc_reqid");
+    if (slot_allocated_[wanted_slot])
+      throw std::invalid_argument("alloc_reqid: reqid " + std::to_string(wanted_slot) +
+                                  " is already allocated");
+  } else {
+    best = best_free_slot(prompt_tokens);
+  }
   if (best < 0)
     throw OutOfSlots("alloc_reqid: all " + std::to_string(config_.num_slots) +
                      " reqids are in use (max_batch_size); free one with free_reqid");

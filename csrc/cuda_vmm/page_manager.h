@@ -99,7 +99,7 @@ class PageManager {
   // Returns a free slot: the one whose mapped pages fit best (most pages when
   // prompt_tokens < 0; else the smallest that covers prompt_tokens, else the
   // largest). Throws OutOfSlots when none is free.
-  int64_t alloc_slot(int64_t prompt_tokens);
+  int64_t alloc_slot(int64_t prompt_tokens, int64_t wanted_slot = -1);
   // Marks a slot free. Its pages stay mapped (deferred_reclaim) or are unmapped now.
   void free_slot(int64_t slot);
   // Maps pages so every allocated slot s holds seq_lens[s] tokens. Returns
