@@ -87,6 +87,24 @@ def test_step_maps_exactly_the_pages_needed(layout):
             assert kv.mapped_bytes(r) == kv.stats()["bytes_mapped"] == want * cfg.num_buffers * kv.page_size
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kv_tensor_stacks_k_and_v_of_a_layer(layout):
+    with make(layout=layout, page_size=4 * KiB) as kv:
+        r = kv.alloc_reqid()
+        assert kv.step(lens_for(kv, {r: 10}))
+        for i in range(kv.config.num_layers):
+            k, v = kv.layer(i)
+            k[r, :10], v[r, :10] = i + 1, -(i + 1)
+        for i in range(kv.config.num_layers):
+            k, v = kv.layer(i)
+            both = kv.kv_tensor(i)
+            assert both.shape == (2, *k.shape) and both[0].stride() == k.stride()
+            assert both[0].data_ptr() == k.data_ptr() and both[1].data_ptr() == v.data_ptr()
+            assert torch.equal(both[0, r, :10], k[r, :10]) and torch.equal(both[1, r, :10], v[r, :10])
+            both[1, r, 3] = 7.0  # writes land in the layer's V
+            assert bool((v[r, 3] == 7.0).all())
+
+
 def test_tensor_shapes_and_strides():
     with make(layout="per_layer") as kv:
         k, v = kv.layer(1)

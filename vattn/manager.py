@@ -135,6 +135,18 @@ class KVCacheManager:
             raise ValueError(f"layer index must be in [0, {self.config.num_layers - 1}], got {index}")
         return self._views()[index]
 
+    def kv_tensor(self, index: int) -> torch.Tensor:
+        """K and V of layer ``index`` as one ``[2, B, L, H, D]`` view (``[0]`` is
+        K, ``[1]`` V): the layout of vLLM's FlashAttention KV cache with
+        ``num_blocks = B`` and ``block_size = L``. Same rules as :meth:`layer`.
+        """
+        k, _ = self.layer(index)
+        cfg, nbytes = self.config, self._pages.buffer_bytes
+        first = 2 * index if cfg.layout == "per_layer" else 0  # K's buffer; V's is the next one
+        raw = torch.from_dlpack(self._pages.reservation.dlpack(first * nbytes, 2 * nbytes))
+        offset = (k.data_ptr() - self.buffer_address(first)) // cfg.element_bytes  # layer column (all_layers)
+        return raw.view(cfg.dtype).as_strided((2, *k.shape), (nbytes // cfg.element_bytes, *k.stride()), offset)
+
     def buffers(self) -> list[torch.Tensor]:
         """Every buffer as a tensor: per_layer ``2N x [B, L, H, D]`` in order
         K0, V0, K1, V1, ...; all_layers ``[K, V]``, each ``[B, L, N, H, D]``."""
