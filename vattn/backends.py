@@ -52,6 +52,13 @@ def cuda_info(device_index: int, driver_path: str | None = None) -> dict[str, An
     return _C.cuda_device_info(driver_path or _C.default_cuda_driver_path(), device_index)
 
 
+def pool_pages(config: KVCacheConfig, page_size: int, budget: int) -> int:
+    """Pages of the physical pool for a budget in bytes: never more than every
+    reqid at full length can use."""
+    full_budget = config.num_buffers * config.max_batch_size * config.slot_bytes(page_size)
+    return min(budget, full_budget) // page_size
+
+
 def resolve_backend(
     kind: str,
     device_index: int,
@@ -94,12 +101,12 @@ def resolve_backend(
             f"{page_size} = {min_budget} bytes, got {physical_memory}"
         )
     else:
-        budget = min(physical_memory, full_budget)  # more than every slot at full length is never used
+        budget = physical_memory
     return BackendSpec(
         name=kind,
         device_index=device_index,
         granularity=granularity,
         page_size=page_size,
-        num_pages=budget // page_size,
+        num_pages=pool_pages(config, page_size, budget),
         driver_path=driver_path,
     )
