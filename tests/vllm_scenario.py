@@ -3,7 +3,7 @@
 Runs under the interpreter of the vLLM environment (vLLM starts its workers
 with spawn, so everything happens under ``__main__``):
 
-    python tests/vllm_scenario.py make-model DIR
+    python tests/vllm_scenario.py make-model DIR [LAYERS HIDDEN]
     python tests/vllm_scenario.py run DIR SPEC.json OUT.json
 
 SPEC holds ``prompts`` (token id lists), ``max_tokens`` (one per prompt),
@@ -71,7 +71,7 @@ def run(model: str, spec: dict) -> dict:
 
 if __name__ == "__main__":
     if sys.argv[1] == "make-model":
-        make_model(sys.argv[2])
+        make_model(sys.argv[2], *map(int, sys.argv[3:5]))
     else:
         _, _, model_dir, spec_path, out_path = sys.argv
         with open(spec_path) as f:

@@ -214,9 +214,19 @@ def sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale:
     # 4-D [1, H, tokens, D]: torch's CPU flash kernel takes only batched
     # inputs (3-D ones fall back to the math path, ~20x slower for decode).
     heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    upcast = _cpu_half_is_slow(q)
+    if upcast:  # copies only this request's rows
+        heads_first = [t.float() for t in heads_first]
     out = F.scaled_dot_product_attention(*heads_first, attn_mask=mask, is_causal=1 < q_len == seq_len,
                                          scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out[0].transpose(0, 1)
+    return out[0].transpose(0, 1).to(q.dtype) if upcast else out[0].transpose(0, 1)
+
+
+def _cpu_half_is_slow(q: torch.Tensor) -> bool:
+    """torch's CPU SDPA in fp16 / bf16 ran 2-6x slower for decode than
+    converting the request's rows to fp32 first (torch 2.13 on an AVX-512 CPU,
+    AVX512-BF16 present); fp32 is what the half kernel accumulates in anyway."""
+    return q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16)
 
 
 def flash_attn_attention(
