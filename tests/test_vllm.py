@@ -177,7 +177,8 @@ def test_small_budget_preempts_and_outputs_stay_exact(runs):
 def test_mapped_memory_follows_tokens_held_far_below_stock(runs):
     stock, ours = runs.get("stock"), runs.get("vattn", **VATTN)
     v = ours["vattn"]
-    token_bytes = 1024  # K and V of both layers, fp32
+    token_bytes = ours["kv_bytes_per_token"]  # K and V of both layers: 1 KiB in fp32
+    assert token_bytes == 1024
     slack = MAX_NUM_SEQS * v["num_buffers"] * 2 * PAGE  # last partial page + lookahead, per sequence
     for mapped, tokens in zip(v["bytes_mapped_series"], v["tokens_held_series"]):
         assert tokens * token_bytes <= mapped <= tokens * token_bytes + slack

@@ -63,6 +63,7 @@ def run(model: str, spec: dict) -> dict:
         "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
         "num_blocks": config.cache_config.num_gpu_blocks,
         "block_size": config.cache_config.block_size,
+        "kv_bytes_per_token": per_token,  # K and V of every layer
         "kv_bytes_allocated": config.cache_config.num_gpu_blocks * config.cache_config.block_size * per_token,
         "vattn": llm.collective_rpc("vattn_stats")[0] if os.environ.get("VATTN_VLLM") == "1" else None,
     }
