@@ -132,6 +132,7 @@ class _WorkerCache:
     slot_of: dict[str, int] = dataclasses.field(default_factory=dict)  # vLLM request id -> reqid
     bytes_mapped: list[int] = dataclasses.field(default_factory=list)  # after each step
     tokens_held: list[int] = dataclasses.field(default_factory=list)
+    unowned: set[int] = dataclasses.field(default_factory=set)  # reqids a dummy batch allocated
 
     def release(self, req_ids: Any) -> None:
         for req_id in req_ids or ():
@@ -145,11 +146,18 @@ class _WorkerCache:
         self.manager.alloc_reqid(reqid=slot)
         self.slot_of[req_id] = slot
 
+    def release_unowned(self) -> None:
+        """Frees (and so unmaps) what dummy batches took: the ledger does not count it."""
+        for slot in self.unowned:
+            self.manager.free_reqid(slot)
+        self.unowned.clear()
+
     def step(self, slots: list[int], seq_lens: list[int]) -> None:
         lens = [0] * self.manager.config.max_batch_size
         for slot, n in zip(slots, seq_lens):
             if not self.manager.is_allocated(slot):  # a dummy batch (warm-up) on an unowned block
                 self.manager.alloc_reqid(reqid=slot)
+                self.unowned.add(slot)
             lens[slot] = n
         # a running sequence not scheduled this step passes 0: it keeps its pages
         if not self.manager.step(lens):
@@ -198,6 +206,7 @@ def _update_states(original: Any, runner: Any, scheduler_output: Any) -> Any:
     if cache is not None:  # freed blocks first: a new sequence may take one of them
         cache.release(scheduler_output.finished_req_ids)
         cache.release(scheduler_output.preempted_req_ids)
+        cache.release_unowned()
     result = original(runner, scheduler_output)
     if cache is not None:
         for new in scheduler_output.scheduled_new_reqs:

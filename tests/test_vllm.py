@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import vattn
-from vattn.integrations.vllm import MAPPER_LOOKAHEAD_TOKENS, _PageLedger
+from vattn.integrations.vllm import MAPPER_LOOKAHEAD_TOKENS, _PageLedger, _WorkerCache
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "tests" / "vllm_scenario.py"
@@ -82,6 +82,27 @@ def test_ledger_admits_only_what_the_worker_cache_can_map(seed, monkeypatch):
                 step[block] = n
             assert kv.step(step), f"iteration {it}: ledger admitted {lens}, the cache could not map it"
         assert refused > 0  # the budget was tight enough to matter
+
+
+def test_worker_cache_follows_sequence_lifetimes():
+    with vattn.KVCacheManager(num_layers=1, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=4,
+                              max_context_len=128, page_size=PAGE, deferred_reclaim=False, eager=False,
+                              background=False) as kv:
+        cache = _WorkerCache(kv)
+        cache.claim("a", ([2],))
+        cache.claim("b", ([1],))
+        cache.step([2, 1], [40, 5])
+        assert kv.mapped_tokens(2) >= 40 and kv.mapped_tokens(1) >= 5
+        cache.step([3], [7])  # a dummy batch on a block no sequence owns
+        assert kv.is_allocated(3) and cache.unowned == {3}
+        cache.release(["a", "unknown"])  # finished or preempted; unknown ids are ignored
+        cache.release_unowned()
+        assert [kv.is_allocated(r) for r in range(4)] == [False, True, False, False]
+        assert kv.mapped_tokens(2) == kv.mapped_tokens(3) == 0  # unmapped at once
+        cache.claim("c", ([2],))  # a new sequence on a freed block
+        cache.claim("b", ([3],))  # b resumed after preemption on another block
+        assert cache.slot_of == {"c": 2, "b": 3} and not kv.is_allocated(1)
+        assert cache.bytes_mapped and cache.tokens_held == [45, 7]
 
 
 # ---- vLLM end to end --------------------------------------------------------------

@@ -262,10 +262,12 @@ def flash_attn_attention(
     for q_len, members in _group_by_query_len(batch).items():
         idx = torch.tensor(members, dtype=torch.long, device=q.device)
         rows = _token_rows(batch, members, q.device)
-        grouped = lambda t: t[rows].view(len(members), q_len, *t.shape[1:])  # noqa: E731
+
+        def grouped(t: torch.Tensor | None) -> torch.Tensor | None:  # [G * q_len, ...] -> [G, q_len, ...]
+            return None if t is None else t[rows].view(len(members), q_len, *t.shape[1:])
+
         o = flash_attn.flash_attn_with_kvcache(
-            grouped(q), k_cache, v_cache,
-            k=grouped(k) if appending else None, v=grouped(v) if appending else None,
+            grouped(q), k_cache, v_cache, k=grouped(k), v=grouped(v),
             cache_seqlens=lens[idx], cache_batch_idx=reqids[idx],
             softmax_scale=softmax_scale, causal=True,
         )

@@ -90,9 +90,8 @@ def resolve_backend(
         )
 
     min_budget = config.num_buffers * page_size  # one page in every buffer
-    full_budget = config.num_buffers * config.max_batch_size * config.slot_bytes(page_size)
     if physical_memory is None:
-        budget = max(min(full_budget, budget_share), min_budget)
+        budget = max(budget_share, min_budget)  # pool_pages caps it at every reqid at full length
     elif isinstance(physical_memory, bool) or not isinstance(physical_memory, int):
         raise TypeError(f"physical_memory must be an int number of bytes or None, got {type(physical_memory).__name__}")
     elif physical_memory < min_budget:
