@@ -130,8 +130,9 @@ class _WorkerCache:
 
     manager: KVCacheManager
     slot_of: dict[str, int] = dataclasses.field(default_factory=dict)  # vLLM request id -> reqid
-    bytes_mapped: list[int] = dataclasses.field(default_factory=list)  # after each step
-    tokens_held: list[int] = dataclasses.field(default_factory=list)
+    bytes_mapped: list[int] = dataclasses.field(default_factory=list)  # after each step, all pages
+    bytes_running: list[int] = dataclasses.field(default_factory=list)  # behind running sequences
+    tokens_held: list[int] = dataclasses.field(default_factory=list)  # by the sequences of the step
     unowned: set[int] = dataclasses.field(default_factory=set)  # reqids a dummy batch allocated
 
     def release(self, req_ids: Any) -> None:
@@ -140,10 +141,12 @@ class _WorkerCache:
             if slot is not None:
                 self.manager.free_reqid(slot)
 
-    def claim(self, req_id: str, block_ids: Any) -> None:
+    def claim(self, req_id: str, block_ids: Any, tokens: int) -> None:
+        """The sequence ``req_id`` takes its block as reqid; ``tokens``: its
+        length after this step, beyond which the slot's leftover pages go."""
         (slot,) = block_ids[0]  # block_size = max_model_len: one block per sequence
         self.release([req_id])
-        self.manager.alloc_reqid(reqid=slot)
+        self.manager.alloc_reqid(min(tokens, self.manager.config.max_context_len), reqid=slot)
         self.slot_of[req_id] = slot
 
     def release_unowned(self) -> None:
@@ -165,6 +168,7 @@ class _WorkerCache:
                              "this is a bug in the scheduler ledger")
         stats = self.manager.stats()
         self.bytes_mapped.append(stats["bytes_mapped"])
+        self.bytes_running.append(sum(self.manager.mapped_bytes(slot) for slot in self.slot_of.values()))
         self.tokens_held.append(stats["tokens_active"])
 
 
@@ -187,13 +191,11 @@ def _initialize_kv_cache_tensors(runner: Any, kv_cache_config: Any, kernel_block
                              dtype=spec.dtype, max_batch_size=kv_cache_config.num_blocks,
                              max_context_len=spec.block_size, page_size=s["page_size"],
                              physical_memory=s["physical_memory"], layout=s["layout"], device=str(runner.device),
-                             # vLLM, not vattn, picks the block (slot) a sequence gets, so
-                             # vattn cannot hand out the best-mapped free slot; and a reused
-                             # slot's leftover pages would be invisible to the scheduler's
-                             # ledger. So freed slots are unmapped at once, and nothing is
-                             # pre-mapped for a next sequence.
-                             deferred_reclaim=False, eager=False,
-                             lookahead_tokens=MAPPER_LOOKAHEAD_TOKENS)
+                             # vLLM, not vattn, picks the block (slot) a sequence gets: there
+                             # is no "next slot" to pre-map. Freed slots keep their pages
+                             # (deferred reclaim) for whichever sequence takes the block next,
+                             # trimmed to its length by alloc_reqid(reqid=...).
+                             eager=False, lookahead_tokens=MAPPER_LOOKAHEAD_TOKENS)
     _worker_cache = _WorkerCache(manager)
     kv_caches = {name: manager.kv_tensor(i) for i, name in enumerate(names)}
     bind_kv_cache(kv_caches, runner.compilation_config.static_forward_context, runner.kv_caches,
@@ -209,23 +211,25 @@ def _update_states(original: Any, runner: Any, scheduler_output: Any) -> Any:
         cache.release_unowned()
     result = original(runner, scheduler_output)
     if cache is not None:
+        scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            cache.claim(new.req_id, new.block_ids)
+            cache.claim(new.req_id, new.block_ids, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
-        for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids):
+        for req_id, block_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             if req_id in cached.resumed_req_ids and block_ids is not None:
-                cache.claim(req_id, block_ids)
+                cache.claim(req_id, block_ids, computed + scheduled.get(req_id, 0))
     return result
 
 
 def _worker_stats(worker: Any) -> dict[str, Any] | None:
-    """``LLM.collective_rpc("vattn_stats")``: the worker cache's stats and the
-    bytes mapped / tokens held after every step (None without vattn)."""
+    """``LLM.collective_rpc("vattn_stats")``: the worker cache's stats and,
+    after every step, the bytes mapped (all, and behind running sequences) and
+    the tokens held (None without vattn)."""
     cache = _worker_cache
     if cache is None:
         return None
     return dict(cache.manager.stats(), bytes_mapped_series=list(cache.bytes_mapped),
-                tokens_held_series=list(cache.tokens_held))
+                bytes_running_series=list(cache.bytes_running), tokens_held_series=list(cache.tokens_held))
 
 
 # ---- the scheduler: a page ledger --------------------------------------------------

@@ -219,8 +219,13 @@ def test_alloc_a_chosen_reqid():
             kv.alloc_reqid(reqid=4)
         assert manager_state(kv) == before
         assert kv.alloc_reqid() == 1  # the free reqids are still handed out as before
+        assert kv.step([0, 0, 100, 0])
+        kv.free_reqid(2)  # deferred: its pages stay mapped
+        assert kv._pages.mapped_pages(2) == 7
+        assert kv.alloc_reqid(prompt_len=33, reqid=2) == 2  # keeps the 3 pages 33 tokens need
+        assert kv._pages.mapped_pages(2) == 3 and kv.stats()["pages_mapped"] == 3 * kv.config.num_buffers
         kv.free_reqid(2)
-        assert kv.alloc_reqid(reqid=2) == 2
+        assert kv.alloc_reqid(reqid=2) == 2 and kv._pages.mapped_pages(2) == 0
 
 
 def test_bad_inputs_raise_and_change_nothing():

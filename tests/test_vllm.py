@@ -51,7 +51,7 @@ def test_ledger_admits_only_what_the_worker_cache_can_map(seed, monkeypatch):
     ledger = ledger_for(2, 2, 32, blocks, max_len, budget, monkeypatch)
     with vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32,
                               max_batch_size=blocks, max_context_len=max_len, page_size=PAGE,
-                              physical_memory=budget, deferred_reclaim=False, eager=False,
+                              physical_memory=budget, eager=False,
                               lookahead_tokens=MAPPER_LOOKAHEAD_TOKENS) as kv:
         assert ledger.pages_total == kv.stats()["pages_total"]
         lens: dict[int, int] = {}  # block -> tokens
@@ -66,7 +66,7 @@ def test_ledger_admits_only_what_the_worker_cache_can_map(seed, monkeypatch):
                 block, prompt = rng.choice(free), rng.randint(1, max_len // 2)
                 if ledger.fits(str(block), prompt):
                     ledger.held[str(block)] = ledger.pages_for(prompt)
-                    kv.alloc_reqid(reqid=block)
+                    kv.alloc_reqid(prompt, reqid=block)  # as the worker claims a block
                     lens[block] = prompt
                 else:
                     refused += 1
@@ -86,11 +86,11 @@ def test_ledger_admits_only_what_the_worker_cache_can_map(seed, monkeypatch):
 
 def test_worker_cache_follows_sequence_lifetimes():
     with vattn.KVCacheManager(num_layers=1, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=4,
-                              max_context_len=128, page_size=PAGE, deferred_reclaim=False, eager=False,
-                              background=False) as kv:
+                              max_context_len=128, page_size=PAGE, eager=False, background=False) as kv:
+        tokens_per_page = PAGE // kv.config.token_bytes_per_buffer
         cache = _WorkerCache(kv)
-        cache.claim("a", ([2],))
-        cache.claim("b", ([1],))
+        cache.claim("a", ([2],), 40)
+        cache.claim("b", ([1],), 5)
         cache.step([2, 1], [40, 5])
         assert kv.mapped_tokens(2) >= 40 and kv.mapped_tokens(1) >= 5
         cache.step([3], [7])  # a dummy batch on a block no sequence owns
@@ -98,9 +98,10 @@ def test_worker_cache_follows_sequence_lifetimes():
         cache.release(["a", "unknown"])  # finished or preempted; unknown ids are ignored
         cache.release_unowned()
         assert [kv.is_allocated(r) for r in range(4)] == [False, True, False, False]
-        assert kv.mapped_tokens(2) == kv.mapped_tokens(3) == 0  # unmapped at once
-        cache.claim("c", ([2],))  # a new sequence on a freed block
-        cache.claim("b", ([3],))  # b resumed after preemption on another block
+        assert kv.mapped_tokens(2) >= 40  # deferred: the pages wait for the block's next sequence
+        cache.claim("c", ([2],), 3)  # a new sequence on that block: one page of them is kept
+        assert kv.mapped_tokens(2) == tokens_per_page
+        cache.claim("b", ([3],), 5)  # b resumed after preemption on another block
         assert cache.slot_of == {"c": 2, "b": 3} and not kv.is_allocated(1)
         assert cache.bytes_mapped and cache.tokens_held == [45, 7]
 
@@ -201,8 +202,11 @@ def test_mapped_memory_follows_tokens_held_far_below_stock(runs):
     token_bytes = ours["kv_bytes_per_token"]  # K and V of both layers: 1 KiB in fp32
     assert token_bytes == 1024
     slack = MAX_NUM_SEQS * v["num_buffers"] * 2 * PAGE  # last partial page + lookahead, per sequence
-    for mapped, tokens in zip(v["bytes_mapped_series"], v["tokens_held_series"]):
-        assert tokens * token_bytes <= mapped <= tokens * token_bytes + slack
+    series = zip(v["bytes_running_series"], v["bytes_mapped_series"], v["tokens_held_series"])
+    for running, mapped, tokens in series:
+        assert tokens * token_bytes <= running <= tokens * token_bytes + slack
+        # the rest are finished sequences' pages, kept for their blocks' next sequences
+        assert running <= mapped <= v["bytes_total"]
     print(f"\nKV memory: vattn mapped at most {v['bytes_mapped_peak']} bytes; stock vLLM allocates "
           f"{stock['kv_bytes_allocated']} bytes for max_model_len={MAX_MODEL_LEN}, max_num_seqs={MAX_NUM_SEQS}")
     assert v["bytes_mapped_peak"] * 100 < stock["kv_bytes_allocated"]

@@ -197,7 +197,9 @@ class KVCacheManager:
         Prefers the free reqid whose pages are still mapped: with ``prompt_len``
         (tokens) the smallest mapping that covers it, else the largest mapping.
         ``reqid`` asks for that reqid instead, for callers that number requests
-        themselves (a framework's block id); it must be free. Raises
+        themselves (a framework's block id); it must be free, and pages it
+        still holds beyond ``prompt_len`` tokens (all, when None) are unmapped
+        first, so the request starts with no more than it needs. Raises
         :class:`vattn.OutOfSlots` when all reqids are in use.
         """
         wanted = -1

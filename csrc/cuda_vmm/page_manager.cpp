@@ -131,6 +131,17 @@ int64_t PageManager::alloc_slot(int64_t prompt_tokens, int64_t wanted_slot) {
     if (slot_allocated_[wanted_slot])
       throw std::invalid_argument("alloc_reqid: reqid " + std::to_string(wanted_slot) +
                                   " is already allocated");
+    // Such a caller counts pages by its own lengths: the slot must not bring
+    // more pages than the request's first tokens need. Pages left behind by
+    // the slot's previous request beyond that are unmapped now.
+    size_t keep = pages_for_tokens(std::max<int64_t>(prompt_tokens, 0));
+    if (mapped_of(wanted_slot) > keep) {
+      wait_for_batch(lock);  // may release mu_ while it waits
+      if (slot_allocated_[wanted_slot])
+        throw std::invalid_argument("alloc_reqid: reqid " + std::to_string(wanted_slot) +
+                                    " is already allocated");
+      unmap_slot_locked(wanted_slot, keep);  // may throw: nothing was allocated yet
+    }
   } else {
     best = best_free_slot(prompt_tokens);
   }
@@ -344,18 +355,19 @@ size_t PageManager::reclaim_locked(size_t want, int64_t keep_slot) {
   return pages.size();
 }
 
-void PageManager::unmap_slot_locked(size_t slot) {
+void PageManager::unmap_slot_locked(size_t slot, size_t keep_pages) {
   std::vector<uintptr_t> addrs;
-  for (size_t p = 0; p < mapped_of(slot); ++p)
+  for (size_t p = keep_pages; p < mapped_of(slot); ++p)
     for (size_t b = 0; b < config_.num_buffers; ++b) addrs.push_back(page_address(b, slot, p));
   if (addrs.empty()) return;
   backend_->synchronize();
   backend_->unmap(addrs.data(), addrs.size());
   auto& owned = slot_pages_[slot];
-  free_pages_.insert(free_pages_.end(), owned.begin(), owned.end());
-  stats_.page_unmaps += owned.size();
-  stats_.pages_mapped -= owned.size();
-  owned.clear();
+  auto first = owned.begin() + keep_pages * config_.num_buffers;
+  free_pages_.insert(free_pages_.end(), first, owned.end());
+  stats_.page_unmaps += addrs.size();
+  stats_.pages_mapped -= addrs.size();
+  owned.erase(first, owned.end());
 }
 
 size_t PageManager::reclaim(size_t max_pages) {

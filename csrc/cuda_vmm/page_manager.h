@@ -98,7 +98,8 @@ class PageManager {
 
   // Returns a free slot: the one whose mapped pages fit best (most pages when
   // prompt_tokens < 0; else the smallest that covers prompt_tokens, else the
-  // largest). Throws OutOfSlots when none is free.
+  // largest), or wanted_slot when >= 0, after unmapping its pages beyond
+  // prompt_tokens. Throws OutOfSlots when none is free.
   int64_t alloc_slot(int64_t prompt_tokens, int64_t wanted_slot = -1);
   // Marks a slot free. Its pages stay mapped (deferred_reclaim) or are unmapped now.
   void free_slot(int64_t slot);
@@ -180,7 +181,8 @@ class PageManager {
                            std::vector<uint32_t>& pages);
   // Detaches, synchronizes and unmaps with mu_ held; returns pages reclaimed.
   size_t reclaim_locked(size_t want, int64_t keep_slot);
-  void unmap_slot_locked(size_t slot);
+  // Unmaps the slot's pages from page keep_pages on (all of them by default).
+  void unmap_slot_locked(size_t slot, size_t keep_pages = 0);
 
   void mapper_loop();
   Batch plan_batch();  // caller holds mu_
