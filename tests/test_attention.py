@@ -143,11 +143,17 @@ LAYOUTS = ["per_layer", "all_layers"]
 @pytest.mark.parametrize("heads_q,heads_kv", HEADS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sdpa_cpu_matches_reference(layout, heads_q, heads_kv, dtype):
-    sc = Scenario("cpu", layout, dtype, heads_q, heads_kv, page_size=16384)
+    check_adapter(sdpa_attention, "cpu", layout, heads_q, heads_kv, dtype, page_size=16384)
+
+
+def check_adapter(adapter, device: str, layout: str, heads_q: int, heads_kv: int, dtype: torch.dtype,
+                  page_size: int | None) -> None:
+    """Every layer: the adapter appends K/V and attends; rows and output are checked."""
+    sc = Scenario(device, layout, dtype, heads_q, heads_kv, page_size=page_size)
     try:
         for layer in range(NUM_LAYERS):
             q, k, v = sc.new[layer]
-            out = sdpa_attention(q, *sc.kv.layer(layer), sc.batch, k=k, v=v)
+            out = adapter(q, *sc.kv.layer(layer), sc.batch, k=k, v=v)
             assert out.shape == q.shape and out.dtype == dtype
             sc.check_cache_rows(layer)
             assert_matches(out, sc.reference(layer), dtype)
@@ -222,58 +228,24 @@ def test_gpu_adapters_refuse_cpu_tensors():
 GPU_DTYPES = [torch.float16, torch.bfloat16]
 
 
-@pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason()))
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-@pytest.mark.parametrize("heads_q,heads_kv", HEADS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_sdpa_cuda_matches_reference(layout, heads_q, heads_kv, dtype):
-    sc = Scenario("cuda", layout, dtype, heads_q, heads_kv, page_size=None)
-    try:
-        for layer in range(NUM_LAYERS):
-            q, k, v = sc.new[layer]
-            out = sdpa_attention(q, *sc.kv.layer(layer), sc.batch, k=k, v=v)
-            sc.check_cache_rows(layer)
-            assert_matches(out, sc.reference(layer), dtype)
-    finally:
-        sc.close()
-
-
 FA_REASON = _module_reason("flash_attn", "FlashAttention-2")
-
-
-@pytest.mark.skipif(FA_REASON is not None, reason=str(FA_REASON))
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-@pytest.mark.parametrize("heads_q,heads_kv", HEADS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_flash_attn_matches_reference(layout, heads_q, heads_kv, dtype):
-    sc = Scenario("cuda", layout, dtype, heads_q, heads_kv, page_size=None)
-    try:
-        for layer in range(NUM_LAYERS):
-            q, k, v = sc.new[layer]
-            out = flash_attn_attention(q, *sc.kv.layer(layer), sc.batch, k=k, v=v)
-            sc.check_cache_rows(layer)
-            assert_matches(out, sc.reference(layer), dtype)
-    finally:
-        sc.close()
-
-
 FI_REASON = _module_reason("flashinfer", "FlashInfer")
+GPU_ADAPTERS = [
+    pytest.param(sdpa_attention, id="sdpa", marks=pytest.mark.skipif(_cuda_reason() is not None,
+                                                                      reason=str(_cuda_reason()))),
+    pytest.param(flash_attn_attention, id="flash_attn",
+                 marks=pytest.mark.skipif(FA_REASON is not None, reason=str(FA_REASON))),
+    pytest.param(flashinfer_single_prefill, id="flashinfer_single",
+                 marks=pytest.mark.skipif(FI_REASON is not None, reason=str(FI_REASON))),
+]
 
 
-@pytest.mark.skipif(FI_REASON is not None, reason=str(FI_REASON))
+@pytest.mark.parametrize("adapter", GPU_ADAPTERS)
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("heads_q,heads_kv", HEADS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_flashinfer_single_prefill_matches_reference(layout, heads_q, heads_kv, dtype):
-    sc = Scenario("cuda", layout, dtype, heads_q, heads_kv, page_size=None)
-    try:
-        for layer in range(NUM_LAYERS):
-            q, k, v = sc.new[layer]
-            out = flashinfer_single_prefill(q, *sc.kv.layer(layer), sc.batch, k=k, v=v)
-            sc.check_cache_rows(layer)
-            assert_matches(out, sc.reference(layer), dtype)
-    finally:
-        sc.close()
+def test_gpu_adapter_matches_reference(layout, heads_q, heads_kv, dtype, adapter):
+    check_adapter(adapter, "cuda", layout, heads_q, heads_kv, dtype, page_size=None)
 
 
 @pytest.mark.skipif(FI_REASON is not None, reason=str(FI_REASON))
