@@ -224,7 +224,7 @@ class Engine:
     def _bytes_needed(self) -> int:
         """Bytes of the pages that the running requests' cached tokens occupy."""
         kv, cfg = self.kv, self.kv.config
-        pages = sum(-(-r.num_computed * cfg.token_bytes_per_buffer // kv.page_size) for r in self.running)
+        pages = sum(cfg.pages_for(r.num_computed, kv.page_size) for r in self.running)
         return pages * kv.page_size * cfg.num_buffers
 
     def _chunk(self, req: _Request) -> int:

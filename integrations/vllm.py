@@ -252,8 +252,7 @@ class _PageLedger:
 
     def pages_for(self, tokens: int) -> int:
         tokens = min(tokens + MAPPER_LOOKAHEAD_TOKENS, self.config.max_context_len)
-        per_buffer = -(-tokens * self.config.token_bytes_per_buffer // self.page_size)
-        return per_buffer * self.config.num_buffers
+        return self.config.pages_for(tokens, self.page_size) * self.config.num_buffers
 
     def fits(self, request_id: str, tokens: int) -> bool:
         others = sum(self.held.values()) - self.held.get(request_id, 0)
@@ -301,6 +300,7 @@ def _builder_cls() -> type:
         """Maps the batch's pages with ``step`` and plans the batch once per forward."""
 
         def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: Any) -> None:
+            # vLLM declares the builder's __init__ abstract
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
         def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> VAttnMetadata:

@@ -82,6 +82,7 @@ def test_step_maps_exactly_the_pages_needed(layout):
         for n in [0, 1, 31, 32, 33, 100, 512]:
             assert kv.step(lens_for(kv, {r: n}))
             want = math.ceil(n * cfg.token_bytes_per_buffer / kv.page_size)
+            assert cfg.pages_for(n, kv.page_size) == want
             assert kv._pages.mapped_pages(r) == want
             assert kv.stats()["pages_mapped"] == want * cfg.num_buffers
             assert kv.mapped_bytes(r) == kv.stats()["bytes_mapped"] == want * cfg.num_buffers * kv.page_size

@@ -90,6 +90,10 @@ class KVCacheConfig:
         """Bytes one token takes in the whole cache (K and V of every layer)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
 
+    def pages_for(self, tokens: int, page_size: int) -> int:
+        """Pages one buffer maps for a request of ``tokens`` tokens."""
+        return -(-tokens * self.token_bytes_per_buffer // page_size)
+
     def slot_bytes(self, page_size: int) -> int:
         """Bytes of one reqid's slice of one buffer (S_req), a multiple of page_size."""
         return round_up(self.max_context_len * self.token_bytes_per_buffer, page_size)
