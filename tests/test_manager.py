@@ -240,11 +240,11 @@ def test_bad_inputs_raise_and_change_nothing():
             (ValueError, lambda: kv.step([-1, 0, 0])),  # negative
             (ValueError, lambda: kv.step([65, 0, 0])),  # above max_context_len
             (ValueError, lambda: kv.step([10, 5, 0])),  # reqid 1 not allocated
-            (ValueError, lambda: kv.step([10, 0, 1.5])),  # not an integer
-            (ValueError, lambda: kv.step(["x", 0, 0])),
-            (ValueError, lambda: kv.step([[1], 0, 0])),
-            (ValueError, lambda: kv.step(np.zeros((3, 1), dtype=np.int64))),  # 2-D
-            (ValueError, lambda: kv.step(np.zeros(3, dtype=np.float32))),  # not integers
+            (TypeError, lambda: kv.step([10, 0, 1.5])),  # not an integer
+            (TypeError, lambda: kv.step(["x", 0, 0])),
+            (TypeError, lambda: kv.step([[1], 0, 0])),
+            (TypeError, lambda: kv.step(np.zeros((3, 1), dtype=np.int64))),  # 2-D
+            (TypeError, lambda: kv.step(np.zeros(3, dtype=np.float32))),  # not integers
             (ValueError, lambda: kv.free_reqid(1)),  # never allocated
             (ValueError, lambda: kv.free_reqid(3)),  # out of range
             (ValueError, lambda: kv.free_reqid(-1)),

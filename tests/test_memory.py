@@ -101,16 +101,24 @@ def test_init_cleanup_cycles_leave_nothing_behind():
     assert mapping_count() <= maps0 + 2  # glibc arenas may split one region; no per-cycle growth
 
 
-def test_pool_fd_closed_at_cleanup_even_with_live_views():
+def test_views_keep_memory_alive_after_cleanup_like_a_storage():
     gc.collect()
-    fds0 = fd_count()
+    fds0, maps0 = fd_count(), mapping_count()
     kv = vattn.KVCacheManager(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=2, max_context_len=256,
-                              page_size=4096)
-    k, _ = kv.layer(0)
+                              page_size=4096, background=False)
+    r = kv.alloc_reqid()
+    assert kv.step([100, 0] if r == 0 else [0, 100])
+    k = kv.layer(0)[0]
+    k[r, :100] = 7.0
     assert fd_count() == fds0 + 1  # the memfd pool
     kv.cleanup()
     del kv
     gc.collect()
-    # the pool is released; the view only keeps the (unbacked) address range
-    assert fd_count() == fds0
+    # a view that outlives cleanup still reads what it read (never unmapped or reused memory)
+    assert torch.all(k[r, :100] == 7.0)
+    assert fd_count() == fds0 + 1
     del k
+    gc.collect()
+    # the last view gone: pool, mappings and reservation are released
+    assert fd_count() == fds0
+    assert mapping_count() <= maps0 + 2

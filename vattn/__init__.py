@@ -9,12 +9,13 @@ Module-level functions act on one default manager created by :func:`init`;
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 
-from .errors import BackendUnavailable, ClosedError, DriverError, OutOfPages, OutOfSlots, VAttnError
-from .manager import KVCacheManager, SeqLens
+from .errors import BackendUnavailable, ClosedError, DriverError, ForkedError, OutOfPages, OutOfSlots, VAttnError
+from .manager import KVCacheManager, PrefixHandle, SeqLens
 
 __version__ = "0.1.0"
 
@@ -26,10 +27,13 @@ __all__ = [
     "OutOfSlots",
     "OutOfPages",
     "ClosedError",
+    "ForkedError",
+    "PrefixHandle",
     "init",
     "layer",
     "alloc_reqid",
     "free_reqid",
+    "fork",
     "step",
     "stats",
     "cleanup",
@@ -37,6 +41,7 @@ __all__ = [
 ]
 
 _default: KVCacheManager | None = None
+_default_lock = threading.Lock()  # init / cleanup from several threads: one winner each
 
 
 def init(
@@ -56,33 +61,36 @@ def init(
     lookahead_tokens: int = 1,
     eager_tokens: int | None = None,
     reclaim_threshold: float = 0.1,
+    page_allocator: str = "vattn",
 ) -> KVCacheManager:
     """Creates the default manager (see :class:`KVCacheManager` for arguments).
 
     Raises :class:`VAttnError` if one exists and was not cleaned up.
     """
     global _default
-    if _default is not None and not _default.closed:
-        raise VAttnError("vattn.init was already called; call vattn.cleanup() first")
-    _default = KVCacheManager(
-        num_layers=num_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        dtype=dtype,
-        max_batch_size=max_batch_size,
-        max_context_len=max_context_len,
-        page_size=page_size,
-        device=device,
-        layout=layout,
-        physical_memory=physical_memory,
-        background=background,
-        deferred_reclaim=deferred_reclaim,
-        eager=eager,
-        lookahead_tokens=lookahead_tokens,
-        eager_tokens=eager_tokens,
-        reclaim_threshold=reclaim_threshold,
-    )
-    return _default
+    with _default_lock:
+        if _default is not None and not _default.closed:
+            raise VAttnError("vattn.init was already called; call vattn.cleanup() first")
+        _default = KVCacheManager(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            max_batch_size=max_batch_size,
+            max_context_len=max_context_len,
+            page_size=page_size,
+            device=device,
+            layout=layout,
+            physical_memory=physical_memory,
+            background=background,
+            deferred_reclaim=deferred_reclaim,
+            eager=eager,
+            lookahead_tokens=lookahead_tokens,
+            eager_tokens=eager_tokens,
+            reclaim_threshold=reclaim_threshold,
+            page_allocator=page_allocator,
+        )
+        return _default
 
 
 def get_manager() -> KVCacheManager:
@@ -107,6 +115,11 @@ def free_reqid(reqid: int) -> None:
     get_manager().free_reqid(reqid)
 
 
+def fork(src_reqid: int, num_tokens: int) -> int:
+    """A new reqid sharing ``src_reqid``'s first ``num_tokens`` tokens (see :meth:`KVCacheManager.fork`)."""
+    return get_manager().fork(src_reqid, num_tokens)
+
+
 def step(seq_lens: SeqLens) -> bool:
     """Maps pages for ``seq_lens`` (tokens, length B, 0 = inactive); False when out of pages."""
     return get_manager().step(seq_lens)
@@ -120,7 +133,8 @@ def stats() -> dict[str, Any]:
 def cleanup() -> None:
     """Releases the default manager's memory; its tensors must not be used after."""
     global _default
-    manager, _default = _default, None
+    with _default_lock:
+        manager, _default = _default, None
     if manager is None or manager.closed:
         raise ClosedError("no vattn cache to clean up: call vattn.init(...) first")
     manager.cleanup()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import resource
 from typing import Any
 
 from . import _C
@@ -15,6 +16,9 @@ MiB = 1024 * KiB
 # and the number of mappings (bounded by vm.max_map_count) moderate.
 HOST_DEFAULT_PAGE_SIZE = 256 * KiB
 HOST_BUDGET_FRACTION = 0.5  # of MemAvailable, when physical_memory is None
+# Address space a cache may reserve: x86-64 and arm64 user space is 128 TiB
+# (47 bits) with 4-level page tables; half of it leaves room for everything else.
+MAX_RESERVATION_BYTES = 2**46
 CUDA_BUDGET_FRACTION = 0.9  # of free device memory, when physical_memory is None
 
 
@@ -81,18 +85,22 @@ def resolve_backend(
 
     if page_size is None:
         page_size = default_page
-    elif isinstance(page_size, bool) or not isinstance(page_size, int):
+    elif isinstance(page_size, bool) or not hasattr(page_size, "__index__"):
         raise TypeError(f"page_size must be an int number of bytes or None, got {type(page_size).__name__}")
-    elif page_size <= 0 or page_size % granularity:
+    elif (page_size := int(page_size)) <= 0 or page_size % granularity:
         raise ValueError(
             f"page_size must be a positive multiple of the {kind} backend's granularity "
             f"({granularity} bytes), got {page_size}"
         )
 
+    elif page_size > MAX_RESERVATION_BYTES:
+        raise ValueError(f"page_size must be at most {MAX_RESERVATION_BYTES} bytes, got {page_size}")
+    _check_reservation(kind, config, page_size)
+
     min_budget = config.num_buffers * page_size  # one page in every buffer
     if physical_memory is None:
         budget = max(budget_share, min_budget)  # pool_pages caps it at every reqid at full length
-    elif isinstance(physical_memory, bool) or not isinstance(physical_memory, int):
+    elif isinstance(physical_memory, bool) or not hasattr(physical_memory, "__index__"):
         raise TypeError(f"physical_memory must be an int number of bytes or None, got {type(physical_memory).__name__}")
     elif physical_memory < min_budget:
         raise ValueError(
@@ -100,7 +108,7 @@ def resolve_backend(
             f"{page_size} = {min_budget} bytes, got {physical_memory}"
         )
     else:
-        budget = physical_memory
+        budget = int(physical_memory)
     return BackendSpec(
         name=kind,
         device_index=device_index,
@@ -109,3 +117,22 @@ def resolve_backend(
         num_pages=pool_pages(config, page_size, budget),
         driver_path=driver_path,
     )
+
+
+def _check_reservation(kind: str, config: KVCacheConfig, page_size: int) -> None:
+    """Refuses, before any system call, a cache whose address range cannot be
+    reserved; the message names the bytes and the arguments to lower."""
+    need = config.reservation_bytes(page_size)
+    limit, why = MAX_RESERVATION_BYTES, "the address space vattn reserves at most"
+    if kind == "host":
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY and soft < limit:
+            limit, why = soft, "RLIMIT_AS (ulimit -v)"
+    if need > limit:
+        per_request = config.num_buffers * config.slot_bytes(page_size)
+        raise ValueError(
+            f"the cache needs {need} bytes of virtual address space ({config.max_batch_size} reqids x "
+            f"{per_request} bytes each: {config.num_buffers} buffers x max_context_len {config.max_context_len} "
+            f"tokens x {config.token_bytes_per_buffer} bytes, in {page_size}-byte pages), more than {why} "
+            f"({limit} bytes): lower max_batch_size or max_context_len"
+        )

@@ -34,15 +34,28 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+MAX_DEVICE_INDEX = 2**31 - 1  # CUDA device ordinals are C ints
+
+
 def parse_device(device: str | torch.device) -> tuple[str, int]:
-    """``"cpu"`` -> ("host", 0); ``"cuda"`` / ``"cuda:i"`` -> ("cuda", i)."""
+    """``"cpu"`` / ``"cpu:0"`` -> ("host", 0); ``"cuda"`` / ``"cuda:i"`` -> ("cuda", i).
+
+    Accepts the strings and ``torch.device`` objects torch accepts for these.
+    """
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
     text = str(device)
-    if text == "cpu":
+    match = re.fullmatch(r"(cpu|cuda)(?::(\d+))?", text)
+    if not match:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {device!r}")
+    kind, index = match.group(1), int(match.group(2) or 0)
+    if kind == "cpu":
+        if index != 0:
+            raise ValueError(f"the host backend has one device, 'cpu' (= 'cpu:0'), got {device!r}")
         return "host", 0
-    match = re.fullmatch(r"cuda(?::(\d+))?", text)
-    if match:
-        return "cuda", int(match.group(1) or 0)
-    raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {device!r}")
+    if index > MAX_DEVICE_INDEX:
+        raise ValueError(f"device index must be in [0, {MAX_DEVICE_INDEX}], got {index}")
+    return "cuda", index
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,6 +106,10 @@ class KVCacheConfig:
     def pages_for(self, tokens: int, page_size: int) -> int:
         """Pages one buffer maps for a request of ``tokens`` tokens."""
         return -(-tokens * self.token_bytes_per_buffer // page_size)
+
+    def reservation_bytes(self, page_size: int) -> int:
+        """Virtual bytes the cache reserves: every buffer's slice of every reqid."""
+        return self.num_buffers * self.max_batch_size * self.slot_bytes(page_size)
 
     def slot_bytes(self, page_size: int) -> int:
         """Bytes of one reqid's slice of one buffer (S_req), a multiple of page_size."""

@@ -44,3 +44,12 @@ class OutOfPages(VAttnError, MemoryError):
     ``step`` itself returns False in that case, so an engine can preempt; this
     is raised by integrations that have no one to preempt (a transformers cache).
     """
+
+
+class ForkedError(ClosedError):
+    """A manager inherited through ``fork()``: it belongs to the parent process.
+
+    In the child every call raises this and the cache's address range is
+    inaccessible (touching a view faults), so the child can never change the
+    parent's pages. Create a new manager in the child instead.
+    """

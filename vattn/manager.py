@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import atexit
+import itertools
+import os
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import _C
 from .backends import BackendSpec, resolve_backend
 from .config import KVCacheConfig, parse_device
-from .errors import BackendUnavailable
+from .errors import BackendUnavailable, ForkedError
 
-SeqLens = Sequence[int] | torch.Tensor
+SeqLens = Sequence[int] | torch.Tensor | np.ndarray
+IntArray = Sequence[int] | torch.Tensor | np.ndarray
+
+PAGE_ALLOCATORS = ("vattn", "external")
 
 
 class KVCacheManager:
@@ -53,6 +59,17 @@ class KVCacheManager:
             so a new request's prefill maps little or nothing. Needs ``background``.
         lookahead_tokens: how far ahead (tokens) the mapper maps active requests.
         reclaim_threshold: fraction of the pool, in [0, 1].
+        page_allocator: ``"vattn"``: the manager draws page ids from its pool
+            as :meth:`step` grows requests. ``"external"``: a framework's block
+            manager owns the page ids ``0 .. num_page_ids - 1`` and maps them
+            with :meth:`map_pages`; :meth:`step`, the mapper, eager allocation
+            and reclamation are off (DESIGN.md section 8).
+
+    Page ids: one page id names one physical page in every buffer (so it
+    holds ``page_size`` bytes of each layer's K and V, ``page_tokens``
+    tokens). A page id may be mapped at the same position of several
+    requests' slices (:meth:`fork`, :meth:`retain_prefix`, :meth:`map_pages`);
+    it is reference-counted and returns to the pool when unused.
 
     With ``background``, ``deferred_reclaim`` and ``eager`` all False the
     manager maps and unmaps only inside ``step`` and ``free_reqid``.
@@ -90,7 +107,11 @@ class KVCacheManager:
         lookahead_tokens: int = 1,
         eager_tokens: int | None = None,
         reclaim_threshold: float = 0.1,
+        page_allocator: str = "vattn",
     ) -> None:
+        if page_allocator not in PAGE_ALLOCATORS:
+            raise ValueError(f"page_allocator must be one of {PAGE_ALLOCATORS}, got {page_allocator!r}")
+        external = page_allocator == "external"
         self.config = KVCacheConfig(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
@@ -102,11 +123,16 @@ class KVCacheManager:
         )
         policy = _policy_args(background, deferred_reclaim, eager, lookahead_tokens, eager_tokens,
                               reclaim_threshold, self.config.max_context_len)
+        if external:  # the framework maps; nothing runs ahead of it
+            policy.update(background=False, eager=False)
+        policy["max_batch_ids"] = max(1, 1024 // self.config.num_buffers)  # ~1024 pages per mapper batch
         kind, index = parse_device(device)
         self.device = torch.device("cpu") if kind == "host" else torch.device("cuda", index)
         self.backend: BackendSpec = resolve_backend(kind, index, self.config, page_size, physical_memory)
         self.page_size: int = self.backend.page_size
         self.slot_bytes: int = self.config.slot_bytes(self.page_size)
+        self.page_allocator: str = page_allocator
+        self._pid = os.getpid()
         self._pages = _C.PageManager(
             self.backend.make(),
             num_buffers=self.config.num_buffers,
@@ -114,11 +140,25 @@ class KVCacheManager:
             slot_bytes=self.slot_bytes,
             bytes_per_token=self.config.token_bytes_per_buffer,
             max_tokens=self.config.max_context_len,
+            external_ids=external,
             **policy,
         )
         self.policy: dict[str, Any] = policy
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         _live_managers.add(self)
+
+    @property
+    def num_page_ids(self) -> int:
+        """Page ids in the pool: ids are ``0 .. num_page_ids - 1``; each is one
+        physical page of every buffer."""
+        return self._pages.num_ids
+
+    @property
+    def page_tokens(self) -> int | None:
+        """Tokens one page id holds, when a page is a whole number of tokens
+        (otherwise None: tokens straddle page boundaries)."""
+        per = self.config.token_bytes_per_buffer
+        return self.page_size // per if self.page_size % per == 0 else None
 
     # ---- tensors -------------------------------------------------------------
 
@@ -129,10 +169,8 @@ class KVCacheManager:
         are backed by memory; reading other rows faults. Never call ops that read
         the whole tensor (``.contiguous()``, ``.clone()``, ``zero_()``).
         """
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(f"layer index must be an int, got {type(index).__name__}")
-        if not 0 <= index < self.config.num_layers:
-            raise ValueError(f"layer index must be in [0, {self.config.num_layers - 1}], got {index}")
+        index = _bounded_int("layer index", index, self.config.num_layers)
+        self._check_process()
         return self._views()[index]
 
     def kv_tensor(self, index: int) -> torch.Tensor:
@@ -143,20 +181,20 @@ class KVCacheManager:
         k, _ = self.layer(index)
         cfg, nbytes = self.config, self._pages.buffer_bytes
         first = 2 * index if cfg.layout == "per_layer" else 0  # K's buffer; V's is the next one
-        raw = torch.from_dlpack(self._pages.reservation.dlpack(first * nbytes, 2 * nbytes))
+        raw = torch.from_dlpack(self._pages.memory.dlpack(first * nbytes, 2 * nbytes))
         offset = (k.data_ptr() - self.buffer_address(first)) // cfg.element_bytes  # layer column (all_layers)
         return raw.view(cfg.dtype).as_strided((2, *k.shape), (nbytes // cfg.element_bytes, *k.stride()), offset)
 
     def buffers(self) -> list[torch.Tensor]:
         """Every buffer as a tensor: per_layer ``2N x [B, L, H, D]`` in order
         K0, V0, K1, V1, ...; all_layers ``[K, V]``, each ``[B, L, N, H, D]``."""
+        self._check_process()
         return [self._buffer_tensor(b) for b in range(self.config.num_buffers)]
 
     def buffer_address(self, buffer: int) -> int:
         """Virtual address (int) of buffer ``buffer``'s first byte, for custom kernels."""
-        if not 0 <= buffer < self.config.num_buffers:
-            raise ValueError(f"buffer must be in [0, {self.config.num_buffers - 1}], got {buffer}")
-        return self._pages.reservation.base + buffer * self._pages.buffer_bytes
+        buffer = _bounded_int("buffer", buffer, self.config.num_buffers)
+        return self._pages.memory.base + buffer * self._pages.buffer_bytes
 
     def _views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self._layers is None:
@@ -175,9 +213,8 @@ class KVCacheManager:
                 "this torch build has no CUDA support, so CUDA cache tensors cannot be "
                 "created; use buffer_address() for raw access"
             )
-        reservation = self._pages.reservation
         nbytes = self._pages.buffer_bytes
-        raw = torch.from_dlpack(reservation.dlpack(buffer * nbytes, nbytes))
+        raw = torch.from_dlpack(self._pages.memory.dlpack(buffer * nbytes, nbytes))
         elems = raw.view(cfg.dtype)
         row = cfg.num_kv_heads * cfg.head_dim
         slot_elems = self.slot_bytes // cfg.element_bytes
@@ -199,34 +236,34 @@ class KVCacheManager:
         ``reqid`` asks for that reqid instead, for callers that number requests
         themselves (a framework's block id); it must be free, and pages it
         still holds beyond ``prompt_len`` tokens (all, when None) are unmapped
-        first, so the request starts with no more than it needs. Raises
-        :class:`vattn.OutOfSlots` when all reqids are in use.
+        first, so the request starts with no more than it needs. Pages a freed
+        reqid shared with other requests are never handed to a new request.
+        Raises :class:`vattn.OutOfSlots` when all reqids are in use.
         """
-        wanted = -1
-        if reqid is not None:
-            wanted = _as_int("reqid", reqid)
-            if not 0 <= wanted < self.config.max_batch_size:
-                raise ValueError(f"reqid must be in [0, {self.config.max_batch_size - 1}], got {reqid}")
+        wanted = -1 if reqid is None else self._reqid(reqid)
         if prompt_len is None:
             return self._pages.alloc_slot(-1, wanted)
-        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int):
-            raise TypeError(f"prompt_len must be an int or None, got {type(prompt_len).__name__}")
-        if not 0 <= prompt_len <= self.config.max_context_len:
+        prompt = _as_int("prompt_len", prompt_len)
+        if not 0 <= prompt <= self.config.max_context_len:
             raise ValueError(
                 f"prompt_len must be in [0, {self.config.max_context_len}] (max_context_len), got {prompt_len}"
             )
-        return self._pages.alloc_slot(prompt_len, wanted)
+        return self._pages.alloc_slot(prompt, wanted)
 
     def free_reqid(self, reqid: int) -> None:
-        """Ends a request. Its pages stay mapped for reuse until memory runs low."""
-        self._pages.free_slot(_as_int("reqid", reqid))
+        """Ends a request. Its pages stay mapped for reuse until memory runs low
+        (deferred reclaim); pages it shares stay with the requests and prefix
+        handles that still use them."""
+        self._pages.free_slot(self._reqid(reqid))
 
     def step(self, seq_lens: SeqLens) -> bool:
         """Maps pages so every active reqid can hold its length.
 
         Args:
-            seq_lens: ``max_batch_size`` token counts indexed by reqid (list,
-                tuple, int32/int64 array or CPU tensor); 0 for inactive reqids.
+            seq_lens: ``max_batch_size`` token counts indexed by reqid: a list
+                or tuple of ints, or a 1-D integer numpy array or CPU tensor of
+                any stride; 0 for reqids not in this step (threads may step
+                disjoint reqids concurrently).
 
         Returns:
             True when every reqid ``r`` has at least ``seq_lens[r]`` tokens
@@ -234,30 +271,125 @@ class KVCacheManager:
             the pages even after unmapping pages of freed reqids; no active
             request lost a page. The caller preempts a request and steps again.
         """
-        if isinstance(seq_lens, torch.Tensor):
-            seq_lens = seq_lens.tolist()
-        return self._pages.step(seq_lens)
+        return self._pages.step(_int_array("seq_lens", seq_lens))
 
     def reclaim(self, max_pages: int | None = None) -> int:
         """Unmaps up to ``max_pages`` pages (all buffers counted) held by freed
-        reqids; all of them when None. Returns the number of pages unmapped."""
+        reqids; all of them when None. Returns the number of pages returned to
+        the pool."""
         limit = 2**63 - 1 if max_pages is None else _as_int("max_pages", max_pages)
-        if limit < 0:
-            raise ValueError(f"max_pages must be >= 0, got {limit}")
+        if not 0 <= limit < 2**63:
+            raise ValueError(f"max_pages must be in [0, 2^63), got {limit}")
         return self._pages.reclaim(limit)
 
     def mapped_tokens(self, reqid: int) -> int:
         """Tokens reqid can hold with its pages mapped now (per buffer)."""
-        pages = self._pages.mapped_pages(_as_int("reqid", reqid))
+        pages = self._pages.mapped_pages(self._reqid(reqid))
         return min(pages * self.page_size // self.config.token_bytes_per_buffer, self.config.max_context_len)
 
     def mapped_bytes(self, reqid: int) -> int:
-        """Physical bytes mapped behind reqid's slices, all buffers together."""
-        pages = self._pages.mapped_pages(_as_int("reqid", reqid))
+        """Physical bytes mapped behind reqid's slices, all buffers together
+        (shared pages counted in full)."""
+        pages = self._pages.mapped_pages(self._reqid(reqid))
         return pages * self.page_size * self.config.num_buffers
 
     def is_allocated(self, reqid: int) -> bool:
-        return self._pages.slot_allocated(_as_int("reqid", reqid))
+        return self._pages.slot_allocated(self._reqid(reqid))
+
+    # ---- shared pages ------------------------------------------------------------
+
+    def fork(self, src_reqid: int, num_tokens: int) -> int:
+        """A new reqid whose first ``num_tokens`` tokens are ``src_reqid``'s.
+
+        Whole pages below ``num_tokens`` are shared (the same physical page
+        mapped in both slices); the tail that does not fill a page is copied
+        into a fresh page (one copy per buffer). Call it after the device work
+        that wrote the source's tokens was queued (CUDA: on the current stream,
+        which the copy waits for).
+
+        Immutability: GPUs have no copy-on-write faults for mapped pages, so
+        the tokens in shared pages (``page_tokens`` x whole pages) are
+        read-only for both requests afterwards. A write there through either
+        request changes what every request sharing the page reads; vattn does
+        not detect it. Tokens from the shared boundary on belong to each
+        request alone.
+
+        Raises :class:`vattn.OutOfSlots` / :class:`vattn.OutOfPages` (nothing
+        changed) when no reqid or page is left; ``ValueError`` when
+        ``src_reqid`` is free or ``num_tokens`` is outside
+        ``[0, mapped_tokens(src_reqid)]``.
+        """
+        src = self._reqid(src_reqid, "src_reqid")
+        return self._pages.fork(src, _as_int("num_tokens", num_tokens, 2**62))
+
+    def retain_prefix(self, reqid: int, num_tokens: int) -> PrefixHandle:
+        """Keeps the whole pages holding ``reqid``'s first ``num_tokens``
+        tokens alive after the request ends: a prefix-cache entry.
+
+        The prefix is rounded down to whole pages (ending on a token
+        boundary); ``handle.num_tokens`` says how many tokens it covers (e.g.
+        144 for 150 tokens with 16-token pages). The pages are read-only while
+        the handle holds them. Release with ``handle.release()`` or a
+        ``with`` block; :meth:`cleanup` releases every handle.
+        """
+        r = self._reqid(reqid)
+        handle, tokens = self._pages.retain_prefix(r, _as_int("num_tokens", num_tokens, 2**62))
+        return PrefixHandle(self, handle, tokens)
+
+    def attach_prefix(self, handle: PrefixHandle, reqid: int) -> int:
+        """Maps a prefix handle's pages at positions 0.. of ``reqid``, a
+        freshly allocated reqid holding no tokens yet. Returns the tokens now
+        present (``handle.num_tokens``); the request prefills from there."""
+        if not isinstance(handle, PrefixHandle):
+            raise TypeError(f"handle must be a PrefixHandle, got {type(handle).__name__}")
+        if handle._manager is not self:
+            raise ValueError("handle belongs to another KV cache manager")
+        if handle._released:
+            raise ValueError("handle was released")
+        return self._pages.attach_prefix(handle._id, self._reqid(reqid))
+
+    def map_pages(self, reqids: IntArray, starts: IntArray, page_ids: IntArray | Sequence[IntArray],
+                  counts: IntArray | None = None) -> None:
+        """The page-table primitive: maps page ids at page positions, for
+        several requests in one call (C++, GIL released, no per-page Python).
+
+        Request ``reqids[i]`` gets ``counts[i]`` page ids, taken in order from
+        the flat ``page_ids``, at page positions ``starts[i], starts[i] + 1,
+        ...`` of its slice. ``starts[i]`` may not pass the positions already
+        mapped (the mapping of a slice is a prefix). Positions that already
+        hold the same id are left alone; from the first position that differs,
+        the reqid's old pages are unmapped and the new ids mapped. Without
+        ``counts``, ``page_ids`` is one sequence of ids per request.
+
+        With ``page_allocator="vattn"`` the ids must already be in use (mapped
+        in some reqid or held by a prefix handle): this shares pages. With
+        ``"external"`` any id in ``[0, num_page_ids)`` is accepted; pages are
+        created on first use.
+        """
+        if counts is None:
+            rows = [list(_int_array("page_ids", row)) for row in page_ids]  # type: ignore[union-attr]
+            counts, page_ids = [len(r) for r in rows], list(itertools.chain.from_iterable(rows))
+        self._pages.map_ids(_int_array("reqids", reqids), _int_array("starts", starts),
+                            _int_array("counts", counts), _int_array("page_ids", page_ids))
+
+    def unmap_pages(self, reqids: IntArray, keep: IntArray) -> None:
+        """Unmaps page positions ``keep[i]`` and beyond of ``reqids[i]`` (free
+        or allocated), in one call. Pages still used elsewhere stay there."""
+        self._pages.truncate(_int_array("reqids", reqids), _int_array("keep", keep))
+
+    def page_ids(self, reqid: int) -> list[int]:
+        """The page id mapped at each page position of reqid, in order."""
+        return self._pages.slot_ids(self._reqid(reqid))
+
+    def _reqid(self, value: object, name: str = "reqid") -> int:
+        return _bounded_int(name, value, self.config.max_batch_size)
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise ForkedError(
+                "this KV cache manager was created by another process: a forked child cannot use its "
+                "parent's cache (create a new manager in the child)"
+            )
 
     # ---- accounting and lifetime -------------------------------------------------
 
@@ -293,8 +425,11 @@ class KVCacheManager:
         return self._pages.closed
 
     def cleanup(self) -> None:
-        """Unmaps every page and releases the pool. Tensors from :meth:`layer`
-        must not be used afterwards (their range stays reserved, unbacked)."""
+        """Releases the cache: stops the mapper, releases prefix handles, and
+        unmaps every page and releases the pool and the address range once no
+        tensor from :meth:`layer` is left (like a torch storage, a view that
+        outlives cleanup keeps the memory it reads; drop views to free it).
+        Every other call afterwards raises :class:`vattn.ClosedError`."""
         self._layers = None
         self._pages.close()
 
@@ -321,17 +456,15 @@ def _policy_args(background: bool, deferred_reclaim: bool, eager: bool, lookahea
     for name, flag in (("background", background), ("deferred_reclaim", deferred_reclaim), ("eager", eager)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    lookahead_tokens = _as_int("lookahead_tokens", lookahead_tokens)
-    if lookahead_tokens < 0:
-        raise ValueError(f"lookahead_tokens must be >= 0, got {lookahead_tokens}")
     if eager_tokens is None:
         eager_tokens = min(max_context_len, 1024)
-    eager_tokens = _as_int("eager_tokens", eager_tokens)
-    if eager_tokens < 0:
-        raise ValueError(f"eager_tokens must be >= 0, got {eager_tokens}")
+    for name, tokens in (("lookahead_tokens", lookahead_tokens), ("eager_tokens", eager_tokens)):
+        if not 0 <= _as_int(name, tokens) <= max_context_len:
+            raise ValueError(f"{name} must be in [0, {max_context_len}] (max_context_len), got {tokens}")
+    lookahead_tokens, eager_tokens = int(lookahead_tokens), int(eager_tokens)
     if isinstance(reclaim_threshold, bool) or not isinstance(reclaim_threshold, (int, float)):
         raise TypeError(f"reclaim_threshold must be a number, got {type(reclaim_threshold).__name__}")
-    if not 0.0 <= reclaim_threshold <= 1.0:
+    if not 0.0 <= reclaim_threshold <= 1.0:  # NaN fails too
         raise ValueError(f"reclaim_threshold must be in [0, 1], got {reclaim_threshold}")
     return dict(background=background, deferred_reclaim=deferred_reclaim, eager=eager and background,
                 lookahead_tokens=lookahead_tokens, eager_tokens=eager_tokens,
@@ -352,7 +485,76 @@ def _close_live_managers() -> None:
             pass
 
 
-def _as_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
+class PrefixHandle:
+    """References to the whole pages of a request's prefix (see
+    :meth:`KVCacheManager.retain_prefix`). ``num_tokens``: tokens covered;
+    ``page_ids``: the ids, position 0 first."""
+
+    __slots__ = ("_manager", "_id", "num_tokens", "_released", "__weakref__")
+
+    def __init__(self, manager: KVCacheManager, handle_id: int, num_tokens: int) -> None:
+        self._manager = manager
+        self._id = handle_id
+        self.num_tokens: int = num_tokens
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released or self._manager.closed
+
+    @property
+    def page_ids(self) -> list[int]:
+        if self.released:
+            raise ValueError("handle was released")
+        return self._manager._pages.prefix_ids(self._id)
+
+    def release(self) -> None:
+        """Drops the references (idempotent): pages no request maps return to the pool."""
+        if not self._released:
+            self._released = True
+            if not self._manager.closed:
+                self._manager._pages.release_prefix(self._id)
+
+    def __enter__(self) -> PrefixHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{len(self.page_ids)} pages"
+        return f"PrefixHandle(num_tokens={self.num_tokens}, {state})"
+
+
+def _as_int(name: str, value: object, limit: int = 2**63) -> int:
+    """``value`` as an int in ``[-limit, limit)``: ints and integer scalars, not bools or floats."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or isinstance(value, float):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return int(value.__index__())  # type: ignore[attr-defined]
+    out = int(value.__index__())  # type: ignore[attr-defined]
+    if not -limit <= out < limit:
+        raise ValueError(f"{name} must be below {limit}, got {out}")
+    return out
+
+
+def _bounded_int(name: str, value: object, count: int) -> int:
+    """An int index in ``[0, count)``, with an error naming the argument and the range."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or isinstance(value, float):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    out = int(value.__index__())  # type: ignore[attr-defined]
+    if not 0 <= out < count:
+        raise ValueError(f"{name} must be in [0, {count - 1}], got {out}")
+    return out
+
+
+def _int_array(name: str, values: object) -> Any:
+    """What the core reads as a 1-D int array: lists, tuples and numpy arrays
+    pass as they are; tensors must be CPU integer tensors (any stride)."""
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor or a list, got a tensor on {values.device}")
+        if values.dtype == torch.bool or values.is_floating_point() or values.is_complex():
+            raise TypeError(f"{name} must hold integers, got a {values.dtype} tensor")
+        if values.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
+        return values.numpy()
+    return values

@@ -26,7 +26,7 @@ namespace {
 // ---- DLPack ---------------------------------------------------------------
 
 struct CapsuleContext {
-  std::shared_ptr<Reservation> reservation;  // keeps the range reserved while a view lives
+  std::shared_ptr<CacheMemory> memory;  // keeps the pages mapped and the range reserved while a view lives
   int64_t shape[1];
   int64_t strides[1];
 };
@@ -46,17 +46,16 @@ void capsule_destructor(PyObject* capsule) {
 }
 
 // A 1-D uint8 DLPack tensor over bytes [offset, offset + nbytes) of the
-// reservation. The Python layer views it with the cache's dtype and strides.
-py::object reservation_dlpack(const std::shared_ptr<Reservation>& reservation, size_t offset,
-                              size_t nbytes) {
-  if (offset + nbytes > reservation->bytes())
-    throw std::invalid_argument("dlpack: byte range [" + std::to_string(offset) + ", " +
-                                std::to_string(offset + nbytes) + ") exceeds the reservation of " +
-                                std::to_string(reservation->bytes()) + " bytes");
-  auto* ctx = new CapsuleContext{reservation, {static_cast<int64_t>(nbytes)}, {1}};
+// cache memory. The Python layer views it with the cache's dtype and strides.
+py::object memory_dlpack(const std::shared_ptr<CacheMemory>& memory, size_t offset, size_t nbytes) {
+  if (offset > memory->bytes() || nbytes > memory->bytes() - offset)
+    throw std::invalid_argument("dlpack: byte range [" + std::to_string(offset) + ", " + std::to_string(offset) +
+                                " + " + std::to_string(nbytes) + ") exceeds the reservation of " +
+                                std::to_string(memory->bytes()) + " bytes");
+  auto* ctx = new CapsuleContext{memory, {static_cast<int64_t>(nbytes)}, {1}};
   auto* managed = new DLManagedTensor{};
-  managed->dl_tensor.data = reinterpret_cast<void*>(reservation->base() + offset);
-  managed->dl_tensor.device = reservation->dl_device();
+  managed->dl_tensor.data = reinterpret_cast<void*>(memory->base() + offset);
+  managed->dl_tensor.device = memory->dl_device();
   managed->dl_tensor.ndim = 1;
   managed->dl_tensor.dtype = DLDataType{kDLUInt, 8, 1};
   managed->dl_tensor.shape = ctx->shape;
@@ -72,51 +71,86 @@ py::object reservation_dlpack(const std::shared_ptr<Reservation>& reservation, s
   return py::reinterpret_steal<py::object>(capsule);
 }
 
-// ---- step input -----------------------------------------------------------
+// ---- integer arrays ---------------------------------------------------------
 
-// Copies seq_lens (a sequence of ints, or any C-contiguous 1-D int32/int64
-// buffer such as a numpy array) into `out` while the GIL is held.
-void read_seq_lens(py::handle obj, std::vector<int64_t>& out) {
-  if (PyObject_CheckBuffer(obj.ptr())) {
+// Copies a 1-D array of integers into `out` while the GIL is held: a sequence
+// of Python ints (or integer scalars: anything with __index__ except bool), or
+// any 1-D integer buffer of any stride (numpy arrays and views). Bools,
+// floats, mappings and strings are refused with a message naming `name`.
+void read_ints(py::handle obj, const char* name, std::vector<int64_t>& out) {
+  PyObject* o = obj.ptr();
+  if (PyUnicode_Check(o) || PyBytes_Check(o) || PyDict_Check(o) || PyAnySet_Check(o) ||
+      (!PyList_Check(o) && !PyTuple_Check(o) && PyMapping_Check(o) && !PyObject_CheckBuffer(o) &&
+       PyObject_HasAttrString(o, "keys")))
+    throw py::type_error(std::string(name) + " must be a sequence or 1-D array of ints (indexed by position), got " +
+                         Py_TYPE(o)->tp_name);
+  if (PyObject_CheckBuffer(o)) {
     Py_buffer view;
-    if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0)
-      throw py::error_already_set();
-    std::string fmt = view.format ? view.format : "B";
-    if (!fmt.empty() && (fmt[0] == '<' || fmt[0] == '=' || fmt[0] == '@')) fmt = fmt.substr(1);
-    bool ok = view.ndim == 1 && ((view.itemsize == 8 && (fmt == "q" || fmt == "l")) ||
-                                 (view.itemsize == 4 && (fmt == "i" || fmt == "l")));
-    if (!ok) {
-      PyBuffer_Release(&view);
-      throw std::invalid_argument("step: seq_lens must be a 1-D int32 or int64 array, got format '" +
-                                  fmt + "' with " + std::to_string(view.ndim) + " dimension(s)");
+    if (PyObject_GetBuffer(o, &view, PyBUF_FORMAT | PyBUF_STRIDES) != 0) {
+      PyErr_Clear();
+      throw py::type_error(std::string(name) + " must be a readable 1-D integer array");
     }
-    size_t n = static_cast<size_t>(view.shape[0]);
+    std::string fmt = view.format ? view.format : "B";
+    if (!fmt.empty() && (fmt[0] == '<' || fmt[0] == '=' || fmt[0] == '@' || fmt[0] == '!' || fmt[0] == '>'))
+      fmt = fmt.substr(1);
+    const bool is_signed = fmt == "b" || fmt == "h" || fmt == "i" || fmt == "l" || fmt == "q" || fmt == "n";
+    const bool is_unsigned = fmt == "B" || fmt == "H" || fmt == "I" || fmt == "L" || fmt == "Q" || fmt == "N";
+    if (view.ndim != 1 || !(is_signed || is_unsigned)) {
+      int ndim = view.ndim;
+      PyBuffer_Release(&view);
+      throw py::type_error(std::string(name) + " must be a 1-D integer array (not bool or float), got format '" +
+                           fmt + "' with " + std::to_string(ndim) + " dimension(s)");
+    }
+    const size_t n = static_cast<size_t>(view.shape[0]);
+    const Py_ssize_t stride = view.strides ? view.strides[0] : view.itemsize;
     out.resize(n);
-    if (view.itemsize == 8) {
-      auto* src = static_cast<const int64_t*>(view.buf);
-      std::copy(src, src + n, out.begin());
-    } else {
-      auto* src = static_cast<const int32_t*>(view.buf);
-      std::copy(src, src + n, out.begin());
+    const char* base = static_cast<const char*>(view.buf);
+    for (size_t i = 0; i < n; ++i) {
+      const char* p = base + static_cast<Py_ssize_t>(i) * stride;
+      int64_t v = 0;
+      uint64_t u = 0;
+      switch (view.itemsize) {
+        case 1: if (is_signed) v = *reinterpret_cast<const int8_t*>(p); else u = *reinterpret_cast<const uint8_t*>(p); break;
+        case 2: if (is_signed) v = *reinterpret_cast<const int16_t*>(p); else u = *reinterpret_cast<const uint16_t*>(p); break;
+        case 4: if (is_signed) v = *reinterpret_cast<const int32_t*>(p); else u = *reinterpret_cast<const uint32_t*>(p); break;
+        default: if (is_signed) v = *reinterpret_cast<const int64_t*>(p); else u = *reinterpret_cast<const uint64_t*>(p); break;
+      }
+      if (is_unsigned) {
+        if (u > static_cast<uint64_t>(INT64_MAX)) {
+          PyBuffer_Release(&view);
+          throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(u) +
+                                      " is beyond int64");
+        }
+        v = static_cast<int64_t>(u);
+      }
+      out[i] = v;
     }
     PyBuffer_Release(&view);
     return;
   }
-  PyObject* seq = PySequence_Fast(obj.ptr(), "step: seq_lens must be a sequence of ints");
-  if (!seq) throw std::invalid_argument("step: seq_lens must be a sequence of ints");
+  PyObject* seq = PySequence_Fast(o, "");
+  if (!seq) {
+    PyErr_Clear();
+    throw py::type_error(std::string(name) + " must be a sequence or 1-D array of ints, got " + Py_TYPE(o)->tp_name);
+  }
   Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   PyObject** items = PySequence_Fast_ITEMS(seq);
   out.resize(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
-    // Index protocol: ints and integer scalars (numpy, torch) but not floats.
-    PyObject* idx = PyNumber_Index(items[i]);
-    long long v = idx ? PyLong_AsLongLong(idx) : -1;
+    PyObject* item = items[i];
+    // Index protocol: ints and integer scalars (numpy, torch) but not floats or bools.
+    bool is_bool = PyBool_Check(item) || std::string(Py_TYPE(item)->tp_name).find("bool") != std::string::npos;
+    PyObject* idx = is_bool ? nullptr : PyNumber_Index(item);
+    int overflow = 0;
+    long long v = idx ? PyLong_AsLongLongAndOverflow(idx, &overflow) : -1;
     Py_XDECREF(idx);
-    if (!idx || (v == -1 && PyErr_Occurred())) {
+    if (!idx || overflow || (v == -1 && PyErr_Occurred())) {
       PyErr_Clear();
+      std::string type = Py_TYPE(item)->tp_name;
       Py_DECREF(seq);
-      throw std::invalid_argument("step: seq_lens[" + std::to_string(i) +
-                                  "] must be an integer number of tokens");
+      if (overflow)
+        throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] is beyond int64");
+      throw py::type_error(std::string(name) + "[" + std::to_string(i) + "] must be an int, got " + type);
     }
     out[i] = v;
   }
@@ -143,12 +177,30 @@ auto on_page_range(Op op) {
   };
 }
 
+std::vector<uint32_t> to_ids(const std::vector<int64_t>& values, const char* name) {
+  std::vector<uint32_t> out(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (values[i] < 0 || values[i] >= static_cast<int64_t>(UINT32_MAX))
+      throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] must be a page id >= 0, got " +
+                                  std::to_string(values[i]));
+    out[i] = static_cast<uint32_t>(values[i]);
+  }
+  return out;
+}
+
 py::dict stats_dict(const PageStats& s, size_t page_size) {
   py::dict d;
   d["pages_total"] = s.pages_total;
   d["pages_created"] = s.pages_created;
   d["pages_mapped"] = s.pages_mapped;
-  d["pages_free"] = s.pages_total - s.pages_mapped;
+  d["pages_in_use"] = s.pages_in_use;
+  d["page_slots_mapped"] = s.page_slots_mapped;
+  d["pages_free"] = s.pages_total - s.pages_in_use;
+  d["pages_orphaned"] = s.pages_orphaned;
+  d["bytes_saved_by_sharing"] = (s.page_slots_mapped - std::min(s.page_slots_mapped, s.pages_mapped)) * page_size;
+  d["prefix_handles"] = s.prefix_handles;
+  d["forks"] = s.forks;
+  d["pages_copied"] = s.pages_copied;
   d["pages_mapped_peak"] = s.pages_mapped_peak;
   d["bytes_mapped"] = s.pages_mapped * page_size;
   d["bytes_mapped_peak"] = s.pages_mapped_peak * page_size;
@@ -177,6 +229,8 @@ void register_errors() {
   static PyObject* unavailable = py::object(errors.attr("BackendUnavailable")).release().ptr();
   static PyObject* out_of_slots = py::object(errors.attr("OutOfSlots")).release().ptr();
   static PyObject* closed = py::object(errors.attr("ClosedError")).release().ptr();
+  static PyObject* out_of_pages = py::object(errors.attr("OutOfPages")).release().ptr();
+  static PyObject* forked = py::object(errors.attr("ForkedError")).release().ptr();
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -189,6 +243,10 @@ void register_errors() {
       PyErr_SetString(out_of_slots, e.what());
     } catch (const ClosedError& e) {
       PyErr_SetString(closed, e.what());
+    } catch (const OutOfPages& e) {
+      PyErr_SetString(out_of_pages, e.what());
+    } catch (const ForkedError& e) {
+      PyErr_SetString(forked, e.what());
     }
   });
 }
@@ -225,19 +283,26 @@ PYBIND11_MODULE(_C, m) {
               maps.push_back(PageMapping{addr, page});
             }
             py::gil_scoped_release release;
-            b.map(maps.data(), maps.size());
+            size_t done = 0;
+            b.map(maps.data(), maps.size(), &done);
           },
           py::arg("mappings"), "Map [(address, page), ...] in one call.")
       .def(
           "unmap",
           [](VmmBackend& b, const std::vector<uintptr_t>& addrs) {
             py::gil_scoped_release release;
-            b.unmap(addrs.data(), addrs.size());
+            size_t done = 0;
+            b.unmap(addrs.data(), addrs.size(), &done);
           },
           py::arg("addresses"))
       .def("synchronize", &VmmBackend::synchronize, py::call_guard<py::gil_scoped_release>());
 
   m.def("host_granularity", &host_granularity);
+  m.def("host_inject_failure", &host_inject_failure, py::arg("call"), py::arg("skip") = 0, py::arg("times") = 1,
+        py::arg("errno") = 12,
+        "Test hook: the next `skip` host calls named `call` succeed, then `times` fail with `errno` "
+        "(-1: all; 0 clears). Calls: memfd_create, ftruncate, fallocate, mmap_reserve, mmap_map, "
+        "mmap_unmap, munmap.");
   m.def("raw_mmap_seconds", &raw_mmap_seconds, py::arg("page_size"), py::arg("count"),
         py::call_guard<py::gil_scoped_release>(),
         "Benchmark floor: [map, unmap] seconds per raw mmap call on a memfd.");
@@ -264,28 +329,28 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("driver_path"), py::arg("device"));
 
-  py::class_<Reservation, std::shared_ptr<Reservation>>(m, "Reservation")
-      .def_property_readonly("base", &Reservation::base)
-      .def_property_readonly("nbytes", &Reservation::bytes)
-      .def("dlpack", &reservation_dlpack, py::arg("offset"), py::arg("nbytes"),
+  py::class_<CacheMemory, std::shared_ptr<CacheMemory>>(m, "CacheMemory")
+      .def_property_readonly("base", &CacheMemory::base)
+      .def_property_readonly("nbytes", &CacheMemory::bytes)
+      .def("dlpack", &memory_dlpack, py::arg("offset"), py::arg("nbytes"),
            "A DLPack capsule (1-D uint8) over bytes [offset, offset + nbytes).");
 
   py::class_<PageManager>(m, "PageManager")
       .def(py::init([](std::shared_ptr<VmmBackend> backend, size_t num_buffers, size_t num_slots,
-                       size_t slot_bytes, size_t bytes_per_token, size_t max_tokens,
+                       size_t slot_bytes, size_t bytes_per_token, size_t max_tokens, bool external_ids,
                        bool background, bool deferred_reclaim, bool eager, size_t lookahead_tokens,
-                       size_t eager_tokens, double reclaim_threshold, size_t max_batch_pages) {
-             PageManagerConfig c{num_buffers, num_slots, slot_bytes, bytes_per_token, max_tokens};
+                       size_t eager_tokens, double reclaim_threshold, size_t max_batch_ids) {
+             PageManagerConfig c{num_buffers, num_slots, slot_bytes, bytes_per_token, max_tokens, external_ids};
              PolicyConfig p{background,   deferred_reclaim,  eager,          lookahead_tokens,
-                            eager_tokens, reclaim_threshold, max_batch_pages};
+                            eager_tokens, reclaim_threshold, max_batch_ids};
              py::gil_scoped_release release;
              return new PageManager(std::move(backend), c, p);
            }),
            py::arg("backend"), py::arg("num_buffers"), py::arg("num_slots"),
            py::arg("slot_bytes"), py::arg("bytes_per_token"), py::arg("max_tokens"),
-           py::arg("background") = false, py::arg("deferred_reclaim") = true,
-           py::arg("eager") = false, py::arg("lookahead_tokens") = 1, py::arg("eager_tokens") = 0,
-           py::arg("reclaim_threshold") = 0.1, py::arg("max_batch_pages") = 1024)
+           py::arg("external_ids") = false, py::arg("background") = false,
+           py::arg("deferred_reclaim") = true, py::arg("eager") = false, py::arg("lookahead_tokens") = 1,
+           py::arg("eager_tokens") = 0, py::arg("reclaim_threshold") = 0.1, py::arg("max_batch_ids") = 64)
       .def("wait_idle", &PageManager::wait_idle, py::call_guard<py::gil_scoped_release>(),
            "Block until the background mapper has nothing left to do.")
       .def("alloc_slot", &PageManager::alloc_slot, py::arg("prompt_tokens") = -1,
@@ -296,21 +361,86 @@ PYBIND11_MODULE(_C, m) {
           "step",
           [](PageManager& pm, py::handle seq_lens) {
             thread_local std::vector<int64_t> lens;
-            read_seq_lens(seq_lens, lens);
+            read_ints(seq_lens, "seq_lens", lens);
             py::gil_scoped_release release;
             return pm.step(lens.data(), lens.size());
           },
           py::arg("seq_lens"))
-      .def("reclaim", &PageManager::reclaim, py::arg("max_pages"),
+      .def(
+          "reclaim",
+          [](PageManager& pm, size_t max_pages) {
+            size_t nb = pm.config().num_buffers;
+            size_t ids = max_pages / nb + (max_pages % nb != 0);  // every buffer's page of an id goes together
+            py::gil_scoped_release release;
+            return pm.reclaim(ids);
+          },
+          py::arg("max_pages"))
+      .def("fork", &PageManager::fork, py::arg("src"), py::arg("num_tokens"),
            py::call_guard<py::gil_scoped_release>())
+      .def("retain_prefix", &PageManager::retain_prefix, py::arg("slot"), py::arg("num_tokens"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("attach_prefix", &PageManager::attach_prefix, py::arg("handle"), py::arg("slot"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("release_prefix", &PageManager::release_prefix, py::arg("handle"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("prefix_ids", &PageManager::prefix_ids, py::arg("handle"))
+      .def(
+          "map_ids",
+          [](PageManager& pm, py::handle slots_obj, py::handle starts_obj, py::handle counts_obj,
+             py::handle ids_obj) {
+            std::vector<int64_t> slots, starts, counts, raw_ids;
+            read_ints(slots_obj, "reqids", slots);
+            read_ints(starts_obj, "starts", starts);
+            read_ints(counts_obj, "counts", counts);
+            read_ints(ids_obj, "page_ids", raw_ids);
+            if (starts.size() != slots.size() || counts.size() != slots.size())
+              throw std::invalid_argument("map_pages: reqids, starts and counts must have equal lengths, got " +
+                                          std::to_string(slots.size()) + ", " + std::to_string(starts.size()) +
+                                          ", " + std::to_string(counts.size()));
+            std::vector<int64_t> offsets(slots.size() + 1, 0);
+            for (size_t i = 0; i < counts.size(); ++i) {
+              if (counts[i] < 0)
+                throw std::invalid_argument("map_pages: counts[" + std::to_string(i) + "] must be >= 0, got " +
+                                            std::to_string(counts[i]));
+              if (__builtin_add_overflow(offsets[i], counts[i], &offsets[i + 1]))
+                throw std::invalid_argument("map_pages: counts overflow");
+            }
+            std::vector<uint32_t> ids = to_ids(raw_ids, "page_ids");
+            py::gil_scoped_release release;
+            pm.map_ids(slots.data(), starts.data(), offsets.data(), slots.size(), ids.data(), ids.size());
+          },
+          py::arg("reqids"), py::arg("starts"), py::arg("counts"), py::arg("page_ids"))
+      .def(
+          "truncate",
+          [](PageManager& pm, py::handle slots_obj, py::handle keep_obj) {
+            std::vector<int64_t> slots, keep;
+            read_ints(slots_obj, "reqids", slots);
+            read_ints(keep_obj, "keep", keep);
+            if (keep.size() != slots.size())
+              throw std::invalid_argument("unmap_pages: reqids and keep must have equal lengths");
+            py::gil_scoped_release release;
+            pm.truncate(slots.data(), keep.data(), slots.size());
+          },
+          py::arg("reqids"), py::arg("keep"))
+      .def("slot_ids", &PageManager::slot_ids, py::arg("slot"))
+      .def(
+          "table",
+          [](const PageManager& pm) {
+            std::vector<std::pair<uintptr_t, uint32_t>> out;
+            for (const TableEntry& e : pm.table()) out.emplace_back(e.addr, e.page);
+            return out;
+          },
+          "Every (address, physical page) the page table holds, orphans included.")
+      .def("check_usable", &PageManager::check_usable)
       .def("close", &PageManager::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &PageManager::closed)
       .def("mapped_pages", &PageManager::mapped_pages, py::arg("slot"))
       .def("slot_allocated", &PageManager::slot_allocated, py::arg("slot"))
       .def("stats", [](const PageManager& pm) { return stats_dict(pm.stats(), pm.page_size()); })
       .def_property_readonly("page_size", &PageManager::page_size)
+      .def_property_readonly("num_ids", &PageManager::num_ids)
       .def_property_readonly("buffer_bytes", &PageManager::buffer_bytes)
-      .def_property_readonly("reservation", &PageManager::reservation)
+      .def_property_readonly("memory", &PageManager::memory)
       .def_property_readonly("backend_name", [](const PageManager& pm) { return pm.backend().name(); });
 
   m.attr("build_info") = py::dict(

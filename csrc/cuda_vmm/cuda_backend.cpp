@@ -48,6 +48,7 @@ class CudaBackend final : public VmmBackend {
   }
 
   ~CudaBackend() override {
+    if (forked_) return;  // the parent's handles and context
     // Pages still created here were never handed out or the manager is being
     // torn down after an error; release them so nothing leaks. Errors are
     // ignored: destructors never throw, and at process exit the driver may
@@ -71,8 +72,9 @@ class CudaBackend final : public VmmBackend {
     return static_cast<uintptr_t>(ptr);
   }
 
-  void free_reservation(uintptr_t base, size_t bytes) noexcept override {
-    if (set_context_noexcept()) api_.cuMemAddressFree(static_cast<CUdeviceptr>(base), bytes);
+  bool free_reservation(uintptr_t base, size_t bytes) noexcept override {
+    if (forked_ || !set_context_noexcept()) return false;
+    return api_.cuMemAddressFree(static_cast<CUdeviceptr>(base), bytes) == CUDA_SUCCESS;
   }
 
   void create_pages(const uint32_t* ids, size_t count) override {
@@ -88,49 +90,62 @@ class CudaBackend final : public VmmBackend {
   }
 
   void release_pages(const uint32_t* ids, size_t count) noexcept override {
-    if (!set_context_noexcept()) return;
+    if (forked_ || !set_context_noexcept()) return;
     for (size_t i = 0; i < count; ++i) {
       if (handles_[ids[i]]) api_.cuMemRelease(handles_[ids[i]]);
       handles_[ids[i]] = 0;
     }
   }
 
-  void map(const PageMapping* mappings, size_t count) override {
+  void map(const PageMapping* mappings, size_t count, size_t* done) override {
+    *done = 0;
     ensure_context();
-    size_t mapped = 0;
-    try {
-      // Map a run of address-contiguous pages, then grant access to the whole
-      // run with one cuMemSetAccess (a new mapping has no access rights).
-      size_t run_start = 0;
-      for (size_t i = 0; i < count; ++i) {
-        const PageMapping& m = mappings[i];
-        check("cuMemMap", api_.cuMemMap(static_cast<CUdeviceptr>(m.addr), page_size_, 0,
-                                        handles_[m.page], 0));
-        mapped = i + 1;
-        bool run_ends = i + 1 == count || mappings[i + 1].addr != m.addr + page_size_;
-        if (run_ends) {
-          uintptr_t start = mappings[run_start].addr;
-          check("cuMemSetAccess",
-                api_.cuMemSetAccess(static_cast<CUdeviceptr>(start),
-                                    (i + 1 - run_start) * page_size_, &access_, 1));
-          run_start = i + 1;
-        }
+    // Map a run of address-contiguous pages, then grant access to the whole
+    // run with one cuMemSetAccess (a new mapping has no access rights). A page
+    // counts as done once its run has access: on a failure the pages of the
+    // unfinished run are unmapped here (their cuMemMap succeeded, they have no
+    // access yet), and what cannot be unmapped is reported as done so the
+    // caller's page table keeps it.
+    size_t run_start = 0;
+    for (size_t i = 0; i < count; ++i) {
+      const PageMapping& m = mappings[i];
+      CUresult rc = api_.cuMemMap(static_cast<CUdeviceptr>(m.addr), page_size_, 0, handles_[m.page], 0);
+      if (rc != CUDA_SUCCESS) fail_run(mappings, run_start, i, done, "cuMemMap", rc);
+      bool run_ends = i + 1 == count || mappings[i + 1].addr != m.addr + page_size_;
+      if (run_ends) {
+        uintptr_t start = mappings[run_start].addr;
+        rc = api_.cuMemSetAccess(static_cast<CUdeviceptr>(start), (i + 1 - run_start) * page_size_,
+                                 &access_, 1);
+        if (rc != CUDA_SUCCESS) fail_run(mappings, run_start, i + 1, done, "cuMemSetAccess", rc);
+        run_start = i + 1;
+        *done = i + 1;
       }
-    } catch (...) {
-      for (size_t j = 0; j < mapped; ++j)
-        api_.cuMemUnmap(static_cast<CUdeviceptr>(mappings[j].addr), page_size_);
-      throw;
     }
   }
 
-  void unmap(const uintptr_t* addrs, size_t count) override {
+  void unmap(const uintptr_t* addrs, size_t count, size_t* done) override {
+    *done = 0;
     ensure_context();
-    for (size_t i = 0; i < count; ++i)
+    for (size_t i = 0; i < count; ++i) {
       check("cuMemUnmap", api_.cuMemUnmap(static_cast<CUdeviceptr>(addrs[i]), page_size_));
+      *done = i + 1;
+    }
+  }
+
+  void copy(uintptr_t dst, uintptr_t src, size_t bytes) override {
+    ensure_context();
+    check("cuMemcpyDtoD", api_.cuMemcpyDtoD(static_cast<CUdeviceptr>(dst), static_cast<CUdeviceptr>(src), bytes));
+    check("cuCtxSynchronize", api_.cuCtxSynchronize());  // device-to-device copies are asynchronous
+  }
+
+  void detach_after_fork(uintptr_t, size_t) noexcept override {
+    // The parent's context cannot be used here: forget every handle so no
+    // destructor calls the driver in the child.
+    forked_ = true;
   }
 
   void close_pool() noexcept override {
-    if (!set_context_noexcept()) return;
+    if (forked_ || !set_context_noexcept()) return;
     for (auto& h : handles_) {
       if (h) api_.cuMemRelease(h);
       h = 0;
@@ -143,6 +158,18 @@ class CudaBackend final : public VmmBackend {
   }
 
  private:
+  // Undoes the cuMemMap of pages [run_start, end) of an unfinished run and
+  // throws. Pages whose undo fails stay mapped: *done then covers them.
+  [[noreturn]] void fail_run(const PageMapping* mappings, size_t run_start, size_t end, size_t* done,
+                             const char* call, CUresult rc) {
+    size_t undone = end;
+    while (undone > run_start &&
+           api_.cuMemUnmap(static_cast<CUdeviceptr>(mappings[undone - 1].addr), page_size_) == CUDA_SUCCESS)
+      --undone;
+    *done = undone;
+    throw DriverError(call, error_name(api_, rc));
+  }
+
   void check(const char* call, CUresult rc) const {
     if (rc != CUDA_SUCCESS) throw DriverError(call, error_name(api_, rc));
   }
@@ -168,6 +195,7 @@ class CudaBackend final : public VmmBackend {
   CUmemAllocationProp prop_;
   CUmemAccessDesc access_;
   std::vector<CUmemGenericAllocationHandle> handles_;  // 0 = page not created
+  bool forked_ = false;  // in a fork() child: never call the driver
 };
 
 void check_device(const DriverApi& api, int device) {

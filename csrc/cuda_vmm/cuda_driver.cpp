@@ -55,6 +55,7 @@ std::unique_ptr<DriverApi> open_driver(const std::string& path) {
     bind(handle, "cuMemMap", api->cuMemMap, path);
     bind(handle, "cuMemUnmap", api->cuMemUnmap, path);
     bind(handle, "cuMemSetAccess", api->cuMemSetAccess, path);
+    bind(handle, "cuMemcpyDtoD_v2", api->cuMemcpyDtoD, path);
     bind(handle, "cuGetErrorName", api->cuGetErrorName, path);
   } catch (...) {
     dlclose(handle);

@@ -75,6 +75,7 @@ struct DriverApi {
   CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
                        unsigned long long);
   CUresult (*cuMemUnmap)(CUdeviceptr, size_t);
+  CUresult (*cuMemcpyDtoD)(CUdeviceptr, CUdeviceptr, size_t);
   CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t);
   CUresult (*cuGetErrorName)(CUresult, const char**);
 };

@@ -39,6 +39,18 @@ class ClosedError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The physical page pool cannot supply what a call needs (fork).
+class OutOfPages : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A call on a manager inherited through fork(): it belongs to the parent.
+class ForkedError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // errno as text with the call name: DriverError("mmap", "ENOMEM: Cannot allocate memory").
 [[noreturn]] void throw_errno(const std::string& call, int err);
 

@@ -1,15 +1,21 @@
-// One interface over the two virtual-memory backends (host memfd + mmap, and
-// the CUDA driver's VMM). A backend knows address ranges and physical pages,
+// One interface over the virtual-memory backends (host memfd + mmap, and the
+// CUDA driver's VMM). A backend knows address ranges and physical pages,
 // nothing about requests, layers or tensors.
 //
 // Physical pages form one pool of `num_pages` pages of `page_size` bytes, named
-// by index 0..num_pages-1. A page must be created before it is mapped and may be
-// mapped at one address at a time.
+// by index 0..num_pages-1. A page must be created before it is mapped; one
+// page may be mapped at several addresses at once (shared pages).
+//
+// Failure contract: map and unmap work through their list in order and report
+// how far they got, so the caller's page table can describe exactly what is
+// mapped after any failure. A backend never exits and never leaves an address
+// half-mapped without saying so.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -36,32 +42,51 @@ class VmmBackend {
 
   // Reserves `bytes` (a multiple of page_size) of address space; commits nothing.
   virtual uintptr_t reserve(size_t bytes) = 0;
-  // Returns a reservation; every page in it must be unmapped. Never throws.
-  virtual void free_reservation(uintptr_t base, size_t bytes) noexcept = 0;
+  // Returns a reservation. Every page in it should be unmapped first (the host
+  // backend tolerates leftovers, the CUDA driver refuses and the range leaks).
+  // Returns false when the range could not be freed. Never throws.
+  virtual bool free_reservation(uintptr_t base, size_t bytes) noexcept = 0;
 
   // Creates (commits) the physical pages `ids`. On failure the pages created
   // by this call are released again, then it throws.
   virtual void create_pages(const uint32_t* ids, size_t count) = 0;
-  // Releases created, unmapped physical pages. Never throws.
+  // Releases created physical pages (mappings that remain keep the memory
+  // until they go). Never throws.
   virtual void release_pages(const uint32_t* ids, size_t count) noexcept = 0;
 
-  // Maps each page at its address, readable and writable. All or nothing: on
-  // failure the mappings this call made are undone, then it throws.
-  virtual void map(const PageMapping* mappings, size_t count) = 0;
-  // Unmaps page-sized mappings at `addrs`. Callers first make sure no device
-  // work still reads them (see synchronize). Throws DriverError on failure.
-  virtual void unmap(const uintptr_t* addrs, size_t count) = 0;
+  // Maps each page at its address (unmapped before), readable and writable, in
+  // order. Sets *done to the number of leading entries now mapped: count on
+  // success; on failure it throws and entries [*done, count) are unmapped, the
+  // caller undoes [0, *done).
+  virtual void map(const PageMapping* mappings, size_t count, size_t* done) = 0;
+  // Unmaps the page-sized mappings at `addrs`, in order. Sets *done to the
+  // number of leading entries now unmapped; on failure it throws and entries
+  // [*done, count) are still mapped. Callers first make sure no device work
+  // still reads them (see synchronize).
+  virtual void unmap(const uintptr_t* addrs, size_t count, size_t* done) = 0;
+  // Copies `bytes` between two mapped ranges; complete when it returns.
+  virtual void copy(uintptr_t dst, uintptr_t src, size_t bytes) = 0;
   // Waits until device work that may read mapped pages has finished.
   virtual void synchronize() = 0;
-  // Releases every physical page and the pool's own handles; no page may be
-  // mapped. Afterwards the backend only frees reservations (tensor views may
-  // outlive the pool). Never throws.
+  // Releases every physical page and the pool's own handles. Afterwards the
+  // backend only frees reservations. Never throws.
   virtual void close_pool() noexcept = 0;
+
+  // In the child of a fork(): the pages belong to the parent. Makes [base,
+  // base + bytes) inaccessible in this process (host: the shared mappings are
+  // replaced, so the child can never write the parent's pages), drops the
+  // pool's handles without touching the driver, and makes every later call a
+  // no-op or an error. Only async-signal-safe calls. Never throws.
+  virtual void detach_after_fork(uintptr_t base, size_t bytes) noexcept = 0;
 };
 
 // Host backend: memfd pool, mmap reservation. page_size: multiple of the OS page size.
 std::shared_ptr<VmmBackend> make_host_backend(size_t page_size, size_t num_pages);
 size_t host_granularity();
+// Test hook: the next `skip` host calls named `call` (memfd_create, ftruncate,
+// fallocate, mmap_reserve, mmap_map, mmap_unmap, munmap) succeed, then `times`
+// calls (-1: all) fail with errno `err`. times = 0 clears it.
+void host_inject_failure(const std::string& call, long skip, long times, int err);
 
 // CUDA backend on `device` through the driver library at `driver_path`.
 std::shared_ptr<VmmBackend> make_cuda_backend(const std::string& driver_path, int device,
@@ -78,24 +103,46 @@ struct CudaDeviceInfo {
 };
 CudaDeviceInfo cuda_device_info(const std::string& driver_path, int device);
 
-// An address range owned jointly by the page manager and every tensor view of
-// it (DLPack capsules hold a shared_ptr), so the range is never reused while a
-// view exists. Its destructor returns the range to the backend.
-class Reservation {
+// Bumped in the child of every fork(). An object created under another
+// generation belongs to an ancestor process and must not act.
+uint64_t fork_generation();
+// The child-side fork handler (registered with pthread_atfork on first use).
+void fork_child_detach_all() noexcept;
+
+// The memory of one KV cache: its address range and, once its manager has
+// closed, the mappings still in it. Owned jointly by the page manager and every
+// tensor view (DLPack capsules hold a shared_ptr), like a torch storage: the
+// pages stay mapped and the range reserved until the last owner goes, so a
+// view that outlives cleanup() still reads what it read before.
+class CacheMemory {
  public:
-  Reservation(std::shared_ptr<VmmBackend> backend, size_t bytes);
-  ~Reservation();
-  Reservation(const Reservation&) = delete;
-  Reservation& operator=(const Reservation&) = delete;
+  CacheMemory(std::shared_ptr<VmmBackend> backend, size_t bytes);
+  ~CacheMemory();  // teardown, errors swallowed; nothing at all in a forked child
+  CacheMemory(const CacheMemory&) = delete;
+  CacheMemory& operator=(const CacheMemory&) = delete;
 
   uintptr_t base() const { return base_; }
   size_t bytes() const { return bytes_; }
   DLDevice dl_device() const { return backend_->dl_device(); }
+  VmmBackend& backend() const { return *backend_; }
+  bool in_creator_process() const { return fork_generation() == generation_; }
+
+  // The manager closes: `mapped` lists every address still mapped. They are
+  // unmapped at teardown, when the last owner is gone.
+  void hand_over(std::vector<uintptr_t> mapped);
+  // Unmaps what was handed over, releases the pool and the range. Throws the
+  // first driver error after doing all it can. Idempotent.
+  void teardown();
 
  private:
+  friend void fork_child_detach_all() noexcept;
   std::shared_ptr<VmmBackend> backend_;
-  uintptr_t base_;
-  size_t bytes_;
+  uintptr_t base_ = 0;
+  size_t bytes_ = 0;
+  uint64_t generation_ = 0;
+  std::mutex mu_;  // guards the two below
+  std::vector<uintptr_t> handed_over_;
+  bool torn_down_ = false;
 };
 
 }  // namespace vattn

@@ -64,7 +64,7 @@ static size_t total_mem(void) { return env_size("FAKE_CUDA_TOTAL_MEM", (size_t)8
 static int device_count(void) { return (int)env_size("FAKE_CUDA_DEVICE_COUNT", 1); }
 
 typedef struct { int fd; size_t size; } Alloc;
-typedef struct { uintptr_t addr; size_t size; } Range;
+typedef struct { uintptr_t addr; size_t size; uintptr_t handle; } Range;
 
 #define MAX_RANGES 65536
 static Range mappings[MAX_RANGES];
@@ -125,6 +125,16 @@ long fake_cuda_live_mappings(void) { return num_mappings; }
 long fake_cuda_live_reservations(void) { return num_reservations; }
 long fake_cuda_sync_calls(void) { return sync_calls; }
 long fake_cuda_primary_refs(void) { return primary_refs; }
+/* The allocation handle mapped at addr (0 when nothing is), so tests can check
+ * a page table against what is really mapped, shared pages included. */
+unsigned long long fake_cuda_handle_at(unsigned long long addr) {
+  unsigned long long h = 0;
+  pthread_mutex_lock(&mu);
+  for (int j = 0; j < num_mappings; ++j)
+    if (addr >= mappings[j].addr && addr < mappings[j].addr + mappings[j].size) h = mappings[j].handle;
+  pthread_mutex_unlock(&mu);
+  return h;
+}
 
 /* ---- driver API --------------------------------------------------------- */
 
@@ -282,6 +292,7 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
   }
   mappings[num_mappings].addr = ptr;
   mappings[num_mappings].size = size;
+  mappings[num_mappings].handle = (uintptr_t)handle;
   num_mappings++;
   pthread_mutex_unlock(&mu);
   return CUDA_SUCCESS;
@@ -330,6 +341,13 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
   mmap((void*)(uintptr_t)ptr, size, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
        -1, 0);
   pthread_mutex_unlock(&mu);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
+  NEED_CONTEXT();
+  INJECT("cuMemcpyDtoD");
+  memmove((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, bytes);
   return CUDA_SUCCESS;
 }
 
