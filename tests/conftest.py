@@ -36,6 +36,10 @@ def fake_cuda(fake_cuda_lib, monkeypatch):
     lib.fake_cuda_fail.argtypes = [ctypes.c_char_p, ctypes.c_long, ctypes.c_long, ctypes.c_int]
     for name in ("live_handles", "live_mappings", "live_reservations", "sync_calls", "primary_refs"):
         getattr(lib, f"fake_cuda_{name}").restype = ctypes.c_long
+    lib.fake_cuda_handle_at.restype = ctypes.c_ulonglong
+    lib.fake_cuda_handle_at.argtypes = [ctypes.c_ulonglong]
+    lib.fake_cuda_mappings_in.restype = ctypes.c_long
+    lib.fake_cuda_mappings_in.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong]
     lib.fake_cuda_clear_failures()
     # Counters are process-wide: a test that injects an unmap failure leaves its
     # mapping behind on purpose, so leak checks compare with these baselines.
@@ -54,3 +58,44 @@ def manager_state(kv: vattn.KVCacheManager) -> tuple:
         tuple(kv._pages.mapped_pages(r) for r in range(b)),
         tuple(kv.is_allocated(r) for r in range(b)),
     )
+
+
+def host_mappings(kv: vattn.KVCacheManager) -> dict[int, int]:
+    """What the kernel really maps in kv's range: address -> page of the memfd
+    pool, for every page mapped from the pool (read from /proc/self/maps)."""
+    mem = kv._pages.memory
+    base, end, page = mem.base, mem.base + mem.nbytes, kv.page_size
+    out: dict[int, int] = {}
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if hi <= base or lo >= end or len(parts) < 6 or "vattn-kv-pool" not in parts[5]:
+                continue
+            offset = int(parts[2], 16)
+            for addr in range(max(lo, base), min(hi, end), page):
+                out[addr] = (offset + addr - lo) // page
+    return out
+
+
+def assert_table_is_real(kv: vattn.KVCacheManager, fake_cuda=None) -> None:
+    """The page table (orphans included) describes exactly what is mapped:
+    on the host, address by address and page by page; on the fake driver,
+    the same addresses, and one allocation handle per physical page."""
+    table = dict(kv._pages.table())
+    if fake_cuda is None:
+        assert host_mappings(kv) == table
+        return
+    mem = kv._pages.memory
+    assert fake_cuda.fake_cuda_mappings_in(mem.base, mem.base + mem.nbytes) == len(table)
+    handle_of: dict[int, int] = {}
+    for addr, page in table.items():
+        handle = fake_cuda.fake_cuda_handle_at(addr)
+        assert handle != 0, f"the table maps {addr:#x} but the driver does not"
+        assert handle_of.setdefault(page, handle) == handle, f"page {page} is two allocations"
+    assert len(set(handle_of.values())) == len(handle_of), "two pages share one allocation"
+
+
+def assert_invariants(kv: vattn.KVCacheManager) -> None:
+    problem = kv._pages.check_invariants()
+    assert problem == "", problem

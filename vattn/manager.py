@@ -145,6 +145,7 @@ class KVCacheManager:
         )
         self.policy: dict[str, Any] = policy
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._closing = False  # set first thing in cleanup(): cached views are not handed out after it
         _live_managers.add(self)
 
     @property
@@ -171,7 +172,11 @@ class KVCacheManager:
         """
         index = _bounded_int("layer index", index, self.config.num_layers)
         self._check_process()
-        return self._views()[index]
+        views = self._views()
+        if self._closing:  # cleanup() ran while the views were built
+            self._layers = None
+            self._pages.check_usable()
+        return views[index]
 
     def kv_tensor(self, index: int) -> torch.Tensor:
         """K and V of layer ``index`` as one ``[2, B, L, H, D]`` view (``[0]`` is
@@ -197,14 +202,16 @@ class KVCacheManager:
         return self._pages.memory.base + buffer * self._pages.buffer_bytes
 
     def _views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if self._layers is None:
+        layers = self._layers  # one read: cleanup() may reset it from another thread
+        if layers is None:
             bufs = self.buffers()
             if self.config.layout == "per_layer":
-                self._layers = [(bufs[2 * i], bufs[2 * i + 1]) for i in range(self.config.num_layers)]
+                layers = [(bufs[2 * i], bufs[2 * i + 1]) for i in range(self.config.num_layers)]
             else:
                 k, v = bufs
-                self._layers = [(k[:, :, i], v[:, :, i]) for i in range(self.config.num_layers)]
-        return self._layers
+                layers = [(k[:, :, i], v[:, :, i]) for i in range(self.config.num_layers)]
+            self._layers = layers
+        return layers
 
     def _buffer_tensor(self, buffer: int) -> torch.Tensor:
         cfg = self.config
@@ -430,6 +437,7 @@ class KVCacheManager:
         tensor from :meth:`layer` is left (like a torch storage, a view that
         outlives cleanup keeps the memory it reads; drop views to free it).
         Every other call afterwards raises :class:`vattn.ClosedError`."""
+        self._closing = True
         self._layers = None
         self._pages.close()
 

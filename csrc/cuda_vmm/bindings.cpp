@@ -303,6 +303,8 @@ PYBIND11_MODULE(_C, m) {
         "Test hook: the next `skip` host calls named `call` succeed, then `times` fail with `errno` "
         "(-1: all; 0 clears). Calls: memfd_create, ftruncate, fallocate, mmap_reserve, mmap_map, "
         "mmap_unmap, munmap.");
+  m.def("host_inject_delay", &host_inject_delay, py::arg("microseconds"),
+        "Test hook: every host page map and page creation sleeps this long (0: off).");
   m.def("raw_mmap_seconds", &raw_mmap_seconds, py::arg("page_size"), py::arg("count"),
         py::call_guard<py::gil_scoped_release>(),
         "Benchmark floor: [map, unmap] seconds per raw mmap call on a memfd.");
@@ -432,6 +434,7 @@ PYBIND11_MODULE(_C, m) {
           },
           "Every (address, physical page) the page table holds, orphans included.")
       .def("check_usable", &PageManager::check_usable)
+      .def("check_invariants", &PageManager::check_invariants, py::call_guard<py::gil_scoped_release>())
       .def("close", &PageManager::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &PageManager::closed)
       .def("mapped_pages", &PageManager::mapped_pages, py::arg("slot"))

@@ -21,6 +21,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "errors.h"
 #include "vmm_backend.h"
@@ -42,9 +44,12 @@ struct InjectedFailure {
 };
 InjectedFailure g_inject;
 std::atomic<bool> g_inject_armed{false};
+std::atomic<long> g_delay_us{0};  // every mmap_map / fallocate sleeps this long (tests: slow batches)
 
 // True (errno set) when the test hook says this call fails now.
 bool injected(const char* call) {
+  long delay = g_delay_us.load(std::memory_order_relaxed);
+  if (delay > 0 && (std::strcmp(call, "mmap_map") == 0 || std::strcmp(call, "fallocate") == 0)) usleep(delay);
   if (!g_inject_armed.load(std::memory_order_relaxed)) return false;
   std::lock_guard<std::mutex> lock(g_inject.mu);
   if (g_inject.times == 0 || g_inject.call != call) return false;
@@ -168,6 +173,9 @@ class HostBackend final : public VmmBackend {
              mappings[i + n].page == mappings[i].page + n)
         ++n;
       void* want = reinterpret_cast<void*>(mappings[i].addr);
+      if (has_holes_.load(std::memory_order_relaxed) && in_hole(mappings[i].addr, n * page_size_))
+        throw DriverError("mmap(map page)", "this part of the cache's address range was lost to another "
+                                            "mapping after a failed unmap; it cannot be used");
       void* got = sys_mmap("mmap_map", want, n * page_size_, PROT_READ | PROT_WRITE,
                            MAP_FIXED | MAP_SHARED, pool_->fd(), offset(mappings[i].page));
       if (got == MAP_FAILED) {
@@ -188,16 +196,7 @@ class HostBackend final : public VmmBackend {
     for (size_t i = 0; i < count;) {
       size_t n = 1;
       while (i + n < count && addrs[i + n] == addrs[i] + n * page_size_) ++n;
-      void* p = sys_mmap("mmap_unmap", reinterpret_cast<void*>(addrs[i]), n * page_size_, PROT_NONE,
-                         MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (p == MAP_FAILED) {
-        int err = errno;
-        if (err == ENOMEM)
-          throw DriverError("mmap(unmap page)",
-                            "ENOMEM: unmapping needs a new mapping and the process is at "
-                            "vm.max_map_count; the page stays mapped and is retried later");
-        throw_errno("mmap(unmap page)", err);
-      }
+      unmap_run(addrs[i], n * page_size_);
       i += n;
       *done = i;
     }
@@ -226,9 +225,46 @@ class HostBackend final : public VmmBackend {
 
   off_t offset(uint32_t page) const { return static_cast<off_t>(page) * page_size_; }
 
+  // Puts reserved, inaccessible memory back over [addr, addr + len): one
+  // mmap that replaces the pages, so the range never has a hole another
+  // mapping could take. At vm.max_map_count the kernel refuses any new
+  // mapping; then munmap (which needs none unless it splits one) frees the
+  // pages first and the reservation is restored over the hole at once,
+  // refusing to replace anything that took the hole in between.
+  void unmap_run(uintptr_t addr, size_t len) {
+    void* want = reinterpret_cast<void*>(addr);
+    const int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+    if (sys_mmap("mmap_unmap", want, len, PROT_NONE, MAP_FIXED | flags, -1, 0) != MAP_FAILED) return;
+    int err = errno;
+    if (err != ENOMEM) throw_errno("mmap(unmap page)", err);
+    if (injected("munmap") || munmap(want, len) != 0)
+      throw DriverError("mmap(unmap page)",
+                        "ENOMEM: unmapping would split a mapping and the process is at "
+                        "vm.max_map_count; the page stays mapped and is retried later");
+    void* got = mmap(want, len, PROT_NONE, MAP_FIXED_NOREPLACE | flags, -1, 0);
+    if (got == want) return;
+    if (got != MAP_FAILED) munmap(got, len);  // an old kernel placed it elsewhere
+    // The pages are unmapped, but the reservation has a hole now: never map there.
+    std::lock_guard<std::mutex> lock(holes_mu_);
+    holes_.push_back({addr, len});
+    has_holes_ = true;
+    throw DriverError("mmap(unmap page)", "the page was unmapped but its address range could not be "
+                                          "reserved again; that range of the cache is lost");
+  }
+
+  bool in_hole(uintptr_t addr, size_t len) {
+    std::lock_guard<std::mutex> lock(holes_mu_);
+    for (auto [lo, n] : holes_)
+      if (addr < lo + n && lo < addr + len) return true;
+    return false;
+  }
+
   size_t page_size_;
   size_t num_pages_;
   std::unique_ptr<MemfdPool> pool_;  // null once closed
+  std::mutex holes_mu_;
+  std::vector<std::pair<uintptr_t, size_t>> holes_;  // unmapped, not reserved again (see unmap_run)
+  std::atomic<bool> has_holes_{false};
 };
 
 }  // namespace
@@ -241,6 +277,8 @@ void host_inject_failure(const std::string& call, long skip, long times, int err
   g_inject.err = err;
   g_inject_armed = times != 0;
 }
+
+void host_inject_delay(long microseconds) { g_delay_us = microseconds; }
 
 std::shared_ptr<VmmBackend> make_host_backend(size_t page_size, size_t num_pages) {
   if (page_size == 0 || page_size % host_granularity() != 0)

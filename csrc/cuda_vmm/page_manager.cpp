@@ -649,11 +649,14 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
       }
       reclaim_locked(deficit - available_ids(), -1);  // last resort, on the critical path
     }
+    // Addresses left mapped by an earlier failure are retried before anything
+    // is claimed: a throw here must not strand claimed ids.
+    for (size_t s = 0; s < count; ++s)
+      if (need[s] > mapped_of(s) && slot_orphans_[s]) settle_orphans_locked(static_cast<int64_t>(s));
     std::vector<MapJob> jobs;
     std::vector<uint32_t> to_create;
     for (size_t s = 0; s < count; ++s) {
       if (need[s] <= mapped_of(s)) continue;
-      if (slot_orphans_[s]) settle_orphans_locked(static_cast<int64_t>(s));
       size_t add = need[s] - mapped_of(s);
       jobs.push_back(MapJob{s, mapped_of(s), claim_ids(add, to_create), add});
     }
@@ -1128,6 +1131,7 @@ bool PageManager::slot_allocated(int64_t slot) const {
 PageStats PageManager::stats() const {
   if (forked()) throw ForkedError(kForked);
   Lock lock(sync_->mu);
+  check_open();
   return stats_;
 }
 
@@ -1146,6 +1150,66 @@ std::vector<TableEntry> PageManager::table() const {
       out.push_back(TableEntry{a, physical(b, o.id)});
     }
   return out;
+}
+
+std::string PageManager::check_invariants() {
+  if (forked()) throw ForkedError(kForked);
+  Lock lock(sync_->mu);
+  check_open();
+  sync_->batch_done.wait(lock, [&] { return !inflight_; });
+  const size_t nb = config_.num_buffers;
+  std::vector<uint32_t> maps(num_ids_, 0), holds(num_ids_, 0), pooled(num_ids_, 0);
+  size_t slots_mapped = 0, allocated = 0;
+  for (size_t s = 0; s < config_.num_slots; ++s) {
+    allocated += slot_allocated_[s];
+    for (uint32_t id : slot_ids_[s]) {
+      if (id >= num_ids_) return "slot " + std::to_string(s) + " holds id " + std::to_string(id) + " out of range";
+      if (!id_created_[id]) return "slot " + std::to_string(s) + " maps uncreated id " + std::to_string(id);
+      maps[id]++;
+    }
+    slots_mapped += slot_ids_[s].size() * nb;
+  }
+  size_t orphaned = 0;
+  std::vector<uint32_t> per_slot(config_.num_slots, 0);
+  for (const Orphan& o : orphans_) {
+    if (o.addrs.empty()) return "an orphan without addresses";
+    maps[o.id]++;
+    per_slot[o.slot]++;
+    orphaned += o.addrs.size();
+    slots_mapped += o.addrs.size();
+  }
+  if (per_slot != slot_orphans_) return "orphan counts per slot disagree";
+  for (auto& [h, ids] : handles_)
+    for (uint32_t id : ids) holds[id]++;
+  for (uint32_t id : free_ids_) {
+    if (pooled[id]++) return "id " + std::to_string(id) + " is in the free pool twice";
+    if (!id_created_[id]) return "free id " + std::to_string(id) + " was never created";
+  }
+  for (uint32_t id : uncreated_) {
+    if (pooled[id]++) return "id " + std::to_string(id) + " is both free and uncreated, or uncreated twice";
+    if (id_created_[id]) return "uncreated id " + std::to_string(id) + " is marked created";
+  }
+  size_t mapped = 0, in_use = 0, created = 0;
+  for (size_t id = 0; id < num_ids_; ++id) {
+    if (maps[id] != id_maps_[id]) return "id " + std::to_string(id) + ": " + std::to_string(id_maps_[id]) +
+                                          " mapping references counted, " + std::to_string(maps[id]) + " in the table";
+    if (holds[id] != id_holds_[id]) return "id " + std::to_string(id) + ": hold count disagrees with the handles";
+    bool used = maps[id] + holds[id] > 0;
+    if (!config_.external_ids && used == (pooled[id] != 0))
+      return "id " + std::to_string(id) + (used ? " is in use and in the pool" : " is neither in use nor in the pool");
+    mapped += maps[id] > 0;
+    in_use += used;
+    created += id_created_[id] != 0;
+  }
+  const PageStats& st = stats_;
+  if (st.pages_mapped != mapped * nb) return "pages_mapped counter is off";
+  if (st.pages_in_use != in_use * nb) return "pages_in_use counter is off";
+  if (st.page_slots_mapped != slots_mapped) return "page_slots_mapped counter is off";
+  if (st.pages_orphaned != orphaned) return "pages_orphaned counter is off";
+  if (st.pages_created != created * nb) return "pages_created counter is off";
+  if (st.slots_allocated != allocated) return "slots_allocated counter is off";
+  if (st.prefix_handles != handles_.size()) return "prefix_handles counter is off";
+  return "";
 }
 
 std::shared_ptr<CacheMemory> PageManager::memory() const {

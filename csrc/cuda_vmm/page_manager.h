@@ -70,6 +70,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -201,6 +202,11 @@ class PageManager {
   PageStats stats() const;
   // Every mapping the table holds, orphans included.
   std::vector<TableEntry> table() const;
+  // Waits for the mapper's batch, then checks every bookkeeping invariant
+  // (reference counts against the table, each id in exactly one place: a
+  // slot, a handle, the pool, the uncreated list; the counters). Returns the
+  // first violation, or "" (tests).
+  std::string check_invariants();
   const PageManagerConfig& config() const { return config_; }
   const PolicyConfig& policy() const { return policy_; }
   size_t page_size() const { return page_size_; }

@@ -87,6 +87,8 @@ size_t host_granularity();
 // fallocate, mmap_reserve, mmap_map, mmap_unmap, munmap) succeed, then `times`
 // calls (-1: all) fail with errno `err`. times = 0 clears it.
 void host_inject_failure(const std::string& call, long skip, long times, int err);
+// Test hook: every page map and page creation on the host sleeps this long.
+void host_inject_delay(long microseconds);
 
 // CUDA backend on `device` through the driver library at `driver_path`.
 std::shared_ptr<VmmBackend> make_cuda_backend(const std::string& driver_path, int device,

@@ -125,6 +125,14 @@ long fake_cuda_live_mappings(void) { return num_mappings; }
 long fake_cuda_live_reservations(void) { return num_reservations; }
 long fake_cuda_sync_calls(void) { return sync_calls; }
 long fake_cuda_primary_refs(void) { return primary_refs; }
+/* Mappings that start inside [lo, hi). */
+long fake_cuda_mappings_in(unsigned long long lo, unsigned long long hi) {
+  long n = 0;
+  pthread_mutex_lock(&mu);
+  for (int j = 0; j < num_mappings; ++j) n += mappings[j].addr >= lo && mappings[j].addr < hi;
+  pthread_mutex_unlock(&mu);
+  return n;
+}
 /* The allocation handle mapped at addr (0 when nothing is), so tests can check
  * a page table against what is really mapped, shared pages included. */
 unsigned long long fake_cuda_handle_at(unsigned long long addr) {
