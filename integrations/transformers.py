@@ -224,6 +224,24 @@ class VAttnCache(Cache):
             **vattn_options,
         )
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes the new tokens of layer ``layer_idx`` (in ``[0, num_layers)``)
+        into the vattn cache; returns ``[B, H, tokens, D]`` views of its filled rows."""
+        return super().update(key_states, value_states, self._layer_index(layer_idx), *args, **kwargs)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return super().get_seq_length(self._layer_index(layer_idx))
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return super().get_mask_sizes(query_length, self._layer_index(layer_idx))
+
+    def _layer_index(self, layer_idx: object) -> int:
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer_idx must be an int in [0, {len(self.layers) - 1}] (the cache's layers), "
+                             f"got {layer_idx!r}")
+        return layer_idx
+
     # ---- batch reshaping (beam search, contrastive search) ----------------------
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -233,10 +251,17 @@ class VAttnCache(Cache):
         self._select_rows(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
         self._select_rows(torch.arange(self._batch.size).repeat_interleave(repeats))
 
     def _select_rows(self, index: torch.Tensor) -> None:
-        index = torch.as_tensor(index, dtype=torch.long).flatten()
+        # Integer row indices only: a float would be truncated and a bool mask
+        # read as rows 0 and 1, both silently changing the batch.
+        raw = index if isinstance(index, torch.Tensor) else torch.as_tensor(index)
+        if raw.dtype == torch.bool or raw.is_floating_point() or raw.is_complex():
+            raise TypeError(f"row indices must be integers, got a {raw.dtype} tensor")
+        index = raw.to(torch.long).flatten()
         if self._batch.size == 0:
             return
         if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < self._batch.size:

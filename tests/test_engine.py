@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+
+import vattn
 
 pytest.importorskip("transformers", reason="needs transformers (pip install vattn[transformers])")
 
@@ -103,20 +106,38 @@ def test_bad_requests_are_refused_without_disturbing_others(model, reference):
             engine.add_request(prompts[i], news[i])
         engine.step()
         bad = [
-            (dict(prompt=[]), "at least one token"),
-            (dict(prompt=[5] * 129), "max_context_len is 128"),
-            (dict(prompt=[5, 3], max_new_tokens=0), "max_new_tokens must be an int >= 1"),
-            (dict(prompt=[5, VOCAB]), r"\[0, 95\]"),
-            (dict(prompt=[5, -1]), r"\[0, 95\]"),
-            (dict(prompt=[5, 2.5]), "int token ids"),
-            (dict(prompt=[5], temperature=-1.0), "temperature"),
-            (dict(prompt=[5], top_p=0.0), "top_p"),
+            (ValueError, dict(prompt=[]), "at least one token"),
+            (ValueError, dict(prompt=[5] * 129), "max_context_len is 128"),
+            (ValueError, dict(prompt=[5, 3], max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+            (ValueError, dict(prompt=[5, VOCAB]), r"\[0, 95\]"),
+            (ValueError, dict(prompt=[5, -1]), r"\[0, 95\]"),
+            (TypeError, dict(prompt=[5, 2.5]), "int token ids"),
+            (TypeError, dict(prompt=[5, True]), "not bools"),
+            (TypeError, dict(prompt=None), "sequence of int token ids"),
+            (TypeError, dict(prompt="ab"), "sequence of int token ids"),
+            (ValueError, dict(prompt=[5], temperature=-1.0), "temperature"),
+            (ValueError, dict(prompt=[5], temperature=float("inf")), "finite"),
+            (ValueError, dict(prompt=[5], temperature=float("nan")), "temperature"),
+            (TypeError, dict(prompt=[5], temperature=None), "temperature must be a number"),
+            (TypeError, dict(prompt=[5], temperature="0.5"), "temperature must be a number"),
+            (ValueError, dict(prompt=[5], top_p=0.0), "top_p"),
+            (TypeError, dict(prompt=[5], top_p=None), "top_p must be a number"),
+            (TypeError, dict(prompt=[5], seed="x"), "seed must be an int"),
+            (TypeError, dict(prompt=[5], seed=1.5), "seed must be an int"),
+            (ValueError, dict(prompt=[5], seed=2**64), r"seed must be in \[0, 2\*\*63"),
+            (ValueError, dict(prompt=[5], n=0), "n must be an int >= 1"),
         ]
-        for kwargs, message in bad:
-            with pytest.raises(ValueError, match=message):
+        for exc, kwargs, message in bad:
+            with pytest.raises(exc, match=message):
                 engine.add_request(**kwargs)
         with pytest.raises(ValueError, match="prompt 1: .*at least one token"):
             engine.generate([[4, 5], []])
+        with pytest.raises(TypeError, match="prompt 2: .*int token ids"):
+            engine.generate([[4, 5], [6], [7, "x"]])
+        with pytest.raises(ValueError, match="prompt 1: max_new_tokens"):
+            engine.generate([[4, 5], [6]], max_new_tokens=[3, 0])
+        with pytest.raises(TypeError, match="prompts must be"):
+            engine.generate(None)
         finished = {}
         while engine.has_unfinished():
             finished.update((o.request_id, o) for o in engine.step())
@@ -166,6 +187,13 @@ def test_a_request_larger_than_the_pool_fails_alone(model):
         assert outs[small].finish_reason == "length" and len(outs[small].output) == 2
 
 
+def test_generate_accepts_generators_and_integer_scalars(model, reference):
+    prompts, news, _ = reference
+    want = [alone(model, p, news[0]) for p in prompts[:2]]  # before the engine takes the model's attention
+    with Engine(model, max_batch_size=4, max_context_len=128, page_size=PAGE) as engine:
+        assert engine.generate((p for p in prompts[:2]), max_new_tokens=np.int64(news[0])) == want
+
+
 def test_close_restores_the_model(model):
     before = model.config._attn_implementation
     engine = Engine(model, max_batch_size=1, max_context_len=32)
@@ -173,5 +201,62 @@ def test_close_restores_the_model(model):
     engine.close()
     engine.close()
     assert model.config._attn_implementation == before and engine.kv.closed
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(vattn.ClosedError, match="closed"):
         engine.add_request([1, 2])
+    with pytest.raises(vattn.ClosedError, match="closed"):
+        engine.step()
+
+
+# ---- shared pages: parallel sampling and the prefix cache ---------------------------
+
+
+def test_n_completions_share_the_prompt(model, reference):
+    prompts, news, expected = reference
+    with Engine(model, max_batch_size=9, max_context_len=128, page_size=PAGE) as engine:
+        greedy = engine.generate(prompts[:3], max_new_tokens=news[:3], n=3)
+        assert greedy == [[want] * 3 for want in expected[:3]]  # greedy: every completion is the n=1 one
+        assert engine.kv.stats()["forks"] == 6  # 9 slots: every prompt forked into 2 more completions
+        sampled = engine.generate(prompts[:2], max_new_tokens=10, n=4, temperature=1.0, seed=11)
+        again = engine.generate(prompts[:2], max_new_tokens=10, n=4, temperature=1.0, seed=11)
+        assert sampled == again  # seeded: reproducible
+        assert all(len({tuple(c) for c in outs}) > 1 for outs in sampled)  # the completions differ
+        assert engine.kv.stats()["slots_allocated"] == 0
+
+
+def test_n_completions_under_a_tight_pool(model, reference):
+    """Forks whose pages run out are preempted and recomputed; outputs stay right."""
+    prompts, news, expected = reference
+    with Engine(model, max_batch_size=8, max_context_len=128, page_size=PAGE, physical_memory=24 * PAGE) as engine:
+        assert engine.generate(prompts[:4], max_new_tokens=news[:4], n=2) == [[w] * 2 for w in expected[:4]]
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param({}, id="defaults"),
+    # all layers in one buffer: 3 layers x 2 heads x 16 x fp32 = 384 bytes per token
+    pytest.param({"layout": "all_layers", "prefill_chunk_size": 9, "page_size": 3 * PAGE}, id="all_layers-chunked"),
+    pytest.param({"physical_memory": 40 * PAGE}, id="tight-pool"),
+])
+def test_prefix_cache_outputs_equal_no_cache(model, options):
+    g = torch.Generator().manual_seed(3)
+    systems = [torch.randint(2, VOCAB, (m,), generator=g).tolist() for m in (40, 57)]
+    prompts = [systems[i % 2] + torch.randint(2, VOCAB, (int(t),), generator=g).tolist()
+               for i, t in enumerate(torch.randint(1, 20, (8,), generator=g))]
+    options = {"page_size": PAGE, **options}
+    with Engine(model, max_batch_size=4, max_context_len=128, **options) as engine:
+        want = engine.generate(prompts, max_new_tokens=8)
+    with Engine(model, max_batch_size=4, max_context_len=128, prefix_cache=True, **options) as engine:
+        assert engine.generate(prompts, max_new_tokens=8) == want
+        stats = engine.stats()
+        page_tokens = engine.kv.page_tokens
+        # one query per admission; a tight pool sends some requests back to wait and admits them again
+        assert stats["prefix_cache_queries"] >= len(prompts)
+        assert stats["prefix_cache_queries"] == len(prompts) or "physical_memory" in options
+        # the first batch (4 requests) computes both system prompts side by side; every later
+        # prompt finds at least its system prompt's whole pages
+        assert stats["prefix_cache_hit_tokens"] >= (len(prompts) - 4) * (40 // page_tokens) * page_tokens > 0
+        assert stats["prefix_cache_hit_tokens"] <= stats["prefix_cache_query_tokens"]
+    with Engine(model, max_batch_size=4, max_context_len=128, prefix_cache=True, **options) as engine:
+        # the same prompt again: everything but the last (partial) page is a hit, and the output is unchanged
+        assert engine.generate([prompts[0]], max_new_tokens=8) == [want[0]]
+        assert engine.generate([prompts[0]], max_new_tokens=8) == [want[0]]
+        assert engine.stats()["prefix_cache_hit_tokens"] > 0

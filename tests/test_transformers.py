@@ -205,3 +205,22 @@ def test_close_and_garbage_collection_release_the_manager():
     del cache
     gc.collect()
     assert manager.closed
+
+
+def test_bad_layer_index_and_row_indices_are_refused_with_state_unchanged():
+    model = llama()
+    with VAttnCache.from_model(model, max_batch_size=3, max_context_len=64, page_size=PAGE) as cache:
+        ids, mask = prompts([7, 7, 7])
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        k = torch.zeros(3, 2, 1, 16)
+        for bad in (3, -1, 1.0, True, "0"):
+            with pytest.raises(ValueError, match=r"layer_idx must be an int in \[0, 2\]"):
+                cache.update(k, k, bad)
+        before = [layer.keys.clone() for layer in cache.layers], cache.get_seq_length()
+        for bad in (torch.tensor([1.0, 0.0, 2.0]), torch.tensor([True, False, True]), [0.5, 1.5]):
+            with pytest.raises(TypeError, match="integers"):
+                cache.reorder_cache(bad)
+        with pytest.raises(ValueError, match="repeats"):
+            cache.batch_repeat_interleave(0)
+        after = [layer.keys for layer in cache.layers], cache.get_seq_length()
+        assert after[1] == before[1] and all(torch.equal(a, b) for a, b in zip(after[0], before[0]))
