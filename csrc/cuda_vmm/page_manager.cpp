@@ -857,10 +857,10 @@ void PageManager::map_ids(const int64_t* slots, const int64_t* starts, const int
     }
     for (size_t k = 0; k < num_ids_given; ++k) {
       if (ids[k] >= num_ids_)
-        throw std::invalid_argument("map_pages: page ids must be in " + range_text(0, num_ids_ - 1) +
-                                    ", got " + std::to_string(ids[k]));
+        throw std::invalid_argument("map_pages: page_ids[" + std::to_string(k) + "] must be in " +
+                                    range_text(0, num_ids_ - 1) + " (num_page_ids), got " + std::to_string(ids[k]));
       if (!config_.external_ids && id_maps_[ids[k]] + id_holds_[ids[k]] == 0)
-        throw std::invalid_argument("map_pages: page id " + std::to_string(ids[k]) +
+        throw std::invalid_argument("map_pages: page_ids[" + std::to_string(k) + "] = " + std::to_string(ids[k]) +
                                     " is not in use (managed page ids must be mapped in some reqid "
                                     "or held by a prefix handle)");
     }
