@@ -25,6 +25,10 @@
  *   FAKE_UVM_PAGE_SIZES  mask of page sizes a GPU serves (default all four)
  *   FAKE_UVM_TOTAL_MEM   bytes of GPU memory allocations may use (default 1 GiB)
  *   FAKE_UVM_VA_LIMIT    first VA the GPU cannot address (default 2^57)
+ *   FAKE_UVM_FRESH_MAPS=1  a broken module: MAP puts new zeroed memory at the
+ *                        VA instead of the allocation's, so a page mapped at
+ *                        two addresses is two memories (driver_patch/verify.py
+ *                        must notice)
  * Control functions (fake_uvm_*) inject failures and report what is alive.
  */
 #define _GNU_SOURCE
@@ -444,7 +448,9 @@ static uint32_t map_one(int vs, uint64_t va, uint64_t handle) {
       return NV_ERR_UVM_ADDRESS_IN_USE;
   }
   if (free_slot < 0) return NV_ERR_NO_MEMORY;
-  void* at = mmap((void*)(uintptr_t)va, size, PROT_READ | PROT_WRITE, MAP_FIXED | MAP_SHARED, allocs[a].fd, 0);
+  void* at = env_u64("FAKE_UVM_FRESH_MAPS", 0)
+                 ? mmap((void*)(uintptr_t)va, size, PROT_READ | PROT_WRITE, MAP_FIXED | MAP_SHARED | MAP_ANONYMOUS, -1, 0)
+                 : mmap((void*)(uintptr_t)va, size, PROT_READ | PROT_WRITE, MAP_FIXED | MAP_SHARED, allocs[a].fd, 0);
   if (at == MAP_FAILED) return NV_ERR_NO_MEMORY;
   mappings[free_slot] = (Mapping){va, size, vs, (int)a, allocs[a].gpu};
   allocs[a].refs++;

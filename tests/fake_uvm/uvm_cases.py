@@ -16,7 +16,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import gc
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +26,8 @@ import torch
 import vattn
 import vattn.info
 from vattn import _C
+
+ROOT = Path(__file__).resolve().parents[2]
 
 KiB, MiB = 1024, 1024 * 1024
 PAGE_SIZES = [64 * KiB, 128 * KiB, 256 * KiB, 2 * MiB]
@@ -54,7 +58,7 @@ def uvm(monkeypatch):
     lib.fake_uvm_clear_failures()
     gc.collect()  # managers of earlier tests let go of their nvidia-uvm descriptors
     for name in ("FAKE_UVM_STOCK", "FAKE_UVM_ABI", "FAKE_UVM_PAGE_SIZES", "FAKE_UVM_TOTAL_MEM", "FAKE_UVM_VA_LIMIT",
-                 "FAKE_CUDA_UVM_EXTERNAL", "FAKE_CUDA_UVM_REGISTER", "VATTN_UVM_FD"):
+                 "FAKE_UVM_FRESH_MAPS", "FAKE_CUDA_UVM_EXTERNAL", "FAKE_CUDA_UVM_REGISTER", "VATTN_UVM_FD"):
         monkeypatch.delenv(name, raising=False)
     lib.baseline = (lib.fake_uvm_live_allocs(), lib.fake_uvm_live_mappings(), lib.fake_uvm_live_ranges())
     yield lib
@@ -219,6 +223,34 @@ def test_info_reports_the_patched_module(fake_cuda):
     text = vattn.info.render(info)
     assert "backend cuda_uvm: available (patched nvidia-uvm loaded (ABI 1" in text
     assert "page sizes: 64 KiB, 128 KiB, 256 KiB, 2 MiB (default 64 KiB)" in text
+
+
+def load_verify_script():
+    spec = importlib.util.spec_from_file_location("uvm_verify", ROOT / "driver_patch" / "verify.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def host_slice(kv, buffer: int, reqid: int) -> torch.Tensor:
+    """The slice through host memory (the stand-in's device pointers are host addresses)."""
+    addr = kv.buffer_address(buffer) + reqid * kv.slot_bytes
+    return torch.frombuffer((ctypes.c_uint8 * kv.slot_bytes).from_address(addr), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_verify_script_passes_on_a_module_that_keeps_data(uvm, fake_cuda, page_size):
+    verify = load_verify_script()
+    assert verify.check_page_size(page_size, "cuda", host_slice) == []
+    assert_all_released(uvm)
+
+
+def test_verify_script_catches_a_module_that_maps_the_wrong_memory(uvm, fake_cuda, monkeypatch):
+    monkeypatch.setenv("FAKE_UVM_FRESH_MAPS", "1")
+    verify = load_verify_script()
+    problems = verify.check_page_size(64 * KiB, "cuda", host_slice)
+    assert problems and all(p.startswith("65536: ") for p in problems)
+    assert any("shared page differs between its two addresses" in p for p in problems)
 
 
 # ---- the module refuses: each error code ------------------------------------------
