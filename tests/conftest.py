@@ -14,16 +14,34 @@ import vattn
 
 HERE = Path(__file__).resolve().parent
 FAKE_CUDA_SOURCE = HERE / "fake_cuda" / "fake_cuda.c"
+FAKE_UVM_SOURCE = HERE / "fake_uvm" / "fake_uvm.c"
+
+
+def c_compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
 @pytest.fixture(scope="session")
 def fake_cuda_lib(tmp_path_factory) -> Path:
     """Builds the test driver library (tests/fake_cuda/fake_cuda.c) once."""
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = c_compiler()
     if cc is None:
         pytest.skip("no C compiler to build the fake CUDA driver")
     out = tmp_path_factory.mktemp("fake_cuda") / "libfakecuda.so"
     subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(out), str(FAKE_CUDA_SOURCE), "-lpthread"], check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def fake_uvm_lib(tmp_path_factory) -> Path:
+    """Builds the patched nvidia-uvm stand-in (tests/fake_uvm/fake_uvm.c) once,
+    for LD_PRELOAD."""
+    cc = c_compiler()
+    if cc is None:
+        pytest.skip("no C compiler to build the nvidia-uvm stand-in")
+    out = tmp_path_factory.mktemp("fake_uvm") / "libfakeuvm.so"
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(out), str(FAKE_UVM_SOURCE), "-ldl", "-lpthread"],
+                   check=True)
     return out
 
 
@@ -41,6 +59,7 @@ def fake_cuda(fake_cuda_lib, monkeypatch):
     lib.fake_cuda_mappings_in.restype = ctypes.c_long
     lib.fake_cuda_mappings_in.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong]
     lib.fake_cuda_clear_failures()
+    lib.fake_cuda_uvm_reset()  # the nvidia-uvm descriptor follows this test's environment
     # Counters are process-wide: a test that injects an unmap failure leaves its
     # mapping behind on purpose, so leak checks compare with these baselines.
     lib.baseline_mappings = lib.fake_cuda_live_mappings()

@@ -46,7 +46,9 @@ def assert_all_released(lib):
 
 def test_granularity_and_page_size_validation(fake_cuda):
     with pytest.raises(ValueError, match=r"multiple of the cuda backend's granularity \(2097152 bytes\)"):
-        make(page_size=64 * 1024)
+        make(page_size=3 * MiB)
+    with pytest.raises(vattn.BackendUnavailable, match=r"below the CUDA driver's granularity"):
+        make(page_size=64 * 1024)  # never rounded up (tests/test_cuda_uvm.py has the rest)
     with make() as kv:
         assert kv.page_size == 2 * MiB
         assert kv.backend.name == "cuda"

@@ -62,6 +62,7 @@ def init(
     eager_tokens: int | None = None,
     reclaim_threshold: float = 0.1,
     page_allocator: str = "vattn",
+    backend: str | None = None,
 ) -> KVCacheManager:
     """Creates the default manager (see :class:`KVCacheManager` for arguments).
 
@@ -89,6 +90,7 @@ def init(
             eager_tokens=eager_tokens,
             reclaim_threshold=reclaim_threshold,
             page_allocator=page_allocator,
+            backend=backend,
         )
         return _default
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from . import _C
 from .config import KVCacheConfig
+from .errors import BackendUnavailable
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -21,12 +22,19 @@ HOST_BUDGET_FRACTION = 0.5  # of MemAvailable, when physical_memory is None
 MAX_RESERVATION_BYTES = 2**46
 CUDA_BUDGET_FRACTION = 0.9  # of free device memory, when physical_memory is None
 
+# cuda_uvm: CUDA memory in pages below the driver's 2 MiB granularity, from the
+# nvidia-uvm module patched by driver_patch/ (see driver_patch/README.md).
+BACKENDS = ("host", "cuda", "cuda_uvm")
+UVM_PAGE_SIZES: tuple[int, ...] = tuple(_C.uvm_page_sizes)  # bytes: 64 KiB, 128 KiB, 256 KiB, 2 MiB
+CUDA_UVM_DEFAULT_PAGE_SIZE = 64 * KiB  # the smallest: least memory mapped but unused
+UVM_PATCH_README = "driver_patch/README.md"
+
 
 @dataclasses.dataclass(frozen=True)
 class BackendSpec:
     """A backend resolved for one cache: what `make()` will build."""
 
-    name: str  # "host" or "cuda"
+    name: str  # "host", "cuda" or "cuda_uvm"
     device_index: int
     granularity: int  # bytes; page sizes are multiples of it
     page_size: int  # bytes per physical page
@@ -36,6 +44,8 @@ class BackendSpec:
     def make(self) -> Any:
         if self.name == "host":
             return _C.make_host_backend(self.page_size, self.num_pages)
+        if self.name == "cuda_uvm":
+            return _C.make_cuda_uvm_backend(self.driver_path, self.device_index, self.page_size, self.num_pages)
         return _C.make_cuda_backend(self.driver_path, self.device_index, self.page_size, self.num_pages)
 
 
@@ -56,6 +66,18 @@ def cuda_info(device_index: int, driver_path: str | None = None) -> dict[str, An
     return _C.cuda_device_info(driver_path or _C.default_cuda_driver_path(), device_index)
 
 
+def uvm_patch_info() -> dict[str, Any]:
+    """Whether the loaded nvidia-uvm is the patched one (driver_patch/): keys
+    available, device_path ($VATTN_UVM_DEVICE or /dev/nvidia-uvm), abi_version,
+    reason. Needs no GPU context."""
+    return _C.uvm_patch_info()
+
+
+def uvm_patch_available() -> bool:
+    """True when the nvidia-uvm module answers the small-page ioctls."""
+    return _C.uvm_patch_available()
+
+
 def pool_pages(config: KVCacheConfig, page_size: int, budget: int) -> int:
     """Pages of the physical pool for a budget in bytes: never more than every
     reqid at full length can use."""
@@ -69,8 +91,21 @@ def resolve_backend(
     config: KVCacheConfig,
     page_size: int | None,
     physical_memory: int | None,
+    backend: str | None = None,
 ) -> BackendSpec:
-    """Validates page_size and physical_memory against the backend and fills defaults."""
+    """Validates page_size and physical_memory against the backend and fills defaults.
+
+    ``backend``: "host" (device cpu), "cuda" or "cuda_uvm" (a CUDA device), or
+    None: the device's backend, and cuda_uvm on a CUDA device when the page size
+    is below the driver's granularity and the patched nvidia-uvm is loaded.
+    """
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend is not None and (backend == "host") != (kind == "host"):
+        raise ValueError(f"backend {backend!r} does not serve device {'cpu' if kind == 'host' else 'cuda'}")
+    if page_size is not None and (isinstance(page_size, bool) or not hasattr(page_size, "__index__")):
+        raise TypeError(f"page_size must be an int number of bytes or None, got {type(page_size).__name__}")
+    page_size = None if page_size is None else int(page_size)
     driver_path = None
     if kind == "host":
         granularity = _C.host_granularity()
@@ -82,12 +117,15 @@ def resolve_backend(
         granularity = info["granularity"]
         default_page = granularity
         budget_share = int(info["free_bytes"] * CUDA_BUDGET_FRACTION)
+        kind = _cuda_backend(backend, page_size, granularity)
+        if kind == "cuda_uvm":
+            granularity, default_page = UVM_PAGE_SIZES[0], CUDA_UVM_DEFAULT_PAGE_SIZE
 
     if page_size is None:
         page_size = default_page
-    elif isinstance(page_size, bool) or not hasattr(page_size, "__index__"):
-        raise TypeError(f"page_size must be an int number of bytes or None, got {type(page_size).__name__}")
-    elif (page_size := int(page_size)) <= 0 or page_size % granularity:
+    elif kind == "cuda_uvm" and page_size not in UVM_PAGE_SIZES:
+        raise ValueError(f"page_size must be one of {UVM_PAGE_SIZES} bytes for the cuda_uvm backend, got {page_size}")
+    elif page_size <= 0 or page_size % granularity:
         raise ValueError(
             f"page_size must be a positive multiple of the {kind} backend's granularity "
             f"({granularity} bytes), got {page_size}"
@@ -116,6 +154,37 @@ def resolve_backend(
         page_size=page_size,
         num_pages=pool_pages(config, page_size, budget),
         driver_path=driver_path,
+    )
+
+
+def _cuda_backend(backend: str | None, page_size: int | None, granularity: int) -> str:
+    """"cuda" or "cuda_uvm" for a CUDA device. A page size below the driver's
+    granularity is never rounded up: it needs the patched nvidia-uvm."""
+    small = page_size is not None and 0 < page_size < granularity
+    if small and page_size not in UVM_PAGE_SIZES:
+        raise ValueError(
+            f"page_size must be a positive multiple of the CUDA driver's granularity ({granularity} bytes), or, "
+            f"with the patched nvidia-uvm module ({UVM_PATCH_README}), one of {UVM_PAGE_SIZES}; got {page_size}"
+        )
+    if backend != "cuda_uvm" and not small:
+        return "cuda"
+    patch = uvm_patch_info()
+    if backend == "cuda_uvm" or (backend is None and patch["available"]):
+        if not patch["available"]:
+            raise BackendUnavailable(
+                f"the cuda_uvm backend needs the patched nvidia-uvm module ({patch['reason']}); "
+                f"see {UVM_PATCH_README}"
+            )
+        return "cuda_uvm"
+    if patch["available"]:  # backend="cuda" asked for explicitly
+        raise ValueError(
+            f"the cuda backend maps multiples of the driver's granularity ({granularity} bytes); page_size "
+            f"{page_size} needs backend='cuda_uvm' (the patched nvidia-uvm module is loaded)"
+        )
+    raise BackendUnavailable(
+        f"page_size {page_size} bytes is below the CUDA driver's granularity of {granularity} bytes: pages "
+        f"smaller than that need the patched nvidia-uvm module, which is not loaded ({patch['reason']}); "
+        f"see {UVM_PATCH_README}, or use a page_size that is a multiple of {granularity}"
     )
 
 

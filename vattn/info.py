@@ -8,7 +8,15 @@ from typing import Any
 import torch
 
 from . import __version__, _C
-from .backends import HOST_DEFAULT_PAGE_SIZE, cuda_info, host_meminfo
+from .backends import (
+    CUDA_UVM_DEFAULT_PAGE_SIZE,
+    HOST_DEFAULT_PAGE_SIZE,
+    UVM_PAGE_SIZES,
+    UVM_PATCH_README,
+    cuda_info,
+    host_meminfo,
+    uvm_patch_info,
+)
 from .errors import VAttnError
 
 GiB = 1024**3
@@ -54,8 +62,30 @@ def collect() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_cuda": torch.cuda.is_available(),
         "build": dict(_C.build_info),
-        "backends": {"host": host, "cuda": cuda},
+        "backends": {"host": host, "cuda": cuda, "cuda_uvm": _cuda_uvm(cuda)},
     }
+
+
+def _cuda_uvm(cuda: dict[str, Any]) -> dict[str, Any]:
+    """The patched nvidia-uvm (driver_patch/): loaded or not, and its page sizes."""
+    patch = uvm_patch_info()
+    out: dict[str, Any] = {
+        "available": bool(patch["available"] and cuda["available"]),
+        "patched_module": bool(patch["available"]),
+        "device_path": patch["device_path"],
+        "abi_version": patch["abi_version"] or None,
+        "page_sizes": list(UVM_PAGE_SIZES) if patch["available"] else [],
+        "default_page_size": CUDA_UVM_DEFAULT_PAGE_SIZE,
+    }
+    if not patch["available"]:
+        out["reason"] = f"{patch['reason']}; pages below the CUDA granularity need it, see {UVM_PATCH_README}"
+    elif not cuda["available"]:
+        out["reason"] = f"the patched nvidia-uvm is loaded but CUDA is unavailable ({cuda['reason']})"
+    return out
+
+
+def _sizes(sizes: list[int]) -> str:
+    return ", ".join(f"{s // 1024} KiB" if s < 1024 * 1024 else f"{s // (1024 * 1024)} MiB" for s in sizes)
 
 
 def _bytes(n: int | None) -> str:
@@ -84,4 +114,12 @@ def render(info: dict[str, Any]) -> str:
             )
     else:
         lines.append(f"backend cuda: unavailable ({cuda['reason']})")
+    uvm = info["backends"]["cuda_uvm"]
+    module = (f"patched nvidia-uvm loaded (ABI {uvm['abi_version']}, {uvm['device_path']})" if uvm["patched_module"]
+              else "patched nvidia-uvm not loaded")
+    if uvm["available"]:
+        lines.append(f"backend cuda_uvm: available ({module})")
+        lines.append(f"  page sizes: {_sizes(uvm['page_sizes'])} (default {_sizes([uvm['default_page_size']])})")
+    else:
+        lines.append(f"backend cuda_uvm: unavailable ({module}: {uvm['reason']})")
     return "\n".join(lines)

@@ -64,6 +64,12 @@ class KVCacheManager:
             manager owns the page ids ``0 .. num_page_ids - 1`` and maps them
             with :meth:`map_pages`; :meth:`step`, the mapper, eager allocation
             and reclamation are off (DESIGN.md section 8).
+        backend: ``None``: the device's backend (host for cpu, cuda for
+            cuda), or cuda_uvm when a CUDA page size below the driver's 2 MiB
+            granularity is asked for and the patched nvidia-uvm is loaded.
+            ``"cuda_uvm"``: 64/128/256 KiB or 2 MiB pages from the patched
+            nvidia-uvm (driver_patch/README.md; default 64 KiB); without it,
+            :class:`vattn.BackendUnavailable`.
 
     Page ids: one page id names one physical page in every buffer (so it
     holds ``page_size`` bytes of each layer's K and V, ``page_tokens``
@@ -108,6 +114,7 @@ class KVCacheManager:
         eager_tokens: int | None = None,
         reclaim_threshold: float = 0.1,
         page_allocator: str = "vattn",
+        backend: str | None = None,
     ) -> None:
         if page_allocator not in PAGE_ALLOCATORS:
             raise ValueError(f"page_allocator must be one of {PAGE_ALLOCATORS}, got {page_allocator!r}")
@@ -128,7 +135,7 @@ class KVCacheManager:
         policy["max_batch_ids"] = max(1, 1024 // self.config.num_buffers)  # ~1024 pages per mapper batch
         kind, index = parse_device(device)
         self.device = torch.device("cpu") if kind == "host" else torch.device("cuda", index)
-        self.backend: BackendSpec = resolve_backend(kind, index, self.config, page_size, physical_memory)
+        self.backend: BackendSpec = resolve_backend(kind, index, self.config, page_size, physical_memory, backend)
         self.page_size: int = self.backend.page_size
         self.slot_bytes: int = self.config.slot_bytes(self.page_size)
         self.page_allocator: str = page_allocator

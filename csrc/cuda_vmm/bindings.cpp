@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "cuda_driver.h"
+#include "cuda_uvm_backend.h"
+#include "vattn_uvm_ioctl.h"
 #include "dlpack.h"
 #include "errors.h"
 #include "page_manager.h"
@@ -312,6 +314,29 @@ PYBIND11_MODULE(_C, m) {
   m.def("make_cuda_backend", &make_cuda_backend, py::arg("driver_path"), py::arg("device"),
         py::arg("page_size"), py::arg("num_pages"), py::call_guard<py::gil_scoped_release>());
   m.def("default_cuda_driver_path", &cu::default_driver_path);
+  m.def("make_cuda_uvm_backend", &make_cuda_uvm_backend, py::arg("driver_path"), py::arg("device"),
+        py::arg("page_size"), py::arg("num_pages"), py::call_guard<py::gil_scoped_release>(),
+        "A cuda_uvm backend: pages of 64 KiB - 2 MiB from the patched nvidia-uvm (driver_patch/).");
+  m.def("uvm_patch_available", &uvm_patch_available, py::call_guard<py::gil_scoped_release>(),
+        "Whether the nvidia-uvm module at $VATTN_UVM_DEVICE (default /dev/nvidia-uvm) is the patched one.");
+  m.def(
+      "uvm_patch_info",
+      [] {
+        UvmPatchInfo info;
+        {
+          py::gil_scoped_release release;
+          info = uvm_patch_info();
+        }
+        py::dict d;
+        d["available"] = info.available;
+        d["device_path"] = info.device_path;
+        d["abi_version"] = info.abi_version;
+        d["reason"] = info.reason;
+        return d;
+      },
+      "What the nvidia-uvm module answers: available, device_path, abi_version, reason.");
+  m.attr("uvm_page_sizes") = py::cast(uvm_page_sizes());
+  m.attr("uvm_abi_version") = static_cast<unsigned>(VATTN_UVM_ABI_VERSION);
   m.def(
       "cuda_device_info",
       [](const std::string& path, int device) {

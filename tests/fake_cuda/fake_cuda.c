@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -169,8 +170,73 @@ CUresult cuDeviceGetName(char* name, int len, CUdevice d) {
   return CUDA_SUCCESS;
 }
 CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice d) { (void)d; *bytes = total_mem(); return CUDA_SUCCESS; }
+/* Device d's UUID: "vattn-fake-gpu" and the ordinal in the last byte. */
+typedef struct { char bytes[16]; } CUuuid;
+CUresult cuDeviceGetUuid_v2(CUuuid* uuid, CUdevice d) {
+  if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+  if (d < 0 || d >= device_count()) return CUDA_ERROR_INVALID_DEVICE;
+  memcpy(uuid->bytes, "vattn-fake-gpu\0\0", 16);
+  uuid->bytes[15] = (char)d;
+  return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetUuid(CUuuid* uuid, CUdevice d) { return cuDeviceGetUuid_v2(uuid, d); }
+/* The driver's own nvidia-uvm descriptor. With FAKE_CUDA_UVM_DEVICE set, a
+ * context retain opens that file once, initialises it and registers the
+ * device's GPU and GPU VA space in it, as libcuda does with /dev/nvidia-uvm
+ * (tests/fake_uvm answers the ioctls). FAKE_CUDA_UVM_REGISTER=gpu registers
+ * the GPU without its GPU VA space, =none nothing. FAKE_CUDA_UVM_EXTERNAL=1
+ * makes every reservation an external range of that VA space, as a driver
+ * that manages its reservations through UVM would. Argument layouts: the
+ * stock ones (driver_patch/uvm_stock_ioctl.h). */
+static int uvm_fd = -1;
+static int uvm_registered[64];
+
+static int uvm_call(unsigned long cmd, void* params, size_t status_offset) {
+  if (ioctl(uvm_fd, cmd, params) != 0) return -1;
+  uint32_t status;
+  memcpy(&status, (char*)params + status_offset, 4);
+  return status == 0 ? 0 : -1;
+}
+
+static CUresult uvm_register(CUdevice d) {
+  const char* path = getenv("FAKE_CUDA_UVM_DEVICE");
+  if (!path || !*path || d < 0 || d >= 64 || uvm_registered[d]) return CUDA_SUCCESS;
+  if (uvm_fd < 0) {
+    uvm_fd = open(path, O_RDWR | O_CLOEXEC);
+    uint64_t init[2] = {0, 0};
+    if (uvm_fd < 0 || uvm_call(0x30000001ul, init, 8) != 0) return CUDA_ERROR_UNKNOWN;
+  }
+  const char* mode = getenv("FAKE_CUDA_UVM_REGISTER");
+  CUuuid uuid;
+  cuDeviceGetUuid_v2(&uuid, d);
+  unsigned char gpu[40] = {0}, va_space[32] = {0};
+  memcpy(gpu, uuid.bytes, 16);
+  memcpy(va_space, uuid.bytes, 16);
+  if (!(mode && strcmp(mode, "none") == 0) && uvm_call(37, gpu, 36) != 0) return CUDA_ERROR_UNKNOWN;
+  if (!(mode && (strcmp(mode, "none") == 0 || strcmp(mode, "gpu") == 0)) && uvm_call(25, va_space, 28) != 0)
+    return CUDA_ERROR_UNKNOWN;
+  uvm_registered[d] = 1;
+  return CUDA_SUCCESS;
+}
+
+/* Test control: close the descriptor and register anew on the next context
+ * retain, under the environment of that moment. */
+void fake_cuda_uvm_reset(void) {
+  pthread_mutex_lock(&mu);
+  if (uvm_fd >= 0) close(uvm_fd);
+  uvm_fd = -1;
+  memset(uvm_registered, 0, sizeof(uvm_registered));
+  pthread_mutex_unlock(&mu);
+}
+
+static int uvm_external(void) {
+  const char* v = getenv("FAKE_CUDA_UVM_EXTERNAL");
+  return uvm_fd >= 0 && v && strcmp(v, "1") == 0;
+}
+
 CUresult cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice d) {
   INJECT("cuDevicePrimaryCtxRetain");
+  if (uvm_register(d) != CUDA_SUCCESS) return CUDA_ERROR_UNKNOWN;
   pthread_mutex_lock(&mu);
   primary_refs++;
   pthread_mutex_unlock(&mu);
@@ -215,6 +281,13 @@ CUresult cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t align, CUdevi
   if (size == 0 || size % granularity()) return CUDA_ERROR_INVALID_VALUE;
   void* p = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  if (uvm_external()) {
+    uint64_t range[3] = {(uint64_t)(uintptr_t)p, size, 0};
+    if (uvm_call(73, range, 16) != 0) {
+      munmap(p, size);
+      return CUDA_ERROR_UNKNOWN;
+    }
+  }
   pthread_mutex_lock(&mu);
   reservations[num_reservations].addr = (uintptr_t)p;
   reservations[num_reservations].size = size;
@@ -232,6 +305,10 @@ CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
     if (reservations[i].addr == ptr && reservations[i].size == size) {
       for (int j = 0; j < num_mappings; ++j)  /* still mapped inside: refuse */
         if (mappings[j].addr >= ptr && mappings[j].addr < ptr + size) goto out;
+      if (uvm_external()) {
+        uint64_t range[3] = {ptr, size, 0};
+        uvm_call(34, range, 16);
+      }
       munmap((void*)(uintptr_t)ptr, size);
       reservations[i] = reservations[--num_reservations];
       rc = CUDA_SUCCESS;

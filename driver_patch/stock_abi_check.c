@@ -1,0 +1,32 @@
+/* SPDX-License-Identifier: MIT */
+/* Compiled by check.sh against the module source: the stock ioctls declared
+ * by hand in uvm_stock_ioctl.h must have the module's own numbers, sizes and
+ * field offsets (uvm_linux_ioctl.h, uvm_ioctl.h). Compiling is the check. */
+#include "uvm_linux_ioctl.h"
+#include "uvm_stock_ioctl.h"
+#define SAME(ours, theirs) _Static_assert((ours) == (theirs), #ours " == " #theirs)
+SAME(VATTN_STOCK_UVM_INITIALIZE, UVM_INITIALIZE);
+SAME(VATTN_STOCK_UVM_REGISTER_GPU_VASPACE, UVM_REGISTER_GPU_VASPACE);
+SAME(VATTN_STOCK_UVM_FREE, UVM_FREE);
+SAME(VATTN_STOCK_UVM_REGISTER_GPU, UVM_REGISTER_GPU);
+SAME(VATTN_STOCK_UVM_CREATE_EXTERNAL_RANGE, UVM_CREATE_EXTERNAL_RANGE);
+SAME(sizeof(VATTN_STOCK_UVM_INITIALIZE_PARAMS), sizeof(UVM_INITIALIZE_PARAMS));
+SAME(offsetof(VATTN_STOCK_UVM_INITIALIZE_PARAMS, rmStatus), offsetof(UVM_INITIALIZE_PARAMS, rmStatus));
+SAME(sizeof(VATTN_STOCK_UVM_RANGE_PARAMS), sizeof(UVM_FREE_PARAMS));
+SAME(offsetof(VATTN_STOCK_UVM_RANGE_PARAMS, length), offsetof(UVM_FREE_PARAMS, length));
+SAME(offsetof(VATTN_STOCK_UVM_RANGE_PARAMS, rmStatus), offsetof(UVM_FREE_PARAMS, rmStatus));
+SAME(sizeof(VATTN_STOCK_UVM_RANGE_PARAMS), sizeof(UVM_CREATE_EXTERNAL_RANGE_PARAMS));
+SAME(offsetof(VATTN_STOCK_UVM_RANGE_PARAMS, length), offsetof(UVM_CREATE_EXTERNAL_RANGE_PARAMS, length));
+SAME(offsetof(VATTN_STOCK_UVM_RANGE_PARAMS, rmStatus), offsetof(UVM_CREATE_EXTERNAL_RANGE_PARAMS, rmStatus));
+SAME(sizeof(VATTN_STOCK_UVM_REGISTER_GPU_PARAMS), sizeof(UVM_REGISTER_GPU_PARAMS));
+SAME(offsetof(VATTN_STOCK_UVM_REGISTER_GPU_PARAMS, numaEnabled), offsetof(UVM_REGISTER_GPU_PARAMS, numaEnabled));
+SAME(offsetof(VATTN_STOCK_UVM_REGISTER_GPU_PARAMS, numaNodeId), offsetof(UVM_REGISTER_GPU_PARAMS, numaNodeId));
+SAME(offsetof(VATTN_STOCK_UVM_REGISTER_GPU_PARAMS, rmCtrlFd), offsetof(UVM_REGISTER_GPU_PARAMS, rmCtrlFd));
+SAME(offsetof(VATTN_STOCK_UVM_REGISTER_GPU_PARAMS, hClient), offsetof(UVM_REGISTER_GPU_PARAMS, hClient));
+SAME(offsetof(VATTN_STOCK_UVM_REGISTER_GPU_PARAMS, hSmcPartRef), offsetof(UVM_REGISTER_GPU_PARAMS, hSmcPartRef));
+SAME(offsetof(VATTN_STOCK_UVM_REGISTER_GPU_PARAMS, rmStatus), offsetof(UVM_REGISTER_GPU_PARAMS, rmStatus));
+SAME(sizeof(VATTN_STOCK_UVM_REGISTER_GPU_VASPACE_PARAMS), sizeof(UVM_REGISTER_GPU_VASPACE_PARAMS));
+SAME(offsetof(VATTN_STOCK_UVM_REGISTER_GPU_VASPACE_PARAMS, rmCtrlFd), offsetof(UVM_REGISTER_GPU_VASPACE_PARAMS, rmCtrlFd));
+SAME(offsetof(VATTN_STOCK_UVM_REGISTER_GPU_VASPACE_PARAMS, hClient), offsetof(UVM_REGISTER_GPU_VASPACE_PARAMS, hClient));
+SAME(offsetof(VATTN_STOCK_UVM_REGISTER_GPU_VASPACE_PARAMS, hVaSpace), offsetof(UVM_REGISTER_GPU_VASPACE_PARAMS, hVaSpace));
+SAME(offsetof(VATTN_STOCK_UVM_REGISTER_GPU_VASPACE_PARAMS, rmStatus), offsetof(UVM_REGISTER_GPU_VASPACE_PARAMS, rmStatus));
