@@ -361,6 +361,7 @@ class Engine:
             time=time.perf_counter(), running=len(self.running), waiting=len(self.waiting),
             tokens=sum(n for _, n in batch),
             bytes_mapped=stats["bytes_mapped"],  # all of it, pages kept for reuse included
+            bytes_in_use=stats["pages_in_use"] * self.kv.page_size,  # distinct pages mapped or held by the prefix cache
             bytes_needed=self._bytes_needed(),  # the pages running requests' tokens need
             bytes_used=stats["bytes_used"],  # the tokens of running requests
         ))
