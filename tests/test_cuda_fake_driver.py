@@ -170,3 +170,31 @@ def test_cuda_tensors_need_a_cuda_torch(fake_cuda):
             pytest.skip("this torch has CUDA; the fake driver's addresses are not device memory")
         with pytest.raises(vattn.BackendUnavailable, match="no CUDA support"):
             kv.layer(0)
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
+def test_fork_maps_one_allocation_at_several_addresses(fake_cuda, layout):
+    """Shared pages: the same cuMemCreate handle behind both slices; the partial
+    page is a fresh handle filled by a device-to-device copy."""
+    page_size = 2 * MiB if layout == "per_layer" else 4 * MiB  # all_layers: 2 layers x 1 KiB per token
+    with make(layout=layout, page_size=page_size) as kv:
+        tokens, row = kv.page_tokens, kv.config.token_bytes_per_buffer
+        src = kv.alloc_reqid()
+        assert kv.step([2 * tokens + 10 if r == src else 0 for r in range(4)])
+        for buf in range(kv.config.num_buffers):
+            for t in (0, tokens, 2 * tokens + 9):
+                write_row(kv, buf, src, t, 0x30 + buf + t % 7)
+        child = kv.fork(src, 2 * tokens + 10)
+        for buf in range(kv.config.num_buffers):
+            base = kv.buffer_address(buf)
+            for pos in range(3):
+                here = fake_cuda.fake_cuda_handle_at(base + child * kv.slot_bytes + pos * page_size)
+                there = fake_cuda.fake_cuda_handle_at(base + src * kv.slot_bytes + pos * page_size)
+                assert here != 0 and (here == there) == (pos < 2)
+            for t in (0, tokens, 2 * tokens + 9):
+                assert read_row(kv, buf, child, t) == bytes([0x30 + buf + t % 7]) * row
+        kv.free_reqid(src)
+        kv.reclaim()
+        for buf in range(kv.config.num_buffers):
+            assert read_row(kv, buf, child, 0) == bytes([0x30 + buf]) * row
+    assert_all_released(fake_cuda)
