@@ -18,8 +18,8 @@ of 64, fp32) runs on the host backend; each configuration gets a fresh engine.
 
 Reported per run: peak and mean over the iterations of the bytes of KV pages
 mapped behind running requests (distinct physical pages, from the cache's own
-page table; deferred reclamation is off in both runs, so finished requests'
-pages do not count) and of the same plus pages only the prefix cache holds
+page table; deferred reclamation and eager allocation are off in both runs,
+so neither finished requests' pages nor a pre-mapped next reqid count) and of the same plus pages only the prefix cache holds
 (evictable), tokens the model computed, best wall seconds of two runs and 
 generated tokens per second. Writes benchmarks/results/sharing_<machine>.json
 and a plot; prints progress.
@@ -97,7 +97,8 @@ def parallel(model, quick: bool) -> list[dict]:
     prompt = tokens(g, prompt_len)
     rows = []
     for n in (1, 2, 4) if quick else (1, 2, 4, 8):
-        options = dict(max_batch_size=8, max_context_len=prompt_len + new, page_size=PAGE, deferred_reclaim=False)
+        options = dict(max_batch_size=8, max_context_len=prompt_len + new, page_size=PAGE, deferred_reclaim=False,
+                       eager=False)
         shared, _ = run(model, [prompt], new, options, n=n, temperature=1.0, seed=3)
         copies, _ = run(model, [prompt] * n, new, options, temperature=1.0, seed=3)
         rows.append(dict(n=n, shared=shared, copies=copies))
@@ -115,7 +116,7 @@ def prefix_trace(model, quick: bool) -> dict:
     prompts = [systems[i % 4] + tokens(g, q) for i, q in enumerate(questions)]
     new = 8 if quick else 32
     options = dict(max_batch_size=8, max_context_len=max(map(len, prompts)) + new, page_size=PAGE,
-                   deferred_reclaim=False)
+                   deferred_reclaim=False, eager=False)
     copies, want = run(model, prompts, new, options)
     print(f"prefix trace without cache: {copies['seconds']:.2f} s, mean KV {copies['mean_bytes_mapped'] / MiB:.1f} MiB",
           flush=True)
@@ -151,7 +152,7 @@ def plot(result: dict, name: str) -> None:
     x = range(len(labels))
     axes[2].bar([i - 0.2 for i in x], values["copies"], 0.4, label="no prefix cache")
     axes[2].bar([i + 0.2 for i in x], values["shared"], 0.4, label="prefix cache (shared pages)")
-    axes[2].set_xticks(list(x), labels)
+    axes[2].set_xticks(list(x), labels, fontsize=8)
     axes[2].set_title(f"{trace['requests']} requests over {trace['system_prompts']} system prompts")
     axes[2].legend()
     fig.suptitle(f"vattn shared pages, {result['machine']['cpu']} ({result['machine']['cores']} cores)")
