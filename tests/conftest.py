@@ -38,6 +38,7 @@ def fake_cuda(fake_cuda_lib, monkeypatch):
     for name in ("live_handles", "live_mappings", "live_reservations", "sync_calls", "primary_refs",
                  "unmap_calls", "primary_creations", "live_events", "threads_left_with_context"):
         getattr(lib, f"fake_cuda_{name}").restype = ctypes.c_long
+    lib.fake_cuda_accessible.argtypes = [ctypes.c_ulonglong]
     lib.fake_cuda_handle_at.argtypes = [ctypes.c_ulonglong]
     lib.fake_cuda_handle_at.restype = ctypes.c_ulonglong
     # contexts and streams are opaque pointers
@@ -45,7 +46,7 @@ def fake_cuda(fake_cuda_lib, monkeypatch):
     lib.fake_cuda_create_context.argtypes = [ctypes.c_int]
     for name in ("destroy_context", "context_alive"):
         getattr(lib, f"fake_cuda_{name}").argtypes = [ctypes.c_void_p]
-    for name in ("stream_syncs", "stream_records"):
+    for name in ("stream_syncs", "stream_records", "stream_completed", "launch"):
         getattr(lib, f"fake_cuda_{name}").argtypes = [ctypes.c_void_p]
         getattr(lib, f"fake_cuda_{name}").restype = ctypes.c_long
     lib.fake_cuda_clear_failures()

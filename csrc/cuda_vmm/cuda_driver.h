@@ -78,7 +78,6 @@ struct CUmemAccessDesc {
   X(cuDevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease_v2, CUresult(CUdevice))                       \
   X(cuDevicePrimaryCtxGetState, cuDevicePrimaryCtxGetState, CUresult(CUdevice, unsigned int*, int*))   \
   X(cuCtxGetCurrent, cuCtxGetCurrent, CUresult(CUcontext*))                                            \
-  X(cuCtxSetCurrent, cuCtxSetCurrent, CUresult(CUcontext))                                             \
   X(cuCtxPushCurrent, cuCtxPushCurrent_v2, CUresult(CUcontext))                                        \
   X(cuCtxPopCurrent, cuCtxPopCurrent_v2, CUresult(CUcontext*))                                         \
   X(cuCtxSynchronize, cuCtxSynchronize, CUresult())                                                    \

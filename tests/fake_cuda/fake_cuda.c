@@ -16,7 +16,10 @@
  *     FAKE_CUDA_UNMAP_SPANS=1 one or more whole adjacent ones (what the real
  *     driver does there is not documented: vattn probes it at run time);
  *   - streams and events belong to the context current at their creation; an
- *     event can only be recorded on a stream of its own context.
+ *     event can only be recorded on a stream of its own context. Tests queue
+ *     "kernels" on a stream (fake_cuda_launch); an event covers the ones
+ *     queued before its record, and waiting on it completes just those;
+ *   - FAKE_CUDA_MAP_DELAY_US makes every cuMemMap that long (a slow driver).
  * Device pointers are host addresses, so tests can read and write them.
  *
  * Control functions (fake_cuda_*) let tests inject failures, play a framework
@@ -99,12 +102,14 @@ static void watch_thread_exit(void) {
 }
 
 #define MAX_STREAMS 1024
-struct CUstream_st { CUcontext ctx; int alive; long syncs; long records; };
+/* launched: kernels queued (fake_cuda_launch); completed: how many of them a
+ * wait has seen finish. */
+struct CUstream_st { CUcontext ctx; int alive; long syncs; long records; long launched; long completed; };
 static struct CUstream_st streams[MAX_STREAMS];
 static int num_streams = 0;
-static struct CUstream_st legacy_stream = {NULL, 1, 0, 0}; /* handles 0, 1 and 2 */
+static struct CUstream_st legacy_stream = {NULL, 1, 0, 0, 0, 0}; /* handles 0, 1 and 2 */
 #define MAX_EVENTS 4096
-struct CUevent_st { CUcontext ctx; int alive; struct CUstream_st* recorded_on; };
+struct CUevent_st { CUcontext ctx; int alive; struct CUstream_st* recorded_on; long covers; };
 static struct CUevent_st events[MAX_EVENTS];
 static int num_events = 0;
 static long live_events = 0;
@@ -119,7 +124,7 @@ static size_t total_mem(void) { return env_size("FAKE_CUDA_TOTAL_MEM", (size_t)8
 static int device_count(void) { return (int)env_size("FAKE_CUDA_DEVICE_COUNT", 1); }
 
 typedef struct { int fd; size_t size; } Alloc;
-typedef struct { uintptr_t addr; size_t size; uintptr_t handle; } Range;
+typedef struct { uintptr_t addr; size_t size; uintptr_t handle; int access; } Range;
 
 #define MAX_RANGES 65536
 static Range mappings[MAX_RANGES];
@@ -223,6 +228,24 @@ unsigned long long fake_cuda_handle_at(unsigned long long addr) {
     if (addr >= mappings[j].addr && addr < mappings[j].addr + mappings[j].size) h = mappings[j].handle;
   pthread_mutex_unlock(&mu);
   return h;
+}
+
+/* 1 when addr is mapped and cuMemSetAccess granted access to it. */
+int fake_cuda_accessible(unsigned long long addr) {
+  int ok = 0;
+  pthread_mutex_lock(&mu);
+  for (int j = 0; j < num_mappings; ++j)
+    if (addr >= mappings[j].addr && addr < mappings[j].addr + mappings[j].size) ok = mappings[j].access;
+  pthread_mutex_unlock(&mu);
+  return ok;
+}
+/* Queues one kernel on the stream; returns how many it holds now. */
+long fake_cuda_launch(CUstream s) {
+  return __sync_add_and_fetch(&((uintptr_t)s <= 2 ? &legacy_stream : s)->launched, 1);
+}
+/* Kernels of the stream that some wait has seen complete. */
+long fake_cuda_stream_completed(CUstream s) {
+  return ((uintptr_t)s <= 2 ? &legacy_stream : s)->completed;
 }
 
 /* ---- driver API --------------------------------------------------------- */
@@ -330,6 +353,10 @@ CUresult cuCtxSynchronize(void) {
   NEED_CONTEXT();
   INJECT("cuCtxSynchronize");
   __sync_fetch_and_add(&sync_calls, 1);
+  pthread_mutex_lock(&mu);  /* the whole device: every stream's kernels */
+  for (int i = 0; i < num_streams; ++i) streams[i].completed = streams[i].launched;
+  legacy_stream.completed = legacy_stream.launched;
+  pthread_mutex_unlock(&mu);
   return CUDA_SUCCESS;
 }
 
@@ -355,6 +382,7 @@ CUresult cuStreamCreate(CUstream* out, unsigned int flags) {
     struct CUstream_st* s = &streams[num_streams++];
     s->ctx = current();
     s->alive = 1;
+    s->syncs = s->records = s->launched = s->completed = 0;
     *out = s;
   }
   pthread_mutex_unlock(&mu);
@@ -373,6 +401,9 @@ CUresult cuStreamSynchronize(CUstream h) {
   struct CUstream_st* s = stream_of(h);
   if (!s) return CUDA_ERROR_INVALID_HANDLE;
   __sync_fetch_and_add(&s->syncs, 1);
+  pthread_mutex_lock(&mu);
+  s->completed = s->launched;
+  pthread_mutex_unlock(&mu);
   return CUDA_SUCCESS;
 }
 CUresult cuEventCreate(CUevent* out, unsigned int flags) {
@@ -388,6 +419,7 @@ CUresult cuEventCreate(CUevent* out, unsigned int flags) {
     e->ctx = current();
     e->alive = 1;
     e->recorded_on = NULL;
+    e->covers = 0;
     live_events++;
     *out = e;
   }
@@ -401,6 +433,7 @@ CUresult cuEventRecord(CUevent e, CUstream h) {
   if (!e || !e->alive || !s) return CUDA_ERROR_INVALID_HANDLE;
   if (stream_context(s) != e->ctx) return CUDA_ERROR_INVALID_HANDLE;  /* not the same context */
   e->recorded_on = s;
+  e->covers = s->launched;
   __sync_fetch_and_add(&s->records, 1);
   return CUDA_SUCCESS;
 }
@@ -408,7 +441,13 @@ CUresult cuEventSynchronize(CUevent e) {
   NEED_CONTEXT();
   INJECT("cuEventSynchronize");
   if (!e || !e->alive) return CUDA_ERROR_INVALID_HANDLE;
-  if (e->recorded_on) __sync_fetch_and_add(&e->recorded_on->syncs, 1);
+  if (e->recorded_on) {
+    struct CUstream_st* s = e->recorded_on;
+    __sync_fetch_and_add(&s->syncs, 1);
+    pthread_mutex_lock(&mu);
+    if (s->completed < e->covers) s->completed = e->covers;
+    pthread_mutex_unlock(&mu);
+  }
   return CUDA_SUCCESS;
 }
 CUresult cuEventDestroy_v2(CUevent e) {
@@ -520,6 +559,8 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
   Alloc* a = (Alloc*)(uintptr_t)handle;
   if (!a || offset + size > a->size || size % granularity() || ptr % granularity())
     return CUDA_ERROR_INVALID_VALUE;
+  size_t delay_us = env_size("FAKE_CUDA_MAP_DELAY_US", 0);
+  if (delay_us) usleep((useconds_t)delay_us);
   pthread_mutex_lock(&mu);
   int reserved = 0;
   for (int i = 0; i < num_reservations; ++i)
@@ -542,6 +583,7 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
   mappings[num_mappings].addr = ptr;
   mappings[num_mappings].size = size;
   mappings[num_mappings].handle = (uintptr_t)handle;
+  mappings[num_mappings].access = 0;
   num_mappings++;
   pthread_mutex_unlock(&mu);
   return CUDA_SUCCESS;
@@ -569,6 +611,10 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* des
   pthread_mutex_unlock(&mu);
   if (c != (long)size) return CUDA_ERROR_INVALID_VALUE;  /* must be fully mapped */
   if (mprotect((void*)(uintptr_t)ptr, size, PROT_READ | PROT_WRITE) != 0) return CUDA_ERROR_UNKNOWN;
+  pthread_mutex_lock(&mu);
+  for (int j = 0; j < num_mappings; ++j)
+    if (mappings[j].addr >= ptr && mappings[j].addr < ptr + size) mappings[j].access = 1;
+  pthread_mutex_unlock(&mu);
   return CUDA_SUCCESS;
 }
 
