@@ -19,6 +19,7 @@ using namespace vattn;
 
 namespace vattn {
 std::vector<double> raw_mmap_seconds(size_t page_size, size_t count);
+std::vector<double> raw_cuda_seconds(const std::string& driver_path, int device, size_t page_size, size_t count);
 }
 
 namespace {
@@ -319,6 +320,9 @@ PYBIND11_MODULE(_C, m) {
         "Test hook: the next `skip` host calls named `call` succeed, then `times` fail with `errno` "
         "(-1: all; 0 clears). Calls: memfd_create, ftruncate, fallocate, mmap_reserve, mmap_map, "
         "mmap_unmap, munmap.");
+  m.def("raw_cuda_seconds", &raw_cuda_seconds, py::arg("driver_path"), py::arg("device"), py::arg("page_size"),
+        py::arg("count"), py::call_guard<py::gil_scoped_release>(),
+        "Benchmark floor: [create, map + set access, unmap, release] seconds per page of raw CUDA driver calls.");
   m.def("raw_mmap_seconds", &raw_mmap_seconds, py::arg("page_size"), py::arg("count"),
         py::call_guard<py::gil_scoped_release>(),
         "Benchmark floor: [map, unmap] seconds per raw mmap call on a memfd.");
