@@ -612,3 +612,18 @@ def test_graph_capture_on_the_host_backend_pauses_only_the_mapper():
             assert kv.step([100 if i == r else 0 for i in range(2)])
             kv.wait_idle()  # returns: a paused mapper counts as idle
         kv.wait_idle()
+
+
+def test_an_error_inside_graph_capture_reopens_the_driver_and_the_mapper(fake_cuda):
+    with make(background=True, eager=False, lookahead_tokens=4096) as kv:
+        a = kv.alloc_reqid()
+        assert kv.step(lens_with(100, a))
+        kv.wait_idle()
+        with pytest.raises(KeyError):
+            with kv.graph_capture():
+                assert kv.step(lens_with(2000, a))  # gives the paused mapper lookahead work
+                raise KeyError("the block's own error comes through")
+        kv.wait_idle()  # the mapper resumed and did it
+        assert kv.mapped_tokens(a) >= 2000 + 4096
+        assert kv.step(lens_with(7000, a))  # the driver is open again
+        assert kv.stats()["mapper_errors"] == 0

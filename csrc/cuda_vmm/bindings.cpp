@@ -299,8 +299,8 @@ PYBIND11_MODULE(_C, m) {
       .def("synchronize", &VmmBackend::synchronize, py::call_guard<py::gil_scoped_release>())
       .def("set_sync_streams", &VmmBackend::set_sync_streams, py::arg("streams"),
            py::call_guard<py::gil_scoped_release>(),
-           "Raw stream handles whose work may read mapped pages; synchronize() waits for those "
-           "instead of the whole device. Empty: the whole device.")
+           "Raw stream handles whose work may read mapped pages: read fences and synchronize() "
+           "wait for events on those instead of the whole device. Empty: the whole device.")
       // Blocks until the other threads' driver calls under way are done.
       .def("suspend_driver_calls", &VmmBackend::suspend_driver_calls, py::call_guard<py::gil_scoped_release>())
       .def("resume_driver_calls", &VmmBackend::resume_driver_calls)

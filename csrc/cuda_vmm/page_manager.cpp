@@ -1078,7 +1078,7 @@ void PageManager::wait_idle() {
 void PageManager::pause_mapper(bool paused) {
   if (forked()) throw ForkedError(kForked);
   Lock lock(sync_->mu);
-  check_open();
+  if (paused) check_open();  // unpausing a closed manager is a no-op (a capture block that closed it)
   if (paused && paused_) throw std::logic_error("the mapper is already paused (graph_capture is not reentrant)");
   paused_ = paused;
   if (paused) {
