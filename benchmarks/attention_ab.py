@@ -264,11 +264,11 @@ def time_interleaved(fns: dict[str, Callable[[], torch.Tensor]], device: torch.d
 
 
 def grid(args: argparse.Namespace) -> list[tuple[str, str, str, str, int, int]]:
-    """(model, dtype, phase, layout, batch, ctx), the first model and dtype first
-    (a time budget then cuts the rest)."""
+    """(model, dtype, phase, layout, batch, ctx): every model in the first
+    dtype first (a time budget then cuts the rest)."""
     points = []
-    for model in args.models:
-        for dtype in args.dtypes:
+    for dtype in args.dtypes:
+        for model in args.models:
             for phase, ctxs, batches, budget in (("decode", args.decode_ctx, args.decode_batch, args.decode_tokens),
                                                  ("prefill", args.prefill_ctx, args.prefill_batch,
                                                   args.prefill_tokens)):
@@ -411,6 +411,9 @@ def paged_ratios(times: dict[str, float | None]) -> dict[str, float]:
 
 
 def plot(rows: list[dict], name: str, blocks: list[int]) -> None:
+    if not rows:
+        print("nothing measured: no plot")
+        return
     plt = pyplot()
     phases = [ph for ph in ("decode", "prefill") if any(r["phase"] == ph for r in rows)]
     fig, axes = plt.subplots(1, len(phases), figsize=(6.5 * len(phases), 4.2), squeeze=False)
