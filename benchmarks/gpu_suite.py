@@ -153,6 +153,9 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [x for x in [os.environ.get("PYTHONPATH")] if x]),
                VATTN_RESULTS_DIR=str(out), MPLBACKEND="Agg")
     env.pop("VATTN_GPU_SUITE_DRY_RUN", None)
+    # the cuda.h check downloads two wheels: on a machine without network, fail fast and skip
+    env.setdefault("PIP_RETRIES", "1")
+    env.setdefault("PIP_TIMEOUT", "10")
     started = time.perf_counter()
     with open(out / "gpu_suite.log", "a") as log:
         print(f"==== gpu_suite {'dry run ' if dry else ''}{time.strftime('%Y-%m-%d %H:%M:%S')}", file=log, flush=True)
