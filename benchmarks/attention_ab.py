@@ -4,41 +4,57 @@ same K/V (vAttention paper, Figs. 3, 4 and 9b).
     python benchmarks/attention_ab.py            # the grid below, a few minutes on 2 CPU cores
     python benchmarks/attention_ab.py --quick    # a smoke run
 
-One layer of Llama-3-8B (32 query heads, 8 KV heads, head dim 128), prefill
-(``ctx`` new tokens per request, causal) and decode (one new token over ``ctx``
-cached ones), per_layer and all_layers layouts (all_layers with ``--layers``
-layers in the buffer, layer 0 measured, so rows are strided). Each request's
-K/V are written once into a vattn cache and copied into a paged block pool
-with a shuffled block table, so both sides attend over the same numbers.
+One attention layer per model shape (``--models``; Llama-3-8B: 32 query
+heads, 8 KV heads, head dim 128; Llama-3-70B per GPU at tensor parallelism
+4: 16 query heads, 2 KV heads), dtypes ``--dtypes``, prefill (``ctx`` new
+tokens per request, causal: a prefill chunk) and decode (one new token over
+``ctx`` cached ones), per_layer and all_layers layouts (all_layers with
+``--layers`` layers in the buffer, layer 0 measured, so rows are strided).
+Each request's K/V are written once into a vattn cache and copied into a
+paged block pool with a shuffled block table, so both sides attend over the
+same numbers.
 
 CPU (always):
   vattn      torch SDPA on k_cache[r, :n] views (vattn.attention.sdpa_attention)
   paged-B    the paged way without a paged kernel: gather each request's
              blocks through its block table (B tokens per block), then the
              same SDPA call
-GPU (when torch sees one; with FlashAttention / FlashInfer when installed):
-  sdpa / sdpa-paged-16      as above on the GPU
-  fa2 / fa2-paged-{16,256}  flash_attn_with_kvcache: cache_batch_idx on the
-                            vattn cache vs block_table on the paged pool
-  fi / fi-paged-16          FlashInfer: single prefill per request (prefill)
-                            or the decode wrapper with page_size = L (decode)
-                            on the vattn cache vs its paged wrappers, block 16
+GPU (when torch sees one):
+  vattn / paged-B       as above on the GPU (paged-B for the first block size only)
+  fa2-torch             torch's built-in FlashAttention-2 kernel
+                        (torch.ops.aten._flash_attention_forward, varlen) on the
+                        vattn cache: each request's keys start at reqid * L and
+                        seqused_k says how many are valid; no block table
+  fa2-torch-paged-B     the same kernel with its block_table on the paged pool
+                        (where this torch has it; FlashAttention-2 takes only
+                        blocks that are multiples of 256 there)
+  fa2 / fa2-paged-B     the flash-attn package, when installed:
+                        flash_attn_with_kvcache with cache_batch_idx on the vattn
+                        cache vs block_table on the paged pool
+  fi-* / fi-paged-B     FlashInfer, when importable: single prefill per request
+                        (prefill) and the batched wrapper on the vattn cache
+                        vs its paged wrappers
+A kernel that refuses a shape is listed under "not_measured" with its error.
 
 Every kernel's output is checked against the vattn SDPA output before it is
-timed; the kernels of one point are timed in alternation. Times are medians
-over repetitions, in ms per layer for the whole batch; the
-ratio paged / vattn is taken within one run. Writes
+timed; the kernels of one point are timed in alternation (on a GPU with CUDA
+events around enough calls to last about a millisecond). Times are medians
+over repetitions, in ms per layer for the whole batch; the ratio
+paged / vattn is taken within one run. ``--time-budget-s`` stops the grid
+(points left are listed as not measured). Writes
 benchmarks/results/attention_ab_<machine>.json and a plot.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -48,19 +64,21 @@ from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa:
 import vattn  # noqa: E402
 from vattn.attention import AttentionBatch, FlashInferAttention, flash_attn_attention, sdpa_attention, sdpa_dense  # noqa: E402
 
-HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
+# (query heads, KV heads, head dim) of one GPU's share of each model
+MODELS = {"llama-3-8b": (32, 8, 128), "llama-3-70b-tp4": (16, 2, 128)}
 
 
 class Case:
     """One (phase, layout, batch, ctx) point: a vattn cache and a paged copy."""
 
     def __init__(self, phase: str, layout: str, batch: int, ctx: int, layers: int, device: str,
-                 dtype: torch.dtype, block_sizes: list[int]) -> None:
+                 dtype: torch.dtype, block_sizes: list[int], heads: tuple[int, int, int]) -> None:
         self.phase, self.layout, self.batch_size, self.ctx = phase, layout, batch, ctx
+        self.heads_q, self.heads_kv, self.head_dim = heads
         self.device = torch.device(device)
         gen = torch.Generator(device="cpu").manual_seed(batch * 100003 + ctx)
         self.kv = vattn.KVCacheManager(num_layers=layers if layout == "all_layers" else 1,
-                                       num_kv_heads=HEADS_KV, head_dim=HEAD_DIM, dtype=dtype,
+                                       num_kv_heads=self.heads_kv, head_dim=self.head_dim, dtype=dtype,
                                        max_batch_size=batch, max_context_len=ctx, device=device, layout=layout,
                                        background=False, eager=False)
         reqids = [self.kv.alloc_reqid() for _ in range(batch)]
@@ -68,11 +86,11 @@ class Case:
         self.k_cache, self.v_cache = self.kv.layer(0)
         for r in reqids:  # one request at a time keeps the host's peak memory low
             for cache in (self.k_cache, self.v_cache):
-                cache[r].copy_(torch.randn(ctx, HEADS_KV, HEAD_DIM, generator=gen).to(dtype))
+                cache[r].copy_(torch.randn(ctx, self.heads_kv, self.head_dim, generator=gen).to(dtype))
         q_len = ctx if phase == "prefill" else 1
         cached = [0 if phase == "prefill" else ctx - 1] * batch
         self.batch = AttentionBatch(reqids, cached, [q_len] * batch, device=device)
-        self.q = torch.randn(batch * q_len, HEADS_Q, HEAD_DIM, generator=gen).to(dtype=dtype, device=device)
+        self.q = torch.randn(batch * q_len, self.heads_q, self.head_dim, generator=gen).to(dtype=dtype, device=device)
         self.paged = {b: self._paged_copy(b, gen) for b in block_sizes}
 
     def _paged_copy(self, block: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,12 +101,12 @@ class Case:
         pos = torch.arange(self.ctx)
         pools = []
         for cache in (self.k_cache, self.v_cache):
-            pool = torch.zeros(self.batch_size * per_req * block, HEADS_KV, HEAD_DIM, dtype=cache.dtype,
+            pool = torch.zeros(self.batch_size * per_req * block, self.heads_kv, self.head_dim, dtype=cache.dtype,
                                device=self.device)
             for i, r in enumerate(self.batch.reqids):
                 dest = table[i, pos // block].long() * block + pos % block
                 pool[dest.to(self.device)] = cache[r, :self.ctx]
-            pools.append(pool.view(-1, block, HEADS_KV, HEAD_DIM))
+            pools.append(pool.view(-1, block, self.heads_kv, self.head_dim))
         return pools[0], pools[1], table.to(self.device)
 
     def close(self) -> None:
@@ -114,8 +132,46 @@ def paged_sdpa(case: Case, block: int) -> torch.Tensor:
 
 def sdpa_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.Tensor]]:
     fns = {"vattn": lambda: sdpa_attention(case.q, case.k_cache, case.v_cache, case.batch)}
-    for block in blocks:
+    # On a GPU the gather baseline is a Python loop per request: one block size says enough.
+    for block in blocks[:1] if case.device.type == "cuda" else blocks:
         fns[f"paged-{block}"] = lambda block=block: paged_sdpa(case, block)
+    return fns
+
+
+def torch_flash_op() -> tuple[Any, set[str]]:
+    """torch's FlashAttention-2 forward op and the keyword arguments it takes."""
+    op = torch.ops.aten._flash_attention_forward
+    return op, {a.name for a in op.default._schema.arguments}
+
+
+def fa2_torch_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.Tensor]]:
+    """torch's built-in FlashAttention-2 (varlen) on the vattn cache and, where
+    the op has a block table, on the paged pool."""
+    op, args = torch_flash_op()
+    if "seqused_k" not in args:
+        raise RuntimeError("this torch's _flash_attention_forward has no seqused_k")
+    b = case.batch
+    if list(b.reqids) != sorted(b.reqids):
+        raise ValueError("fa2-torch reads request i's keys at reqid * L: reqids must ascend")
+    L = case.k_cache.shape[1]
+    dev = case.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    cu_q = torch.tensor(b.query_starts, **i32)
+    lens = torch.tensor(b.seq_lens, **i32)
+    max_q, max_k = max(b.query_lens), max(b.seq_lens)
+    # [B, L, H, D] -> [B * L, H, D]: a view in both layouts (all_layers rows are strided)
+    k_rows = case.k_cache.view(-1, case.heads_kv, case.head_dim)
+    v_rows = case.v_cache.view(-1, case.heads_kv, case.head_dim)
+    starts = torch.tensor([r * L for r in b.reqids] + [(b.reqids[-1] + 1) * L], **i32)
+    fns = {"fa2-torch": lambda: op(case.q, k_rows, v_rows, cu_q, starts, max_q, max_k, 0.0, True, False,
+                                   seqused_k=lens)[0]}
+    if "block_table" in args:
+        cu_k = torch.tensor([0] + list(itertools.accumulate(b.seq_lens)), **i32)
+        for block in blocks:
+            k_pool, v_pool, table = case.paged[block]
+            fns[f"fa2-torch-paged-{block}"] = lambda k_pool=k_pool, v_pool=v_pool, table=table: op(
+                case.q, k_pool, v_pool, cu_q, cu_k, max_q, max_k, 0.0, True, False, seqused_k=lens,
+                block_table=table)[0]
     return fns
 
 
@@ -124,7 +180,7 @@ def fa2_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.T
 
     b = case.batch
     q_len = b.query_lens[0]
-    q = case.q.view(len(b.reqids), q_len, HEADS_Q, HEAD_DIM)
+    q = case.q.view(len(b.reqids), q_len, case.heads_q, case.head_dim)
     seq_lens = b.tensor("seq_lens")
     fns = {"fa2": lambda: flash_attn_attention(case.q, case.k_cache, case.v_cache, b)}
     for block in blocks:
@@ -142,7 +198,7 @@ def flashinfer_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], 
 
     b = case.batch
     fi = FlashInferAttention(device=case.device)
-    fi.plan(b, HEADS_Q, HEADS_KV, HEAD_DIM, case.ctx, q_dtype=case.q.dtype)
+    fi.plan(b, case.heads_q, case.heads_kv, case.head_dim, case.ctx, q_dtype=case.q.dtype)
     fns = {"fi-batched": lambda: fi.run(case.q, case.k_cache, case.v_cache)}
     if case.phase == "prefill":
         fns["fi-single"] = lambda: flashinfer_single_prefill(case.q, case.k_cache, case.v_cache, b)
@@ -156,11 +212,11 @@ def flashinfer_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], 
         pages = (indptr, table.flatten(), last)
         if case.phase == "decode":
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-            w.plan(*pages, HEADS_Q, HEADS_KV, HEAD_DIM, block, q_data_type=case.q.dtype)
+            w.plan(*pages, case.heads_q, case.heads_kv, case.head_dim, block, q_data_type=case.q.dtype)
         else:
             w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-            w.plan(b.tensor("query_starts"), *pages, HEADS_Q, HEADS_KV, HEAD_DIM, block, causal=True,
-                   q_data_type=case.q.dtype)
+            w.plan(b.tensor("query_starts"), *pages, case.heads_q, case.heads_kv, case.head_dim, block,
+                   causal=True, q_data_type=case.q.dtype)
         fns[f"fi-paged-{block}"] = lambda w=w, k_pool=k_pool, v_pool=v_pool: w.run(case.q, (k_pool, v_pool))
     return fns
 
@@ -171,33 +227,68 @@ def flashinfer_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], 
 def time_interleaved(fns: dict[str, Callable[[], torch.Tensor]], device: torch.device, min_seconds: float,
                      min_reps: int) -> dict[str, float]:
     """Median ms per call of each fn, timed in alternation so that drift of
-    the machine (frequency, neighbours) touches every kernel alike."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    the machine (frequency, neighbours) touches every kernel alike. On a GPU
+    one sample is CUDA events around as many back-to-back calls as last about
+    a millisecond (launch gaps of tiny decode kernels are not in it)."""
+    if not fns:
+        return {}
+    cuda = device.type == "cuda"
+    inner = {name: 1 for name in fns}
+    if cuda:
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            inner[name] = max(1, min(100, int(1e-3 / max(time.perf_counter() - t, 1e-6))))
     samples: dict[str, list[float]] = {name: [] for name in fns}
     start = time.perf_counter()
     while (min(len(v) for v in samples.values()) < min_reps
            or time.perf_counter() - start < min_seconds * len(fns)):
         for name, fn in fns.items():
-            sync()
-            t = time.perf_counter()
-            fn()
-            sync()
-            samples[name].append((time.perf_counter() - t) * 1e3)
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                for _ in range(inner[name]):
+                    fn()
+                end.record()
+                end.synchronize()
+                samples[name].append(begin.elapsed_time(end) / inner[name])
+            else:
+                t = time.perf_counter()
+                fn()
+                samples[name].append((time.perf_counter() - t) * 1e3)
         if len(samples[name]) >= 200:
             break
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def grid(args: argparse.Namespace) -> list[tuple[str, str, int, int]]:
+def grid(args: argparse.Namespace) -> list[tuple[str, str, str, str, int, int]]:
+    """(model, dtype, phase, layout, batch, ctx): every model in the first
+    dtype first (a time budget then cuts the rest)."""
     points = []
-    for phase, ctxs, batches, budget in (("decode", args.decode_ctx, args.decode_batch, args.decode_tokens),
-                                         ("prefill", args.prefill_ctx, args.prefill_batch, args.prefill_tokens)):
-        for layout in args.layouts:
-            for ctx in ctxs:
-                for batch in batches:
-                    if batch * ctx <= budget:
-                        points.append((phase, layout, batch, ctx))
+    for dtype in args.dtypes:
+        for model in args.models:
+            for phase, ctxs, batches, budget in (("decode", args.decode_ctx, args.decode_batch, args.decode_tokens),
+                                                 ("prefill", args.prefill_ctx, args.prefill_batch,
+                                                  args.prefill_tokens)):
+                for layout in args.layouts:
+                    for ctx in ctxs:
+                        for batch in batches:
+                            if batch * ctx <= budget:
+                                points.append((model, dtype, phase, layout, batch, ctx))
     return points
+
+
+def model_shape(name: str) -> tuple[int, int, int]:
+    """A name of MODELS, or "name:heads_q:heads_kv:head_dim"."""
+    if name in MODELS:
+        return MODELS[name]
+    parts = name.split(":")
+    if len(parts) != 4:
+        raise argparse.ArgumentTypeError(f"--models: {name!r} is neither one of {sorted(MODELS)} nor "
+                                         "name:heads_q:heads_kv:head_dim")
+    return int(parts[1]), int(parts[2]), int(parts[3])
 
 
 def ints(text: str) -> list[int]:
@@ -208,44 +299,57 @@ def main() -> None:
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if gpu else "cpu")
-    p.add_argument("--dtype", default="float16" if gpu else "float32",
-                   help="float32 on the CPU: torch's CPU SDPA is fastest there")
+    p.add_argument("--dtypes", type=lambda s: s.split(","), default=["bfloat16", "float16"] if gpu else ["float32"],
+                   help="comma list; float32 on the CPU: torch's CPU SDPA is fastest there")
+    p.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS),
+                   help=f"comma list of {sorted(MODELS)} or name:heads_q:heads_kv:head_dim")
     p.add_argument("--layouts", type=lambda s: s.split(","), default=["per_layer", "all_layers"])
     p.add_argument("--layers", type=int, default=2, help="layers in the all_layers buffer")
     p.add_argument("--decode-ctx", type=ints, default=[1024, 4096, 16384, 32768])
-    p.add_argument("--decode-batch", type=ints, default=[1, 8, 64])
+    p.add_argument("--decode-batch", type=ints, default=[1, 16, 64, 256] if gpu else [1, 8, 64])
     p.add_argument("--decode-tokens", type=int, default=(1 << 21) if gpu else 1 << 18,
                    help="largest batch x ctx measured in decode")
-    p.add_argument("--prefill-ctx", type=ints, default=[1024, 2048, 4096, 16384, 32768] if gpu else [1024, 2048, 4096])
-    p.add_argument("--prefill-batch", type=ints, default=[1, 4, 16, 64] if gpu else [1, 4])
-    p.add_argument("--prefill-tokens", type=int, default=(1 << 19) if gpu else 1 << 13,
+    p.add_argument("--prefill-ctx", type=ints, default=[512, 1024, 2048, 4096, 8192] if gpu else [1024, 2048, 4096],
+                   help="prefill chunk lengths (tokens)")
+    p.add_argument("--prefill-batch", type=ints, default=[1, 4, 16] if gpu else [1, 4])
+    p.add_argument("--prefill-tokens", type=int, default=(1 << 17) if gpu else 1 << 13,
                    help="largest batch x ctx measured in prefill")
-    p.add_argument("--blocks", type=ints, default=[16, 256] if gpu else [16],
+    p.add_argument("--blocks", type=ints, default=[16, 32, 256] if gpu else [16],
                    help="block sizes (tokens) of the paged baselines")
     p.add_argument("--min-seconds", type=float, default=0.3)
+    p.add_argument("--time-budget-s", type=float, default=None, help="stop the grid after this many seconds")
     p.add_argument("--quick", action="store_true", help="tiny grid, for a smoke run")
     args = p.parse_args()
     if args.quick:
         args.decode_ctx, args.decode_batch, args.prefill_ctx, args.prefill_batch = [1024], [1, 4], [512], [1]
         args.min_seconds = 0.05
-    dtype = getattr(torch, args.dtype)
+    shapes = {m: model_shape(m) for m in args.models}
     device = torch.device(args.device)
 
     families: list[Callable[[Case, list[int]], dict[str, Callable[[], torch.Tensor]]]] = [sdpa_kernels]
     skipped = []
     if device.type == "cuda":
-        for name, module, fam in (("FlashAttention-2", "flash_attn", fa2_kernels),
+        families.append(fa2_torch_kernels)
+        for name, module, fam in (("FlashAttention-2 (flash-attn package)", "flash_attn", fa2_kernels),
                                   ("FlashInfer", "flashinfer", flashinfer_kernels)):
             try:
                 __import__(module)
                 families.append(fam)
-            except ImportError:
-                skipped.append(f"{name}: python package {module!r} not installed")
+            except Exception as e:  # noqa: BLE001 - a broken install (a failed JIT build) is a skip too
+                skipped.append(f"{name}: python package {module!r} not importable ({type(e).__name__}: {e})")
+    else:
+        skipped.append("fa2-torch, flash-attn and FlashInfer kernels: CUDA only")
 
     points = grid(args)
     rows = []
-    for n, (phase, layout, batch, ctx) in enumerate(points, 1):
-        case = Case(phase, layout, batch, ctx, args.layers, args.device, dtype, args.blocks)
+    started = time.perf_counter()
+    for n, (model, dtype_name, phase, layout, batch, ctx) in enumerate(points, 1):
+        if args.time_budget_s is not None and time.perf_counter() - started > args.time_budget_s:
+            skipped.append(f"{len(points) - n + 1} grid points after {args.time_budget_s:.0f} s (--time-budget-s), "
+                           f"from {model} {dtype_name} {phase} {layout} B={batch} ctx={ctx} on")
+            break
+        dtype = getattr(torch, dtype_name)
+        case = Case(phase, layout, batch, ctx, args.layers, args.device, dtype, args.blocks, shapes[model])
         try:
             times: dict[str, float | None] = {}
             reference = sdpa_attention(case.q, case.k_cache, case.v_cache, case.batch).float()
@@ -259,25 +363,29 @@ def main() -> None:
                         checked[name] = fn
                     except Exception as e:  # noqa: BLE001 - a kernel that refuses a shape is recorded, not fatal
                         times[name] = None
-                        skipped.append(f"{name} {phase} {layout} B={batch} ctx={ctx}: {type(e).__name__}: {e}")
+                        skipped.append(f"{name} {model} {dtype_name} {phase} {layout} B={batch} ctx={ctx}: "
+                                       f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             times.update(time_interleaved(checked, device, args.min_seconds, 3))
         finally:
             case.close()
-        row = dict(phase=phase, layout=layout, batch=batch, ctx=ctx, ms=times)
-        base = times.get("vattn")
-        row["paged_over_vattn"] = {k: round(v / base, 3) for k, v in times.items()
-                                   if k.startswith("paged") and v and base}
+        row = dict(model=model, dtype=dtype_name, phase=phase, layout=layout, batch=batch, ctx=ctx, ms=times)
+        row["paged_over_vattn"] = paged_ratios(times)
         rows.append(row)
         shown = "  ".join(f"{k} {v:.3f}" for k, v in times.items() if v is not None)
-        print(f"[{n}/{len(points)}] {phase:7s} {layout:10s} B={batch:<3d} ctx={ctx:<6d} ms: {shown}", flush=True)
+        print(f"[{n}/{len(points)}] {model} {dtype_name} {phase:7s} {layout:10s} B={batch:<3d} ctx={ctx:<6d} ms: "
+              f"{shown}", flush=True)
 
     m = machine()
     name = f"attention_ab_{machine_slug(m)}"
     path = write_json(name, {
         "benchmark": "attention_ab",
         "machine": m,
-        "shape": {"heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtype": args.dtype,
-                  "all_layers_layers": args.layers},
+        "models": {m: dict(zip(("heads_q", "heads_kv", "head_dim"), shapes[m])) for m in args.models},
+        "dtypes": args.dtypes,
+        "all_layers_layers": args.layers,
+        "ratios": "paged_over_vattn: each paged kernel's time over the same library's kernel on the vattn "
+                  "cache (paged-B / vattn for SDPA, fa2-torch-paged-B / fa2-torch, fa2-paged-B / fa2, "
+                  "fi-paged-B / fi-batched); > 1: vattn faster",
         "device": str(device),
         "unit": "ms per layer for the whole batch (median)",
         "results": rows,
@@ -289,14 +397,32 @@ def main() -> None:
     plot(rows, name, args.blocks)
 
 
+def paged_ratios(times: dict[str, float | None]) -> dict[str, float]:
+    """Each paged kernel's time over its library's kernel on the vattn cache."""
+    out = {}
+    for name, t in times.items():
+        if "paged-" not in name or not t:
+            continue
+        family = name.rsplit("-paged-", 1)[0] if "-paged-" in name else None
+        base = times.get({None: "vattn", "fi": "fi-batched"}.get(family, family))
+        if base:
+            out[name] = round(t / base, 3)
+    return out
+
+
 def plot(rows: list[dict], name: str, blocks: list[int]) -> None:
+    if not rows:
+        print("nothing measured: no plot")
+        return
     plt = pyplot()
     phases = [ph for ph in ("decode", "prefill") if any(r["phase"] == ph for r in rows)]
     fig, axes = plt.subplots(1, len(phases), figsize=(6.5 * len(phases), 4.2), squeeze=False)
     for ax, phase in zip(axes[0], phases):
+        first = (rows[0]["model"], rows[0]["dtype"])  # the plot shows the first model and dtype
         for layout, style in (("per_layer", "-"), ("all_layers", "--")):
             for batch in sorted({r["batch"] for r in rows if r["phase"] == phase}):
-                sel = [r for r in rows if (r["phase"], r["layout"], r["batch"]) == (phase, layout, batch)]
+                sel = [r for r in rows if (r["phase"], r["layout"], r["batch"]) == (phase, layout, batch)
+                       and (r["model"], r["dtype"]) == first]
                 key = f"paged-{blocks[0]}"
                 pts = [(r["ctx"], r["paged_over_vattn"][key]) for r in sel if key in r["paged_over_vattn"]]
                 if pts:
@@ -306,7 +432,7 @@ def plot(rows: list[dict], name: str, blocks: list[int]) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel(f"paged (block {blocks[0]}) time / vattn time")
-        ax.set_title(f"{phase}: SDPA, gather-then-attend vs contiguous")
+        ax.set_title(f"{phase}, {first[0]} {first[1]}: SDPA, gather-then-attend vs contiguous", fontsize=9)
         ax.legend(fontsize=7)
     save_plot(fig, name)
 

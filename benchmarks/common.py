@@ -1,4 +1,9 @@
-"""Shared helpers for benchmarks: machine description, stats, result files."""
+"""Shared helpers for benchmarks: machine description, stats, result files.
+
+Results go to benchmarks/results/, or to $VATTN_RESULTS_DIR when set (the GPU
+suite, benchmarks/gpu_suite.sh, points it at its output folder). Under
+$VATTN_GPU_SUITE_DRY_RUN every JSON says "dry_run": true.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,19 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get("VATTN_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
+
+
+def dry_run() -> bool:
+    """The GPU suite's CPU rehearsal (tiny grids, nothing to publish)."""
+    return os.environ.get("VATTN_GPU_SUITE_DRY_RUN", "") not in ("", "0")
 
 
 def machine() -> dict[str, Any]:
@@ -25,15 +38,66 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    info = {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1), "gpu": None}
+    info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1), "gpu": None,
+                            "torch": None, "cuda": None, "driver": None}
     try:
         import torch
 
+        info["torch"] = torch.__version__
+        info["cuda"] = torch.version.cuda  # the CUDA torch was built with; None on a CPU build
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
     except ImportError:
         pass
+    info["driver"] = cuda_driver()
     return info
+
+
+def cuda_driver() -> dict[str, Any] | None:
+    """The CUDA driver vattn's cuda backend would load: library, driver API
+    version, the device it reports and the kernel module version
+    (nvidia-smi); None where no driver loads."""
+    from vattn import _C
+    from vattn.errors import VAttnError
+
+    path = _C.default_cuda_driver_path()
+    try:
+        info = _C.cuda_device_info(path, 0)
+    except VAttnError:
+        return None
+    version = info["driver_version"]
+    out = {"library": path, "api_version": f"{version // 1000}.{version % 1000 // 10}",
+           "device": info["name"], "granularity": info["granularity"], "nvidia_smi": None}
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out["nvidia_smi"] = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                                               capture_output=True, text=True, timeout=30).stdout.split("\n")[0].strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return out
+
+
+def checkout_integrations() -> Any:
+    """``vattn.integrations`` from this checkout's integrations/ folder, with
+    its engine module loaded (an installed vattn may point elsewhere)."""
+    import importlib
+    import importlib.util
+
+    import vattn
+
+    root = Path(__file__).resolve().parents[1] / "integrations"
+    name = "vattn.integrations"
+    module = sys.modules.get(name)
+    if module is None or Path(list(module.__path__)[0]).resolve() != root:
+        spec = importlib.util.spec_from_file_location(name, root / "__init__.py",
+                                                      submodule_search_locations=[str(root)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        vattn.integrations = module
+    importlib.import_module(f"{name}.engine")
+    return module
 
 
 def machine_slug(m: dict[str, Any]) -> str:
@@ -55,6 +119,8 @@ def _compact_lists(text: str) -> str:
 
 
 def write_json(name: str, payload: dict[str, Any]) -> Path:
+    if dry_run():
+        payload = {**payload, "dry_run": True}
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(_compact_lists(json.dumps(payload, indent=2)) + "\n")

@@ -1,17 +1,39 @@
 """Per-iteration `step` latency in a decode loop, background mapper on vs off
-(vAttention paper, Fig. 10).
+(vAttention paper, Fig. 10), and on a GPU the mapping time left on the
+critical path of real decode iterations, with and without CUDA graphs.
 
-    python benchmarks/decode_trace.py [--iterations N] [--compute-ms MS]
+    python benchmarks/decode_trace.py [--iterations N] [--compute-ms MS]          # host backend
+    python benchmarks/decode_trace.py --device cuda --forward gpu [--graphs both]  # a GPU
 
-Four requests (Llama-3-8B KV shapes: 32 layers, 8 KV heads x 128, fp16) start
-from 1000-token prompts and decode one token per iteration; between steps the
-loop sleeps `--compute-ms` to stand for the model's forward pass (on a GPU the
-CPU is free then, and so is it here). For page sizes 64 KiB, 256 KiB, 2 MiB
-and both layouts, it records every step's latency and marks the iterations
-where some request crossed into a new page. Targets: with the mapper on,
-`sync_page_maps` stays 0 after the prefill, and page-crossing iterations cost
-at most 1.2x the others. Writes benchmarks/results/decode_trace_<machine>.json
-and a plot.
+Requests with Llama-3-8B KV shapes (32 layers, 8 KV heads x 128, fp16) start
+from 1000-token prompts (``--stagger``: request r from 1000 + r * P / B, so
+page crossings spread over the iterations, P = tokens per page) and decode
+one token per iteration. Each iteration is ``step`` (timed: the critical
+path), then the forward:
+
+  --forward sleep  the loop sleeps ``--compute-ms`` (on a GPU the CPU is free
+                   while the model runs, and so is it here); any backend
+  --forward gpu    CUDA: per layer, the new token's K/V written at row len-1
+                   of each request and torch's FlashAttention-2 kernel
+                   (varlen, seqused_k) over rows [0, len) of the vattn cache,
+                   then two matmuls standing for the MLP (hidden 4096, x4);
+                   then a synchronize, as sampling does. ``--graphs on``
+                   replays the whole forward as one CUDA graph, captured
+                   inside ``graph_capture()`` after the first step (lengths
+                   come from a device tensor, so the graph is fixed).
+
+Mapping modes: ``sync`` (no background mapper: every page on the critical
+path), ``mapper`` (the background mapper maps one token ahead while the
+forward runs) and, with a GPU forward, ``premapped`` (every page mapped
+before the loop: the iteration time with no mapping at all, the baseline
+the other two are compared with). Per run: step latency (median, on
+page-crossing iterations and others), iteration wall time, pages mapped per
+step and on which thread (sync_page_maps on the critical path,
+background_page_maps overlapped with the forward), and the time steps
+waited for the mapper. Targets (host): with the mapper on,
+``sync_page_maps`` stays 0 after the prefill, and page-crossing iterations
+cost at most 1.2x the others. Writes
+benchmarks/results/decode_trace_<machine>.json and a plot.
 """
 
 from __future__ import annotations
@@ -30,88 +52,191 @@ from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa:
 import vattn  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024
-LAYERS, KV_HEADS, HEAD_DIM, BATCH, PROMPT = 32, 8, 128, 4, 1000
+LAYERS, KV_HEADS, HEAD_DIM, PROMPT = 32, 8, 128, 1000
+Q_HEADS, HIDDEN = 32, 4096
 
 
-def run(page_size: int, layout: str, background: bool, iterations: int, compute_s: float) -> dict:
+class GpuForward:
+    """One decode iteration of a Llama-3-8B-shaped model on the vattn cache.
+
+    Shapes are fixed (batch B, every reqid 0..B-1 active); the lengths live
+    in the device tensor ``lens`` ([B] int32), so the forward can be captured
+    once and replayed. Per layer: K/V of the new token written at row
+    ``lens[r] - 1``, FlashAttention-2 over rows ``[0, lens[r])``, and a
+    ``[B, 4096] x [4096, 16384] x [16384, 4096]`` MLP stand-in.
+    """
+
+    def __init__(self, kv: vattn.KVCacheManager, batch: int, dtype: torch.dtype) -> None:
+        self.kv, self.batch = kv, batch
+        self.op = torch.ops.aten._flash_attention_forward
+        if "seqused_k" not in {a.name for a in self.op.default._schema.arguments}:
+            raise RuntimeError("torch's _flash_attention_forward has no seqused_k in this version")
+        dev = torch.device("cuda")
+        gen = torch.Generator(device=dev).manual_seed(0)
+        L = kv.config.max_context_len
+        self.max_k = L
+        self.lens = torch.ones(batch, dtype=torch.int32, device=dev)
+        self.rows = torch.arange(batch, device=dev)
+        self.cu_q = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+        self.starts = torch.arange(batch + 1, dtype=torch.int32, device=dev) * L
+        self.q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=dev, dtype=dtype, generator=gen)
+        self.new_kv = torch.randn(batch, KV_HEADS, HEAD_DIM, device=dev, dtype=dtype, generator=gen)
+        self.x = torch.randn(batch, HIDDEN, device=dev, dtype=dtype, generator=gen)
+        self.w_up = torch.randn(HIDDEN, 4 * HIDDEN, device=dev, dtype=dtype, generator=gen) * HIDDEN**-0.5
+        self.w_down = torch.randn(4 * HIDDEN, HIDDEN, device=dev, dtype=dtype, generator=gen) * (4 * HIDDEN) ** -0.5
+        self.out = torch.empty(batch, HIDDEN, device=dev, dtype=dtype)
+
+    def __call__(self) -> None:
+        pos = (self.lens - 1).long()
+        h = self.x
+        for i in range(self.kv.config.num_layers):
+            k, v = self.kv.layer(i)
+            k[self.rows, pos] = self.new_kv
+            v[self.rows, pos] = self.new_kv
+            self.op(self.q, k.view(-1, KV_HEADS, HEAD_DIM), v.view(-1, KV_HEADS, HEAD_DIM), self.cu_q,
+                    self.starts, 1, self.max_k, 0.0, True, False, seqused_k=self.lens)
+            h = (h @ self.w_up) @ self.w_down
+        self.out.copy_(h)
+
+
+def run(device: str, forward: str, page_size: int | None, layout: str, mode: str, graphs: bool, batch: int,
+        iterations: int, compute_s: float, stagger: bool) -> dict:
+    gpu = forward == "gpu"
     kv = vattn.KVCacheManager(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float16,
-                              max_batch_size=BATCH, max_context_len=PROMPT + iterations + 16, page_size=page_size,
-                              layout=layout, background=background, eager=False)
+                              max_batch_size=batch, max_context_len=PROMPT + iterations + 1024, page_size=page_size,
+                              layout=layout, device=device, background=mode == "mapper", eager=False,
+                              sync_streams=torch.cuda.current_stream() if gpu else None)
     with kv:
-        for _ in range(BATCH):
+        for _ in range(batch):
             kv.alloc_reqid()
-        tokens_per_page = page_size // kv.config.token_bytes_per_buffer
-        lens = [PROMPT] * BATCH
+        tokens_per_page = kv.page_size // kv.config.token_bytes_per_buffer
+        lens = [PROMPT + (r * tokens_per_page // batch if stagger else 0) for r in range(batch)]
+        if mode == "premapped":
+            assert kv.step([n + iterations for n in lens])
         assert kv.step(lens)  # prefill
-        prefill_sync = kv.stats()["sync_page_maps"]
-        latencies, crossing = [], []  # crossing: iterations whose step needs a new page
+        fwd = GpuForward(kv, batch, torch.float16) if gpu else None
+        graph = None
+        if fwd is not None:
+            fwd.lens.copy_(torch.tensor(lens, dtype=torch.int32))
+            for _ in range(3):  # warm-up: kernels chosen, workspaces allocated
+                fwd()
+            torch.cuda.synchronize()
+            if graphs:
+                graph = torch.cuda.CUDAGraph()
+                with kv.graph_capture(), torch.cuda.graph(graph):
+                    fwd()
+                torch.cuda.synchronize()
+        kv.wait_idle()
+        s0 = kv.stats()
+        latencies, iteration_us, crossing, pages = [], [], [], []  # pages: what each step needed mapped
         for i in range(iterations):
-            time.sleep(compute_s)
-            lens = [n + 1 for n in lens]
+            t_iter = time.perf_counter()
+            if fwd is None:
+                time.sleep(compute_s)
+            new = [n + 1 for n in lens]
             t = time.perf_counter()
-            assert kv.step(lens)
+            assert kv.step(new)
             latencies.append(round((time.perf_counter() - t) * 1e6, 2))
-            if tokens_per_page <= 1 or (lens[0] - 1) % tokens_per_page == 0:  # the last page was full
-                crossing.append(i)
+            crossed = sum((n - 1) // tokens_per_page != (m - 1) // tokens_per_page for n, m in zip(lens, new))
+            pages.append(crossed * kv.config.num_buffers)
+            if crossed:
+                crossing.append(i)  # some request needs a new page
+            lens = new
+            if fwd is not None:
+                fwd.lens.copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+                if graph is not None:
+                    graph.replay()
+                else:
+                    fwd()
+                torch.cuda.synchronize()  # sampling reads the logits
+            iteration_us.append(round((time.perf_counter() - t_iter) * 1e6, 2))
         s = kv.stats()
     marked = set(crossing)
     cross = [x for i, x in enumerate(latencies) if i in marked]
     other = [x for i, x in enumerate(latencies) if i not in marked]
     summary = {
-        "page_size": page_size, "layout": layout, "background": background,
-        "tokens_per_page": tokens_per_page,
-        "sync_page_maps_after_prefill": s["sync_page_maps"] - prefill_sync,
-        "background_page_maps": s["background_page_maps"],
-        "step_wait_us": s["step_wait_us"],
+        "device": device, "forward": forward, "graphs": graphs, "page_size": kv.page_size, "layout": layout,
+        "mode": mode, "background": mode == "mapper", "batch": batch, "tokens_per_page": tokens_per_page,
+        "sync_page_maps": s["sync_page_maps"] - s0["sync_page_maps"],
+        "background_page_maps": s["background_page_maps"] - s0["background_page_maps"],
+        "step_wait_us": s["step_wait_us"] - s0["step_wait_us"],
         "median_us": statistics.median(latencies),
         "crossing_median_us": statistics.median(cross) if cross else None,
         "other_median_us": statistics.median(other) if other else None,
         "crossing_iterations": len(cross),
+        "iteration_median_us": statistics.median(iteration_us),
+        "iteration_mean_us": statistics.fmean(iteration_us),
+        "pages_needed_total": sum(pages),
+        "pages_needed_per_crossing_step_max": max(pages, default=0),
         "latencies_us": latencies,
         "crossing_iteration_indices": crossing,
     }
+    total_maps = summary["sync_page_maps"] + summary["background_page_maps"]
+    summary["maps_overlapped_fraction"] = summary["background_page_maps"] / total_maps if total_maps else None
     if cross and other:
         summary["crossing_over_other"] = summary["crossing_median_us"] / summary["other_median_us"]
     return summary
 
 
 def main() -> int:
+    gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu (host backend) or cuda")
+    p.add_argument("--forward", choices=("sleep", "gpu"), default=None,
+                   help="default: gpu with --device cuda when torch sees a GPU, else sleep")
+    p.add_argument("--graphs", choices=("off", "on", "both"), default="off", help="CUDA graphs (gpu forward)")
     p.add_argument("--iterations", type=int, default=1100)
-    p.add_argument("--compute-ms", type=float, default=1.0)
+    p.add_argument("--compute-ms", type=float, default=1.0, help="sleep forward: ms per iteration")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--page-sizes", default=None,
+                   help="comma list of bytes; default 64 KiB, 256 KiB, 2 MiB on the host, the granularity on cuda")
+    p.add_argument("--layouts", default="per_layer,all_layers")
+    p.add_argument("--stagger", action="store_true", help="spread the requests' page crossings")
     args = p.parse_args()
-    cases = [(ps, layout, bg) for ps in (64 * KiB, 256 * KiB, 2 * MiB) for layout in ("per_layer", "all_layers")
-             for bg in (False, True)]
+    forward = args.forward or ("gpu" if args.device.startswith("cuda") and gpu else "sleep")
+    if forward == "gpu" and not gpu:
+        p.error("--forward gpu needs a CUDA GPU")
+    if args.page_sizes:
+        sizes: list[int | None] = [int(x) for x in args.page_sizes.split(",")]
+    else:
+        sizes = [64 * KiB, 256 * KiB, 2 * MiB] if args.device == "cpu" else [None]
+    modes = ["sync", "mapper"] + (["premapped"] if forward == "gpu" else [])
+    graph_modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs] if forward == "gpu" else [False]
+    cases = [(ps, layout, mode, g) for ps in sizes for layout in args.layouts.split(",") for g in graph_modes
+             for mode in modes]
     results = []
-    for i, (ps, layout, bg) in enumerate(cases, 1):
-        r = run(ps, layout, bg, args.iterations, args.compute_ms / 1e3)
+    for i, (ps, layout, mode, g) in enumerate(cases, 1):
+        r = run(args.device, forward, ps, layout, mode, g, args.batch, args.iterations, args.compute_ms / 1e3,
+                args.stagger)
         results.append(r)
         ratio = r.get("crossing_over_other")
-        print(f"[{i}/{len(cases)}] {ps // KiB:4d} KiB {layout:10s} mapper {'on ' if bg else 'off'}: "
-              f"median {r['median_us']:.1f} us, crossing {r['crossing_median_us'] or 0:.1f} us "
+        print(f"[{i}/{len(cases)}] {r['page_size'] // KiB:5d} KiB {layout:10s} {mode:9s} graphs {'on ' if g else 'off'}:"
+              f" step median {r['median_us']:.1f} us, crossing {r['crossing_median_us'] or 0:.1f} us "
               f"({r['crossing_iterations']} its), others {r['other_median_us'] or 0:.1f} us"
               + (f", ratio {ratio:.2f}" if ratio else "")
-              + f", sync maps after prefill {r['sync_page_maps_after_prefill']}", flush=True)
+              + f"; iteration {r['iteration_median_us']:.0f} us; maps sync {r['sync_page_maps']}"
+              f" / background {r['background_page_maps']}", flush=True)
     m = machine()
     slug = machine_slug(m)
-    path = write_json(f"decode_trace_{slug}", {"benchmark": "decode_trace", "machine": m,
-                                               "compute_ms": args.compute_ms, "batch": BATCH, "prompt": PROMPT,
-                                               "layers": LAYERS, "results": results})
+    path = write_json(f"decode_trace_{slug}", {"benchmark": "decode_trace", "machine": m, "forward": forward,
+                                               "compute_ms": args.compute_ms if forward == "sleep" else None,
+                                               "prompt": PROMPT, "layers": LAYERS, "stagger": args.stagger,
+                                               "results": results})
     print(f"wrote {path}")
     plt = pyplot()
-    shown = [(ps, layout) for ps in (64 * KiB, 2 * MiB) for layout in ("per_layer", "all_layers")]
-    fig, axes = plt.subplots(len(shown), 1, figsize=(9, 2.4 * len(shown)), sharex=True)
-    for ax, (ps, layout) in zip(axes, shown):
+    shown = sorted({(r["page_size"], r["layout"], r["graphs"]) for r in results})
+    fig, axes = plt.subplots(len(shown), 1, figsize=(9, 2.4 * len(shown)), sharex=True, squeeze=False)
+    for ax, (ps, layout, g) in zip(axes[:, 0], shown):
         for r in results:
-            if r["page_size"] == ps and r["layout"] == layout:
-                ax.plot(r["latencies_us"], lw=0.7, label=f"mapper {'on' if r['background'] else 'off'}")
+            if (r["page_size"], r["layout"], r["graphs"]) == (ps, layout, g):
+                ax.plot(r["latencies_us"], lw=0.7, label=r["mode"])
         ax.set_yscale("log")
         ax.set_ylabel("step µs")
-        ax.set_title(f"{ps // KiB} KiB pages, {layout}", fontsize=9)
+        ax.set_title(f"{ps // KiB} KiB pages, {layout}" + (", CUDA graphs" if g else ""), fontsize=9)
         ax.legend(fontsize=7, loc="upper right")
-    axes[-1].set_xlabel("decode iteration")
-    fig.suptitle(f"step latency per decode iteration, batch {BATCH}, {LAYERS} layers — {m['gpu'] or m['cpu']}",
-                 fontsize=9)
+    axes[-1, 0].set_xlabel("decode iteration")
+    fig.suptitle(f"step latency per decode iteration ({args.device}, {forward} forward), {LAYERS} layers — "
+                 f"{m['gpu'] or m['cpu']}", fontsize=9)
     save_plot(fig, f"decode_trace_{slug}")
     return 0
 

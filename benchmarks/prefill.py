@@ -2,10 +2,12 @@
 allocation against deferred reclamation + eager allocation (vAttention paper,
 Fig. 11).
 
-    python benchmarks/prefill.py
+    python benchmarks/prefill.py [--device cuda] [--prompts 1024,4096] [--reps 5]
 
-Llama-3-8B KV shapes (32 layers, 8 KV heads x 128, fp16), host backend, page
-sizes 64 KiB and 2 MiB. For each prompt length, one earlier request of the same
+Llama-3-8B KV shapes (32 layers, 8 KV heads x 128, fp16), host backend with
+page sizes 64 KiB and 2 MiB, or ``--device cuda`` with the driver's
+granularity (the mapping work on a GPU's critical path: cuMemCreate,
+cuMemMap, cuMemSetAccess). For each prompt length, one earlier request of the same
 length has finished just before (the steady state of a server), then
 alloc_reqid(prompt_len) + step([prompt_len]) is timed:
   sync     background, deferred_reclaim and eager off: free_reqid unmapped the
@@ -19,6 +21,7 @@ Writes benchmarks/results/prefill_<machine>.json and a plot.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -51,28 +54,35 @@ def admit_us(kv: vattn.KVCacheManager, prompt: int) -> float:
     return elapsed
 
 
-def measure(page_size: int, mode: str, prompt: int) -> dict:
+def measure(device: str, page_size: int | None, mode: str, prompt: int, reps: int) -> dict:
     with vattn.KVCacheManager(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16,
-                              max_batch_size=2, max_context_len=16384, page_size=page_size,
-                              **MODES[mode]) as kv:
+                              max_batch_size=2, max_context_len=max(PROMPTS + [prompt]), page_size=page_size,
+                              device=device, **MODES[mode]) as kv:
         kv.wait_idle()
         cold = admit_us(kv, prompt)
         warm = []
-        for _ in range(REPS):
+        for _ in range(reps):
             kv.wait_idle()  # the server's other work between arrivals
             warm.append(admit_us(kv, prompt))
         s = kv.stats()
-    return {"page_size": page_size, "mode": mode, "prompt": prompt, "cold_us": cold,
+    return {"device": device, "page_size": kv.page_size, "mode": mode, "prompt": prompt, "cold_us": cold,
             "steady_us": statistics.median(warm), "sync_page_maps": s["sync_page_maps"]}
 
 
 def main() -> int:
-    cases = [(ps, p, mode) for ps in (64 * KiB, 2 * MiB) for p in PROMPTS for mode in MODES]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu (host backend) or cuda")
+    p.add_argument("--prompts", default=",".join(map(str, PROMPTS)), help="comma list of prompt lengths (tokens)")
+    p.add_argument("--reps", type=int, default=REPS)
+    args = p.parse_args()
+    prompts = [int(x) for x in args.prompts.split(",")]
+    sizes: list[int | None] = [64 * KiB, 2 * MiB] if args.device == "cpu" else [None]
+    cases = [(ps, p, mode) for ps in sizes for p in prompts for mode in MODES]
     rows = []
     for i, (ps, prompt, mode) in enumerate(cases, 1):
-        r = measure(ps, mode, prompt)
+        r = measure(args.device, ps, mode, prompt, args.reps)
         rows.append(r)
-        print(f"[{i}/{len(cases)}] {ps // KiB:4d} KiB, {prompt:5d} tokens, {mode:8s}: steady {r['steady_us']:9.1f} us, "
+        print(f"[{i}/{len(cases)}] {r['page_size'] // KiB:4d} KiB, {prompt:5d} tokens, {mode:8s}: steady {r['steady_us']:9.1f} us, "
               f"cold {r['cold_us']:9.1f} us", flush=True)
     for r in rows:
         if r["mode"] == "policies":
@@ -84,8 +94,9 @@ def main() -> int:
     path = write_json(f"prefill_{slug}", {"benchmark": "prefill", "machine": m, "results": rows})
     print(f"wrote {path}")
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, ps in zip(axes, (64 * KiB, 2 * MiB)):
+    shown = sorted({r["page_size"] for r in rows})
+    fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), sharey=True, squeeze=False)
+    for ax, ps in zip(axes[0], shown):
         for mode, style in (("sync", "o-"), ("policies", "s-")):
             sel = [r for r in rows if r["mode"] == mode and r["page_size"] == ps]
             ax.plot([r["prompt"] for r in sel], [r["steady_us"] for r in sel], style, label=f"{mode} (steady)")
@@ -95,8 +106,8 @@ def main() -> int:
         ax.set_xlabel("prompt tokens")
         ax.set_title(f"{ps // KiB} KiB pages", fontsize=9)
         ax.legend(fontsize=7)
-    axes[0].set_ylabel("alloc_reqid + step, µs")
-    fig.suptitle(f"Admitting a prefill, 32 layers — {m['gpu'] or m['cpu']}", fontsize=9)
+    axes[0, 0].set_ylabel("alloc_reqid + step, µs")
+    fig.suptitle(f"Admitting a prefill, 32 layers, {args.device} — {m['gpu'] or m['cpu']}", fontsize=9)
     save_plot(fig, f"prefill_{slug}")
     return 0
 

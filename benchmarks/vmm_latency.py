@@ -3,9 +3,20 @@ allocation bandwidth (the analog of the vAttention paper's Tables 3 and 7).
 
     python benchmarks/vmm_latency.py [--pages N] [--backends host,cuda]
 
-Writes benchmarks/results/vmm_latency_<machine>.json and a .png plot. The
-host backend's map and unmap costs are shown next to the raw mmap syscall
-measured in the same run (the floor, timed in C++).
+Writes benchmarks/results/vmm_latency_<machine>.json and a .png plot. Each
+backend's map and unmap costs are shown next to a floor measured in the same
+run and timed in C++: the raw mmap syscall (host), the raw driver calls
+cuMemCreate / cuMemMap + cuMemSetAccess / cuMemUnmap / cuMemRelease, one page
+per call (cuda; the goal is vattn's batched map within 1.1x of it).
+
+Page sizes: host 64 KiB, 256 KiB, 2 MiB; cuda 64 KiB where the driver's
+granularity allows it (the stock driver's is 2 MiB: then it is listed under
+"not_measured"), the granularity, and 3x and 4x it (all-layers pages hold
+one page's tokens of every layer, so their sizes are multiples of the
+granularity, not necessarily powers of two). The cuda results also record
+what the backend learned about the driver at start-up ("facts": whether one
+cuMemUnmap may cover adjacent pages mapped separately, the reservation
+alignment).
 
 What each figure is:
   reserve / free   one address-range reservation of 1 GiB (per call)
@@ -32,7 +43,19 @@ from vattn import _C  # noqa: E402
 from vattn.errors import VAttnError  # noqa: E402
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
-PAGE_SIZES = [64 * KiB, 256 * KiB, 2 * MiB]
+HOST_PAGE_SIZES = [64 * KiB, 256 * KiB, 2 * MiB]
+
+
+def page_sizes(backend_name: str, not_measured: list[str]) -> list[int]:
+    if backend_name == "host":
+        return HOST_PAGE_SIZES
+    g = _C.cuda_device_info(_C.default_cuda_driver_path(), 0)["granularity"]
+    sizes = [g, 3 * g, 4 * g]
+    if g <= 64 * KiB:
+        sizes.insert(0, 64 * KiB)
+    else:
+        not_measured.append(f"cuda 64 KiB pages: the driver's granularity is {g // KiB} KiB")
+    return sorted(set(sizes))
 
 
 def timed(fn) -> float:
@@ -90,6 +113,15 @@ def measure(backend_name: str, page_size: int, pages: int) -> dict:
         raw_map, raw_unmap = zip(*(_C.raw_mmap_seconds(page_size, pages) for _ in range(5)))
         out["floor"] = {"raw_mmap_map": summarize(list(raw_map)), "raw_mmap_unmap": summarize(list(raw_unmap))}
         out["map_over_floor"] = map_us / out["floor"]["raw_mmap_map"]["mean_us"]
+    else:
+        out["facts"] = dict(backend.facts)
+        del backend  # its pages go before the raw run creates as many again
+        raw = [_C.raw_cuda_seconds(_C.default_cuda_driver_path(), 0, page_size, pages) for _ in range(3)]
+        create, raw_map, raw_unmap, release = (summarize([r[i] for r in raw]) for i in range(4))
+        out["floor"] = {"raw_cuda_create": create, "raw_cuda_map_set_access": raw_map,
+                        "raw_cuda_unmap": raw_unmap, "raw_cuda_release": release}
+        out["map_over_floor"] = map_us / raw_map["mean_us"]
+        out["unmap_over_floor"] = ops["unmap_batched_per_page"]["mean_us"] / raw_unmap["mean_us"]
     return out
 
 
@@ -116,13 +148,14 @@ def plot(results: list[dict], stem: str, title: str) -> None:
             xs = [i + j * width for i in range(len(ops))]
             ax.bar(xs, [r["ops"][op]["mean_us"] for op in ops], width, label=f"{r['page_size'] // KiB} KiB")
             if "floor" in r:
-                floor = r["floor"]["raw_mmap_map"]["mean_us"]
+                floor = r["floor"]["raw_mmap_map" if name == "host" else "raw_cuda_map_set_access"]["mean_us"]
                 ax.hlines(floor, -0.4, len(ops), colors=f"C{j}", linestyles="dotted", linewidth=1)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(ops))])
         ax.set_xticklabels([op.replace("_", "\n") for op in ops], fontsize=7)
         ax.set_yscale("log")
         ax.set_ylabel("µs (mean)")
-        ax.set_title(f"{name} backend" + (" (dotted: raw mmap floor)" if name == "host" else ""))
+        ax.set_title(f"{name} backend (dotted: raw " + ("mmap" if name == "host" else "cuMemMap+SetAccess")
+                     + " floor)")
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     save_plot(fig, stem)
@@ -136,8 +169,9 @@ def main() -> int:
     args = p.parse_args()
     names = args.backends.split(",") if args.backends else available_backends()
     m = machine()
-    results = []
-    cases = [(b, ps) for b in names for ps in PAGE_SIZES]
+    results: list[dict] = []
+    not_measured: list[str] = []
+    cases = [(b, ps) for b in names for ps in page_sizes(b, not_measured)]
     for i, (name, ps) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {name} backend, {ps // KiB} KiB pages ...", flush=True)
         r = measure(name, ps, args.pages)
@@ -146,11 +180,18 @@ def main() -> int:
         line = (f"    create {o['create']['mean_us']:.1f} us, map {o['map_batched_per_page']['mean_us']:.2f} us/page "
                 f"(1/call {o['map_1_page_per_call']['mean_us']:.2f}), unmap {o['unmap_batched_per_page']['mean_us']:.2f} "
                 f"us/page, bandwidth {r['bandwidth_gb_s']['map']:.1f} GB/s")
-        if "floor" in r:
+        if name == "host":
             line += f"; raw mmap floor {r['floor']['raw_mmap_map']['mean_us']:.2f} us ({r['map_over_floor']:.2f}x)"
+        else:
+            line += (f"; raw cuMemMap+SetAccess {r['floor']['raw_cuda_map_set_access']['mean_us']:.2f} us "
+                     f"({r['map_over_floor']:.2f}x), unmap {r['unmap_over_floor']:.2f}x raw; "
+                     f"unmap {r['facts']['unmap']}")
         print(line, flush=True)
+    for line in not_measured:
+        print("not measured:", line)
     slug = machine_slug(m)
-    path = write_json(f"vmm_latency_{slug}", {"benchmark": "vmm_latency", "machine": m, "results": results})
+    path = write_json(f"vmm_latency_{slug}", {"benchmark": "vmm_latency", "machine": m, "results": results,
+                                              "not_measured": not_measured})
     print(f"wrote {path}")
     if not args.no_plot:
         plot(results, f"vmm_latency_{slug}", f"VMM operation latency — {m['gpu'] or m['cpu']} ({m['cores']} cores)")

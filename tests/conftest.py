@@ -50,9 +50,22 @@ def fake_cuda(fake_cuda_lib, monkeypatch):
     """Points the cuda backend at the fake driver; yields its control handle."""
     monkeypatch.setenv("VATTN_CUDA_DRIVER_LIB", str(fake_cuda_lib))
     monkeypatch.delenv("FAKE_CUDA_GRANULARITY", raising=False)
+    monkeypatch.delenv("FAKE_CUDA_UNMAP_SPANS", raising=False)
     lib = ctypes.CDLL(str(fake_cuda_lib))  # same path, so the same loaded instance as vattn's
     lib.fake_cuda_fail.argtypes = [ctypes.c_char_p, ctypes.c_long, ctypes.c_long, ctypes.c_int]
-    for name in ("live_handles", "live_mappings", "live_reservations", "sync_calls", "primary_refs"):
+    for name in ("live_handles", "live_mappings", "live_reservations", "sync_calls", "primary_refs",
+                 "unmap_calls", "primary_creations", "live_events", "threads_left_with_context"):
+        getattr(lib, f"fake_cuda_{name}").restype = ctypes.c_long
+    lib.fake_cuda_accessible.argtypes = [ctypes.c_ulonglong]
+    lib.fake_cuda_handle_at.argtypes = [ctypes.c_ulonglong]
+    lib.fake_cuda_handle_at.restype = ctypes.c_ulonglong
+    # contexts and streams are opaque pointers
+    lib.fake_cuda_create_context.restype = ctypes.c_void_p
+    lib.fake_cuda_create_context.argtypes = [ctypes.c_int]
+    for name in ("destroy_context", "context_alive"):
+        getattr(lib, f"fake_cuda_{name}").argtypes = [ctypes.c_void_p]
+    for name in ("stream_syncs", "stream_records", "stream_completed", "launch"):
+        getattr(lib, f"fake_cuda_{name}").argtypes = [ctypes.c_void_p]
         getattr(lib, f"fake_cuda_{name}").restype = ctypes.c_long
     lib.fake_cuda_handle_at.restype = ctypes.c_ulonglong
     lib.fake_cuda_handle_at.argtypes = [ctypes.c_ulonglong]

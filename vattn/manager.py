@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -70,6 +71,11 @@ class KVCacheManager:
             ``"cuda_uvm"``: 64/128/256 KiB or 2 MiB pages from the patched
             nvidia-uvm (driver_patch/README.md; default 64 KiB); without it,
             :class:`vattn.BackendUnavailable`.
+        sync_streams: CUDA only: the streams the engine's kernels and graph
+            replays that read the cache run on (``torch.cuda.Stream`` objects
+            or raw ``cudaStream_t`` handles as ints; see
+            :meth:`set_sync_streams`). ``None``: every wait before an unmap is
+            ``cuCtxSynchronize`` (the whole device).
 
     Page ids: one page id names one physical page in every buffer (so it
     holds ``page_size`` bytes of each layer's K and V, ``page_tokens``
@@ -115,9 +121,11 @@ class KVCacheManager:
         reclaim_threshold: float = 0.1,
         page_allocator: str = "vattn",
         backend: str | None = None,
+        sync_streams: Any = None,
     ) -> None:
         if page_allocator not in PAGE_ALLOCATORS:
             raise ValueError(f"page_allocator must be one of {PAGE_ALLOCATORS}, got {page_allocator!r}")
+        streams = _stream_handles(sync_streams)
         external = page_allocator == "external"
         self.config = KVCacheConfig(
             num_layers=num_layers,
@@ -140,8 +148,11 @@ class KVCacheManager:
         self.slot_bytes: int = self.config.slot_bytes(self.page_size)
         self.page_allocator: str = page_allocator
         self._pid = os.getpid()
+        vmm = self.backend.make()
+        if streams:
+            vmm.set_sync_streams(streams)
         self._pages = _C.PageManager(
-            self.backend.make(),
+            vmm,
             num_buffers=self.config.num_buffers,
             num_slots=self.config.max_batch_size,
             slot_bytes=self.slot_bytes,
@@ -434,6 +445,103 @@ class KVCacheManager:
         (for tests and benchmarks; serving code never needs it)."""
         self._pages.wait_idle()
 
+    # ---- CUDA: streams and graphs ------------------------------------------------
+
+    def set_sync_streams(self, streams: Any) -> None:
+        """Names the streams whose kernels may read the cache.
+
+        vattn unmaps a page only once no queued kernel can still read it: the
+        pages of a freed reqid (deferred reclaim by the mapper, :meth:`reclaim`,
+        the last-resort reclaim inside :meth:`step`, the trim of
+        ``alloc_reqid(reqid=)``). With streams named, :meth:`free_reqid`
+        records an event on each of them (a read fence: the request's last
+        kernels are queued by then), and the unmap later waits for those
+        events only, usually finished long before; a fence an earlier wait
+        covered costs no driver call. :meth:`fork` waits for the work queued so
+        far on the streams before it copies. Without streams (``None`` or
+        ``[]``, the default) every such wait is ``cuCtxSynchronize``: the
+        whole device, other users' kernels included.
+
+        Args:
+            streams: a ``torch.cuda.Stream`` (anything with ``.cuda_stream``),
+                a raw ``cudaStream_t`` as an int (0: the legacy default
+                stream), or a sequence of them. Every stream that launches
+                kernels or CUDA graph replays reading the cache must be named
+                and must outlive this setting; a serving engine names the
+                stream its forward pass runs on, e.g.
+                ``kv.set_sync_streams(torch.cuda.current_stream())``. Kernels
+                may read a reqid's rows only between the ``step`` that covered
+                them and its ``free_reqid``. CUDA only.
+
+        Changing the setting first waits, once, for the readers the old one
+        names. Raises ``DriverError`` (the old setting kept) when a stream
+        cannot carry vattn's events, e.g. one of another context.
+
+        Example::
+
+            kv = vattn.KVCacheManager(..., device="cuda",
+                                      sync_streams=torch.cuda.current_stream())
+        """
+        handles = _stream_handles(streams)
+        self._vmm().set_sync_streams(handles)
+
+    @contextlib.contextmanager
+    def graph_capture(self) -> Iterator[KVCacheManager]:
+        """Wrap CUDA graph capture in this block.
+
+        The contract with CUDA graphs (a graph records addresses, not
+        mappings):
+
+        - Replay: a kernel or graph replay launched after ``step(seq_lens)``
+          returned True may read rows ``[0, seq_lens[r])`` of every reqid
+          ``r``. ``step`` returns only once every page those lengths need is
+          mapped with access granted, waiting for the background mapper's
+          batch in flight when that batch maps some of them; the pages stay
+          mapped until ``r`` is freed and its read fence has passed. So: step,
+          then replay, every iteration, with every length the replay reads at
+          most what the last step covered; rows of padding entries in a
+          captured batch must read nothing (length 0) or only stepped rows.
+        - The background mapper maps only beyond the stepped lengths (pages no
+          launched kernel reads) and unmaps only pages of freed reqids, after
+          their fences: it may run while graphs replay.
+        - Capture: inside this block the mapper starts no work (its batch in
+          flight, if any, lands first), and every vattn call that would reach
+          the CUDA driver raises ``DriverError`` instead, on any thread: in
+          the default (global) capture mode the driver refuses such calls and
+          a synchronization would invalidate the capture, and an event
+          recorded on the capturing stream would join the graph. A ``step``
+          whose lengths are already mapped needs no driver call and works.
+          Step before the capture to the lengths it reads.
+
+        On the host backend it only pauses the mapper. Not reentrant
+        (``RuntimeError``).
+
+        Example::
+
+            kv.step(lens)                  # maps what the captured kernels read
+            with kv.graph_capture(), torch.cuda.graph(g):
+                out = model_forward(...)   # reads k[r, :n], n <= lens[r]
+            ...
+            kv.step(lens); g.replay()      # every iteration: step, then replay
+        """
+        vmm = self._vmm()
+        self._pages.pause_mapper(True)  # raises when already paused: nothing else changed
+        try:
+            vmm.suspend_driver_calls()
+        except BaseException:
+            self._pages.pause_mapper(False)
+            raise
+        try:
+            yield self
+        finally:
+            vmm.resume_driver_calls()
+            self._pages.pause_mapper(False)
+
+    def _vmm(self) -> Any:
+        """The C++ VMM backend of the open cache (ClosedError after cleanup)."""
+        self._pages.check_usable()
+        return self._pages.memory.backend
+
     @property
     def closed(self) -> bool:
         return self._pages.closed
@@ -559,6 +667,28 @@ def _bounded_int(name: str, value: object, count: int) -> int:
     if not 0 <= out < count:
         raise ValueError(f"{name} must be in [0, {count - 1}], got {out}")
     return out
+
+
+def _stream_handles(streams: Any) -> list[int]:
+    """Raw stream handles (ints) of ``streams``: None, a stream (an int or an
+    object with ``.cuda_stream``, as torch.cuda.Stream) or a sequence of them."""
+    if streams is None:
+        return []
+    if isinstance(streams, int) or hasattr(streams, "cuda_stream"):
+        streams = [streams]
+    if isinstance(streams, (str, bytes)) or not hasattr(streams, "__iter__"):
+        raise TypeError(f"sync_streams must be a stream, a raw stream handle (int) or a sequence of them, "
+                        f"got {type(streams).__name__}")
+    handles = []
+    for s in streams:
+        handle = getattr(s, "cuda_stream", s)
+        if isinstance(handle, bool) or not isinstance(handle, int):
+            raise TypeError(f"sync_streams entries must be streams (with .cuda_stream) or raw handles (int), "
+                            f"got {type(s).__name__}")
+        if not 0 <= handle < 2**64:
+            raise ValueError(f"sync_streams: a raw stream handle must be in [0, 2^64), got {handle}")
+        handles.append(handle)
+    return handles
 
 
 def _int_array(name: str, values: object) -> Any:

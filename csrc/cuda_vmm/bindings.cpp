@@ -21,6 +21,7 @@ using namespace vattn;
 
 namespace vattn {
 std::vector<double> raw_mmap_seconds(size_t page_size, size_t count);
+std::vector<double> raw_cuda_seconds(const std::string& driver_path, int device, size_t page_size, size_t count);
 }
 
 namespace {
@@ -297,7 +298,23 @@ PYBIND11_MODULE(_C, m) {
             b.unmap(addrs.data(), addrs.size(), &done);
           },
           py::arg("addresses"))
-      .def("synchronize", &VmmBackend::synchronize, py::call_guard<py::gil_scoped_release>());
+      .def("synchronize", &VmmBackend::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("set_sync_streams", &VmmBackend::set_sync_streams, py::arg("streams"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Raw stream handles whose work may read mapped pages: read fences and synchronize() "
+           "wait for events on those instead of the whole device. Empty: the whole device.")
+      // Blocks until the other threads' driver calls under way are done.
+      .def("suspend_driver_calls", &VmmBackend::suspend_driver_calls, py::call_guard<py::gil_scoped_release>())
+      .def("resume_driver_calls", &VmmBackend::resume_driver_calls)
+      .def_property_readonly(
+          "facts",
+          [](const VmmBackend& b) {
+            py::dict d;
+            for (auto& [key, value] : b.facts()) d[py::str(key)] = value;
+            return d;
+          },
+          "What the backend learned about its driver at run time (CUDA: unmap mode and probe, "
+          "reservation alignment, synchronization).");
 
   m.def("host_granularity", &host_granularity);
   m.def("host_inject_failure", &host_inject_failure, py::arg("call"), py::arg("skip") = 0, py::arg("times") = 1,
@@ -307,6 +324,9 @@ PYBIND11_MODULE(_C, m) {
         "mmap_unmap, munmap.");
   m.def("host_inject_delay", &host_inject_delay, py::arg("microseconds"),
         "Test hook: every host page map and page creation sleeps this long (0: off).");
+  m.def("raw_cuda_seconds", &raw_cuda_seconds, py::arg("driver_path"), py::arg("device"), py::arg("page_size"),
+        py::arg("count"), py::call_guard<py::gil_scoped_release>(),
+        "Benchmark floor: [create, map + set access, unmap, release] seconds per page of raw CUDA driver calls.");
   m.def("raw_mmap_seconds", &raw_mmap_seconds, py::arg("page_size"), py::arg("count"),
         py::call_guard<py::gil_scoped_release>(),
         "Benchmark floor: [map, unmap] seconds per raw mmap call on a memfd.");
@@ -352,6 +372,7 @@ PYBIND11_MODULE(_C, m) {
         d["granularity"] = info.granularity;
         d["free_bytes"] = info.free_bytes;
         d["total_bytes"] = info.total_bytes;
+        d["primary_context_active"] = info.primary_context_active;
         return d;
       },
       py::arg("driver_path"), py::arg("device"));
@@ -359,6 +380,9 @@ PYBIND11_MODULE(_C, m) {
   py::class_<CacheMemory, std::shared_ptr<CacheMemory>>(m, "CacheMemory")
       .def_property_readonly("base", &CacheMemory::base)
       .def_property_readonly("nbytes", &CacheMemory::bytes)
+      .def_property_readonly(
+          "backend", [](const CacheMemory& m) { return m.backend_ptr(); },
+          "The VMM backend the memory lives on (streams, graph capture, driver facts).")
       .def("dlpack", &memory_dlpack, py::arg("offset"), py::arg("nbytes"),
            "A DLPack capsule (1-D uint8) over bytes [offset, offset + nbytes).");
 
@@ -378,6 +402,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("external_ids") = false, py::arg("background") = false,
            py::arg("deferred_reclaim") = true, py::arg("eager") = false, py::arg("lookahead_tokens") = 1,
            py::arg("eager_tokens") = 0, py::arg("reclaim_threshold") = 0.1, py::arg("max_batch_ids") = 64)
+      .def("pause_mapper", &PageManager::pause_mapper, py::arg("paused"),
+           py::call_guard<py::gil_scoped_release>())  // waits for the batch in flight
       .def("wait_idle", &PageManager::wait_idle, py::call_guard<py::gil_scoped_release>(),
            "Block until the background mapper has nothing left to do.")
       .def("alloc_slot", &PageManager::alloc_slot, py::arg("prompt_tokens") = -1,

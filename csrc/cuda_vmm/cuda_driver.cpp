@@ -35,28 +35,9 @@ std::unique_ptr<DriverApi> open_driver(const std::string& path) {
   api->path = path;
   api->handle = handle;
   try {
-    bind(handle, "cuInit", api->cuInit, path);
-    bind(handle, "cuDriverGetVersion", api->cuDriverGetVersion, path);
-    bind(handle, "cuDeviceGetCount", api->cuDeviceGetCount, path);
-    bind(handle, "cuDeviceGet", api->cuDeviceGet, path);
-    bind(handle, "cuDeviceGetName", api->cuDeviceGetName, path);
-    bind(handle, "cuDeviceTotalMem_v2", api->cuDeviceTotalMem, path);
-    bind(handle, "cuDevicePrimaryCtxRetain", api->cuDevicePrimaryCtxRetain, path);
-    bind(handle, "cuDevicePrimaryCtxRelease_v2", api->cuDevicePrimaryCtxRelease, path);
-    bind(handle, "cuCtxGetCurrent", api->cuCtxGetCurrent, path);
-    bind(handle, "cuCtxSetCurrent", api->cuCtxSetCurrent, path);
-    bind(handle, "cuCtxSynchronize", api->cuCtxSynchronize, path);
-    bind(handle, "cuMemGetInfo_v2", api->cuMemGetInfo, path);
-    bind(handle, "cuMemGetAllocationGranularity", api->cuMemGetAllocationGranularity, path);
-    bind(handle, "cuMemAddressReserve", api->cuMemAddressReserve, path);
-    bind(handle, "cuMemAddressFree", api->cuMemAddressFree, path);
-    bind(handle, "cuMemCreate", api->cuMemCreate, path);
-    bind(handle, "cuMemRelease", api->cuMemRelease, path);
-    bind(handle, "cuMemMap", api->cuMemMap, path);
-    bind(handle, "cuMemUnmap", api->cuMemUnmap, path);
-    bind(handle, "cuMemSetAccess", api->cuMemSetAccess, path);
-    bind(handle, "cuMemcpyDtoD_v2", api->cuMemcpyDtoD, path);
-    bind(handle, "cuGetErrorName", api->cuGetErrorName, path);
+#define VATTN_CU_BIND(member, symbol, fn_type) bind(handle, #symbol, api->member, path);
+    VATTN_CU_FUNCTIONS(VATTN_CU_BIND)
+#undef VATTN_CU_BIND
   } catch (...) {
     dlclose(handle);
     throw;

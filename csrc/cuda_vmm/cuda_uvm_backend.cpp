@@ -44,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_context.h"
 #include "cuda_driver.h"
 #include "errors.h"
 #include "uvm_stock_ioctl.h"
@@ -206,7 +207,8 @@ class CudaUvmBackend final : public VmmBackend {
   DLDevice dl_device() const override { return DLDevice{kDLCUDA, device_}; }
 
   uintptr_t reserve(size_t bytes) override {
-    ensure_context();
+    ScopedContext context(api_, ctx_);  // the caller's context is back on return
+    context.check();
     size_t length = reserved_length(bytes);
     CUdeviceptr ptr = 0;
     check("cuMemAddressReserve",
@@ -236,7 +238,9 @@ class CudaUvmBackend final : public VmmBackend {
   }
 
   bool free_reservation(uintptr_t base, size_t bytes) noexcept override {
-    if (forked_ || !set_context_noexcept()) return false;
+    if (forked_) return false;
+    ScopedContext context(api_, ctx_);
+    if (!context.ok()) return false;
     bool own = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -322,13 +326,15 @@ class CudaUvmBackend final : public VmmBackend {
   }
 
   void copy(uintptr_t dst, uintptr_t src, size_t bytes) override {
-    ensure_context();
+    ScopedContext context(api_, ctx_);  // the caller's context is back on return
+    context.check();
     check("cuMemcpyDtoD", api_.cuMemcpyDtoD(static_cast<CUdeviceptr>(dst), static_cast<CUdeviceptr>(src), bytes));
     check("cuCtxSynchronize", api_.cuCtxSynchronize());  // device-to-device copies are asynchronous
   }
 
   void synchronize() override {
-    ensure_context();
+    ScopedContext context(api_, ctx_);  // the caller's context is back on return
+    context.check();
     check("cuCtxSynchronize", api_.cuCtxSynchronize());
   }
 
@@ -347,7 +353,8 @@ class CudaUvmBackend final : public VmmBackend {
 
  private:
   void init() {
-    ensure_context();  // the CUDA driver registers the context's GPU VA space with UVM here
+    ScopedContext context(api_, ctx_);  // the CUDA driver registers the context's GPU VA space with UVM here
+    context.check();
     CUmemAllocationProp prop{};
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -416,18 +423,6 @@ class CudaUvmBackend final : public VmmBackend {
 
   void check(const char* call, CUresult rc) const {
     if (rc != CUDA_SUCCESS) throw DriverError(call, error_name(api_, rc));
-  }
-
-  void ensure_context() {
-    CUcontext current = nullptr;
-    check("cuCtxGetCurrent", api_.cuCtxGetCurrent(&current));
-    if (current != ctx_) check("cuCtxSetCurrent", api_.cuCtxSetCurrent(ctx_));
-  }
-
-  bool set_context_noexcept() noexcept {
-    CUcontext current = nullptr;
-    if (api_.cuCtxGetCurrent(&current) != CUDA_SUCCESS) return false;
-    return current == ctx_ || api_.cuCtxSetCurrent(ctx_) == CUDA_SUCCESS;
   }
 
   const DriverApi& api_;

@@ -75,6 +75,7 @@ PageManager::PageManager(std::shared_ptr<VmmBackend> backend, const PageManagerC
   slot_allocated_.assign(config_.num_slots, 0);
   slot_tokens_.assign(config_.num_slots, 0);
   slot_orphans_.assign(config_.num_slots, 0);
+  slot_reads_.assign(config_.num_slots, VmmBackend::kNoReads);
   id_maps_.assign(num_ids_, 0);
   id_holds_.assign(num_ids_, 0);
   id_created_.assign(num_ids_, 0);
@@ -366,13 +367,22 @@ void PageManager::finish_unmap(std::vector<Cut>& cuts, const std::vector<uintptr
   }
 }
 
+uint64_t PageManager::reads_of(size_t slot) const {
+  return slot_allocated_[slot] ? VmmBackend::kReadsNow : slot_reads_[slot];
+}
+
 void PageManager::unmap_tails_locked(const std::vector<std::pair<size_t, size_t>>& slot_keep) {
   bool any = false;
-  for (auto [slot, keep] : slot_keep) any = any || mapped_of(slot) > keep;
+  uint64_t reads = VmmBackend::kNoReads;  // fences are ordered: the latest covers the others
+  for (auto [slot, keep] : slot_keep) {
+    if (mapped_of(slot) <= keep) continue;
+    any = true;
+    reads = std::max(reads, reads_of(slot));
+  }
   if (!any) return;
   // A finished request's kernels may still read these pages. If this fails,
   // nothing has changed yet.
-  backend_->synchronize();
+  backend_->wait_reads(reads);
   std::vector<Cut> cuts;
   for (auto [slot, keep] : slot_keep) cut_tail(slot, keep, cuts);
   std::vector<uintptr_t> addrs = addresses_of(cuts);
@@ -581,6 +591,8 @@ void PageManager::free_slot(int64_t slot) {
   check_open();
   check_allocated(slot, "free_reqid");
   slot_allocated_[slot] = 0;
+  // Every kernel that reads this request's pages has been queued by now.
+  slot_reads_[slot] = backend_->record_reads();
   stats_.tokens_active -= static_cast<size_t>(slot_tokens_[slot]);
   slot_tokens_[slot] = 0;
   stats_.slots_allocated--;
@@ -937,6 +949,7 @@ PageManager::Batch PageManager::plan_batch() {
     size_t freed = 0;
     auto plan = plan_reclaim(reclaim_floor_ids_ - available_ids(), eager_slot, policy_.max_batch_ids, &freed);
     if (!plan.empty()) {
+      for (auto [s, keep] : plan) batch.reads = std::max(batch.reads, reads_of(s));
       for (auto [s, keep] : plan) cut_tail(s, keep, batch.cuts);
       batch.unmap_addrs = addresses_of(batch.cuts);
       return batch;
@@ -987,7 +1000,7 @@ PageManager::Batch PageManager::plan_batch() {
 void PageManager::run_batch(Batch& batch, size_t* done) {
   *done = 0;
   if (!batch.cuts.empty()) {
-    backend_->synchronize();  // see unmap_tails_locked
+    backend_->wait_reads(batch.reads);  // see unmap_tails_locked
     backend_->unmap(batch.unmap_addrs.data(), batch.unmap_addrs.size(), done);
     return;
   }
@@ -1029,12 +1042,12 @@ void PageManager::mapper_loop() {
   while (true) {
     mapper_idle_ = true;
     sync_->batch_done.notify_all();
-    sync_->wake.wait(lock, [&] { return stop_ || work_epoch_ != mapper_seen_epoch_; });
+    sync_->wake.wait(lock, [&] { return stop_ || (!paused_ && work_epoch_ != mapper_seen_epoch_); });
     if (stop_) break;
     mapper_idle_ = false;
     mapper_seen_epoch_ = work_epoch_;
     stats_.mapper_wakeups++;
-    while (!stop_ && !mapper_error_) {
+    while (!stop_ && !mapper_error_ && !paused_) {
       Batch batch = plan_batch();
       if (batch.empty()) break;
       inflight_ = true;
@@ -1061,8 +1074,22 @@ void PageManager::wait_idle() {
   Lock lock(sync_->mu);
   if (!policy_.background) return;
   sync_->batch_done.wait(lock, [&] {
-    return stop_ || (mapper_idle_ && !inflight_ && mapper_seen_epoch_ == work_epoch_);
+    return stop_ || (!inflight_ && (paused_ || (mapper_idle_ && mapper_seen_epoch_ == work_epoch_)));
   });
+}
+
+void PageManager::pause_mapper(bool paused) {
+  if (forked()) throw ForkedError(kForked);
+  Lock lock(sync_->mu);
+  if (paused) check_open();  // unpausing a closed manager is a no-op (a capture block that closed it)
+  if (paused && paused_) throw std::logic_error("the mapper is already paused (graph_capture is not reentrant)");
+  paused_ = paused;
+  if (paused) {
+    sync_->batch_done.wait(lock, [&] { return !inflight_; });
+  } else {
+    work_epoch_++;  // plan again: work may have come, or been cut short, while paused
+    sync_->wake.notify_one();
+  }
 }
 
 // ---- lifetime -------------------------------------------------------------------------

@@ -48,8 +48,10 @@
 //     inflight_ is false, so no two threads touch one address; after the wait
 //     it checks again that the manager is open and the input still valid.
 //   * The mapper only unmaps pages of free (unallocated) slots, after the
-//     device finished the work queued before (backend synchronize), so a page
-//     in use is never unmapped.
+//     device finished the reads queued before each slot was freed (a read
+//     fence recorded by free_slot, see VmmBackend::record_reads), so a page
+//     in use is never unmapped. Callers' unmaps wait the same way; pages of
+//     an allocated slot wait for all work queued so far.
 //   * A failed batch is rolled back at commit (fresh pages back to the pool,
 //     what could not be undone kept as orphans) and its error is kept until
 //     the next step() raises it: no page is lost and no error is dropped.
@@ -193,6 +195,10 @@ class PageManager {
   void close();
   // Blocks until the mapper has nothing left to do (tests and benchmarks).
   void wait_idle();
+  // paused = true: waits for the mapper's batch in flight and keeps it from
+  // starting another until pause_mapper(false) (a CUDA graph capture); throws
+  // std::logic_error when already paused.
+  void pause_mapper(bool paused);
   // Throws ForkedError / ClosedError unless the manager can act.
   void check_usable() const;
 
@@ -248,6 +254,7 @@ class PageManager {
     std::vector<Cut> cuts;
     std::vector<uintptr_t> unmap_addrs;
     bool created = false;  // run_batch created to_create
+    uint64_t reads = VmmBackend::kNoReads;  // the read fence to wait for before unmapping the cuts
     bool empty() const { return jobs.empty() && to_create.empty() && cuts.empty(); }
   };
   // Synchronisation objects live on the heap so a forked child can leak them
@@ -311,8 +318,11 @@ class PageManager {
   // Drops the references of positions whose every address is among the first
   // `done` of `addrs`; the rest become orphans.
   void finish_unmap(std::vector<Cut>& cuts, const std::vector<uintptr_t>& addrs, size_t done);
-  // Synchronizes, then unmaps the cut positions on this thread. A failed
-  // synchronize changes nothing; a failed unmap leaves orphans. Throws.
+  // The read fence to wait for before unmapping pages of these slots: the one
+  // recorded when a free slot was freed, "now" for an allocated slot.
+  uint64_t reads_of(size_t slot) const;
+  // Waits for the slots' reads, then unmaps the cut positions on this thread.
+  // A failed wait changes nothing; a failed unmap leaves orphans. Throws.
   void unmap_tails_locked(const std::vector<std::pair<size_t, size_t>>& slot_keep);
   // Retries unmapping orphans (of `slot`, or all when slot < 0). Throws the
   // first failure after trying all.
@@ -351,10 +361,12 @@ class PageManager {
   std::vector<uint32_t> uncreated_;   // ids never created (managed); back() is the smallest
   std::vector<Orphan> orphans_;
   std::vector<uint32_t> slot_orphans_;  // orphans per slot
+  std::vector<uint64_t> slot_reads_;    // read fence recorded when each slot was last freed
   std::map<uint64_t, std::vector<uint32_t>> handles_;
   uint64_t next_handle_ = 1;
   bool inflight_ = false;             // a mapper batch is between plan and commit
   bool stop_ = false;                 // mapper must exit
+  bool paused_ = false;               // mapper starts no batch (pause_mapper)
   bool mapper_idle_ = true;           // mapper waits for work
   uint64_t mapper_seen_epoch_ = 0;    // work_epoch_ the mapper last planned for
   uint64_t work_epoch_ = 0;           // bumped whenever the mapper's work may change

@@ -16,7 +16,9 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dlpack.h"
@@ -68,9 +70,44 @@ class VmmBackend {
   virtual void copy(uintptr_t dst, uintptr_t src, size_t bytes) = 0;
   // Waits until device work that may read mapped pages has finished.
   virtual void synchronize() = 0;
+
+  // Read fences: the caller records one when it knows that every read of some
+  // pages has been queued (a request was freed), and waits on it before it
+  // unmaps those pages, instead of waiting for whatever is queued by then.
+  // kNoReads: nothing ever read the pages, no wait; kReadsNow: wait like
+  // synchronize(). A later ticket covers every earlier one.
+  static constexpr uint64_t kNoReads = 0;
+  static constexpr uint64_t kReadsNow = UINT64_MAX;
+  // The work queued so far on the streams that may read the cache (see
+  // set_sync_streams); kReadsNow when the backend cannot name it. Never throws.
+  virtual uint64_t record_reads() noexcept { return kReadsNow; }
+  // Waits until the work `ticket` names has finished.
+  virtual void wait_reads(uint64_t ticket) {
+    if (ticket != kNoReads) synchronize();
+  }
   // Releases every physical page and the pool's own handles. Afterwards the
   // backend only frees reservations. Never throws.
   virtual void close_pool() noexcept = 0;
+
+  // The streams whose work may read mapped pages (raw stream handles):
+  // synchronize() then waits for the work queued on them so far, and read
+  // fences are events on them, instead of waits for the whole device. Empty:
+  // the whole device (the default). Backends without streams accept only an
+  // empty list.
+  virtual void set_sync_streams(const std::vector<uintptr_t>& streams) {
+    if (!streams.empty())
+      throw std::invalid_argument("sync_streams: the " + name() + " backend has no streams (pass none)");
+  }
+  // While a CUDA graph is captured: every driver call that maps, unmaps,
+  // creates or waits throws DriverError (from any thread: none may block
+  // while it holds the page manager's lock), until resume_driver_calls().
+  // Releases and teardown still go through. Waits for the calls under way.
+  // No-ops on backends without a device.
+  virtual void suspend_driver_calls() {}
+  virtual void resume_driver_calls() {}
+  // What the backend learned about its driver at run time, as (name, value)
+  // pairs, for diagnostics and benchmark records.
+  virtual std::vector<std::pair<std::string, std::string>> facts() const { return {}; }
 
   // In the child of a fork(): the pages belong to the parent. Makes [base,
   // base + bytes) inaccessible in this process (host: the shared mappings are
@@ -102,6 +139,7 @@ struct CudaDeviceInfo {
   size_t granularity = 0;
   size_t free_bytes = 0;
   size_t total_bytes = 0;
+  bool primary_context_active = false;  // before the query (someone held the primary context)
 };
 CudaDeviceInfo cuda_device_info(const std::string& driver_path, int device);
 
@@ -127,6 +165,7 @@ class CacheMemory {
   size_t bytes() const { return bytes_; }
   DLDevice dl_device() const { return backend_->dl_device(); }
   VmmBackend& backend() const { return *backend_; }
+  const std::shared_ptr<VmmBackend>& backend_ptr() const { return backend_; }
   bool in_creator_process() const { return fork_generation() == generation_; }
 
   // The manager closes: `mapped` lists every address still mapped. They are

@@ -1,0 +1,170 @@
+"""End to end: a Llama-3.2-1B-shaped model with random weights generating
+with the vattn engine against transformers' ``generate`` with ``DynamicCache``
+and ``StaticCache``.
+
+    python benchmarks/engine_e2e.py                  # bf16 on the GPU (fp32 on the CPU)
+    python benchmarks/engine_e2e.py --tiny           # a 2-layer model, for a smoke run
+
+Model: the shape of Llama-3.2-1B (16 layers, hidden 2048, 32 query heads,
+8 KV heads x 64, MLP 8192, vocabulary 128256, tied embeddings), random
+weights, so the text is noise but every kernel does the real work; EOS is
+off and every request generates exactly ``--new-tokens`` tokens. Workload:
+``--requests`` prompts of random token ids, lengths spread evenly over
+[prompt_len / 2, prompt_len] (seeded).
+
+  vattn    vattn.integrations.engine.Engine: continuous batching of up to
+           ``--batch`` requests, K/V written into the vattn cache and read
+           by SDPA per request (no padding, no block table)
+  dynamic  model.generate over groups of ``--batch`` prompts, left-padded,
+           DynamicCache (grows by concatenation)
+  static   the same with cache_implementation="static" (StaticCache,
+           preallocated for the longest prompt plus the new tokens)
+
+Reported per run: generated tokens per second (wall clock, prefill
+included, after one warm-up run of each), and KV bytes: vattn the peak
+bytes mapped (pages_mapped_peak x page_size); dynamic and static the K/V
+tensors' bytes at the end of the largest group. Writes
+benchmarks/results/engine_e2e_<machine>.json and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from common import checkout_integrations, machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
+
+LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                    rope_theta=500000.0, tie_word_embeddings=True)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=True)
+
+
+def make_model(shape: dict[str, int], device: torch.device, dtype: torch.dtype) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**shape)).to(dtype).eval()
+    model.generation_config.eos_token_id = None  # random weights: every request runs to --new-tokens
+    return model
+
+
+def prompts_for(n: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    lens = [prompt_len // 2 + (prompt_len - prompt_len // 2) * i // max(1, n - 1) for i in range(n)]
+    return [torch.randint(1, vocab, (length,), generator=gen).tolist() for length in lens]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, device: torch.device) -> dict:
+    engine_module = checkout_integrations().engine
+    options: dict[str, Any] = {}
+    if device.type == "cuda":
+        options["sync_streams"] = torch.cuda.current_stream()  # reclaim waits for the model's stream only
+    with engine_module.Engine(model, max_batch_size=args.batch, max_context_len=args.prompt_len + args.new_tokens,
+                              device=device, **options) as engine:
+        engine.generate(prompts[: args.batch], max_new_tokens=2)  # warm-up
+        sync(device)
+        t = time.perf_counter()
+        outputs = engine.generate(prompts, max_new_tokens=args.new_tokens)
+        sync(device)
+        seconds = time.perf_counter() - t
+        stats = engine.stats()
+    tokens = sum(len(o) for o in outputs)
+    return {"cache": "vattn", "seconds": seconds, "generated_tokens": tokens, "tokens_per_s": tokens / seconds,
+            "kv_bytes": stats["pages_mapped_peak"] * stats["page_size"], "kv_bytes_what": "peak bytes mapped",
+            "page_size": stats["page_size"], "preemptions": stats["preemptions"], "iterations": stats["iterations"]}
+
+
+def cache_bytes(cache: Any) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if isinstance(t, torch.Tensor))
+
+
+def run_hf(model: Any, prompts: list[list[int]], args: argparse.Namespace, device: torch.device, kind: str) -> dict:
+    from transformers import DynamicCache
+
+    def generate(group: list[list[int]], new_tokens: int) -> Any:
+        width = max(len(p) for p in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for i, p in enumerate(group):  # left padding: every row ends at the last column
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        cache = {"past_key_values": DynamicCache()} if kind == "dynamic" else {"cache_implementation": "static"}
+        with torch.no_grad():
+            return model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                  return_dict_in_generate=True, **cache)
+
+    generate(prompts[: args.batch], 2)  # warm-up
+    sync(device)
+    t = time.perf_counter()
+    tokens, kv_bytes = 0, 0
+    for start in range(0, len(prompts), args.batch):
+        group = prompts[start:start + args.batch]
+        out = generate(group, args.new_tokens)
+        tokens += (out.sequences.shape[1] - max(len(p) for p in group)) * len(group)
+        kv_bytes = max(kv_bytes, cache_bytes(out.past_key_values))
+    sync(device)
+    seconds = time.perf_counter() - t
+    return {"cache": kind, "seconds": seconds, "generated_tokens": tokens, "tokens_per_s": tokens / seconds,
+            "kv_bytes": kv_bytes, "kv_bytes_what": "K/V tensors at the end of the largest group"}
+
+
+def main() -> int:
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if gpu else "cpu")
+    p.add_argument("--dtype", default="bfloat16" if gpu else "float32")
+    p.add_argument("--requests", type=int, default=64 if gpu else 8)
+    p.add_argument("--batch", type=int, default=32 if gpu else 4, help="requests at once (engine and HF groups)")
+    p.add_argument("--prompt-len", type=int, default=1024 if gpu else 128, help="longest prompt (tokens)")
+    p.add_argument("--new-tokens", type=int, default=128 if gpu else 16)
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model instead of the 1B shape")
+    p.add_argument("--caches", default="vattn,dynamic,static")
+    args = p.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    shape = TINY if args.tiny else LLAMA_3_2_1B
+    model = make_model(shape, device, dtype)
+    prompts = prompts_for(args.requests, args.prompt_len, shape["vocab_size"])
+    results = []
+    for kind in args.caches.split(","):
+        r = run_vattn(model, prompts, args, device) if kind == "vattn" else run_hf(model, prompts, args, device, kind)
+        results.append(r)
+        print(f"{kind:8s}: {r['tokens_per_s']:9.1f} tokens/s ({r['generated_tokens']} tokens in {r['seconds']:.2f} s), "
+              f"KV {r['kv_bytes'] / 2**20:9.1f} MiB ({r['kv_bytes_what']})", flush=True)
+    m = machine()
+    slug = machine_slug(m)
+    path = write_json(f"engine_e2e_{slug}", {
+        "benchmark": "engine_e2e", "machine": m, "model": "tiny" if args.tiny else "Llama-3.2-1B shape, random weights",
+        "config": shape, "device": str(device), "dtype": args.dtype, "requests": args.requests, "batch": args.batch,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "results": results})
+    print(f"wrote {path}")
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = [r["cache"] for r in results]
+    axes[0].bar(names, [r["tokens_per_s"] for r in results])
+    axes[0].set_ylabel("generated tokens / s")
+    axes[1].bar(names, [r["kv_bytes"] / 2**20 for r in results])
+    axes[1].set_ylabel("KV MiB")
+    fig.suptitle(f"{'tiny model' if args.tiny else 'Llama-3.2-1B shape'} {args.dtype}, {args.requests} requests, "
+                 f"batch {args.batch} — {m['gpu'] or m['cpu']}", fontsize=9)
+    save_plot(fig, f"engine_e2e_{slug}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""The GPU suite in one call: build, the CUDA tests, every benchmark, one summary.
+
+    benchmarks/gpu_suite.sh OUTDIR              # on a machine with an NVIDIA GPU (< 10 min on one H100)
+    benchmarks/gpu_suite.sh OUTDIR --dry-run    # anywhere: the same scripts on the CPU, tiny grids
+    VATTN_GPU_SUITE_DRY_RUN=1 benchmarks/gpu_suite.sh OUTDIR
+
+Stages, each a subprocess with a time limit, its output in OUTDIR/gpu_suite.log:
+
+  build         python setup.py build_ext --inplace (the extension has no
+                device code: it loads libcuda.so.1 at run time, so one build
+                serves every GPU; the GPU found is recorded in the summary)
+  tests         the CUDA test files (real GPU, fake driver, cuda.h check,
+                attention adapters); JUnit XML kept, counts in the summary
+  vmm_latency   per-call driver latency per page size, vattn vs raw calls
+  attention_ab  vattn + FlashAttention-2 / FlashInfer vs their paged kernels
+  decode_trace  mapping on the critical path of decode iterations, mapper
+                on/off, CUDA graphs on/off
+  prefill       admitting a prompt: synchronous mapping vs the policies
+  engine_e2e    Llama-3.2-1B-shaped engine vs transformers' caches
+
+The stages share a deadline of DEADLINE_S seconds (each gets the smaller of
+its own limit and what is left; the attention grid also has a time budget),
+so the suite ends within 10 minutes; a stage cut short is reported as such.
+Every benchmark writes JSON + PNG into OUTDIR (file names carry the GPU);
+OUTDIR/gpu_suite.json holds the machine (GPU, driver, CUDA and torch
+versions), what the cuda backend learned about the driver (unmap runs
+accepted or not, with the driver version), each stage's status and time,
+and the test counts. A stage that fails is recorded and the next runs; the
+exit status is 1 when any failed.
+
+The dry run needs no GPU: the cuda backend's paths run against the fake
+driver (tests/fake_cuda, built here with the C compiler), the GPU-only
+kernels are listed as not measured, and grids are tiny. Its JSON says
+"dry_run": true; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE_S = 570  # every stage ends by then: the suite stays under 10 minutes
+BENCH = ROOT / "benchmarks"
+CUDA_TESTS = ["tests/test_cuda_real.py", "tests/test_cuda_driver_rules.py", "tests/test_cuda_fake_driver.py",
+              "tests/test_cuda_header_abi.py", "tests/test_attention.py"]
+
+
+def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
+    """(name, command, time limit in seconds) of every stage."""
+    py = sys.executable
+    build = ("build", [py, "setup.py", "build_ext", "--inplace"], 300)
+    if not dry:
+        return [
+            build,
+            ("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", "{out}/tests.xml",
+                       *CUDA_TESTS], 240),
+            ("vmm_latency", [py, str(BENCH / "vmm_latency.py"), "--backends", "cuda", "--pages", "256"], 120),
+            ("attention_ab", [py, str(BENCH / "attention_ab.py"), "--time-budget-s", "170", "--min-seconds", "0.1"],
+             300),
+            ("decode_trace", [py, str(BENCH / "decode_trace.py"), "--device", "cuda", "--forward", "gpu", "--graphs",
+                              "both", "--batch", "16", "--stagger", "--iterations", "600"], 180),
+            ("prefill", [py, str(BENCH / "prefill.py"), "--device", "cuda"], 120),
+            ("engine_e2e", [py, str(BENCH / "engine_e2e.py")], 240),
+        ]
+    device = "cuda" if have_fake_cuda else "cpu"  # cuda: the fake driver
+    return [
+        build,
+        ("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", "{out}/tests.xml",
+                   "tests/test_cuda_real.py"], 120),
+        ("vmm_latency", [py, str(BENCH / "vmm_latency.py"), "--backends", "host,cuda" if have_fake_cuda else "host",
+                         "--pages", "4"], 120),
+        ("attention_ab", [py, str(BENCH / "attention_ab.py"), "--quick", "--models", "tiny:4:2:64",
+                          "--min-seconds", "0.005", "--layers", "2"], 120),
+        ("decode_trace", [py, str(BENCH / "decode_trace.py"), "--device", device, "--forward", "sleep",
+                          "--iterations", "40", "--compute-ms", "0.1", "--batch", "2", "--layouts", "all_layers",
+                          "--stagger"] + ([] if have_fake_cuda else ["--page-sizes", "65536"]), 120),
+        ("prefill", [py, str(BENCH / "prefill.py"), "--device", device, "--prompts", "1024", "--reps", "1"], 120),
+        ("engine_e2e", [py, str(BENCH / "engine_e2e.py"), "--tiny", "--requests", "4", "--batch", "2",
+                        "--prompt-len", "32", "--new-tokens", "4"], 120),
+    ]
+
+
+def build_fake_driver(out: Path, log) -> Path | None:
+    """tests/fake_cuda/fake_cuda.c as a shared library, or None without a C compiler."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        print("dry run: no C compiler, so the cuda backend's paths are skipped", file=log, flush=True)
+        return None
+    lib = out / "fake_cuda" / "libfakecuda.so"
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(lib), str(ROOT / "tests/fake_cuda/fake_cuda.c"),
+                    "-lpthread"], check=True, stdout=log, stderr=subprocess.STDOUT)
+    return lib
+
+
+def run_stage(name: str, cmd: list[str], limit: int, env: dict[str, str], log) -> dict:
+    print(f"\n==== {name}: {' '.join(cmd)}", file=log, flush=True)
+    print(f"[gpu_suite] {name} ...", flush=True)
+    t = time.perf_counter()
+    try:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=limit).returncode
+        status = "ok" if rc == 0 else "failed"
+    except subprocess.TimeoutExpired:
+        rc, status = None, f"timed out after {limit} s"
+    seconds = round(time.perf_counter() - t, 1)
+    print(f"[gpu_suite] {name}: {status} ({seconds} s)", flush=True)
+    return {"name": name, "command": cmd, "seconds": seconds, "returncode": rc, "status": status}
+
+
+def test_counts(xml: Path) -> dict | None:
+    """passed / failed / errors / skipped from pytest's JUnit XML."""
+    if not xml.exists():
+        return None
+    text = xml.read_text()
+    m = re.search(r"<testsuite [^>]*>", text)
+    if not m:
+        return None
+    attrs = dict(re.findall(r'(\w+)="([^"]*)"', m.group(0)))
+    total, failed, errors, skipped = (int(attrs.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+    reasons = sorted(set(re.findall(r'<skipped [^>]*message="([^"]*)"', text)))
+    return {"passed": total - failed - errors - skipped, "failed": failed, "errors": errors, "skipped": skipped,
+            "skip_reasons": reasons[:20]}
+
+
+def driver_findings(out: Path) -> list[dict]:
+    """What the cuda backend learned about the driver, per page size (vmm_latency)."""
+    found = []
+    for path in sorted(out.glob("vmm_latency_*.json")):
+        data = json.loads(path.read_text())
+        for r in data.get("results", []):
+            if r.get("backend") == "cuda":
+                found.append({"page_size": r["page_size"], **r.get("facts", {}),
+                              "driver": (data["machine"].get("driver") or {}).get("api_version")})
+    return found
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("outdir", type=Path)
+    p.add_argument("--dry-run", action="store_true", help="CPU rehearsal (also VATTN_GPU_SUITE_DRY_RUN=1)")
+    args = p.parse_args()
+    dry = args.dry_run or os.environ.get("VATTN_GPU_SUITE_DRY_RUN", "") not in ("", "0")
+    out = args.outdir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [x for x in [os.environ.get("PYTHONPATH")] if x]),
+               VATTN_RESULTS_DIR=str(out), MPLBACKEND="Agg")
+    env.pop("VATTN_GPU_SUITE_DRY_RUN", None)
+    # the cuda.h check downloads two wheels: on a machine without network, fail fast and skip
+    env.setdefault("PIP_RETRIES", "1")
+    env.setdefault("PIP_TIMEOUT", "10")
+    started = time.perf_counter()
+    with open(out / "gpu_suite.log", "a") as log:
+        print(f"==== gpu_suite {'dry run ' if dry else ''}{time.strftime('%Y-%m-%d %H:%M:%S')}", file=log, flush=True)
+        fake = None
+        if dry:
+            env["VATTN_GPU_SUITE_DRY_RUN"] = "1"
+            env.setdefault("OMP_NUM_THREADS", "1")  # tiny tensors: thread start-up and spinning would dominate
+            fake = build_fake_driver(out, log)
+            if fake is not None:
+                env["VATTN_CUDA_DRIVER_LIB"] = str(fake)
+        else:
+            import torch
+
+            if not torch.cuda.is_available():
+                print("gpu_suite: torch sees no CUDA GPU; run with --dry-run for the CPU rehearsal", file=sys.stderr)
+                return 2
+        results = []
+        for name, cmd, limit in stages(dry, fake is not None):
+            left = int(DEADLINE_S - (time.perf_counter() - started))
+            if left < 5:
+                results.append({"name": name, "command": cmd, "seconds": 0, "returncode": None,
+                                "status": f"not run: the suite's {DEADLINE_S} s were spent"})
+                continue
+            results.append(run_stage(name, [c.replace("{out}", str(out)) for c in cmd], min(limit, left), env, log))
+    machine = json.loads(subprocess.run(
+        [sys.executable, "-c", "import json, common; print(json.dumps(common.machine()))"], cwd=BENCH, env=env,
+        capture_output=True, text=True, check=True).stdout)
+    summary = {
+        "benchmark": "gpu_suite",
+        "dry_run": dry,
+        "machine": machine,
+        "build": "one build for every GPU: the extension has no device code and loads the driver at run time",
+        "seconds": round(time.perf_counter() - started, 1),
+        "stages": results,
+        "tests": test_counts(out / "tests.xml"),
+        "driver_findings": driver_findings(out),
+        "files": sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".png")),
+    }
+    (out / "gpu_suite.json").write_text(json.dumps(summary, indent=2) + "\n")
+    failed = [r["name"] for r in results if r["status"] != "ok"]
+    print(f"[gpu_suite] {'dry run ' if dry else ''}done in {summary['seconds']} s; "
+          f"{'failed: ' + ', '.join(failed) if failed else 'every stage ok'}; summary {out / 'gpu_suite.json'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
