@@ -226,6 +226,7 @@ class _WorkerCache:
     manager: KVCacheManager
     mapper: BlockMapper
     runner: Any  # vLLM's model runner: its input batch holds the CPU block table
+    kernel: str  # the attention kernel (check_kernel's name)
     time_s: list[float] = dataclasses.field(default_factory=list)  # time.monotonic() of each forward
     bytes_mapped: list[int] = dataclasses.field(default_factory=list)  # distinct pages mapped, all buffers
     tokens: list[int] = dataclasses.field(default_factory=list)  # attended tokens of the forward
@@ -280,14 +281,16 @@ def _initialize_kv_cache_tensors(runner: Any, kv_cache_config: Any, kernel_block
     if manager.num_page_ids != kv_cache_config.num_blocks:
         raise RuntimeError(f"vattn: the page pool holds {manager.num_page_ids} ids for vLLM's "
                            f"{kv_cache_config.num_blocks} blocks")
-    _worker_cache = _WorkerCache(manager, BlockMapper(manager, spec.block_size), runner)
+    kernel = check_kernel(spec.head_size, runner.device.type)
+    _worker_cache = _WorkerCache(manager, BlockMapper(manager, spec.block_size), runner, kernel)
     kv_caches = {name: manager.kv_tensor(i) for i, name in enumerate(names)}
     bind_kv_cache(kv_caches, runner.compilation_config.static_forward_context, runner.kv_caches,
                   kv_cache_groups=groups)
     init_logger("vllm.vattn").info(
         "vattn: KV cache on vattn (%s layout): %d blocks of %d tokens = %d page ids of %d bytes x %d buffers; "
-        "%d slices (max_num_seqs) of %d tokens", layout, kv_cache_config.num_blocks, spec.block_size,
-        manager.num_page_ids, page_size, num_buffers, manager.config.max_batch_size, runner.max_model_len)
+        "%d slices (max_num_seqs) of %d tokens; attention: %s", layout, kv_cache_config.num_blocks, spec.block_size,
+        manager.num_page_ids, page_size, num_buffers, manager.config.max_batch_size, runner.max_model_len,
+        kernel)
     return kv_caches
 
 
@@ -298,7 +301,7 @@ def _worker_stats(worker: Any) -> dict[str, Any] | None:
     cache = _worker_cache
     if cache is None:
         return None
-    return dict(cache.manager.stats(), layout=cache.manager.config.layout, map_ns=cache.map_ns,
+    return dict(cache.manager.stats(), layout=cache.manager.config.layout, kernel=cache.kernel, map_ns=cache.map_ns,
                 time_s_series=list(cache.time_s), bytes_mapped_series=list(cache.bytes_mapped),
                 tokens_series=list(cache.tokens))
 
