@@ -167,7 +167,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--python", default=os.environ.get("VATTN_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python")),
                    help="interpreter of the vLLM environment")
-    p.add_argument("--requests", type=int, default=48, help="requests per trace")
+    p.add_argument("--requests", type=int, default=64, help="requests per trace")
     p.add_argument("--replot", action="store_true", help="redraw the figure from the JSON of an earlier run")
     args = p.parse_args()
     m = machine()

@@ -392,7 +392,8 @@ def _impl_cls() -> type:
                      kv_sharing_target_layer_name: str | None = None, sinks: Any = None, **_: Any) -> None:
             unsupported = {
                 "ALiBi": alibi_slopes is not None, "attention sinks": sinks is not None,
-                f"attention type {attn_type!r} (decoder only)": attn_type != AttentionType.DECODER,
+                f"attention type {str(getattr(attn_type, 'value', attn_type))!r} (decoder only)":
+                    attn_type != AttentionType.DECODER,
                 "KV sharing across layers": kv_sharing_target_layer_name is not None,
                 f"kv_cache_dtype {kv_cache_dtype!r}": kv_cache_dtype not in ("auto", None),
             }
