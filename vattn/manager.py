@@ -64,7 +64,10 @@ class KVCacheManager:
             as :meth:`step` grows requests. ``"external"``: a framework's block
             manager owns the page ids ``0 .. num_page_ids - 1`` and maps them
             with :meth:`map_pages`; :meth:`step`, the mapper, eager allocation
-            and reclamation are off (DESIGN.md section 8).
+            and reclamation are off (DESIGN.md section 8). A page keeps its
+            physical memory and contents from first use until cleanup, also
+            while no reqid maps it, and ``physical_memory`` alone sizes the
+            pool: ``num_page_ids`` may exceed what the reqids can map at once.
         backend: ``None``: the device's backend (host for cpu, cuda for
             cuda), or cuda_uvm when a CUDA page size below the driver's 2 MiB
             granularity is asked for and the patched nvidia-uvm is loaded.
@@ -143,7 +146,8 @@ class KVCacheManager:
         policy["max_batch_ids"] = max(1, 1024 // self.config.num_buffers)  # ~1024 pages per mapper batch
         kind, index = parse_device(device)
         self.device = torch.device("cpu") if kind == "host" else torch.device("cuda", index)
-        self.backend: BackendSpec = resolve_backend(kind, index, self.config, page_size, physical_memory, backend)
+        self.backend: BackendSpec = resolve_backend(kind, index, self.config, page_size, physical_memory, backend,
+                                                   external_ids=external)
         self.page_size: int = self.backend.page_size
         self.slot_bytes: int = self.config.slot_bytes(self.page_size)
         self.page_allocator: str = page_allocator

@@ -1,0 +1,192 @@
+"""The worker side of the vLLM integration without vLLM: fake block tables
+through BlockMapper onto a real external-page cache, and the start-up checks.
+
+Rows are vLLM's persistent-batch rows (reqids); block ids are page ids. Each
+test writes K/V through one row and reads them back through another, so a
+wrong mapping shows up as wrong rows, not only as wrong bookkeeping.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import vattn
+from conftest import assert_invariants
+from vattn.integrations.vllm import NULL_BLOCK_ID, BlockMapper, check_kernel, choose_layout
+
+PAGE = 4096
+BLOCK = 16  # tokens per block: fp32, 2 KV heads x 32 = 256 bytes per token per buffer -> 4 KiB pages
+ROWS, MAX_LEN, NUM_BLOCKS = 4, 128, 40
+
+
+@pytest.fixture
+def kv():
+    with vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+                              max_batch_size=ROWS, max_context_len=MAX_LEN, page_size=PAGE,
+                              physical_memory=NUM_BLOCKS * 4 * PAGE, page_allocator="external",
+                              background=False, deferred_reclaim=False, eager=False) as kv:
+        assert kv.page_tokens == BLOCK and kv.num_page_ids == NUM_BLOCKS
+        yield kv
+
+
+def table(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's CPU block table: int32 [max_num_reqs, max_blocks], zeros past each row's blocks."""
+    out = np.zeros((ROWS, MAX_LEN // BLOCK), dtype=np.int32)
+    for r, ids in enumerate(rows):
+        out[r, :len(ids)] = ids
+    return out, np.array([len(ids) for ids in rows] + [0] * (ROWS - len(rows)), dtype=np.int32)
+
+
+def step(mapper: BlockMapper, rows: list[list[int]], seq_lens: list[int]) -> None:
+    mapper.map_rows(*table(rows), np.array(seq_lens))
+
+
+def write(kv, row: int, start: int, n: int, value: float) -> None:
+    for layer in range(2):
+        k, v = kv.layer(layer)
+        k[row, start:start + n] = value + layer
+        v[row, start:start + n] = -(value + layer)
+
+
+def read(kv, row: int, start: int, n: int) -> list[float]:
+    """One value per token (K of layer 0), after checking every layer, head and V agree."""
+    out = []
+    for layer in range(2):
+        k, v = kv.layer(layer)
+        rows_k, rows_v = k[row, start:start + n], v[row, start:start + n]
+        assert torch.equal(rows_k, -rows_v)
+        assert torch.equal(rows_k, rows_k[:, :1, :1].expand_as(rows_k))
+        if layer == 0:
+            out = rows_k[:, 0, 0].tolist()
+        else:
+            assert rows_k[:, 0, 0].tolist() == [x + 1 for x in out]
+    return out
+
+
+def test_rows_map_exactly_the_blocks_their_lengths_need(kv):
+    mapper = BlockMapper(kv, BLOCK)
+    assert all(kv.is_allocated(r) for r in range(ROWS))
+    step(mapper, [[3, 7, 9], [5]], [33, 16])  # 33 tokens need 3 blocks; 16 need 1
+    assert [kv.page_ids(r) for r in range(ROWS)] == [[3, 7, 9], [5], [], []]
+    step(mapper, [[3, 7, 9, 11], [5, 6]], [40, 17])  # vLLM allocated ahead: only what is read is mapped
+    assert [kv.page_ids(r) for r in range(ROWS)] == [[3, 7, 9], [5, 6], [], []]
+    assert kv.stats()["bytes_mapped"] == 5 * kv.config.num_buffers * PAGE
+    assert_invariants(kv)
+
+
+def test_prefix_shared_blocks_are_one_page_in_several_slices(kv):
+    mapper = BlockMapper(kv, BLOCK)
+    step(mapper, [[8, 2]], [20])
+    write(kv, 0, 0, 20, 1.0)  # the system prompt's K/V, written by the first request
+    step(mapper, [[8, 2], [8, 4], [8, 5]], [21, 17, 30])  # two more requests hit the cached first block
+    assert read(kv, 1, 0, BLOCK) == read(kv, 2, 0, BLOCK) == [1.0] * BLOCK
+    assert kv.stats()["pages_mapped"] == 4 * kv.config.num_buffers  # 8 once, plus 2, 4, 5
+    assert kv.stats()["page_slots_mapped"] == 6 * kv.config.num_buffers
+    assert_invariants(kv)
+
+
+def test_a_request_moved_to_another_row_keeps_its_tokens(kv):
+    """vLLM condenses its persistent batch: a request in row 2 moves to row 0."""
+    mapper = BlockMapper(kv, BLOCK)
+    step(mapper, [[1], [2], [6, 10]], [5, 9, 20])
+    write(kv, 2, 0, 20, 7.0)
+    step(mapper, [[6, 10]], [21])  # rows 0 and 1 finished; the request now sits in row 0
+    assert [kv.page_ids(r) for r in range(ROWS)] == [[6, 10], [], [], []]
+    assert read(kv, 0, 0, 20) == [7.0] * 20
+    assert_invariants(kv)
+
+
+def test_a_freed_block_comes_back_from_the_prefix_cache_with_its_contents(kv):
+    mapper = BlockMapper(kv, BLOCK)
+    step(mapper, [[12, 13]], [32])
+    write(kv, 0, 0, 32, 3.0)
+    step(mapper, [], [])  # the request finished: its blocks are free but cached, mapped nowhere
+    assert kv.stats()["page_slots_mapped"] == 0
+    step(mapper, [[20], [14]], [10, 10])  # other blocks pass through the same addresses
+    write(kv, 0, 0, 10, -5.0)
+    write(kv, 1, 0, 10, -6.0)
+    step(mapper, [[20], [12, 13, 15]], [10, 40])  # a new request in row 1 hits both cached blocks
+    assert read(kv, 1, 0, 32) == [3.0] * 32
+    assert read(kv, 0, 0, 10) == [-5.0] * 10
+    assert_invariants(kv)
+
+
+def test_a_row_taken_by_a_shorter_request_loses_the_old_tail(kv):
+    mapper = BlockMapper(kv, BLOCK)
+    step(mapper, [[30, 31, 32]], [48])
+    step(mapper, [[30]], [3])  # same first block (a prefix hit), shorter request
+    assert kv.page_ids(0) == [30]
+    step(mapper, [[33, 34]], [20])  # another request entirely
+    assert kv.page_ids(0) == [33, 34]
+    assert_invariants(kv)
+
+
+def test_dummy_rows_without_blocks_get_the_null_block(kv):
+    """Warm-up forwards come with lengths but no blocks: they write into
+    vLLM's null block only, never into a block a request may own."""
+    mapper = BlockMapper(kv, BLOCK)
+    step(mapper, [[], []], [40, 1])
+    assert [kv.page_ids(r) for r in range(2)] == [[NULL_BLOCK_ID] * 3, [NULL_BLOCK_ID]]
+    write(kv, 0, 0, 40, 9.0)
+    step(mapper, [[4]], [2])  # the first real step maps real blocks over them
+    assert [kv.page_ids(r) for r in range(ROWS)] == [[4], [], [], []]
+    assert_invariants(kv)
+
+
+def test_mapper_errors(kv):
+    mapper = BlockMapper(kv, BLOCK)
+    with pytest.raises(ValueError, match=r"5 rows in a forward, but the cache has 4 \(max_num_seqs\)"):
+        mapper.map_rows(np.zeros((5, 8), dtype=np.int32), np.zeros(5, dtype=np.int32), np.ones(5))
+    rows, counts = table([[NUM_BLOCKS]])
+    with pytest.raises(ValueError, match=r"page_ids\[0\] must be in \[0, 39\]"):
+        mapper.map_rows(rows, counts, np.array([1]))
+    assert kv.page_ids(0) == []  # nothing changed
+    with vattn.KVCacheManager(num_layers=1, num_kv_heads=1, head_dim=32, max_batch_size=1, max_context_len=64,
+                              background=False) as managed:
+        with pytest.raises(ValueError, match="page_allocator='external'"):
+            BlockMapper(managed, BLOCK)
+
+
+# ---- start-up decisions ------------------------------------------------------------------
+
+
+def test_layout_makes_one_block_one_page():
+    # 2 KV heads x 32 x fp32 = 256 bytes per token and layer; 2 layers
+    assert choose_layout(2, 2, 32, 4, 32, 4096) == ("per_layer", 8192)
+    assert choose_layout(2, 2, 32, 4, 64, 4096) == ("per_layer", 16384)
+    assert choose_layout(2, 2, 32, 4, 8, 4096) == ("all_layers", 4096)  # per_layer would be 2 KiB
+    assert choose_layout(2, 2, 32, 4, 32, 4096, "all_layers") == ("all_layers", 16384)
+    # an 8B-class model on CUDA's 2 MiB granularity: 32 layers x 8 heads x 128 x bf16
+    assert choose_layout(32, 8, 128, 2, 32, 2 << 20) == ("all_layers", 2 << 20)
+    with pytest.raises(ValueError, match=r"block_size=4 makes 1024-byte pages \(per_layer\) or 2048-byte pages "
+                                         r"\(all_layers\).*multiples of 16 tokens \(per_layer.*multiples of 8 tokens"):
+        choose_layout(2, 2, 32, 4, 4, 4096)
+    with pytest.raises(ValueError, match=r"block_size=16 makes 1048576-byte pages \(all_layers\), not a multiple "
+                                         r"of the backend's 2097152-byte granularity; block sizes that fit: "
+                                         r"multiples of 32 tokens"):
+        choose_layout(32, 8, 128, 2, 16, 2 << 20, "all_layers")
+    with pytest.raises(ValueError, match="VATTN_VLLM_LAYOUT must be one of"):
+        choose_layout(2, 2, 32, 4, 32, 4096, "paged")
+
+
+def test_kernel_limits_are_checked_at_start_up(monkeypatch):
+    assert check_kernel(128, "cuda") == "FlashAttention-2"
+    with pytest.raises(ValueError, match=r"head_dim=36 is not supported by FlashAttention-2 \(head_dim must be "
+                                         r"a multiple of 8 in \[8, 256\]\)"):
+        check_kernel(36, "cuda")
+    with pytest.raises(ValueError, match="head_dim=512 is not supported by FlashAttention-2"):
+        check_kernel(512, "cuda")
+    with pytest.raises(ValueError, match=r"FlashAttention-2 has no sliding windows \(sliding_window=4096"):
+        check_kernel(128, "cuda", sliding_window=4096)
+    from vattn import attention
+
+    if hasattr(attention, "attention"):  # vattn's host kernel: windows and soft-caps, head_dim <= 1024
+        assert check_kernel(80, "cpu", sliding_window=512, logits_soft_cap=30.0) == "vattn's host kernel"
+        with pytest.raises(ValueError, match=r"head_dim=2048 is not supported by vattn's host kernel"):
+            check_kernel(2048, "cpu")
+    else:  # torch SDPA: any head dim, no window, no soft-cap
+        assert check_kernel(2048, "cpu") == "torch SDPA"
+        with pytest.raises(ValueError, match=r"torch SDPA has no logit soft-capping"):
+            check_kernel(64, "cpu", logits_soft_cap=30.0)
