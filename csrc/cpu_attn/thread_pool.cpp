@@ -1,0 +1,148 @@
+#include "thread_pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+
+namespace vattn {
+namespace cpu_attn {
+
+namespace {
+
+// How long a worker spins for the next job before it sleeps. Long enough to
+// bridge the gap between two layers' calls, short enough not to steal a
+// core from the matmuls in between for long.
+constexpr auto kSpin = std::chrono::microseconds(40);
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+ThreadPool* g_pool = nullptr;
+std::mutex g_pool_mutex;
+
+// A forked child has only the thread that forked; the parent's pool object
+// (and its mutexes) are unusable there, so the child leaks it and builds its own.
+void forget_pool_in_child() {
+  g_pool = nullptr;
+  new (&g_pool_mutex) std::mutex();
+}
+
+int pool_size() {
+  if (const char* env = std::getenv("VATTN_CPU_ATTN_THREADS")) {
+    char* end = nullptr;
+    const long n = std::strtol(env, &end, 10);
+    if (end != env && *end == '\0' && n >= 1 && n <= 4096) return static_cast<int>(n);
+  }
+  return affinity_cpus();
+}
+
+}  // namespace
+
+int affinity_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  const unsigned n = std::thread::hardware_concurrency();
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+ThreadPool& ThreadPool::instance() {
+  static const bool registered = [] { return pthread_atfork(nullptr, nullptr, forget_pool_in_child) == 0; }();
+  (void)registered;
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  if (!g_pool) g_pool = new ThreadPool(pool_size());  // lives until exit: workers never join at shutdown
+  return *g_pool;
+}
+
+ThreadPool::ThreadPool(int threads) : scratch_(threads > 0 ? threads : 1), scratch_size_(scratch_.size(), 0) {
+  for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { worker_main(i); });
+}
+
+ThreadPool::~ThreadPool() {
+  stop_.store(true);
+  {
+    std::lock_guard<std::mutex> lock(sleep_mutex_);
+    generation_.fetch_add(1);
+  }
+  wake_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+float* ThreadPool::scratch_for(int thread) { return scratch_[thread].get(); }
+
+void ThreadPool::run(int64_t count, Task task, void* ctx, int64_t scratch_floats) {
+  if (count <= 0) return;
+  std::lock_guard<std::mutex> job(run_mutex_);
+  for (size_t i = 0; i < scratch_.size(); ++i) {
+    if (scratch_size_[i] < scratch_floats) {
+      scratch_[i].reset(new float[scratch_floats]);
+      scratch_size_[i] = scratch_floats;
+    }
+  }
+  task_ = task;
+  ctx_ = ctx;
+  count_.store(count, std::memory_order_relaxed);
+  done_.store(0, std::memory_order_relaxed);
+  const uint64_t gen = generation_.load(std::memory_order_relaxed) + 1;
+  next_.store(gen << 32, std::memory_order_release);
+  generation_.store(gen, std::memory_order_seq_cst);
+  if (!workers_.empty() && count > 1 && sleeping_.load(std::memory_order_seq_cst) > 0) {
+    std::lock_guard<std::mutex> lock(sleep_mutex_);  // a sleeper is either waiting or will see gen
+    wake_.notify_all();
+  }
+  work(gen, scratch_for(0));
+  // Wait for tasks other threads claimed; sleeping workers claimed none.
+  while (done_.load(std::memory_order_acquire) < count) cpu_relax();
+}
+
+void ThreadPool::work(uint64_t generation, float* scratch) {
+  for (;;) {
+    uint64_t v = next_.load(std::memory_order_acquire);
+    if ((v >> 32) != generation) return;  // a newer job replaced this one
+    const int64_t index = static_cast<int64_t>(v & 0xffffffffu);
+    // count_ is this job's: the job cannot finish while index < count_ is unclaimed
+    if (index >= count_.load(std::memory_order_relaxed)) return;
+    if (!next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
+    task_(ctx_, index, scratch);
+    done_.fetch_add(1, std::memory_order_acq_rel);
+  }
+}
+
+void ThreadPool::worker_main(int index) {
+  uint64_t seen = 0;
+  for (;;) {
+    uint64_t gen = generation_.load(std::memory_order_acquire);
+    if (gen == seen) {
+      const auto until = std::chrono::steady_clock::now() + kSpin;
+      for (int spins = 0; gen == seen; ++spins) {
+        cpu_relax();
+        gen = generation_.load(std::memory_order_acquire);
+        if ((spins & 63) == 63 && std::chrono::steady_clock::now() > until) break;
+      }
+    }
+    if (gen == seen) {
+      std::unique_lock<std::mutex> lock(sleep_mutex_);
+      sleeping_.fetch_add(1, std::memory_order_seq_cst);
+      wake_.wait(lock, [&] { return generation_.load(std::memory_order_seq_cst) != seen; });
+      sleeping_.fetch_sub(1, std::memory_order_relaxed);
+      gen = generation_.load(std::memory_order_acquire);
+    }
+    if (stop_.load()) return;
+    seen = gen;
+    work(gen, scratch_for(index));
+  }
+}
+
+}  // namespace cpu_attn
+}  // namespace vattn
