@@ -20,6 +20,12 @@ tokens at rows ``[query_starts[i], query_starts[i+1])``. Attention is causal
 with the queries aligned to the end of each request (a query at position
 ``cached_len + j`` sees keys ``0 .. cached_len + j``).
 
+On the host, :func:`host_attention` is vattn's own kernel (the
+``vattn._cpu_attn`` extension): one call per layer serves the whole mixed
+batch, reads each request's rows in place for both layouts, and writes the
+step's new K/V rows itself. :func:`attention` picks it for CPU tensors and
+:func:`sdpa_attention` (also the reference) for CUDA ones.
+
 FlashAttention and FlashInfer are imported on first use; without them, or
 without a CUDA tensor, their adapters raise :class:`vattn.BackendUnavailable`.
 """
@@ -27,17 +33,22 @@ without a CUDA tensor, their adapters raise :class:`vattn.BackendUnavailable`.
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.dlpack import to_dlpack
 
 from .errors import BackendUnavailable
 
 __all__ = [
     "AttentionBatch",
     "write_kv",
+    "attention",
+    "host_attention",
+    "host_attention_info",
     "sdpa_attention",
     "sdpa_dense",
     "flash_attn_attention",
@@ -65,7 +76,8 @@ class AttentionBatch:
     caller must have ``step``-ed every request to at least that length.
     """
 
-    __slots__ = ("reqids", "cached_lens", "query_lens", "seq_lens", "query_starts", "device", "_tensors")
+    __slots__ = ("reqids", "cached_lens", "query_lens", "seq_lens", "query_starts", "device", "_tensors",
+                 "_host_plan")
 
     def __init__(
         self,
@@ -100,6 +112,7 @@ class AttentionBatch:
         self.query_starts = starts
         self.device = torch.device(device)
         self._tensors: dict[str, torch.Tensor] = {}
+        self._host_plan: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +143,14 @@ class AttentionBatch:
                 raise ValueError(f"unknown batch tensor {name!r}")
             self._tensors[key] = torch.tensor(values, dtype=dtype, device=self.device)
         return self._tensors[key]
+
+    def host_plan(self) -> Any:
+        """The batch as the host kernel's plan (``vattn._cpu_attn.Plan``),
+        built on first use; its work split is computed by the first layer's
+        call and reused by the others."""
+        if self._host_plan is None:
+            self._host_plan = _cpu_attn().Plan(self.reqids, self.cached_lens, self.query_lens)
+        return self._host_plan
 
     def check_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Raises unless both caches are ``[B_max, L, H, D]`` and hold every request."""
@@ -163,6 +184,113 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
     rows = (batch.tensor("token_reqids", torch.long), batch.tensor("token_positions", torch.long))
     k_cache.index_put_(rows, k)
     v_cache.index_put_(rows, v)
+
+
+def host_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    isa: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """vattn's host attention kernel: one call serves a whole mixed batch.
+
+    Prefill chunks (causal, after the request's cached tokens) and decodes
+    are served together; every request's K/V are read in place from
+    ``k_cache[reqid, :seq_len]`` (``per_layer`` views and ``all_layers``
+    views ``K[:, :, i]`` alike: any token and slot stride), accumulated in
+    fp32 without copying the cache. The work (request x kv heads x query
+    block x key split) runs on a thread pool sized to this process's CPUs,
+    without the GIL.
+
+    Args:
+        q: ``[T, H_q, D]`` queries, float32 / bfloat16 / float16; ``H_q`` a
+            multiple of ``H_kv`` (GQA, MQA); head_dim stride 1.
+        k_cache, v_cache: ``[B_max, L, H_kv, D]`` cache views of one layer
+            (:meth:`vattn.KVCacheManager.layer`), any of the three dtypes.
+        batch: the forward's plan.
+        k, v: ``[T, H_kv, D]`` new tokens in the cache's dtype, written into
+            rows ``(reqid, cached_len + j)`` before attending; None when the
+            caller has written them already.
+        softmax_scale: defaults to ``1/sqrt(D)``.
+        sliding_window: a query at position ``p`` sees keys
+            ``p - sliding_window + 1 .. p`` (vLLM's and Hugging Face's
+            ``sliding_window``; FlashAttention's ``window_size=(W - 1, 0)``);
+            None or 0: the whole causal prefix.
+        logits_soft_cap: scores become ``cap * tanh(score / cap)`` before the
+            softmax (Gemma-2); None or 0: off.
+        return_lse: also return the log-sum-exp of the (scaled, capped)
+            scores, ``[T, H_q]`` float32, natural log.
+        out: ``[T, H_q, D]`` in ``q``'s dtype to write into; allocated when None.
+        isa: ``"scalar"``, ``"avx2"``, ``"avx512"`` or ``"neon"`` to force a
+            path (falls back to a lower supported one); None: the fastest this
+            CPU supports, or the one ``VATTN_CPU_ATTN_ISA`` names.
+
+    Returns:
+        ``out`` ``[T, H_q, D]`` in ``q``'s dtype, or ``(out, lse)``.
+
+    The kernel reads rows ``[0, seq_len)`` of each request and nothing else;
+    it cannot tell mapped rows from unmapped ones, so the caller must have
+    ``step``-ed every request to at least ``cached_len + query_len`` tokens
+    (a read past that faults). Shapes, strides, dtypes, reqids and lengths are
+    checked against the tensors before anything is read: a bad argument
+    raises ``ValueError`` / ``TypeError`` naming it.
+
+    Example::
+
+        batch = AttentionBatch(reqids=[3, 0], cached_lens=[17, 0], query_lens=[1, 5])
+        out = host_attention(q, *kv.layer(i), batch, k=k_new, v=v_new)
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("out", out)):
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"host_attention needs CPU tensors, got {name} on {t.device}")
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32) if return_lse else None
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    _cpu_attn().attention(
+        batch.host_plan(), _dl(q), _dl(k_cache), _dl(v_cache), _dl(out),
+        k=None if k is None else _dl(k), v=None if v is None else _dl(v), lse=None if lse is None else _dl(lse),
+        scale=scale, softcap=logits_soft_cap or 0.0, window=sliding_window or 0, isa=isa,
+    )
+    return (out, lse) if return_lse else out
+
+
+def attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """The attention an engine calls on the cache: :func:`host_attention` for
+    CPU tensors, :func:`sdpa_attention` for CUDA ones (which has no sliding
+    window or soft-cap). Shapes as :func:`host_attention`."""
+    if q.device.type == "cpu":
+        return host_attention(q, k_cache, v_cache, batch, k=k, v=v, softmax_scale=softmax_scale,
+                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    if sliding_window or logits_soft_cap:
+        raise ValueError("sliding_window and logits_soft_cap need the host kernel (CPU tensors); "
+                         f"got tensors on {q.device}")
+    return sdpa_attention(q, k_cache, v_cache, batch, k=k, v=v, softmax_scale=softmax_scale)
+
+
+def host_attention_info() -> dict[str, Any]:
+    """The host kernel's build and CPU: ``isa`` (the path calls take),
+    ``supported``, ``compiled``, ``threads`` (pool size) and ``note`` (why
+    ``VATTN_CPU_ATTN_ISA`` was not honoured, if it was not)."""
+    return dict(_cpu_attn().info())
 
 
 def sdpa_attention(
@@ -375,6 +503,18 @@ class FlashInferAttention:
 
 
 # ---- helpers ---------------------------------------------------------------------
+
+
+def _cpu_attn() -> Any:
+    """The host kernel extension, imported on first use."""
+    from . import _cpu_attn
+
+    return _cpu_attn
+
+
+def _dl(t: torch.Tensor) -> Any:
+    """A borrowed DLPack capsule of ``t`` (read in place for the call)."""
+    return to_dlpack(t)
 
 
 def _int_list(name: str, values: Sequence[int] | torch.Tensor) -> list[int]:
