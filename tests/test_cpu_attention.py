@@ -347,3 +347,11 @@ def test_isa_env_forces_a_lower_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VATTN_CPU_ATTN_ISA", "nonsense")
     info = host_attention_info()
     assert info["isa"] == info["best_isa"] and "ignored" in info["note"]
+
+
+def test_info_names_the_active_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vattn.info import collect, render
+
+    assert f"host attention kernel: {VECTOR_ISA} path" in render(collect())
+    monkeypatch.setenv("VATTN_CPU_ATTN_ISA", "scalar")
+    assert "host attention kernel: scalar path" in render(collect())
