@@ -295,7 +295,7 @@ std::shared_ptr<const Schedule> BatchPlan::schedule(int32_t group_size, int32_t 
     const int64_t want = threads > 1 ? static_cast<int64_t>(std::ceil(cost(it) / target)) : 1;
     int64_t key_splits = std::max<int64_t>(1, std::min(want, keys / kMinSplitKeys));
     const int32_t head_splits = static_cast<int32_t>(std::min<int64_t>(heads, (want + key_splits - 1) / key_splits));
-    const int64_t tile = key_tile(rows_per_head);
+    const int64_t tile = kMaxKeyTile;  // splits start on tile boundaries for any tile size that divides it
     const int64_t chunk = ((keys + key_splits - 1) / key_splits + tile - 1) / tile * tile;
     key_splits = (keys + chunk - 1) / chunk;
     for (int32_t hs = 0; hs < head_splits; ++hs) {

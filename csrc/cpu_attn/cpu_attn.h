@@ -73,19 +73,26 @@ struct Call {
   int32_t rows_per_slot = 0;
 };
 
-// Keys per tile: short tiles for decodes (an item's tile spans every kv
-// head of those tokens and the next one is prefetched, so two must sit in
-// L2), longer ones for prefill blocks (more rows share each K/V load).
-inline int32_t key_tile(int32_t rows_per_head) { return rows_per_head <= 16 ? 32 : 64; }
+// Keys per tile. Prefill blocks (many rows per kv head share each K/V load)
+// take 64. A decode item's tile spans every kv head of its tokens, and the
+// next tile is prefetched while this one computes, so both must sit in L2:
+// at most 64 KiB of K (and of V) per tile: 8, 16, 32 or 64 tokens (so that
+// tiles divide the 64-token split boundaries).
+constexpr int32_t kMaxKeyTile = 64;
+inline int32_t key_tile(int32_t rows_per_head, int64_t token_bytes) {
+  if (rows_per_head > 16) return kMaxKeyTile;
+  int32_t tile = kMaxKeyTile;
+  while (tile > 8 && tile * token_bytes > (int64_t{64} << 10)) tile /= 2;
+  return tile;
+}
 
 // Floats of per-thread scratch for an item of `rows` rows in all
 // (kv heads x rows_per_head) and head dim `d`. Non-decreasing in each
 // argument, so the maxima over a schedule's items bound every item.
 inline int64_t scratch_floats(int64_t rows, int32_t rows_per_head, int32_t d) {
-  const int64_t tile = key_tile(rows_per_head);
   // q, acc: rows x d; scores: rows_per_head x tile; max, sum, alpha: rows;
   // widened K and V tiles: tile x d; plus slack for aligning each block to 64 bytes
-  return 2 * rows * d + rows_per_head * tile + 3 * rows + 2 * tile * d + 8 * 16;
+  return 2 * rows * d + rows_per_head * kMaxKeyTile + 3 * rows + 2 * kMaxKeyTile * d + 8 * 16;
 }
 
 // One ISA's kernels.

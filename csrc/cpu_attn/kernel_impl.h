@@ -224,16 +224,16 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const int nh = it.head_end - it.head_begin;
   const int rows = nq * G;  // per kv head
   const int64_t head_rows = static_cast<int64_t>(rows) * d;
-  const int64_t tile = key_tile(rows);
+  const int64_t tile = key_tile(rows, static_cast<int64_t>(nh) * d * sizeof(T));
 
   float* q = align64(scratch);                // [nh][rows][d], pre-scaled
   float* acc = align64(q + nh * head_rows);   // [nh][rows][d]
   float* s = align64(acc + nh * head_rows);   // [rows][tile], one head at a time
-  float* m = align64(s + rows * tile);        // [nh][rows]
+  float* m = align64(s + rows * kMaxKeyTile); // [nh][rows]
   float* l = m + nh * rows;
   float* alpha = l + nh * rows;
   float* k_wide = align64(alpha + nh * rows); // [tile][d]
-  float* v_wide = align64(k_wide + tile * d);
+  float* v_wide = align64(k_wide + kMaxKeyTile * d);
 
   const int64_t first_token = rq.query_start + it.q_begin;
   for (int h = 0; h < nh; ++h)
@@ -258,8 +258,11 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const T* k_heads = k_req + it.head_begin * kc.strides[2];
   const T* v_heads = v_req + it.head_begin * vc.strides[2];
   const int64_t first_pos = rq.cached_len + it.q_begin;  // position of the item's first query
-  // Widening a tile once pays when several row blocks re-read it.
-  const bool widen = sizeof(T) != sizeof(float) && rows > 8;
+  // Prefill blocks re-read each tile once per block of 4 rows: widen it once
+  // into a contiguous fp32 copy (for fp32 caches too: cache rows a power of
+  // two of bytes apart, 4 KiB for 8 heads x 128, fall into the same L1 sets
+  // and would evict each other between re-reads).
+  const bool widen = rows > 8;
 
   prefetch_tokens(k_heads + it.k_begin * ldk, ldk, imin(tile, it.k_end - it.k_begin), k_span);
   prefetch_tokens(v_heads + it.k_begin * ldv, ldv, imin(tile, it.k_end - it.k_begin), v_span);

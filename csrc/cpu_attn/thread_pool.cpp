@@ -12,10 +12,14 @@ namespace cpu_attn {
 
 namespace {
 
-// How long a worker spins for the next job before it sleeps. Long enough to
-// bridge the gap between two layers' calls, short enough not to steal a
-// core from the matmuls in between for long.
+// How long a worker spins for the next job before it sleeps, and how long the
+// caller spins for the workers' last tasks before it yields its core. Long
+// enough to bridge the gap between two layers' calls; after kSpinPause the
+// waiting threads yield between checks, so that on a loaded machine (more
+// runnable threads than cores) they hand the core to whoever runs the
+// remaining work instead of spinning on it.
 constexpr auto kSpin = std::chrono::microseconds(40);
+constexpr auto kSpinPause = std::chrono::microseconds(10);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -103,7 +107,13 @@ void ThreadPool::run(int64_t count, Task task, void* ctx, int64_t scratch_floats
   }
   work(gen, scratch_for(0));
   // Wait for tasks other threads claimed; sleeping workers claimed none.
-  while (done_.load(std::memory_order_acquire) < count) cpu_relax();
+  const auto yield_after = std::chrono::steady_clock::now() + kSpinPause;
+  for (int spins = 0; done_.load(std::memory_order_acquire) < count; ++spins) {
+    if ((spins & 63) == 63 && std::chrono::steady_clock::now() > yield_after)
+      std::this_thread::yield();
+    else
+      cpu_relax();
+  }
 }
 
 void ThreadPool::work(uint64_t generation, float* scratch) {
@@ -124,11 +134,16 @@ void ThreadPool::worker_main(int index) {
   for (;;) {
     uint64_t gen = generation_.load(std::memory_order_acquire);
     if (gen == seen) {
-      const auto until = std::chrono::steady_clock::now() + kSpin;
+      const auto start = std::chrono::steady_clock::now();
       for (int spins = 0; gen == seen; ++spins) {
-        cpu_relax();
         gen = generation_.load(std::memory_order_acquire);
-        if ((spins & 63) == 63 && std::chrono::steady_clock::now() > until) break;
+        if ((spins & 63) != 63) {
+          cpu_relax();
+          continue;
+        }
+        const auto waited = std::chrono::steady_clock::now() - start;
+        if (waited > kSpin) break;
+        if (waited > kSpinPause) std::this_thread::yield();
       }
     }
     if (gen == seen) {
