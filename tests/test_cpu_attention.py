@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import vattn
-from vattn.attention import AttentionBatch, attention, host_attention, host_attention_info, write_kv
+from vattn.attention import (AttentionBatch, attention, host_attention, host_attention_info, sdpa_attention,
+                             write_kv)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -339,6 +340,88 @@ def test_bad_plans_raise(small: DenseCase) -> None:
         host_attention(small.q, small.k_cache, small.v_cache, small.batch, isa="sse9")
     with pytest.raises(ValueError, match="needs CPU tensors"):
         host_attention(small.q.to("meta"), small.k_cache, small.v_cache, small.batch)
+
+
+@pytest.fixture
+def mapped_cache():
+    """A manager mapping exactly one page (``t`` tokens) of reqid 0 and none
+    of reqid 1, which is allocated; reqid 2 is free. Rows past a mapping fault
+    when read, so a check that ran after the kernel read would crash the test."""
+    kv = vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16, max_batch_size=4,
+                              max_context_len=2048, page_size=64 << 10, background=False, deferred_reclaim=False,
+                              eager=False, lookahead_tokens=0)
+    t = kv.page_size // kv.config.token_bytes_per_buffer
+    assert (kv.alloc_reqid(), kv.alloc_reqid()) == (0, 1)
+    assert kv.step([t, 0, 0, 0])
+    yield kv, t
+    kv.cleanup()
+
+
+ADAPTERS = {"host_attention": host_attention, "attention": attention, "sdpa_attention": sdpa_attention}
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("layout_view", ["layer", "kv_tensor"])
+def test_rows_past_the_mapping_or_unallocated_reqids_raise(mapped_cache, adapter: str, layout_view: str) -> None:
+    kv, t = mapped_cache
+    fn = ADAPTERS[adapter]
+    k_cache, v_cache = kv.layer(1) if layout_view == "layer" else tuple(kv.kv_tensor(1))
+    q = torch.randn(1, 4, 64, dtype=torch.float16)
+    new = torch.randn(1, 2, 64, dtype=torch.float16)
+    fn(q, k_cache, v_cache, AttentionBatch([0], [t - 1], [1]), k=new, v=new)  # the last mapped row: fine
+    cases = [
+        (AttentionBatch([0], [t], [1]), rf"reqid 0 would read {t + 1} tokens but has {t} mapped"),
+        (AttentionBatch([0], [0], [t + 1]), rf"reqid 0 would read {t + 1} tokens but has {t} mapped"),
+        (AttentionBatch([1], [0], [1]), r"reqid 1 would read 1 tokens but has 0 mapped"),
+        (AttentionBatch([0, 2], [3, 0], [1, 1]), r"reqid 2 is not allocated"),
+    ]
+    for batch, message in cases:
+        with pytest.raises(ValueError, match=message):
+            fn(torch.randn(batch.num_tokens, 4, 64, dtype=torch.float16), k_cache, v_cache, batch)
+        with pytest.raises(ValueError, match=message):  # and before any new row is written
+            fn(torch.randn(batch.num_tokens, 4, 64, dtype=torch.float16), k_cache, v_cache, batch,
+               k=torch.randn(batch.num_tokens, 2, 64, dtype=torch.float16),
+               v=torch.randn(batch.num_tokens, 2, 64, dtype=torch.float16))
+
+
+def test_every_call_is_checked_and_views_keep_their_slots(mapped_cache) -> None:
+    kv, t = mapped_cache
+    k_cache, v_cache = kv.layer(0)
+    q = torch.randn(1, 4, 64, dtype=torch.float16)
+    batch = AttentionBatch([0], [t - 1], [1])
+    host_attention(q, k_cache, v_cache, batch)
+    kv.free_reqid(0)  # unmapped at once (no deferred reclaim): the same batch must not read it now
+    with pytest.raises(ValueError, match="host_attention: reqid 0 is not allocated"):
+        host_attention(q, k_cache, v_cache, batch)
+    # a slice of the cache: its row 0 is reqid 1 (allocated, nothing mapped) and row 1 token 0 is token 1
+    with pytest.raises(ValueError, match="reqid 1 would read 1 tokens but has 0 mapped"):
+        host_attention(q, k_cache[1:], v_cache[1:], AttentionBatch([0], [0], [1]))
+    kv.alloc_reqid(reqid=0)
+    assert kv.step([t, 0, 0, 0])
+    with pytest.raises(ValueError, match=rf"reqid 0 would read {t + 1} tokens but has {t} mapped"):
+        host_attention(q, k_cache[:, 1:], v_cache[:, 1:], AttentionBatch([0], [t - 1], [1]))
+    with pytest.raises(ValueError, match="a view of the vattn cache must have its slot and token strides"):
+        host_attention(q, k_cache[::2], v_cache[::2], AttentionBatch([0], [0], [1]))
+
+
+def test_a_cache_at_a_closed_caches_addresses_is_checked_as_itself() -> None:
+    """After cleanup its addresses may go to a new manager: the check must ask
+    the new one, never the closed one (kept alive here)."""
+    kwargs = dict(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.float32, max_batch_size=2,
+                  max_context_len=64, page_size=4096, background=False, eager=False)
+    closed = vattn.KVCacheManager(**kwargs)
+    closed.cleanup()
+    with vattn.KVCacheManager(**kwargs) as kv:
+        r = kv.alloc_reqid()
+        lens = [0, 0]
+        lens[r] = 5
+        assert kv.step(lens)
+        k_cache, v_cache = kv.layer(0)
+        q = torch.randn(1, 2, 64)
+        out = host_attention(q, k_cache, v_cache, AttentionBatch([r], [4], [1]))
+        assert out.shape == q.shape
+        with pytest.raises(ValueError, match=f"reqid {1 - r} is not allocated"):
+            host_attention(q, k_cache, v_cache, AttentionBatch([1 - r], [0], [1]))
 
 
 def test_isa_env_forces_a_lower_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,11 +37,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.dlpack import to_dlpack
 
 from .errors import BackendUnavailable
+from .manager import manager_of
 
 __all__ = [
     "AttentionBatch",
@@ -77,7 +79,7 @@ class AttentionBatch:
     """
 
     __slots__ = ("reqids", "cached_lens", "query_lens", "seq_lens", "query_starts", "device", "_tensors",
-                 "_host_plan")
+                 "_host_plan", "_id_arrays")
 
     def __init__(
         self,
@@ -113,6 +115,7 @@ class AttentionBatch:
         self.device = torch.device(device)
         self._tensors: dict[str, torch.Tensor] = {}
         self._host_plan: Any = None
+        self._id_arrays: tuple[np.ndarray, np.ndarray] | None = None  # reqids, seq_lens for check_mapped
 
     @property
     def num_tokens(self) -> int:
@@ -152,8 +155,35 @@ class AttentionBatch:
             self._host_plan = _cpu_attn().Plan(self.reqids, self.cached_lens, self.query_lens)
         return self._host_plan
 
+    def check_mapped(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
+        """Raises ``ValueError`` (starting with ``what``) unless every request
+        may be read: when a cache is a view of a :class:`vattn.KVCacheManager`'s
+        memory, each reqid must be allocated there with at least ``seq_len``
+        tokens mapped (rows past that are unmapped: a read would fault). Other
+        tensors are bounded by their shape, which the kernels check.
+
+        Checked on every call (one call into the core for the whole batch,
+        about a microsecond), so a request freed between two layers is caught
+        too.
+        """
+        checked = None
+        for cache in (k_cache, v_cache):
+            if cache.dim() != 4:
+                continue  # the kernel's shape check names it
+            manager = manager_of(cache)
+            if manager is None:
+                continue
+            if (checked is not None and checked[0] is manager
+                    and (cache.data_ptr() - checked[1]) % manager.buffer_bytes == 0):
+                continue  # V at K's place in another buffer: the same slots and tokens
+            if self._id_arrays is None:
+                self._id_arrays = (np.asarray(self.reqids, dtype=np.int64), np.asarray(self.seq_lens, dtype=np.int64))
+            manager.check_mapped(cache, *self._id_arrays, what)
+            checked = (manager, cache.data_ptr())
+
     def check_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """Raises unless both caches are ``[B_max, L, H, D]`` and hold every request."""
+        """Raises unless both caches are ``[B_max, L, H, D]`` and hold every
+        request (shapes only; :meth:`check_mapped` checks the memory)."""
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if cache.dim() != 4:
                 raise ValueError(f"{name} must be [max_batch_size, max_context_len, heads, head_dim], "
@@ -181,6 +211,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
     """
     batch.check_cache(k_cache, v_cache)
     _check_new_kv(k_cache, batch, k, v)
+    batch.check_mapped(k_cache, v_cache, "write_kv")
+    _write_rows(k_cache, v_cache, batch, k, v)
+
+
+def _write_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch, k: torch.Tensor,
+                v: torch.Tensor) -> None:
+    """write_kv after its checks."""
     rows = (batch.tensor("token_reqids", torch.long), batch.tensor("token_positions", torch.long))
     k_cache.index_put_(rows, k)
     v_cache.index_put_(rows, v)
@@ -236,12 +273,12 @@ def host_attention(
     Returns:
         ``out`` ``[T, H_q, D]`` in ``q``'s dtype, or ``(out, lse)``.
 
-    The kernel reads rows ``[0, seq_len)`` of each request and nothing else;
-    it cannot tell mapped rows from unmapped ones, so the caller must have
-    ``step``-ed every request to at least ``cached_len + query_len`` tokens
-    (a read past that faults). Shapes, strides, dtypes, reqids and lengths are
-    checked against the tensors before anything is read: a bad argument
-    raises ``ValueError`` / ``TypeError`` naming it.
+    The kernel reads rows ``[0, seq_len)`` of each request and nothing else.
+    Before anything is read, shapes, strides, dtypes, reqids and lengths are
+    checked against the tensors and, for views of a vattn cache, each reqid
+    is checked to be allocated with ``seq_len`` tokens mapped
+    (:meth:`AttentionBatch.check_mapped`): a bad argument raises
+    ``ValueError`` / ``TypeError`` naming it.
 
     Example::
 
@@ -253,6 +290,7 @@ def host_attention(
             raise ValueError(f"host_attention needs CPU tensors, got {name} on {t.device}")
     if out is None:
         out = torch.empty_like(q)
+    batch.check_mapped(k_cache, v_cache, "host_attention")
     lse = torch.empty(q.shape[:2], dtype=torch.float32) if return_lse else None
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     _cpu_attn().attention(
@@ -288,7 +326,8 @@ def attention(
 
 def host_attention_info() -> dict[str, Any]:
     """The host kernel's build and CPU: ``isa`` (the path calls take),
-    ``supported``, ``compiled``, ``threads`` (pool size) and ``note`` (why
+    ``supported``, ``compiled``, ``threads`` (pool size), ``calls`` (calls
+    completed in this process, per ISA) and ``note`` (why
     ``VATTN_CPU_ATTN_ISA`` was not honoured, if it was not)."""
     return dict(_cpu_attn().info())
 
@@ -318,10 +357,9 @@ def sdpa_attention(
     Each request is one SDPA call on ``k_cache[r, :seq_len]`` (a view), so no
     request is padded to the longest one.
     """
-    batch.check_cache(k_cache, v_cache)
-    _check_query(q, k_cache, batch)
+    _check_inputs(q, k_cache, v_cache, batch, k, v, "sdpa_attention")
     if k is not None or v is not None:
-        write_kv(k_cache, v_cache, batch, k, v)
+        _write_rows(k_cache, v_cache, batch, k, v)
     out = torch.empty_like(q)
     starts = batch.query_starts
     for i, (reqid, seq_len) in enumerate(zip(batch.reqids, batch.seq_lens)):
@@ -376,14 +414,11 @@ def flash_attn_attention(
     FlashAttention pads, i.e. copies, the whole cache).
     """
     flash_attn = _import("flash_attn", "FlashAttention-2 (pip install flash-attn)")
-    batch.check_cache(k_cache, v_cache)
-    _check_query(q, k_cache, batch)
     _require_cuda(q, k_cache, "flash_attn_attention")
+    _check_inputs(q, k_cache, v_cache, batch, k, v, "flash_attn_attention")
     if k_cache.shape[-1] % 8:
         raise ValueError(f"flash_attn_attention needs head_dim % 8 == 0, got {k_cache.shape[-1]}")
     appending = k is not None
-    if appending:
-        _check_new_kv(k_cache, batch, k, v)
     lens = batch.tensor("cached_lens" if appending else "seq_lens")
     reqids = batch.tensor("reqids")
     out = torch.empty_like(q)
@@ -415,11 +450,10 @@ def flashinfer_single_prefill(
     """FlashInfer ``single_prefill_with_kv_cache`` per request on
     ``k_cache[r, :seq_len]`` (NHD views). Shapes as :func:`sdpa_attention`."""
     flashinfer = _import("flashinfer", "FlashInfer (pip install flashinfer-python)")
-    batch.check_cache(k_cache, v_cache)
-    _check_query(q, k_cache, batch)
     _require_cuda(q, k_cache, "flashinfer_single_prefill")
+    _check_inputs(q, k_cache, v_cache, batch, k, v, "flashinfer_single_prefill")
     if k is not None or v is not None:
-        write_kv(k_cache, v_cache, batch, k, v)
+        _write_rows(k_cache, v_cache, batch, k, v)
     out = torch.empty_like(q)
     starts = batch.query_starts
     for i, (reqid, seq_len) in enumerate(zip(batch.reqids, batch.seq_lens)):
@@ -495,10 +529,9 @@ class FlashInferAttention:
         if self._batch is None:
             raise RuntimeError("FlashInferAttention.run called before plan()")
         batch = self._batch
-        batch.check_cache(k_cache, v_cache)
-        _check_query(q, k_cache, batch)
+        _check_inputs(q, k_cache, v_cache, batch, k, v, "FlashInferAttention.run")
         if k is not None or v is not None:
-            write_kv(k_cache, v_cache, batch, k, v)
+            _write_rows(k_cache, v_cache, batch, k, v)
         return self._wrapper.run(q, (k_cache, v_cache))
 
 
@@ -525,6 +558,17 @@ def _int_list(name: str, values: Sequence[int] | torch.Tensor) -> list[int]:
         if isinstance(x, bool) or not isinstance(x, int):
             raise TypeError(f"{name} must hold ints, got {type(x).__name__}")
     return out
+
+
+def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+                  k: torch.Tensor | None, v: torch.Tensor | None, what: str) -> None:
+    """Shapes of the caches, the queries and the new K/V (when either is
+    given), then the mapping of every request's rows."""
+    batch.check_cache(k_cache, v_cache)
+    _check_query(q, k_cache, batch)
+    if k is not None or v is not None:
+        _check_new_kv(k_cache, batch, k, v)
+    batch.check_mapped(k_cache, v_cache, what)
 
 
 def _check_query(q: torch.Tensor, k_cache: torch.Tensor, batch: AttentionBatch) -> None:
