@@ -424,6 +424,15 @@ def test_a_cache_at_a_closed_caches_addresses_is_checked_as_itself() -> None:
             host_attention(q, k_cache, v_cache, AttentionBatch([1 - r], [0], [1]))
 
 
+def test_calls_are_counted_per_path() -> None:
+    batch = AttentionBatch([0], [3], [1])
+    case = DenseCase(batch, 4, 2, 64, torch.float32, max_len=8)
+    for isa in ISAS:
+        before = host_attention_info()["calls"][isa]
+        host_attention(case.q, case.k_cache, case.v_cache, batch, isa=isa)
+        assert host_attention_info()["calls"][isa] == before + 1
+
+
 def test_isa_env_forces_a_lower_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VATTN_CPU_ATTN_ISA", "scalar")
     assert host_attention_info()["isa"] == "scalar"

@@ -28,6 +28,8 @@ constexpr int32_t kDecodeRows = 16;      // at most this many rows per kv head: 
 constexpr int64_t kMinSplitKeys = 256;   // a split covers at least this many keys
 constexpr int kItemsPerThread = 4;       // splitting aims at this many items per thread
 
+std::atomic<uint64_t> call_counts[kNumIsas];  // completed attention() calls per ISA, since the module loaded
+
 std::string shape_str(const TensorRef& t) {
   std::ostringstream s;
   s << "[";
@@ -362,8 +364,11 @@ Isa attention(const BatchPlan& plan, Call c, const TensorRef* k_new, const Tenso
   Job job{&c, kernels_of(isa), sched.get(), remaining.get()};
   pool.run(static_cast<int64_t>(sched->items.size()), run_task, &job,
            scratch_floats(sched->max_rows, sched->max_rows_per_head, c.head_dim));
+  call_counts[static_cast<int>(isa)].fetch_add(1, std::memory_order_relaxed);
   return isa;
 }
+
+uint64_t calls(Isa isa) { return call_counts[static_cast<int>(isa)].load(std::memory_order_relaxed); }
 
 // ---- ISA choice -----------------------------------------------------------------------
 

@@ -65,6 +65,9 @@ class BatchPlan {
 // everything (throws std::invalid_argument / TypeError naming the argument)
 // before touching memory. Returns the ISA that ran.
 Isa attention(const BatchPlan& plan, Call call, const TensorRef* k_new, const TensorRef* v_new, Isa requested);
+// Completed attention() calls that ran on `isa`, in this process (so a
+// framework's run can show that its layers went through this kernel).
+uint64_t calls(Isa isa);
 
 // ---- ISA choice ---------------------------------------------------------------
 

@@ -112,6 +112,9 @@ py::dict info() {
   }
   d["supported"] = supported;
   d["compiled"] = compiled;
+  py::dict counts;
+  for (int i = 0; i < kNumIsas; ++i) counts[isa_name(static_cast<Isa>(i))] = calls(static_cast<Isa>(i));
+  d["calls"] = counts;
   d["threads"] = pool_threads();
   d["note"] = note;
   return d;
@@ -144,5 +147,5 @@ PYBIND11_MODULE(_cpu_attn, m) {
         py::arg("out"), py::arg("k") = py::none(), py::arg("v") = py::none(), py::arg("lse") = py::none(),
         py::arg("scale"), py::arg("softcap") = 0.0, py::arg("window") = 0, py::arg("isa") = py::none(),
         "Attention of one layer over the cache (DLPack capsules); writes out (and lse). Returns the ISA used.");
-  m.def("info", &info, "ISA chosen and supported, thread pool size.");
+  m.def("info", &info, "ISA chosen and supported, thread pool size, calls run per ISA.");
 }
