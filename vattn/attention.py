@@ -37,7 +37,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.dlpack import to_dlpack
@@ -79,7 +78,7 @@ class AttentionBatch:
     """
 
     __slots__ = ("reqids", "cached_lens", "query_lens", "seq_lens", "query_starts", "device", "_tensors",
-                 "_host_plan", "_id_arrays")
+                 "_host_plan", "_mapped_checks")
 
     def __init__(
         self,
@@ -115,7 +114,7 @@ class AttentionBatch:
         self.device = torch.device(device)
         self._tensors: dict[str, torch.Tensor] = {}
         self._host_plan: Any = None
-        self._id_arrays: tuple[np.ndarray, np.ndarray] | None = None  # reqids, seq_lens for check_mapped
+        self._mapped_checks: dict[tuple, list[Any]] = {}  # per (k view, v view, caller): see check_mapped
 
     @property
     def num_tokens(self) -> int:
@@ -163,23 +162,27 @@ class AttentionBatch:
         tensors are bounded by their shape, which the kernels check.
 
         Checked on every call (one call into the core for the whole batch,
-        about a microsecond), so a request freed between two layers is caught
-        too.
+        a few microseconds), so a request freed between two layers is caught
+        too; which manager and rows a view maps to is worked out once per view.
         """
-        checked = None
+        key = (k_cache.data_ptr(), k_cache.stride(), v_cache.data_ptr(), v_cache.stride(), what)
+        checks = self._mapped_checks.get(key)
+        if checks is None:
+            checks = self._mapped_checks[key] = self._plan_mapped_checks(k_cache, v_cache, what)
+        for check in checks:
+            check()
+
+    def _plan_mapped_checks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> list[Any]:
+        checks, origins = [], []
         for cache in (k_cache, v_cache):
-            if cache.dim() != 4:
-                continue  # the kernel's shape check names it
-            manager = manager_of(cache)
+            manager = manager_of(cache) if cache.dim() == 4 else None  # a bad rank: the kernel's check names it
             if manager is None:
                 continue
-            if (checked is not None and checked[0] is manager
-                    and (cache.data_ptr() - checked[1]) % manager.buffer_bytes == 0):
-                continue  # V at K's place in another buffer: the same slots and tokens
-            if self._id_arrays is None:
-                self._id_arrays = (np.asarray(self.reqids, dtype=np.int64), np.asarray(self.seq_lens, dtype=np.int64))
-            manager.check_mapped(cache, *self._id_arrays, what)
-            checked = (manager, cache.data_ptr())
+            origin, check = manager.mapped_check(cache, self.reqids, self.seq_lens, what)
+            if (manager, origin) not in origins:  # V at K's place in its own buffer: the same slots and tokens
+                origins.append((manager, origin))
+                checks.append(check)
+        return checks
 
     def check_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Raises unless both caches are ``[B_max, L, H, D]`` and hold every
@@ -286,7 +289,7 @@ def host_attention(
         out = host_attention(q, *kv.layer(i), batch, k=k_new, v=v_new)
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("out", out)):
-        if t is not None and t.device.type != "cpu":
+        if t is not None and not t.is_cpu:
             raise ValueError(f"host_attention needs CPU tensors, got {name} on {t.device}")
     if out is None:
         out = torch.empty_like(q)
@@ -538,11 +541,17 @@ class FlashInferAttention:
 # ---- helpers ---------------------------------------------------------------------
 
 
+_cpu_attn_module: Any = None
+
+
 def _cpu_attn() -> Any:
     """The host kernel extension, imported on first use."""
-    from . import _cpu_attn
+    global _cpu_attn_module
+    if _cpu_attn_module is None:
+        from . import _cpu_attn as module
 
-    return _cpu_attn
+        _cpu_attn_module = module
+    return _cpu_attn_module
 
 
 def _dl(t: torch.Tensor) -> Any:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -324,6 +325,14 @@ class KVCacheManager:
         mapped), or when ``view``'s strides are not the cache's (slot and token
         strides of :meth:`layer`). One call into the core for the whole batch.
         """
+        self.mapped_check(view, reqids, seq_lens, what)[1]()
+
+    def mapped_check(self, view: torch.Tensor, reqids: IntArray, seq_lens: IntArray,
+                     what: str) -> tuple[tuple[int, int], Callable[[], None]]:
+        """:meth:`check_mapped` prepared for repeated use (one batch, every
+        layer): the view's strides are checked now; returns ``(origin,
+        check)`` where origin is the (slot, token) of the view's row 0 and
+        ``check()`` asks the core each time it is called."""
         cfg = self.config
         size = view.element_size()
         offset = (view.data_ptr() - self._span[0]) % self.buffer_bytes
@@ -333,11 +342,10 @@ class KVCacheManager:
                              f"({self.slot_bytes} and {cfg.token_bytes_per_buffer} bytes), got shape "
                              f"{tuple(view.shape)} and strides {tuple(view.stride())} (elements of {size} bytes)")
         first_slot, first_token = offset // self.slot_bytes, offset % self.slot_bytes // cfg.token_bytes_per_buffer
-        slots, tokens = _int_array("reqids", reqids), _int_array("seq_lens", seq_lens)
-        if first_slot or first_token:  # a slice of a layer view: its row 0 is another slot / token
-            slots = np.asarray(slots, dtype=np.int64) + first_slot
-            tokens = np.asarray(tokens, dtype=np.int64) + first_token
-        self._pages.check_mapped(slots, tokens, what)
+        # a slice of a layer view starts at another slot / token: shift the indices
+        slots = np.asarray(_int_array("reqids", reqids), dtype=np.int64) + first_slot
+        tokens = np.asarray(_int_array("seq_lens", seq_lens), dtype=np.int64) + first_token
+        return (first_slot, first_token), functools.partial(self._pages.check_mapped, slots, tokens, what)
 
     # ---- shared pages ------------------------------------------------------------
 
