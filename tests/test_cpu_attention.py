@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -439,6 +441,55 @@ def test_isa_env_forces_a_lower_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VATTN_CPU_ATTN_ISA", "nonsense")
     info = host_attention_info()
     assert info["isa"] == info["best_isa"] and "ignored" in info["note"]
+
+
+POOL_SCRIPT = """
+import os, sys, torch
+from vattn.attention import AttentionBatch, host_attention, host_attention_info, sdpa_attention
+torch.manual_seed(0)
+batch = AttentionBatch([1, 0, 2], [300, 0, 57], [1, 40, 1])
+k_cache, v_cache = torch.randn(3, 341, 2, 64), torch.randn(3, 341, 2, 64)
+q = torch.randn(batch.num_tokens, 8, 64)
+expected = sdpa_attention(q, k_cache, v_cache, batch)
+def ok():
+    return (host_attention(q, k_cache, v_cache, batch) - expected).abs().max().item() < 2e-5
+assert ok()
+print(host_attention_info()["pool"], flush=True)
+if sys.argv[1] == "fork":
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if ok() and host_attention_info()["pool"] == "own" else 1)
+    assert os.waitpid(pid, 0)[1] == 0, "the forked child's kernel failed"
+    assert ok()
+print("done")
+"""
+
+
+def run_pool_script(mode: str, **env: str) -> str:
+    """The kernel in a fresh interpreter (the pool is chosen once per process),
+    with this checkout's vattn first on the path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), **env)
+    proc = subprocess.run([sys.executable, "-c", POOL_SCRIPT, mode], capture_output=True, text=True, timeout=120,
+                          env=environ, cwd=root)
+    assert proc.returncode == 0 and proc.stdout.endswith("done\n"), proc.stdout + proc.stderr[-3000:]
+    return proc.stdout.splitlines()[0]
+
+
+def test_runs_on_torchs_openmp_threads_or_its_own_pool() -> None:
+    """With torch loaded, jobs run on its OpenMP runtime's threads (one set of
+    threads for the framework's ops and attention); VATTN_CPU_ATTN_POOL=own
+    gives the kernel a pool of its own. Both compute the same."""
+    assert host_attention_info()["pool"].startswith("openmp (")
+    assert run_pool_script("plain", VATTN_CPU_ATTN_POOL="own") == "own"
+    assert run_pool_script("plain", VATTN_CPU_ATTN_THREADS="3").startswith("openmp (")
+
+
+def test_a_forked_child_runs_the_kernel_on_a_pool_of_its_own() -> None:
+    """The parent's OpenMP team does not exist in a fork: the child must not
+    wait on it (the test would time out) and must get the same output."""
+    assert run_pool_script("fork").startswith("openmp (")
+    assert run_pool_script("fork", VATTN_CPU_ATTN_POOL="own") == "own"
 
 
 def test_info_names_the_active_path(monkeypatch: pytest.MonkeyPatch) -> None:

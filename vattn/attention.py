@@ -247,8 +247,9 @@ def host_attention(
     ``k_cache[reqid, :seq_len]`` (``per_layer`` views and ``all_layers``
     views ``K[:, :, i]`` alike: any token and slot stride), accumulated in
     fp32 without copying the cache. The work (request x kv heads x query
-    block x key split) runs on a thread pool sized to this process's CPUs,
-    without the GIL.
+    block x key split) runs without the GIL on torch's OpenMP threads (the
+    ones its own ops use, so the two never compete for cores), or on a pool
+    of its own (``VATTN_CPU_ATTN_POOL=own``, or in a forked child).
 
     Args:
         q: ``[T, H_q, D]`` queries, float32 / bfloat16 / float16; ``H_q`` a

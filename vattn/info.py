@@ -79,7 +79,7 @@ def render(info: dict[str, Any]) -> str:
         f"vm.max_map_count {host['max_map_count']} (each mapped page may be one mapping)",
     ]
     attn = info["host_attention"]
-    lines.append(f"host attention kernel: {attn['isa']} path, {attn['threads']} threads "
+    lines.append(f"host attention kernel: {attn['isa']} path, {attn['threads']} threads, pool {attn['pool']} "
                  f"(CPU supports {', '.join(attn['supported'])}; built with {', '.join(attn['compiled'])})"
                  + (f"; {attn['note']}" if attn["note"] else ""))
     if cuda["available"]:

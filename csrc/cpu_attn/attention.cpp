@@ -434,5 +434,7 @@ Isa default_isa(std::string* note) {
 
 int pool_threads() { return ThreadPool::instance().threads(); }
 
+std::string pool_kind() { return ThreadPool::instance().kind(); }
+
 }  // namespace cpu_attn
 }  // namespace vattn

@@ -81,6 +81,8 @@ Isa best_isa();               // the fastest supported one
 Isa default_isa(std::string* note = nullptr);
 
 int pool_threads();
+// Whose threads run the work: "openmp (<library>)" (the runtime torch loaded) or "own".
+std::string pool_kind();
 
 }  // namespace cpu_attn
 }  // namespace vattn

@@ -116,6 +116,7 @@ py::dict info() {
   for (int i = 0; i < kNumIsas; ++i) counts[isa_name(static_cast<Isa>(i))] = calls(static_cast<Isa>(i));
   d["calls"] = counts;
   d["threads"] = pool_threads();
+  d["pool"] = pool_kind();
   d["note"] = note;
   return d;
 }

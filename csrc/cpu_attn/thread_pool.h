@@ -1,6 +1,18 @@
-// A persistent pool of worker threads for the attention kernels.
+// The threads the attention kernels run on.
 //
-// Sized once to the CPUs this process may run on (sched_getaffinity), or to
+// Where the process has already loaded an OpenMP runtime with the GNU ABI
+// (torch's libgomp, or an Intel / LLVM runtime that exports it), jobs run on
+// that runtime's threads (GOMP_parallel, found with dlopen(RTLD_NOLOAD): no
+// build-time or load-time dependency). Between layers the framework's own ops
+// (matmuls, norms) run on those same threads, which spin for a while after
+// each parallel region; a second pool of spinning threads on the same cores
+// would take turns with them at the scheduler's time slice (milliseconds) on
+// a machine with as many threads as cores. The team size is the runtime's
+// (torch.set_num_threads), or VATTN_CPU_ATTN_THREADS.
+//
+// Otherwise (no runtime loaded, VATTN_CPU_ATTN_POOL=own, or a forked child,
+// where a parent's OpenMP team does not exist) a pool of its own: sized once
+// to the CPUs this process may run on (sched_getaffinity), or to
 // VATTN_CPU_ATTN_THREADS. The calling thread takes part in every job, so a
 // pool of n threads starts n - 1 workers. Workers spin briefly after a job
 // (back-to-back layer calls find them awake) and then sleep on a condition
@@ -12,6 +24,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -23,7 +36,10 @@ class ThreadPool {
   // task(ctx, index, scratch) for index in [0, count)
   using Task = void (*)(void* ctx, int64_t index, float* scratch);
 
-  explicit ThreadPool(int threads);
+  struct Omp;  // an OpenMP runtime's entry points
+
+  explicit ThreadPool(int threads);         // a pool of its own
+  ThreadPool(const Omp* omp, int threads);  // jobs on the runtime's threads; threads 0: its team size
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -32,7 +48,10 @@ class ThreadPool {
   // which inherits no threads).
   static ThreadPool& instance();
 
-  int threads() const { return static_cast<int>(workers_.size()) + 1; }
+  // Threads a job runs on now (the OpenMP team size can change between jobs).
+  int threads() const;
+  // "openmp (libgomp.so.1)" or "own"
+  std::string kind() const;
 
   // Runs every task once across the pool and the calling thread; returns when
   // all have finished. Each thread's scratch holds at least scratch_floats
@@ -43,6 +62,11 @@ class ThreadPool {
   void worker_main(int index);
   void work(uint64_t generation, float* scratch);
   float* scratch_for(int thread);
+  void ensure_scratch(int threads, int64_t floats);
+  static void omp_body(void* job);
+
+  const Omp* omp_ = nullptr;  // set when jobs run on an OpenMP runtime's threads
+  int omp_threads_ = 0;       // VATTN_CPU_ATTN_THREADS, or 0: the runtime's team size
 
   std::vector<std::thread> workers_;
   std::mutex run_mutex_;  // one job at a time
