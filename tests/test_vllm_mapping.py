@@ -180,13 +180,7 @@ def test_kernel_limits_are_checked_at_start_up(monkeypatch):
         check_kernel(512, "cuda")
     with pytest.raises(ValueError, match=r"FlashAttention-2 has no sliding windows \(sliding_window=4096"):
         check_kernel(128, "cuda", sliding_window=4096)
-    from vattn import attention
-
-    if hasattr(attention, "attention"):  # vattn's host kernel: windows and soft-caps, head_dim <= 1024
-        assert check_kernel(80, "cpu", sliding_window=512, logits_soft_cap=30.0) == "vattn's host kernel"
-        with pytest.raises(ValueError, match=r"head_dim=2048 is not supported by vattn's host kernel"):
-            check_kernel(2048, "cpu")
-    else:  # torch SDPA: any head dim, no window, no soft-cap
-        assert check_kernel(2048, "cpu") == "torch SDPA"
-        with pytest.raises(ValueError, match=r"torch SDPA has no logit soft-capping"):
-            check_kernel(64, "cpu", logits_soft_cap=30.0)
+    # vattn's host kernel: windows and soft-caps, head_dim <= 1024
+    assert check_kernel(80, "cpu", sliding_window=512, logits_soft_cap=30.0) == "vattn's host kernel"
+    with pytest.raises(ValueError, match=r"head_dim=2048 is not supported by vattn's host kernel"):
+        check_kernel(2048, "cpu")

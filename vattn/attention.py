@@ -20,6 +20,12 @@ tokens at rows ``[query_starts[i], query_starts[i+1])``. Attention is causal
 with the queries aligned to the end of each request (a query at position
 ``cached_len + j`` sees keys ``0 .. cached_len + j``).
 
+On the host, :func:`host_attention` is vattn's own kernel (the
+``vattn._cpu_attn`` extension): one call per layer serves the whole mixed
+batch, reads each request's rows in place for both layouts, and writes the
+step's new K/V rows itself. :func:`attention` picks it for CPU tensors and
+:func:`sdpa_attention` (also the reference) for CUDA ones.
+
 FlashAttention and FlashInfer are imported on first use; without them, or
 without a CUDA tensor, their adapters raise :class:`vattn.BackendUnavailable`.
 """
@@ -27,17 +33,23 @@ without a CUDA tensor, their adapters raise :class:`vattn.BackendUnavailable`.
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.dlpack import to_dlpack
 
 from .errors import BackendUnavailable
+from .manager import manager_of
 
 __all__ = [
     "AttentionBatch",
     "write_kv",
+    "attention",
+    "host_attention",
+    "host_attention_info",
     "sdpa_attention",
     "sdpa_dense",
     "flash_attn_attention",
@@ -65,7 +77,8 @@ class AttentionBatch:
     caller must have ``step``-ed every request to at least that length.
     """
 
-    __slots__ = ("reqids", "cached_lens", "query_lens", "seq_lens", "query_starts", "device", "_tensors")
+    __slots__ = ("reqids", "cached_lens", "query_lens", "seq_lens", "query_starts", "device", "_tensors",
+                 "_host_plan", "_mapped_checks")
 
     def __init__(
         self,
@@ -100,6 +113,8 @@ class AttentionBatch:
         self.query_starts = starts
         self.device = torch.device(device)
         self._tensors: dict[str, torch.Tensor] = {}
+        self._host_plan: Any = None
+        self._mapped_checks: dict[tuple, list[Any]] = {}  # per (k view, v view, caller): see check_mapped
 
     @property
     def num_tokens(self) -> int:
@@ -131,8 +146,47 @@ class AttentionBatch:
             self._tensors[key] = torch.tensor(values, dtype=dtype, device=self.device)
         return self._tensors[key]
 
+    def host_plan(self) -> Any:
+        """The batch as the host kernel's plan (``vattn._cpu_attn.Plan``),
+        built on first use; its work split is computed by the first layer's
+        call and reused by the others."""
+        if self._host_plan is None:
+            self._host_plan = _cpu_attn().Plan(self.reqids, self.cached_lens, self.query_lens)
+        return self._host_plan
+
+    def check_mapped(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
+        """Raises ``ValueError`` (starting with ``what``) unless every request
+        may be read: when a cache is a view of a :class:`vattn.KVCacheManager`'s
+        memory, each reqid must be allocated there with at least ``seq_len``
+        tokens mapped (rows past that are unmapped: a read would fault). Other
+        tensors are bounded by their shape, which the kernels check.
+
+        Checked on every call (one call into the core for the whole batch,
+        a few microseconds), so a request freed between two layers is caught
+        too; which manager and rows a view maps to is worked out once per view.
+        """
+        key = (k_cache.data_ptr(), k_cache.stride(), v_cache.data_ptr(), v_cache.stride(), what)
+        checks = self._mapped_checks.get(key)
+        if checks is None:
+            checks = self._mapped_checks[key] = self._plan_mapped_checks(k_cache, v_cache, what)
+        for check in checks:
+            check()
+
+    def _plan_mapped_checks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> list[Any]:
+        checks, origins = [], []
+        for cache in (k_cache, v_cache):
+            manager = manager_of(cache) if cache.dim() == 4 else None  # a bad rank: the kernel's check names it
+            if manager is None:
+                continue
+            origin, check = manager.mapped_check(cache, self.reqids, self.seq_lens, what)
+            if (manager, origin) not in origins:  # V at K's place in its own buffer: the same slots and tokens
+                origins.append((manager, origin))
+                checks.append(check)
+        return checks
+
     def check_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """Raises unless both caches are ``[B_max, L, H, D]`` and hold every request."""
+        """Raises unless both caches are ``[B_max, L, H, D]`` and hold every
+        request (shapes only; :meth:`check_mapped` checks the memory)."""
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if cache.dim() != 4:
                 raise ValueError(f"{name} must be [max_batch_size, max_context_len, heads, head_dim], "
@@ -160,9 +214,126 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
     """
     batch.check_cache(k_cache, v_cache)
     _check_new_kv(k_cache, batch, k, v)
+    batch.check_mapped(k_cache, v_cache, "write_kv")
+    _write_rows(k_cache, v_cache, batch, k, v)
+
+
+def _write_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch, k: torch.Tensor,
+                v: torch.Tensor) -> None:
+    """write_kv after its checks."""
     rows = (batch.tensor("token_reqids", torch.long), batch.tensor("token_positions", torch.long))
     k_cache.index_put_(rows, k)
     v_cache.index_put_(rows, v)
+
+
+def host_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    isa: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """vattn's host attention kernel: one call serves a whole mixed batch.
+
+    Prefill chunks (causal, after the request's cached tokens) and decodes
+    are served together; every request's K/V are read in place from
+    ``k_cache[reqid, :seq_len]`` (``per_layer`` views and ``all_layers``
+    views ``K[:, :, i]`` alike: any token and slot stride), accumulated in
+    fp32 without copying the cache. The work (request x kv heads x query
+    block x key split) runs without the GIL on torch's OpenMP threads (the
+    ones its own ops use, so the two never compete for cores), or on a pool
+    of its own (``VATTN_CPU_ATTN_POOL=own``, or in a forked child).
+
+    Args:
+        q: ``[T, H_q, D]`` queries, float32 / bfloat16 / float16; ``H_q`` a
+            multiple of ``H_kv`` (GQA, MQA); head_dim stride 1.
+        k_cache, v_cache: ``[B_max, L, H_kv, D]`` cache views of one layer
+            (:meth:`vattn.KVCacheManager.layer`), any of the three dtypes.
+        batch: the forward's plan.
+        k, v: ``[T, H_kv, D]`` new tokens in the cache's dtype, written into
+            rows ``(reqid, cached_len + j)`` before attending; None when the
+            caller has written them already.
+        softmax_scale: defaults to ``1/sqrt(D)``.
+        sliding_window: a query at position ``p`` sees keys
+            ``p - sliding_window + 1 .. p`` (vLLM's and Hugging Face's
+            ``sliding_window``; FlashAttention's ``window_size=(W - 1, 0)``);
+            None or 0: the whole causal prefix.
+        logits_soft_cap: scores become ``cap * tanh(score / cap)`` before the
+            softmax (Gemma-2); None or 0: off.
+        return_lse: also return the log-sum-exp of the (scaled, capped)
+            scores, ``[T, H_q]`` float32, natural log.
+        out: ``[T, H_q, D]`` in ``q``'s dtype to write into; allocated when None.
+        isa: ``"scalar"``, ``"avx2"``, ``"avx512"`` or ``"neon"`` to force a
+            path (falls back to a lower supported one); None: the fastest this
+            CPU supports, or the one ``VATTN_CPU_ATTN_ISA`` names.
+
+    Returns:
+        ``out`` ``[T, H_q, D]`` in ``q``'s dtype, or ``(out, lse)``.
+
+    The kernel reads rows ``[0, seq_len)`` of each request and nothing else.
+    Before anything is read, shapes, strides, dtypes, reqids and lengths are
+    checked against the tensors and, for views of a vattn cache, each reqid
+    is checked to be allocated with ``seq_len`` tokens mapped
+    (:meth:`AttentionBatch.check_mapped`): a bad argument raises
+    ``ValueError`` / ``TypeError`` naming it.
+
+    Example::
+
+        batch = AttentionBatch(reqids=[3, 0], cached_lens=[17, 0], query_lens=[1, 5])
+        out = host_attention(q, *kv.layer(i), batch, k=k_new, v=v_new)
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("out", out)):
+        if t is not None and not t.is_cpu:
+            raise ValueError(f"host_attention needs CPU tensors, got {name} on {t.device}")
+    if out is None:
+        out = torch.empty_like(q)
+    batch.check_mapped(k_cache, v_cache, "host_attention")
+    lse = torch.empty(q.shape[:2], dtype=torch.float32) if return_lse else None
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    _cpu_attn().attention(
+        batch.host_plan(), _dl(q), _dl(k_cache), _dl(v_cache), _dl(out),
+        k=None if k is None else _dl(k), v=None if v is None else _dl(v), lse=None if lse is None else _dl(lse),
+        scale=scale, softcap=logits_soft_cap or 0.0, window=sliding_window or 0, isa=isa,
+    )
+    return (out, lse) if return_lse else out
+
+
+def attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """The attention an engine calls on the cache: :func:`host_attention` for
+    CPU tensors, :func:`sdpa_attention` for CUDA ones (which has no sliding
+    window or soft-cap). Shapes as :func:`host_attention`."""
+    if q.device.type == "cpu":
+        return host_attention(q, k_cache, v_cache, batch, k=k, v=v, softmax_scale=softmax_scale,
+                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    if sliding_window or logits_soft_cap:
+        raise ValueError("sliding_window and logits_soft_cap need the host kernel (CPU tensors); "
+                         f"got tensors on {q.device}")
+    return sdpa_attention(q, k_cache, v_cache, batch, k=k, v=v, softmax_scale=softmax_scale)
+
+
+def host_attention_info() -> dict[str, Any]:
+    """The host kernel's build and CPU: ``isa`` (the path calls take),
+    ``supported``, ``compiled``, ``threads`` (pool size), ``calls`` (calls
+    completed in this process, per ISA) and ``note`` (why
+    ``VATTN_CPU_ATTN_ISA`` was not honoured, if it was not)."""
+    return dict(_cpu_attn().info())
 
 
 def sdpa_attention(
@@ -190,10 +361,9 @@ def sdpa_attention(
     Each request is one SDPA call on ``k_cache[r, :seq_len]`` (a view), so no
     request is padded to the longest one.
     """
-    batch.check_cache(k_cache, v_cache)
-    _check_query(q, k_cache, batch)
+    _check_inputs(q, k_cache, v_cache, batch, k, v, "sdpa_attention")
     if k is not None or v is not None:
-        write_kv(k_cache, v_cache, batch, k, v)
+        _write_rows(k_cache, v_cache, batch, k, v)
     out = torch.empty_like(q)
     starts = batch.query_starts
     for i, (reqid, seq_len) in enumerate(zip(batch.reqids, batch.seq_lens)):
@@ -248,14 +418,11 @@ def flash_attn_attention(
     FlashAttention pads, i.e. copies, the whole cache).
     """
     flash_attn = _import("flash_attn", "FlashAttention-2 (pip install flash-attn)")
-    batch.check_cache(k_cache, v_cache)
-    _check_query(q, k_cache, batch)
     _require_cuda(q, k_cache, "flash_attn_attention")
+    _check_inputs(q, k_cache, v_cache, batch, k, v, "flash_attn_attention")
     if k_cache.shape[-1] % 8:
         raise ValueError(f"flash_attn_attention needs head_dim % 8 == 0, got {k_cache.shape[-1]}")
     appending = k is not None
-    if appending:
-        _check_new_kv(k_cache, batch, k, v)
     lens = batch.tensor("cached_lens" if appending else "seq_lens")
     reqids = batch.tensor("reqids")
     out = torch.empty_like(q)
@@ -287,11 +454,10 @@ def flashinfer_single_prefill(
     """FlashInfer ``single_prefill_with_kv_cache`` per request on
     ``k_cache[r, :seq_len]`` (NHD views). Shapes as :func:`sdpa_attention`."""
     flashinfer = _import("flashinfer", "FlashInfer (pip install flashinfer-python)")
-    batch.check_cache(k_cache, v_cache)
-    _check_query(q, k_cache, batch)
     _require_cuda(q, k_cache, "flashinfer_single_prefill")
+    _check_inputs(q, k_cache, v_cache, batch, k, v, "flashinfer_single_prefill")
     if k is not None or v is not None:
-        write_kv(k_cache, v_cache, batch, k, v)
+        _write_rows(k_cache, v_cache, batch, k, v)
     out = torch.empty_like(q)
     starts = batch.query_starts
     for i, (reqid, seq_len) in enumerate(zip(batch.reqids, batch.seq_lens)):
@@ -367,14 +533,31 @@ class FlashInferAttention:
         if self._batch is None:
             raise RuntimeError("FlashInferAttention.run called before plan()")
         batch = self._batch
-        batch.check_cache(k_cache, v_cache)
-        _check_query(q, k_cache, batch)
+        _check_inputs(q, k_cache, v_cache, batch, k, v, "FlashInferAttention.run")
         if k is not None or v is not None:
-            write_kv(k_cache, v_cache, batch, k, v)
+            _write_rows(k_cache, v_cache, batch, k, v)
         return self._wrapper.run(q, (k_cache, v_cache))
 
 
 # ---- helpers ---------------------------------------------------------------------
+
+
+_cpu_attn_module: Any = None
+
+
+def _cpu_attn() -> Any:
+    """The host kernel extension, imported on first use."""
+    global _cpu_attn_module
+    if _cpu_attn_module is None:
+        from . import _cpu_attn as module
+
+        _cpu_attn_module = module
+    return _cpu_attn_module
+
+
+def _dl(t: torch.Tensor) -> Any:
+    """A borrowed DLPack capsule of ``t`` (read in place for the call)."""
+    return to_dlpack(t)
 
 
 def _int_list(name: str, values: Sequence[int] | torch.Tensor) -> list[int]:
@@ -385,6 +568,17 @@ def _int_list(name: str, values: Sequence[int] | torch.Tensor) -> list[int]:
         if isinstance(x, bool) or not isinstance(x, int):
             raise TypeError(f"{name} must hold ints, got {type(x).__name__}")
     return out
+
+
+def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+                  k: torch.Tensor | None, v: torch.Tensor | None, what: str) -> None:
+    """Shapes of the caches, the queries and the new K/V (when either is
+    given), then the mapping of every request's rows."""
+    batch.check_cache(k_cache, v_cache)
+    _check_query(q, k_cache, batch)
+    if k is not None or v is not None:
+        _check_new_kv(k_cache, batch, k, v)
+    batch.check_mapped(k_cache, v_cache, what)
 
 
 def _check_query(q: torch.Tensor, k_cache: torch.Tensor, batch: AttentionBatch) -> None:

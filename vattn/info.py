@@ -56,6 +56,8 @@ def collect() -> dict[str, Any]:
         }
     except VAttnError as e:
         cuda = {"available": False, "driver_library": driver, "reason": str(e)}
+    from .attention import host_attention_info
+
     return {
         "vattn": __version__,
         "python": platform.python_version(),
@@ -63,6 +65,7 @@ def collect() -> dict[str, Any]:
         "torch_cuda": torch.cuda.is_available(),
         "build": dict(_C.build_info),
         "backends": {"host": host, "cuda": cuda, "cuda_uvm": _cuda_uvm(cuda)},
+        "host_attention": host_attention_info(),
     }
 
 
@@ -105,6 +108,10 @@ def render(info: dict[str, Any]) -> str:
         f"  memory: {_bytes(host['mem_total'])} total, {_bytes(host['mem_available'])} available; "
         f"vm.max_map_count {host['max_map_count']} (each mapped page may be one mapping)",
     ]
+    attn = info["host_attention"]
+    lines.append(f"host attention kernel: {attn['isa']} path, {attn['threads']} threads, pool {attn['pool']} "
+                 f"(CPU supports {', '.join(attn['supported'])}; built with {', '.join(attn['compiled'])})"
+                 + (f"; {attn['note']}" if attn["note"] else ""))
     if cuda["available"]:
         lines.append(f"backend cuda: available (driver {cuda['driver_version']}, {cuda['driver_library']})")
         for d in cuda["devices"]:

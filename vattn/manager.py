@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import os
+import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -166,6 +168,10 @@ class KVCacheManager:
             **policy,
         )
         self.policy: dict[str, Any] = policy
+        memory = self._pages.memory
+        self._span = (memory.base, memory.base + memory.nbytes)  # addresses of the cache's tensors
+        self.buffer_bytes: int = self._pages.buffer_bytes  # virtual bytes of one K or V buffer (all slots)
+        _remember_span(self)
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._closing = False  # set first thing in cleanup(): cached views are not handed out after it
         _live_managers.add(self)
@@ -324,6 +330,44 @@ class KVCacheManager:
 
     def is_allocated(self, reqid: int) -> bool:
         return self._pages.slot_allocated(self._reqid(reqid))
+
+    def check_mapped(self, view: torch.Tensor, reqids: IntArray, seq_lens: IntArray,
+                     what: str = "check_mapped") -> None:
+        """Raises unless a kernel may read rows ``[0, seq_lens[i])`` of
+        ``view[reqids[i]]``: each reqid allocated, with that many tokens mapped.
+
+        Args:
+            view: a ``[B, L, H, D]`` view of this cache (:meth:`layer`, a
+                half of :meth:`kv_tensor`, or a slice of them along B or L).
+            reqids: indices into ``view``'s first dimension.
+            seq_lens: tokens read from each (0 .. ``max_context_len``).
+            what: the caller's name, which starts the error message.
+
+        Raises ``ValueError`` naming the reqid (not allocated; fewer tokens
+        mapped), or when ``view``'s strides are not the cache's (slot and token
+        strides of :meth:`layer`). One call into the core for the whole batch.
+        """
+        self.mapped_check(view, reqids, seq_lens, what)[1]()
+
+    def mapped_check(self, view: torch.Tensor, reqids: IntArray, seq_lens: IntArray,
+                     what: str) -> tuple[tuple[int, int], Callable[[], None]]:
+        """:meth:`check_mapped` prepared for repeated use (one batch, every
+        layer): the view's strides are checked now; returns ``(origin,
+        check)`` where origin is the (slot, token) of the view's row 0 and
+        ``check()`` asks the core each time it is called."""
+        cfg = self.config
+        size = view.element_size()
+        offset = (view.data_ptr() - self._span[0]) % self.buffer_bytes
+        if (view.dim() != 4 or view.stride(0) * size != self.slot_bytes
+                or view.stride(1) * size != cfg.token_bytes_per_buffer):
+            raise ValueError(f"{what}: a view of the vattn cache must have its slot and token strides "
+                             f"({self.slot_bytes} and {cfg.token_bytes_per_buffer} bytes), got shape "
+                             f"{tuple(view.shape)} and strides {tuple(view.stride())} (elements of {size} bytes)")
+        first_slot, first_token = offset // self.slot_bytes, offset % self.slot_bytes // cfg.token_bytes_per_buffer
+        # a slice of a layer view starts at another slot / token: shift the indices
+        slots = np.asarray(_int_array("reqids", reqids), dtype=np.int64) + first_slot
+        tokens = np.asarray(_int_array("seq_lens", seq_lens), dtype=np.int64) + first_token
+        return (first_slot, first_token), functools.partial(self._pages.check_mapped, slots, tokens, what)
 
     # ---- shared pages ------------------------------------------------------------
 
@@ -558,6 +602,7 @@ class KVCacheManager:
         Every other call afterwards raises :class:`vattn.ClosedError`."""
         self._closing = True
         self._layers = None
+        _forget_span(self)
         self._pages.close()
 
     close = cleanup
@@ -601,6 +646,38 @@ def _policy_args(background: bool, deferred_reclaim: bool, eager: bool, lookahea
 # Managers still open at interpreter exit are closed then, so their mapper
 # threads are joined before the interpreter and the driver go away.
 _live_managers: weakref.WeakSet[KVCacheManager] = weakref.WeakSet()
+
+
+# (first address, end, manager) of every open manager: a tuple replaced whole
+# under _spans_lock, so readers need no lock. A manager leaves it at cleanup
+# (its addresses may then be reused by another cache) or when collected.
+_spans: tuple[tuple[int, int, weakref.ref[KVCacheManager]], ...] = ()
+_spans_lock = threading.Lock()
+
+
+def _remember_span(manager: KVCacheManager) -> None:
+    global _spans
+    with _spans_lock:
+        _spans = (*_spans, (*manager._span, weakref.ref(manager, _forget_span)))
+
+
+def _forget_span(gone: KVCacheManager | weakref.ref[KVCacheManager]) -> None:
+    global _spans
+    with _spans_lock:
+        _spans = tuple(s for s in _spans if s[2] is not gone and s[2]() is not gone and s[2]() is not None)
+
+
+def manager_of(tensor: torch.Tensor) -> KVCacheManager | None:
+    """The open manager whose cache memory holds ``tensor``'s first element,
+    or None for any other tensor (a closed manager's views included: they
+    read the memory they kept, like plain tensors)."""
+    address = tensor.data_ptr()
+    for low, high, ref in _spans:
+        if low <= address < high:
+            manager = ref()
+            if manager is not None and manager.device.type == tensor.device.type:
+                return manager
+    return None
 
 
 @atexit.register

@@ -490,6 +490,18 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("closed", &PageManager::closed)
       .def("mapped_pages", &PageManager::mapped_pages, py::arg("slot"))
       .def("slot_allocated", &PageManager::slot_allocated, py::arg("slot"))
+      .def(
+          "check_mapped",
+          [](const PageManager& pm, py::handle slots_obj, py::handle tokens_obj, const std::string& what) {
+            std::vector<int64_t> slots, tokens;
+            read_ints(slots_obj, "reqids", slots);
+            read_ints(tokens_obj, "seq_lens", tokens);
+            if (tokens.size() != slots.size())
+              throw std::invalid_argument(what + ": reqids and seq_lens must have equal lengths, got " +
+                                          std::to_string(slots.size()) + " and " + std::to_string(tokens.size()));
+            pm.check_mapped(slots.data(), tokens.data(), slots.size(), what);
+          },
+          py::arg("reqids"), py::arg("seq_lens"), py::arg("what"))
       .def("stats", [](const PageManager& pm) { return stats_dict(pm.stats(), pm.page_size()); })
       .def_property_readonly("page_size", &PageManager::page_size)
       .def_property_readonly("num_ids", &PageManager::num_ids)

@@ -1155,6 +1155,22 @@ bool PageManager::slot_allocated(int64_t slot) const {
   return slot_allocated_[slot] != 0;
 }
 
+void PageManager::check_mapped(const int64_t* slots, const int64_t* tokens, size_t count,
+                               const std::string& what) const {
+  if (forked()) throw ForkedError(kForked);
+  Lock lock(sync_->mu);
+  check_open();
+  for (size_t i = 0; i < count; ++i) {
+    check_allocated(slots[i], what.c_str());
+    const int64_t mapped = tokens_in_positions(mapped_of(static_cast<size_t>(slots[i])));
+    if (tokens[i] < 0 || tokens[i] > mapped)
+      throw std::invalid_argument(what + ": reqid " + std::to_string(slots[i]) + " would read " +
+                                  std::to_string(tokens[i]) + " tokens but has " + std::to_string(mapped) +
+                                  " mapped (step() it to at least " + std::to_string(tokens[i]) +
+                                  " tokens before attending)");
+  }
+}
+
 PageStats PageManager::stats() const {
   if (forked()) throw ForkedError(kForked);
   Lock lock(sync_->mu);

@@ -205,6 +205,11 @@ class PageManager {
   bool closed() const;
   size_t mapped_pages(int64_t slot) const;  // positions (pages per buffer) mapped in slot
   bool slot_allocated(int64_t slot) const;
+  // Throws std::invalid_argument (message prefixed with `what`) unless every
+  // slots[i] is allocated and has at least tokens[i] tokens mapped in every
+  // buffer: what an attention kernel checks before it reads rows [0,
+  // tokens[i]) of each request. One lock for the whole batch.
+  void check_mapped(const int64_t* slots, const int64_t* tokens, size_t count, const std::string& what) const;
   PageStats stats() const;
   // Every mapping the table holds, orphans included.
   std::vector<TableEntry> table() const;

@@ -1,0 +1,440 @@
+#include "attention.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#if defined(__aarch64__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMD
+#define HWCAP_ASIMD (1 << 1)
+#endif
+#endif
+
+#include "convert.h"
+#include "thread_pool.h"
+
+namespace vattn {
+namespace cpu_attn {
+
+namespace {
+
+constexpr int32_t kMaxHeadDim = 1024;
+constexpr int32_t kBlockRows = 64;       // query rows (queries x group heads) per prefill item
+constexpr int32_t kDecodeRows = 16;      // at most this many rows per kv head: one item spans all kv heads
+constexpr int64_t kMinSplitKeys = 256;   // a split covers at least this many keys
+constexpr int kItemsPerThread = 4;       // splitting aims at this many items per thread
+
+std::atomic<uint64_t> call_counts[kNumIsas];  // completed attention() calls per ISA, since the module loaded
+
+std::string shape_str(const TensorRef& t) {
+  std::ostringstream s;
+  s << "[";
+  for (int i = 0; i < t.ndim; ++i) s << (i ? ", " : "") << t.shape[i];
+  s << "]";
+  return s.str();
+}
+
+const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::kF32: return "float32";
+    case DType::kBF16: return "bfloat16";
+    case DType::kF16: return "float16";
+  }
+  return "?";
+}
+
+int64_t element_size(DType d) { return d == DType::kF32 ? 4 : 2; }
+
+[[noreturn]] void bad(const std::string& message) { throw std::invalid_argument(message); }
+
+void check_rank(const TensorRef& t, const char* name, int ndim, const char* dims) {
+  if (t.ndim != ndim) bad(std::string(name) + " must be " + dims + ", got " + std::to_string(t.ndim) + "-D " + shape_str(t));
+  for (int i = 0; i < ndim; ++i)
+    if (t.strides[i] < 0) bad(std::string(name) + " must have non-negative strides");
+  if (t.shape[ndim - 1] > 1 && t.strides[ndim - 1] != 1)
+    bad(std::string(name) + " must be contiguous in its last dimension (stride 1), got stride " +
+        std::to_string(t.strides[ndim - 1]));
+}
+
+void validate(const BatchPlan& plan, const Call& c, const TensorRef* k_new, const TensorRef* v_new) {
+  check_rank(c.q, "q", 3, "[num_tokens, num_heads_q, head_dim]");
+  check_rank(c.out, "out", 3, "[num_tokens, num_heads_q, head_dim]");
+  check_rank(c.k_cache, "k_cache", 4, "[max_batch_size, max_context_len, num_heads_kv, head_dim]");
+  check_rank(c.v_cache, "v_cache", 4, "[max_batch_size, max_context_len, num_heads_kv, head_dim]");
+  const int64_t T = c.q.shape[0], Hq = c.q.shape[1], D = c.q.shape[2];
+  const int64_t B = c.k_cache.shape[0], L = c.k_cache.shape[1], Hkv = c.k_cache.shape[2];
+  if (T != plan.num_tokens())
+    bad("q must have num_tokens = " + std::to_string(plan.num_tokens()) + " rows (sum of query_lens), got " +
+        shape_str(c.q));
+  if (D < 1 || D > kMaxHeadDim) bad("head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "], got " + std::to_string(D));
+  for (int i = 0; i < 4; ++i)
+    if (c.v_cache.shape[i] != c.k_cache.shape[i])
+      bad("k_cache and v_cache shapes differ: " + shape_str(c.k_cache) + " vs " + shape_str(c.v_cache));
+  if (c.k_cache.shape[3] != D)
+    bad("k_cache head_dim (" + std::to_string(c.k_cache.shape[3]) + ") must equal q's (" + std::to_string(D) + ")");
+  if (Hkv < 1 || Hq < 1 || Hq % Hkv != 0)
+    bad("q heads (" + std::to_string(Hq) + ") must be a positive multiple of the cache's kv heads (" +
+        std::to_string(Hkv) + ")");
+  for (int i = 0; i < 3; ++i)
+    if (c.out.shape[i] != c.q.shape[i]) bad("out must have q's shape " + shape_str(c.q) + ", got " + shape_str(c.out));
+  if (c.out.dtype != c.q.dtype)
+    throw TypeError(std::string("out must have q's dtype (") + dtype_name(c.q.dtype) + "), got " + dtype_name(c.out.dtype));
+  if (c.v_cache.dtype != c.k_cache.dtype)
+    throw TypeError(std::string("k_cache and v_cache dtypes differ: ") + dtype_name(c.k_cache.dtype) + " vs " +
+                    dtype_name(c.v_cache.dtype));
+  if (plan.max_reqid() >= B)
+    bad("reqids must be in [0, " + std::to_string(B - 1) + "] for this cache (max_batch_size " + std::to_string(B) +
+        "), got " + std::to_string(plan.max_reqid()));
+  if (plan.max_seq_len() > L)
+    bad("cached_lens + query_lens must be <= " + std::to_string(L) + " (the cache's max_context_len), got " +
+        std::to_string(plan.max_seq_len()));
+  if ((k_new == nullptr) != (v_new == nullptr)) bad("k and v must be given together (or neither)");
+  const TensorRef* news[2] = {k_new, v_new};
+  for (int i = 0; i < 2; ++i) {
+    const TensorRef* t = news[i];
+    if (!t) continue;
+    const char* name = i == 0 ? "k" : "v";
+    check_rank(*t, name, 3, "[num_tokens, num_heads_kv, head_dim]");
+    if (t->shape[0] != T || t->shape[1] != Hkv || t->shape[2] != D)
+      bad(std::string(name) + " must be [" + std::to_string(T) + ", " + std::to_string(Hkv) + ", " +
+          std::to_string(D) + "] (new tokens, kv heads, head_dim), got " + shape_str(*t));
+    if (t->dtype != c.k_cache.dtype)
+      throw TypeError(std::string(name) + " must have the cache's dtype (" + dtype_name(c.k_cache.dtype) + "), got " +
+                      dtype_name(t->dtype));
+  }
+  if (c.lse.data) {
+    check_rank(c.lse, "lse", 2, "[num_tokens, num_heads_q]");
+    if (c.lse.shape[0] != T || c.lse.shape[1] != Hq)
+      bad("lse must be [" + std::to_string(T) + ", " + std::to_string(Hq) + "], got " + shape_str(c.lse));
+    if (c.lse.dtype != DType::kF32) throw TypeError(std::string("lse must be float32, got ") + dtype_name(c.lse.dtype));
+  }
+  if (!std::isfinite(c.scale)) bad("softmax_scale must be finite, got " + std::to_string(c.scale));
+  if (!(c.softcap >= 0.0f) || !std::isfinite(c.softcap))
+    bad("logits_soft_cap must be a finite value >= 0 (0 = off), got " + std::to_string(c.softcap));
+  if (c.window < 0) bad("sliding_window must be >= 0 (0 = off), got " + std::to_string(c.window));
+}
+
+// ---- new K/V rows ---------------------------------------------------------------
+
+void write_rows(const BatchPlan& plan, const TensorRef& cache, const TensorRef& src) {
+  const int64_t esize = element_size(cache.dtype);
+  const int64_t H = cache.shape[2], D = cache.shape[3];
+  const bool whole_token = (H == 1 || (cache.strides[2] == D && src.strides[1] == D));
+  for (const Request& r : plan.requests()) {
+    for (int64_t j = 0; j < r.query_len; ++j) {
+      char* dst = cache.data + (r.reqid * cache.strides[0] + (r.cached_len + j) * cache.strides[1]) * esize;
+      const char* from = src.data + (r.query_start + j) * src.strides[0] * esize;
+      if (whole_token) {
+        std::memcpy(dst, from, H * D * esize);
+      } else {
+        for (int64_t h = 0; h < H; ++h)
+          std::memcpy(dst + h * cache.strides[2] * esize, from + h * src.strides[1] * esize, D * esize);
+      }
+    }
+  }
+}
+
+// ---- split merges ---------------------------------------------------------------
+
+template <class T>
+void store_row(const TensorRef& out, int64_t token, int64_t head, const float* src, int d) {
+  T* dst = reinterpret_cast<T*>(out.data) + token * out.strides[0] + head * out.strides[1];
+  for (int x = 0; x < d; ++x) from_float(src[x], dst + x);
+}
+
+// Combines the splits of one group: O = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s.
+void merge(const Call& c, const Schedule::Group& g) {
+  const Request& rq = c.requests[g.req];
+  const int G = c.group_size, d = c.head_dim;
+  const int rows_per_head = (g.q_end - g.q_begin) * G;
+  const int rows = (g.head_end - g.head_begin) * rows_per_head;
+  float row[kMaxHeadDim];
+  for (int hr = 0; hr < rows; ++hr) {
+    float m = -INFINITY;
+    for (int s = 0; s < g.num_splits; ++s)
+      m = std::max(m, c.partial_max[static_cast<int64_t>(g.first_slot + s) * c.rows_per_slot + hr]);
+    float l = 0.0f;
+    std::fill(row, row + d, 0.0f);
+    if (m != -INFINITY) {
+      for (int s = 0; s < g.num_splits; ++s) {
+        const int64_t at = static_cast<int64_t>(g.first_slot + s) * c.rows_per_slot + hr;
+        if (c.partial_max[at] == -INFINITY) continue;
+        const float w = std::exp(c.partial_max[at] - m);
+        l += w * c.partial_sum[at];
+        const float* acc = c.partial_acc + at * d;
+        for (int x = 0; x < d; ++x) row[x] += w * acc[x];
+      }
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int x = 0; x < d; ++x) row[x] *= inv;
+    const int r = hr % rows_per_head;
+    const int64_t token = rq.query_start + g.q_begin + r / G;
+    const int64_t head = static_cast<int64_t>(g.head_begin + hr / rows_per_head) * G + r % G;
+    switch (c.out.dtype) {
+      case DType::kF32: store_row<float>(c.out, token, head, row, d); break;
+      case DType::kBF16: store_row<bf16>(c.out, token, head, row, d); break;
+      case DType::kF16: store_row<f16>(c.out, token, head, row, d); break;
+    }
+    if (c.lse.data)
+      reinterpret_cast<float*>(c.lse.data)[token * c.lse.strides[0] + head * c.lse.strides[1]] =
+          l > 0.0f ? m + std::log(l) : -INFINITY;
+  }
+}
+
+// ---- the job ------------------------------------------------------------------------
+
+struct Job {
+  const Call* call;
+  const KernelTable* kernels;
+  const Schedule* schedule;
+  std::atomic<int32_t>* remaining;  // per group: splits not finished yet
+};
+
+void run_task(void* ctx, int64_t index, float* scratch) {
+  const Job& job = *static_cast<const Job*>(ctx);
+  const WorkItem& it = job.schedule->items[index];
+  job.kernels->run_item(*job.call, it, scratch);
+  // the last split of a group merges it (acq_rel: it sees every other split's partials)
+  if (it.group >= 0 && job.remaining[it.group].fetch_sub(1, std::memory_order_acq_rel) == 1)
+    merge(*job.call, job.schedule->groups[it.group]);
+}
+
+const KernelTable* kernels_of(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return scalar_kernels();
+    case Isa::kAvx2: return avx2_kernels();
+    case Isa::kAvx512: return avx512_kernels();
+    case Isa::kNeon: return neon_kernels();
+  }
+  return nullptr;
+}
+
+// The requested ISA, or the next lower supported one whose vector width divides head_dim.
+Isa usable_isa(Isa requested, int head_dim) {
+  static const Isa order[] = {Isa::kAvx512, Isa::kAvx2, Isa::kNeon, Isa::kScalar};
+  bool reached = false;
+  for (Isa isa : order) {
+    reached = reached || isa == requested;
+    if (reached && isa_supported(isa) && head_dim % kernels_of(isa)->vector_floats == 0) return isa;
+  }
+  return Isa::kScalar;
+}
+
+}  // namespace
+
+// ---- plan and schedule ------------------------------------------------------------------
+
+BatchPlan::BatchPlan(const std::vector<int64_t>& reqids, const std::vector<int64_t>& cached_lens,
+                     const std::vector<int64_t>& query_lens) {
+  if (reqids.size() != cached_lens.size() || reqids.size() != query_lens.size())
+    bad("reqids, cached_lens and query_lens must have equal lengths, got " + std::to_string(reqids.size()) + ", " +
+        std::to_string(cached_lens.size()) + ", " + std::to_string(query_lens.size()));
+  if (reqids.empty()) bad("reqids must name at least one request");
+  if (reqids.size() > (1u << 30)) bad("at most 2^30 requests per batch");
+  std::vector<int64_t> sorted(reqids);
+  std::sort(sorted.begin(), sorted.end());
+  if (sorted.front() < 0 || std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+    bad("reqids must be distinct non-negative ints");
+  int64_t start = 0;
+  for (size_t i = 0; i < reqids.size(); ++i) {
+    if (cached_lens[i] < 0) bad("cached_lens must be >= 0, got " + std::to_string(cached_lens[i]));
+    if (query_lens[i] < 1) bad("query_lens must be >= 1, got " + std::to_string(query_lens[i]));
+    if (cached_lens[i] > (int64_t{1} << 40) || query_lens[i] > (int64_t{1} << 30))
+      bad("cached_lens must be < 2^40 and query_lens < 2^30");
+    requests_.push_back(Request{reqids[i], cached_lens[i], query_lens[i], start});
+    start += query_lens[i];
+    max_seq_len_ = std::max(max_seq_len_, cached_lens[i] + query_lens[i]);
+  }
+  if (start > (int64_t{1} << 31)) bad("at most 2^31 new tokens per batch");
+  num_tokens_ = start;
+  max_reqid_ = sorted.back();
+}
+
+std::shared_ptr<const Schedule> BatchPlan::schedule(int32_t group_size, int32_t heads_kv, int64_t window,
+                                                    int threads) const {
+  const auto key = std::make_tuple(group_size, heads_kv, window, threads);
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto found = schedules_.find(key);
+  if (found != schedules_.end()) return found->second;
+
+  auto sched = std::make_shared<Schedule>();
+  // Whole items first: a decode (few rows per kv head) spans every kv head, so
+  // its key tiles are runs of whole token rows; a prefill block takes one kv head.
+  const int32_t block = std::max<int32_t>(1, kBlockRows / group_size);  // queries per prefill item
+  std::vector<WorkItem> whole;
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    const Request& r = requests_[i];
+    const bool decode = r.query_len * group_size <= kDecodeRows;
+    const int64_t blocks = decode ? 1 : (r.query_len + block - 1) / block;
+    const int64_t per_block = (r.query_len + blocks - 1) / blocks;  // balanced blocks
+    for (int64_t q0 = 0; q0 < r.query_len; q0 += per_block) {
+      const int64_t q1 = std::min(r.query_len, q0 + per_block);
+      const int64_t k_end = r.cached_len + q1;  // the block's last query sees keys up to its own position
+      const int64_t k_begin = window > 0 ? std::max<int64_t>(0, r.cached_len + q0 - window + 1) : 0;
+      const int32_t step = decode ? heads_kv : 1;
+      for (int32_t h = 0; h < heads_kv; h += step)
+        whole.push_back(WorkItem{static_cast<int32_t>(i), h, h + step, static_cast<int32_t>(q0),
+                                 static_cast<int32_t>(q1), k_begin, k_end, -1, -1});
+    }
+  }
+  auto cost = [&](const WorkItem& it) {
+    return static_cast<int64_t>(it.head_end - it.head_begin) * (it.q_end - it.q_begin) * group_size *
+           (it.k_end - it.k_begin + 16);
+  };
+  double total = 0;
+  for (const WorkItem& it : whole) total += static_cast<double>(cost(it));
+  // Then cut the large ones, keys first (long contexts), then kv heads, so that
+  // every thread gets several items and the largest-first order can balance them.
+  const double target = total / (static_cast<double>(threads) * kItemsPerThread);
+  for (const WorkItem& it : whole) {
+    const int64_t keys = it.k_end - it.k_begin;
+    const int32_t heads = it.head_end - it.head_begin;
+    const int32_t rows_per_head = (it.q_end - it.q_begin) * group_size;
+    const int64_t want = threads > 1 ? static_cast<int64_t>(std::ceil(cost(it) / target)) : 1;
+    int64_t key_splits = std::max<int64_t>(1, std::min(want, keys / kMinSplitKeys));
+    const int32_t head_splits = static_cast<int32_t>(std::min<int64_t>(heads, (want + key_splits - 1) / key_splits));
+    const int64_t tile = kMaxKeyTile;  // splits start on tile boundaries for any tile size that divides it
+    const int64_t chunk = ((keys + key_splits - 1) / key_splits + tile - 1) / tile * tile;
+    key_splits = (keys + chunk - 1) / chunk;
+    for (int32_t hs = 0; hs < head_splits; ++hs) {
+      WorkItem part = it;
+      part.head_begin = it.head_begin + static_cast<int32_t>(static_cast<int64_t>(heads) * hs / head_splits);
+      part.head_end = it.head_begin + static_cast<int32_t>(static_cast<int64_t>(heads) * (hs + 1) / head_splits);
+      const int32_t rows = (part.head_end - part.head_begin) * rows_per_head;
+      sched->max_rows = std::max<int64_t>(sched->max_rows, rows);
+      sched->max_rows_per_head = std::max(sched->max_rows_per_head, rows_per_head);
+      if (key_splits <= 1) {
+        sched->items.push_back(part);
+        continue;
+      }
+      const int32_t group = static_cast<int32_t>(sched->groups.size());
+      sched->groups.push_back(Schedule::Group{part.req, part.head_begin, part.head_end, part.q_begin, part.q_end,
+                                              sched->num_slots, static_cast<int32_t>(key_splits)});
+      sched->rows_per_slot = std::max(sched->rows_per_slot, rows);
+      for (int64_t s = 0; s < key_splits; ++s) {
+        WorkItem split = part;
+        split.k_begin = it.k_begin + s * chunk;
+        split.k_end = std::min(it.k_end, split.k_begin + chunk);
+        split.group = group;
+        split.slot = sched->num_slots++;
+        sched->items.push_back(split);
+      }
+    }
+  }
+  // Largest first: dynamic claiming then balances the tail.
+  std::stable_sort(sched->items.begin(), sched->items.end(),
+                   [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
+  schedules_.emplace(key, sched);
+  return sched;
+}
+
+// ---- entry ----------------------------------------------------------------------
+
+Isa attention(const BatchPlan& plan, Call c, const TensorRef* k_new, const TensorRef* v_new, Isa requested) {
+  validate(plan, c, k_new, v_new);
+  c.requests = plan.requests().data();
+  c.num_heads_q = static_cast<int32_t>(c.q.shape[1]);
+  c.num_heads_kv = static_cast<int32_t>(c.k_cache.shape[2]);
+  c.group_size = c.num_heads_q / c.num_heads_kv;
+  c.head_dim = static_cast<int32_t>(c.q.shape[2]);
+  const Isa isa = usable_isa(requested, c.head_dim);
+
+  if (k_new) {  // the step's rows first: the queries attend to them
+    write_rows(plan, c.k_cache, *k_new);
+    write_rows(plan, c.v_cache, *v_new);
+  }
+  ThreadPool& pool = ThreadPool::instance();
+  const auto sched = plan.schedule(c.group_size, c.num_heads_kv, c.window, pool.threads());
+  std::vector<float> partials;
+  std::unique_ptr<std::atomic<int32_t>[]> remaining;
+  if (sched->num_slots > 0) {
+    const int64_t slot_rows = static_cast<int64_t>(sched->num_slots) * sched->rows_per_slot;
+    partials.resize(slot_rows * (c.head_dim + 2));
+    c.partial_acc = partials.data();
+    c.partial_max = c.partial_acc + slot_rows * c.head_dim;
+    c.partial_sum = c.partial_max + slot_rows;
+    c.rows_per_slot = sched->rows_per_slot;
+    remaining.reset(new std::atomic<int32_t>[sched->groups.size()]);
+    for (size_t g = 0; g < sched->groups.size(); ++g) remaining[g].store(sched->groups[g].num_splits);
+  }
+  Job job{&c, kernels_of(isa), sched.get(), remaining.get()};
+  pool.run(static_cast<int64_t>(sched->items.size()), run_task, &job,
+           scratch_floats(sched->max_rows, sched->max_rows_per_head, c.head_dim));
+  call_counts[static_cast<int>(isa)].fetch_add(1, std::memory_order_relaxed);
+  return isa;
+}
+
+uint64_t calls(Isa isa) { return call_counts[static_cast<int>(isa)].load(std::memory_order_relaxed); }
+
+// ---- ISA choice -----------------------------------------------------------------------
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return "scalar";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kNeon: return "neon";
+  }
+  return "?";
+}
+
+bool parse_isa(const std::string& name, Isa* isa) {
+  for (int i = 0; i < kNumIsas; ++i) {
+    if (name == isa_name(static_cast<Isa>(i))) {
+      *isa = static_cast<Isa>(i);
+      return true;
+    }
+  }
+  return false;
+}
+
+bool isa_compiled(Isa isa) { return kernels_of(isa) != nullptr; }
+
+bool isa_supported(Isa isa) {
+  if (!isa_compiled(isa)) return false;
+  switch (isa) {
+    case Isa::kScalar: return true;
+#if defined(__x86_64__)
+    case Isa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case Isa::kAvx512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
+#endif
+#if defined(__aarch64__)
+    case Isa::kNeon: return (getauxval(AT_HWCAP) & HWCAP_ASIMD) != 0;
+#endif
+    default: return false;
+  }
+}
+
+Isa best_isa() {
+  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kNeon})
+    if (isa_supported(isa)) return isa;
+  return Isa::kScalar;
+}
+
+Isa default_isa(std::string* note) {
+  const Isa best = best_isa();
+  const char* env = std::getenv("VATTN_CPU_ATTN_ISA");
+  if (!env || !*env) return best;
+  Isa wanted;
+  if (!parse_isa(env, &wanted)) {
+    if (note) *note = std::string("VATTN_CPU_ATTN_ISA=") + env + " is not one of scalar, avx2, avx512, neon; ignored";
+    return best;
+  }
+  if (!isa_supported(wanted)) {
+    if (note) *note = std::string("VATTN_CPU_ATTN_ISA=") + env + " is not supported here; using " + isa_name(best);
+    return best;
+  }
+  return wanted;
+}
+
+int pool_threads() { return ThreadPool::instance().threads(); }
+
+std::string pool_kind() { return ThreadPool::instance().kind(); }
+
+}  // namespace cpu_attn
+}  // namespace vattn

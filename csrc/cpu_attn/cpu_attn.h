@@ -1,0 +1,113 @@
+// Batched attention on vattn's contiguous KV cache, on the host.
+//
+// One call serves one layer of one forward: a mixed batch of prefill chunks
+// and decodes, each request reading its keys and values in place from
+// k_cache[reqid, :seq_len] (any token and slot strides, head_dim stride 1).
+// The work is cut into items (request, kv head, query block, key split) and
+// run on a persistent thread pool; each ISA's kernels live in their own
+// translation unit compiled with that ISA's flags and are picked at run time.
+//
+// This header is plain data shared by the generic code and every ISA unit:
+// no standard-library templates cross into the ISA units (they are compiled
+// with other target flags, and a template instantiated there could be the
+// copy the linker keeps for everyone).
+#pragma once
+
+#include <cstdint>
+
+namespace vattn {
+namespace cpu_attn {
+
+enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+enum class Isa : int32_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
+constexpr int kNumIsas = 4;
+
+// A strided view of one tensor argument (strides in elements).
+struct TensorRef {
+  char* data = nullptr;
+  DType dtype = DType::kF32;
+  int32_t ndim = 0;
+  int64_t shape[4] = {0, 0, 0, 0};
+  int64_t strides[4] = {0, 0, 0, 0};
+};
+
+// One request of the batch. Its queries are tokens [query_start,
+// query_start + query_len) of q/out, at positions cached_len .. seq_len - 1.
+struct Request {
+  int64_t reqid;
+  int64_t cached_len;  // tokens in the cache before this forward
+  int64_t query_len;   // new tokens (>= 1)
+  int64_t query_start; // first row of this request in q / out / k / v
+};
+
+// One unit of work: the query heads of kv heads [head_begin, head_end) for
+// the queries [q_begin, q_end) (request-local) of request `req`, over keys
+// [k_begin, k_end). Within a kv head, rows are query-major: row = j * G + g.
+// Decode items cover all kv heads, so each key tile is a run of whole token
+// rows in memory (one TLB walk and one prefetch stream for every head).
+struct WorkItem {
+  int32_t req;       // index into the batch's requests
+  int32_t head_begin, head_end;  // kv heads
+  int32_t q_begin, q_end;
+  int64_t k_begin, k_end;
+  int32_t group;     // split group (items of one (req, heads, query block) over
+                     // different key ranges), or -1: the item writes the output
+  int32_t slot;      // where a split item leaves its partial result
+};
+
+// Everything a kernel needs for one call. Plain pointers: the ISA units see
+// no containers.
+struct Call {
+  // q, out: [T, Hq, D]; k_cache, v_cache: [B, L, Hkv, D]; lse: [T, Hq] f32 or null
+  TensorRef q, out, k_cache, v_cache, lse;
+  const Request* requests = nullptr;
+  int32_t num_heads_q = 0, num_heads_kv = 0, group_size = 0, head_dim = 0;
+  float scale = 1.0f;       // softmax scale, applied to q . k
+  float softcap = 0.0f;     // > 0: scores become softcap * tanh(score / softcap)
+  int64_t window = 0;       // > 0: a query at p sees keys (p - window, p]
+  // partial results of split items: [slot][row][D] accumulators, [slot][row] max and sum
+  float* partial_acc = nullptr;
+  float* partial_max = nullptr;
+  float* partial_sum = nullptr;
+  int32_t rows_per_slot = 0;
+};
+
+// Keys per tile. Prefill blocks (many rows per kv head share each K/V load)
+// take 64. A decode item's tile spans every kv head of its tokens, and the
+// next tile is prefetched while this one computes, so both must sit in L2:
+// at most 64 KiB of K (and of V) per tile: 8, 16, 32 or 64 tokens (so that
+// tiles divide the 64-token split boundaries).
+constexpr int32_t kMaxKeyTile = 64;
+inline int32_t key_tile(int32_t rows_per_head, int64_t token_bytes) {
+  if (rows_per_head > 16) return kMaxKeyTile;
+  int32_t tile = kMaxKeyTile;
+  while (tile > 8 && tile * token_bytes > (int64_t{64} << 10)) tile /= 2;
+  return tile;
+}
+
+// Floats of per-thread scratch for an item of `rows` rows in all
+// (kv heads x rows_per_head) and head dim `d`. Non-decreasing in each
+// argument, so the maxima over a schedule's items bound every item.
+inline int64_t scratch_floats(int64_t rows, int32_t rows_per_head, int32_t d) {
+  // q, acc: rows x d; scores: rows_per_head x tile; max, sum, alpha: rows;
+  // widened K and V tiles: tile x d; plus slack for aligning each block to 64 bytes
+  return 2 * rows * d + rows_per_head * kMaxKeyTile + 3 * rows + 2 * kMaxKeyTile * d + 8 * 16;
+}
+
+// One ISA's kernels.
+struct KernelTable {
+  const char* name;
+  int32_t vector_floats;  // floats per vector register; head_dim must be a multiple
+  // Runs one item; `scratch` holds scratch_floats(rows, D) floats.
+  void (*run_item)(const Call& call, const WorkItem& item, float* scratch);
+};
+
+// Defined by each ISA unit; null where the unit was built for another architecture.
+const KernelTable* scalar_kernels();
+const KernelTable* avx2_kernels();
+const KernelTable* avx512_kernels();
+const KernelTable* neon_kernels();
+
+}  // namespace cpu_attn
+}  // namespace vattn

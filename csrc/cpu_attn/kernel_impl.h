@@ -1,0 +1,335 @@
+// The attention kernel, written once over `Vec` (one ISA's vector type and
+// operations). Each ISA unit includes this inside its own anonymous
+// namespace after defining Vec, so every function here has internal
+// linkage and is compiled with that unit's target flags only.
+//
+// One work item = the G query heads of one kv head for a block of queries
+// of one request, over a range of that request's keys. Its rows (query j,
+// head g -> row j * G + g) share every K/V load. Keys are visited in tiles:
+//
+//   S = (scale * Q) K_tile^T           rows x tile, dot products, fp32
+//   S = softcap * tanh(S / softcap)    optional
+//   mask: causal (key <= query position), sliding window (key > position - window)
+//   online softmax: m' = max(m, rowmax S), P = exp(S - m'), l = l e^(m - m') + rowsum P
+//   O = O e^(m - m') + P V_tile
+//
+// and the item ends with O / l (or, for a split, writes O, m, l for the merge).
+// K/V stay in their storage type in the cache and are widened to fp32 in
+// registers; prefill blocks widen each tile once into scratch instead, since
+// every row block re-reads it.
+#pragma once
+
+constexpr float kNegInf = -__builtin_inff();
+
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// 64-byte aligned start at or after p
+inline float* align64(float* p) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~static_cast<uintptr_t>(63));
+}
+
+using R = Vec::R;
+constexpr int W = Vec::W;
+
+// ---- Q K^T: dot products, MR rows x NT keys per register block -------------------
+
+template <class T, int MR, int NT>
+inline void qk_block(const float* q, int64_t ldq, const T* k, int64_t ldk, int d, float* s, int64_t lds) {
+  R acc[MR * NT];
+  for (int i = 0; i < MR * NT; ++i) acc[i] = Vec::zero();
+  for (int x = 0; x < d; x += W) {
+    R kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = Vec::load(k + t * ldk + x);
+    for (int r = 0; r < MR; ++r) {
+      R qv = Vec::load(q + r * ldq + x);
+      Vec::keep(qv);
+      for (int t = 0; t < NT; ++t) acc[r * NT + t] = Vec::fma(qv, kv[t], acc[r * NT + t]);
+    }
+  }
+  float sums[MR * NT];
+  Vec::hsum_n(acc, MR * NT, sums);
+  for (int r = 0; r < MR; ++r)
+    for (int t = 0; t < NT; ++t) s[r * lds + t] = sums[r * NT + t];
+}
+
+template <class T, int MR>
+inline void qk_rows(const float* q, int64_t ldq, const T* k, int64_t ldk, int64_t n, int d, float* s, int64_t lds) {
+  constexpr int NT = MR == 1 ? 8 : (MR == 2 ? 4 : 2);
+  int64_t t = 0;
+  for (; t + NT <= n; t += NT) qk_block<T, MR, NT>(q, ldq, k + t * ldk, ldk, d, s + t, lds);
+  for (; t < n; ++t) qk_block<T, MR, 1>(q, ldq, k + t * ldk, ldk, d, s + t, lds);
+}
+
+// s[r][t] = q[r] . k[t] for r < rows, t < n
+template <class T>
+void qk(const float* q, int64_t ldq, int rows, const T* k, int64_t ldk, int64_t n, int d, float* s, int64_t lds) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) qk_rows<T, 4>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds);
+  switch (rows - r) {
+    case 3: qk_rows<T, 3>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds); break;
+    case 2: qk_rows<T, 2>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds); break;
+    case 1: qk_rows<T, 1>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds); break;
+    default: break;
+  }
+}
+
+// ---- P V: MR rows x NV vectors of head_dim per register block -------------------
+
+template <class T, int MR, int NV>
+inline void pv_block(const float* p, int64_t ldp, const float* alpha, const T* v, int64_t ldv, int64_t n, float* o,
+                     int64_t ldo) {
+  R acc[MR][NV];
+  for (int r = 0; r < MR; ++r) {
+    const R a = Vec::set1(alpha[r]);
+    for (int c = 0; c < NV; ++c) acc[r][c] = Vec::mul(Vec::load(o + r * ldo + c * W), a);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    R vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = Vec::load(v + t * ldv + c * W);
+    for (int r = 0; r < MR; ++r) {
+      const R pr = Vec::set1(p[r * ldp + t]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = Vec::fma(pr, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c) Vec::store(o + r * ldo + c * W, acc[r][c]);
+}
+
+template <class T, int MR>
+inline void pv_rows(const float* p, int64_t ldp, const float* alpha, const T* v, int64_t ldv, int64_t n, int d,
+                    float* o, int64_t ldo) {
+  constexpr int NV = MR == 1 ? 4 : 2;
+  int x = 0;
+  for (; x + NV * W <= d; x += NV * W) pv_block<T, MR, NV>(p, ldp, alpha, v + x, ldv, n, o + x, ldo);
+  for (; x < d; x += W) pv_block<T, MR, 1>(p, ldp, alpha, v + x, ldv, n, o + x, ldo);
+}
+
+// o[r] = alpha[r] o[r] + sum_t p[r][t] v[t] for r < rows
+template <class T>
+void pv(const float* p, int64_t ldp, const float* alpha, int rows, const T* v, int64_t ldv, int64_t n, int d,
+        float* o, int64_t ldo) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) pv_rows<T, 4>(p + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo);
+  switch (rows - r) {
+    case 3: pv_rows<T, 3>(p + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo); break;
+    case 2: pv_rows<T, 2>(p + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo); break;
+    case 1: pv_rows<T, 1>(p + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo); break;
+    default: break;
+  }
+}
+
+// ---- rows in and out --------------------------------------------------------------
+
+template <class T>
+inline void load_scaled(const T* src, float scale, int d, float* dst) {
+  const R s = Vec::set1(scale);
+  for (int x = 0; x < d; x += W) Vec::store(dst + x, Vec::mul(Vec::load(src + x), s));
+}
+
+template <class T>
+inline void store_scaled(const float* src, float scale, int d, T* dst) {
+  const R s = Vec::set1(scale);
+  for (int x = 0; x < d; x += W) Vec::store(dst + x, Vec::mul(Vec::load(src + x), s));
+}
+
+template <class T>
+inline void widen_rows(const T* src, int64_t ld, int64_t n, int d, float* dst) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int x = 0; x < d; x += W) Vec::store(dst + t * d + x, Vec::load(src + t * ld + x));
+}
+
+inline const char* element(const TensorRef& t, int64_t i0, int64_t i1) {
+  const int64_t size = t.dtype == DType::kF32 ? 4 : 2;
+  return t.data + (i0 * t.strides[0] + i1 * t.strides[1]) * size;
+}
+
+inline void load_query_row(const TensorRef& q, int64_t token, int64_t head, float scale, int d, float* dst) {
+  const char* p = element(q, token, head);
+  switch (q.dtype) {
+    case DType::kF32: load_scaled(reinterpret_cast<const float*>(p), scale, d, dst); break;
+    case DType::kBF16: load_scaled(reinterpret_cast<const bf16*>(p), scale, d, dst); break;
+    case DType::kF16: load_scaled(reinterpret_cast<const f16*>(p), scale, d, dst); break;
+  }
+}
+
+inline void store_output_row(const TensorRef& out, int64_t token, int64_t head, const float* src, float scale,
+                             int d) {
+  char* p = const_cast<char*>(element(out, token, head));
+  switch (out.dtype) {
+    case DType::kF32: store_scaled(src, scale, d, reinterpret_cast<float*>(p)); break;
+    case DType::kBF16: store_scaled(src, scale, d, reinterpret_cast<bf16*>(p)); break;
+    case DType::kF16: store_scaled(src, scale, d, reinterpret_cast<f16*>(p)); break;
+  }
+}
+
+// Asks for tokens [0, n) of a tile ahead of use: `bytes` from each token's
+// start, tokens `ld` elements apart. A request's tokens are heads * head_dim
+// (per_layer) or layers * heads * head_dim (all_layers) elements apart, a
+// stride the hardware prefetchers follow poorly; requesting the next tile
+// while this one computes keeps many misses in flight. Prefetches never
+// fault, and these stay inside the request's mapped rows.
+template <class T>
+inline void prefetch_tokens(const T* first, int64_t ld, int64_t n, int64_t bytes) {
+  for (int64_t t = 0; t < n; ++t) {
+    const char* p = reinterpret_cast<const char*>(first + t * ld);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+    __builtin_prefetch(p + bytes - 1, 0, 3);
+  }
+}
+
+// ---- online softmax over one tile ---------------------------------------------------
+
+// Row r's scores s[0, n) for keys k0 .. k0 + n - 1, of which [lo, hi) are
+// visible. Turns s into probabilities relative to the new running max
+// (0 outside [lo, hi) and up to the padded width), updates m and l and sets
+// alpha = e^(m_old - m_new), the factor the row's accumulator is scaled by.
+inline void softmax_tile(float* s, int64_t n, int64_t lo, int64_t hi, float softcap, float* m, float* l,
+                         float* alpha) {
+  const int64_t padded = (n + W - 1) / W * W;
+  if (hi <= lo) {  // nothing visible in this tile
+    for (int64_t i = 0; i < padded; ++i) s[i] = 0.0f;
+    *alpha = 1.0f;
+    return;
+  }
+  if (softcap > 0.0f) {
+    const R cap = Vec::set1(softcap), inv = Vec::set1(1.0f / softcap);
+    for (int64_t i = 0; i < padded; i += W) Vec::store(s + i, Vec::mul(cap, Vec::tanh(Vec::mul(Vec::load(s + i), inv))));
+  }
+  for (int64_t i = 0; i < lo; ++i) s[i] = kNegInf;
+  for (int64_t i = hi; i < padded; ++i) s[i] = kNegInf;
+  R mv = Vec::set1(kNegInf);
+  for (int64_t i = 0; i < padded; i += W) mv = Vec::max(mv, Vec::load(s + i));
+  const float tile_max = Vec::hmax(mv);
+  const float m_new = *m > tile_max ? *m : tile_max;
+  const R shift = Vec::set1(m_new);
+  R sum = Vec::zero();
+  for (int64_t i = 0; i < padded; i += W) {
+    const R e = Vec::exp(Vec::sub(Vec::load(s + i), shift));
+    Vec::store(s + i, e);
+    sum = Vec::add(sum, e);
+  }
+  *alpha = *m == kNegInf ? 0.0f : ::expf(*m - m_new);
+  *l = *l * *alpha + Vec::hsum(sum);
+  *m = m_new;
+}
+
+// ---- one work item ------------------------------------------------------------------
+
+template <class T>
+void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
+  const Request& rq = c.requests[it.req];
+  const int G = c.group_size, d = c.head_dim;
+  const int nq = it.q_end - it.q_begin;
+  const int nh = it.head_end - it.head_begin;
+  const int rows = nq * G;  // per kv head
+  const int64_t head_rows = static_cast<int64_t>(rows) * d;
+  const int64_t tile = key_tile(rows, static_cast<int64_t>(nh) * d * sizeof(T));
+
+  float* q = align64(scratch);                // [nh][rows][d], pre-scaled
+  float* acc = align64(q + nh * head_rows);   // [nh][rows][d]
+  float* s = align64(acc + nh * head_rows);   // [rows][tile], one head at a time
+  float* m = align64(s + rows * kMaxKeyTile); // [nh][rows]
+  float* l = m + nh * rows;
+  float* alpha = l + nh * rows;
+  float* k_wide = align64(alpha + nh * rows); // [tile][d]
+  float* v_wide = align64(k_wide + kMaxKeyTile * d);
+
+  const int64_t first_token = rq.query_start + it.q_begin;
+  for (int h = 0; h < nh; ++h)
+    for (int j = 0; j < nq; ++j)
+      for (int g = 0; g < G; ++g)
+        load_query_row(c.q, first_token + j, static_cast<int64_t>(it.head_begin + h) * G + g, c.scale, d,
+                       q + h * head_rows + static_cast<int64_t>(j * G + g) * d);
+  for (int64_t i = 0; i < nh * head_rows; ++i) acc[i] = 0.0f;
+  for (int64_t r = 0; r < static_cast<int64_t>(nh) * rows; ++r) {
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+  }
+
+  const TensorRef& kc = c.k_cache;
+  const TensorRef& vc = c.v_cache;
+  const T* k_req = reinterpret_cast<const T*>(kc.data) + rq.reqid * kc.strides[0];
+  const T* v_req = reinterpret_cast<const T*>(vc.data) + rq.reqid * vc.strides[0];
+  const int64_t ldk = kc.strides[1], ldv = vc.strides[1];
+  // bytes of one token's rows for this item's heads, from its first head's start
+  const int64_t k_span = ((nh - 1) * kc.strides[2] + d) * static_cast<int64_t>(sizeof(T));
+  const int64_t v_span = ((nh - 1) * vc.strides[2] + d) * static_cast<int64_t>(sizeof(T));
+  const T* k_heads = k_req + it.head_begin * kc.strides[2];
+  const T* v_heads = v_req + it.head_begin * vc.strides[2];
+  const int64_t first_pos = rq.cached_len + it.q_begin;  // position of the item's first query
+  // Prefill blocks re-read each tile once per block of 4 rows: widen it once
+  // into a contiguous fp32 copy (for fp32 caches too: cache rows a power of
+  // two of bytes apart, 4 KiB for 8 heads x 128, fall into the same L1 sets
+  // and would evict each other between re-reads).
+  const bool widen = rows > 8;
+
+  prefetch_tokens(k_heads + it.k_begin * ldk, ldk, imin(tile, it.k_end - it.k_begin), k_span);
+  prefetch_tokens(v_heads + it.k_begin * ldv, ldv, imin(tile, it.k_end - it.k_begin), v_span);
+  for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += tile) {
+    const int64_t n = imin(tile, it.k_end - k0);
+    const int64_t next = k0 + n, n_next = imin(tile, it.k_end - next);
+    const int64_t per_head = (n_next + nh - 1) / nh;  // next-tile tokens prefetched under each head
+    for (int h = 0; h < nh; ++h) {
+      const int64_t p0 = imin(n_next, h * per_head), p1 = imin(n_next, p0 + per_head);
+      if (p1 > p0) {
+        prefetch_tokens(k_heads + (next + p0) * ldk, ldk, p1 - p0, k_span);
+        prefetch_tokens(v_heads + (next + p0) * ldv, ldv, p1 - p0, v_span);
+      }
+      const T* kt = k_heads + k0 * ldk + h * kc.strides[2];
+      const T* vt = v_heads + k0 * ldv + h * vc.strides[2];
+      float* qh = q + h * head_rows;
+      float* ah = acc + h * head_rows;
+      float* mh = m + h * rows;
+      float* lh = l + h * rows;
+      float* alh = alpha + h * rows;
+      if (widen) {
+        widen_rows(kt, ldk, n, d, k_wide);
+        qk<float>(qh, d, rows, k_wide, d, n, d, s, tile);
+      } else {
+        qk<T>(qh, d, rows, kt, ldk, n, d, s, tile);
+      }
+      for (int r = 0; r < rows; ++r) {
+        const int64_t pos = first_pos + r / G;
+        const int64_t hi = imin(n, pos + 1 - k0);
+        const int64_t lo = c.window > 0 ? imax(0, pos - c.window + 1 - k0) : 0;
+        softmax_tile(s + r * tile, n, lo, hi, c.softcap, mh + r, lh + r, alh + r);
+      }
+      if (widen) {
+        widen_rows(vt, ldv, n, d, v_wide);
+        pv<float>(s, tile, alh, rows, v_wide, d, n, d, ah, d);
+      } else {
+        pv<T>(s, tile, alh, rows, vt, ldv, n, d, ah, d);
+      }
+    }
+  }
+
+  if (it.group >= 0) {  // a split: keep the unnormalized accumulator for the merge
+    const int64_t base = static_cast<int64_t>(it.slot) * c.rows_per_slot;
+    float* pacc = c.partial_acc + base * d;
+    for (int64_t i = 0; i < nh * head_rows; ++i) pacc[i] = acc[i];
+    for (int64_t r = 0; r < static_cast<int64_t>(nh) * rows; ++r) {
+      c.partial_max[base + r] = m[r];
+      c.partial_sum[base + r] = l[r];
+    }
+    return;
+  }
+  for (int h = 0; h < nh; ++h) {
+    for (int r = 0; r < rows; ++r) {
+      const int64_t hr = static_cast<int64_t>(h) * rows + r;
+      const int64_t token = first_token + r / G, head = static_cast<int64_t>(it.head_begin + h) * G + r % G;
+      store_output_row(c.out, token, head, acc + hr * d, l[hr] > 0.0f ? 1.0f / l[hr] : 0.0f, d);
+      if (c.lse.data)
+        *reinterpret_cast<float*>(const_cast<char*>(element(c.lse, token, head))) =
+            l[hr] > 0.0f ? m[hr] + ::logf(l[hr]) : kNegInf;
+    }
+  }
+}
+
+void run_item(const Call& c, const WorkItem& it, float* scratch) {
+  switch (c.k_cache.dtype) {
+    case DType::kF32: run_item_typed<float>(c, it, scratch); break;
+    case DType::kBF16: run_item_typed<bf16>(c, it, scratch); break;
+    case DType::kF16: run_item_typed<f16>(c, it, scratch); break;
+  }
+}
