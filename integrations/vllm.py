@@ -327,6 +327,12 @@ def _configure(vllm_config: Any) -> None:
     device = "cpu" if current_platform.is_cpu() else "cuda"
     window = getattr(model.hf_text_config, "sliding_window", None) if not model.is_hybrid else None
     check_kernel(model.get_head_size(), device, sliding_window=window)
+    if window:
+        # vLLM gives such layers its sliding-window block manager (blocks left behind the window are
+        # freed and replaced by its null block); the worker serves one full-attention group only.
+        raise ValueError(f"vattn's vLLM integration serves full-attention models; this model's layers use a "
+                         f"sliding window of {window} tokens (vLLM's sliding-window KV cache groups); unset "
+                         f"{SWITCH} for this model")
     if device == "cpu":  # the CUDA granularity is known in the worker, which checks it there
         parallel = vllm_config.parallel_config
         choose_layout(model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
