@@ -57,6 +57,10 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
     """(name, command, time limit in seconds) of every stage."""
     py = sys.executable
     build = ("build", [py, "setup.py", "build_ext", "--inplace"], 300)
+    # the rehearsal builds beside its results: an in-place build would rewrite the
+    # extension under a process (the test suite) that has it loaded
+    dry_build = ("build", [py, "setup.py", "build_ext", "--build-lib", "{out}/build/lib",
+                           "--build-temp", "{out}/build/temp"], 300)
     if not dry:
         return [
             build,
@@ -72,7 +76,7 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
         ]
     device = "cuda" if have_fake_cuda else "cpu"  # cuda: the fake driver
     return [
-        build,
+        dry_build,
         ("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", "{out}/tests.xml",
                    "tests/test_cuda_real.py"], 120),
         ("vmm_latency", [py, str(BENCH / "vmm_latency.py"), "--backends", "host,cuda" if have_fake_cuda else "host",
@@ -105,6 +109,7 @@ def run_stage(name: str, cmd: list[str], limit: int, env: dict[str, str], log) -
     print(f"\n==== {name}: {' '.join(cmd)}", file=log, flush=True)
     print(f"[gpu_suite] {name} ...", flush=True)
     t = time.perf_counter()
+    start = log.tell()
     try:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=limit).returncode
         status = "ok" if rc == 0 else "failed"
@@ -112,6 +117,10 @@ def run_stage(name: str, cmd: list[str], limit: int, env: dict[str, str], log) -
         rc, status = None, f"timed out after {limit} s"
     seconds = round(time.perf_counter() - t, 1)
     print(f"[gpu_suite] {name}: {status} ({seconds} s)", flush=True)
+    if status != "ok":  # the stage's last lines, so a failure explains itself without the log
+        with open(log.name, errors="replace") as f:
+            f.seek(start)
+            print("\n".join(f.read().splitlines()[-25:]), flush=True)
     return {"name": name, "command": cmd, "seconds": seconds, "returncode": rc, "status": status}
 
 
