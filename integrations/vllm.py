@@ -147,14 +147,17 @@ def check_kernel(head_dim: int, device_type: str, sliding_window: int | None = N
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Any, k: torch.Tensor,
-            v: torch.Tensor, scale: float, sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
-    """vattn's host kernel on the CPU (one call per layer for the whole batch,
-    K/V written in the same call), the FlashAttention-2 adapter on CUDA;
-    check_kernel vetted the head dim, window and soft-cap at start-up."""
+            v: torch.Tensor, scale: float, sliding_window: int | None, soft_cap: float | None,
+            out: torch.Tensor) -> None:
+    """Attention into ``out``: vattn's host kernel on the CPU (one call per
+    layer for the whole batch, K/V written in the same call, the result
+    written in place), the FlashAttention-2 adapter on CUDA; check_kernel
+    vetted the head dim, window and soft-cap at start-up."""
     if q.device.type == "cpu":
-        return vattn_attention.attention(q, k_cache, v_cache, batch, k=k, v=v, softmax_scale=scale,
-                                         sliding_window=sliding_window, logits_soft_cap=soft_cap)
-    return vattn_attention.flash_attn_attention(q, k_cache, v_cache, batch, k=k, v=v, softmax_scale=scale)
+        vattn_attention.host_attention(q, k_cache, v_cache, batch, k=k, v=v, softmax_scale=scale,
+                                       sliding_window=sliding_window, logits_soft_cap=soft_cap, out=out)
+    else:
+        out.copy_(vattn_attention.flash_attn_attention(q, k_cache, v_cache, batch, k=k, v=v, softmax_scale=scale))
 
 
 # ---- the worker: rows of the persistent batch as vattn slices --------------------------
@@ -420,8 +423,8 @@ def _impl_cls() -> type:
                 return output
             batch = attn_metadata.batch
             t = batch.num_tokens
-            output[:t] = _attend(query[:t], kv_cache[0], kv_cache[1], batch, key[:t], value[:t], self.scale,
-                                 self.sliding_window, self.logits_soft_cap)
+            _attend(query[:t], kv_cache[0], kv_cache[1], batch, key[:t], value[:t], self.scale,
+                    self.sliding_window, self.logits_soft_cap, output[:t])
             return output
 
     return VAttnAttentionImpl
