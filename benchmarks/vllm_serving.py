@@ -173,7 +173,7 @@ def plot(payload: dict, name: str) -> None:
     ax.set_xticks(list(xs), list(TRACES))
     ax.set_ylabel("generated tokens/s")
     ax.set_title(f"vLLM-CPU {payload['vllm']}, {payload['machine']['cores']} cores")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower center")
     fig.tight_layout()
     save_plot(fig, name)
 
