@@ -37,13 +37,25 @@ CPU_ATTN_SOURCES = [
     "csrc/cpu_attn/kernel_avx512.cpp",
     "csrc/cpu_attn/kernel_neon.cpp",
     "csrc/cpu_attn/kernel_scalar.cpp",
+    "csrc/cpu_attn/kernel_sve.cpp",
     "csrc/cpu_attn/thread_pool.cpp",
 ]
-X86 = platform.machine().lower() in ("x86_64", "amd64")
-ISA_FLAGS = {  # units absent here compile with the baseline flags (NEON is baseline on AArch64)
-    "kernel_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"] if X86 else [],
-    "kernel_avx512.cpp": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"] if X86 else [],
-}
+
+
+def isa_flags(machine: str) -> dict[str, list[str]]:
+    """Each kernel unit's own target flags on ``machine`` (platform.machine());
+    units absent here take the baseline flags (NEON is baseline on AArch64).
+    tests/test_cpu_attn_isas.py compiles the units with these too."""
+    machine = machine.lower()
+    if machine in ("x86_64", "amd64"):
+        return {"kernel_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
+                "kernel_avx512.cpp": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"]}
+    if machine in ("aarch64", "arm64"):
+        return {"kernel_sve.cpp": ["-march=armv8.2-a+sve", "-msve-vector-bits=256"]}
+    return {}
+
+
+ISA_FLAGS = isa_flags(platform.machine())
 
 cpu_attn = Pybind11Extension(
     "vattn._cpu_attn",
@@ -69,6 +81,7 @@ class BuildExt(build_ext):
         super().build_extensions()
 
 
-# one compiler per CPU (VATTN_BUILD_JOBS=N to choose): fifteen units, each a few seconds
-with ParallelCompile("VATTN_BUILD_JOBS"):
-    setup(ext_modules=[ext, cpu_attn], cmdclass={"build_ext": BuildExt})
+if __name__ == "__main__":  # pip and `python setup.py` run it as __main__; tests import isa_flags
+    # one compiler per CPU (VATTN_BUILD_JOBS=N to choose): sixteen units, each a few seconds
+    with ParallelCompile("VATTN_BUILD_JOBS"):
+        setup(ext_modules=[ext, cpu_attn], cmdclass={"build_ext": BuildExt})

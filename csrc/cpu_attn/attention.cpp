@@ -9,8 +9,16 @@
 
 #if defined(__aarch64__)
 #include <sys/auxv.h>
+#include <sys/prctl.h>
 #ifndef HWCAP_ASIMD
 #define HWCAP_ASIMD (1 << 1)
+#endif
+#ifndef HWCAP_SVE
+#define HWCAP_SVE (1 << 22)
+#endif
+#ifndef PR_SVE_GET_VL
+#define PR_SVE_GET_VL 51
+#define PR_SVE_VL_LEN_MASK 0xffff
 #endif
 #endif
 
@@ -209,13 +217,14 @@ const KernelTable* kernels_of(Isa isa) {
     case Isa::kAvx2: return avx2_kernels();
     case Isa::kAvx512: return avx512_kernels();
     case Isa::kNeon: return neon_kernels();
+    case Isa::kSve: return sve_kernels();
   }
   return nullptr;
 }
 
 // The requested ISA, or the next lower supported one whose vector width divides head_dim.
 Isa usable_isa(Isa requested, int head_dim) {
-  static const Isa order[] = {Isa::kAvx512, Isa::kAvx2, Isa::kNeon, Isa::kScalar};
+  static const Isa order[] = {Isa::kAvx512, Isa::kAvx2, Isa::kSve, Isa::kNeon, Isa::kScalar};
   bool reached = false;
   for (Isa isa : order) {
     reached = reached || isa == requested;
@@ -378,6 +387,7 @@ const char* isa_name(Isa isa) {
     case Isa::kAvx2: return "avx2";
     case Isa::kAvx512: return "avx512";
     case Isa::kNeon: return "neon";
+    case Isa::kSve: return "sve256";
   }
   return "?";
 }
@@ -405,13 +415,18 @@ bool isa_supported(Isa isa) {
 #endif
 #if defined(__aarch64__)
     case Isa::kNeon: return (getauxval(AT_HWCAP) & HWCAP_ASIMD) != 0;
+    case Isa::kSve: {  // the unit is built for 256-bit vectors: the thread's length must be exactly that
+      if (!(getauxval(AT_HWCAP) & HWCAP_SVE)) return false;
+      const int vl = prctl(PR_SVE_GET_VL, 0, 0, 0, 0);
+      return vl >= 0 && (vl & PR_SVE_VL_LEN_MASK) == 32;
+    }
 #endif
     default: return false;
   }
 }
 
 Isa best_isa() {
-  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kNeon})
+  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kSve, Isa::kNeon})
     if (isa_supported(isa)) return isa;
   return Isa::kScalar;
 }
@@ -422,7 +437,7 @@ Isa default_isa(std::string* note) {
   if (!env || !*env) return best;
   Isa wanted;
   if (!parse_isa(env, &wanted)) {
-    if (note) *note = std::string("VATTN_CPU_ATTN_ISA=") + env + " is not one of scalar, avx2, avx512, neon; ignored";
+    if (note) *note = std::string("VATTN_CPU_ATTN_ISA=") + env + " is not one of scalar, avx2, avx512, neon, sve256; ignored";
     return best;
   }
   if (!isa_supported(wanted)) {

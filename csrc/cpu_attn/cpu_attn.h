@@ -20,8 +20,9 @@ namespace cpu_attn {
 
 enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
-enum class Isa : int32_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
-constexpr int kNumIsas = 4;
+// kSve: SVE at a 256-bit vector length ("sve256"; other lengths use NEON)
+enum class Isa : int32_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3, kSve = 4 };
+constexpr int kNumIsas = 5;
 
 // A strided view of one tensor argument (strides in elements).
 struct TensorRef {
@@ -108,6 +109,7 @@ const KernelTable* scalar_kernels();
 const KernelTable* avx2_kernels();
 const KernelTable* avx512_kernels();
 const KernelTable* neon_kernels();
+const KernelTable* sve_kernels();
 
 }  // namespace cpu_attn
 }  // namespace vattn
