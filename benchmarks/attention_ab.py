@@ -227,24 +227,32 @@ def flashinfer_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], 
 def time_interleaved(fns: dict[str, Callable[[], torch.Tensor]], device: torch.device, min_seconds: float,
                      min_reps: int) -> dict[str, float]:
     """Median ms per call of each fn, timed in alternation so that drift of
-    the machine (frequency, neighbours) touches every kernel alike. On a GPU
-    one sample is CUDA events around as many back-to-back calls as last about
-    a millisecond (launch gaps of tiny decode kernels are not in it)."""
+    the machine (frequency, neighbours) touches every kernel alike. Each
+    round runs every kernel for about the same time (a fast kernel gets many
+    calls per round, not as few samples as the slowest kernel of the point).
+    On a GPU one sample is CUDA events around as many back-to-back calls as
+    last about a millisecond (launch gaps of tiny decode kernels are not in
+    it); on the CPU every call is a sample."""
     if not fns:
         return {}
     cuda = device.type == "cuda"
-    inner = {name: 1 for name in fns}
-    if cuda:
-        for name, fn in fns.items():
+    first = {}
+    for name, fn in fns.items():
+        if cuda:
             torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
+        t = time.perf_counter()
+        fn()
+        if cuda:
             torch.cuda.synchronize()
-            inner[name] = max(1, min(100, int(1e-3 / max(time.perf_counter() - t, 1e-6))))
+        first[name] = max(time.perf_counter() - t, 1e-6)
+    # calls per round: GPU, enough for ~1 ms per sample; CPU, enough for half the slowest kernel's call
+    share = max(first.values()) / 2
+    inner = {name: max(1, min(100, int((1e-3 if cuda else share) / first[name]))) for name in fns}
     samples: dict[str, list[float]] = {name: [] for name in fns}
     start = time.perf_counter()
-    while (min(len(v) for v in samples.values()) < min_reps
-           or time.perf_counter() - start < min_seconds * len(fns)):
+    rounds = 0
+    while rounds < 200 and (rounds < min_reps or time.perf_counter() - start < min_seconds * len(fns)):
+        rounds += 1
         for name, fn in fns.items():
             if cuda:
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -255,11 +263,10 @@ def time_interleaved(fns: dict[str, Callable[[], torch.Tensor]], device: torch.d
                 end.synchronize()
                 samples[name].append(begin.elapsed_time(end) / inner[name])
             else:
-                t = time.perf_counter()
-                fn()
-                samples[name].append((time.perf_counter() - t) * 1e3)
-        if len(samples[name]) >= 200:
-            break
+                for _ in range(inner[name]):
+                    t = time.perf_counter()
+                    fn()
+                    samples[name].append((time.perf_counter() - t) * 1e3)
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
