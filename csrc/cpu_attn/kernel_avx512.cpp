@@ -1,10 +1,9 @@
 // x86-64 with AVX-512F. setup.py compiles this unit alone with -mavx512f
 // (and the AVX2 flags); nothing here runs unless the CPU reports AVX-512F.
-#include <math.h>
-#include <stdint.h>
-
-#include "convert.h"
-#include "cpu_attn.h"
+#define VATTN_ISA_NAMESPACE avx512_isa
+#define VATTN_VEC_HEADER "vec_avx512.h"
+#define VATTN_ISA_NAME "avx512"
+#define VATTN_KERNELS_FN avx512_kernels
 
 #if defined(__x86_64__) && defined(__AVX512F__)
 // GCC 12's AVX-512 intrinsics start from self-initialized "undefined"
@@ -12,27 +11,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
-
-namespace vattn {
-namespace cpu_attn {
-namespace avx512_isa {
-namespace {
-#include "vec_avx512.h"
-#include "kernel_impl.h"
-}  // namespace
-}  // namespace avx512_isa
-
-const KernelTable* avx512_kernels() {
-  static const KernelTable table{"avx512", avx512_isa::Vec::W, avx512_isa::run_item};
-  return &table;
-}
-
-}  // namespace cpu_attn
-}  // namespace vattn
 #else
-namespace vattn {
-namespace cpu_attn {
-const KernelTable* avx512_kernels() { return nullptr; }  // another architecture, or built without the flags
-}  // namespace cpu_attn
-}  // namespace vattn
+#define VATTN_ISA_ABSENT  // another architecture, or built without the flags
 #endif
+#include "kernel_unit.h"

@@ -2,36 +2,15 @@
 // with -march=armv8.2-a+sve -msve-vector-bits=256; nothing here runs unless
 // the CPU reports SVE and the process's vector length is 256 bits
 // (attention.cpp checks both before choosing it).
-#include <math.h>
-#include <stdint.h>
-
-#include "convert.h"
-#include "cpu_attn.h"
+#define VATTN_ISA_NAMESPACE sve_isa
+#define VATTN_VEC_HEADER "vec_sve.h"
+#define VATTN_ISA_NAME "sve256"
+#define VATTN_KERNELS_FN sve_kernels
 
 #if defined(__aarch64__) && defined(__ARM_FEATURE_SVE) && defined(__ARM_FEATURE_SVE_BITS) && \
     __ARM_FEATURE_SVE_BITS == 256
 #include <arm_sve.h>
-
-namespace vattn {
-namespace cpu_attn {
-namespace sve_isa {
-namespace {
-#include "vec_sve.h"
-#include "kernel_impl.h"
-}  // namespace
-}  // namespace sve_isa
-
-const KernelTable* sve_kernels() {
-  static const KernelTable table{"sve256", sve_isa::Vec::W, sve_isa::run_item};
-  return &table;
-}
-
-}  // namespace cpu_attn
-}  // namespace vattn
 #else
-namespace vattn {
-namespace cpu_attn {
-const KernelTable* sve_kernels() { return nullptr; }  // not an AArch64 build, or built without the flags
-}  // namespace cpu_attn
-}  // namespace vattn
+#define VATTN_ISA_ABSENT  // not an AArch64 build, or built without the flags
 #endif
+#include "kernel_unit.h"

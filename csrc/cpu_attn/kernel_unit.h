@@ -1,0 +1,38 @@
+// The body of one ISA's kernel unit (kernel_<isa>.cpp), so that every unit is
+// the same few lines: the unit defines
+//
+//   VATTN_ISA_NAMESPACE  a namespace of its own (internal linkage inside it)
+//   VATTN_VEC_HEADER     its Vec header ("vec_avx2.h", ...), after the intrinsics header
+//   VATTN_ISA_NAME       the name kernel tables report ("avx2", ...)
+//   VATTN_KERNELS_FN     the function cpu_attn.h declares (avx2_kernels, ...)
+//
+// and includes this where its target flags and CPU are right, or defines
+// VATTN_ISA_ABSENT and includes it where they are not (another architecture,
+// or a compiler without the flags): the function then returns null.
+#include <math.h>
+#include <stdint.h>
+
+#include "convert.h"
+#include "cpu_attn.h"
+
+namespace vattn {
+namespace cpu_attn {
+
+#ifdef VATTN_ISA_ABSENT
+const KernelTable* VATTN_KERNELS_FN() { return nullptr; }
+#else
+namespace VATTN_ISA_NAMESPACE {
+namespace {
+#include VATTN_VEC_HEADER
+#include "kernel_impl.h"
+}  // namespace
+}  // namespace VATTN_ISA_NAMESPACE
+
+const KernelTable* VATTN_KERNELS_FN() {
+  static const KernelTable table{VATTN_ISA_NAME, VATTN_ISA_NAMESPACE::Vec::W, VATTN_ISA_NAMESPACE::run_item};
+  return &table;
+}
+#endif
+
+}  // namespace cpu_attn
+}  // namespace vattn
