@@ -62,6 +62,8 @@ TensorRef ref(Store& s, std::vector<int64_t> shape, std::vector<int64_t> strides
 
 const char* dtype_name(DType d) { return d == DType::kF32 ? "f32" : d == DType::kBF16 ? "bf16" : "f16"; }
 
+int covered[3][2];  // cases per dtype and layout (per_layer, all_layers)
+
 // One random case; returns the number of mismatching paths (and prints them).
 int run_case(std::mt19937_64& rng, int index, int64_t max_cached) {
   auto pick = [&](std::initializer_list<int64_t> xs) { return *(xs.begin() + rng() % xs.size()); };
@@ -70,8 +72,10 @@ int run_case(std::mt19937_64& rng, int index, int64_t max_cached) {
   const int64_t Hkv = pick({1, 2, 4});
   const int64_t G = pick({1, 4, 8});
   const int64_t Hq = Hkv * G;
-  const DType dtype = static_cast<DType>(rng() % 3);
-  const bool all_layers = rng() % 2;
+  // dtype and layout cycle, so that any 6 consecutive cases cover every pair
+  const DType dtype = static_cast<DType>(index % 3);
+  const bool all_layers = (index / 3) % 2;
+  ++covered[static_cast<int>(dtype)][all_layers ? 1 : 0];
   const int64_t layers = all_layers ? 3 : 1;  // all_layers: layer 1 of 3, so token rows are strided
   const int64_t window = rng() % 4 == 0 ? uniform(1, 300) : 0;
   const float softcap = rng() % 4 == 0 ? 30.0f : 0.0f;
@@ -221,6 +225,10 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(12345);
   int failures = 0;
   for (int c = 0; c < cases; ++c) failures += run_case(rng, c, max_cached);
-  std::printf("%d cases, %d mismatches\n", cases, failures);
+  std::printf("covered:");  // dtype/layout pairs, so a caller can see every combination ran
+  for (int d = 0; d < 3; ++d)
+    for (int l = 0; l < 2; ++l)
+      if (covered[d][l]) std::printf(" %s/%s", dtype_name(static_cast<DType>(d)), l ? "all_layers" : "per_layer");
+  std::printf("\n%d cases, %d mismatches\n", cases, failures);
   return failures ? 1 : 0;
 }

@@ -64,9 +64,16 @@ def run(cmd: list[str], timeout: int = 600) -> str:
     return proc.stdout
 
 
-def supported(output: str) -> list[str]:
-    line = next(x for x in output.splitlines() if x.startswith("supported:"))
+def listed(output: str, key: str) -> list[str]:
+    line = next(x for x in output.splitlines() if x.startswith(f"{key}:"))
     return line.split()[1:]
+
+
+def supported(output: str) -> list[str]:
+    return listed(output, "supported")
+
+
+EVERY_DTYPE_AND_LAYOUT = sorted(f"{d}/{lay}" for d in ("f32", "bf16", "f16") for lay in ("per_layer", "all_layers"))
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +93,7 @@ def test_native_paths_match_reference(tmp_path):
 
     out = run([str(build(cxx, platform.machine(), tmp_path, [])), "24", "700"])
     assert "scalar" in supported(out)
+    assert sorted(listed(out, "covered")) == EVERY_DTYPE_AND_LAYOUT
     assert "0 mismatches" in out
 
 
@@ -93,6 +101,7 @@ def test_neon_and_sve256_under_qemu(aarch64_check):
     # 256-bit SVE: every AArch64 path runs (sve256, neon, scalar) and agrees with the reference
     out = run([QEMU, "-cpu", "max,sve-default-vector-length=32", str(aarch64_check), "8", "600"])
     assert supported(out) == ["scalar", "neon", "sve256"]
+    assert sorted(listed(out, "covered")) == EVERY_DTYPE_AND_LAYOUT
     assert "0 mismatches" in out
 
 
