@@ -270,6 +270,34 @@ def time_interleaved(fns: dict[str, Callable[[], torch.Tensor]], device: torch.d
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def measure(case: Case, families: list[Callable[[Case, list[int]], dict[str, Callable[[], torch.Tensor]]]],
+            blocks: list[int], min_seconds: float, label: str, skipped: list[str]) -> dict[str, float | None]:
+    """Median ms of every kernel of every family on one case. Each kernel's
+    output must match the vattn SDPA output before it is timed (that call is
+    also its warm-up); a family or kernel that refuses the shape or disagrees
+    is listed in ``skipped`` (with ``label``) and timed as None."""
+    times: dict[str, float | None] = {}
+    reference = sdpa_attention(case.q, case.k_cache, case.v_cache, case.batch).float()
+    checked = {}
+    for fam in families:
+        try:
+            kernels = fam(case, blocks)
+        except Exception as e:  # noqa: BLE001 - a kernel that refuses a shape is recorded, not fatal
+            skipped.append(f"{getattr(fam, 'func', fam).__name__} {label}: "  # func: a functools.partial's
+                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            continue
+        for name, fn in kernels.items():
+            try:
+                out = fn().reshape(reference.shape).float()
+                torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)
+                checked[name] = fn
+            except Exception as e:  # noqa: BLE001
+                times[name] = None
+                skipped.append(f"{name} {label}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    times.update(time_interleaved(checked, case.device, min_seconds, 3))
+    return times
+
+
 def grid(args: argparse.Namespace) -> list[tuple[str, str, str, str, int, int]]:
     """(model, dtype, phase, layout, batch, ctx): every model in the first
     dtype first (a time budget then cuts the rest)."""
@@ -358,21 +386,8 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         case = Case(phase, layout, batch, ctx, args.layers, args.device, dtype, args.blocks, shapes[model])
         try:
-            times: dict[str, float | None] = {}
-            reference = sdpa_attention(case.q, case.k_cache, case.v_cache, case.batch).float()
-            checked = {}
-            for fam in families:
-                for name, fn in fam(case, args.blocks).items():
-                    try:
-                        # every kernel must agree before it is timed (this call is also its warm-up)
-                        out = fn().reshape(reference.shape).float()
-                        torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)
-                        checked[name] = fn
-                    except Exception as e:  # noqa: BLE001 - a kernel that refuses a shape is recorded, not fatal
-                        times[name] = None
-                        skipped.append(f"{name} {model} {dtype_name} {phase} {layout} B={batch} ctx={ctx}: "
-                                       f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            times.update(time_interleaved(checked, device, args.min_seconds, 3))
+            times = measure(case, families, args.blocks, args.min_seconds,
+                            f"{model} {dtype_name} {phase} {layout} B={batch} ctx={ctx}", skipped)
         finally:
             case.close()
         row = dict(model=model, dtype=dtype_name, phase=phase, layout=layout, batch=batch, ctx=ctx, ms=times)

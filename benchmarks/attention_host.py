@@ -59,10 +59,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from attention_ab import MODELS, Case, grid, ints, model_shape, sdpa_kernels, time_interleaved  # noqa: E402
+from attention_ab import MODELS, Case, grid, ints, measure, model_shape, paged_ratios, sdpa_kernels  # noqa: E402
 from common import RESULTS, machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
 
-from vattn.attention import host_attention, host_attention_info, sdpa_attention  # noqa: E402
+from vattn.attention import host_attention, host_attention_info  # noqa: E402
 
 # ---- kernels: each returns {name: callable} for one case --------------------------
 
@@ -169,7 +169,6 @@ def main() -> None:
     args.blocks = [b for b in args.blocks if b > 0]
     args.models = [args.model]  # attention_ab's grid walks models
     shape = model_shape(args.model)
-    device = torch.device("cpu")
 
     families: list[Callable[[Case, list[int]], dict[str, Callable[[], torch.Tensor]]]] = [
         sdpa_kernels, host_kernels, padded_kernels]
@@ -187,35 +186,14 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         case = Case(phase, layout, batch, ctx, args.layers, "cpu", dtype, args.blocks, shape)
         try:
-            times: dict[str, float | None] = {}
-            reference = sdpa_attention(case.q, case.k_cache, case.v_cache, case.batch).float()
-            checked = {}
-            for fam in families:
-                try:
-                    kernels = fam(case, args.blocks)
-                except Exception as e:  # noqa: BLE001 - a kernel that refuses a shape is recorded, not fatal
-                    skipped.append(f"{getattr(fam, '__name__', 'vllm_kernels')} {dtype_name} {phase} {layout} B={batch} ctx={ctx}: "
-                                   f"{type(e).__name__}: {e}")
-                    continue
-                for kname, fn in kernels.items():
-                    try:
-                        # every kernel must agree before it is timed (this call is also its warm-up)
-                        out = fn().reshape(reference.shape).float()
-                        torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)
-                        checked[kname] = fn
-                    except Exception as e:  # noqa: BLE001
-                        times[kname] = None
-                        skipped.append(f"{kname} {dtype_name} {phase} {layout} B={batch} ctx={ctx}: "
-                                       f"{type(e).__name__}: {e}")
-            times.update(time_interleaved(checked, device, args.min_seconds, 3))
+            times = measure(case, families, args.blocks, args.min_seconds,
+                            f"{dtype_name} {phase} {layout} B={batch} ctx={ctx}", skipped)
         finally:
             case.close()
         tokens = batch * (ctx if phase == "prefill" else 1)
         row = dict(dtype=dtype_name, phase=phase, layout=layout, batch=batch, ctx=ctx, ms=times,
                    tokens_per_s={k: round(tokens / v * 1e3, 1) for k, v in times.items() if v})
-        base = times.get("vattn")
-        row["paged_over_vattn"] = {k: round(v / base, 3) for k, v in times.items()
-                                   if k.startswith("paged-") and v and base}
+        row["paged_over_vattn"] = paged_ratios(times)
         if times.get("vllm"):
             row["vllm_over"] = {k: round(times["vllm"] / v, 3) for k, v in times.items() if v and k != "vllm"}
         rows.append(row)
@@ -231,7 +209,7 @@ def main() -> None:
         "model": args.model,
         "shape": {"heads_q": shape[0], "heads_kv": shape[1], "head_dim": shape[2], "dtypes": args.dtypes,
                   "all_layers_layers": args.layers, "vllm_block": args.vllm_block},
-        "device": str(device),
+        "device": "cpu",
         "host_kernel": host_attention_info(),
         "unit": "ms per layer for the whole batch (median); tokens/s = new tokens of the batch per second",
         "results": rows,
