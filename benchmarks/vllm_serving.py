@@ -188,6 +188,8 @@ def main() -> None:
                         "machine's drift touches both alike; throughput and TTFT are means over rounds")
     p.add_argument("--replot", action="store_true", help="redraw the figure from the JSON of an earlier run")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     m = machine()
     name = f"vllm_serving_{machine_slug(m)}"
     if args.replot:
@@ -201,15 +203,14 @@ def main() -> None:
                        capture_output=True)
         spec = dict(engine=ENGINE, phases=phases(args.requests, seed=0), record_usage=True)
         (tmp / "spec.json").write_text(json.dumps(spec))
-        stocks, ours_runs = [], []
-        total = 2 * args.rounds
-        for i in range(args.rounds):
-            for vattn in ((False, True) if i % 2 == 0 else (True, False)):
-                n = len(stocks) + len(ours_runs) + 1
-                label = f"{'+ vattn' if vattn else 'stock'} (run {n}/{total}, round {i + 1})"
-                tag = "vattn" if vattn else "stock"
-                (ours_runs if vattn else stocks).append(
-                    run_engine(args.python, tmp / "model", tmp / "spec.json", tmp / f"{tag}{i}.json", vattn, label))
+        runs = {False: [], True: []}  # vattn on? -> results, one per round
+        order = [(i, vattn) for i in range(args.rounds) for vattn in ((False, True), (True, False))[i % 2]]
+        for n, (i, vattn) in enumerate(order, 1):
+            tag = "vattn" if vattn else "stock"
+            label = f"{'+ vattn' if vattn else 'stock'} (run {n}/{len(order)}, round {i + 1})"
+            runs[vattn].append(run_engine(args.python, tmp / "model", tmp / "spec.json", tmp / f"{tag}{i}.json",
+                                          vattn, label))
+        stocks, ours_runs = runs[False], runs[True]
     summary = summarize(stocks, ours_runs)
     stock, ours = stocks[0], ours_runs[0]
     v = ours["vattn"][0]

@@ -4,7 +4,7 @@
 // for AArch64 to run under qemu-aarch64 (NEON, and SVE at a chosen vector
 // length), so that paths this machine lacks are executed too.
 //
-//   cpu_attn_check [cases [max_cached]]   exit 0: every path agrees; 1: a mismatch (printed)
+//   cpu_attn_check [cases [max_cached [max_kv_heads]]]   exit 0: every path agrees; 1: a mismatch (printed)
 //
 // Each case is a random mixed batch (prefill chunks after cached tokens, and
 // decodes) over a cache in the per_layer or the all_layers layout, with the
@@ -65,11 +65,12 @@ const char* dtype_name(DType d) { return d == DType::kF32 ? "f32" : d == DType::
 int covered[3][2];  // cases per dtype and layout (per_layer, all_layers)
 
 // One random case; returns the number of mismatching paths (and prints them).
-int run_case(std::mt19937_64& rng, int index, int64_t max_cached) {
+int run_case(std::mt19937_64& rng, int index, int64_t max_cached, int64_t max_kv_heads) {
   auto pick = [&](std::initializer_list<int64_t> xs) { return *(xs.begin() + rng() % xs.size()); };
   auto uniform = [&](int64_t lo, int64_t hi) { return lo + static_cast<int64_t>(rng() % (hi - lo + 1)); };
   const int64_t D = pick({64, 80, 96, 128, 256});
-  const int64_t Hkv = pick({1, 2, 4});
+  // 16 kv heads (max_kv_heads >= 16): a decode item's token rows exceed 4 KiB in fp32, so key tiles shrink to 8
+  const int64_t Hkv = max_kv_heads >= 16 && rng() % 2 ? 16 : pick({1, 2, 4});
   const int64_t G = pick({1, 4, 8});
   const int64_t Hq = Hkv * G;
   // dtype and layout cycle, so that any 6 consecutive cases cover every pair
@@ -214,8 +215,9 @@ int run_case(std::mt19937_64& rng, int index, int64_t max_cached) {
 int main(int argc, char** argv) {
   const int cases = argc > 1 ? std::atoi(argv[1]) : 40;
   const int64_t max_cached = argc > 2 ? std::atoll(argv[2]) : 700;  // > 256: split-KV decodes
-  if (cases < 1 || max_cached < 1) {
-    std::fprintf(stderr, "usage: %s [cases >= 1 [max_cached >= 1]]\n", argv[0]);
+  const int64_t max_kv_heads = argc > 3 ? std::atoll(argv[3]) : 4;
+  if (cases < 1 || max_cached < 1 || max_kv_heads < 1) {
+    std::fprintf(stderr, "usage: %s [cases >= 1 [max_cached >= 1 [max_kv_heads >= 1]]]\n", argv[0]);
     return 2;
   }
   std::printf("supported:");
@@ -224,7 +226,7 @@ int main(int argc, char** argv) {
   std::printf("\n");
   std::mt19937_64 rng(12345);
   int failures = 0;
-  for (int c = 0; c < cases; ++c) failures += run_case(rng, c, max_cached);
+  for (int c = 0; c < cases; ++c) failures += run_case(rng, c, max_cached, max_kv_heads);
   std::printf("covered:");  // dtype/layout pairs, so a caller can see every combination ran
   for (int d = 0; d < 3; ++d)
     for (int l = 0; l < 2; ++l)

@@ -338,6 +338,12 @@ def test_bad_plans_raise(small: DenseCase) -> None:
         _cpu_attn.Plan([0], [1], [0])
     with pytest.raises(TypeError, match="reqids must hold ints"):
         _cpu_attn.Plan([0.5], [1], [1])
+    plan = _cpu_attn.Plan([0], [1], [1])
+    for bad in (dict(group_size=0, heads_kv=1), dict(group_size=1, heads_kv=0)):  # a division by zero once
+        with pytest.raises(ValueError, match="group_size and heads_kv must be >= 1"):
+            plan.num_items(**bad)
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        plan.num_items(group_size=1, heads_kv=1, window=-1)
     with pytest.raises(ValueError, match="isa must be one of"):
         host_attention(small.q, small.k_cache, small.v_cache, small.batch, isa="sse9")
     with pytest.raises(ValueError, match="needs CPU tensors"):

@@ -5,7 +5,10 @@ per-unit flags) and checked against its double-precision reference.
 - natively: every path this CPU supports (scalar, AVX2, AVX-512 where present);
 - for AArch64 with a cross compiler, under qemu-aarch64: NEON, and SVE at a
   256-bit vector length (the sve256 path), and at 128 bits, where sve256 must
-  not be chosen.
+  not be chosen;
+- with a 16-float vector emulated in plain C++ (tests/cpu_attn_wide16.h, the
+  width of AVX-512) in place of the scalar unit, so the code that depends on
+  the vector width runs at AVX-512's width on any CPU.
 
 The AArch64 runs skip, naming what is missing, without aarch64-linux-gnu-g++
 or qemu-aarch64 (Debian: g++-aarch64-linux-gnu, qemu-user).
@@ -14,6 +17,7 @@ or qemu-aarch64 (Debian: g++-aarch64-linux-gnu, qemu-user).
 from __future__ import annotations
 
 import importlib.util
+import platform
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -36,11 +40,16 @@ def isa_flags(machine: str) -> dict[str, list[str]]:
     return module.isa_flags(machine)
 
 
-def build(compiler: str, machine: str, out: Path, link: list[str]) -> Path:
-    """The harness and the kernel units, each unit compiled with its own flags."""
+def build(compiler: str, machine: str, out: Path, link: list[str], scalar_unit: Path | None = None) -> Path:
+    """The harness and the kernel units, each unit compiled with its own flags
+    (``scalar_unit``: a source to build in place of kernel_scalar.cpp)."""
     flags = isa_flags(machine)
-    common = ["-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-missing-field-initializers", f"-I{SRC}"]
-    jobs = [(SRC / f"{u}.cpp", out / f"{u}.o", flags.get(f"{u}.cpp", [])) for u in UNITS]
+    common = ["-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-missing-field-initializers", f"-I{SRC}",
+              f"-I{ROOT / 'tests'}"]
+    sources = {u: SRC / f"{u}.cpp" for u in UNITS}
+    if scalar_unit is not None:
+        sources["kernel_scalar"] = scalar_unit
+    jobs = [(sources[u], out / f"{u}.o", flags.get(f"{u}.cpp", [])) for u in UNITS]
     jobs.append((ROOT / "tests" / "cpu_attn_check.cpp", out / "check.o", []))
 
     def compile_one(job: tuple[Path, Path, list[str]]) -> subprocess.CompletedProcess:
@@ -85,14 +94,26 @@ def aarch64_check(tmp_path_factory) -> Path:
     return build(CROSS, "aarch64", tmp_path_factory.mktemp("aarch64"), ["-static"])
 
 
-def test_native_paths_match_reference(tmp_path):
+def native_compiler() -> str:
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("needs a C++ compiler (g++)")
-    import platform
+    return cxx
 
-    out = run([str(build(cxx, platform.machine(), tmp_path, [])), "24", "700"])
+
+def test_native_paths_match_reference(tmp_path):
+    # up to 16 kv heads: fp32 decode items of 16 x 128 take 8-token key tiles
+    out = run([str(build(native_compiler(), platform.machine(), tmp_path, [])), "24", "700", "16"])
     assert "scalar" in supported(out)
+    assert sorted(listed(out, "covered")) == EVERY_DTYPE_AND_LAYOUT
+    assert "0 mismatches" in out
+
+
+def test_a_16_float_vector_on_narrow_key_tiles(tmp_path):
+    # AVX-512's width where key tiles are 8 tokens: each score row is padded to 16 (a regression:
+    # rows laid out `tile` apart overwrote the next row's scores)
+    exe = build(native_compiler(), platform.machine(), tmp_path, [], ROOT / "tests" / "cpu_attn_wide16.cpp")
+    out = run([str(exe), "18", "300", "16"])
     assert sorted(listed(out, "covered")) == EVERY_DTYPE_AND_LAYOUT
     assert "0 mismatches" in out
 

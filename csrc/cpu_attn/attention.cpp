@@ -265,6 +265,9 @@ BatchPlan::BatchPlan(const std::vector<int64_t>& reqids, const std::vector<int64
 
 std::shared_ptr<const Schedule> BatchPlan::schedule(int32_t group_size, int32_t heads_kv, int64_t window,
                                                     int threads) const {
+  // attention() validated these already; Plan.num_items reaches here directly
+  if (group_size < 1 || heads_kv < 1) bad("group_size and heads_kv must be >= 1");
+  if (window < 0) bad("window must be >= 0 (0 = off), got " + std::to_string(window));
   const auto key = std::make_tuple(group_size, heads_kv, window, threads);
   std::lock_guard<std::mutex> lock(mutex_);
   auto found = schedules_.find(key);

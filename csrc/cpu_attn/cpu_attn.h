@@ -98,7 +98,6 @@ inline int64_t scratch_floats(int64_t rows, int32_t rows_per_head, int32_t d) {
 
 // One ISA's kernels.
 struct KernelTable {
-  const char* name;
   int32_t vector_floats;  // floats per vector register; head_dim must be a multiple
   // Runs one item; `scratch` holds scratch_floats(rows, D) floats.
   void (*run_item)(const Call& call, const WorkItem& item, float* scratch);

@@ -2,7 +2,6 @@
 // (and the AVX2 flags); nothing here runs unless the CPU reports AVX-512F.
 #define VATTN_ISA_NAMESPACE avx512_isa
 #define VATTN_VEC_HEADER "vec_avx512.h"
-#define VATTN_ISA_NAME "avx512"
 #define VATTN_KERNELS_FN avx512_kernels
 
 #if defined(__x86_64__) && defined(__AVX512F__)

@@ -228,7 +228,8 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
 
   float* q = align64(scratch);                // [nh][rows][d], pre-scaled
   float* acc = align64(q + nh * head_rows);   // [nh][rows][d]
-  float* s = align64(acc + nh * head_rows);   // [rows][tile], one head at a time
+  float* s = align64(acc + nh * head_rows);   // [rows][kMaxKeyTile] (row stride kMaxKeyTile, not tile:
+                                              // softmax_tile pads each row to a whole vector past tile)
   float* m = align64(s + rows * kMaxKeyTile); // [nh][rows]
   float* l = m + nh * rows;
   float* alpha = l + nh * rows;
@@ -285,21 +286,21 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
       float* alh = alpha + h * rows;
       if (widen) {
         widen_rows(kt, ldk, n, d, k_wide);
-        qk<float>(qh, d, rows, k_wide, d, n, d, s, tile);
+        qk<float>(qh, d, rows, k_wide, d, n, d, s, kMaxKeyTile);
       } else {
-        qk<T>(qh, d, rows, kt, ldk, n, d, s, tile);
+        qk<T>(qh, d, rows, kt, ldk, n, d, s, kMaxKeyTile);
       }
       for (int r = 0; r < rows; ++r) {
         const int64_t pos = first_pos + r / G;
         const int64_t hi = imin(n, pos + 1 - k0);
         const int64_t lo = c.window > 0 ? imax(0, pos - c.window + 1 - k0) : 0;
-        softmax_tile(s + r * tile, n, lo, hi, c.softcap, mh + r, lh + r, alh + r);
+        softmax_tile(s + r * kMaxKeyTile, n, lo, hi, c.softcap, mh + r, lh + r, alh + r);
       }
       if (widen) {
         widen_rows(vt, ldv, n, d, v_wide);
-        pv<float>(s, tile, alh, rows, v_wide, d, n, d, ah, d);
+        pv<float>(s, kMaxKeyTile, alh, rows, v_wide, d, n, d, ah, d);
       } else {
-        pv<T>(s, tile, alh, rows, vt, ldv, n, d, ah, d);
+        pv<T>(s, kMaxKeyTile, alh, rows, vt, ldv, n, d, ah, d);
       }
     }
   }

@@ -1,7 +1,6 @@
 // AArch64 Advanced SIMD (NEON), part of every AArch64 CPU: no extra flags.
 #define VATTN_ISA_NAMESPACE neon_isa
 #define VATTN_VEC_HEADER "vec_neon.h"
-#define VATTN_ISA_NAME "neon"
 #define VATTN_KERNELS_FN neon_kernels
 
 #if defined(__aarch64__) && defined(__ARM_NEON)

@@ -4,7 +4,6 @@
 // (attention.cpp checks both before choosing it).
 #define VATTN_ISA_NAMESPACE sve_isa
 #define VATTN_VEC_HEADER "vec_sve.h"
-#define VATTN_ISA_NAME "sve256"
 #define VATTN_KERNELS_FN sve_kernels
 
 #if defined(__aarch64__) && defined(__ARM_FEATURE_SVE) && defined(__ARM_FEATURE_SVE_BITS) && \

@@ -3,7 +3,6 @@
 //
 //   VATTN_ISA_NAMESPACE  a namespace of its own (internal linkage inside it)
 //   VATTN_VEC_HEADER     its Vec header ("vec_avx2.h", ...), after the intrinsics header
-//   VATTN_ISA_NAME       the name kernel tables report ("avx2", ...)
 //   VATTN_KERNELS_FN     the function cpu_attn.h declares (avx2_kernels, ...)
 //
 // and includes this where its target flags and CPU are right, or defines
@@ -29,7 +28,7 @@ namespace {
 }  // namespace VATTN_ISA_NAMESPACE
 
 const KernelTable* VATTN_KERNELS_FN() {
-  static const KernelTable table{VATTN_ISA_NAME, VATTN_ISA_NAMESPACE::Vec::W, VATTN_ISA_NAMESPACE::run_item};
+  static const KernelTable table{VATTN_ISA_NAMESPACE::Vec::W, VATTN_ISA_NAMESPACE::run_item};
   return &table;
 }
 #endif

@@ -201,7 +201,8 @@ void ThreadPool::run(int64_t count, Task task, void* ctx, int64_t scratch_floats
 void ThreadPool::work(uint64_t generation, float* scratch) {
   for (;;) {
     uint64_t v = next_.load(std::memory_order_acquire);
-    if ((v >> 32) != generation) return;  // a newer job replaced this one
+    // next_ holds the generation's low 32 bits only (the high ones shift out past 2^32 jobs)
+    if ((v >> 32) != (generation & 0xffffffffu)) return;  // a newer job replaced this one
     const int64_t index = static_cast<int64_t>(v & 0xffffffffu);
     // count_ is this job's: the job cannot finish while index < count_ is unclaimed
     if (index >= count_.load(std::memory_order_relaxed)) return;
