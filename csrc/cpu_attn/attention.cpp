@@ -1,6 +1,7 @@
 #include "attention.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -407,7 +408,11 @@ bool parse_isa(const std::string& name, Isa* isa) {
 
 bool isa_compiled(Isa isa) { return kernels_of(isa) != nullptr; }
 
-bool isa_supported(Isa isa) {
+namespace {
+
+// What the CPU and OS offer; asked once per process (isa_supported), since every
+// layer call consults it (on AArch64 the SVE check is a system call).
+bool detect_isa(Isa isa) {
   if (!isa_compiled(isa)) return false;
   switch (isa) {
     case Isa::kScalar: return true;
@@ -426,6 +431,17 @@ bool isa_supported(Isa isa) {
 #endif
     default: return false;
   }
+}
+
+}  // namespace
+
+bool isa_supported(Isa isa) {
+  static const auto supported = [] {
+    std::array<bool, kNumIsas> out{};
+    for (int i = 0; i < kNumIsas; ++i) out[i] = detect_isa(static_cast<Isa>(i));
+    return out;
+  }();
+  return supported[static_cast<int>(isa)];
 }
 
 Isa best_isa() {
