@@ -181,6 +181,61 @@ def test_single_long_request_split_over_keys() -> None:
     check(out, lse, reference(case.q, case.keys, case.values, batch, 1 / 8), "prefill after 3000")
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("where", ["k", "v", "q"])
+def test_nan_reaches_exactly_the_rows_that_read_it(isa: str, where: str) -> None:
+    """A NaN in a query, or in K or V of a key a query sees, makes that
+    query's output NaN (and its LSE, unless the NaN is in V), as in torch's
+    SDPA, on every path: the vector exp must not clamp a NaN score into a
+    probability, and the split merge must not drop a split whose max is NaN.
+    Rows that never read it stay exact. Request 0 is a long decode (key
+    splits), request 1 a prefill chunk after history, request 2 untouched."""
+    batch = AttentionBatch([0, 1, 2], [3000, 300, 500], [1, 24, 1])
+    for dtype in (torch.float32, torch.bfloat16):
+        case = DenseCase(batch, 8, 2, 64, dtype, max_len=3100, seed=5)
+        clean = reference(case.q, case.keys, case.values, batch, 1 / 8)
+        poisoned_rows = []  # (token range, query heads) that must come out NaN
+        for i, (reqid, key) in enumerate(((0, 1700), (1, 10))):
+            s, e = batch.query_starts[i], batch.query_starts[i + 1]
+            if where == "q":
+                case.q[s:e, 5] = float("nan")
+                poisoned_rows.append((slice(s, e), slice(5, 6)))
+            else:  # kv head 1 of a history key every query of the request sees
+                (case.k_cache if where == "k" else case.v_cache)[reqid, key, 1, 7] = float("nan")
+                poisoned_rows.append((slice(s, e), slice(4, 8)))
+        out, lse = host_attention(case.q, case.k_cache, case.v_cache, batch, k=case.k, v=case.v, return_lse=True,
+                                  isa=isa)
+        expect_nan = torch.zeros(out.shape, dtype=torch.bool)  # a NaN in V reaches only its own column
+        for tokens, heads in poisoned_rows:
+            expect_nan[tokens, heads, 7 if where == "v" else slice(None)] = True
+        got = out.isnan()
+        assert torch.equal(got, expect_nan), \
+            f"{isa} {dtype} NaN in {where}: NaN at {got.nonzero().tolist()[:8]}, expected {expect_nan.sum()} entries"
+        rows_nan = expect_nan.all(-1)
+        assert torch.equal(lse.isnan(), rows_nan), f"{isa} {dtype} NaN in {where}: lse"
+        fine = ~expect_nan
+        err = (out[fine].double() - clean[0][fine]).abs().max().item()
+        assert err <= ATOL[dtype], f"{isa} {dtype} NaN in {where}: untouched rows off by {err:.3g}"
+        lerr = (lse[~rows_nan].double() - clean[1][~rows_nan]).abs().max().item()
+        assert lerr <= LSE_ATOL, f"{isa} {dtype} NaN in {where}: untouched lse off by {lerr:.3g}"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_nan_in_a_split_that_sees_one_key(isa: str) -> None:
+    """A prefill chunk after a long history, NaN in its first new key: where a
+    key split starts at that key, the chunk's first query sees only the NaN
+    key in that split, whose max is then no number. The row must still come
+    out NaN (a split reporting max -inf would be skipped by the merge). The
+    history lengths sweep split boundaries for any pool size."""
+    for cached in range(256, 4097, 64):
+        batch = AttentionBatch([0], [cached], [8])
+        case = DenseCase(batch, 4, 1, 64, torch.float32, max_len=cached + 8, seed=1)
+        case.k[0, 0, 7] = float("nan")  # every query of the chunk sees its first new key
+        out = host_attention(case.q, case.k_cache, case.v_cache, batch, k=case.k, v=case.v, isa=isa)
+        finite_rows = (~out.isnan()).any(-1).nonzero().tolist()
+        assert not finite_rows, f"{isa}: after {cached} cached tokens, rows {finite_rows} are finite"
+
+
 def test_other_head_dims_use_a_generic_path() -> None:
     batch = AttentionBatch([1, 0], [5, 0], [1, 9])
     for head_dim in (8, 40, 72, 100):

@@ -285,6 +285,14 @@ def host_attention(
     (:meth:`AttentionBatch.check_mapped`): a bad argument raises
     ``ValueError`` / ``TypeError`` naming it.
 
+    NaN, on every ISA path: a NaN in a query, or in K of a key the query
+    sees, makes that query's output row and its LSE NaN; a NaN in V of a
+    key it sees makes that column of the row NaN (as torch's SDPA does).
+    Rows that do not read it are unaffected, except that a NaN in V may also
+    reach queries of the same request that share its key tile (at most 64
+    keys) without
+    seeing the key (their weight for it is exactly 0, and 0 x NaN is NaN).
+
     Example::
 
         batch = AttentionBatch(reqids=[3, 0], cached_lens=[17, 0], query_lens=[1, 5])

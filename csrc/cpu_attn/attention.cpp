@@ -163,9 +163,12 @@ void merge(const Call& c, const Schedule::Group& g) {
   const int rows = (g.head_end - g.head_begin) * rows_per_head;
   float row[kMaxHeadDim];
   for (int hr = 0; hr < rows; ++hr) {
+    // The largest split max; a NaN one (a split that read a NaN) wins and stays, so the row comes out NaN.
     float m = -INFINITY;
-    for (int s = 0; s < g.num_splits; ++s)
-      m = std::max(m, c.partial_max[static_cast<int64_t>(g.first_slot + s) * c.rows_per_slot + hr]);
+    for (int s = 0; s < g.num_splits; ++s) {
+      const float ms = c.partial_max[static_cast<int64_t>(g.first_slot + s) * c.rows_per_slot + hr];
+      if (m == m && !(ms <= m)) m = ms;
+    }
     float l = 0.0f;
     std::fill(row, row + d, 0.0f);
     if (m != -INFINITY) {
@@ -178,7 +181,7 @@ void merge(const Call& c, const Schedule::Group& g) {
         for (int x = 0; x < d; ++x) row[x] += w * acc[x];
       }
     }
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float inv = l == 0.0f ? 0.0f : 1.0f / l;
     for (int x = 0; x < d; ++x) row[x] *= inv;
     const int r = hr % rows_per_head;
     const int64_t token = rq.query_start + g.q_begin + r / G;
@@ -190,7 +193,7 @@ void merge(const Call& c, const Schedule::Group& g) {
     }
     if (c.lse.data)
       reinterpret_cast<float*>(c.lse.data)[token * c.lse.strides[0] + head * c.lse.strides[1]] =
-          l > 0.0f ? m + std::log(l) : -INFINITY;
+          l == 0.0f ? -INFINITY : m + std::log(l);
   }
 }
 

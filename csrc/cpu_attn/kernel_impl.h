@@ -210,8 +210,12 @@ inline void softmax_tile(float* s, int64_t n, int64_t lo, int64_t hi, float soft
     sum = Vec::add(sum, e);
   }
   *alpha = *m == kNegInf ? 0.0f : ::expf(*m - m_new);
-  *l = *l * *alpha + Vec::hsum(sum);
-  *m = m_new;
+  const float tile_sum = Vec::hsum(sum);
+  *l = *l * *alpha + tile_sum;
+  // A NaN score (a NaN in q or K) gives NaN probabilities, but x86's max drops NaN operands, so the
+  // max may not show it: make the row's max NaN from then on, or a split that read the NaN could
+  // report a max of -inf and be skipped by the merge.
+  *m = (tile_sum != tile_sum || *m != *m) ? __builtin_nanf("") : m_new;
 }
 
 // ---- one work item ------------------------------------------------------------------
@@ -319,10 +323,11 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
     for (int r = 0; r < rows; ++r) {
       const int64_t hr = static_cast<int64_t>(h) * rows + r;
       const int64_t token = first_token + r / G, head = static_cast<int64_t>(it.head_begin + h) * G + r % G;
-      store_output_row(c.out, token, head, acc + hr * d, l[hr] > 0.0f ? 1.0f / l[hr] : 0.0f, d);
+      // l == 0: the row saw no key (output 0, LSE -inf); a NaN l stays NaN in both
+      store_output_row(c.out, token, head, acc + hr * d, l[hr] == 0.0f ? 0.0f : 1.0f / l[hr], d);
       if (c.lse.data)
         *reinterpret_cast<float*>(const_cast<char*>(element(c.lse, token, head))) =
-            l[hr] > 0.0f ? m[hr] + ::logf(l[hr]) : kNegInf;
+            l[hr] == 0.0f ? kNegInf : m[hr] + ::logf(l[hr]);
     }
   }
 }

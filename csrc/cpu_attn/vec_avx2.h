@@ -63,7 +63,8 @@ struct Vec {
   // e^x to about 1 ulp (Cephes' polynomial); 0 below -87.3, the clamp keeps 2^n finite
   static R exp(R x) {
     const R tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33f), _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33f)), _mm256_set1_ps(88.0f));
+    // x last: max/min return their second operand when either is NaN, so NaN passes through
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.33f), x));
     const R n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
