@@ -290,8 +290,8 @@ def host_attention(
     key it sees makes that column of the row NaN (as torch's SDPA does).
     Rows that do not read it are unaffected, except that a NaN in V may also
     reach queries of the same request that share its key tile (at most 64
-    keys) without
-    seeing the key (their weight for it is exactly 0, and 0 x NaN is NaN).
+    keys) without seeing the key (their weight for it is exactly 0, and
+    0 x NaN is NaN).
 
     Example::
 
