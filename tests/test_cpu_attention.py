@@ -236,6 +236,38 @@ def test_nan_in_a_split_that_sees_one_key(isa: str) -> None:
         assert not finite_rows, f"{isa}: after {cached} cached tokens, rows {finite_rows} are finite"
 
 
+
+def test_concurrent_calls_from_many_threads_agree() -> None:
+    """Callers on several threads at once (each its own batch, split-KV
+    decodes that use the per-thread split buffers, prefill chunks) get the
+    same results as one call at a time."""
+    import threading
+
+    cases = []
+    for i in range(4):
+        lens = [2000 + 300 * i, 700, 1]
+        batch = AttentionBatch([0, 1, 2], [n - 1 for n in lens], [1, 1, 1]) if i % 2 else \
+            AttentionBatch([0, 1], [1500 + 100 * i, 0], [1, 33])
+        case = DenseCase(batch, 8, 2, 64, torch.bfloat16, max_len=3000, seed=i)
+        alone = host_attention(case.q, case.k_cache, case.v_cache, batch, k=case.k, v=case.v)
+        cases.append((case, alone))
+    errors: list[str] = []
+
+    def hammer(i: int) -> None:
+        case, alone = cases[i]
+        for n in range(30):
+            out = host_attention(case.q, case.k_cache, case.v_cache, case.batch)
+            if not torch.equal(out, alone):
+                errors.append(f"thread {i} call {n}")
+                return
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
 def test_other_head_dims_use_a_generic_path() -> None:
     batch = AttentionBatch([1, 0], [5, 0], [1, 9])
     for head_dim in (8, 40, 72, 100):

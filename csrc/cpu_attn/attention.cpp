@@ -56,8 +56,6 @@ const char* dtype_name(DType d) {
   return "?";
 }
 
-int64_t element_size(DType d) { return d == DType::kF32 ? 4 : 2; }
-
 [[noreturn]] void bad(const std::string& message) { throw std::invalid_argument(message); }
 
 void check_rank(const TensorRef& t, const char* name, int ndim, const char* dims) {
@@ -186,11 +184,7 @@ void merge(const Call& c, const Schedule::Group& g) {
     const int r = hr % rows_per_head;
     const int64_t token = rq.query_start + g.q_begin + r / G;
     const int64_t head = static_cast<int64_t>(g.head_begin + hr / rows_per_head) * G + r % G;
-    switch (c.out.dtype) {
-      case DType::kF32: store_row<float>(c.out, token, head, row, d); break;
-      case DType::kBF16: store_row<bf16>(c.out, token, head, row, d); break;
-      case DType::kF16: store_row<f16>(c.out, token, head, row, d); break;
-    }
+    with_storage_type(c.out.dtype, [&](auto tag) { store_row<decltype(tag)>(c.out, token, head, row, d); });
     if (c.lse.data)
       reinterpret_cast<float*>(c.lse.data)[token * c.lse.strides[0] + head * c.lse.strides[1]] =
           l == 0.0f ? -INFINITY : m + std::log(l);
@@ -215,6 +209,36 @@ void run_task(void* ctx, int64_t index, float* scratch) {
     merge(*job.call, job.schedule->groups[it.group]);
 }
 
+// Where split items leave their partial results, and the per-group count of
+// splits still running: buffers of the calling thread, grown on demand and
+// reused by its later calls, so that a layer call does not allocate (and, on
+// a many-core pool with many splits, page-fault in) megabytes every time.
+// Every item writes its slot before the merge reads it: nothing needs zeroing.
+class SplitBuffers {
+ public:
+  float* partials(size_t floats) {
+    if (floats > partial_capacity_) {
+      partials_.reset(new float[floats]);
+      partial_capacity_ = floats;
+    }
+    return partials_.get();
+  }
+  std::atomic<int32_t>* counters(size_t groups) {
+    if (groups > counter_capacity_) {
+      counters_.reset(new std::atomic<int32_t>[groups]);
+      counter_capacity_ = groups;
+    }
+    return counters_.get();
+  }
+
+ private:
+  std::unique_ptr<float[]> partials_;
+  size_t partial_capacity_ = 0;
+  std::unique_ptr<std::atomic<int32_t>[]> counters_;
+  size_t counter_capacity_ = 0;
+};
+thread_local SplitBuffers split_buffers;
+
 const KernelTable* kernels_of(Isa isa) {
   switch (isa) {
     case Isa::kScalar: return scalar_kernels();
@@ -226,11 +250,13 @@ const KernelTable* kernels_of(Isa isa) {
   return nullptr;
 }
 
+// Every path, fastest first: the order in which the default is picked and requests fall back.
+constexpr Isa kFastestFirst[] = {Isa::kAvx512, Isa::kAvx2, Isa::kSve, Isa::kNeon, Isa::kScalar};
+
 // The requested ISA, or the next lower supported one whose vector width divides head_dim.
 Isa usable_isa(Isa requested, int head_dim) {
-  static const Isa order[] = {Isa::kAvx512, Isa::kAvx2, Isa::kSve, Isa::kNeon, Isa::kScalar};
   bool reached = false;
-  for (Isa isa : order) {
+  for (Isa isa : kFastestFirst) {
     reached = reached || isa == requested;
     if (reached && isa_supported(isa) && head_dim % kernels_of(isa)->vector_floats == 0) return isa;
   }
@@ -365,19 +391,17 @@ Isa attention(const BatchPlan& plan, Call c, const TensorRef* k_new, const Tenso
   }
   ThreadPool& pool = ThreadPool::instance();
   const auto sched = plan.schedule(c.group_size, c.num_heads_kv, c.window, pool.threads());
-  std::vector<float> partials;
-  std::unique_ptr<std::atomic<int32_t>[]> remaining;
+  std::atomic<int32_t>* remaining = nullptr;
   if (sched->num_slots > 0) {
     const int64_t slot_rows = static_cast<int64_t>(sched->num_slots) * sched->rows_per_slot;
-    partials.resize(slot_rows * (c.head_dim + 2));
-    c.partial_acc = partials.data();
+    c.partial_acc = split_buffers.partials(static_cast<size_t>(slot_rows * (c.head_dim + 2)));
     c.partial_max = c.partial_acc + slot_rows * c.head_dim;
     c.partial_sum = c.partial_max + slot_rows;
     c.rows_per_slot = sched->rows_per_slot;
-    remaining.reset(new std::atomic<int32_t>[sched->groups.size()]);
+    remaining = split_buffers.counters(sched->groups.size());
     for (size_t g = 0; g < sched->groups.size(); ++g) remaining[g].store(sched->groups[g].num_splits);
   }
-  Job job{&c, kernels_of(isa), sched.get(), remaining.get()};
+  Job job{&c, kernels_of(isa), sched.get(), remaining};
   pool.run(static_cast<int64_t>(sched->items.size()), run_task, &job,
            scratch_floats(sched->max_rows, sched->max_rows_per_head, c.head_dim));
   call_counts[static_cast<int>(isa)].fetch_add(1, std::memory_order_relaxed);
@@ -448,7 +472,7 @@ bool isa_supported(Isa isa) {
 }
 
 Isa best_isa() {
-  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kSve, Isa::kNeon})
+  for (Isa isa : kFastestFirst)
     if (isa_supported(isa)) return isa;
   return Isa::kScalar;
 }

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_attn.h"
+
 namespace vattn {
 namespace cpu_attn {
 
@@ -71,6 +73,19 @@ inline void from_float(float x, f16* out) {
     out->bits = sign | static_cast<uint16_t>(__builtin_nearbyintf(bits_float(a) * 16777216.0f));
   } else {  // normal: round to nearest even at bit 13, rebias the exponent (127 - 15)
     out->bits = sign | static_cast<uint16_t>((a + 0xfffu + ((a >> 13) & 1u) - 0x38000000u) >> 13);
+  }
+}
+
+inline int64_t element_size(DType d) { return d == DType::kF32 ? 4 : 2; }
+
+// Calls f(T{}) with T the storage type of `d` (float, bf16, f16): the one
+// switch over dtypes that typed code is reached through.
+template <class F>
+inline void with_storage_type(DType d, F&& f) {
+  switch (d) {
+    case DType::kF32: f(float{}); break;
+    case DType::kBF16: f(bf16{}); break;
+    case DType::kF16: f(f16{}); break;
   }
 }
 

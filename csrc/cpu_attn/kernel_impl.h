@@ -140,27 +140,18 @@ inline void widen_rows(const T* src, int64_t ld, int64_t n, int d, float* dst) {
 }
 
 inline const char* element(const TensorRef& t, int64_t i0, int64_t i1) {
-  const int64_t size = t.dtype == DType::kF32 ? 4 : 2;
-  return t.data + (i0 * t.strides[0] + i1 * t.strides[1]) * size;
+  return t.data + (i0 * t.strides[0] + i1 * t.strides[1]) * element_size(t.dtype);
 }
 
 inline void load_query_row(const TensorRef& q, int64_t token, int64_t head, float scale, int d, float* dst) {
   const char* p = element(q, token, head);
-  switch (q.dtype) {
-    case DType::kF32: load_scaled(reinterpret_cast<const float*>(p), scale, d, dst); break;
-    case DType::kBF16: load_scaled(reinterpret_cast<const bf16*>(p), scale, d, dst); break;
-    case DType::kF16: load_scaled(reinterpret_cast<const f16*>(p), scale, d, dst); break;
-  }
+  with_storage_type(q.dtype, [&](auto tag) { load_scaled(reinterpret_cast<const decltype(tag)*>(p), scale, d, dst); });
 }
 
 inline void store_output_row(const TensorRef& out, int64_t token, int64_t head, const float* src, float scale,
                              int d) {
   char* p = const_cast<char*>(element(out, token, head));
-  switch (out.dtype) {
-    case DType::kF32: store_scaled(src, scale, d, reinterpret_cast<float*>(p)); break;
-    case DType::kBF16: store_scaled(src, scale, d, reinterpret_cast<bf16*>(p)); break;
-    case DType::kF16: store_scaled(src, scale, d, reinterpret_cast<f16*>(p)); break;
-  }
+  with_storage_type(out.dtype, [&](auto tag) { store_scaled(src, scale, d, reinterpret_cast<decltype(tag)*>(p)); });
 }
 
 // Asks for tokens [0, n) of a tile ahead of use: `bytes` from each token's
@@ -333,9 +324,5 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
 }
 
 void run_item(const Call& c, const WorkItem& it, float* scratch) {
-  switch (c.k_cache.dtype) {
-    case DType::kF32: run_item_typed<float>(c, it, scratch); break;
-    case DType::kBF16: run_item_typed<bf16>(c, it, scratch); break;
-    case DType::kF16: run_item_typed<f16>(c, it, scratch); break;
-  }
+  with_storage_type(c.k_cache.dtype, [&](auto tag) { run_item_typed<decltype(tag)>(c, it, scratch); });
 }
