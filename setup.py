@@ -3,7 +3,7 @@
 import platform
 from pathlib import Path
 
-from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext, has_flag
 from setuptools import setup
 
 SOURCES = [
@@ -33,6 +33,7 @@ ext = Pybind11Extension(
 CPU_ATTN_SOURCES = [
     "csrc/cpu_attn/attention.cpp",
     "csrc/cpu_attn/bindings.cpp",
+    "csrc/cpu_attn/kernel_amx.cpp",
     "csrc/cpu_attn/kernel_avx2.cpp",
     "csrc/cpu_attn/kernel_avx512.cpp",
     "csrc/cpu_attn/kernel_neon.cpp",
@@ -48,8 +49,10 @@ def isa_flags(machine: str) -> dict[str, list[str]]:
     tests/test_cpu_attn_isas.py compiles the units with these too."""
     machine = machine.lower()
     if machine in ("x86_64", "amd64"):
+        avx512 = ["-mavx512f", "-mavx2", "-mfma", "-mf16c"]
         return {"kernel_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
-                "kernel_avx512.cpp": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"]}
+                "kernel_avx512.cpp": avx512,
+                "kernel_amx.cpp": [*avx512, "-mamx-tile", "-mamx-bf16"]}
     if machine in ("aarch64", "arm64"):
         return {"kernel_sve.cpp": ["-march=armv8.2-a+sve", "-msve-vector-bits=256"]}
     return {}
@@ -72,10 +75,19 @@ class BuildExt(build_ext):
 
     def build_extensions(self):
         compile_one = self.compiler._compile
+        known: dict[str, bool] = {}
+
+        def unit_flags(src) -> list[str]:
+            # A compiler that lacks a unit's flags (AMX needs GCC 11 / clang 12) builds the
+            # unit without them, and the unit then compiles to "absent" (kernel_unit.h).
+            flags = ISA_FLAGS.get(Path(src).name, []) if "cpu_attn" in Path(src).parts else []
+            for flag in flags:
+                if flag not in known:
+                    known[flag] = has_flag(self.compiler, flag)
+            return flags if all(known[f] for f in flags) else []
 
         def compile_with_isa(obj, src, ext, cc_args, extra_postargs, pp_opts):
-            flags = ISA_FLAGS.get(Path(src).name, []) if "cpu_attn" in Path(src).parts else []
-            return compile_one(obj, src, ext, cc_args, [*extra_postargs, *flags], pp_opts)
+            return compile_one(obj, src, ext, cc_args, [*extra_postargs, *unit_flags(src)], pp_opts)
 
         self.compiler._compile = compile_with_isa
         super().build_extensions()

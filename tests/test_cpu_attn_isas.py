@@ -27,7 +27,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "csrc" / "cpu_attn"
-UNITS = ["attention", "kernel_avx2", "kernel_avx512", "kernel_neon", "kernel_scalar", "kernel_sve", "thread_pool"]
+UNITS = ["attention", "kernel_amx", "kernel_avx2", "kernel_avx512", "kernel_neon", "kernel_scalar", "kernel_sve",
+         "thread_pool"]
 CROSS = "aarch64-linux-gnu-g++"
 QEMU = "qemu-aarch64"
 
@@ -116,6 +117,16 @@ def test_a_16_float_vector_on_narrow_key_tiles(tmp_path):
     out = run([str(exe), "18", "300", "16"])
     assert sorted(listed(out, "covered")) == EVERY_DTYPE_AND_LAYOUT
     assert "0 mismatches" in out
+
+
+def test_amx_tiles_emulated(tmp_path):
+    # the AMX unit's tile code (K/V packing, padded 16-row and 32-key tiles, bf16 Q and P) with emulated
+    # tiles and 16-float vectors in place of the scalar unit: bf16 prefill blocks go through the tiles
+    exe = build(native_compiler(), platform.machine(), tmp_path, [], ROOT / "tests" / "cpu_attn_amx_emulated.cpp")
+    out = run([str(exe), "24", "300", "16"])
+    assert sorted(listed(out, "covered")) == EVERY_DTYPE_AND_LAYOUT
+    assert "0 mismatches" in out
+    assert int(listed(out, "amx tile products")[-1]) > 0, out
 
 
 def test_neon_and_sve256_under_qemu(aarch64_check):

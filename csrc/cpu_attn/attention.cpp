@@ -8,6 +8,10 @@
 #include <cstring>
 #include <sstream>
 
+#if defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__aarch64__)
 #include <sys/auxv.h>
 #include <sys/prctl.h>
@@ -246,12 +250,13 @@ const KernelTable* kernels_of(Isa isa) {
     case Isa::kAvx512: return avx512_kernels();
     case Isa::kNeon: return neon_kernels();
     case Isa::kSve: return sve_kernels();
+    case Isa::kAmx: return amx_kernels();
   }
   return nullptr;
 }
 
 // Every path, fastest first: the order in which the default is picked and requests fall back.
-constexpr Isa kFastestFirst[] = {Isa::kAvx512, Isa::kAvx2, Isa::kSve, Isa::kNeon, Isa::kScalar};
+constexpr Isa kFastestFirst[] = {Isa::kAmx, Isa::kAvx512, Isa::kAvx2, Isa::kSve, Isa::kNeon, Isa::kScalar};
 
 // The requested ISA, or the next lower supported one whose vector width divides head_dim.
 Isa usable_isa(Isa requested, int head_dim) {
@@ -419,8 +424,15 @@ const char* isa_name(Isa isa) {
     case Isa::kAvx512: return "avx512";
     case Isa::kNeon: return "neon";
     case Isa::kSve: return "sve256";
+    case Isa::kAmx: return "amx";
   }
   return "?";
+}
+
+std::string isa_names() {
+  std::string names;
+  for (int i = 0; i < kNumIsas; ++i) names += std::string(i ? ", " : "") + isa_name(static_cast<Isa>(i));
+  return names;
 }
 
 bool parse_isa(const std::string& name, Isa* isa) {
@@ -447,6 +459,16 @@ bool detect_isa(Isa isa) {
     case Isa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     case Isa::kAvx512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
+    case Isa::kAmx: {
+      if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+          !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("f16c"))
+        return false;
+      // Linux (5.16+) hands a process the 8 KiB tile state only when asked
+      // (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it a
+      // tile instruction kills the process. The permission covers every thread.
+      constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+      return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+    }
 #endif
 #if defined(__aarch64__)
     case Isa::kNeon: return (getauxval(AT_HWCAP) & HWCAP_ASIMD) != 0;
@@ -483,7 +505,7 @@ Isa default_isa(std::string* note) {
   if (!env || !*env) return best;
   Isa wanted;
   if (!parse_isa(env, &wanted)) {
-    if (note) *note = std::string("VATTN_CPU_ATTN_ISA=") + env + " is not one of scalar, avx2, avx512, neon, sve256; ignored";
+    if (note) *note = std::string("VATTN_CPU_ATTN_ISA=") + env + " is not one of " + isa_names() + "; ignored";
     return best;
   }
   if (!isa_supported(wanted)) {

@@ -72,6 +72,7 @@ uint64_t calls(Isa isa);
 // ---- ISA choice ---------------------------------------------------------------
 
 const char* isa_name(Isa isa);
+std::string isa_names();  // every path's name, comma-separated, for messages
 bool parse_isa(const std::string& name, Isa* isa);
 bool isa_compiled(Isa isa);   // this build has kernels for it
 bool isa_supported(Isa isa);  // compiled, and the CPU (and OS) can run it

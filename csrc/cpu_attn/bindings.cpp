@@ -70,8 +70,7 @@ Isa isa_arg(const py::object& isa) {
   if (isa.is_none()) return default_isa();
   Isa out;
   if (!parse_isa(isa.cast<std::string>(), &out))
-    throw std::invalid_argument("isa must be one of 'scalar', 'avx2', 'avx512', 'neon', 'sve256', got '" +
-                                isa.cast<std::string>() + "'");
+    throw std::invalid_argument("isa must be one of " + isa_names() + ", got '" + isa.cast<std::string>() + "'");
   return out;
 }
 

@@ -20,9 +20,10 @@ namespace cpu_attn {
 
 enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
-// kSve: SVE at a 256-bit vector length ("sve256"; other lengths use NEON)
-enum class Isa : int32_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3, kSve = 4 };
-constexpr int kNumIsas = 5;
+// kSve: SVE at a 256-bit vector length ("sve256"; other lengths use NEON).
+// kAmx: AVX-512 with AMX-BF16 tiles for prefill blocks of a bf16 cache ("amx").
+enum class Isa : int32_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3, kSve = 4, kAmx = 5 };
+constexpr int kNumIsas = 6;
 
 // A strided view of one tensor argument (strides in elements).
 struct TensorRef {
@@ -91,9 +92,13 @@ inline int32_t key_tile(int32_t rows_per_head, int64_t token_bytes) {
 // (kv heads x rows_per_head) and head dim `d`. Non-decreasing in each
 // argument, so the maxima over a schedule's items bound every item.
 inline int64_t scratch_floats(int64_t rows, int32_t rows_per_head, int32_t d) {
-  // q, acc: rows x d; scores: rows_per_head x tile; max, sum, alpha: rows;
-  // widened K and V tiles: tile x d; plus slack for aligning each block to 64 bytes
-  return 2 * rows * d + rows_per_head * kMaxKeyTile + 3 * rows + 2 * kMaxKeyTile * d + 8 * 16;
+  // q, acc: rows x d; scores: rows_per_head (rounded up to 16) x tile; max, sum, alpha: rows;
+  // widened K and V tiles: tile x d; the AMX unit's Q and P as two bf16 terms each and
+  // its P V product (rows_per_head rounded up to 16 by d rounded up to 32, tile and d);
+  // slack for aligning each block to 64 bytes
+  const int64_t rows_pad = (rows_per_head + 15) / 16 * 16, d_pad = (d + 31) / 32 * 32;
+  return 2 * rows * d + rows_pad * kMaxKeyTile + 3 * rows + 2 * kMaxKeyTile * d +
+         rows_pad * (d_pad + kMaxKeyTile + d) + 12 * 16;
 }
 
 // One ISA's kernels.
@@ -109,6 +114,7 @@ const KernelTable* avx2_kernels();
 const KernelTable* avx512_kernels();
 const KernelTable* neon_kernels();
 const KernelTable* sve_kernels();
+const KernelTable* amx_kernels();
 
 }  // namespace cpu_attn
 }  // namespace vattn

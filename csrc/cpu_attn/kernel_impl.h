@@ -209,6 +209,138 @@ inline void softmax_tile(float* s, int64_t n, int64_t lo, int64_t hi, float soft
   *m = (tile_sum != tile_sum || *m != *m) ? __builtin_nanf("") : m_new;
 }
 
+#ifdef VATTN_AMX_BF16
+// ---- AMX-BF16 tiles: prefill blocks of a bf16 cache ---------------------------------
+//
+// A unit that defines VATTN_AMX_BF16 has the tile intrinsics (_tile_loadconfig,
+// _tile_loadd, _tile_stored, _tile_zero, _tile_dpbf16ps, _tile_release) in
+// scope. TDPBF16PS C += A B reads A's dword k of row m and B's dword n of row
+// k as bf16 pairs: C[m][n] += A[m][2k] B[k][2n] + A[m][2k+1] B[k][2n+1]. Four
+// tiles, each 16 rows x 64 bytes: tmm0 = C (16 x 16 fp32), tmm1 / tmm3 = A
+// (16 rows x 32 bf16), tmm2 = B (16 pair rows x 16 dwords). K and V are bf16
+// already; Q and P (fp32) go in as two bf16 terms, x = hi + lo with hi =
+// bf16(x) and lo = bf16(x - hi), so that the products keep about 16 bits of
+// Q and P, and scores, LSE and outputs stay as accurate as on the other paths
+// (one bf16 term gave LSE errors of ~5e-3) for twice the tile work.
+
+struct TileConfig {  // palette 1: the layout ldtilecfg reads
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16};
+};
+static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
+
+constexpr int kTileRows = 16;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+inline uint32_t bf16_pair(uint16_t lo, uint16_t hi) { return lo | static_cast<uint32_t>(hi) << 16; }
+
+// K rows [n][d] as B tiles of S = Q K^T: for each chunk c of 32 head-dim values
+// and block b of 16 keys, 16 rows (value pairs) x 16 keys; zero past n and d.
+inline void pack_k_tiles(const bf16* k, int64_t ldk, int64_t n, int d, int d_pad, uint32_t* out) {
+  const int64_t blocks = (n + kTileRows - 1) / kTileRows;
+  for (int c = 0; c < d_pad / 32; ++c)
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint32_t* tile = out + (c * blocks + b) * 256;
+      for (int p = 0; p < 16; ++p) {
+        const int x = c * 32 + 2 * p;
+        for (int j = 0; j < 16; ++j) {
+          const int64_t key = b * 16 + j;
+          tile[p * 16 + j] = key < n && x < d ? bf16_pair(k[key * ldk + x].bits, k[key * ldk + x + 1].bits) : 0;
+        }
+      }
+    }
+}
+
+// V rows [n][d] as B tiles of O = P V: for each chunk c of 32 keys and block b
+// of 16 columns, 16 rows (key pairs) x 16 columns; zero past n.
+inline void pack_v_tiles(const bf16* v, int64_t ldv, int64_t n, int d, uint32_t* out) {
+  const int blocks = d / 16;
+  for (int64_t c = 0; c < (n + 31) / 32; ++c)
+    for (int b = 0; b < blocks; ++b) {
+      uint32_t* tile = out + (c * blocks + b) * 256;
+      for (int p = 0; p < 16; ++p) {
+        const int64_t k0 = c * 32 + 2 * p;
+        for (int x = 0; x < 16; ++x) {
+          const int64_t col = b * 16 + x;
+          tile[p * 16 + x] = bf16_pair(k0 < n ? v[k0 * ldv + col].bits : 0, k0 + 1 < n ? v[(k0 + 1) * ldv + col].bits : 0);
+        }
+      }
+    }
+}
+
+// rows x cols fp32 (row stride ld) -> two bf16 terms hi + lo, rows of width `width` each
+// (zero past cols and rows, up to rows_pad); cols a multiple of W
+inline void to_bf16_terms(const float* src, int64_t ld, int rows, int rows_pad, int64_t cols, int64_t width,
+                          bf16* hi, bf16* lo) {
+  for (int r = 0; r < rows_pad; ++r) {
+    bf16* h = hi + r * width;
+    bf16* l = lo + r * width;
+    int64_t x = 0;
+    if (r < rows)
+      for (; x < cols; x += W) {
+        const R v = Vec::load(src + r * ld + x);
+        Vec::store(h + x, v);
+        Vec::store(l + x, Vec::sub(v, Vec::load(h + x)));
+      }
+    for (; x < width; ++x) h[x].bits = l[x].bits = 0;
+  }
+}
+
+// C tile (tmm0) = (a_hi + a_lo) B over `chunks` chunks of 32 A columns: A rows
+// `lda` bf16 apart, chunk c's B tile at b_tiles + c * b_step dwords
+inline void tile_product(const bf16* a_hi, const bf16* a_lo, int64_t lda, int64_t chunks, const uint32_t* b_tiles,
+                         int64_t b_step) {
+  _tile_zero(0);
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(2, b_tiles + c * b_step, 64);
+    _tile_loadd(1, a_hi + c * 32, lda * 2);
+    _tile_loadd(3, a_lo + c * 32, lda * 2);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_dpbf16ps(0, 3, 2);
+  }
+}
+
+// s[r][t] = q[r] . k[t], r < rows_pad (a multiple of 16), t < round_up(n, 16)
+inline void qk_tiles(const bf16* q_hi, const bf16* q_lo, int d_pad, int rows_pad, const uint32_t* k_tiles, int64_t n,
+                     float* s, int64_t lds) {
+  const int64_t blocks = (n + kTileRows - 1) / kTileRows;
+  for (int r0 = 0; r0 < rows_pad; r0 += kTileRows)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = static_cast<int64_t>(r0) * d_pad;
+      tile_product(q_hi + at, q_lo + at, d_pad, d_pad / 32, k_tiles + b * 256, blocks * 256);
+      _tile_stored(0, s + r0 * lds + b * kTileRows, lds * 4);
+    }
+}
+
+// o[r] = alpha[r] o[r] + p[r] V for r < rows; p rows are n_pad (a multiple of 32) keys wide
+inline void pv_tiles(const bf16* p_hi, const bf16* p_lo, int64_t n_pad, const float* alpha, int rows, int rows_pad,
+                     const uint32_t* v_tiles, int d, float* product, float* o) {
+  const int blocks = d / 16;
+  for (int r0 = 0; r0 < rows_pad; r0 += kTileRows)
+    for (int b = 0; b < blocks; ++b) {
+      tile_product(p_hi + r0 * n_pad, p_lo + r0 * n_pad, n_pad, n_pad / 32, v_tiles + b * 256, blocks * 256);
+      _tile_stored(0, product + static_cast<int64_t>(r0) * d + b * 16, d * 4);
+    }
+  for (int r = 0; r < rows; ++r) {
+    const R a = Vec::set1(alpha[r]);
+    for (int x = 0; x < d; x += W)
+      Vec::store(o + r * d + x, Vec::fma(Vec::load(o + r * d + x), a, Vec::load(product + static_cast<int64_t>(r) * d + x)));
+  }
+}
+
+template <class T>
+struct UsesTiles {
+  static constexpr bool value = false;
+};
+template <>
+struct UsesTiles<bf16> {
+  static constexpr bool value = true;
+};
+#endif  // VATTN_AMX_BF16
+
 // ---- one work item ------------------------------------------------------------------
 
 template <class T>
@@ -223,9 +355,10 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
 
   float* q = align64(scratch);                // [nh][rows][d], pre-scaled
   float* acc = align64(q + nh * head_rows);   // [nh][rows][d]
-  float* s = align64(acc + nh * head_rows);   // [rows][kMaxKeyTile] (row stride kMaxKeyTile, not tile:
+  const int rows_pad = (rows + 15) / 16 * 16;  // whole 16-row tiles (AMX) may write past `rows`
+  float* s = align64(acc + nh * head_rows);   // [rows_pad][kMaxKeyTile] (row stride kMaxKeyTile, not tile:
                                               // softmax_tile pads each row to a whole vector past tile)
-  float* m = align64(s + rows * kMaxKeyTile); // [nh][rows]
+  float* m = align64(s + rows_pad * kMaxKeyTile); // [nh][rows]
   float* l = m + nh * rows;
   float* alpha = l + nh * rows;
   float* k_wide = align64(alpha + nh * rows); // [tile][d]
@@ -259,6 +392,22 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // two of bytes apart, 4 KiB for 8 heads x 128, fall into the same L1 sets
   // and would evict each other between re-reads).
   const bool widen = rows > 8;
+#ifdef VATTN_AMX_BF16
+  // Prefill blocks of a bf16 cache (one kv head) go through the tiles: K and V
+  // tiles packed into the widening buffers, Q (once) and P (per tile) in bf16.
+  const bool tiles = UsesTiles<T>::value && widen && nh == 1;
+  const int d_pad = (d + 31) / 32 * 32;
+  bf16* q_hi = reinterpret_cast<bf16*>(align64(v_wide + kMaxKeyTile * d));  // [rows_pad][d_pad], twice
+  bf16* q_lo = q_hi + rows_pad * d_pad;
+  bf16* p_hi = reinterpret_cast<bf16*>(align64(reinterpret_cast<float*>(q_lo + rows_pad * d_pad)));  // [rows_pad][64], twice
+  bf16* p_lo = p_hi + rows_pad * kMaxKeyTile;
+  float* product = align64(reinterpret_cast<float*>(p_lo + rows_pad * kMaxKeyTile));  // [rows_pad][d]
+  const TileConfig tile_config;
+  if (tiles) {
+    _tile_loadconfig(&tile_config);
+    to_bf16_terms(q, d, rows, rows_pad, d, d_pad, q_hi, q_lo);
+  }
+#endif
 
   prefetch_tokens(k_heads + it.k_begin * ldk, ldk, imin(tile, it.k_end - it.k_begin), k_span);
   prefetch_tokens(v_heads + it.k_begin * ldv, ldv, imin(tile, it.k_end - it.k_begin), v_span);
@@ -279,6 +428,12 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
       float* mh = m + h * rows;
       float* lh = l + h * rows;
       float* alh = alpha + h * rows;
+#ifdef VATTN_AMX_BF16
+      if (tiles) {
+        pack_k_tiles(reinterpret_cast<const bf16*>(kt), ldk, n, d, d_pad, reinterpret_cast<uint32_t*>(k_wide));
+        qk_tiles(q_hi, q_lo, d_pad, rows_pad, reinterpret_cast<const uint32_t*>(k_wide), n, s, kMaxKeyTile);
+      } else
+#endif
       if (widen) {
         widen_rows(kt, ldk, n, d, k_wide);
         qk<float>(qh, d, rows, k_wide, d, n, d, s, kMaxKeyTile);
@@ -291,6 +446,14 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
         const int64_t lo = c.window > 0 ? imax(0, pos - c.window + 1 - k0) : 0;
         softmax_tile(s + r * kMaxKeyTile, n, lo, hi, c.softcap, mh + r, lh + r, alh + r);
       }
+#ifdef VATTN_AMX_BF16
+      if (tiles) {
+        const int64_t n_pad = round_up(n, 32);
+        to_bf16_terms(s, kMaxKeyTile, rows, rows_pad, round_up(n, W), n_pad, p_hi, p_lo);
+        pack_v_tiles(reinterpret_cast<const bf16*>(vt), ldv, n, d, reinterpret_cast<uint32_t*>(v_wide));
+        pv_tiles(p_hi, p_lo, n_pad, alh, rows, rows_pad, reinterpret_cast<const uint32_t*>(v_wide), d, product, ah);
+      } else
+#endif
       if (widen) {
         widen_rows(vt, ldv, n, d, v_wide);
         pv<float>(s, kMaxKeyTile, alh, rows, v_wide, d, n, d, ah, d);
@@ -300,6 +463,9 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
     }
   }
 
+#ifdef VATTN_AMX_BF16
+  if (tiles) _tile_release();
+#endif
   if (it.group >= 0) {  // a split: keep the unnormalized accumulator for the merge
     const int64_t base = static_cast<int64_t>(it.slot) * c.rows_per_slot;
     float* pacc = c.partial_acc + base * d;
