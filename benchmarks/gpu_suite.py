@@ -17,6 +17,10 @@ Stages, each a subprocess with a time limit, its output in OUTDIR/gpu_suite.log:
                 on/off, CUDA graphs on/off
   prefill       admitting a prompt: synchronous mapping vs the policies
   engine_e2e    Llama-3.2-1B-shaped engine vs transformers' caches
+  host_kernel   the host attention kernel's tests on this machine's CPU
+                (last, if time is left: a GPU server's CPU may have
+                AVX-512 or AMX-BF16, which the kernel's development CPU
+                lacks); the paths it supports are in the summary
 
 The stages share a deadline of DEADLINE_S seconds (each gets the smaller of
 its own limit and what is left; the attention grid also has a time budget),
@@ -51,6 +55,7 @@ DEADLINE_S = 570  # every stage ends by then: the suite stays under 10 minutes
 BENCH = ROOT / "benchmarks"
 CUDA_TESTS = ["tests/test_cuda_real.py", "tests/test_cuda_driver_rules.py", "tests/test_cuda_fake_driver.py",
               "tests/test_cuda_header_abi.py", "tests/test_attention.py"]
+HOST_KERNEL_TESTS = ["tests/test_cpu_attention.py", "tests/test_cpu_attn_isas.py"]
 
 
 def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
@@ -73,6 +78,8 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
                               "both", "--batch", "16", "--stagger", "--iterations", "600"], 180),
             ("prefill", [py, str(BENCH / "prefill.py"), "--device", "cuda"], 120),
             ("engine_e2e", [py, str(BENCH / "engine_e2e.py")], 240),
+            ("host_kernel", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml",
+                             "{out}/host_kernel_tests.xml", *HOST_KERNEL_TESTS, "-k", "not qemu and not sve256"], 150),
         ]
     device = "cuda" if have_fake_cuda else "cpu"  # cuda: the fake driver
     return [
@@ -89,6 +96,8 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
         ("prefill", [py, str(BENCH / "prefill.py"), "--device", device, "--prompts", "1024", "--reps", "1"], 120),
         ("engine_e2e", [py, str(BENCH / "engine_e2e.py"), "--tiny", "--requests", "4", "--batch", "2",
                         "--prompt-len", "32", "--new-tokens", "4"], 120),
+        ("host_kernel", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml",
+                         "{out}/host_kernel_tests.xml", HOST_KERNEL_TESTS[0], "-k", "nan_reaches"], 120),
     ]
 
 
@@ -151,6 +160,16 @@ def driver_findings(out: Path) -> list[dict]:
     return found
 
 
+def host_kernel_info(env: dict[str, str]) -> dict:
+    """The host attention kernel's paths on this CPU (supported, compiled, the one calls take)."""
+    proc = subprocess.run([sys.executable, "-c", "import json, vattn.attention as a; "
+                           "print(json.dumps(a.host_attention_info()))"], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["unknown"])[-1]}
+    return json.loads(proc.stdout)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("outdir", type=Path)
@@ -200,6 +219,8 @@ def main() -> int:
         "seconds": round(time.perf_counter() - started, 1),
         "stages": results,
         "tests": test_counts(out / "tests.xml"),
+        "host_kernel": host_kernel_info(env),
+        "host_kernel_tests": test_counts(out / "host_kernel_tests.xml"),
         "driver_findings": driver_findings(out),
         "files": sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".png")),
     }

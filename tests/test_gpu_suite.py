@@ -47,11 +47,14 @@ def test_every_stage_runs(dry_run):
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{log[-4000:]}"
     summary = json.loads((out / "gpu_suite.json").read_text())
     assert summary["dry_run"] is True
-    assert [s["name"] for s in summary["stages"]] == ["build", "tests", *BENCHMARKS]
+    assert [s["name"] for s in summary["stages"]] == ["build", "tests", *BENCHMARKS, "host_kernel"]
     assert all(s["status"] == "ok" for s in summary["stages"]), summary["stages"]
     # the CUDA test file ran (and skipped for want of a GPU, with its reason)
     assert summary["tests"]["failed"] == summary["tests"]["errors"] == 0
     assert summary["tests"]["passed"] + summary["tests"]["skipped"] > 0
+    # the host kernel's tests ran on this CPU, and the summary names its paths
+    assert summary["host_kernel_tests"]["passed"] > 0 and summary["host_kernel_tests"]["failed"] == 0
+    assert "scalar" in summary["host_kernel"]["supported"], summary["host_kernel"]
 
 
 def test_each_benchmark_writes_json_naming_the_machine(dry_run):
