@@ -9,6 +9,7 @@
 #include <sstream>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -460,7 +461,10 @@ bool detect_isa(Isa isa) {
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     case Isa::kAvx512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
     case Isa::kAmx: {
-      if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+      // CPUID leaf 7, subleaf 0, EDX: AMX-BF16 is bit 22, AMX-TILE bit 24 (read directly:
+      // not every compiler's __builtin_cpu_supports knows the AMX names)
+      unsigned eax, ebx, ecx, edx;
+      if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 22)) || !(edx & (1u << 24)) ||
           !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("f16c"))
         return false;
       // Linux (5.16+) hands a process the 8 KiB tile state only when asked
