@@ -16,7 +16,10 @@
 // and the item ends with O / l (or, for a split, writes O, m, l for the merge).
 // K/V stay in their storage type in the cache and are widened to fp32 in
 // registers; prefill blocks widen each tile once into scratch instead, since
-// every row block re-reads it.
+// every row block re-reads it. A decode item (all kv heads) computes every
+// head's S for a tile before any softmax and P V, so the K tile and then the V
+// tile are each read in one pass (fp32 decode of 8 kv heads ran 1.1-1.3x
+// faster so than interleaving K and V head by head, on a 2-core AVX2 VM).
 #pragma once
 
 constexpr float kNegInf = -__builtin_inff();
@@ -356,9 +359,11 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   float* q = align64(scratch);                // [nh][rows][d], pre-scaled
   float* acc = align64(q + nh * head_rows);   // [nh][rows][d]
   const int rows_pad = (rows + 15) / 16 * 16;  // whole 16-row tiles (AMX) may write past `rows`
-  float* s = align64(acc + nh * head_rows);   // [rows_pad][kMaxKeyTile] (row stride kMaxKeyTile, not tile:
-                                              // softmax_tile pads each row to a whole vector past tile)
-  float* m = align64(s + rows_pad * kMaxKeyTile); // [nh][rows]
+  // scores, row stride kMaxKeyTile (not tile: softmax_tile pads each row to a whole vector past
+  // tile): a decode item's [nh][rows] (all heads' scores of a tile come first), else one head's
+  // [rows_pad] (whole 16-row tiles)
+  float* s_all = align64(acc + nh * head_rows);
+  float* m = align64(s_all + imax(nh * rows, rows_pad) * kMaxKeyTile); // [nh][rows]
   float* l = m + nh * rows;
   float* alpha = l + nh * rows;
   float* k_wide = align64(alpha + nh * rows); // [tile][d]
@@ -415,6 +420,10 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
     const int64_t n = imin(tile, it.k_end - k0);
     const int64_t next = k0 + n, n_next = imin(tile, it.k_end - next);
     const int64_t per_head = (n_next + nh - 1) / nh;  // next-tile tokens prefetched under each head
+    if (!widen)  // decode: every head's scores first, so the K tile is read in one pass, then the V tile
+      for (int h = 0; h < nh; ++h)
+        qk<T>(q + h * head_rows, d, rows, k_heads + k0 * ldk + h * kc.strides[2], ldk, n, d,
+              s_all + h * rows * kMaxKeyTile, kMaxKeyTile);
     for (int h = 0; h < nh; ++h) {
       const int64_t p0 = imin(n_next, h * per_head), p1 = imin(n_next, p0 + per_head);
       if (p1 > p0) {
@@ -428,6 +437,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
       float* mh = m + h * rows;
       float* lh = l + h * rows;
       float* alh = alpha + h * rows;
+      float* s = widen ? s_all : s_all + h * rows * kMaxKeyTile;  // this head's scores
 #ifdef VATTN_AMX_BF16
       if (tiles) {
         pack_k_tiles(reinterpret_cast<const bf16*>(kt), ldk, n, d, d_pad, reinterpret_cast<uint32_t*>(k_wide));
@@ -437,8 +447,6 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
       if (widen) {
         widen_rows(kt, ldk, n, d, k_wide);
         qk<float>(qh, d, rows, k_wide, d, n, d, s, kMaxKeyTile);
-      } else {
-        qk<T>(qh, d, rows, kt, ldk, n, d, s, kMaxKeyTile);
       }
       for (int r = 0; r < rows; ++r) {
         const int64_t pos = first_pos + r / G;
