@@ -19,7 +19,7 @@
 // every row block re-reads it. A decode item (all kv heads) computes every
 // head's S for a tile before any softmax and P V, so the K tile and then the V
 // tile are each read in one pass (fp32 decode of 8 kv heads ran 1.1-1.3x
-// faster so than interleaving K and V head by head, on a 2-core AVX2 VM).
+// faster than with K and V interleaved head by head, on a 2-core AVX2 VM).
 #pragma once
 
 constexpr float kNegInf = -__builtin_inff();
