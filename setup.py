@@ -58,6 +58,13 @@ def isa_flags(machine: str) -> dict[str, list[str]]:
     return {}
 
 
+def usable_flags(flags: list[str], accepts) -> list[str]:
+    """A unit's flags if the compiler ``accepts`` (flag -> bool) every one, else
+    none: a compiler that lacks them (AMX needs GCC 11 / clang 12) builds the
+    unit without them, and the unit then compiles to "absent" (kernel_unit.h)."""
+    return flags if all(accepts(f) for f in flags) else []
+
+
 ISA_FLAGS = isa_flags(platform.machine())
 
 cpu_attn = Pybind11Extension(
@@ -77,17 +84,14 @@ class BuildExt(build_ext):
         compile_one = self.compiler._compile
         known: dict[str, bool] = {}
 
-        def unit_flags(src) -> list[str]:
-            # A compiler that lacks a unit's flags (AMX needs GCC 11 / clang 12) builds the
-            # unit without them, and the unit then compiles to "absent" (kernel_unit.h).
-            flags = ISA_FLAGS.get(Path(src).name, []) if "cpu_attn" in Path(src).parts else []
-            for flag in flags:
-                if flag not in known:
-                    known[flag] = has_flag(self.compiler, flag)
-            return flags if all(known[f] for f in flags) else []
+        def accepts(flag: str) -> bool:
+            if flag not in known:
+                known[flag] = has_flag(self.compiler, flag)
+            return known[flag]
 
         def compile_with_isa(obj, src, ext, cc_args, extra_postargs, pp_opts):
-            return compile_one(obj, src, ext, cc_args, [*extra_postargs, *unit_flags(src)], pp_opts)
+            flags = ISA_FLAGS.get(Path(src).name, []) if "cpu_attn" in Path(src).parts else []
+            return compile_one(obj, src, ext, cc_args, [*extra_postargs, *usable_flags(flags, accepts)], pp_opts)
 
         self.compiler._compile = compile_with_isa
         super().build_extensions()

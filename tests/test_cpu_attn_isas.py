@@ -16,6 +16,7 @@ or qemu-aarch64 (Debian: g++-aarch64-linux-gnu, qemu-user).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import platform
 import shutil
@@ -33,24 +34,37 @@ CROSS = "aarch64-linux-gnu-g++"
 QEMU = "qemu-aarch64"
 
 
-def isa_flags(machine: str) -> dict[str, list[str]]:
-    """setup.py's per-unit flags (its setup() runs only as __main__)."""
+def load_setup():
+    """setup.py as a module (its setup() runs only as __main__)."""
     spec = importlib.util.spec_from_file_location("vattn_setup", ROOT / "setup.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.isa_flags(machine)
+    return module
+
+
+SETUP = load_setup()
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_accepts(compiler: str, flag: str) -> bool:
+    proc = subprocess.run([compiler, flag, "-x", "c++", "-c", "-o", "/dev/null", "-"], input="int x;\n",
+                          capture_output=True, text=True)
+    return proc.returncode == 0
 
 
 def build(compiler: str, machine: str, out: Path, link: list[str], scalar_unit: Path | None = None) -> Path:
     """The harness and the kernel units, each unit compiled with its own flags
     (``scalar_unit``: a source to build in place of kernel_scalar.cpp)."""
-    flags = isa_flags(machine)
+    flags = SETUP.isa_flags(machine)
     common = ["-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-missing-field-initializers", f"-I{SRC}",
               f"-I{ROOT / 'tests'}"]
     sources = {u: SRC / f"{u}.cpp" for u in UNITS}
     if scalar_unit is not None:
         sources["kernel_scalar"] = scalar_unit
-    jobs = [(sources[u], out / f"{u}.o", flags.get(f"{u}.cpp", [])) for u in UNITS]
+    # as setup.py builds them: a unit whose flags this compiler lacks builds without them, as "absent"
+    jobs = [(sources[u], out / f"{u}.o",
+             SETUP.usable_flags(flags.get(f"{u}.cpp", []), functools.partial(compiler_accepts, compiler)))
+            for u in UNITS]
     jobs.append((ROOT / "tests" / "cpu_attn_check.cpp", out / "check.o", []))
 
     def compile_one(job: tuple[Path, Path, list[str]]) -> subprocess.CompletedProcess:
