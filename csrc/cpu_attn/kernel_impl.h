@@ -37,11 +37,17 @@ constexpr int W = Vec::W;
 
 // ---- Q K^T: dot products, MR rows x NT keys per register block -------------------
 
+// The first pf_n of the NT keys also ask for the lines of the row pf_off elements on (the next
+// tile's), one line at a time between the FMAs, so that the misses overlap the work (pf_n <= 0:
+// none). pv_block does the same for V.
 template <class T, int MR, int NT>
-inline void qk_block(const float* q, int64_t ldq, const T* k, int64_t ldk, int d, float* s, int64_t lds) {
+inline void qk_block(const float* q, int64_t ldq, const T* k, int64_t ldk, int d, float* s, int64_t lds,
+                     int64_t pf_off, int64_t pf_n) {
   R acc[MR * NT];
   for (int i = 0; i < MR * NT; ++i) acc[i] = Vec::zero();
   for (int x = 0; x < d; x += W) {
+    if (((x * static_cast<int64_t>(sizeof(T))) & 63) == 0)
+      for (int t = 0; t < NT && t < pf_n; ++t) __builtin_prefetch(k + t * ldk + x + pf_off, 0, 3);
     R kv[NT];
     for (int t = 0; t < NT; ++t) kv[t] = Vec::load(k + t * ldk + x);
     for (int r = 0; r < MR; ++r) {
@@ -57,22 +63,25 @@ inline void qk_block(const float* q, int64_t ldq, const T* k, int64_t ldk, int d
 }
 
 template <class T, int MR>
-inline void qk_rows(const float* q, int64_t ldq, const T* k, int64_t ldk, int64_t n, int d, float* s, int64_t lds) {
+inline void qk_rows(const float* q, int64_t ldq, const T* k, int64_t ldk, int64_t n, int d, float* s, int64_t lds,
+                    int64_t pf_off, int64_t pf_n) {
   constexpr int NT = MR == 1 ? 8 : (MR == 2 ? 4 : 2);
   int64_t t = 0;
-  for (; t + NT <= n; t += NT) qk_block<T, MR, NT>(q, ldq, k + t * ldk, ldk, d, s + t, lds);
-  for (; t < n; ++t) qk_block<T, MR, 1>(q, ldq, k + t * ldk, ldk, d, s + t, lds);
+  for (; t + NT <= n; t += NT) qk_block<T, MR, NT>(q, ldq, k + t * ldk, ldk, d, s + t, lds, pf_off, pf_n - t);
+  for (; t < n; ++t) qk_block<T, MR, 1>(q, ldq, k + t * ldk, ldk, d, s + t, lds, pf_off, pf_n - t);
 }
 
-// s[r][t] = q[r] . k[t] for r < rows, t < n
+// s[r][t] = q[r] . k[t] for r < rows, t < n; prefetches keys [0, pf_n) of the tile pf_off elements on
 template <class T>
-void qk(const float* q, int64_t ldq, int rows, const T* k, int64_t ldk, int64_t n, int d, float* s, int64_t lds) {
+void qk(const float* q, int64_t ldq, int rows, const T* k, int64_t ldk, int64_t n, int d, float* s, int64_t lds,
+        int64_t pf_off = 0, int64_t pf_n = 0) {
   int r = 0;
-  for (; r + 4 <= rows; r += 4) qk_rows<T, 4>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds);
+  for (; r + 4 <= rows; r += 4, pf_n = 0)  // the first row block prefetches
+    qk_rows<T, 4>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n);
   switch (rows - r) {
-    case 3: qk_rows<T, 3>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds); break;
-    case 2: qk_rows<T, 2>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds); break;
-    case 1: qk_rows<T, 1>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds); break;
+    case 3: qk_rows<T, 3>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
+    case 2: qk_rows<T, 2>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
+    case 1: qk_rows<T, 1>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
     default: break;
   }
 }
@@ -81,13 +90,17 @@ void qk(const float* q, int64_t ldq, int rows, const T* k, int64_t ldk, int64_t 
 
 template <class T, int MR, int NV>
 inline void pv_block(const float* p, int64_t ldp, const float* alpha, const T* v, int64_t ldv, int64_t n, float* o,
-                     int64_t ldo) {
+                     int64_t ldo, int64_t pf_off, int64_t pf_n) {
+  constexpr int kBytes = NV * W * static_cast<int>(sizeof(T));  // of each key row this block reads
   R acc[MR][NV];
   for (int r = 0; r < MR; ++r) {
     const R a = Vec::set1(alpha[r]);
     for (int c = 0; c < NV; ++c) acc[r][c] = Vec::mul(Vec::load(o + r * ldo + c * W), a);
   }
   for (int64_t t = 0; t < n; ++t) {
+    if (t < pf_n)
+      for (int b = 0; b < kBytes; b += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(v + t * ldv + pf_off) + b, 0, 3);
     R vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = Vec::load(v + t * ldv + c * W);
     for (int r = 0; r < MR; ++r) {
@@ -99,25 +112,30 @@ inline void pv_block(const float* p, int64_t ldp, const float* alpha, const T* v
     for (int c = 0; c < NV; ++c) Vec::store(o + r * ldo + c * W, acc[r][c]);
 }
 
+// (a block that starts mid-line leaves that line to the block before it)
 template <class T, int MR>
 inline void pv_rows(const float* p, int64_t ldp, const float* alpha, const T* v, int64_t ldv, int64_t n, int d,
-                    float* o, int64_t ldo) {
+                    float* o, int64_t ldo, int64_t pf_off, int64_t pf_n) {
   constexpr int NV = MR == 1 ? 4 : 2;
+  auto pf_at = [&](int x) { return ((x * static_cast<int64_t>(sizeof(T))) & 63) == 0 ? pf_n : 0; };
   int x = 0;
-  for (; x + NV * W <= d; x += NV * W) pv_block<T, MR, NV>(p, ldp, alpha, v + x, ldv, n, o + x, ldo);
-  for (; x < d; x += W) pv_block<T, MR, 1>(p, ldp, alpha, v + x, ldv, n, o + x, ldo);
+  for (; x + NV * W <= d; x += NV * W)
+    pv_block<T, MR, NV>(p, ldp, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
+  for (; x < d; x += W) pv_block<T, MR, 1>(p, ldp, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
 }
 
-// o[r] = alpha[r] o[r] + sum_t p[r][t] v[t] for r < rows
+// o[r] = alpha[r] o[r] + sum_t p[r][t] v[t] for r < rows; prefetches keys [0, pf_n) of the tile
+// pf_off elements on
 template <class T>
 void pv(const float* p, int64_t ldp, const float* alpha, int rows, const T* v, int64_t ldv, int64_t n, int d,
-        float* o, int64_t ldo) {
+        float* o, int64_t ldo, int64_t pf_off = 0, int64_t pf_n = 0) {
   int r = 0;
-  for (; r + 4 <= rows; r += 4) pv_rows<T, 4>(p + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo);
+  for (; r + 4 <= rows; r += 4, pf_n = 0)  // the first row block prefetches
+    pv_rows<T, 4>(p + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n);
   switch (rows - r) {
-    case 3: pv_rows<T, 3>(p + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo); break;
-    case 2: pv_rows<T, 2>(p + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo); break;
-    case 1: pv_rows<T, 1>(p + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo); break;
+    case 3: pv_rows<T, 3>(p + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
+    case 2: pv_rows<T, 2>(p + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
+    case 1: pv_rows<T, 1>(p + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
     default: break;
   }
 }
@@ -397,6 +415,12 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // two of bytes apart, 4 KiB for 8 heads x 128, fall into the same L1 sets
   // and would evict each other between re-reads).
   const bool widen = rows > 8;
+  // Decode items over a 16-bit cache ask for the next tile's lines from inside the Q K^T and P V
+  // loops (spread over the work); fp32 ones, and prefill blocks, ask for each head's share of the
+  // next tile in one burst per head. Measured in alternation on a 2-core AVX2 VM: spreading made
+  // bf16 decode 1.18-1.30x faster from 512 tokens of context on, and fp32 decode 0.75-0.94x as fast.
+  constexpr bool spread = sizeof(T) == 2;
+  const bool burst = widen || !spread;
 #ifdef VATTN_AMX_BF16
   // Prefill blocks of a bf16 cache (one kv head) go through the tiles: K and V
   // tiles packed into the widening buffers, Q (once) and P (per tile) in bf16.
@@ -423,10 +447,10 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
     if (!widen)  // decode: every head's scores first, so the K tile is read in one pass, then the V tile
       for (int h = 0; h < nh; ++h)
         qk<T>(q + h * head_rows, d, rows, k_heads + k0 * ldk + h * kc.strides[2], ldk, n, d,
-              s_all + h * rows * kMaxKeyTile, kMaxKeyTile);
+              s_all + h * rows * kMaxKeyTile, kMaxKeyTile, n * ldk, spread ? n_next : 0);
     for (int h = 0; h < nh; ++h) {
       const int64_t p0 = imin(n_next, h * per_head), p1 = imin(n_next, p0 + per_head);
-      if (p1 > p0) {
+      if (burst && p1 > p0) {
         prefetch_tokens(k_heads + (next + p0) * ldk, ldk, p1 - p0, k_span);
         prefetch_tokens(v_heads + (next + p0) * ldv, ldv, p1 - p0, v_span);
       }
@@ -466,7 +490,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
         widen_rows(vt, ldv, n, d, v_wide);
         pv<float>(s, kMaxKeyTile, alh, rows, v_wide, d, n, d, ah, d);
       } else {
-        pv<T>(s, kMaxKeyTile, alh, rows, vt, ldv, n, d, ah, d);
+        pv<T>(s, kMaxKeyTile, alh, rows, vt, ldv, n, d, ah, d, n * ldv, spread ? n_next : 0);
       }
     }
   }
