@@ -19,10 +19,19 @@ SOURCES = [
 
 WARNINGS = ["-Wall", "-Wextra", "-Wno-missing-field-initializers"]
 
+
+def headers(*folders: str) -> list[str]:
+    """The headers in ``folders``: an extension's ``depends``, so that an edit
+    to a header alone rebuilds it (build_ext compares only these and the sources)."""
+    root = Path(__file__).resolve().parent
+    return sorted(str(p.relative_to(root)) for folder in folders for p in (root / folder).glob("*.h"))
+
+
 ext = Pybind11Extension(
     "vattn._C",
     SOURCES,
     include_dirs=["csrc/cuda_vmm", "driver_patch"],  # driver_patch/vattn_uvm_ioctl.h: the patched module's ABI
+    depends=headers("csrc/cuda_vmm", "driver_patch"),
     cxx_std=17,
     extra_compile_args=["-O2", *WARNINGS],
     libraries=["dl"],  # dlopen of libcuda.so.1 at run time
@@ -71,6 +80,7 @@ cpu_attn = Pybind11Extension(
     "vattn._cpu_attn",
     CPU_ATTN_SOURCES,
     include_dirs=["csrc/cpu_attn", "csrc/cuda_vmm"],  # dlpack.h is shared with vattn._C
+    depends=headers("csrc/cpu_attn", "csrc/cuda_vmm"),
     cxx_std=17,
     extra_compile_args=["-O3", *WARNINGS],
     libraries=["pthread"],
