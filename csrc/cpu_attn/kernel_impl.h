@@ -258,36 +258,23 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 inline uint32_t bf16_pair(uint16_t lo, uint16_t hi) { return lo | static_cast<uint32_t>(hi) << 16; }
 
-// K rows [n][d] as B tiles of S = Q K^T: for each chunk c of 32 head-dim values
-// and block b of 16 keys, 16 rows (value pairs) x 16 keys; zero past n and d.
-inline void pack_k_tiles(const bf16* k, int64_t ldk, int64_t n, int d, int d_pad, uint32_t* out) {
-  const int64_t blocks = (n + kTileRows - 1) / kTileRows;
-  for (int c = 0; c < d_pad / 32; ++c)
+// B of a tile product C = A B, B[r][j] = src[r * r_stride + j * j_stride] for
+// r < rows (the reduced dimension) and j < cols, as B tiles: for each chunk c
+// of 32 r and block b of 16 j, 16 rows (r pairs) x 16 dwords; zero past rows
+// and cols, up to `chunks` chunks. Q K^T takes K this way transposed (r: head
+// dim, j: keys), P V takes V as it is (r: keys, j: head dim).
+inline void pack_b_tiles(const bf16* src, int64_t r_stride, int64_t j_stride, int64_t rows, int64_t cols,
+                         int64_t chunks, uint32_t* out) {
+  const int64_t blocks = (cols + kTileRows - 1) / kTileRows;
+  auto at = [&](int64_t r, int64_t j) -> uint16_t {
+    return r < rows && j < cols ? src[r * r_stride + j * j_stride].bits : 0;
+  };
+  for (int64_t c = 0; c < chunks; ++c)
     for (int64_t b = 0; b < blocks; ++b) {
       uint32_t* tile = out + (c * blocks + b) * 256;
       for (int p = 0; p < 16; ++p) {
-        const int x = c * 32 + 2 * p;
-        for (int j = 0; j < 16; ++j) {
-          const int64_t key = b * 16 + j;
-          tile[p * 16 + j] = key < n && x < d ? bf16_pair(k[key * ldk + x].bits, k[key * ldk + x + 1].bits) : 0;
-        }
-      }
-    }
-}
-
-// V rows [n][d] as B tiles of O = P V: for each chunk c of 32 keys and block b
-// of 16 columns, 16 rows (key pairs) x 16 columns; zero past n.
-inline void pack_v_tiles(const bf16* v, int64_t ldv, int64_t n, int d, uint32_t* out) {
-  const int blocks = d / 16;
-  for (int64_t c = 0; c < (n + 31) / 32; ++c)
-    for (int b = 0; b < blocks; ++b) {
-      uint32_t* tile = out + (c * blocks + b) * 256;
-      for (int p = 0; p < 16; ++p) {
-        const int64_t k0 = c * 32 + 2 * p;
-        for (int x = 0; x < 16; ++x) {
-          const int64_t col = b * 16 + x;
-          tile[p * 16 + x] = bf16_pair(k0 < n ? v[k0 * ldv + col].bits : 0, k0 + 1 < n ? v[(k0 + 1) * ldv + col].bits : 0);
-        }
+        const int64_t r = c * 32 + 2 * p;
+        for (int x = 0; x < 16; ++x) tile[p * 16 + x] = bf16_pair(at(r, b * 16 + x), at(r + 1, b * 16 + x));
       }
     }
 }
@@ -464,7 +451,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
       float* s = widen ? s_all : s_all + h * rows * kMaxKeyTile;  // this head's scores
 #ifdef VATTN_AMX_BF16
       if (tiles) {
-        pack_k_tiles(reinterpret_cast<const bf16*>(kt), ldk, n, d, d_pad, reinterpret_cast<uint32_t*>(k_wide));
+        pack_b_tiles(reinterpret_cast<const bf16*>(kt), 1, ldk, d, n, d_pad / 32, reinterpret_cast<uint32_t*>(k_wide));
         qk_tiles(q_hi, q_lo, d_pad, rows_pad, reinterpret_cast<const uint32_t*>(k_wide), n, s, kMaxKeyTile);
       } else
 #endif
@@ -482,7 +469,8 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
       if (tiles) {
         const int64_t n_pad = round_up(n, 32);
         to_bf16_terms(s, kMaxKeyTile, rows, rows_pad, round_up(n, W), n_pad, p_hi, p_lo);
-        pack_v_tiles(reinterpret_cast<const bf16*>(vt), ldv, n, d, reinterpret_cast<uint32_t*>(v_wide));
+        pack_b_tiles(reinterpret_cast<const bf16*>(vt), ldv, 1, n, d, (n + 31) / 32,
+                     reinterpret_cast<uint32_t*>(v_wide));
         pv_tiles(p_hi, p_lo, n_pad, alh, rows, rows_pad, reinterpret_cast<const uint32_t*>(v_wide), d, product, ah);
       } else
 #endif
