@@ -435,8 +435,12 @@ def test_bad_plans_raise(small: DenseCase) -> None:
         plan.num_items(group_size=1, heads_kv=1, window=-1)
     with pytest.raises(ValueError, match="isa must be one of"):
         host_attention(small.q, small.k_cache, small.v_cache, small.batch, isa="sse9")
-    with pytest.raises(ValueError, match="needs CPU tensors"):
-        host_attention(small.q.to("meta"), small.k_cache, small.v_cache, small.batch)
+    args = dict(q=small.q, k_cache=small.k_cache, v_cache=small.v_cache)
+    extra = dict(k=small.k_cache[0, :1], v=small.v_cache[0, :1], out=torch.empty_like(small.q))
+    for name in [*args, *extra]:  # each argument is checked, and named
+        moved = {**args, **extra, name: {**args, **extra}[name].to("meta")}
+        with pytest.raises(ValueError, match=f"needs CPU tensors, got {name} on meta"):
+            host_attention(batch=small.batch, **moved)
 
 
 @pytest.fixture
