@@ -1,0 +1,231 @@
+"""Two builds of the host attention kernel (csrc/cpu_attn) timed against each
+other in one process: the way to decide whether a kernel change is faster on
+a machine whose speed drifts by more than the change (two processes timed one
+after the other disagree by 10-40% on a shared VM; an A/A pair of builds here
+agrees within a few percent).
+
+    python benchmarks/host_kernel_ab.py HEAD~1               # HEAD~1 against the working tree
+    python benchmarks/host_kernel_ab.py main my-branch --points 1:128:float32,16:2048:bfloat16
+    python benchmarks/host_kernel_ab.py HEAD HEAD            # A/A: how far apart equal builds read
+    python benchmarks/host_kernel_ab.py --replot             # redraw the plot from the JSON
+
+Each side (a git revision, or ``.`` for the working tree) is compiled from its
+own csrc/cpu_attn with its own setup.py's per-unit ISA flags into a module of
+its own name and C++ namespace (``-Dvattn=...``, ``-D_cpu_attn=...``), so both
+load side by side. For every point (``batch:ctx:dtype``, one decode layer of
+``--model``, per_layer cache) both modules attend over the same vattn cache
+into their own outputs; the outputs must agree before anything is timed.
+Rounds alternate the order (base first, then test first); in each, a side's
+call runs once after ``--flush-mb`` MiB were written (``cold``: the K/V come
+from the last-level cache or DRAM, as for a layer whose cache other layers
+evicted) and once straight after (``warm``). Reported: median microseconds
+per call and base / test (above 1: the test build is faster). Writes
+benchmarks/results/host_kernel_ab_<machine>.json and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.machinery
+import importlib.util
+import json
+import platform
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pybind11  # noqa: E402
+import torch  # noqa: E402
+from attention_ab import MODELS, Case, model_shape  # noqa: E402
+from common import RESULTS, machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
+from torch.utils.dlpack import to_dlpack  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CXX = "g++"
+
+
+def source_tree(rev: str, into: Path) -> tuple[Path, str]:
+    """(directory holding csrc/ and setup.py of ``rev``, its commit or "working tree")."""
+    if rev == ".":
+        return ROOT, "working tree"
+    found = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=ROOT,
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        raise SystemExit(f"{rev!r} is not a commit of this checkout (give a git revision, or . for the working tree)")
+    commit = found.stdout.strip()
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", commit, "csrc", "setup.py"], cwd=ROOT, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into, commit
+
+
+@functools.lru_cache(maxsize=None)
+def accepts(flag: str) -> bool:
+    return subprocess.run([CXX, flag, "-x", "c++", "-c", "-o", "/dev/null", "-"], input="int x;\n",
+                          capture_output=True, text=True).returncode == 0
+
+
+def build(tree: Path, name: str, out: Path) -> Path:
+    """vattn._cpu_attn of ``tree`` as module ``name`` (C++ namespace renamed alike), in ``out``."""
+    spec = importlib.util.spec_from_file_location(f"setup_of_{name}", tree / "setup.py")
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)  # its setup() runs only as __main__
+    flags = setup.isa_flags(platform.machine())
+    common = ["-std=c++17", "-O3", "-fPIC", "-fvisibility=hidden", f"-Dvattn={name}_ns", f"-D_cpu_attn={name}",
+              f"-I{tree / 'csrc' / 'cpu_attn'}", f"-I{tree / 'csrc' / 'cuda_vmm'}", f"-I{pybind11.get_include()}",
+              f"-I{sysconfig.get_paths()['include']}"]
+    sources = [tree / s for s in setup.CPU_ATTN_SOURCES]
+
+    def compile_one(src: Path) -> tuple[Path, subprocess.CompletedProcess]:
+        obj = out / f"{name}_{src.stem}.o"
+        extra = setup.usable_flags(flags.get(src.name, []), accepts)
+        return obj, subprocess.run([CXX, *common, *extra, "-c", str(src), "-o", str(obj)], capture_output=True,
+                                   text=True)
+
+    with ThreadPoolExecutor() as pool:
+        built = list(pool.map(compile_one, sources))
+    for src, (_, proc) in zip(sources, built):
+        if proc.returncode != 0:
+            raise SystemExit(f"{CXX} failed on {src}:\n{proc.stderr[-3000:]}")
+    library = out / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run([CXX, "-shared", "-pthread", *(str(o) for o, _ in built), "-o", str(library)], check=True)
+    return library
+
+
+def load(name: str, library: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(name, str(library))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+    loader.exec_module(module)
+    return module
+
+
+def measure(modules: list[ModuleType], batch: int, ctx: int, dtype: torch.dtype, shape: tuple[int, int, int],
+            flush: torch.Tensor, rounds: int) -> dict[str, list[float]]:
+    """Median us per call, cold and warm, of each module on one decode point."""
+    case = Case("decode", "per_layer", batch, ctx, 1, "cpu", dtype, [], shape)
+    try:
+        b = case.batch
+        scale = shape[2] ** -0.5
+        calls, outs = [], []
+        for m in modules:
+            plan = m.Plan(list(b.reqids), list(b.cached_lens), list(b.query_lens))
+            out = torch.empty_like(case.q)
+            args = (plan, to_dlpack(case.q), to_dlpack(case.k_cache), to_dlpack(case.v_cache), to_dlpack(out),
+                    None, None, None, scale, 0.0, 0, None)
+            calls.append(functools.partial(m.attention, *args))
+            outs.append(out)
+        for call in calls:
+            call()
+        torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=1e-2, atol=1e-2)
+        cold: list[list[float]] = [[] for _ in modules]
+        warm: list[list[float]] = [[] for _ in modules]
+        for r in range(rounds):
+            for i in (range(len(modules)) if r % 2 == 0 else reversed(range(len(modules)))):
+                flush.add_(1.0)
+                t = time.perf_counter()
+                calls[i]()
+                cold[i].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                calls[i]()
+                warm[i].append(time.perf_counter() - t)
+        median = lambda xs: sorted(xs)[len(xs) // 2] * 1e6  # noqa: E731
+        return {"cold_us": [round(median(c), 2) for c in cold], "warm_us": [round(median(w), 2) for w in warm]}
+    finally:
+        case.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("base", nargs="?", help="git revision of the base build, or . for the working tree")
+    p.add_argument("test", nargs="?", default=".", help="git revision of the test build (default: the working tree)")
+    p.add_argument("--points", default="1:128:float32,4:512:float32,16:2048:float32,1:8192:float32,"
+                                        "1:128:bfloat16,4:512:bfloat16,16:2048:bfloat16,1:8192:bfloat16",
+                   help="decode points, batch:ctx:dtype, comma-separated")
+    p.add_argument("--model", default="llama-3-8b", help=f"one of {sorted(MODELS)} or name:heads_q:heads_kv:head_dim")
+    p.add_argument("--flush-mb", type=int, default=4, help="MiB written before each cold call")
+    p.add_argument("--rounds", type=int, default=60, help="rounds per point (fewer for points above 8 ms)")
+    p.add_argument("--replot", action="store_true", help="only redraw the plot from this machine's JSON")
+    args = p.parse_args()
+    name = f"host_kernel_ab_{machine_slug(machine())}"
+    if args.replot:
+        plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
+        return
+    if args.base is None:
+        p.error("give the base revision (or --replot)")
+    shape = model_shape(args.model)
+    with tempfile.TemporaryDirectory(prefix="vattn-ab-") as tmp:
+        sides = []
+        for label, rev in (("base", args.base), ("test", args.test)):
+            tree, commit = source_tree(rev, Path(tmp) / label)
+            print(f"building {label} ({rev}: {commit}) ...", flush=True)
+            sides.append((label, rev, commit, load(f"_cpu_attn_ab_{label}", build(tree, f"_cpu_attn_ab_{label}",
+                                                                                   Path(tmp)))))
+    modules = [m for *_, m in sides]
+    flush = torch.zeros(args.flush_mb << 18)
+    rows = []
+    started = time.perf_counter()
+    points = [spec.split(":") for spec in args.points.split(",")]
+    for n, (batch, ctx, dtype) in enumerate(points, 1):
+        batch, ctx = int(batch), int(ctx)
+        rounds = args.rounds
+        for attempt in range(2):  # a first short pass sizes the rounds of slow points
+            times = measure(modules, batch, ctx, getattr(torch, dtype), shape, flush, rounds)
+            if attempt or times["warm_us"][0] < 8000:
+                break
+            rounds = max(6, int(args.rounds * 8000 / times["warm_us"][0]))
+        row = dict(batch=batch, ctx=ctx, dtype=dtype, rounds=rounds, **times,
+                   base_over_test={k: round(times[f"{k}_us"][0] / times[f"{k}_us"][1], 3) for k in ("cold", "warm")})
+        rows.append(row)
+        print(f"[{n}/{len(points)} {time.perf_counter() - started:5.0f}s] {dtype:8s} B={batch:<3d} ctx={ctx:<6d} "
+              f"cold {times['cold_us'][0]:9.1f} -> {times['cold_us'][1]:9.1f} us ({row['base_over_test']['cold']:.2f}x)  "
+              f"warm {times['warm_us'][0]:9.1f} -> {times['warm_us'][1]:9.1f} us ({row['base_over_test']['warm']:.2f}x)",
+              flush=True)
+    payload = {
+        "benchmark": "host_kernel_ab",
+        "machine": machine(),
+        "model": args.model,
+        "base": {"rev": sides[0][1], "commit": sides[0][2]},
+        "test": {"rev": sides[1][1], "commit": sides[1][2]},
+        "threads": modules[0].info()["threads"],
+        "isa": modules[0].info()["isa"],
+        "flush_mb": args.flush_mb,
+        "unit": "median us per call (one decode layer, per_layer cache); base_over_test above 1: the test build is faster",
+        "results": rows,
+    }
+    print(f"wrote {write_json(name, payload)}")
+    try:
+        plot(payload, name)
+    except ImportError as e:
+        print(f"no plot ({e}): redraw with `python benchmarks/host_kernel_ab.py --replot` where matplotlib is installed")
+
+
+def plot(payload: dict, name: str) -> None:
+    """base / test per point, cold and warm bars, 1 marked."""
+    plt = pyplot()
+    rows = payload["results"]
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    labels = [f"{short.get(r['dtype'], r['dtype'])} B={r['batch']}\nctx={r['ctx']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["base_over_test"]["cold"] for r in rows], 0.4, label="cold")
+    ax.bar([x + 0.2 for x in xs], [r["base_over_test"]["warm"] for r in rows], 0.4, label="warm")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("base time / test time")
+    ax.set_title(f"host kernel A/B: {payload['base']['rev']} vs {payload['test']['rev']} ({payload['model']}, "
+                 f"{payload['threads']} threads, {payload['isa']})", fontsize=9)
+    ax.legend()
+    save_plot(fig, name)
+
+
+if __name__ == "__main__":
+    main()
