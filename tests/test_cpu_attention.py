@@ -173,6 +173,20 @@ def test_long_decodes_split_and_merge(isa: str) -> None:
         assert groups > 0, "a 4096-token MQA decode should be split across threads"
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_long_decodes_over_wide_rows(isa: str, dtype: torch.dtype) -> None:
+    """Decode items of >= 512 keys over 8 kv heads (2-4 KiB of K per token)
+    stream in smaller tiles with the next tile fetched inside the loops;
+    lengths off every tile and split boundary."""
+    lens = [2049, 512, 513, 777, 1031]
+    batch = AttentionBatch([4, 0, 2, 1, 3], [n - 1 for n in lens], [1] * len(lens))
+    case = DenseCase(batch, 16, 8, 128, dtype, max_len=2049, seed=7)
+    out, lse = host_attention(case.q, case.k_cache, case.v_cache, batch, k=case.k, v=case.v, return_lse=True,
+                              isa=isa)
+    check(out, lse, reference(case.q, case.keys, case.values, batch, 1 / math.sqrt(128)), f"{isa} {dtype}")
+
+
 def test_single_long_request_split_over_keys() -> None:
     """One request, one kv head: all parallelism comes from key splits, also
     for a prefill chunk after a long history."""

@@ -359,7 +359,14 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const int nh = it.head_end - it.head_begin;
   const int rows = nq * G;  // per kv head
   const int64_t head_rows = static_cast<int64_t>(rows) * d;
-  const int64_t tile = key_tile(rows, static_cast<int64_t>(nh) * d * sizeof(T));
+  const int64_t token_bytes = static_cast<int64_t>(nh) * d * sizeof(T);  // of K for this item's heads
+  // A long decode item over wide rows streams: tiles of at most 32 KiB, and the next tile's lines asked for
+  // from inside the loops, for fp32 too (below). Measured with benchmarks/host_kernel_ab.py on a 2-core AVX2 VM
+  // (Llama-3-8B layer, cold and warm): fp32 decode 1.17-1.36x and bf16 1.04-1.17x where items have >= 512 keys
+  // and >= 2 KiB per token; on shorter items (129-256 keys, e.g. fp32 B=4 ctx 512 split in two) the same
+  // change measured 0.79-0.92x, so they keep the defaults.
+  const bool streaming = rows <= 8 && token_bytes >= 2048 && it.k_end - it.k_begin >= 512;
+  const int64_t tile = key_tile(rows, token_bytes, streaming ? int64_t{32} << 10 : int64_t{64} << 10);
 
   float* q = align64(scratch);                // [nh][rows][d], pre-scaled
   float* acc = align64(q + nh * head_rows);   // [nh][rows][d]
@@ -402,11 +409,11 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // two of bytes apart, 4 KiB for 8 heads x 128, fall into the same L1 sets
   // and would evict each other between re-reads).
   const bool widen = rows > 8;
-  // Decode items over a 16-bit cache ask for the next tile's lines from inside the Q K^T and P V
-  // loops (spread over the work); fp32 ones, and prefill blocks, ask for each head's share of the
-  // next tile in one burst per head. Measured in alternation on a 2-core AVX2 VM: spreading made
+  // Decode items over a 16-bit cache, and streaming ones, ask for the next tile's lines from inside
+  // the Q K^T and P V loops (spread over the work); other fp32 ones, and prefill blocks, ask for each
+  // head's share of the next tile in one burst per head. Measured in alternation on a 2-core AVX2 VM: spreading made
   // bf16 decode 1.18-1.30x faster from 512 tokens of context on, and fp32 decode 0.75-0.94x as fast.
-  constexpr bool spread = sizeof(T) == 2;
+  const bool spread = sizeof(T) == 2 || streaming;
   const bool burst = widen || !spread;
 #ifdef VATTN_AMX_BF16
   // Prefill blocks of a bf16 cache (one kv head) go through the tiles: K and V
