@@ -7,7 +7,8 @@ agrees within a few percent).
     python benchmarks/host_kernel_ab.py HEAD~1               # HEAD~1 against the working tree
     python benchmarks/host_kernel_ab.py main my-branch --points 1:128:float32,16:2048:bfloat16
     python benchmarks/host_kernel_ab.py HEAD HEAD            # A/A: how far apart equal builds read
-    python benchmarks/host_kernel_ab.py --replot             # redraw the plot from the JSON
+    python benchmarks/host_kernel_ab.py HEAD~1 --tag mychange   # results as host_kernel_ab_mychange_<machine>.*
+    python benchmarks/host_kernel_ab.py --replot             # redraw the plot from the JSON (with --tag: that one)
 
 Each side (a git revision, or ``.`` for the working tree) is compiled from its
 own csrc/cpu_attn with its own setup.py's per-unit ISA flags into a module of
@@ -20,7 +21,8 @@ call runs once after ``--flush-mb`` MiB were written (``cold``: the K/V come
 from the last-level cache or DRAM, as for a layer whose cache other layers
 evicted) and once straight after (``warm``). Reported: median microseconds
 per call and base / test (above 1: the test build is faster). Writes
-benchmarks/results/host_kernel_ab_<machine>.json and a plot.
+benchmarks/results/host_kernel_ab_<machine>.json (``--tag T``:
+host_kernel_ab_T_<machine>.json) and a plot.
 """
 
 from __future__ import annotations
@@ -153,9 +155,10 @@ def main() -> None:
     p.add_argument("--model", default="llama-3-8b", help=f"one of {sorted(MODELS)} or name:heads_q:heads_kv:head_dim")
     p.add_argument("--flush-mb", type=int, default=4, help="MiB written before each cold call")
     p.add_argument("--rounds", type=int, default=60, help="rounds per point (fewer for points above 8 ms)")
+    p.add_argument("--tag", default="", help="names the result files host_kernel_ab_<tag>_<machine>.*")
     p.add_argument("--replot", action="store_true", help="only redraw the plot from this machine's JSON")
     args = p.parse_args()
-    name = f"host_kernel_ab_{machine_slug(machine())}"
+    name = f"host_kernel_ab_{args.tag + '_' if args.tag else ''}{machine_slug(machine())}"
     if args.replot:
         plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
         return

@@ -362,9 +362,9 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const int64_t token_bytes = static_cast<int64_t>(nh) * d * sizeof(T);  // of K for this item's heads
   // A long decode item over wide rows streams: tiles of at most 32 KiB, and the next tile's lines asked for
   // from inside the loops, for fp32 too (below). Measured with benchmarks/host_kernel_ab.py on a 2-core AVX2 VM
-  // (Llama-3-8B layer, cold and warm): fp32 decode 1.17-1.36x and bf16 1.04-1.17x where items have >= 512 keys
-  // and >= 2 KiB per token; on shorter items (129-256 keys, e.g. fp32 B=4 ctx 512 split in two) the same
-  // change measured 0.79-0.92x, so they keep the defaults.
+  // (Llama-3-8B layer, cold and warm, two runs): fp32 decode 1.11-1.45x and bf16 0.96-1.17x (mostly 1.04-1.16x)
+  // where items have >= 512 keys and >= 2 KiB per token; on shorter items (129-256 keys, e.g. fp32 B=4 ctx 512
+  // split in two) the same change measured 0.79-0.92x, so they keep the defaults.
   const bool streaming = rows <= 8 && token_bytes >= 2048 && it.k_end - it.k_begin >= 512;
   const int64_t tile = key_tile(rows, token_bytes, streaming ? int64_t{32} << 10 : int64_t{64} << 10);
 
