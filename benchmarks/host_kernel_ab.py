@@ -41,6 +41,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -111,8 +112,9 @@ def load(name: str, library: Path) -> ModuleType:
 
 
 def measure(modules: list[ModuleType], batch: int, ctx: int, dtype: torch.dtype, shape: tuple[int, int, int],
-            flush: torch.Tensor, rounds: int) -> dict[str, list[float]]:
-    """Median us per call, cold and warm, of each module on one decode point."""
+            flush: torch.Tensor, rounds: int) -> dict[str, Any]:
+    """Median us per call, cold and warm, of each module on one decode point,
+    and the rounds run: ``rounds``, or fewer where a call takes over 8 ms."""
     case = Case("decode", "per_layer", batch, ctx, 1, "cpu", dtype, [], shape)
     try:
         b = case.batch
@@ -128,6 +130,9 @@ def measure(modules: list[ModuleType], batch: int, ctx: int, dtype: torch.dtype,
         for call in calls:
             call()
         torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=1e-2, atol=1e-2)
+        t = time.perf_counter()
+        calls[0]()
+        rounds = min(rounds, max(6, int(rounds * 8e-3 / (time.perf_counter() - t))))  # calls over 8 ms: fewer rounds
         cold: list[list[float]] = [[] for _ in modules]
         warm: list[list[float]] = [[] for _ in modules]
         for r in range(rounds):
@@ -140,7 +145,8 @@ def measure(modules: list[ModuleType], batch: int, ctx: int, dtype: torch.dtype,
                 calls[i]()
                 warm[i].append(time.perf_counter() - t)
         median = lambda xs: sorted(xs)[len(xs) // 2] * 1e6  # noqa: E731
-        return {"cold_us": [round(median(c), 2) for c in cold], "warm_us": [round(median(w), 2) for w in warm]}
+        return {"rounds": rounds, "cold_us": [round(median(c), 2) for c in cold],
+                "warm_us": [round(median(w), 2) for w in warm]}
     finally:
         case.close()
 
@@ -179,13 +185,8 @@ def main() -> None:
     points = [spec.split(":") for spec in args.points.split(",")]
     for n, (batch, ctx, dtype) in enumerate(points, 1):
         batch, ctx = int(batch), int(ctx)
-        rounds = args.rounds
-        for attempt in range(2):  # a first short pass sizes the rounds of slow points
-            times = measure(modules, batch, ctx, getattr(torch, dtype), shape, flush, rounds)
-            if attempt or times["warm_us"][0] < 8000:
-                break
-            rounds = max(6, int(args.rounds * 8000 / times["warm_us"][0]))
-        row = dict(batch=batch, ctx=ctx, dtype=dtype, rounds=rounds, **times,
+        times = measure(modules, batch, ctx, getattr(torch, dtype), shape, flush, args.rounds)
+        row = dict(batch=batch, ctx=ctx, dtype=dtype, **times,
                    base_over_test={k: round(times[f"{k}_us"][0] / times[f"{k}_us"][1], 3) for k in ("cold", "warm")})
         rows.append(row)
         print(f"[{n}/{len(points)} {time.perf_counter() - started:5.0f}s] {dtype:8s} B={batch:<3d} ctx={ctx:<6d} "

@@ -82,7 +82,7 @@ struct Call {
 // per tile: 8, 16, 32 or 64 tokens (so that tiles divide the 64-token split
 // boundaries).
 constexpr int32_t kMaxKeyTile = 64;
-inline int32_t key_tile(int32_t rows_per_head, int64_t token_bytes, int64_t max_bytes = int64_t{64} << 10) {
+inline int32_t key_tile(int32_t rows_per_head, int64_t token_bytes, int64_t max_bytes) {
   if (rows_per_head > 16) return kMaxKeyTile;
   int32_t tile = kMaxKeyTile;
   while (tile > 8 && tile * token_bytes > max_bytes) tile /= 2;

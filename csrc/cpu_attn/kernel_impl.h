@@ -359,13 +359,18 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const int nh = it.head_end - it.head_begin;
   const int rows = nq * G;  // per kv head
   const int64_t head_rows = static_cast<int64_t>(rows) * d;
+  // Prefill blocks re-read each tile once per block of 4 rows: widen it once
+  // into a contiguous fp32 copy (for fp32 caches too: cache rows a power of
+  // two of bytes apart, 4 KiB for 8 heads x 128, fall into the same L1 sets
+  // and would evict each other between re-reads).
+  const bool widen = rows > 8;
   const int64_t token_bytes = static_cast<int64_t>(nh) * d * sizeof(T);  // of K for this item's heads
   // A long decode item over wide rows streams: tiles of at most 32 KiB, and the next tile's lines asked for
   // from inside the loops, for fp32 too (below). Measured with benchmarks/host_kernel_ab.py on a 2-core AVX2 VM
   // (Llama-3-8B layer, cold and warm, two runs): fp32 decode 1.11-1.45x and bf16 0.96-1.17x (mostly 1.04-1.16x)
   // where items have >= 512 keys and >= 2 KiB per token; on shorter items (129-256 keys, e.g. fp32 B=4 ctx 512
-  // split in two) the same change measured 0.79-0.92x, so they keep the defaults.
-  const bool streaming = rows <= 8 && token_bytes >= 2048 && it.k_end - it.k_begin >= 512;
+  // split in two) the same change measured 0.79-0.96x, so they keep the defaults.
+  const bool streaming = !widen && token_bytes >= 2048 && it.k_end - it.k_begin >= 512;
   const int64_t tile = key_tile(rows, token_bytes, streaming ? int64_t{32} << 10 : int64_t{64} << 10);
 
   float* q = align64(scratch);                // [nh][rows][d], pre-scaled
@@ -404,11 +409,6 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const T* k_heads = k_req + it.head_begin * kc.strides[2];
   const T* v_heads = v_req + it.head_begin * vc.strides[2];
   const int64_t first_pos = rq.cached_len + it.q_begin;  // position of the item's first query
-  // Prefill blocks re-read each tile once per block of 4 rows: widen it once
-  // into a contiguous fp32 copy (for fp32 caches too: cache rows a power of
-  // two of bytes apart, 4 KiB for 8 heads x 128, fall into the same L1 sets
-  // and would evict each other between re-reads).
-  const bool widen = rows > 8;
   // Decode items over a 16-bit cache, and streaming ones, ask for the next tile's lines from inside
   // the Q K^T and P V loops (spread over the work); other fp32 ones, and prefill blocks, ask for each
   // head's share of the next tile in one burst per head. Measured in alternation on a 2-core AVX2 VM: spreading made
