@@ -410,11 +410,15 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const T* v_heads = v_req + it.head_begin * vc.strides[2];
   const int64_t first_pos = rq.cached_len + it.q_begin;  // position of the item's first query
   // Decode items over a 16-bit cache, and streaming ones, ask for the next tile's lines from inside
-  // the Q K^T and P V loops (spread over the work); other fp32 ones, and prefill blocks, ask for each
-  // head's share of the next tile in one burst per head. Measured in alternation on a 2-core AVX2 VM: spreading made
-  // bf16 decode 1.18-1.30x faster from 512 tokens of context on, and fp32 decode 0.75-0.94x as fast.
+  // the Q K^T and P V loops (spread over the work); prefill blocks ask for each head's share of the
+  // next tile in one burst per head; other fp32 decode items ask for nothing and leave it to the
+  // hardware prefetchers. Measured in alternation on a 2-core AVX2 VM (benchmarks/host_kernel_ab.py):
+  // spreading made bf16 decode 1.18-1.30x faster from 512 tokens of context on, and fp32 decode
+  // 0.75-0.94x as fast as bursts; for those fp32 items no requests at all ran 1.03-1.14x faster than
+  // bursts (a burst of a tile's lines stalls the core before any work on the tile can start).
   const bool spread = sizeof(T) == 2 || streaming;
-  const bool burst = widen || !spread;
+  const bool burst = widen;
+  const bool first_tile = widen || spread;  // whether the first tile is requested up front
 #ifdef VATTN_AMX_BF16
   // Prefill blocks of a bf16 cache (one kv head) go through the tiles: K and V
   // tiles packed into the widening buffers, Q (once) and P (per tile) in bf16.
@@ -432,8 +436,10 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   }
 #endif
 
-  prefetch_tokens(k_heads + it.k_begin * ldk, ldk, imin(tile, it.k_end - it.k_begin), k_span);
-  prefetch_tokens(v_heads + it.k_begin * ldv, ldv, imin(tile, it.k_end - it.k_begin), v_span);
+  if (first_tile) {
+    prefetch_tokens(k_heads + it.k_begin * ldk, ldk, imin(tile, it.k_end - it.k_begin), k_span);
+    prefetch_tokens(v_heads + it.k_begin * ldv, ldv, imin(tile, it.k_end - it.k_begin), v_span);
+  }
   for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += tile) {
     const int64_t n = imin(tile, it.k_end - k0);
     const int64_t next = k0 + n, n_next = imin(tile, it.k_end - next);
