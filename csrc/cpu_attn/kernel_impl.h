@@ -409,14 +409,16 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const T* k_heads = k_req + it.head_begin * kc.strides[2];
   const T* v_heads = v_req + it.head_begin * vc.strides[2];
   const int64_t first_pos = rq.cached_len + it.q_begin;  // position of the item's first query
-  // Decode items over a 16-bit cache, and streaming ones, ask for the next tile's lines from inside
-  // the Q K^T and P V loops (spread over the work); prefill blocks ask for each head's share of the
-  // next tile in one burst per head; other fp32 decode items ask for nothing and leave it to the
-  // hardware prefetchers. Measured in alternation on a 2-core AVX2 VM (benchmarks/host_kernel_ab.py):
-  // spreading made bf16 decode 1.18-1.30x faster from 512 tokens of context on, and fp32 decode
-  // 0.75-0.94x as fast as bursts; for those fp32 items no requests at all ran 1.03-1.14x faster than
-  // bursts (a burst of a tile's lines stalls the core before any work on the tile can start).
-  const bool spread = sizeof(T) == 2 || streaming;
+  // Streaming items, and decode items over a 16-bit cache with at least 2 KiB of K per token, ask for
+  // the next tile's lines from inside the Q K^T and P V loops (spread over the work); prefill blocks ask
+  // for each head's share of the next tile in one burst per head; other decode items ask for nothing
+  // and leave it to the hardware prefetchers. Measured in alternation on a 2-core AVX2 VM
+  // (benchmarks/host_kernel_ab.py): against bursts, spreading made bf16 decode 1.18-1.30x faster from
+  // 512 tokens of context on and fp32 decode 0.75-0.94x as fast; asking for nothing made fp32 decode
+  // 1.03-1.14x faster (a burst stalls the core before any work on the tile starts). Against spreading,
+  // asking for nothing made bf16 items of 1-4 heads (256 B - 1 KiB per token) 1.03-1.09x faster, and
+  // 2 KiB ones 0.80-0.91x as fast.
+  const bool spread = streaming || (!widen && sizeof(T) == 2 && token_bytes >= 2048);
   const bool burst = widen;
   const bool first_tile = widen || spread;  // whether the first tile is requested up front
 #ifdef VATTN_AMX_BF16
