@@ -225,14 +225,16 @@ def flashinfer_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], 
 
 
 def time_interleaved(fns: dict[str, Callable[[], torch.Tensor]], device: torch.device, min_seconds: float,
-                     min_reps: int) -> dict[str, float]:
+                     min_reps: int, flush: torch.Tensor | None = None) -> dict[str, float]:
     """Median ms per call of each fn, timed in alternation so that drift of
     the machine (frequency, neighbours) touches every kernel alike. Each
     round runs every kernel for about the same time (a fast kernel gets many
     calls per round, not as few samples as the slowest kernel of the point).
     On a GPU one sample is CUDA events around as many back-to-back calls as
     last about a millisecond (launch gaps of tiny decode kernels are not in
-    it); on the CPU every call is a sample."""
+    it); on the CPU every call is a sample. With ``flush`` (CPU only) every
+    call runs cold: the tensor is written, untimed, before it (a layer's K/V
+    in a real forward come back after every other layer's work)."""
     if not fns:
         return {}
     cuda = device.type == "cuda"
@@ -264,6 +266,8 @@ def time_interleaved(fns: dict[str, Callable[[], torch.Tensor]], device: torch.d
                 samples[name].append(begin.elapsed_time(end) / inner[name])
             else:
                 for _ in range(inner[name]):
+                    if flush is not None:
+                        flush.add_(1.0)
                     t = time.perf_counter()
                     fn()
                     samples[name].append((time.perf_counter() - t) * 1e3)
@@ -271,11 +275,13 @@ def time_interleaved(fns: dict[str, Callable[[], torch.Tensor]], device: torch.d
 
 
 def measure(case: Case, families: list[Callable[[Case, list[int]], dict[str, Callable[[], torch.Tensor]]]],
-            blocks: list[int], min_seconds: float, label: str, skipped: list[str]) -> dict[str, float | None]:
+            blocks: list[int], min_seconds: float, label: str, skipped: list[str],
+            flush: torch.Tensor | None = None) -> dict[str, float | None]:
     """Median ms of every kernel of every family on one case. Each kernel's
     output must match the vattn SDPA output before it is timed (that call is
     also its warm-up); a family or kernel that refuses the shape or disagrees
-    is listed in ``skipped`` (with ``label``) and timed as None."""
+    is listed in ``skipped`` (with ``label``) and timed as None. ``flush``:
+    see :func:`time_interleaved`."""
     times: dict[str, float | None] = {}
     reference = sdpa_attention(case.q, case.k_cache, case.v_cache, case.batch).float()
     checked = {}
@@ -294,7 +300,7 @@ def measure(case: Case, families: list[Callable[[Case, list[int]], dict[str, Cal
             except Exception as e:  # noqa: BLE001
                 times[name] = None
                 skipped.append(f"{name} {label}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    times.update(time_interleaved(checked, case.device, min_seconds, 3))
+    times.update(time_interleaved(checked, case.device, min_seconds, 3, flush))
     return times
 
 

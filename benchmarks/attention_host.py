@@ -10,6 +10,8 @@ paged kernels); this script adds the CPU kernels.
     # with vLLM's kernel: run it with vLLM's interpreter on this checkout
     PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/attention_host.py
     python benchmarks/attention_host.py --replot   # redraw the plot from the JSON
+    # cold: 4 MiB written before every timed call, as a layer's K/V come back in a forward
+    PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/attention_host.py --flush-mb 4
 
 One layer of ``--model`` (default Llama-3-8B: 32 query heads, 8 KV heads,
 head dim 128), prefill (``ctx`` new tokens per request, causal) and decode
@@ -41,8 +43,13 @@ timed; the kernels of one point are timed in alternation. Times are medians
 over repetitions, in ms per layer for the whole batch, with tokens/s (new
 tokens of the batch per second); the ratios paged / vattn and vllm / kernel
 (time of vLLM's kernel over the kernel's: above 1, the kernel is faster) are
-taken within one run. Writes benchmarks/results/attention_host_<machine>.json
-and a plot (matplotlib; without it, --replot draws it later).
+taken within one run. Warm by default: every call finds the K/V where the
+call before left them (in cache, up to a few MiB). ``--flush-mb N`` writes N
+MiB before every timed call instead, untimed, so that the K/V come from
+memory as they do in a forward, where every other layer runs in between.
+Writes benchmarks/results/attention_host_<machine>.json (cold:
+attention_host_cold_<machine>.json) and a plot (matplotlib; without it,
+--replot draws it later).
 """
 
 from __future__ import annotations
@@ -158,10 +165,13 @@ def main() -> None:
     p.add_argument("--blocks", type=ints, default=[16], help="block sizes (tokens) of the paged baselines (0: none)")
     p.add_argument("--vllm-block", type=int, default=128, help="tokens per block of vLLM's paged cache")
     p.add_argument("--min-seconds", type=float, default=0.3)
+    p.add_argument("--flush-mb", type=int, default=0,
+                   help="MiB written before every timed call (0: warm, back-to-back calls); results go to "
+                        "attention_host_cold_<machine>.json")
     p.add_argument("--quick", action="store_true", help="tiny grid, for a smoke run")
     p.add_argument("--replot", action="store_true", help="only redraw the plot from this machine's JSON")
     args = p.parse_args()
-    name = f"attention_host_{machine_slug(machine())}"
+    name = f"attention_host_{'cold_' if args.flush_mb > 0 else ''}{machine_slug(machine())}"
     if args.replot:
         plot(json.loads((RESULTS / f"{name}.json").read_text())["results"], name)
         return
@@ -181,6 +191,7 @@ def main() -> None:
     else:
         families.append(functools.partial(vllm_kernels, block=args.vllm_block))
 
+    flush = torch.zeros(args.flush_mb << 18) if args.flush_mb > 0 else None
     points = grid(args)
     rows = []
     started = time.perf_counter()
@@ -189,7 +200,7 @@ def main() -> None:
         case = Case(phase, layout, batch, ctx, args.layers, "cpu", dtype, args.blocks, shape)
         try:
             times = measure(case, families, args.blocks, args.min_seconds,
-                            f"{dtype_name} {phase} {layout} B={batch} ctx={ctx}", skipped)
+                            f"{dtype_name} {phase} {layout} B={batch} ctx={ctx}", skipped, flush)
         finally:
             case.close()
         tokens = batch * (ctx if phase == "prefill" else 1)
@@ -214,6 +225,7 @@ def main() -> None:
         "device": "cpu",
         "host_kernel": host_attention_info(),
         "unit": "ms per layer for the whole batch (median); tokens/s = new tokens of the batch per second",
+        "flush_mb": args.flush_mb,
         "results": rows,
         "not_measured": skipped,
     })
