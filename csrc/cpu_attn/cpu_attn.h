@@ -76,11 +76,12 @@ struct Call {
 };
 
 // Keys per tile. Prefill blocks (many rows per kv head share each K/V load)
-// take 64. A decode item's tile spans every kv head of its tokens, and the
-// next tile is prefetched while this one computes, so both must sit in L2:
-// at most max_bytes (64 KiB, or less for a streaming item) of K (and of V)
-// per tile: 8, 16, 32 or 64 tokens (so that tiles divide the 64-token split
-// boundaries).
+// take 64. A decode item's tile spans all of its kv heads' rows of its
+// tokens, and its K tile's scores are all computed before the V tile is
+// read, so a tile (and, where the item requests the next tile's lines while
+// this one computes, that one too) must sit in L2: at most max_bytes (64 KiB,
+// or less for a streaming item) of K (and of V) per tile: 8, 16, 32 or 64
+// tokens (so that tiles divide the 64-token split boundaries).
 constexpr int32_t kMaxKeyTile = 64;
 inline int32_t key_tile(int32_t rows_per_head, int64_t token_bytes, int64_t max_bytes) {
   if (rows_per_head > 16) return kMaxKeyTile;

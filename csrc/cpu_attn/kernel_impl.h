@@ -370,7 +370,8 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // (Llama-3-8B layer, cold and warm, two runs): fp32 decode 1.11-1.45x and bf16 0.96-1.17x (mostly 1.04-1.16x)
   // where items have >= 512 keys and >= 2 KiB per token; on shorter items (129-256 keys, e.g. fp32 B=4 ctx 512
   // split in two) the same change measured 0.79-0.96x, so they keep the defaults.
-  const bool streaming = !widen && token_bytes >= 2048 && it.k_end - it.k_begin >= 512;
+  const bool wide_rows = !widen && token_bytes >= 2048;  // a decode item reading >= 2 KiB of each token's K
+  const bool streaming = wide_rows && it.k_end - it.k_begin >= 512;
   const int64_t tile = key_tile(rows, token_bytes, streaming ? int64_t{32} << 10 : int64_t{64} << 10);
 
   float* q = align64(scratch);                // [nh][rows][d], pre-scaled
@@ -418,8 +419,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // 1.03-1.14x faster (a burst stalls the core before any work on the tile starts). Against spreading,
   // asking for nothing made bf16 items of 1-4 heads (256 B - 1 KiB per token) 1.03-1.09x faster, and
   // 2 KiB ones 0.80-0.91x as fast.
-  const bool spread = streaming || (!widen && sizeof(T) == 2 && token_bytes >= 2048);
-  const bool burst = widen;
+  const bool spread = wide_rows && (streaming || sizeof(T) == 2);
   const bool first_tile = widen || spread;  // whether the first tile is requested up front
 #ifdef VATTN_AMX_BF16
   // Prefill blocks of a bf16 cache (one kv head) go through the tiles: K and V
@@ -452,7 +452,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
               s_all + h * rows * kMaxKeyTile, kMaxKeyTile, n * ldk, spread ? n_next : 0);
     for (int h = 0; h < nh; ++h) {
       const int64_t p0 = imin(n_next, h * per_head), p1 = imin(n_next, p0 + per_head);
-      if (burst && p1 > p0) {
+      if (widen && p1 > p0) {  // a prefill block's burst
         prefetch_tokens(k_heads + (next + p0) * ldk, ldk, p1 - p0, k_span);
         prefetch_tokens(v_heads + (next + p0) * ldv, ldv, p1 - p0, v_span);
       }
