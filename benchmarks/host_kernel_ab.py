@@ -33,6 +33,7 @@ import importlib.machinery
 import importlib.util
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -144,9 +145,8 @@ def measure(modules: list[ModuleType], batch: int, ctx: int, dtype: torch.dtype,
                 t = time.perf_counter()
                 calls[i]()
                 warm[i].append(time.perf_counter() - t)
-        median = lambda xs: sorted(xs)[len(xs) // 2] * 1e6  # noqa: E731
-        return {"rounds": rounds, "cold_us": [round(median(c), 2) for c in cold],
-                "warm_us": [round(median(w), 2) for w in warm]}
+        return {"rounds": rounds, "cold_us": [round(statistics.median(c) * 1e6, 2) for c in cold],
+                "warm_us": [round(statistics.median(w) * 1e6, 2) for w in warm]}
     finally:
         case.close()
 
