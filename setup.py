@@ -6,15 +6,17 @@ from pathlib import Path
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext, has_flag
 from setuptools import setup
 
+# csrc/ is layered: common/ (errors, DLPack) <- backends/ (one VMM backend per
+# file) <- core/ (page bookkeeping and the mapper) <- python/ (the bindings).
 SOURCES = [
-    "csrc/cuda_vmm/bench_helpers.cpp",
-    "csrc/cuda_vmm/bindings.cpp",
-    "csrc/cuda_vmm/cuda_backend.cpp",
-    "csrc/cuda_vmm/cuda_driver.cpp",
-    "csrc/cuda_vmm/cuda_uvm_backend.cpp",
-    "csrc/cuda_vmm/host_backend.cpp",
-    "csrc/cuda_vmm/page_manager.cpp",
-    "csrc/cuda_vmm/vmm_backend.cpp",
+    "csrc/backends/cuda_backend.cpp",
+    "csrc/backends/cuda_driver.cpp",
+    "csrc/backends/cuda_uvm_backend.cpp",
+    "csrc/backends/host_backend.cpp",
+    "csrc/backends/vmm_backend.cpp",
+    "csrc/core/page_manager.cpp",
+    "csrc/python/bindings.cpp",
+    "csrc/testing/bench_helpers.cpp",
 ]
 
 WARNINGS = ["-Wall", "-Wextra", "-Wno-missing-field-initializers"]
@@ -30,8 +32,8 @@ def headers(*folders: str) -> list[str]:
 ext = Pybind11Extension(
     "vattn._C",
     SOURCES,
-    include_dirs=["csrc/cuda_vmm", "driver_patch"],  # driver_patch/vattn_uvm_ioctl.h: the patched module's ABI
-    depends=headers("csrc/cuda_vmm", "driver_patch"),
+    include_dirs=["csrc", "driver_patch"],  # driver_patch/vattn_uvm_ioctl.h: the patched module's ABI
+    depends=headers("csrc/common", "csrc/backends", "csrc/core", "driver_patch"),
     cxx_std=17,
     extra_compile_args=["-O2", *WARNINGS],
     libraries=["dl"],  # dlopen of libcuda.so.1 at run time
@@ -55,7 +57,7 @@ CPU_ATTN_SOURCES = [
 def isa_flags(machine: str) -> dict[str, list[str]]:
     """Each kernel unit's own target flags on ``machine`` (platform.machine());
     units absent here take the baseline flags (NEON is baseline on AArch64).
-    tests/test_cpu_attn_isas.py compiles the units with these too."""
+    tests/kernels/test_cpu_attn_isas.py compiles the units with these too."""
     machine = machine.lower()
     if machine in ("x86_64", "amd64"):
         avx512 = ["-mavx512f", "-mavx2", "-mfma", "-mf16c"]
@@ -79,8 +81,8 @@ ISA_FLAGS = isa_flags(platform.machine())
 cpu_attn = Pybind11Extension(
     "vattn._cpu_attn",
     CPU_ATTN_SOURCES,
-    include_dirs=["csrc/cpu_attn", "csrc/cuda_vmm"],  # dlpack.h is shared with vattn._C
-    depends=headers("csrc/cpu_attn", "csrc/cuda_vmm"),
+    include_dirs=["csrc/cpu_attn", "csrc"],  # common/dlpack.h is shared with vattn._C
+    depends=headers("csrc/cpu_attn", "csrc/common"),
     cxx_std=17,
     extra_compile_args=["-O3", *WARNINGS],
     libraries=["pthread"],

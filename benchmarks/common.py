@@ -78,28 +78,6 @@ def cuda_driver() -> dict[str, Any] | None:
     return out
 
 
-def checkout_integrations() -> Any:
-    """``vattn.integrations`` from this checkout's integrations/ folder, with
-    its engine module loaded (an installed vattn may point elsewhere)."""
-    import importlib
-    import importlib.util
-
-    import vattn
-
-    root = Path(__file__).resolve().parents[1] / "integrations"
-    name = "vattn.integrations"
-    module = sys.modules.get(name)
-    if module is None or Path(list(module.__path__)[0]).resolve() != root:
-        spec = importlib.util.spec_from_file_location(name, root / "__init__.py",
-                                                      submodule_search_locations=[str(root)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        vattn.integrations = module
-    importlib.import_module(f"{name}.engine")
-    return module
-
-
 def machine_slug(m: dict[str, Any]) -> str:
     if m["gpu"]:
         return m["gpu"].replace("NVIDIA ", "").replace(" ", "-").lower()

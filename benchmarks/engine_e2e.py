@@ -12,7 +12,7 @@ off and every request generates exactly ``--new-tokens`` tokens. Workload:
 ``--requests`` prompts of random token ids, lengths spread evenly over
 [prompt_len / 2, prompt_len] (seeded).
 
-  vattn    vattn.integrations.engine.Engine: continuous batching of up to
+  vattn    vattn.engine.Engine: continuous batching of up to
            ``--batch`` requests, K/V written into the vattn cache and read
            by SDPA per request (no padding, no block table)
   dynamic  model.generate over groups of ``--batch`` prompts, left-padded,
@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import checkout_integrations, machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
+from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
 
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
@@ -69,7 +69,7 @@ def sync(device: torch.device) -> None:
 
 
 def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, device: torch.device) -> dict:
-    engine_module = checkout_integrations().engine
+    from vattn.engine import engine as engine_module
     options: dict[str, Any] = {}
     if device.type == "cuda":
         options["sync_streams"] = torch.cuda.current_stream()  # reclaim waits for the model's stream only

@@ -33,7 +33,7 @@ and the test counts. A stage that fails is recorded and the next runs; the
 exit status is 1 when any failed.
 
 The dry run needs no GPU: the cuda backend's paths run against the fake
-driver (tests/fake_cuda, built here with the C compiler), the GPU-only
+driver (tests/backends/fake_cuda, built here with the C compiler), the GPU-only
 kernels are listed as not measured, and grids are tiny. Its JSON says
 "dry_run": true; its numbers mean nothing.
 """
@@ -53,9 +53,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 570  # every stage ends by then: the suite stays under 10 minutes
 BENCH = ROOT / "benchmarks"
-CUDA_TESTS = ["tests/test_cuda_real.py", "tests/test_cuda_driver_rules.py", "tests/test_cuda_fake_driver.py",
-              "tests/test_cuda_header_abi.py", "tests/test_attention.py"]
-HOST_KERNEL_TESTS = ["tests/test_cpu_attention.py", "tests/test_cpu_attn_isas.py"]
+CUDA_TESTS = ["tests/backends/test_cuda_real.py", "tests/backends/test_cuda_driver_rules.py", "tests/backends/test_cuda_fake_driver.py",
+              "tests/backends/test_cuda_header_abi.py", "tests/kernels/test_attention.py"]
+HOST_KERNEL_TESTS = ["tests/kernels/test_cpu_attention.py", "tests/kernels/test_cpu_attn_isas.py"]
 
 
 def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
@@ -85,7 +85,7 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
     return [
         dry_build,
         ("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", "{out}/tests.xml",
-                   "tests/test_cuda_real.py"], 120),
+                   "tests/backends/test_cuda_real.py"], 120),
         ("vmm_latency", [py, str(BENCH / "vmm_latency.py"), "--backends", "host,cuda" if have_fake_cuda else "host",
                          "--pages", "4"], 120),
         ("attention_ab", [py, str(BENCH / "attention_ab.py"), "--quick", "--models", "tiny:4:2:64",
@@ -102,14 +102,14 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
 
 
 def build_fake_driver(out: Path, log) -> Path | None:
-    """tests/fake_cuda/fake_cuda.c as a shared library, or None without a C compiler."""
+    """tests/backends/fake_cuda/fake_cuda.c as a shared library, or None without a C compiler."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         print("dry run: no C compiler, so the cuda backend's paths are skipped", file=log, flush=True)
         return None
     lib = out / "fake_cuda" / "libfakecuda.so"
     lib.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(lib), str(ROOT / "tests/fake_cuda/fake_cuda.c"),
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(lib), str(ROOT / "tests/backends/fake_cuda/fake_cuda.c"),
                     "-lpthread"], check=True, stdout=log, stderr=subprocess.STDOUT)
     return lib
 

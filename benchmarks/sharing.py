@@ -1,5 +1,5 @@
 """Shared pages end to end: parallel sampling and a shared-prefix trace, with
-and without sharing, through the engine (integrations/engine.py).
+and without sharing, through the engine (vattn/engine/engine.py).
 
     python benchmarks/sharing.py [--quick]
 
@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from vattn.integrations.engine import Engine  # noqa: E402
+from vattn.engine import Engine  # noqa: E402
 
 MiB = 2**20
 VOCAB = 2000

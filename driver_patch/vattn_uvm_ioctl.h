@@ -5,7 +5,7 @@
  *
  * One source of truth: this file is copied verbatim into the module tree by
  * the first patch of the series (into kernel-open/nvidia-uvm/) and is
- * included as it is by vattn's C++ backend (csrc/cuda_vmm/cuda_uvm_backend.cpp).
+ * included as it is by vattn's C++ backend (csrc/backends/cuda_uvm_backend.cpp).
  * It compiles as kernel C (gnu11), user C (C11 and later) and C++ (C++11 and
  * later); every struct has fixed-width fields, explicit padding, and size and
  * offset asserts, so 32-bit and 64-bit callers and the kernel agree.

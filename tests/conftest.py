@@ -13,8 +13,8 @@ import pytest
 import vattn
 
 HERE = Path(__file__).resolve().parent
-FAKE_CUDA_SOURCE = HERE / "fake_cuda" / "fake_cuda.c"
-FAKE_UVM_SOURCE = HERE / "fake_uvm" / "fake_uvm.c"
+FAKE_CUDA_SOURCE = HERE / "backends" / "fake_cuda" / "fake_cuda.c"
+FAKE_UVM_SOURCE = HERE / "backends" / "fake_uvm" / "fake_uvm.c"
 
 
 def c_compiler() -> str | None:
@@ -23,7 +23,7 @@ def c_compiler() -> str | None:
 
 @pytest.fixture(scope="session")
 def fake_cuda_lib(tmp_path_factory) -> Path:
-    """Builds the test driver library (tests/fake_cuda/fake_cuda.c) once."""
+    """Builds the test driver library (tests/backends/fake_cuda/fake_cuda.c) once."""
     cc = c_compiler()
     if cc is None:
         pytest.skip("no C compiler to build the fake CUDA driver")
@@ -34,7 +34,7 @@ def fake_cuda_lib(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def fake_uvm_lib(tmp_path_factory) -> Path:
-    """Builds the patched nvidia-uvm stand-in (tests/fake_uvm/fake_uvm.c) once,
+    """Builds the patched nvidia-uvm stand-in (tests/backends/fake_uvm/fake_uvm.c) once,
     for LD_PRELOAD."""
     cc = c_compiler()
     if cc is None:

@@ -3,7 +3,7 @@
 By default the model is a small random-weight Llama-style model built from a
 config (no download); ``--model PATH`` loads a local transformers checkpoint
 instead. A synthetic trace of requests with varied prompt and output lengths
-arrives over time; :class:`vattn.integrations.engine.Engine` serves it and the
+arrives over time; :class:`vattn.engine.Engine` serves it and the
 demo reports throughput, time to first token, and the KV memory vattn mapped
 over time against what a static max-length reservation (Orca-style: every
 request slot holds ``max_context_len`` tokens) would hold for the same trace.
@@ -95,7 +95,7 @@ class Progress:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from vattn.integrations.engine import Engine
+        from vattn.engine import Engine
     except ImportError as e:
         print(f"the demo needs transformers: pip install -e \".[transformers]\" ({e})", file=sys.stderr)
         return 1

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "attention.h"
-#include "dlpack.h"
+#include "common/dlpack.h"
 
 namespace py = pybind11;
 using namespace vattn::cpu_attn;

@@ -1,0 +1,297 @@
+// Host backend: the DESIGN.md section 2 semantics on CPU memory.
+//   pool        = one memfd of num_pages * page_size bytes (sparse until created)
+//   create      = fallocate the page's slice (commits memory)
+//   reserve     = mmap(PROT_NONE, MAP_NORESERVE) (address space only)
+//   map         = mmap(MAP_FIXED | MAP_SHARED, memfd, page offset); one call per
+//                 run of adjacent addresses backed by adjacent pages
+//   unmap       = map PROT_NONE anonymous memory back over it (the range stays
+//                 reserved); one call per run of adjacent addresses
+// A MAP_FIXED mmap either replaces the whole range or fails leaving it as it was
+// (it may fail with ENOMEM when splitting a mapping would pass vm.max_map_count),
+// so a run is the unit of success and failure.
+#include <fcntl.h>
+#include <linux/falloc.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/errors.h"
+#include "backends/vmm_backend.h"
+
+namespace vattn {
+
+size_t host_granularity() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
+
+namespace {
+
+// ---- failure injection (tests) ---------------------------------------------------
+
+struct InjectedFailure {
+  std::mutex mu;
+  std::string call;
+  long skip = 0;
+  long times = 0;
+  int err = 0;
+};
+InjectedFailure g_inject;
+std::atomic<bool> g_inject_armed{false};
+std::atomic<long> g_delay_us{0};  // every mmap_map / fallocate sleeps this long (tests: slow batches)
+
+// True (errno set) when the test hook says this call fails now.
+bool injected(const char* call) {
+  long delay = g_delay_us.load(std::memory_order_relaxed);
+  if (delay > 0 && (std::strcmp(call, "mmap_map") == 0 || std::strcmp(call, "fallocate") == 0)) usleep(delay);
+  if (!g_inject_armed.load(std::memory_order_relaxed)) return false;
+  std::lock_guard<std::mutex> lock(g_inject.mu);
+  if (g_inject.times == 0 || g_inject.call != call) return false;
+  if (g_inject.skip > 0) {
+    g_inject.skip--;
+    return false;
+  }
+  if (g_inject.times > 0 && --g_inject.times == 0) g_inject_armed = false;
+  errno = g_inject.err;
+  return true;
+}
+
+void* sys_mmap(const char* call, void* addr, size_t len, int prot, int flags, int fd, off_t off) {
+  if (injected(call)) return MAP_FAILED;
+  return mmap(addr, len, prot, flags, fd, off);
+}
+
+// ---- the pool -----------------------------------------------------------------
+
+// Owns the memfd; closing it frees every page not mapped anywhere.
+class MemfdPool {
+ public:
+  explicit MemfdPool(size_t bytes) {
+    // Growing a file past RLIMIT_FSIZE raises SIGXFSZ, which kills the process:
+    // refuse before asking.
+    struct rlimit limit;
+    if (getrlimit(RLIMIT_FSIZE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY &&
+        bytes > limit.rlim_cur)
+      throw DriverError("ftruncate(memfd)",
+                        "the page pool needs " + std::to_string(bytes) +
+                            " bytes but RLIMIT_FSIZE (ulimit -f) allows " +
+                            std::to_string(limit.rlim_cur) +
+                            "; lower physical_memory or raise the limit");
+    fd_ = injected("memfd_create") ? -1 : memfd_create("vattn-kv-pool", MFD_CLOEXEC);
+    if (fd_ < 0) throw_errno("memfd_create", errno);
+    if (injected("ftruncate") || ftruncate(fd_, static_cast<off_t>(bytes)) != 0) {
+      int err = errno;
+      close(fd_);
+      throw_errno("ftruncate(memfd)", err);
+    }
+  }
+  ~MemfdPool() {
+    if (fd_ >= 0) close(fd_);
+  }
+  MemfdPool(const MemfdPool&) = delete;
+  MemfdPool& operator=(const MemfdPool&) = delete;
+  int fd() const { return fd_; }
+  // Fork child: the parent's file; closed here so the child never pins it.
+  void forget() noexcept {
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_;
+};
+
+class HostBackend final : public VmmBackend {
+ public:
+  HostBackend(size_t page_size, size_t num_pages)
+      : page_size_(page_size),
+        num_pages_(num_pages),
+        pool_(std::make_unique<MemfdPool>(page_size * num_pages)) {}
+
+  std::string name() const override { return "host"; }
+  size_t granularity() const override { return host_granularity(); }
+  size_t page_size() const override { return page_size_; }
+  size_t num_pages() const override { return num_pages_; }
+  DLDevice dl_device() const override { return DLDevice{kDLCPU, 0}; }
+
+  uintptr_t reserve(size_t bytes) override {
+    void* p = sys_mmap("mmap_reserve", nullptr, bytes, PROT_NONE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) {
+      int err = errno;
+      if (err == ENOMEM)
+        throw DriverError("mmap(reserve)", "ENOMEM: no free range of " + std::to_string(bytes) +
+                                               " bytes of address space (RLIMIT_AS, ulimit -v, "
+                                               "may be lower); lower max_batch_size or "
+                                               "max_context_len");
+      throw_errno("mmap(reserve)", err);
+    }
+    return reinterpret_cast<uintptr_t>(p);
+  }
+
+  bool free_reservation(uintptr_t base, size_t bytes) noexcept override {
+    // One munmap over whole mappings never needs a split, so it cannot hit
+    // vm.max_map_count; it also drops any page an unmap failed to remove.
+    if (injected("munmap")) return false;
+    return munmap(reinterpret_cast<void*>(base), bytes) == 0;
+  }
+
+  void create_pages(const uint32_t* ids, size_t count) override {
+    check_pool();
+    for (size_t i = 0; i < count; ++i) {
+      if (injected("fallocate") ||
+          fallocate(pool_->fd(), 0, offset(ids[i]), static_cast<off_t>(page_size_)) != 0) {
+        int err = errno;
+        release_pages(ids, i + 1);  // a partial fallocate may have committed some
+        if (err == ENOSPC || err == ENOMEM)
+          throw DriverError("fallocate", "errno " + std::to_string(err) + " (" + std::strerror(err) +
+                                             "): the host cannot commit another page");
+        throw_errno("fallocate", err);
+      }
+    }
+  }
+
+  void release_pages(const uint32_t* ids, size_t count) noexcept override {
+    if (!pool_ || pool_->fd() < 0) return;
+    for (size_t i = 0; i < count; ++i)
+      fallocate(pool_->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset(ids[i]),
+                static_cast<off_t>(page_size_));
+  }
+
+  void map(const PageMapping* mappings, size_t count, size_t* done) override {
+    *done = 0;
+    check_pool();
+    for (size_t i = 0; i < count;) {
+      size_t n = 1;  // a run: adjacent addresses backed by adjacent pages
+      while (i + n < count && mappings[i + n].addr == mappings[i].addr + n * page_size_ &&
+             mappings[i + n].page == mappings[i].page + n)
+        ++n;
+      void* want = reinterpret_cast<void*>(mappings[i].addr);
+      if (has_holes_.load(std::memory_order_relaxed) && in_hole(mappings[i].addr, n * page_size_))
+        throw DriverError("mmap(map page)", "this part of the cache's address range was lost to another "
+                                            "mapping after a failed unmap; it cannot be used");
+      void* got = sys_mmap("mmap_map", want, n * page_size_, PROT_READ | PROT_WRITE,
+                           MAP_FIXED | MAP_SHARED, pool_->fd(), offset(mappings[i].page));
+      if (got == MAP_FAILED) {
+        int err = errno;
+        if (err == ENOMEM)
+          throw DriverError("mmap(map page)",
+                            "ENOMEM: the process may have reached vm.max_map_count mappings "
+                            "(each mapped page can be one mapping; use a larger page_size)");
+        throw_errno("mmap(map page)", err);
+      }
+      i += n;
+      *done = i;
+    }
+  }
+
+  void unmap(const uintptr_t* addrs, size_t count, size_t* done) override {
+    *done = 0;
+    for (size_t i = 0; i < count;) {
+      size_t n = 1;
+      while (i + n < count && addrs[i + n] == addrs[i] + n * page_size_) ++n;
+      unmap_run(addrs[i], n * page_size_);
+      i += n;
+      *done = i;
+    }
+  }
+
+  void copy(uintptr_t dst, uintptr_t src, size_t bytes) override {
+    std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
+  }
+
+  void synchronize() override {}  // CPU work is synchronous with the caller
+
+  void close_pool() noexcept override { pool_.reset(); }
+
+  void detach_after_fork(uintptr_t base, size_t bytes) noexcept override {
+    // The child's copies of the parent's shared mappings go; touching the
+    // range in the child faults instead of writing the parent's pages.
+    mmap(reinterpret_cast<void*>(base), bytes, PROT_NONE,
+         MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (pool_) pool_->forget();
+  }
+
+ private:
+  void check_pool() const {
+    if (!pool_ || pool_->fd() < 0) throw ClosedError("the host page pool was closed");
+  }
+
+  off_t offset(uint32_t page) const { return static_cast<off_t>(page) * page_size_; }
+
+  // Puts reserved, inaccessible memory back over [addr, addr + len): one
+  // mmap that replaces the pages, so the range never has a hole another
+  // mapping could take. At vm.max_map_count the kernel refuses any new
+  // mapping; then munmap (which needs none unless it splits one) frees the
+  // pages first and the reservation is restored over the hole at once,
+  // refusing to replace anything that took the hole in between.
+  void unmap_run(uintptr_t addr, size_t len) {
+    void* want = reinterpret_cast<void*>(addr);
+    const int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+    if (sys_mmap("mmap_unmap", want, len, PROT_NONE, MAP_FIXED | flags, -1, 0) != MAP_FAILED) return;
+    int err = errno;
+    if (err != ENOMEM) throw_errno("mmap(unmap page)", err);
+    if (injected("munmap") || munmap(want, len) != 0)
+      throw DriverError("mmap(unmap page)",
+                        "ENOMEM: unmapping would split a mapping and the process is at "
+                        "vm.max_map_count; the page stays mapped and is retried later");
+    void* got = mmap(want, len, PROT_NONE, MAP_FIXED_NOREPLACE | flags, -1, 0);
+    if (got == want) return;
+    if (got != MAP_FAILED) munmap(got, len);  // an old kernel placed it elsewhere
+    // The pages are unmapped, but the reservation has a hole now: never map there.
+    std::lock_guard<std::mutex> lock(holes_mu_);
+    holes_.push_back({addr, len});
+    has_holes_ = true;
+    throw DriverError("mmap(unmap page)", "the page was unmapped but its address range could not be "
+                                          "reserved again; that range of the cache is lost");
+  }
+
+  bool in_hole(uintptr_t addr, size_t len) {
+    std::lock_guard<std::mutex> lock(holes_mu_);
+    for (auto [lo, n] : holes_)
+      if (addr < lo + n && lo < addr + len) return true;
+    return false;
+  }
+
+  size_t page_size_;
+  size_t num_pages_;
+  std::unique_ptr<MemfdPool> pool_;  // null once closed
+  std::mutex holes_mu_;
+  std::vector<std::pair<uintptr_t, size_t>> holes_;  // unmapped, not reserved again (see unmap_run)
+  std::atomic<bool> has_holes_{false};
+};
+
+}  // namespace
+
+void host_inject_failure(const std::string& call, long skip, long times, int err) {
+  std::lock_guard<std::mutex> lock(g_inject.mu);
+  g_inject.call = call;
+  g_inject.skip = skip;
+  g_inject.times = times;
+  g_inject.err = err;
+  g_inject_armed = times != 0;
+}
+
+void host_inject_delay(long microseconds) { g_delay_us = microseconds; }
+
+std::shared_ptr<VmmBackend> make_host_backend(size_t page_size, size_t num_pages) {
+  if (page_size == 0 || page_size % host_granularity() != 0)
+    throw std::invalid_argument("page_size must be a positive multiple of " +
+                                std::to_string(host_granularity()) + " bytes, got " +
+                                std::to_string(page_size));
+  if (num_pages == 0 || num_pages > UINT32_MAX)
+    throw std::invalid_argument("num_pages must be in [1, 2^32), got " + std::to_string(num_pages));
+  size_t bytes = 0;
+  if (__builtin_mul_overflow(page_size, num_pages, &bytes) || bytes > (size_t{1} << 62))
+    throw std::invalid_argument("the page pool of " + std::to_string(num_pages) + " pages of " +
+                                std::to_string(page_size) + " bytes is too large");
+  return std::make_shared<HostBackend>(page_size, num_pages);
+}
+
+}  // namespace vattn

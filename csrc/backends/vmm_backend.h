@@ -1,0 +1,189 @@
+// One interface over the virtual-memory backends (host memfd + mmap, and the
+// CUDA driver's VMM). A backend knows address ranges and physical pages,
+// nothing about requests, layers or tensors.
+//
+// Physical pages form one pool of `num_pages` pages of `page_size` bytes, named
+// by index 0..num_pages-1. A page must be created before it is mapped; one
+// page may be mapped at several addresses at once (shared pages).
+//
+// Failure contract: map and unmap work through their list in order and report
+// how far they got, so the caller's page table can describe exactly what is
+// mapped after any failure. A backend never exits and never leaves an address
+// half-mapped without saying so.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/dlpack.h"
+
+namespace vattn {
+
+// One page-sized mapping: physical page `page` at virtual address `addr`.
+struct PageMapping {
+  uintptr_t addr;
+  uint32_t page;
+};
+
+class VmmBackend {
+ public:
+  virtual ~VmmBackend() = default;
+
+  virtual std::string name() const = 0;
+  // Smallest page size in bytes the backend can map; page sizes are multiples of it.
+  virtual size_t granularity() const = 0;
+  virtual size_t page_size() const = 0;
+  virtual size_t num_pages() const = 0;
+  virtual DLDevice dl_device() const = 0;
+
+  // Reserves `bytes` (a multiple of page_size) of address space; commits nothing.
+  virtual uintptr_t reserve(size_t bytes) = 0;
+  // Returns a reservation. Every page in it should be unmapped first (the host
+  // backend tolerates leftovers, the CUDA driver refuses and the range leaks).
+  // Returns false when the range could not be freed. Never throws.
+  virtual bool free_reservation(uintptr_t base, size_t bytes) noexcept = 0;
+
+  // Creates (commits) the physical pages `ids`. On failure the pages created
+  // by this call are released again, then it throws.
+  virtual void create_pages(const uint32_t* ids, size_t count) = 0;
+  // Releases created physical pages (mappings that remain keep the memory
+  // until they go). Never throws.
+  virtual void release_pages(const uint32_t* ids, size_t count) noexcept = 0;
+
+  // Maps each page at its address (unmapped before), readable and writable, in
+  // order. Sets *done to the number of leading entries now mapped: count on
+  // success; on failure it throws and entries [*done, count) are unmapped, the
+  // caller undoes [0, *done).
+  virtual void map(const PageMapping* mappings, size_t count, size_t* done) = 0;
+  // Unmaps the page-sized mappings at `addrs`, in order. Sets *done to the
+  // number of leading entries now unmapped; on failure it throws and entries
+  // [*done, count) are still mapped. Callers first make sure no device work
+  // still reads them (see synchronize).
+  virtual void unmap(const uintptr_t* addrs, size_t count, size_t* done) = 0;
+  // Copies `bytes` between two mapped ranges; complete when it returns.
+  virtual void copy(uintptr_t dst, uintptr_t src, size_t bytes) = 0;
+  // Waits until device work that may read mapped pages has finished.
+  virtual void synchronize() = 0;
+
+  // Read fences: the caller records one when it knows that every read of some
+  // pages has been queued (a request was freed), and waits on it before it
+  // unmaps those pages, instead of waiting for whatever is queued by then.
+  // kNoReads: nothing ever read the pages, no wait; kReadsNow: wait like
+  // synchronize(). A later ticket covers every earlier one.
+  static constexpr uint64_t kNoReads = 0;
+  static constexpr uint64_t kReadsNow = UINT64_MAX;
+  // The work queued so far on the streams that may read the cache (see
+  // set_sync_streams); kReadsNow when the backend cannot name it. Never throws.
+  virtual uint64_t record_reads() noexcept { return kReadsNow; }
+  // Waits until the work `ticket` names has finished.
+  virtual void wait_reads(uint64_t ticket) {
+    if (ticket != kNoReads) synchronize();
+  }
+  // Releases every physical page and the pool's own handles. Afterwards the
+  // backend only frees reservations. Never throws.
+  virtual void close_pool() noexcept = 0;
+
+  // The streams whose work may read mapped pages (raw stream handles):
+  // synchronize() then waits for the work queued on them so far, and read
+  // fences are events on them, instead of waits for the whole device. Empty:
+  // the whole device (the default). Backends without streams accept only an
+  // empty list.
+  virtual void set_sync_streams(const std::vector<uintptr_t>& streams) {
+    if (!streams.empty())
+      throw std::invalid_argument("sync_streams: the " + name() + " backend has no streams (pass none)");
+  }
+  // While a CUDA graph is captured: every driver call that maps, unmaps,
+  // creates or waits throws DriverError (from any thread: none may block
+  // while it holds the page manager's lock), until resume_driver_calls().
+  // Releases and teardown still go through. Waits for the calls under way.
+  // No-ops on backends without a device.
+  virtual void suspend_driver_calls() {}
+  virtual void resume_driver_calls() {}
+  // What the backend learned about its driver at run time, as (name, value)
+  // pairs, for diagnostics and benchmark records.
+  virtual std::vector<std::pair<std::string, std::string>> facts() const { return {}; }
+
+  // In the child of a fork(): the pages belong to the parent. Makes [base,
+  // base + bytes) inaccessible in this process (host: the shared mappings are
+  // replaced, so the child can never write the parent's pages), drops the
+  // pool's handles without touching the driver, and makes every later call a
+  // no-op or an error. Only async-signal-safe calls. Never throws.
+  virtual void detach_after_fork(uintptr_t base, size_t bytes) noexcept = 0;
+};
+
+// Host backend: memfd pool, mmap reservation. page_size: multiple of the OS page size.
+std::shared_ptr<VmmBackend> make_host_backend(size_t page_size, size_t num_pages);
+size_t host_granularity();
+// Test hook: the next `skip` host calls named `call` (memfd_create, ftruncate,
+// fallocate, mmap_reserve, mmap_map, mmap_unmap, munmap) succeed, then `times`
+// calls (-1: all) fail with errno `err`. times = 0 clears it.
+void host_inject_failure(const std::string& call, long skip, long times, int err);
+// Test hook: every page map and page creation on the host sleeps this long.
+void host_inject_delay(long microseconds);
+
+// CUDA backend on `device` through the driver library at `driver_path`.
+std::shared_ptr<VmmBackend> make_cuda_backend(const std::string& driver_path, int device,
+                                              size_t page_size, size_t num_pages);
+
+// Device facts the Python layer needs before it builds a backend.
+struct CudaDeviceInfo {
+  int device_count = 0;
+  int driver_version = 0;
+  std::string name;
+  size_t granularity = 0;
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+  bool primary_context_active = false;  // before the query (someone held the primary context)
+};
+CudaDeviceInfo cuda_device_info(const std::string& driver_path, int device);
+
+// Bumped in the child of every fork(). An object created under another
+// generation belongs to an ancestor process and must not act.
+uint64_t fork_generation();
+// The child-side fork handler (registered with pthread_atfork on first use).
+void fork_child_detach_all() noexcept;
+
+// The memory of one KV cache: its address range and, once its manager has
+// closed, the mappings still in it. Owned jointly by the page manager and every
+// tensor view (DLPack capsules hold a shared_ptr), like a torch storage: the
+// pages stay mapped and the range reserved until the last owner goes, so a
+// view that outlives cleanup() still reads what it read before.
+class CacheMemory {
+ public:
+  CacheMemory(std::shared_ptr<VmmBackend> backend, size_t bytes);
+  ~CacheMemory();  // teardown, errors swallowed; nothing at all in a forked child
+  CacheMemory(const CacheMemory&) = delete;
+  CacheMemory& operator=(const CacheMemory&) = delete;
+
+  uintptr_t base() const { return base_; }
+  size_t bytes() const { return bytes_; }
+  DLDevice dl_device() const { return backend_->dl_device(); }
+  VmmBackend& backend() const { return *backend_; }
+  const std::shared_ptr<VmmBackend>& backend_ptr() const { return backend_; }
+  bool in_creator_process() const { return fork_generation() == generation_; }
+
+  // The manager closes: `mapped` lists every address still mapped. They are
+  // unmapped at teardown, when the last owner is gone.
+  void hand_over(std::vector<uintptr_t> mapped);
+  // Unmaps what was handed over, releases the pool and the range. Throws the
+  // first driver error after doing all it can. Idempotent.
+  void teardown();
+
+ private:
+  friend void fork_child_detach_all() noexcept;
+  std::shared_ptr<VmmBackend> backend_;
+  uintptr_t base_ = 0;
+  size_t bytes_ = 0;
+  uint64_t generation_ = 0;
+  std::mutex mu_;  // guards the two below
+  std::vector<uintptr_t> handed_over_;
+  bool torn_down_ = false;
+};
+
+}  // namespace vattn

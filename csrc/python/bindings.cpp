@@ -1,0 +1,519 @@
+// Python bindings of the core (module vattn._C). Every call that maps, unmaps,
+// creates pages or waits on the device releases the GIL: those calls can take
+// milliseconds, and a thread holding the GIL across them would stall the
+// serving loop (and deadlock a background thread that needs the GIL).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "backends/cuda_driver.h"
+#include "backends/cuda_uvm_backend.h"
+#include "vattn_uvm_ioctl.h"
+#include "common/dlpack.h"
+#include "common/errors.h"
+#include "core/page_manager.h"
+#include "backends/vmm_backend.h"
+
+namespace py = pybind11;
+using namespace vattn;
+
+namespace vattn {
+std::vector<double> raw_mmap_seconds(size_t page_size, size_t count);
+std::vector<double> raw_cuda_seconds(const std::string& driver_path, int device, size_t page_size, size_t count);
+}
+
+namespace {
+
+// ---- DLPack ---------------------------------------------------------------
+
+struct CapsuleContext {
+  std::shared_ptr<CacheMemory> memory;  // keeps the pages mapped and the range reserved while a view lives
+  int64_t shape[1];
+  int64_t strides[1];
+};
+
+void delete_managed(DLManagedTensor* self) {
+  delete static_cast<CapsuleContext*>(self->manager_ctx);
+  delete self;
+}
+
+void capsule_destructor(PyObject* capsule) {
+  // A consumer renames the capsule to "used_dltensor" and owns the deleter;
+  // an unconsumed one still holds "dltensor" and is freed here.
+  if (PyCapsule_IsValid(capsule, "dltensor")) {
+    auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+    if (managed && managed->deleter) managed->deleter(managed);
+  }
+}
+
+// A 1-D uint8 DLPack tensor over bytes [offset, offset + nbytes) of the
+// cache memory. The Python layer views it with the cache's dtype and strides.
+py::object memory_dlpack(const std::shared_ptr<CacheMemory>& memory, size_t offset, size_t nbytes) {
+  if (offset > memory->bytes() || nbytes > memory->bytes() - offset)
+    throw std::invalid_argument("dlpack: byte range [" + std::to_string(offset) + ", " + std::to_string(offset) +
+                                " + " + std::to_string(nbytes) + ") exceeds the reservation of " +
+                                std::to_string(memory->bytes()) + " bytes");
+  auto* ctx = new CapsuleContext{memory, {static_cast<int64_t>(nbytes)}, {1}};
+  auto* managed = new DLManagedTensor{};
+  managed->dl_tensor.data = reinterpret_cast<void*>(memory->base() + offset);
+  managed->dl_tensor.device = memory->dl_device();
+  managed->dl_tensor.ndim = 1;
+  managed->dl_tensor.dtype = DLDataType{kDLUInt, 8, 1};
+  managed->dl_tensor.shape = ctx->shape;
+  managed->dl_tensor.strides = ctx->strides;
+  managed->dl_tensor.byte_offset = 0;
+  managed->manager_ctx = ctx;
+  managed->deleter = delete_managed;
+  PyObject* capsule = PyCapsule_New(managed, "dltensor", capsule_destructor);
+  if (!capsule) {
+    delete_managed(managed);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(capsule);
+}
+
+// ---- integer arrays ---------------------------------------------------------
+
+// Copies a 1-D array of integers into `out` while the GIL is held: a sequence
+// of Python ints (or integer scalars: anything with __index__ except bool), or
+// any 1-D integer buffer of any stride (numpy arrays and views). Bools,
+// floats, mappings and strings are refused with a message naming `name`.
+void read_ints(py::handle obj, const char* name, std::vector<int64_t>& out) {
+  PyObject* o = obj.ptr();
+  if (PyUnicode_Check(o) || PyBytes_Check(o) || PyDict_Check(o) || PyAnySet_Check(o) ||
+      (!PyList_Check(o) && !PyTuple_Check(o) && PyMapping_Check(o) && !PyObject_CheckBuffer(o) &&
+       PyObject_HasAttrString(o, "keys")))
+    throw py::type_error(std::string(name) + " must be a sequence or 1-D array of ints (indexed by position), got " +
+                         Py_TYPE(o)->tp_name);
+  if (PyObject_CheckBuffer(o)) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(o, &view, PyBUF_FORMAT | PyBUF_STRIDES) != 0) {
+      PyErr_Clear();
+      throw py::type_error(std::string(name) + " must be a readable 1-D integer array");
+    }
+    std::string fmt = view.format ? view.format : "B";
+    if (!fmt.empty() && (fmt[0] == '<' || fmt[0] == '=' || fmt[0] == '@' || fmt[0] == '!' || fmt[0] == '>'))
+      fmt = fmt.substr(1);
+    const bool is_signed = fmt == "b" || fmt == "h" || fmt == "i" || fmt == "l" || fmt == "q" || fmt == "n";
+    const bool is_unsigned = fmt == "B" || fmt == "H" || fmt == "I" || fmt == "L" || fmt == "Q" || fmt == "N";
+    if (view.ndim != 1 || !(is_signed || is_unsigned)) {
+      int ndim = view.ndim;
+      PyBuffer_Release(&view);
+      throw py::type_error(std::string(name) + " must be a 1-D integer array (not bool or float), got format '" +
+                           fmt + "' with " + std::to_string(ndim) + " dimension(s)");
+    }
+    const size_t n = static_cast<size_t>(view.shape[0]);
+    const Py_ssize_t stride = view.strides ? view.strides[0] : view.itemsize;
+    out.resize(n);
+    const char* base = static_cast<const char*>(view.buf);
+    for (size_t i = 0; i < n; ++i) {
+      const char* p = base + static_cast<Py_ssize_t>(i) * stride;
+      int64_t v = 0;
+      uint64_t u = 0;
+      switch (view.itemsize) {
+        case 1: if (is_signed) v = *reinterpret_cast<const int8_t*>(p); else u = *reinterpret_cast<const uint8_t*>(p); break;
+        case 2: if (is_signed) v = *reinterpret_cast<const int16_t*>(p); else u = *reinterpret_cast<const uint16_t*>(p); break;
+        case 4: if (is_signed) v = *reinterpret_cast<const int32_t*>(p); else u = *reinterpret_cast<const uint32_t*>(p); break;
+        default: if (is_signed) v = *reinterpret_cast<const int64_t*>(p); else u = *reinterpret_cast<const uint64_t*>(p); break;
+      }
+      if (is_unsigned) {
+        if (u > static_cast<uint64_t>(INT64_MAX)) {
+          PyBuffer_Release(&view);
+          throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(u) +
+                                      " is beyond int64");
+        }
+        v = static_cast<int64_t>(u);
+      }
+      out[i] = v;
+    }
+    PyBuffer_Release(&view);
+    return;
+  }
+  PyObject* seq = PySequence_Fast(o, "");
+  if (!seq) {
+    PyErr_Clear();
+    throw py::type_error(std::string(name) + " must be a sequence or 1-D array of ints, got " + Py_TYPE(o)->tp_name);
+  }
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  out.resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = items[i];
+    // Index protocol: ints and integer scalars (numpy, torch) but not floats or bools.
+    bool is_bool = PyBool_Check(item) || std::string(Py_TYPE(item)->tp_name).find("bool") != std::string::npos;
+    PyObject* idx = is_bool ? nullptr : PyNumber_Index(item);
+    int overflow = 0;
+    long long v = idx ? PyLong_AsLongLongAndOverflow(idx, &overflow) : -1;
+    Py_XDECREF(idx);
+    if (!idx || overflow || (v == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      std::string type = Py_TYPE(item)->tp_name;
+      Py_DECREF(seq);
+      if (overflow)
+        throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] is beyond int64");
+      throw py::type_error(std::string(name) + "[" + std::to_string(i) + "] must be an int, got " + type);
+    }
+    out[i] = v;
+  }
+  Py_DECREF(seq);
+}
+
+std::vector<uint32_t> page_range(const VmmBackend& b, uint32_t first, uint32_t count) {
+  if (static_cast<size_t>(first) + count > b.num_pages())
+    throw std::invalid_argument("pages [" + std::to_string(first) + ", " +
+                                std::to_string(static_cast<size_t>(first) + count) +
+                                ") exceed the pool of " + std::to_string(b.num_pages()) + " pages");
+  std::vector<uint32_t> ids(count);
+  for (uint32_t i = 0; i < count; ++i) ids[i] = first + i;
+  return ids;
+}
+
+// A binding taking (first, count) for a backend call on page ids [first, first + count).
+template <typename Op>
+auto on_page_range(Op op) {
+  return [op](VmmBackend& b, uint32_t first, uint32_t count) {
+    auto ids = page_range(b, first, count);
+    py::gil_scoped_release release;
+    (b.*op)(ids.data(), ids.size());
+  };
+}
+
+std::vector<uint32_t> to_ids(const std::vector<int64_t>& values, const char* name) {
+  std::vector<uint32_t> out(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (values[i] < 0 || values[i] >= static_cast<int64_t>(UINT32_MAX))
+      throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] must be a page id >= 0, got " +
+                                  std::to_string(values[i]));
+    out[i] = static_cast<uint32_t>(values[i]);
+  }
+  return out;
+}
+
+py::dict stats_dict(const PageStats& s, size_t page_size) {
+  py::dict d;
+  d["pages_total"] = s.pages_total;
+  d["pages_created"] = s.pages_created;
+  d["pages_mapped"] = s.pages_mapped;
+  d["pages_in_use"] = s.pages_in_use;
+  d["page_slots_mapped"] = s.page_slots_mapped;
+  d["pages_free"] = s.pages_total - s.pages_in_use;
+  d["pages_orphaned"] = s.pages_orphaned;
+  d["bytes_saved_by_sharing"] = (s.page_slots_mapped - std::min(s.page_slots_mapped, s.pages_mapped)) * page_size;
+  d["prefix_handles"] = s.prefix_handles;
+  d["forks"] = s.forks;
+  d["pages_copied"] = s.pages_copied;
+  d["pages_mapped_peak"] = s.pages_mapped_peak;
+  d["bytes_mapped"] = s.pages_mapped * page_size;
+  d["bytes_mapped_peak"] = s.pages_mapped_peak * page_size;
+  d["slots_allocated"] = s.slots_allocated;
+  d["tokens_active"] = s.tokens_active;
+  d["step_calls"] = s.step_calls;
+  d["failed_steps"] = s.failed_steps;
+  d["sync_page_maps"] = s.sync_page_maps;
+  d["page_unmaps"] = s.page_unmaps;
+  d["reclaimed_pages"] = s.reclaimed_pages;
+  d["background_page_maps"] = s.background_page_maps;
+  d["background_reclaimed_pages"] = s.background_reclaimed_pages;
+  d["mapper_wakeups"] = s.mapper_wakeups;
+  d["mapper_batches"] = s.mapper_batches;
+  d["mapper_errors"] = s.mapper_errors;
+  d["step_wait_us"] = static_cast<double>(s.step_wait_ns) / 1e3;
+  d["pages_free_low"] = s.pages_free_low;
+  return d;
+}
+
+void register_errors() {
+  py::module_ errors = py::module_::import("vattn.errors");
+  // Strong references kept for the life of the process on purpose: a static
+  // py::object would be decref'd after the interpreter is gone.
+  static PyObject* driver_error = py::object(errors.attr("DriverError")).release().ptr();
+  static PyObject* unavailable = py::object(errors.attr("BackendUnavailable")).release().ptr();
+  static PyObject* out_of_slots = py::object(errors.attr("OutOfSlots")).release().ptr();
+  static PyObject* closed = py::object(errors.attr("ClosedError")).release().ptr();
+  static PyObject* out_of_pages = py::object(errors.attr("OutOfPages")).release().ptr();
+  static PyObject* forked = py::object(errors.attr("ForkedError")).release().ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const DriverError& e) {
+      py::object exc = py::reinterpret_borrow<py::object>(driver_error)(e.what(), e.call(), e.detail());
+      PyErr_SetObject(driver_error, exc.ptr());
+    } catch (const BackendUnavailable& e) {
+      PyErr_SetString(unavailable, e.what());
+    } catch (const OutOfSlots& e) {
+      PyErr_SetString(out_of_slots, e.what());
+    } catch (const ClosedError& e) {
+      PyErr_SetString(closed, e.what());
+    } catch (const OutOfPages& e) {
+      PyErr_SetString(out_of_pages, e.what());
+    } catch (const ForkedError& e) {
+      PyErr_SetString(forked, e.what());
+    }
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "vattn core: VMM backends and page bookkeeping (no torch dependency)";
+  register_errors();
+
+  py::class_<VmmBackend, std::shared_ptr<VmmBackend>>(m, "VmmBackend")
+      .def_property_readonly("name", &VmmBackend::name)
+      .def_property_readonly("granularity", &VmmBackend::granularity)
+      .def_property_readonly("page_size", &VmmBackend::page_size)
+      .def_property_readonly("num_pages", &VmmBackend::num_pages)
+      .def("reserve", &VmmBackend::reserve, py::arg("nbytes"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("free_reservation", &VmmBackend::free_reservation, py::arg("base"), py::arg("nbytes"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("create_pages", on_page_range(&VmmBackend::create_pages), py::arg("first"),
+           py::arg("count"), "Create pages [first, first + count).")
+      .def("release_pages", on_page_range(&VmmBackend::release_pages), py::arg("first"),
+           py::arg("count"), "Release pages [first, first + count).")
+      .def(
+          "map",
+          [](VmmBackend& b, const std::vector<std::pair<uintptr_t, uint32_t>>& pairs) {
+            std::vector<PageMapping> maps;
+            maps.reserve(pairs.size());
+            for (auto& [addr, page] : pairs) {
+              if (page >= b.num_pages())
+                throw std::invalid_argument("map: page " + std::to_string(page) +
+                                            " is outside the pool of " +
+                                            std::to_string(b.num_pages()) + " pages");
+              maps.push_back(PageMapping{addr, page});
+            }
+            py::gil_scoped_release release;
+            size_t done = 0;
+            b.map(maps.data(), maps.size(), &done);
+          },
+          py::arg("mappings"), "Map [(address, page), ...] in one call.")
+      .def(
+          "unmap",
+          [](VmmBackend& b, const std::vector<uintptr_t>& addrs) {
+            py::gil_scoped_release release;
+            size_t done = 0;
+            b.unmap(addrs.data(), addrs.size(), &done);
+          },
+          py::arg("addresses"))
+      .def("synchronize", &VmmBackend::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("set_sync_streams", &VmmBackend::set_sync_streams, py::arg("streams"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Raw stream handles whose work may read mapped pages: read fences and synchronize() "
+           "wait for events on those instead of the whole device. Empty: the whole device.")
+      // Blocks until the other threads' driver calls under way are done.
+      .def("suspend_driver_calls", &VmmBackend::suspend_driver_calls, py::call_guard<py::gil_scoped_release>())
+      .def("resume_driver_calls", &VmmBackend::resume_driver_calls)
+      .def_property_readonly(
+          "facts",
+          [](const VmmBackend& b) {
+            py::dict d;
+            for (auto& [key, value] : b.facts()) d[py::str(key)] = value;
+            return d;
+          },
+          "What the backend learned about its driver at run time (CUDA: unmap mode and probe, "
+          "reservation alignment, synchronization).");
+
+  m.def("host_granularity", &host_granularity);
+  m.def("host_inject_failure", &host_inject_failure, py::arg("call"), py::arg("skip") = 0, py::arg("times") = 1,
+        py::arg("errno") = 12,
+        "Test hook: the next `skip` host calls named `call` succeed, then `times` fail with `errno` "
+        "(-1: all; 0 clears). Calls: memfd_create, ftruncate, fallocate, mmap_reserve, mmap_map, "
+        "mmap_unmap, munmap.");
+  m.def("host_inject_delay", &host_inject_delay, py::arg("microseconds"),
+        "Test hook: every host page map and page creation sleeps this long (0: off).");
+  m.def("raw_cuda_seconds", &raw_cuda_seconds, py::arg("driver_path"), py::arg("device"), py::arg("page_size"),
+        py::arg("count"), py::call_guard<py::gil_scoped_release>(),
+        "Benchmark floor: [create, map + set access, unmap, release] seconds per page of raw CUDA driver calls.");
+  m.def("raw_mmap_seconds", &raw_mmap_seconds, py::arg("page_size"), py::arg("count"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Benchmark floor: [map, unmap] seconds per raw mmap call on a memfd.");
+  m.def("make_host_backend", &make_host_backend, py::arg("page_size"), py::arg("num_pages"));
+  m.def("make_cuda_backend", &make_cuda_backend, py::arg("driver_path"), py::arg("device"),
+        py::arg("page_size"), py::arg("num_pages"), py::call_guard<py::gil_scoped_release>());
+  m.def("default_cuda_driver_path", &cu::default_driver_path);
+  m.def("make_cuda_uvm_backend", &make_cuda_uvm_backend, py::arg("driver_path"), py::arg("device"),
+        py::arg("page_size"), py::arg("num_pages"), py::call_guard<py::gil_scoped_release>(),
+        "A cuda_uvm backend: pages of 64 KiB - 2 MiB from the patched nvidia-uvm (driver_patch/).");
+  m.def("uvm_patch_available", &uvm_patch_available, py::call_guard<py::gil_scoped_release>(),
+        "Whether the nvidia-uvm module at $VATTN_UVM_DEVICE (default /dev/nvidia-uvm) is the patched one.");
+  m.def(
+      "uvm_patch_info",
+      [] {
+        UvmPatchInfo info;
+        {
+          py::gil_scoped_release release;
+          info = uvm_patch_info();
+        }
+        py::dict d;
+        d["available"] = info.available;
+        d["device_path"] = info.device_path;
+        d["abi_version"] = info.abi_version;
+        d["reason"] = info.reason;
+        return d;
+      },
+      "What the nvidia-uvm module answers: available, device_path, abi_version, reason.");
+  m.attr("uvm_page_sizes") = py::cast(uvm_page_sizes());
+  m.attr("uvm_abi_version") = static_cast<unsigned>(VATTN_UVM_ABI_VERSION);
+  m.def(
+      "cuda_device_info",
+      [](const std::string& path, int device) {
+        CudaDeviceInfo info;
+        {
+          py::gil_scoped_release release;
+          info = cuda_device_info(path, device);
+        }
+        py::dict d;
+        d["device_count"] = info.device_count;
+        d["driver_version"] = info.driver_version;
+        d["name"] = info.name;
+        d["granularity"] = info.granularity;
+        d["free_bytes"] = info.free_bytes;
+        d["total_bytes"] = info.total_bytes;
+        d["primary_context_active"] = info.primary_context_active;
+        return d;
+      },
+      py::arg("driver_path"), py::arg("device"));
+
+  py::class_<CacheMemory, std::shared_ptr<CacheMemory>>(m, "CacheMemory")
+      .def_property_readonly("base", &CacheMemory::base)
+      .def_property_readonly("nbytes", &CacheMemory::bytes)
+      .def_property_readonly(
+          "backend", [](const CacheMemory& m) { return m.backend_ptr(); },
+          "The VMM backend the memory lives on (streams, graph capture, driver facts).")
+      .def("dlpack", &memory_dlpack, py::arg("offset"), py::arg("nbytes"),
+           "A DLPack capsule (1-D uint8) over bytes [offset, offset + nbytes).");
+
+  py::class_<PageManager>(m, "PageManager")
+      .def(py::init([](std::shared_ptr<VmmBackend> backend, size_t num_buffers, size_t num_slots,
+                       size_t slot_bytes, size_t bytes_per_token, size_t max_tokens, bool external_ids,
+                       bool background, bool deferred_reclaim, bool eager, size_t lookahead_tokens,
+                       size_t eager_tokens, double reclaim_threshold, size_t max_batch_ids) {
+             PageManagerConfig c{num_buffers, num_slots, slot_bytes, bytes_per_token, max_tokens, external_ids};
+             PolicyConfig p{background,   deferred_reclaim,  eager,          lookahead_tokens,
+                            eager_tokens, reclaim_threshold, max_batch_ids};
+             py::gil_scoped_release release;
+             return new PageManager(std::move(backend), c, p);
+           }),
+           py::arg("backend"), py::arg("num_buffers"), py::arg("num_slots"),
+           py::arg("slot_bytes"), py::arg("bytes_per_token"), py::arg("max_tokens"),
+           py::arg("external_ids") = false, py::arg("background") = false,
+           py::arg("deferred_reclaim") = true, py::arg("eager") = false, py::arg("lookahead_tokens") = 1,
+           py::arg("eager_tokens") = 0, py::arg("reclaim_threshold") = 0.1, py::arg("max_batch_ids") = 64)
+      .def("pause_mapper", &PageManager::pause_mapper, py::arg("paused"),
+           py::call_guard<py::gil_scoped_release>())  // waits for the batch in flight
+      .def("wait_idle", &PageManager::wait_idle, py::call_guard<py::gil_scoped_release>(),
+           "Block until the background mapper has nothing left to do.")
+      .def("alloc_slot", &PageManager::alloc_slot, py::arg("prompt_tokens") = -1,
+           py::arg("wanted_slot") = -1, py::call_guard<py::gil_scoped_release>())
+      .def("free_slot", &PageManager::free_slot, py::arg("slot"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "step",
+          [](PageManager& pm, py::handle seq_lens) {
+            thread_local std::vector<int64_t> lens;
+            read_ints(seq_lens, "seq_lens", lens);
+            py::gil_scoped_release release;
+            return pm.step(lens.data(), lens.size());
+          },
+          py::arg("seq_lens"))
+      .def(
+          "reclaim",
+          [](PageManager& pm, size_t max_pages) {
+            size_t nb = pm.config().num_buffers;
+            size_t ids = max_pages / nb + (max_pages % nb != 0);  // every buffer's page of an id goes together
+            py::gil_scoped_release release;
+            return pm.reclaim(ids);
+          },
+          py::arg("max_pages"))
+      .def("fork", &PageManager::fork, py::arg("src"), py::arg("num_tokens"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("retain_prefix", &PageManager::retain_prefix, py::arg("slot"), py::arg("num_tokens"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("attach_prefix", &PageManager::attach_prefix, py::arg("handle"), py::arg("slot"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("release_prefix", &PageManager::release_prefix, py::arg("handle"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("prefix_ids", &PageManager::prefix_ids, py::arg("handle"))
+      .def(
+          "map_ids",
+          [](PageManager& pm, py::handle slots_obj, py::handle starts_obj, py::handle counts_obj,
+             py::handle ids_obj) {
+            std::vector<int64_t> slots, starts, counts, raw_ids;
+            read_ints(slots_obj, "reqids", slots);
+            read_ints(starts_obj, "starts", starts);
+            read_ints(counts_obj, "counts", counts);
+            read_ints(ids_obj, "page_ids", raw_ids);
+            if (starts.size() != slots.size() || counts.size() != slots.size())
+              throw std::invalid_argument("map_pages: reqids, starts and counts must have equal lengths, got " +
+                                          std::to_string(slots.size()) + ", " + std::to_string(starts.size()) +
+                                          ", " + std::to_string(counts.size()));
+            std::vector<int64_t> offsets(slots.size() + 1, 0);
+            for (size_t i = 0; i < counts.size(); ++i) {
+              if (counts[i] < 0)
+                throw std::invalid_argument("map_pages: counts[" + std::to_string(i) + "] must be >= 0, got " +
+                                            std::to_string(counts[i]));
+              if (__builtin_add_overflow(offsets[i], counts[i], &offsets[i + 1]))
+                throw std::invalid_argument("map_pages: counts overflow");
+            }
+            std::vector<uint32_t> ids = to_ids(raw_ids, "page_ids");
+            py::gil_scoped_release release;
+            pm.map_ids(slots.data(), starts.data(), offsets.data(), slots.size(), ids.data(), ids.size());
+          },
+          py::arg("reqids"), py::arg("starts"), py::arg("counts"), py::arg("page_ids"))
+      .def(
+          "truncate",
+          [](PageManager& pm, py::handle slots_obj, py::handle keep_obj) {
+            std::vector<int64_t> slots, keep;
+            read_ints(slots_obj, "reqids", slots);
+            read_ints(keep_obj, "keep", keep);
+            if (keep.size() != slots.size())
+              throw std::invalid_argument("unmap_pages: reqids and keep must have equal lengths");
+            py::gil_scoped_release release;
+            pm.truncate(slots.data(), keep.data(), slots.size());
+          },
+          py::arg("reqids"), py::arg("keep"))
+      .def("slot_ids", &PageManager::slot_ids, py::arg("slot"))
+      .def(
+          "table",
+          [](const PageManager& pm) {
+            std::vector<std::pair<uintptr_t, uint32_t>> out;
+            for (const TableEntry& e : pm.table()) out.emplace_back(e.addr, e.page);
+            return out;
+          },
+          "Every (address, physical page) the page table holds, orphans included.")
+      .def("check_usable", &PageManager::check_usable)
+      .def("check_invariants", &PageManager::check_invariants, py::call_guard<py::gil_scoped_release>())
+      .def("close", &PageManager::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("closed", &PageManager::closed)
+      .def("mapped_pages", &PageManager::mapped_pages, py::arg("slot"))
+      .def("slot_allocated", &PageManager::slot_allocated, py::arg("slot"))
+      .def(
+          "check_mapped",
+          [](const PageManager& pm, py::handle slots_obj, py::handle tokens_obj, const std::string& what) {
+            std::vector<int64_t> slots, tokens;
+            read_ints(slots_obj, "reqids", slots);
+            read_ints(tokens_obj, "seq_lens", tokens);
+            if (tokens.size() != slots.size())
+              throw std::invalid_argument(what + ": reqids and seq_lens must have equal lengths, got " +
+                                          std::to_string(slots.size()) + " and " + std::to_string(tokens.size()));
+            pm.check_mapped(slots.data(), tokens.data(), slots.size(), what);
+          },
+          py::arg("reqids"), py::arg("seq_lens"), py::arg("what"))
+      .def("stats", [](const PageManager& pm) { return stats_dict(pm.stats(), pm.page_size()); })
+      .def_property_readonly("page_size", &PageManager::page_size)
+      .def_property_readonly("num_ids", &PageManager::num_ids)
+      .def_property_readonly("buffer_bytes", &PageManager::buffer_bytes)
+      .def_property_readonly("memory", &PageManager::memory)
+      .def_property_readonly("backend_name", [](const PageManager& pm) { return pm.backend().name(); });
+
+  m.attr("build_info") = py::dict(
+      py::arg("compiler") = std::string(__VERSION__), py::arg("cplusplus") = __cplusplus,
+      py::arg("pybind11") = std::to_string(PYBIND11_VERSION_MAJOR) + "." +
+                            std::to_string(PYBIND11_VERSION_MINOR) + "." +
+                            std::to_string(PYBIND11_VERSION_PATCH),
+      py::arg("dlpack_capsule") = "dltensor (v0.8 ABI)",
+      py::arg("cuda_driver") = "dlopen at run time (" + cu::default_driver_path() + ")");
+}

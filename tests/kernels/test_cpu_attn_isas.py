@@ -1,0 +1,158 @@
+"""Every ISA path of the host attention kernel, run: tests/kernels/cpu_attn_check.cpp
+built from the kernel's sources (the extension's units with setup.py's
+per-unit flags) and checked against its double-precision reference.
+
+- natively: every path this CPU supports (scalar, AVX2, AVX-512 where present);
+- for AArch64 with a cross compiler, under qemu-aarch64: NEON, and SVE at a
+  256-bit vector length (the sve256 path), and at 128 bits, where sve256 must
+  not be chosen;
+- with a 16-float vector emulated in plain C++ (tests/kernels/cpu_attn_wide16.h, the
+  width of AVX-512) in place of the scalar unit, so the code that depends on
+  the vector width runs at AVX-512's width on any CPU.
+
+The AArch64 runs skip, naming what is missing, without aarch64-linux-gnu-g++
+or qemu-aarch64 (Debian: g++-aarch64-linux-gnu, qemu-user).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import platform
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "csrc" / "cpu_attn"
+UNITS = ["attention", "kernel_amx", "kernel_avx2", "kernel_avx512", "kernel_neon", "kernel_scalar", "kernel_sve",
+         "thread_pool"]
+CROSS = "aarch64-linux-gnu-g++"
+QEMU = "qemu-aarch64"
+
+
+def load_setup():
+    """setup.py as a module (its setup() runs only as __main__)."""
+    spec = importlib.util.spec_from_file_location("vattn_setup", ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SETUP = load_setup()
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_accepts(compiler: str, flag: str) -> bool:
+    proc = subprocess.run([compiler, flag, "-x", "c++", "-c", "-o", "/dev/null", "-"], input="int x;\n",
+                          capture_output=True, text=True)
+    return proc.returncode == 0
+
+
+def build(compiler: str, machine: str, out: Path, link: list[str], scalar_unit: Path | None = None) -> Path:
+    """The harness and the kernel units, each unit compiled with its own flags
+    (``scalar_unit``: a source to build in place of kernel_scalar.cpp)."""
+    flags = SETUP.isa_flags(machine)
+    common = ["-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-missing-field-initializers", f"-I{SRC}",
+              f"-I{ROOT / 'tests' / 'kernels'}"]
+    sources = {u: SRC / f"{u}.cpp" for u in UNITS}
+    if scalar_unit is not None:
+        sources["kernel_scalar"] = scalar_unit
+    # as setup.py builds them: a unit whose flags this compiler lacks builds without them, as "absent"
+    jobs = [(sources[u], out / f"{u}.o",
+             SETUP.usable_flags(flags.get(f"{u}.cpp", []), functools.partial(compiler_accepts, compiler)))
+            for u in UNITS]
+    jobs.append((ROOT / "tests" / "kernels" / "cpu_attn_check.cpp", out / "check.o", []))
+
+    def compile_one(job: tuple[Path, Path, list[str]]) -> subprocess.CompletedProcess:
+        src, obj, extra = job
+        return subprocess.run([compiler, *common, *extra, "-c", str(src), "-o", str(obj)], capture_output=True,
+                              text=True)
+
+    with ThreadPoolExecutor() as pool:
+        for (src, _, _), proc in zip(jobs, pool.map(compile_one, jobs)):
+            assert proc.returncode == 0, f"{compiler} failed on {src.name}:\n{proc.stderr[-3000:]}"
+    exe = out / "cpu_attn_check"
+    proc = subprocess.run([compiler, *(str(o) for _, o, _ in jobs), "-o", str(exe), "-pthread", *link],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, f"link failed:\n{proc.stderr[-3000:]}"
+    return exe
+
+
+def run(cmd: list[str], timeout: int = 600) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
+    return proc.stdout
+
+
+def listed(output: str, key: str) -> list[str]:
+    line = next(x for x in output.splitlines() if x.startswith(f"{key}:"))
+    return line.split()[1:]
+
+
+def supported(output: str) -> list[str]:
+    return listed(output, "supported")
+
+
+EVERY_DTYPE_AND_LAYOUT = sorted(f"{d}/{lay}" for d in ("f32", "bf16", "f16") for lay in ("per_layer", "all_layers"))
+
+
+@pytest.fixture(scope="module")
+def aarch64_check(tmp_path_factory) -> Path:
+    missing = [tool for tool in (CROSS, QEMU) if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"needs {' and '.join(missing)} to run the AArch64 paths (Debian: g++-aarch64-linux-gnu, "
+                    "qemu-user)")
+    return build(CROSS, "aarch64", tmp_path_factory.mktemp("aarch64"), ["-static"])
+
+
+def native_compiler() -> str:
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a C++ compiler (g++)")
+    return cxx
+
+
+def test_native_paths_match_reference(tmp_path):
+    # up to 16 kv heads: fp32 decode items of 16 x 128 take 8-token key tiles
+    out = run([str(build(native_compiler(), platform.machine(), tmp_path, [])), "24", "700", "16"])
+    assert "scalar" in supported(out)
+    assert sorted(listed(out, "covered")) == EVERY_DTYPE_AND_LAYOUT
+    assert "0 mismatches" in out
+
+
+def test_a_16_float_vector_on_narrow_key_tiles(tmp_path):
+    # AVX-512's width where key tiles are 8 tokens: each score row is padded to 16 (a regression:
+    # rows laid out `tile` apart overwrote the next row's scores)
+    exe = build(native_compiler(), platform.machine(), tmp_path, [], ROOT / "tests" / "kernels" / "cpu_attn_wide16.cpp")
+    out = run([str(exe), "18", "300", "16"])
+    assert sorted(listed(out, "covered")) == EVERY_DTYPE_AND_LAYOUT
+    assert "0 mismatches" in out
+
+
+def test_amx_tiles_emulated(tmp_path):
+    # the AMX unit's tile code (K/V packing, padded 16-row and 32-key tiles, bf16 Q and P) with emulated
+    # tiles and 16-float vectors in place of the scalar unit: bf16 prefill blocks go through the tiles
+    exe = build(native_compiler(), platform.machine(), tmp_path, [], ROOT / "tests" / "kernels" / "cpu_attn_amx_emulated.cpp")
+    out = run([str(exe), "24", "300", "16"])
+    assert sorted(listed(out, "covered")) == EVERY_DTYPE_AND_LAYOUT
+    assert "0 mismatches" in out
+    assert int(listed(out, "amx tile products")[-1]) > 0, out
+
+
+def test_neon_and_sve256_under_qemu(aarch64_check):
+    # 256-bit SVE: every AArch64 path runs (sve256, neon, scalar) and agrees with the reference
+    out = run([QEMU, "-cpu", "max,sve-default-vector-length=32", str(aarch64_check), "8", "600"])
+    assert supported(out) == ["scalar", "neon", "sve256"]
+    assert sorted(listed(out, "covered")) == EVERY_DTYPE_AND_LAYOUT
+    assert "0 mismatches" in out
+
+
+def test_sve256_not_chosen_at_another_vector_length(aarch64_check):
+    # 128-bit SVE: the 256-bit unit would compute wrong results, so only NEON and scalar may run
+    out = run([QEMU, "-cpu", "max,sve-default-vector-length=16", str(aarch64_check), "2", "100"])
+    assert supported(out) == ["scalar", "neon"]
+    assert "0 mismatches" in out

@@ -1,0 +1,104 @@
+"""The GPU suite's dry run: benchmarks/gpu_suite.sh end to end on the CPU.
+
+It runs every stage the way a GPU machine would (build, tests, each
+benchmark), with tiny grids and the cuda backend on the fake driver, and
+must leave one JSON per benchmark naming the machine, plus the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SUITE = ROOT / "benchmarks" / "gpu_suite.sh"
+BENCHMARKS = ["vmm_latency", "attention_ab", "decode_trace", "prefill", "engine_e2e"]
+MACHINE_FIELDS = {"gpu", "driver", "cuda", "torch", "cpu", "cores"}
+
+
+def suite_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VATTN_", "FAKE_CUDA_"))}
+    env.update(PYTHON=sys.executable, **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    pytest.importorskip("matplotlib", reason="the benchmarks plot with matplotlib")
+    pytest.importorskip("transformers", reason="the engine benchmark needs transformers")
+    out = tmp_path_factory.mktemp("gpu_suite")
+    results_before = sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir())
+    proc = subprocess.run(["bash", str(SUITE), str(out)], env=suite_env(VATTN_GPU_SUITE_DRY_RUN="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir()) == results_before, \
+        "the dry run wrote into benchmarks/results"
+    return out, proc
+
+
+def test_every_stage_runs(dry_run):
+    out, proc = dry_run
+    log = (out / "gpu_suite.log").read_text() if (out / "gpu_suite.log").exists() else ""
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{log[-4000:]}"
+    summary = json.loads((out / "gpu_suite.json").read_text())
+    assert summary["dry_run"] is True
+    assert [s["name"] for s in summary["stages"]] == ["build", "tests", *BENCHMARKS, "host_kernel"]
+    assert all(s["status"] == "ok" for s in summary["stages"]), summary["stages"]
+    # the CUDA test file ran (and skipped for want of a GPU, with its reason)
+    assert summary["tests"]["failed"] == summary["tests"]["errors"] == 0
+    assert summary["tests"]["passed"] + summary["tests"]["skipped"] > 0
+    # the host kernel's tests ran on this CPU, and the summary names its paths
+    assert summary["host_kernel_tests"]["passed"] > 0 and summary["host_kernel_tests"]["failed"] == 0
+    assert "scalar" in summary["host_kernel"]["supported"], summary["host_kernel"]
+
+
+def test_each_benchmark_writes_json_naming_the_machine(dry_run):
+    out, _ = dry_run
+    for name in BENCHMARKS:
+        files = list(out.glob(f"{name}_*.json"))
+        assert len(files) == 1, f"{name}: {sorted(p.name for p in out.iterdir())}"
+        data = json.loads(files[0].read_text())
+        assert data["dry_run"] is True and data["benchmark"] == name
+        assert MACHINE_FIELDS <= set(data["machine"]), data["machine"]
+        assert data["machine"]["torch"]
+        assert data["results"], f"{name} measured nothing"
+        assert (out / f"{files[0].stem}.png").exists()
+    summary = json.loads((out / "gpu_suite.json").read_text())
+    assert MACHINE_FIELDS <= set(summary["machine"])
+
+
+def test_cuda_paths_ran_on_the_fake_driver(dry_run):
+    out, _ = dry_run
+    if shutil.which(os.environ.get("CC", "cc")) is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the dry run had no fake driver")
+    summary = json.loads((out / "gpu_suite.json").read_text())
+    assert summary["machine"]["driver"]["device"].startswith("Fake CUDA")
+    findings = summary["driver_findings"]
+    assert findings and all(f["unmap"] in ("runs", "per_page") and f["unmap_probe"] for f in findings)
+    vmm = json.loads(next(out.glob("vmm_latency_*.json")).read_text())
+    cuda = [r for r in vmm["results"] if r["backend"] == "cuda"]
+    assert cuda and all(r["map_over_floor"] > 0 for r in cuda)
+    trace = json.loads(next(out.glob("decode_trace_*.json")).read_text())
+    assert {r["device"] for r in trace["results"]} == {"cuda"}
+    assert {r["mode"] for r in trace["results"]} == {"sync", "mapper"}
+
+
+def test_without_a_gpu_the_suite_refuses_and_points_to_the_dry_run(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = subprocess.run(["bash", str(SUITE), str(tmp_path)], env=suite_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "--dry-run" in proc.stderr
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_usage_without_an_output_folder():
+    proc = subprocess.run(["bash", str(SUITE)], env=suite_env(), capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "usage" in proc.stderr
