@@ -16,7 +16,6 @@ SOURCES = [
     "csrc/backends/vmm_backend.cpp",
     "csrc/core/page_manager.cpp",
     "csrc/python/bindings.cpp",
-    "csrc/testing/bench_helpers.cpp",
 ]
 
 WARNINGS = ["-Wall", "-Wextra", "-Wno-missing-field-initializers"]
@@ -37,6 +36,21 @@ ext = Pybind11Extension(
     cxx_std=17,
     extra_compile_args=["-O2", *WARNINGS],
     libraries=["dl"],  # dlopen of libcuda.so.1 at run time
+)
+
+# vattn._testing: test hooks and benchmark probes, out of the production module.
+# Every file of csrc/testing is one part of it; it also compiles the library
+# sources its parts drive directly (the driver shim for the raw CUDA probes).
+testing = Pybind11Extension(
+    "vattn._testing",
+    [*sorted(str(p.relative_to(Path(__file__).resolve().parent))
+             for p in (Path(__file__).resolve().parent / "csrc" / "testing").glob("*.cpp")),
+     "csrc/backends/cuda_driver.cpp"],
+    include_dirs=["csrc", "driver_patch"],
+    depends=headers("csrc/common", "csrc/backends", "csrc/core", "csrc/testing", "driver_patch"),
+    cxx_std=17,
+    extra_compile_args=["-O2", *WARNINGS],
+    libraries=["dl"],
 )
 
 # The host attention kernels: one unit per ISA, each compiled with its own
@@ -112,4 +126,4 @@ class BuildExt(build_ext):
 if __name__ == "__main__":  # pip and `python setup.py` run it as __main__; tests import isa_flags
     # one compiler per CPU (VATTN_BUILD_JOBS=N to choose): sixteen units, each a few seconds
     with ParallelCompile("VATTN_BUILD_JOBS"):
-        setup(ext_modules=[ext, cpu_attn], cmdclass={"build_ext": BuildExt})
+        setup(ext_modules=[ext, testing, cpu_attn], cmdclass={"build_ext": BuildExt})

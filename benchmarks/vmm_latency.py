@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import machine, machine_slug, pyplot, save_plot, summarize, write_json  # noqa: E402
 
-from vattn import _C  # noqa: E402
+from vattn import _C, _testing  # noqa: E402
 from vattn.errors import VAttnError  # noqa: E402
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
@@ -110,13 +110,13 @@ def measure(backend_name: str, page_size: int, pages: int) -> dict:
         "create_and_map": page_size / ((map_us + ops["create"]["mean_us"]) * 1e-6) / 1e9,
     }
     if backend_name == "host":
-        raw_map, raw_unmap = zip(*(_C.raw_mmap_seconds(page_size, pages) for _ in range(5)))
+        raw_map, raw_unmap = zip(*(_testing.raw_mmap_seconds(page_size, pages) for _ in range(5)))
         out["floor"] = {"raw_mmap_map": summarize(list(raw_map)), "raw_mmap_unmap": summarize(list(raw_unmap))}
         out["map_over_floor"] = map_us / out["floor"]["raw_mmap_map"]["mean_us"]
     else:
         out["facts"] = dict(backend.facts)
         del backend  # its pages go before the raw run creates as many again
-        raw = [_C.raw_cuda_seconds(_C.default_cuda_driver_path(), 0, page_size, pages) for _ in range(3)]
+        raw = [_testing.raw_cuda_seconds(_C.default_cuda_driver_path(), 0, page_size, pages) for _ in range(3)]
         create, raw_map, raw_unmap, release = (summarize([r[i] for r in raw]) for i in range(4))
         out["floor"] = {"raw_cuda_create": create, "raw_cuda_map_set_access": raw_map,
                         "raw_cuda_unmap": raw_unmap, "raw_cuda_release": release}

@@ -11,10 +11,6 @@
 
 namespace vattn {
 
-void throw_errno(const std::string& call, int err) {
-  throw DriverError(call, "errno " + std::to_string(err) + " (" + std::strerror(err) + ")");
-}
-
 // ---- fork ----------------------------------------------------------------------
 //
 // Every live CacheMemory is registered. In the child of a fork() each one is

@@ -2,6 +2,7 @@
 // Python class of the same role in vattn.errors; nothing here ever exits.
 #pragma once
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -52,6 +53,8 @@ class ForkedError : public std::runtime_error {
 };
 
 // errno as text with the call name: DriverError("mmap", "ENOMEM: Cannot allocate memory").
-[[noreturn]] void throw_errno(const std::string& call, int err);
+[[noreturn]] inline void throw_errno(const std::string& call, int err) {
+  throw DriverError(call, "errno " + std::to_string(err) + " (" + std::strerror(err) + ")");
+}
 
 }  // namespace vattn

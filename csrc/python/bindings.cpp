@@ -20,8 +20,6 @@ namespace py = pybind11;
 using namespace vattn;
 
 namespace vattn {
-std::vector<double> raw_mmap_seconds(size_t page_size, size_t count);
-std::vector<double> raw_cuda_seconds(const std::string& driver_path, int device, size_t page_size, size_t count);
 }
 
 namespace {
@@ -324,12 +322,6 @@ PYBIND11_MODULE(_C, m) {
         "mmap_unmap, munmap.");
   m.def("host_inject_delay", &host_inject_delay, py::arg("microseconds"),
         "Test hook: every host page map and page creation sleeps this long (0: off).");
-  m.def("raw_cuda_seconds", &raw_cuda_seconds, py::arg("driver_path"), py::arg("device"), py::arg("page_size"),
-        py::arg("count"), py::call_guard<py::gil_scoped_release>(),
-        "Benchmark floor: [create, map + set access, unmap, release] seconds per page of raw CUDA driver calls.");
-  m.def("raw_mmap_seconds", &raw_mmap_seconds, py::arg("page_size"), py::arg("count"),
-        py::call_guard<py::gil_scoped_release>(),
-        "Benchmark floor: [map, unmap] seconds per raw mmap call on a memfd.");
   m.def("make_host_backend", &make_host_backend, py::arg("page_size"), py::arg("num_pages"));
   m.def("make_cuda_backend", &make_cuda_backend, py::arg("driver_path"), py::arg("device"),
         py::arg("page_size"), py::arg("num_pages"), py::call_guard<py::gil_scoped_release>());

@@ -1,4 +1,4 @@
-// Measurement helpers for benchmarks/vmm_latency.py: the raw syscall floor the
+// Measurement probes for benchmarks/vmm_latency.py: the raw syscall floor the
 // host backend's map cost is compared with, and the raw CUDA driver calls the
 // cuda backend's are compared with, timed in C++ so no interpreter overhead
 // enters the floor.
@@ -15,6 +15,7 @@
 
 #include "backends/cuda_driver.h"
 #include "common/errors.h"
+#include "testing/testing.h"
 
 namespace vattn {
 
@@ -143,6 +144,15 @@ std::vector<double> raw_cuda_seconds(const std::string& driver_path, int device,
   api.cuDevicePrimaryCtxRelease(dev);
   check(failed, rc);
   return out;
+}
+
+void bind_bench_probes(py::module_& m) {
+  m.def("raw_cuda_seconds", &raw_cuda_seconds, py::arg("driver_path"), py::arg("device"), py::arg("page_size"),
+        py::arg("count"), py::call_guard<py::gil_scoped_release>(),
+        "Benchmark floor: [create, map + set access, unmap, release] seconds per page of raw CUDA driver calls.");
+  m.def("raw_mmap_seconds", &raw_mmap_seconds, py::arg("page_size"), py::arg("count"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Benchmark floor: [map, unmap] seconds per raw mmap call on a memfd.");
 }
 
 }  // namespace vattn

@@ -1,0 +1,15 @@
+// vattn._testing: test hooks and benchmark probes, kept out of the production
+// extension vattn._C. Each file of csrc/testing binds its part of the module
+// with one bind_* function, called from module.cpp.
+#pragma once
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+namespace vattn {
+
+namespace py = pybind11;
+
+void bind_bench_probes(py::module_& m);
+
+}  // namespace vattn
