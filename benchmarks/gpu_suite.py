@@ -102,15 +102,16 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
 
 
 def build_fake_driver(out: Path, log) -> Path | None:
-    """tests/backends/fake_cuda/fake_cuda.c as a shared library, or None without a C compiler."""
+    """tests/backends/fake_cuda/*.c as a shared library, or None without a C compiler."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         print("dry run: no C compiler, so the cuda backend's paths are skipped", file=log, flush=True)
         return None
     lib = out / "fake_cuda" / "libfakecuda.so"
     lib.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(lib), str(ROOT / "tests/backends/fake_cuda/fake_cuda.c"),
-                    "-lpthread"], check=True, stdout=log, stderr=subprocess.STDOUT)
+    sources = sorted(str(p) for p in (ROOT / "tests/backends/fake_cuda").glob("*.c"))
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(lib), *sources, "-lpthread"], check=True, stdout=log,
+                   stderr=subprocess.STDOUT)
     return lib
 
 
