@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import vattn
+from backends.cuda_framework import Framework
 from conftest import manager_state
 
 MiB = 1024 * 1024
@@ -58,78 +59,6 @@ def table_matches_driver(kv, lib) -> None:
                 mapped = lib.fake_cuda_handle_at(addr) != 0
                 assert mapped == (addr in table), f"reqid {r} buffer {b} page {p}: driver {mapped}, table {not mapped}"
                 assert p >= n or mapped, f"reqid {r} buffer {b} page {p} is in the prefix but not mapped"
-
-
-class Framework:
-    """Plays a CUDA framework's runtime (torch's cudart) on the fake driver.
-
-    ``init()`` does what cudart does on first use: it adopts a context that is
-    current on the thread (without retaining it: it is not its own), else it
-    retains the device's primary context and makes it current.
-    """
-
-    def __init__(self, lib) -> None:
-        self.lib = lib
-        self.ctx: int | None = None
-        self.retained = False
-        self.pushed = 0
-        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
-        lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
-        lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
-        lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
-        lib.cuDevicePrimaryCtxGetState.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint),
-                                                   ctypes.POINTER(ctypes.c_int)]
-        lib.cuMemGetInfo_v2.argtypes = [ctypes.POINTER(ctypes.c_size_t)] * 2
-        lib.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-        assert lib.cuInit(0) == 0  # a framework initialises the driver itself
-
-    def current(self) -> int | None:
-        c = ctypes.c_void_p()
-        assert self.lib.cuCtxGetCurrent(ctypes.byref(c)) == 0
-        return c.value
-
-    def primary_active(self) -> bool:
-        flags, active = ctypes.c_uint(), ctypes.c_int()
-        assert self.lib.cuDevicePrimaryCtxGetState(0, ctypes.byref(flags), ctypes.byref(active)) == 0
-        return bool(active.value)
-
-    def init(self) -> int:
-        cur = self.current()
-        if cur:
-            self.ctx = cur
-        else:
-            c = ctypes.c_void_p()
-            assert self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(c), 0) == 0
-            self.retained = True
-            self.ctx = c.value
-            assert self.lib.cuCtxSetCurrent(self.ctx) == 0
-        return self.ctx
-
-    def push_own_context(self) -> int:
-        """A context of the framework's own (cuCtxCreate), pushed on this thread."""
-        self.ctx = self.lib.fake_cuda_create_context(0)
-        assert self.lib.cuCtxPushCurrent_v2(self.ctx) == 0
-        self.pushed += 1
-        return self.ctx
-
-    def memory_call(self) -> int:
-        """A driver call in the framework's context: the CUresult."""
-        free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        return self.lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
-
-    def stream(self) -> int:
-        s = ctypes.c_void_p()
-        assert self.lib.cuStreamCreate(ctypes.byref(s), 1) == 0
-        return s.value
-
-    def close(self) -> None:
-        while self.lib.fake_cuda_context_depth() > 0:
-            self.lib.cuCtxPopCurrent_v2(None)
-        if self.retained:
-            assert self.lib.cuDevicePrimaryCtxRelease_v2(0) == 0
-            self.retained = False
 
 
 @pytest.fixture

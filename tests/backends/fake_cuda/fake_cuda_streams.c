@@ -152,7 +152,10 @@ static CUresult add_pending_locked(struct CUstream_st* s, uintptr_t lo, size_t b
     for (int i = 0; i < num_pending; ++i)
       if (pending[i].stream->completed < pending[i].seq) pending[kept++] = pending[i];
     num_pending = kept;
-    if (num_pending == MAX_PENDING) return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  if (num_pending == MAX_PENDING) {  /* a full launch queue: the launch waits until the queued work is done */
+    for (int i = 0; i < num_pending; ++i) complete_locked(pending[i].stream, pending[i].seq);
+    num_pending = 0;
   }
   pending[num_pending++] = (Pending){s, s->launched, lo, lo + bytes, ctx};
   return CUDA_SUCCESS;
