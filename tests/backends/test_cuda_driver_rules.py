@@ -9,6 +9,10 @@
   both answers handled;
 - reclaim waits for the streams the caller names, not the whole device;
 - graph_capture(): no driver call from vattn while a CUDA graph is captured.
+
+tests/backends/test_cuda_fake_rules.py shows the fake enforcing each rule
+(faults, capture rules, cuMemCreate's properties, device memory, alignment,
+default streams, latency).
 """
 
 from __future__ import annotations
