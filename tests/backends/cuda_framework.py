@@ -143,3 +143,20 @@ class Capture:
     def replay(self, stream: int | None = None) -> int:
         assert self.result == 0, f"the capture failed: CUresult {self.result}"
         return self.fw.lib.cuGraphLaunch(self.exec, stream)
+
+
+def device_write(lib, addr: int, data: bytes) -> None:
+    """A kernel on the legacy stream (of the current context, else the primary
+    one) writing ``data`` at ``addr``; a fault fails the test instead of
+    crashing it, as a direct host write to an unmapped address would."""
+    buf = ctypes.create_string_buffer(data, len(data))
+    rc = lib.fake_cuda_device_access(None, addr, None, 0, len(data), 1, buf)
+    assert rc == 0, f"device write of {len(data)} bytes at {addr:#x}: CUresult {rc}"
+
+
+def device_read(lib, addr: int, n: int) -> bytes:
+    """The read counterpart of :func:`device_write`."""
+    buf = ctypes.create_string_buffer(n)
+    rc = lib.fake_cuda_device_access(None, addr, None, 0, n, 0, buf)
+    assert rc == 0, f"device read of {n} bytes at {addr:#x}: CUresult {rc}"
+    return buf.raw

@@ -17,7 +17,6 @@ default streams, latency).
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import threading
 import time
@@ -26,7 +25,7 @@ import pytest
 import torch
 
 import vattn
-from backends.cuda_framework import Framework
+from backends.cuda_framework import Framework, device_read, device_write
 from conftest import manager_state
 
 MiB = 1024 * 1024
@@ -74,14 +73,14 @@ def framework(fake_cuda):
     gc.collect()
 
 
-def a_full_lifecycle(check, **overrides) -> None:
+def a_full_lifecycle(lib, check, **overrides) -> None:
     """Everything vattn does with a device, calling ``check()`` after each step."""
     kv = make(**overrides)
     check()
     a, b = kv.alloc_reqid(), kv.alloc_reqid()
     assert kv.step(lens_with(3000, a, b))
     check()
-    ctypes.memset(row_address(kv, 0, a, 2999), 7, 1024)
+    device_write(lib, row_address(kv, 0, a, 2999), bytes([7]) * 1024)
     kv.free_reqid(a)
     check()
     assert kv.reclaim() > 0  # synchronize + unmap
@@ -101,7 +100,7 @@ def a_full_lifecycle(check, **overrides) -> None:
 
 
 def test_a_thread_without_context_keeps_none(fake_cuda, framework):
-    a_full_lifecycle(lambda: (framework.current() is None) or pytest.fail("vattn left a context current"))
+    a_full_lifecycle(fake_cuda, lambda: (framework.current() is None) or pytest.fail("vattn left a context current"))
 
 
 def test_a_threads_own_context_stays_current(fake_cuda, framework):
@@ -112,8 +111,8 @@ def test_a_threads_own_context_stays_current(fake_cuda, framework):
         assert fake_cuda.fake_cuda_context_depth() == 1
         assert framework.memory_call() == 0
 
-    a_full_lifecycle(check)
-    a_full_lifecycle(check, background=True, eager=True)
+    a_full_lifecycle(fake_cuda, check)
+    a_full_lifecycle(fake_cuda, check, background=True, eager=True)
     vattn.backends.cuda_info(0)
     check()
     fake_cuda.fake_cuda_destroy_context(own)
@@ -145,7 +144,7 @@ def test_context_a_framework_holds_survives_everything(fake_cuda, framework):
         assert fake_cuda.fake_cuda_context_alive(ctx)
         assert framework.memory_call() == 0
 
-    a_full_lifecycle(check)
+    a_full_lifecycle(fake_cuda, check)
     vattn.backends.cuda_info(0)
     check()
     assert fake_cuda.fake_cuda_primary_refs() == 1  # all vattn's references are gone, the framework's stays
@@ -198,8 +197,8 @@ def test_page_of_three_granules_reserves_and_maps(fake_cuda):
         for buf in range(kv.config.num_buffers):
             for r, value in ((a, 0x41), (b, 0x42)):
                 addr = row_address(kv, buf, r, 2 * tokens_per_page)
-                ctypes.memset(addr, value + buf, kv.config.token_bytes_per_buffer)
-                assert ctypes.string_at(addr, 4) == bytes([value + buf]) * 4
+                device_write(fake_cuda, addr, bytes([value + buf]) * kv.config.token_bytes_per_buffer)
+                assert device_read(fake_cuda, addr, 4) == bytes([value + buf]) * 4
         table_matches_driver(kv, fake_cuda)
 
 
