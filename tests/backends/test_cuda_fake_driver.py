@@ -1,6 +1,7 @@
 """The cuda backend's C++ code against the test driver (tests/backends/fake_cuda): data,
 context handling, injected driver failures, leaks. Device pointers of the fake
-driver are host addresses, read and written here with ctypes."""
+driver are host addresses, read and written here through its checked device
+accesses (a fault fails the test)."""
 
 from __future__ import annotations
 
