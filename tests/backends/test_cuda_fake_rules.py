@@ -119,7 +119,8 @@ def buf(n: int = 64):
 
 @pytest.mark.parametrize("where", ["unmapped", "mapped-without-access", "write-to-read-only"])
 def test_a_stray_access_faults_and_poisons_the_context(fake_cuda, fw, drv, where):
-    base, h, size = drv.page(access=1 if where == "write-to-read-only" else 0 if where == "mapped-without-access" else 3)
+    access = {"unmapped": 3, "mapped-without-access": 0, "write-to-read-only": 1}[where]  # PROT_READWRITE, none, READ
+    base, h, size = drv.page(access=access)
     addr = base + G if where == "unmapped" else base  # the reservation's second granule is not mapped
     assert fw.access(None, base, buf(), write=False) == (0 if where != "mapped-without-access" else 700)
     fake_cuda.expect_fault = True
@@ -149,7 +150,8 @@ def test_a_poisoned_context_fails_vattn_and_a_fresh_one_works(fake_cuda, fw):
     fw.close()
     assert fake_cuda.cuDevicePrimaryCtxReset_v2(0) == 0  # the way out: a new context
     fw.init()
-    with vattn.KVCacheManager(num_layers=1, num_kv_heads=4, head_dim=128, device="cuda", physical_memory=16 * MiB) as kv:
+    with vattn.KVCacheManager(num_layers=1, num_kv_heads=4, head_dim=128, device="cuda",
+                              physical_memory=16 * MiB) as kv:
         kv.alloc_reqid()
         assert kv.step([3000])
 
@@ -380,8 +382,9 @@ def test_device_memory_others_take_is_gone_for_vattn(fake_cuda, fw, drv):
     assert fake_cuda.fake_cuda_free_mem() == 64 * MiB
 
 
-@pytest.mark.xfail(strict=True, raises=vattn.DriverError, reason="issue 28, defect 8: out-of-memory at page creation is a DriverError, "
-                                        "not a full pool (step should return False)")
+@pytest.mark.xfail(strict=True, raises=vattn.DriverError,
+                   reason="issue 28, defect 8: out-of-memory at page creation is a DriverError, "
+                          "not a full pool (step should return False)")
 def test_step_returns_false_when_another_process_took_the_memory(fake_cuda, fw):
     with vattn.KVCacheManager(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=2,
                               max_context_len=8192, device="cuda", physical_memory=32 * MiB, background=False,
