@@ -23,8 +23,9 @@ GPU (when torch sees one):
   vattn / paged-B       as above on the GPU (paged-B for the first block size only)
   fa2-torch             torch's built-in FlashAttention-2 kernel
                         (torch.ops.aten._flash_attention_forward, varlen) on the
-                        vattn cache: each request's keys start at reqid * L and
-                        seqused_k says how many are valid; no block table
+                        vattn cache: each request's keys start at reqid * S
+                        (S: rows per slot, >= L since slots are whole pages)
+                        and seqused_k says how many are valid; no block table
   fa2-torch-paged-B     the same kernel with its block_table on the paged pool
                         (where this torch has it; FlashAttention-2 takes only
                         blocks that are multiples of 256 there)
@@ -138,6 +139,23 @@ def sdpa_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.
     return fns
 
 
+def cache_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A ``[B, L, H, D]`` cache view (a layer of either layout) as the token
+    rows of every slot, ``[B * S, H, D]``, and S: request r's rows start at
+    row ``r * S``. A slot is whole pages (KVCacheManager.slot_bytes), so S =
+    slot stride / token stride >= L, and the slot stride is in general not
+    L rows: ``view(-1, H, D)`` fails there. Raises ValueError where a slot is
+    not a whole number of token rows (an all_layers page that ends inside a
+    token's row of all layers): no varlen layout reads such a cache."""
+    slot, row = cache.stride(0), cache.stride(1)
+    if slot % row:
+        raise ValueError(f"a slot of {slot} elements is not a whole number of {row}-element token rows, so the "
+                         "cache has no [rows, H, D] view for varlen kernels")
+    rows_per_slot = slot // row
+    flat = cache.as_strided((cache.shape[0] * rows_per_slot, *cache.shape[2:]), (row, *cache.stride()[2:]))
+    return flat, rows_per_slot
+
+
 def torch_flash_op() -> tuple[Any, set[str]]:
     """torch's FlashAttention-2 forward op and the keyword arguments it takes."""
     op = torch.ops.aten._flash_attention_forward
@@ -152,17 +170,14 @@ def fa2_torch_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], t
         raise RuntimeError("this torch's _flash_attention_forward has no seqused_k")
     b = case.batch
     if list(b.reqids) != sorted(b.reqids):
-        raise ValueError("fa2-torch reads request i's keys at reqid * L: reqids must ascend")
-    L = case.k_cache.shape[1]
+        raise ValueError("fa2-torch reads request i's keys at reqid * S: reqids must ascend")
     dev = case.device
     i32 = dict(dtype=torch.int32, device=dev)
     cu_q = torch.tensor(b.query_starts, **i32)
     lens = torch.tensor(b.seq_lens, **i32)
     max_q, max_k = max(b.query_lens), max(b.seq_lens)
-    # [B, L, H, D] -> [B * L, H, D]: a view in both layouts (all_layers rows are strided)
-    k_rows = case.k_cache.view(-1, case.heads_kv, case.head_dim)
-    v_rows = case.v_cache.view(-1, case.heads_kv, case.head_dim)
-    starts = torch.tensor([r * L for r in b.reqids] + [(b.reqids[-1] + 1) * L], **i32)
+    (k_rows, rows_per_slot), (v_rows, _) = cache_rows(case.k_cache), cache_rows(case.v_cache)
+    starts = torch.tensor([r * rows_per_slot for r in b.reqids] + [(b.reqids[-1] + 1) * rows_per_slot], **i32)
     fns = {"fa2-torch": lambda: op(case.q, k_rows, v_rows, cu_q, starts, max_q, max_k, 0.0, True, False,
                                    seqused_k=lens)[0]}
     if "block_table" in args:

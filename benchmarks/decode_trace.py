@@ -3,7 +3,7 @@
 critical path of real decode iterations, with and without CUDA graphs.
 
     python benchmarks/decode_trace.py [--iterations N] [--compute-ms MS]          # host backend
-    python benchmarks/decode_trace.py --device cuda --forward gpu [--graphs both]  # a GPU
+    python benchmarks/decode_trace.py --device cuda --forward model [--graphs both]  # a GPU
 
 Requests with Llama-3-8B KV shapes (32 layers, 8 KV heads x 128, fp16) start
 from 1000-token prompts (``--stagger``: request r from 1000 + r * P / B, so
@@ -13,18 +13,23 @@ path), then the forward:
 
   --forward sleep  the loop sleeps ``--compute-ms`` (on a GPU the CPU is free
                    while the model runs, and so is it here); any backend
-  --forward gpu    CUDA: per layer, the new token's K/V written at row len-1
-                   of each request and torch's FlashAttention-2 kernel
-                   (varlen, seqused_k) over rows [0, len) of the vattn cache,
-                   then two matmuls standing for the MLP (hidden 4096, x4);
-                   then a synchronize, as sampling does. ``--graphs on``
-                   replays the whole forward as one CUDA graph, captured
-                   inside ``graph_capture()`` after the first step (lengths
-                   come from a device tensor, so the graph is fixed).
+  --forward model  per layer, the new token's K/V written at row len-1 of
+                   each request and varlen attention over rows [0, len) of
+                   the vattn cache (CUDA: torch's FlashAttention-2 kernel with
+                   seqused_k; CPU: the same contract computed request by
+                   request), then two matmuls standing for the MLP (hidden
+                   ``--hidden``, x4); then a synchronize, as sampling does.
+                   ``--graphs on`` replays the whole forward as one CUDA
+                   graph, captured inside ``graph_capture()`` after the first
+                   step (lengths come from a device tensor, so the graph is
+                   fixed). The kernels read the cache as rows of every slot:
+                   a slot is whole pages, so it holds at least
+                   max_context_len rows and request r starts at row r * S,
+                   S = slot bytes / row stride (``attention_ab.cache_rows``).
 
 Mapping modes: ``sync`` (no background mapper: every page on the critical
 path), ``mapper`` (the background mapper maps one token ahead while the
-forward runs) and, with a GPU forward, ``premapped`` (every page mapped
+forward runs) and, with a model forward, ``premapped`` (every page mapped
 before the loop: the iteration time with no mapping at all, the baseline
 the other two are compared with). Per run: step latency (median, on
 page-crossing iterations and others), iteration wall time, pages mapped per
@@ -47,6 +52,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from attention_ab import cache_rows  # noqa: E402
 from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
 
 import vattn  # noqa: E402
@@ -56,35 +63,57 @@ LAYERS, KV_HEADS, HEAD_DIM, PROMPT = 32, 8, 128, 1000
 Q_HEADS, HIDDEN = 32, 4096
 
 
-class GpuForward:
+def varlen_reference(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, cu_q: torch.Tensor,
+                     starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """FlashAttention-2's varlen contract with ``seqused_k``, request by
+    request: request i's queries ``q[cu_q[i]:cu_q[i+1]]`` attend causally to
+    keys ``k_rows[starts[i] : starts[i] + lens[i]]``. q ``[T, Hq, D]``,
+    k/v rows ``[rows, Hkv, D]``; returns ``[T, Hq, D]``."""
+    out = torch.empty_like(q)
+    for i in range(len(lens)):
+        s, e, k0, n = int(cu_q[i]), int(cu_q[i + 1]), int(starts[i]), int(lens[i])
+        qi = q[s:e].transpose(0, 1)[None].float()
+        ki, vi = (rows[k0:k0 + n].transpose(0, 1)[None].float() for rows in (k_rows, v_rows))
+        mask = torch.ones(e - s, n, dtype=torch.bool).tril(n - (e - s))  # queries at the last positions
+        out[s:e] = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+    return out
+
+
+class ModelForward:
     """One decode iteration of a Llama-3-8B-shaped model on the vattn cache.
 
     Shapes are fixed (batch B, every reqid 0..B-1 active); the lengths live
-    in the device tensor ``lens`` ([B] int32), so the forward can be captured
-    once and replayed. Per layer: K/V of the new token written at row
-    ``lens[r] - 1``, FlashAttention-2 over rows ``[0, lens[r])``, and a
-    ``[B, 4096] x [4096, 16384] x [16384, 4096]`` MLP stand-in.
+    in the tensor ``lens`` ([B] int32, on the cache's device), so on a GPU
+    the forward can be captured once and replayed. Per layer: K/V of the new
+    token written at row ``lens[r] - 1``, varlen attention over rows
+    ``[0, lens[r])`` of each request (FlashAttention-2 on CUDA, its contract
+    computed request by request on the CPU), and a
+    ``[B, hidden] x [hidden, 4 hidden] x [4 hidden, hidden]`` MLP stand-in.
+    ``attention`` keeps the last layer's attention output ``[B, 32, 128]``.
     """
 
-    def __init__(self, kv: vattn.KVCacheManager, batch: int, dtype: torch.dtype) -> None:
+    def __init__(self, kv: vattn.KVCacheManager, batch: int, dtype: torch.dtype, hidden: int = HIDDEN) -> None:
         self.kv, self.batch = kv, batch
-        self.op = torch.ops.aten._flash_attention_forward
-        if "seqused_k" not in {a.name for a in self.op.default._schema.arguments}:
-            raise RuntimeError("torch's _flash_attention_forward has no seqused_k in this version")
-        dev = torch.device("cuda")
+        dev = kv.device
+        self.cuda = dev.type == "cuda"
+        if self.cuda:
+            self.op = torch.ops.aten._flash_attention_forward
+            if "seqused_k" not in {a.name for a in self.op.default._schema.arguments}:
+                raise RuntimeError("torch's _flash_attention_forward has no seqused_k in this version")
         gen = torch.Generator(device=dev).manual_seed(0)
-        L = kv.config.max_context_len
-        self.max_k = L
+        self.max_k = kv.config.max_context_len
+        _, rows_per_slot = cache_rows(kv.layer(0)[0])  # slots are whole pages: >= max_context_len rows
         self.lens = torch.ones(batch, dtype=torch.int32, device=dev)
         self.rows = torch.arange(batch, device=dev)
         self.cu_q = torch.arange(batch + 1, dtype=torch.int32, device=dev)
-        self.starts = torch.arange(batch + 1, dtype=torch.int32, device=dev) * L
+        self.starts = torch.arange(batch + 1, dtype=torch.int32, device=dev) * rows_per_slot
         self.q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=dev, dtype=dtype, generator=gen)
         self.new_kv = torch.randn(batch, KV_HEADS, HEAD_DIM, device=dev, dtype=dtype, generator=gen)
-        self.x = torch.randn(batch, HIDDEN, device=dev, dtype=dtype, generator=gen)
-        self.w_up = torch.randn(HIDDEN, 4 * HIDDEN, device=dev, dtype=dtype, generator=gen) * HIDDEN**-0.5
-        self.w_down = torch.randn(4 * HIDDEN, HIDDEN, device=dev, dtype=dtype, generator=gen) * (4 * HIDDEN) ** -0.5
-        self.out = torch.empty(batch, HIDDEN, device=dev, dtype=dtype)
+        self.x = torch.randn(batch, hidden, device=dev, dtype=dtype, generator=gen)
+        self.w_up = torch.randn(hidden, 4 * hidden, device=dev, dtype=dtype, generator=gen) * hidden**-0.5
+        self.w_down = torch.randn(4 * hidden, hidden, device=dev, dtype=dtype, generator=gen) * (4 * hidden) ** -0.5
+        self.out = torch.empty(batch, hidden, device=dev, dtype=dtype)
+        self.attention = torch.empty_like(self.q)
 
     def __call__(self) -> None:
         pos = (self.lens - 1).long()
@@ -93,19 +122,24 @@ class GpuForward:
             k, v = self.kv.layer(i)
             k[self.rows, pos] = self.new_kv
             v[self.rows, pos] = self.new_kv
-            self.op(self.q, k.view(-1, KV_HEADS, HEAD_DIM), v.view(-1, KV_HEADS, HEAD_DIM), self.cu_q,
-                    self.starts, 1, self.max_k, 0.0, True, False, seqused_k=self.lens)
+            (k_rows, _), (v_rows, _) = cache_rows(k), cache_rows(v)
+            if self.cuda:
+                out = self.op(self.q, k_rows, v_rows, self.cu_q, self.starts, 1, self.max_k, 0.0, True, False,
+                              seqused_k=self.lens)[0]
+            else:
+                out = varlen_reference(self.q, k_rows, v_rows, self.cu_q, self.starts, self.lens)
+            self.attention.copy_(out)
             h = (h @ self.w_up) @ self.w_down
         self.out.copy_(h)
 
 
 def run(device: str, forward: str, page_size: int | None, layout: str, mode: str, graphs: bool, batch: int,
-        iterations: int, compute_s: float, stagger: bool) -> dict:
-    gpu = forward == "gpu"
-    kv = vattn.KVCacheManager(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float16,
+        iterations: int, compute_s: float, stagger: bool, layers: int = LAYERS, hidden: int = HIDDEN) -> dict:
+    cuda = device.startswith("cuda") and forward == "model"  # torch's CUDA tensors on the cache
+    kv = vattn.KVCacheManager(num_layers=layers, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float16,
                               max_batch_size=batch, max_context_len=PROMPT + iterations + 1024, page_size=page_size,
                               layout=layout, device=device, background=mode == "mapper", eager=False,
-                              sync_streams=torch.cuda.current_stream() if gpu else None)
+                              sync_streams=torch.cuda.current_stream() if cuda else None)
     with kv:
         for _ in range(batch):
             kv.alloc_reqid()
@@ -114,13 +148,13 @@ def run(device: str, forward: str, page_size: int | None, layout: str, mode: str
         if mode == "premapped":
             assert kv.step([n + iterations for n in lens])
         assert kv.step(lens)  # prefill
-        fwd = GpuForward(kv, batch, torch.float16) if gpu else None
+        fwd = ModelForward(kv, batch, torch.float16, hidden) if forward == "model" else None
         graph = None
         if fwd is not None:
             fwd.lens.copy_(torch.tensor(lens, dtype=torch.int32))
-            for _ in range(3):  # warm-up: kernels chosen, workspaces allocated
+            for _ in range(3 if cuda else 1):  # warm-up: kernels chosen, workspaces allocated
                 fwd()
-            torch.cuda.synchronize()
+            synchronize(cuda)
             if graphs:
                 graph = torch.cuda.CUDAGraph()
                 with kv.graph_capture(), torch.cuda.graph(graph):
@@ -148,7 +182,7 @@ def run(device: str, forward: str, page_size: int | None, layout: str, mode: str
                     graph.replay()
                 else:
                     fwd()
-                torch.cuda.synchronize()  # sampling reads the logits
+                synchronize(cuda)  # sampling reads the logits
             iteration_us.append(round((time.perf_counter() - t_iter) * 1e6, 2))
         s = kv.stats()
     marked = set(crossing)
@@ -178,13 +212,21 @@ def run(device: str, forward: str, page_size: int | None, layout: str, mode: str
     return summary
 
 
+def synchronize(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
 def main() -> int:
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu (host backend) or cuda")
-    p.add_argument("--forward", choices=("sleep", "gpu"), default=None,
-                   help="default: gpu with --device cuda when torch sees a GPU, else sleep")
-    p.add_argument("--graphs", choices=("off", "on", "both"), default="off", help="CUDA graphs (gpu forward)")
+    p.add_argument("--forward", choices=("sleep", "model"), default=None,
+                   help="default: model with --device cuda when torch sees a GPU, else sleep")
+    p.add_argument("--graphs", choices=("off", "on", "both"), default="off", help="CUDA graphs (model forward, CUDA)")
+    p.add_argument("--layers", type=int, default=LAYERS, help="layers of the cache (and the model forward)")
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="model forward: hidden size of the MLP stand-in")
+    p.add_argument("--tag", default="", help="results file decode_trace_<tag>_<machine>.json")
     p.add_argument("--iterations", type=int, default=1100)
     p.add_argument("--compute-ms", type=float, default=1.0, help="sleep forward: ms per iteration")
     p.add_argument("--batch", type=int, default=4)
@@ -193,21 +235,22 @@ def main() -> int:
     p.add_argument("--layouts", default="per_layer,all_layers")
     p.add_argument("--stagger", action="store_true", help="spread the requests' page crossings")
     args = p.parse_args()
-    forward = args.forward or ("gpu" if args.device.startswith("cuda") and gpu else "sleep")
-    if forward == "gpu" and not gpu:
-        p.error("--forward gpu needs a CUDA GPU")
+    forward = args.forward or ("model" if args.device.startswith("cuda") and gpu else "sleep")
+    if forward == "model" and args.device.startswith("cuda") and not gpu:
+        p.error("--forward model on --device cuda needs a CUDA GPU (torch tensors on the cache)")
     if args.page_sizes:
         sizes: list[int | None] = [int(x) for x in args.page_sizes.split(",")]
     else:
         sizes = [64 * KiB, 256 * KiB, 2 * MiB] if args.device == "cpu" else [None]
-    modes = ["sync", "mapper"] + (["premapped"] if forward == "gpu" else [])
-    graph_modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs] if forward == "gpu" else [False]
+    modes = ["sync", "mapper"] + (["premapped"] if forward == "model" else [])
+    on_gpu = forward == "model" and args.device.startswith("cuda")
+    graph_modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs] if on_gpu else [False]
     cases = [(ps, layout, mode, g) for ps in sizes for layout in args.layouts.split(",") for g in graph_modes
              for mode in modes]
     results = []
     for i, (ps, layout, mode, g) in enumerate(cases, 1):
         r = run(args.device, forward, ps, layout, mode, g, args.batch, args.iterations, args.compute_ms / 1e3,
-                args.stagger)
+                args.stagger, args.layers, args.hidden)
         results.append(r)
         ratio = r.get("crossing_over_other")
         print(f"[{i}/{len(cases)}] {r['page_size'] // KiB:5d} KiB {layout:10s} {mode:9s} graphs {'on ' if g else 'off'}:"
@@ -217,11 +260,11 @@ def main() -> int:
               + f"; iteration {r['iteration_median_us']:.0f} us; maps sync {r['sync_page_maps']}"
               f" / background {r['background_page_maps']}", flush=True)
     m = machine()
-    slug = machine_slug(m)
-    path = write_json(f"decode_trace_{slug}", {"benchmark": "decode_trace", "machine": m, "forward": forward,
-                                               "compute_ms": args.compute_ms if forward == "sleep" else None,
-                                               "prompt": PROMPT, "layers": LAYERS, "stagger": args.stagger,
-                                               "results": results})
+    name = f"decode_trace_{args.tag + '_' if args.tag else ''}{machine_slug(m)}"
+    path = write_json(name, {"benchmark": "decode_trace", "machine": m, "forward": forward,
+                             "compute_ms": args.compute_ms if forward == "sleep" else None,
+                             "hidden": args.hidden if forward == "model" else None,
+                             "prompt": PROMPT, "layers": args.layers, "stagger": args.stagger, "results": results})
     print(f"wrote {path}")
     plt = pyplot()
     shown = sorted({(r["page_size"], r["layout"], r["graphs"]) for r in results})
@@ -235,9 +278,9 @@ def main() -> int:
         ax.set_title(f"{ps // KiB} KiB pages, {layout}" + (", CUDA graphs" if g else ""), fontsize=9)
         ax.legend(fontsize=7, loc="upper right")
     axes[-1, 0].set_xlabel("decode iteration")
-    fig.suptitle(f"step latency per decode iteration ({args.device}, {forward} forward), {LAYERS} layers — "
+    fig.suptitle(f"step latency per decode iteration ({args.device}, {forward} forward), {args.layers} layers — "
                  f"{m['gpu'] or m['cpu']}", fontsize=9)
-    save_plot(fig, f"decode_trace_{slug}")
+    save_plot(fig, name)
     return 0
 
 

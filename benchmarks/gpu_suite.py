@@ -1,20 +1,26 @@
-"""The GPU suite in one call: build, the CUDA tests, every benchmark, one summary.
+"""The GPU suite in one call: build, the CUDA tests, every benchmark, one summary,
+and one archive that carries all of it back.
 
     benchmarks/gpu_suite.sh OUTDIR              # on a machine with an NVIDIA GPU (< 10 min on one H100)
     benchmarks/gpu_suite.sh OUTDIR --dry-run    # anywhere: the same scripts on the CPU, tiny grids
     VATTN_GPU_SUITE_DRY_RUN=1 benchmarks/gpu_suite.sh OUTDIR
+    benchmarks/gpu_suite.sh OUTDIR --wheels DIR --archive DIR2   # options: see below
 
 Stages, each a subprocess with a time limit, its output in OUTDIR/gpu_suite.log:
 
   build         python setup.py build_ext --inplace (the extension has no
                 device code: it loads libcuda.so.1 at run time, so one build
                 serves every GPU; the GPU found is recorded in the summary)
-  tests         the CUDA test files (real GPU, fake driver, cuda.h check,
-                attention adapters); JUnit XML kept, counts in the summary
+  tests         the CUDA test files: tests/backends/test_cuda_real.py on the
+                host backend, the fake driver and the GPU, the driver rules on
+                the fake driver, the cuda.h check (with the header the machine
+                has), the attention adapters; JUnit XML kept, counts in the summary
   vmm_latency   per-call driver latency per page size, vattn vs raw calls
   attention_ab  vattn + FlashAttention-2 / FlashInfer vs their paged kernels
-  decode_trace  mapping on the critical path of decode iterations, mapper
-                on/off, CUDA graphs on/off
+  decode_trace  mapping on the critical path of decode iterations (the
+                model forward: per layer the new token's K/V and
+                FlashAttention-2 varlen over the cache), mapper on/off, CUDA
+                graphs on/off
   prefill       admitting a prompt: synchronous mapping vs the policies
   engine_e2e    Llama-3.2-1B-shaped engine vs transformers' caches
   host_kernel   the host attention kernel's tests on this machine's CPU
@@ -27,15 +33,64 @@ its own limit and what is left; the attention grid also has a time budget),
 so the suite ends within 10 minutes; a stage cut short is reported as such.
 Every benchmark writes JSON + PNG into OUTDIR (file names carry the GPU);
 OUTDIR/gpu_suite.json holds the machine (GPU, driver, CUDA and torch
-versions), what the cuda backend learned about the driver (unmap runs
-accepted or not, with the driver version), each stage's status and time,
-and the test counts. A stage that fails is recorded and the next runs; the
-exit status is 1 when any failed.
+versions), the Python packages the stages saw (transformers, flash-attn,
+flashinfer, triton), what the cuda backend learned about the driver (unmap
+runs accepted or not, with the driver version), each stage's status and
+time, and the test counts. A stage that fails is recorded and the next runs;
+the exit status is 1 when any failed.
+
+One archive. Last, everything the run wrote (JSON, PNG, the tests' XML, the
+log) is packed into gpu_suite_<gpu>_<date>.tar.gz (``_dryrun`` added for a
+rehearsal) in ``--archive DIR`` (default OUTDIR), and its path is the last
+line printed: one file carries a run's results back from a machine that
+returns few files.
+
+What to carry to a GPU machine without network. The machines we can test on
+have torch with CUDA 13, nvcc, Triton, pybind11, pytest and matplotlib, and
+no FlashAttention, FlashInfer or vLLM; their transformers is older than the
+range pyproject.toml accepts. ``--wheels DIR`` installs every wheel in DIR
+(no index, no dependencies) into OUTDIR/site, ahead of the installed
+packages, for every stage. The choices and the numbers each gives:
+
+  transformers  carried: transformers-5.23.0-py3-none-any.whl, 13 MB, pure
+                Python; its dependencies (huggingface-hub, tokenizers,
+                safetensors, regex, typer) are on the image at versions it
+                accepts. Gives engine_e2e (and the integration's tests) on
+                a release VAttnCache is checked against; without it
+                engine_e2e runs on the image's release, outside that range,
+                and the summary says so.
+  FlashAttention-2  not carried: flash-attn has no wheel on PyPI for any
+                torch (source only, hours to build). Every FlashAttention-2
+                number comes from torch's own kernel instead
+                (torch.ops.aten._flash_attention_forward, "fa2-torch"):
+                attention_ab's fa2-torch vs fa2-torch-paged-B (where that
+                torch's op takes a block table) and decode_trace's forward.
+                The adapter flash_attn_attention ("fa2" vs "fa2-paged-B")
+                stays unmeasured.
+  FlashInfer    not carried: flashinfer-python 0.7.2 is a 62 MB wheel (a
+                call carries 64 MiB in all, the repository included) that
+                imports packages the image lacks (apache-tvm-ffi,
+                nvidia-cutlass-dsl, cuda-tile, nccl4py,
+                nvidia-cudnn-frontend) and compiles each kernel with nvcc at
+                first use, minutes per shape and dtype, which the 10-minute
+                call cannot hold beside the other stages. So attention_ab's
+                fi-batched / fi-single vs fi-paged-B (the FlashInfer adapter
+                and its page-table view) stay unmeasured, listed under
+                not_measured with the import error.
+  vLLM          not carried (gigabytes, and it needs its own torch): the
+                vLLM integration's GPU path stays unmeasured.
+
+On such a machine, from the repository root, with the wheel downloaded here
+(``pip download --no-deps --only-binary=:all: transformers==5.23.0 -d .whl``,
+.whl ignored through .git/info/exclude and carried):
+
+    benchmarks/gpu_suite.sh /tmp/suite --wheels .whl --archive "$OUT"
 
 The dry run needs no GPU: the cuda backend's paths run against the fake
-driver (tests/backends/fake_cuda, built here with the C compiler), the GPU-only
-kernels are listed as not measured, and grids are tiny. Its JSON says
-"dry_run": true; its numbers mean nothing.
+driver (tests/backends/fake_cuda, built here with the C compiler), the model
+forward of decode_trace runs on the host backend (decode_trace_host_model),
+the GPU-only kernels are listed as not measured, and grids are tiny. Its
+JSON says "dry_run": true; its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -47,14 +102,22 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
+from common import machine_slug  # benchmarks/common.py: the file names' machine part
+
 ROOT = Path(__file__).resolve().parents[1]
-DEADLINE_S = 570  # every stage ends by then: the suite stays under 10 minutes
+DEADLINE_S = 540  # every stage ends by then: with the wheels, summary and archive the suite stays under 10 minutes
 BENCH = ROOT / "benchmarks"
-CUDA_TESTS = ["tests/backends/test_cuda_real.py", "tests/backends/test_cuda_driver_rules.py", "tests/backends/test_cuda_fake_driver.py",
+CUDA_TESTS = ["tests/backends/test_cuda_real.py", "tests/backends/test_cuda_driver_rules.py",
+              "tests/backends/test_cuda_fake_rules.py", "tests/backends/test_cuda_fake_driver.py",
               "tests/backends/test_cuda_header_abi.py", "tests/kernels/test_attention.py"]
+# packages the stages may use, reported with their versions (None: not importable)
+PACKAGES = ["torch", "triton", "transformers", "flash_attn", "flashinfer", "vllm"]
+TRANSFORMERS_CHECKED = ((5, 22), (5, 24))  # pyproject.toml's range: >= 5.22, < 5.24
+ARCHIVED = (".json", ".png", ".xml", ".log")
 HOST_KERNEL_TESTS = ["tests/kernels/test_cpu_attention.py", "tests/kernels/test_cpu_attn_isas.py"]
 
 
@@ -74,7 +137,7 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
             ("vmm_latency", [py, str(BENCH / "vmm_latency.py"), "--backends", "cuda", "--pages", "256"], 120),
             ("attention_ab", [py, str(BENCH / "attention_ab.py"), "--time-budget-s", "170", "--min-seconds", "0.1"],
              300),
-            ("decode_trace", [py, str(BENCH / "decode_trace.py"), "--device", "cuda", "--forward", "gpu", "--graphs",
+            ("decode_trace", [py, str(BENCH / "decode_trace.py"), "--device", "cuda", "--forward", "model", "--graphs",
                               "both", "--batch", "16", "--stagger", "--iterations", "600"], 180),
             ("prefill", [py, str(BENCH / "prefill.py"), "--device", "cuda"], 120),
             ("engine_e2e", [py, str(BENCH / "engine_e2e.py")], 240),
@@ -93,6 +156,10 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
         ("decode_trace", [py, str(BENCH / "decode_trace.py"), "--device", device, "--forward", "sleep",
                           "--iterations", "40", "--compute-ms", "0.1", "--batch", "2", "--layouts", "all_layers",
                           "--stagger"] + ([] if have_fake_cuda else ["--page-sizes", "65536"]), 120),
+        # the model forward of the GPU run (FlashAttention-2's varlen contract on the cache's slots), on the host
+        ("decode_trace_host_model", [py, str(BENCH / "decode_trace.py"), "--device", "cpu", "--forward", "model",
+                                     "--iterations", "8", "--batch", "2", "--layers", "2", "--hidden", "64",
+                                     "--page-sizes", "65536", "--stagger", "--tag", "host_model"], 120),
         ("prefill", [py, str(BENCH / "prefill.py"), "--device", device, "--prompts", "1024", "--reps", "1"], 120),
         ("engine_e2e", [py, str(BENCH / "engine_e2e.py"), "--tiny", "--requests", "4", "--batch", "2",
                         "--prompt-len", "32", "--new-tokens", "4"], 120),
@@ -102,15 +169,16 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
 
 
 def build_fake_driver(out: Path, log) -> Path | None:
-    """tests/backends/fake_cuda/fake_cuda.c as a shared library, or None without a C compiler."""
+    """tests/backends/fake_cuda/*.c as a shared library, or None without a C compiler."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         print("dry run: no C compiler, so the cuda backend's paths are skipped", file=log, flush=True)
         return None
     lib = out / "fake_cuda" / "libfakecuda.so"
     lib.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(lib), str(ROOT / "tests/backends/fake_cuda/fake_cuda.c"),
-                    "-lpthread"], check=True, stdout=log, stderr=subprocess.STDOUT)
+    sources = sorted(str(p) for p in (ROOT / "tests/backends/fake_cuda").glob("*.c"))
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(lib), *sources, "-lpthread"], check=True, stdout=log,
+                   stderr=subprocess.STDOUT)
     return lib
 
 
@@ -170,10 +238,59 @@ def host_kernel_info(env: dict[str, str]) -> dict:
     return json.loads(proc.stdout)
 
 
+def install_wheels(wheels: Path, out: Path, env: dict[str, str], log) -> list[str]:
+    """Installs every wheel in ``wheels`` into OUTDIR/site (no index, no
+    dependencies) and puts it first on the stages' PYTHONPATH; the wheels' names."""
+    found = sorted(wheels.glob("*.whl"))
+    if not found:
+        print(f"gpu_suite: no wheels in {wheels}", file=log, flush=True)
+        return []
+    site = out / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--disable-pip-version-check", "--upgrade", "--target", str(site), *map(str, found)],
+                   check=True, stdout=log, stderr=subprocess.STDOUT)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(site)] + env["PYTHONPATH"].split(os.pathsep)[1:])
+    return [w.name for w in found]
+
+
+def package_versions(env: dict[str, str]) -> dict:
+    """The version of each of PACKAGES as the stages import it (None: not
+    importable), and whether transformers is in the range pyproject accepts."""
+    code = ("import importlib, json, sys\nout = {}\nfor name in sys.argv[1:]:\n    try:\n"
+            "        out[name] = getattr(importlib.import_module(name), '__version__', 'unknown')\n"
+            "    except Exception as e:\n        out[name] = None\nprint(json.dumps(out))")
+    proc = subprocess.run([sys.executable, "-c", code, *PACKAGES], cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["unknown"])[-1]}
+    versions = json.loads(proc.stdout)
+    tf = versions.get("transformers")
+    if tf:
+        major_minor = tuple(int(x) for x in re.findall(r"\d+", tf)[:2])
+        low, high = TRANSFORMERS_CHECKED
+        versions["transformers_in_checked_range"] = low <= major_minor < high
+    return versions
+
+
+def pack(out: Path, archive_dir: Path, slug: str, dry: bool) -> Path:
+    """Every result file of the run (ARCHIVED suffixes, not the build or the
+    carried wheels) as one gpu_suite_<slug>_<date>[_dryrun].tar.gz in archive_dir."""
+    stem = f"gpu_suite_{slug}_{time.strftime('%Y%m%d-%H%M%S')}{'_dryrun' if dry else ''}"
+    archive_dir.mkdir(parents=True, exist_ok=True)
+    path = archive_dir / f"{stem}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for f in sorted(out.iterdir()):
+            if f.is_file() and f.suffix in ARCHIVED:
+                tar.add(f, arcname=f"{stem}/{f.name}")
+    return path
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("outdir", type=Path)
     p.add_argument("--dry-run", action="store_true", help="CPU rehearsal (also VATTN_GPU_SUITE_DRY_RUN=1)")
+    p.add_argument("--wheels", type=Path, default=None,
+                   help="a folder of wheels to install for the stages (no network needed), e.g. transformers")
+    p.add_argument("--archive", type=Path, default=None, help="where the run's .tar.gz goes (default OUTDIR)")
     args = p.parse_args()
     dry = args.dry_run or os.environ.get("VATTN_GPU_SUITE_DRY_RUN", "") not in ("", "0")
     out = args.outdir.resolve()
@@ -181,7 +298,7 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [x for x in [os.environ.get("PYTHONPATH")] if x]),
                VATTN_RESULTS_DIR=str(out), MPLBACKEND="Agg")
     env.pop("VATTN_GPU_SUITE_DRY_RUN", None)
-    # the cuda.h check downloads two wheels: on a machine without network, fail fast and skip
+    # the cuda.h check takes a header the machine has, else downloads a wheel: without network, fail fast
     env.setdefault("PIP_RETRIES", "1")
     env.setdefault("PIP_TIMEOUT", "10")
     started = time.perf_counter()
@@ -200,6 +317,7 @@ def main() -> int:
             if not torch.cuda.is_available():
                 print("gpu_suite: torch sees no CUDA GPU; run with --dry-run for the CPU rehearsal", file=sys.stderr)
                 return 2
+        wheels = install_wheels(args.wheels.resolve(), out, env, log) if args.wheels else []
         results = []
         for name, cmd, limit in stages(dry, fake is not None):
             left = int(DEADLINE_S - (time.perf_counter() - started))
@@ -222,12 +340,16 @@ def main() -> int:
         "host_kernel": host_kernel_info(env),
         "host_kernel_tests": test_counts(out / "host_kernel_tests.xml"),
         "driver_findings": driver_findings(out),
+        "packages": package_versions(env),
+        "wheels_installed": wheels,
         "files": sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".png")),
     }
     (out / "gpu_suite.json").write_text(json.dumps(summary, indent=2) + "\n")
     failed = [r["name"] for r in results if r["status"] != "ok"]
+    archive = pack(out, (args.archive or out).resolve(), re.sub(r"[^a-z0-9.-]+", "-", machine_slug(machine)), dry)
     print(f"[gpu_suite] {'dry run ' if dry else ''}done in {summary['seconds']} s; "
           f"{'failed: ' + ', '.join(failed) if failed else 'every stage ok'}; summary {out / 'gpu_suite.json'}")
+    print(f"[gpu_suite] archive {archive}")
     return 1 if failed else 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 import vattn
 
 HERE = Path(__file__).resolve().parent
-FAKE_CUDA_SOURCE = HERE / "backends" / "fake_cuda" / "fake_cuda.c"
+FAKE_CUDA_SOURCES = sorted((HERE / "backends" / "fake_cuda").glob("*.c"))
 FAKE_UVM_SOURCE = HERE / "backends" / "fake_uvm" / "fake_uvm.c"
 
 
@@ -23,12 +24,13 @@ def c_compiler() -> str | None:
 
 @pytest.fixture(scope="session")
 def fake_cuda_lib(tmp_path_factory) -> Path:
-    """Builds the test driver library (tests/backends/fake_cuda/fake_cuda.c) once."""
+    """Builds the test driver library (tests/backends/fake_cuda/*.c) once."""
     cc = c_compiler()
     if cc is None:
         pytest.skip("no C compiler to build the fake CUDA driver")
     out = tmp_path_factory.mktemp("fake_cuda") / "libfakecuda.so"
-    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(out), str(FAKE_CUDA_SOURCE), "-lpthread"], check=True)
+    subprocess.run([cc, "-O1", "-Wall", "-shared", "-fPIC", "-o", str(out), *map(str, FAKE_CUDA_SOURCES), "-lpthread"],
+                   check=True)
     return out
 
 
@@ -45,34 +47,52 @@ def fake_uvm_lib(tmp_path_factory) -> Path:
     return out
 
 
+def declare_fake_cuda(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """ctypes signatures of the fake driver's control functions."""
+    ptr, ull, long_ = ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_long
+    lib.fake_cuda_fail.argtypes = [ctypes.c_char_p, long_, long_, ctypes.c_int]
+    lib.fake_cuda_set_latency.argtypes = [ctypes.c_char_p, long_]
+    for name in ("live_handles", "live_mappings", "live_reservations", "sync_calls", "primary_refs",
+                 "unmap_calls", "primary_creations", "live_events", "threads_left_with_context", "faults"):
+        getattr(lib, f"fake_cuda_{name}").restype = long_
+    lib.fake_cuda_accessible.argtypes = [ull]
+    lib.fake_cuda_handle_at.argtypes = [ull]
+    lib.fake_cuda_handle_at.restype = ull
+    lib.fake_cuda_mappings_in.argtypes = [ull, ull]
+    lib.fake_cuda_mappings_in.restype = long_
+    # contexts, streams and graphs are opaque pointers
+    lib.fake_cuda_create_context.restype = ptr
+    lib.fake_cuda_create_context.argtypes = [ctypes.c_int]
+    for name in ("destroy_context", "context_alive", "context_poisoned", "fault_address"):
+        getattr(lib, f"fake_cuda_{name}").argtypes = [ptr]
+    lib.fake_cuda_fault_address.restype = ull
+    for name in ("stream_syncs", "stream_records", "stream_completed", "launch"):
+        getattr(lib, f"fake_cuda_{name}").argtypes = [ptr]
+        getattr(lib, f"fake_cuda_{name}").restype = long_
+    lib.fake_cuda_device_access.argtypes = [ptr, ull, ctypes.POINTER(ctypes.c_longlong), ull, ull, ctypes.c_int, ptr]
+    lib.fake_cuda_set_total_mem.argtypes = [ull]
+    lib.fake_cuda_other_process_alloc.argtypes = [ull]
+    lib.fake_cuda_other_process_free.argtypes = [ull]
+    lib.fake_cuda_free_mem.restype = ull
+    lib.cuDevicePrimaryCtxReset_v2.argtypes = [ctypes.c_int]
+    return lib
+
+
 @pytest.fixture
 def fake_cuda(fake_cuda_lib, monkeypatch):
-    """Points the cuda backend at the fake driver; yields its control handle."""
+    """Points the cuda backend at the fake driver; yields its control handle.
+
+    A device access that faults poisons the primary context for good, as on
+    a GPU: a test that means to fault sets ``fake_cuda.expect_fault = True``;
+    any other test that leaves the context poisoned fails. Either way the
+    context is reset afterwards, so the next test starts clean."""
     monkeypatch.setenv("VATTN_CUDA_DRIVER_LIB", str(fake_cuda_lib))
-    monkeypatch.delenv("FAKE_CUDA_GRANULARITY", raising=False)
-    monkeypatch.delenv("FAKE_CUDA_UNMAP_SPANS", raising=False)
-    lib = ctypes.CDLL(str(fake_cuda_lib))  # same path, so the same loaded instance as vattn's
-    lib.fake_cuda_fail.argtypes = [ctypes.c_char_p, ctypes.c_long, ctypes.c_long, ctypes.c_int]
-    for name in ("live_handles", "live_mappings", "live_reservations", "sync_calls", "primary_refs",
-                 "unmap_calls", "primary_creations", "live_events", "threads_left_with_context"):
-        getattr(lib, f"fake_cuda_{name}").restype = ctypes.c_long
-    lib.fake_cuda_accessible.argtypes = [ctypes.c_ulonglong]
-    lib.fake_cuda_handle_at.argtypes = [ctypes.c_ulonglong]
-    lib.fake_cuda_handle_at.restype = ctypes.c_ulonglong
-    # contexts and streams are opaque pointers
-    lib.fake_cuda_create_context.restype = ctypes.c_void_p
-    lib.fake_cuda_create_context.argtypes = [ctypes.c_int]
-    for name in ("destroy_context", "context_alive"):
-        getattr(lib, f"fake_cuda_{name}").argtypes = [ctypes.c_void_p]
-    for name in ("stream_syncs", "stream_records", "stream_completed", "launch"):
-        getattr(lib, f"fake_cuda_{name}").argtypes = [ctypes.c_void_p]
-        getattr(lib, f"fake_cuda_{name}").restype = ctypes.c_long
-    lib.fake_cuda_handle_at.restype = ctypes.c_ulonglong
-    lib.fake_cuda_handle_at.argtypes = [ctypes.c_ulonglong]
-    lib.fake_cuda_mappings_in.restype = ctypes.c_long
-    lib.fake_cuda_mappings_in.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong]
+    for name in ("FAKE_CUDA_GRANULARITY", "FAKE_CUDA_UNMAP_SPANS", "FAKE_CUDA_CALL_LATENCY_US", "FAKE_CUDA_TOTAL_MEM"):
+        monkeypatch.delenv(name, raising=False)
+    lib = declare_fake_cuda(ctypes.CDLL(str(fake_cuda_lib)))  # same path: the instance vattn loads
     lib.fake_cuda_clear_failures()
     lib.fake_cuda_uvm_reset()  # the nvidia-uvm descriptor follows this test's environment
+    lib.expect_fault = False
     # Counters are process-wide: a test that injects an unmap failure leaves its
     # mapping behind on purpose, so leak checks compare with these baselines.
     lib.baseline_mappings = lib.fake_cuda_live_mappings()
@@ -80,6 +100,16 @@ def fake_cuda(fake_cuda_lib, monkeypatch):
     lib.baseline_reservations = lib.fake_cuda_live_reservations()
     yield lib
     lib.fake_cuda_clear_failures()
+    lib.fake_cuda_set_latency(b"*", -1)
+    lib.fake_cuda_set_total_mem(0)
+    lib.fake_cuda_other_process_free(2**63)
+    gc.collect()  # managers the test dropped give their context references back
+    poisoned = bool(lib.fake_cuda_context_poisoned(None))
+    if poisoned:
+        assert lib.cuInit(0) == 0
+        assert lib.cuDevicePrimaryCtxReset_v2(0) == 0
+    if poisoned and not lib.expect_fault:
+        pytest.fail(f"a device access faulted at {lib.fake_cuda_fault_address(None):#x}: the context is poisoned")
 
 
 def manager_state(kv: vattn.KVCacheManager) -> tuple:

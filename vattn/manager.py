@@ -750,6 +750,9 @@ def _bounded_int(name: str, value: object, count: int) -> int:
     return out
 
 
+_CU_STREAM_PER_THREAD = 0x2  # cuda.h
+
+
 def _stream_handles(streams: Any) -> list[int]:
     """Raw stream handles (ints) of ``streams``: None, a stream (an int or an
     object with ``.cuda_stream``, as torch.cuda.Stream) or a sequence of them."""
@@ -768,6 +771,10 @@ def _stream_handles(streams: Any) -> list[int]:
                             f"got {type(s).__name__}")
         if not 0 <= handle < 2**64:
             raise ValueError(f"sync_streams: a raw stream handle must be in [0, 2^64), got {handle}")
+        if handle == _CU_STREAM_PER_THREAD:  # vattn's waits run on other threads (the mapper's)
+            raise ValueError("sync_streams: 2 is CU_STREAM_PER_THREAD, a different stream on every thread, so "
+                             "vattn's fences could not name the caller's; name a created stream or the legacy "
+                             "default stream (0)")
         handles.append(handle)
     return handles
 

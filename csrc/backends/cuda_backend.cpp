@@ -510,7 +510,9 @@ class CudaBackend final : public VmmBackend {
       }
       return step("cuMemSetAccess", api_.cuMemSetAccess(base, 2 * g, &access_, 1));
     };
-    if (step("cuMemAddressReserve", api_.cuMemAddressReserve(&base, 2 * g, 0, 0, 0)) &&
+    // Alignment 0 is the driver's choice, which cuda.h does not promise to be
+    // the granularity that cuMemMap needs: ask for it.
+    if (step("cuMemAddressReserve", api_.cuMemAddressReserve(&base, 2 * g, reservation_alignment(), 0, 0)) &&
         step("cuMemCreate", api_.cuMemCreate(&h[0], g, &prop_, 0)) &&
         step("cuMemCreate", api_.cuMemCreate(&h[1], g, &prop_, 0)) && map_both()) {
       CUresult rc = api_.cuMemUnmap(base, 2 * g);

@@ -9,11 +9,14 @@
   both answers handled;
 - reclaim waits for the streams the caller names, not the whole device;
 - graph_capture(): no driver call from vattn while a CUDA graph is captured.
+
+tests/backends/test_cuda_fake_rules.py shows the fake enforcing each rule
+(faults, capture rules, cuMemCreate's properties, device memory, alignment,
+default streams, latency).
 """
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import threading
 import time
@@ -22,6 +25,7 @@ import pytest
 import torch
 
 import vattn
+from backends.cuda_framework import Framework, device_read, device_write
 from conftest import manager_state
 
 MiB = 1024 * 1024
@@ -60,78 +64,6 @@ def table_matches_driver(kv, lib) -> None:
                 assert p >= n or mapped, f"reqid {r} buffer {b} page {p} is in the prefix but not mapped"
 
 
-class Framework:
-    """Plays a CUDA framework's runtime (torch's cudart) on the fake driver.
-
-    ``init()`` does what cudart does on first use: it adopts a context that is
-    current on the thread (without retaining it: it is not its own), else it
-    retains the device's primary context and makes it current.
-    """
-
-    def __init__(self, lib) -> None:
-        self.lib = lib
-        self.ctx: int | None = None
-        self.retained = False
-        self.pushed = 0
-        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
-        lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
-        lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
-        lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
-        lib.cuDevicePrimaryCtxGetState.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint),
-                                                   ctypes.POINTER(ctypes.c_int)]
-        lib.cuMemGetInfo_v2.argtypes = [ctypes.POINTER(ctypes.c_size_t)] * 2
-        lib.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-        assert lib.cuInit(0) == 0  # a framework initialises the driver itself
-
-    def current(self) -> int | None:
-        c = ctypes.c_void_p()
-        assert self.lib.cuCtxGetCurrent(ctypes.byref(c)) == 0
-        return c.value
-
-    def primary_active(self) -> bool:
-        flags, active = ctypes.c_uint(), ctypes.c_int()
-        assert self.lib.cuDevicePrimaryCtxGetState(0, ctypes.byref(flags), ctypes.byref(active)) == 0
-        return bool(active.value)
-
-    def init(self) -> int:
-        cur = self.current()
-        if cur:
-            self.ctx = cur
-        else:
-            c = ctypes.c_void_p()
-            assert self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(c), 0) == 0
-            self.retained = True
-            self.ctx = c.value
-            assert self.lib.cuCtxSetCurrent(self.ctx) == 0
-        return self.ctx
-
-    def push_own_context(self) -> int:
-        """A context of the framework's own (cuCtxCreate), pushed on this thread."""
-        self.ctx = self.lib.fake_cuda_create_context(0)
-        assert self.lib.cuCtxPushCurrent_v2(self.ctx) == 0
-        self.pushed += 1
-        return self.ctx
-
-    def memory_call(self) -> int:
-        """A driver call in the framework's context: the CUresult."""
-        free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        return self.lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
-
-    def stream(self) -> int:
-        s = ctypes.c_void_p()
-        assert self.lib.cuStreamCreate(ctypes.byref(s), 1) == 0
-        return s.value
-
-    def close(self) -> None:
-        while self.lib.fake_cuda_context_depth() > 0:
-            self.lib.cuCtxPopCurrent_v2(None)
-        if self.retained:
-            assert self.lib.cuDevicePrimaryCtxRelease_v2(0) == 0
-            self.retained = False
-
-
 @pytest.fixture
 def framework(fake_cuda):
     fw = Framework(fake_cuda)
@@ -141,14 +73,14 @@ def framework(fake_cuda):
     gc.collect()
 
 
-def a_full_lifecycle(check, **overrides) -> None:
+def a_full_lifecycle(lib, check, **overrides) -> None:
     """Everything vattn does with a device, calling ``check()`` after each step."""
     kv = make(**overrides)
     check()
     a, b = kv.alloc_reqid(), kv.alloc_reqid()
     assert kv.step(lens_with(3000, a, b))
     check()
-    ctypes.memset(row_address(kv, 0, a, 2999), 7, 1024)
+    device_write(lib, row_address(kv, 0, a, 2999), bytes([7]) * 1024)
     kv.free_reqid(a)
     check()
     assert kv.reclaim() > 0  # synchronize + unmap
@@ -168,7 +100,7 @@ def a_full_lifecycle(check, **overrides) -> None:
 
 
 def test_a_thread_without_context_keeps_none(fake_cuda, framework):
-    a_full_lifecycle(lambda: (framework.current() is None) or pytest.fail("vattn left a context current"))
+    a_full_lifecycle(fake_cuda, lambda: (framework.current() is None) or pytest.fail("vattn left a context current"))
 
 
 def test_a_threads_own_context_stays_current(fake_cuda, framework):
@@ -179,8 +111,8 @@ def test_a_threads_own_context_stays_current(fake_cuda, framework):
         assert fake_cuda.fake_cuda_context_depth() == 1
         assert framework.memory_call() == 0
 
-    a_full_lifecycle(check)
-    a_full_lifecycle(check, background=True, eager=True)
+    a_full_lifecycle(fake_cuda, check)
+    a_full_lifecycle(fake_cuda, check, background=True, eager=True)
     vattn.backends.cuda_info(0)
     check()
     fake_cuda.fake_cuda_destroy_context(own)
@@ -212,7 +144,7 @@ def test_context_a_framework_holds_survives_everything(fake_cuda, framework):
         assert fake_cuda.fake_cuda_context_alive(ctx)
         assert framework.memory_call() == 0
 
-    a_full_lifecycle(check)
+    a_full_lifecycle(fake_cuda, check)
     vattn.backends.cuda_info(0)
     check()
     assert fake_cuda.fake_cuda_primary_refs() == 1  # all vattn's references are gone, the framework's stays
@@ -265,8 +197,8 @@ def test_page_of_three_granules_reserves_and_maps(fake_cuda):
         for buf in range(kv.config.num_buffers):
             for r, value in ((a, 0x41), (b, 0x42)):
                 addr = row_address(kv, buf, r, 2 * tokens_per_page)
-                ctypes.memset(addr, value + buf, kv.config.token_bytes_per_buffer)
-                assert ctypes.string_at(addr, 4) == bytes([value + buf]) * 4
+                device_write(fake_cuda, addr, bytes([value + buf]) * kv.config.token_bytes_per_buffer)
+                assert device_read(fake_cuda, addr, 4) == bytes([value + buf]) * 4
         table_matches_driver(kv, fake_cuda)
 
 

@@ -1,10 +1,10 @@
 """The cuda backend's C++ code against the test driver (tests/backends/fake_cuda): data,
 context handling, injected driver failures, leaks. Device pointers of the fake
-driver are host addresses, read and written here with ctypes."""
+driver are host addresses, read and written here through its checked device
+accesses (a fault fails the test)."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import threading
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import vattn
+from backends.cuda_framework import device_read, device_write
 from conftest import manager_state
 
 MiB = 1024 * 1024
@@ -28,14 +29,17 @@ def make(**overrides) -> vattn.KVCacheManager:
     return vattn.KVCacheManager(**args)
 
 
-def write_row(kv, buffer: int, reqid: int, token: int, value: int) -> None:
-    addr = kv.buffer_address(buffer) + reqid * kv.slot_bytes + token * kv.config.token_bytes_per_buffer
-    ctypes.memset(addr, value, kv.config.token_bytes_per_buffer)
+def row_address(kv, buffer: int, reqid: int, token: int) -> int:
+    return kv.buffer_address(buffer) + reqid * kv.slot_bytes + token * kv.config.token_bytes_per_buffer
 
 
-def read_row(kv, buffer: int, reqid: int, token: int) -> bytes:
-    addr = kv.buffer_address(buffer) + reqid * kv.slot_bytes + token * kv.config.token_bytes_per_buffer
-    return ctypes.string_at(addr, kv.config.token_bytes_per_buffer)
+def write_row(lib, kv, buffer: int, reqid: int, token: int, value: int) -> None:
+    """A device write: the fake driver faults where nothing is mapped with access."""
+    device_write(lib, row_address(kv, buffer, reqid, token), bytes([value]) * kv.config.token_bytes_per_buffer)
+
+
+def read_row(lib, kv, buffer: int, reqid: int, token: int) -> bytes:
+    return device_read(lib, row_address(kv, buffer, reqid, token), kv.config.token_bytes_per_buffer)
 
 
 def assert_all_released(lib):
@@ -61,12 +65,12 @@ def test_data_written_through_mappings_reads_back(fake_cuda):
         for n in (1, 2048, 2049, 5000):
             assert kv.step([n if r in (a, b) else 0 for r in range(4)])
             for buf in range(kv.config.num_buffers):
-                write_row(kv, buf, a, n - 1, 0x11 + buf)
-                write_row(kv, buf, b, n - 1, 0x21 + buf)
+                write_row(fake_cuda, kv, buf, a, n - 1, 0x11 + buf)
+                write_row(fake_cuda, kv, buf, b, n - 1, 0x21 + buf)
         for n in (1, 2048, 2049, 5000):
             for buf in range(kv.config.num_buffers):
-                assert read_row(kv, buf, a, n - 1) == bytes([0x11 + buf]) * 1024
-                assert read_row(kv, buf, b, n - 1) == bytes([0x21 + buf]) * 1024
+                assert read_row(fake_cuda, kv, buf, a, n - 1) == bytes([0x11 + buf]) * 1024
+                assert read_row(fake_cuda, kv, buf, b, n - 1) == bytes([0x21 + buf]) * 1024
         assert fake_cuda.fake_cuda_live_mappings() - fake_cuda.baseline_mappings == 2 * 3 * 4  # 2 reqs x 3 pages x 4 buffers
     assert_all_released(fake_cuda)
     del kv  # the backend keeps the primary context until its last owner goes
@@ -84,8 +88,8 @@ def test_step_from_a_thread_without_context(fake_cuda):
         t.start()
         t.join()
         assert results == [True]
-        write_row(kv, 0, r, 2999, 7)
-        assert read_row(kv, 0, r, 2999) == bytes([7]) * 1024
+        write_row(fake_cuda, kv, 0, r, 2999, 7)
+        assert read_row(fake_cuda, kv, 0, r, 2999) == bytes([7]) * 1024
 
 
 def test_reclaim_synchronizes_before_unmap(fake_cuda):
@@ -116,7 +120,7 @@ def test_injected_failure_surfaces_cleanly(fake_cuda, call, skip, code, name):
     kv = make()
     a, b = kv.alloc_reqid(), kv.alloc_reqid()
     assert kv.step([100 if r == a else 0 for r in range(4)])  # a holds 1 page per buffer
-    write_row(kv, 0, a, 99, 0x5A)
+    write_row(fake_cuda, kv, 0, a, 99, 0x5A)
     before = manager_state(kv)
     mappings_before = fake_cuda.fake_cuda_live_mappings()
     fake_cuda.fake_cuda_fail(call.encode(), skip, 1, code)
@@ -129,12 +133,12 @@ def test_injected_failure_surfaces_cleanly(fake_cuda, call, skip, code, name):
     assert fake_cuda.fake_cuda_live_mappings() == mappings_before
     after = manager_state(kv)
     assert after[1:] == before[1:]
-    assert read_row(kv, 0, a, 99) == bytes([0x5A]) * 1024
+    assert read_row(fake_cuda, kv, 0, a, 99) == bytes([0x5A]) * 1024
     # the same step succeeds once the driver recovers
     fake_cuda.fake_cuda_clear_failures()
     assert kv.step(lens)
-    write_row(kv, 3, b, 5999, 0x33)
-    assert read_row(kv, 3, b, 5999) == bytes([0x33]) * 1024
+    write_row(fake_cuda, kv, 3, b, 5999, 0x33)
+    assert read_row(fake_cuda, kv, 3, b, 5999) == bytes([0x33]) * 1024
     kv.cleanup()
     assert_all_released(fake_cuda)
 
@@ -183,7 +187,7 @@ def test_fork_maps_one_allocation_at_several_addresses(fake_cuda, layout):
         assert kv.step([2 * tokens + 10 if r == src else 0 for r in range(4)])
         for buf in range(kv.config.num_buffers):
             for t in (0, tokens, 2 * tokens + 9):
-                write_row(kv, buf, src, t, 0x30 + buf + t % 7)
+                write_row(fake_cuda, kv, buf, src, t, 0x30 + buf + t % 7)
         child = kv.fork(src, 2 * tokens + 10)
         for buf in range(kv.config.num_buffers):
             base = kv.buffer_address(buf)
@@ -192,9 +196,9 @@ def test_fork_maps_one_allocation_at_several_addresses(fake_cuda, layout):
                 there = fake_cuda.fake_cuda_handle_at(base + src * kv.slot_bytes + pos * page_size)
                 assert here != 0 and (here == there) == (pos < 2)
             for t in (0, tokens, 2 * tokens + 9):
-                assert read_row(kv, buf, child, t) == bytes([0x30 + buf + t % 7]) * row
+                assert read_row(fake_cuda, kv, buf, child, t) == bytes([0x30 + buf + t % 7]) * row
         kv.free_reqid(src)
         kv.reclaim()
         for buf in range(kv.config.num_buffers):
-            assert read_row(kv, buf, child, 0) == bytes([0x30 + buf]) * row
+            assert read_row(fake_cuda, kv, buf, child, 0) == bytes([0x30 + buf]) * row
     assert_all_released(fake_cuda)

@@ -1,8 +1,9 @@
 """The GPU suite's dry run: benchmarks/gpu_suite.sh end to end on the CPU.
 
 It runs every stage the way a GPU machine would (build, tests, each
-benchmark), with tiny grids and the cuda backend on the fake driver, and
-must leave one JSON per benchmark naming the machine, plus the summary.
+benchmark), with tiny grids, the cuda backend on the fake driver and the
+model forward on the host, installs carried wheels, and must leave one JSON
+per benchmark naming the machine, the summary, and one archive holding them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -28,14 +31,29 @@ def suite_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def probe_wheel(folder: Path) -> Path:
+    """A minimal pure-Python wheel, standing for a carried package (transformers)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "vattn_suite_probe-1.0-py3-none-any.whl"
+    info = "vattn_suite_probe-1.0.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("vattn_suite_probe/__init__.py", "__version__ = '1.0'\n")
+        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: vattn-suite-probe\nVersion: 1.0\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return path
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     pytest.importorskip("matplotlib", reason="the benchmarks plot with matplotlib")
     pytest.importorskip("transformers", reason="the engine benchmark needs transformers")
-    out = tmp_path_factory.mktemp("gpu_suite")
+    base = tmp_path_factory.mktemp("gpu_suite")
+    out = base / "out"
+    wheels = probe_wheel(base / "wheels").parent
     results_before = sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir())
-    proc = subprocess.run(["bash", str(SUITE), str(out)], env=suite_env(VATTN_GPU_SUITE_DRY_RUN="1"),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(["bash", str(SUITE), str(out), "--wheels", str(wheels), "--archive", str(base / "archive")],
+                          env=suite_env(VATTN_GPU_SUITE_DRY_RUN="1"), capture_output=True, text=True, timeout=480)
     assert sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir()) == results_before, \
         "the dry run wrote into benchmarks/results"
     return out, proc
@@ -47,11 +65,13 @@ def test_every_stage_runs(dry_run):
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{log[-4000:]}"
     summary = json.loads((out / "gpu_suite.json").read_text())
     assert summary["dry_run"] is True
-    assert [s["name"] for s in summary["stages"]] == ["build", "tests", *BENCHMARKS, "host_kernel"]
+    assert [s["name"] for s in summary["stages"]] == ["build", "tests", "vmm_latency", "attention_ab", "decode_trace",
+                                                       "decode_trace_host_model", "prefill", "engine_e2e", "host_kernel"]
     assert all(s["status"] == "ok" for s in summary["stages"]), summary["stages"]
-    # the CUDA test file ran (and skipped for want of a GPU, with its reason)
+    # the GPU tests ran on the host and the fake driver (the GPU variants skipped, with their reason)
     assert summary["tests"]["failed"] == summary["tests"]["errors"] == 0
-    assert summary["tests"]["passed"] + summary["tests"]["skipped"] > 0
+    assert summary["tests"]["passed"] >= 15 and summary["tests"]["skipped"] > 0
+    assert any("needs a CUDA GPU" in r for r in summary["tests"]["skip_reasons"])
     # the host kernel's tests ran on this CPU, and the summary names its paths
     assert summary["host_kernel_tests"]["passed"] > 0 and summary["host_kernel_tests"]["failed"] == 0
     assert "scalar" in summary["host_kernel"]["supported"], summary["host_kernel"]
@@ -60,7 +80,7 @@ def test_every_stage_runs(dry_run):
 def test_each_benchmark_writes_json_naming_the_machine(dry_run):
     out, _ = dry_run
     for name in BENCHMARKS:
-        files = list(out.glob(f"{name}_*.json"))
+        files = [p for p in out.glob(f"{name}_*.json") if "_host_model_" not in p.name]
         assert len(files) == 1, f"{name}: {sorted(p.name for p in out.iterdir())}"
         data = json.loads(files[0].read_text())
         assert data["dry_run"] is True and data["benchmark"] == name
@@ -70,6 +90,42 @@ def test_each_benchmark_writes_json_naming_the_machine(dry_run):
         assert (out / f"{files[0].stem}.png").exists()
     summary = json.loads((out / "gpu_suite.json").read_text())
     assert MACHINE_FIELDS <= set(summary["machine"])
+
+
+def test_the_model_forward_ran_on_the_host(dry_run):
+    out, _ = dry_run
+    data = json.loads(next(out.glob("decode_trace_host_model_*.json")).read_text())
+    assert data["forward"] == "model" and data["dry_run"] is True
+    assert {r["device"] for r in data["results"]} == {"cpu"}
+    assert {r["mode"] for r in data["results"]} == {"sync", "mapper", "premapped"}
+
+
+def test_one_archive_carries_every_result(dry_run):
+    out, proc = dry_run
+    archives = list((out.parent / "archive").iterdir())
+    assert len(archives) == 1 and archives[0].name.startswith("gpu_suite_")
+    assert archives[0].name.endswith("_dryrun.tar.gz")
+    assert proc.stdout.strip().splitlines()[-1] == f"[gpu_suite] archive {archives[0]}"
+    with tarfile.open(archives[0]) as tar:
+        names = {Path(m.name).name for m in tar.getmembers()}
+        assert len({Path(m.name).parent for m in tar.getmembers()}) == 1  # one folder, named like the archive
+        summary = json.load(tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("/gpu_suite.json"))))
+    written = {p.name for p in out.iterdir() if p.is_file() and p.suffix in (".json", ".png", ".xml", ".log")}
+    assert names == written
+    assert {"gpu_suite.json", "gpu_suite.log", "tests.xml", "host_kernel_tests.xml"} <= names
+    for name in BENCHMARKS:
+        assert any(n.startswith(f"{name}_") and n.endswith(".json") for n in names), name
+    assert summary["dry_run"] is True
+
+
+def test_carried_wheels_are_installed_for_the_stages(dry_run):
+    out, _ = dry_run
+    summary = json.loads((out / "gpu_suite.json").read_text())
+    assert summary["wheels_installed"] == ["vattn_suite_probe-1.0-py3-none-any.whl"]
+    assert (out / "site" / "vattn_suite_probe" / "__init__.py").exists()
+    packages = summary["packages"]
+    assert packages["torch"] and packages["transformers"]
+    assert packages["transformers_in_checked_range"] is True  # this machine's is pyproject's
 
 
 def test_cuda_paths_ran_on_the_fake_driver(dry_run):
