@@ -11,6 +11,7 @@ from setuptools import setup
 SOURCES = [
     "csrc/backends/cuda_backend.cpp",
     "csrc/backends/cuda_driver.cpp",
+    "csrc/backends/cuda_sync.cpp",
     "csrc/backends/cuda_uvm_backend.cpp",
     "csrc/backends/host_backend.cpp",
     "csrc/backends/vmm_backend.cpp",

@@ -102,7 +102,8 @@ class VmmBackend {
   // creates or waits throws DriverError (from any thread: none may block
   // while it holds the page manager's lock), until resume_driver_calls().
   // Releases and teardown still go through. Waits for the calls under way.
-  // No-ops on backends without a device.
+  // No-ops on backends without a device; every CUDA backend gets them from
+  // cuda_sync.h.
   virtual void suspend_driver_calls() {}
   virtual void resume_driver_calls() {}
   // What the backend learned about its driver at run time, as (name, value)
