@@ -6,11 +6,14 @@
 // Context scope, read fences and the graph-capture gate: cuda_sync.h, shared
 // with the cuda_uvm backend. Every entry point that may throw opens a
 // CudaSync::Call (gate, then our context); releases and teardown a QuietCall.
+#include "backends/cuda_backend.h"
+
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "backends/backend_registry.h"
 #include "backends/cuda_context.h"
 #include "backends/cuda_driver.h"
 #include "backends/cuda_sync.h"
@@ -295,16 +298,17 @@ class CudaBackend final : public VmmBackend {
   bool forked_ = false;       // in a fork() child: never call the driver
 };
 
+std::shared_ptr<VmmBackend> make_cuda_backend(const BackendParams& p) {
+  const DriverApi& api = load_driver(p.driver_path.empty() ? default_driver_path() : p.driver_path);
+  check_device_exists(api, p.device_index);
+  if (p.num_pages == 0 || p.num_pages > UINT32_MAX)
+    throw std::invalid_argument("num_pages must be in [1, 2^32), got " + std::to_string(p.num_pages));
+  return std::make_shared<CudaBackend>(api, p.device_index, p.page_size, p.num_pages);
+}
+
 }  // namespace
 
-std::shared_ptr<VmmBackend> make_cuda_backend(const std::string& driver_path, int device,
-                                              size_t page_size, size_t num_pages) {
-  const DriverApi& api = load_driver(driver_path);
-  check_device_exists(api, device);
-  if (num_pages == 0 || num_pages > UINT32_MAX)
-    throw std::invalid_argument("num_pages must be in [1, 2^32), got " + std::to_string(num_pages));
-  return std::make_shared<CudaBackend>(api, device, page_size, num_pages);
-}
+VATTN_REGISTER_BACKEND(cuda, make_cuda_backend);
 
 CudaDeviceInfo cuda_device_info(const std::string& driver_path, int device) {
   const DriverApi& api = load_driver(driver_path);

@@ -50,6 +50,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/backend_registry.h"
 #include "backends/cuda_context.h"
 #include "backends/cuda_driver.h"
 #include "backends/cuda_sync.h"
@@ -522,17 +523,22 @@ UvmPatchInfo uvm_patch_info() {
 
 bool uvm_patch_available() { return uvm_patch_info().available; }
 
-std::shared_ptr<VmmBackend> make_cuda_uvm_backend(const std::string& driver_path, int device, size_t page_size,
-                                                  size_t num_pages) {
+namespace {
+
+std::shared_ptr<VmmBackend> make_cuda_uvm_backend(const BackendParams& p) {
   const auto& sizes = uvm_page_sizes();
-  if (std::find(sizes.begin(), sizes.end(), page_size) == sizes.end())
+  if (std::find(sizes.begin(), sizes.end(), p.page_size) == sizes.end())
     throw std::invalid_argument("the cuda_uvm backend's page size must be 65536, 131072, 262144 or 2097152 bytes, got " +
-                                std::to_string(page_size));
-  if (num_pages == 0 || num_pages > UINT32_MAX)
-    throw std::invalid_argument("num_pages must be in [1, 2^32), got " + std::to_string(num_pages));
-  const DriverApi& api = load_driver(driver_path);
-  check_device_exists(api, device);
-  return std::make_shared<CudaUvmBackend>(api, device, page_size, num_pages);
+                                std::to_string(p.page_size));
+  if (p.num_pages == 0 || p.num_pages > UINT32_MAX)
+    throw std::invalid_argument("num_pages must be in [1, 2^32), got " + std::to_string(p.num_pages));
+  const DriverApi& api = load_driver(p.driver_path.empty() ? default_driver_path() : p.driver_path);
+  check_device_exists(api, p.device_index);
+  return std::make_shared<CudaUvmBackend>(api, p.device_index, p.page_size, p.num_pages);
 }
+
+}  // namespace
+
+VATTN_REGISTER_BACKEND(cuda_uvm, make_cuda_uvm_backend);
 
 }  // namespace vattn

@@ -9,6 +9,8 @@
 // A MAP_FIXED mmap either replaces the whole range or fails leaving it as it was
 // (it may fail with ENOMEM when splitting a mapping would pass vm.max_map_count),
 // so a run is the unit of success and failure.
+#include "backends/host_backend.h"
+
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <sys/mman.h>
@@ -24,8 +26,8 @@
 #include <utility>
 #include <vector>
 
+#include "backends/backend_registry.h"
 #include "common/errors.h"
-#include "backends/vmm_backend.h"
 
 namespace vattn {
 
@@ -293,5 +295,13 @@ std::shared_ptr<VmmBackend> make_host_backend(size_t page_size, size_t num_pages
                                 std::to_string(page_size) + " bytes is too large");
   return std::make_shared<HostBackend>(page_size, num_pages);
 }
+
+namespace {
+std::shared_ptr<VmmBackend> make_host_from_params(const BackendParams& p) {
+  return make_host_backend(p.page_size, p.num_pages);
+}
+}  // namespace
+
+VATTN_REGISTER_BACKEND(host, make_host_from_params);
 
 }  // namespace vattn
