@@ -41,10 +41,17 @@ ext = Pybind11Extension(
 
 # vattn._testing: test hooks and benchmark probes, out of the production module.
 # Every file of csrc/testing is one part of it; it also compiles the library
-# sources its parts drive directly (the driver shim for the raw CUDA probes).
+# sources its parts drive directly: the driver shim for the raw CUDA probes,
+# and the host backend (with the registry it registers in), which the fault
+# injection builds with its own system calls (host_backend.h).
+TESTING_LIBRARY_SOURCES = [
+    "csrc/backends/backend_registry.cpp",
+    "csrc/backends/cuda_driver.cpp",
+    "csrc/backends/host_backend.cpp",
+]
 testing = Pybind11Extension(
     "vattn._testing",
-    [*sources("csrc/testing"), "csrc/backends/cuda_driver.cpp"],
+    [*sources("csrc/testing"), *TESTING_LIBRARY_SOURCES],
     include_dirs=["csrc", "driver_patch"],
     depends=headers("csrc/common", "csrc/backends", "csrc/core", "csrc/testing", "driver_patch"),
     cxx_std=17,

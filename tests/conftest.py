@@ -1,4 +1,5 @@
-"""Shared fixtures: the fake CUDA driver and small helpers for state snapshots."""
+"""Shared fixtures: the fake CUDA driver, the fault-injecting host backend and
+small helpers for state snapshots."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import ctypes
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import vattn
+from host_faults import faulty_host_backend
+from vattn import _testing
 
 HERE = Path(__file__).resolve().parent
 FAKE_CUDA_SOURCE = HERE / "backends" / "fake_cuda" / "fake_cuda.c"
@@ -80,6 +84,13 @@ def fake_cuda(fake_cuda_lib, monkeypatch):
     lib.baseline_reservations = lib.fake_cuda_live_reservations()
     yield lib
     lib.fake_cuda_clear_failures()
+
+
+@pytest.fixture
+def host_faults() -> Iterator[_testing.FaultPlan]:
+    """The fault-injecting host backend (backend="host_faulty") for one test; yields its plan."""
+    with faulty_host_backend() as plan:
+        yield plan
 
 
 def manager_state(kv: vattn.KVCacheManager) -> tuple:

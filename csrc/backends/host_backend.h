@@ -2,9 +2,10 @@
 // memfd pool, mmap reservations). See host_backend.cpp.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
 #include <memory>
-#include <string>
 
 #include "backends/vmm_backend.h"
 
@@ -13,15 +14,24 @@ namespace vattn {
 // Smallest host page size in bytes: the OS page size.
 size_t host_granularity();
 
-// A host backend of `num_pages` pages of `page_size` bytes (a multiple of
-// host_granularity()).
-std::shared_ptr<VmmBackend> make_host_backend(size_t page_size, size_t num_pages);
+// The system calls inside one host operation whose failure the backend
+// handles itself, so a test can fail exactly those (vattn._testing): creating
+// the pool (a failed ftruncate closes the memfd again) and the mmap that
+// unmaps pages (at vm.max_map_count it falls back to munmap and reserves the
+// range again). Failures at the operations' own boundaries need no seam:
+// a decorator around any VmmBackend injects those. The default calls the kernel.
+class HostSystemCalls {
+ public:
+  virtual ~HostSystemCalls() = default;
+  virtual int memfd_create(const char* name, unsigned int flags);
+  virtual int ftruncate(int fd, off_t bytes);
+  // Puts PROT_NONE anonymous memory over [addr, addr + bytes) (MAP_FIXED).
+  virtual void* mmap_unmap(void* addr, size_t bytes);
+};
 
-// Test hook: the next `skip` host calls named `call` (memfd_create, ftruncate,
-// fallocate, mmap_reserve, mmap_map, mmap_unmap, munmap) succeed, then `times`
-// calls (-1: all) fail with errno `err`. times = 0 clears it.
-void host_inject_failure(const std::string& call, long skip, long times, int err);
-// Test hook: every page map and page creation on the host sleeps this long.
-void host_inject_delay(long microseconds);
+// A host backend of `num_pages` pages of `page_size` bytes (a multiple of
+// host_granularity()). `calls`: the system calls above (null: the kernel's).
+std::shared_ptr<VmmBackend> make_host_backend(size_t page_size, size_t num_pages,
+                                              std::shared_ptr<HostSystemCalls> calls = nullptr);
 
 }  // namespace vattn

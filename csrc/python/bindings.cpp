@@ -327,13 +327,6 @@ PYBIND11_MODULE(_C, m) {
       "driver_path: the driver library, for backends that load one (\"\": their default).");
   m.def("backend_factories", &backend_factory_names, "Names of the C++ backends this build registered.");
   m.def("host_granularity", &host_granularity);
-  m.def("host_inject_failure", &host_inject_failure, py::arg("call"), py::arg("skip") = 0, py::arg("times") = 1,
-        py::arg("errno") = 12,
-        "Test hook: the next `skip` host calls named `call` succeed, then `times` fail with `errno` "
-        "(-1: all; 0 clears). Calls: memfd_create, ftruncate, fallocate, mmap_reserve, mmap_map, "
-        "mmap_unmap, munmap.");
-  m.def("host_inject_delay", &host_inject_delay, py::arg("microseconds"),
-        "Test hook: every host page map and page creation sleeps this long (0: off).");
   m.def("default_cuda_driver_path", &cu::default_driver_path);
   m.def("uvm_patch_available", &uvm_patch_available, py::call_guard<py::gil_scoped_release>(),
         "Whether the nvidia-uvm module at $VATTN_UVM_DEVICE (default /dev/nvidia-uvm) is the patched one.");

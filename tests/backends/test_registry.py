@@ -1,8 +1,11 @@
-"""The backend registry: every place that lists backends reads it."""
+"""The backend registry: every place that lists backends reads it, and a backend
+added from outside the library (here, the fault-injecting test doubles of
+vattn._testing) works everywhere a built-in one does."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 
 import pytest
@@ -10,7 +13,9 @@ import torch
 
 import vattn
 import vattn.info
-from vattn import _C
+from conftest import assert_invariants, assert_table_is_real
+from host_faults import FAULTY_HOST, faulty_host_backend
+from vattn import _C, _testing
 from vattn.backends import (
     backend_names,
     default_backend,
@@ -42,25 +47,81 @@ def test_the_built_in_backends_and_their_devices():
 
 
 def test_a_backend_registered_from_a_test_serves_a_manager_and_shows_in_info():
-    register_backend("host_again", device="cpu", defaults=get_backend("host").defaults,
-                     factory=lambda spec: native_factory(dataclasses.replace(spec, name="host")),
-                     description="the host backend under a second name")
-    try:
-        with make(backend="host_again") as kv:
-            assert kv.stats()["backend"] == "host_again" and kv.device == torch.device("cpu")
+    with faulty_host_backend() as faults:
+        assert FAULTY_HOST in backend_names()
+        with make(backend=FAULTY_HOST) as kv:
+            assert kv.stats()["backend"] == FAULTY_HOST and kv.device == torch.device("cpu")
             r = kv.alloc_reqid()
             assert kv.step([100 if i == r else 0 for i in range(4)])
+            faults.fail("map")  # the registered factory built it: the plan reaches its calls
+            with pytest.raises(vattn.DriverError, match=r"map \(injected\) failed: errno 12"):
+                kv.step([300 if i == r else 0 for i in range(4)])
+            assert_table_is_real(kv)
+            assert_invariants(kv)
         info = vattn.info.collect()
-        assert info["backends"]["host_again"] == {"description": "the host backend under a second name"}
-        assert "backend host_again: the host backend under a second name" in vattn.info.render(info)
+        assert info["backends"][FAULTY_HOST] == {"description": get_backend(FAULTY_HOST).description}
+        assert f"backend {FAULTY_HOST}: the host backend, failing" in vattn.info.render(info)
         assert json.loads(json.dumps(info)) == info
-        with pytest.raises(ValueError, match="backend 'host_again' does not serve device cuda"):
-            make(backend="host_again", device="cuda")
-    finally:
-        unregister_backend("host_again")
-    assert "host_again" not in backend_names() and "host_again" not in vattn.info.collect()["backends"]
+        with pytest.raises(ValueError, match=f"backend '{FAULTY_HOST}' does not serve device cuda"):
+            make(backend=FAULTY_HOST, device="cuda")
+    assert FAULTY_HOST not in backend_names() and FAULTY_HOST not in vattn.info.collect()["backends"]
     with pytest.raises(ValueError, match=r"backend must be one of \('host', 'cuda', 'cuda_uvm'\) or None"):
-        make(backend="host_again")
+        make(backend=FAULTY_HOST)
+
+
+def test_the_decorator_wraps_any_backend_and_fails_part_way_through_a_batch():
+    plan = _testing.FaultPlan()
+    register_backend("host_wrapped", device="cpu", defaults=get_backend("host").defaults,
+                     factory=lambda spec: _testing.fault_injecting_backend(
+                         native_factory(dataclasses.replace(spec, name="host")), plan),
+                     description="the native host backend inside the fault-injecting decorator")
+    try:
+        with make(backend="host_wrapped", deferred_reclaim=False) as kv:
+            a, b = kv.alloc_reqid(), kv.alloc_reqid()
+            plan.fail("map", skip=1)  # the second run of the batch: the first stays mapped
+            with pytest.raises(vattn.DriverError, match=r"map \(injected\)"):
+                kv.step([64 if i in (a, b) else 0 for i in range(4)])
+            assert_table_is_real(kv)
+            assert_invariants(kv)
+            plan.fail("create_pages", skip=2, errno=errno.ENOSPC)  # the third page of a creation
+            with pytest.raises(vattn.DriverError, match=r"create_pages \(injected\) failed: errno 28"):
+                kv.step([200 if i == a else 0 for i in range(4)])
+            assert_table_is_real(kv)
+            assert_invariants(kv)
+            assert kv.step([200 if i in (a, b) else 0 for i in range(4)])  # the plan fired once each
+            plan.fail("unmap", skip=1)
+            with pytest.raises(vattn.DriverError, match=r"unmap \(injected\)"):
+                kv.free_reqid(b)
+            assert_table_is_real(kv)
+            assert kv.stats()["pages_orphaned"] > 0
+            kv.reclaim()  # retries the orphans
+            assert kv.stats()["pages_orphaned"] == 0
+            assert_table_is_real(kv)
+        with pytest.raises(ValueError, match="call must be one of reserve, free_reservation"):
+            plan.fail("mmap_map")
+    finally:
+        unregister_backend("host_wrapped")
+
+
+def test_the_decorator_around_the_cuda_backend_releases_what_a_failed_creation_made(fake_cuda):
+    plan = _testing.FaultPlan()
+    register_backend("cuda_faulty", device="cuda[:i]", defaults=get_backend("cuda").defaults,
+                     factory=lambda spec: _testing.fault_injecting_backend(
+                         native_factory(dataclasses.replace(spec, name="cuda")), plan),
+                     description="the cuda backend inside the fault-injecting decorator")
+    try:
+        with make(backend="cuda_faulty", device="cuda", page_size=2 << 20, num_kv_heads=8, head_dim=128,
+                  max_context_len=4096) as kv:
+            r = kv.alloc_reqid()
+            plan.fail("create_pages", skip=3)  # 4 buffers x 2 pages: fails part-way
+            with pytest.raises(vattn.DriverError, match="create_pages"):
+                kv.step([1000 if i == r else 0 for i in range(4)])
+            assert fake_cuda.fake_cuda_live_handles() == fake_cuda.baseline_handles
+            assert_table_is_real(kv, fake_cuda)
+            assert kv.step([1000 if i == r else 0 for i in range(4)])
+    finally:
+        unregister_backend("cuda_faulty")
+    assert fake_cuda.fake_cuda_live_handles() == fake_cuda.baseline_handles
 
 
 def test_device_patterns_come_from_the_registry():
