@@ -6,17 +6,19 @@ from pathlib import Path
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext, has_flag
 from setuptools import setup
 
+ROOT = Path(__file__).resolve().parent
+
+
+def sources(folder: str) -> list[str]:
+    """Every C++ source file of ``folder``, relative to the repository root."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / folder).glob("*.cpp"))
+
+
 # csrc/ is layered: common/ (errors, DLPack) <- backends/ (one VMM backend per
-# file) <- core/ (page bookkeeping and the mapper) <- python/ (the bindings).
-SOURCES = [
-    "csrc/backends/cuda_backend.cpp",
-    "csrc/backends/cuda_driver.cpp",
-    "csrc/backends/cuda_uvm_backend.cpp",
-    "csrc/backends/host_backend.cpp",
-    "csrc/backends/vmm_backend.cpp",
-    "csrc/core/page_manager.cpp",
-    "csrc/python/bindings.cpp",
-]
+# file, each registering its own factory, and what they share) <- core/ (page
+# bookkeeping and the mapper) <- python/ (the bindings). A new backend is a
+# new file in csrc/backends/: every file there is compiled.
+SOURCES = [*sources("csrc/backends"), *sources("csrc/core"), "csrc/python/bindings.cpp"]
 
 WARNINGS = ["-Wall", "-Wextra", "-Wno-missing-field-initializers"]
 
@@ -24,8 +26,7 @@ WARNINGS = ["-Wall", "-Wextra", "-Wno-missing-field-initializers"]
 def headers(*folders: str) -> list[str]:
     """The headers in ``folders``: an extension's ``depends``, so that an edit
     to a header alone rebuilds it (build_ext compares only these and the sources)."""
-    root = Path(__file__).resolve().parent
-    return sorted(str(p.relative_to(root)) for folder in folders for p in (root / folder).glob("*.h"))
+    return sorted(str(p.relative_to(ROOT)) for folder in folders for p in (ROOT / folder).glob("*.h"))
 
 
 ext = Pybind11Extension(
@@ -40,12 +41,17 @@ ext = Pybind11Extension(
 
 # vattn._testing: test hooks and benchmark probes, out of the production module.
 # Every file of csrc/testing is one part of it; it also compiles the library
-# sources its parts drive directly (the driver shim for the raw CUDA probes).
+# sources its parts drive directly: the driver shim for the raw CUDA probes,
+# and the host backend (with the registry it registers in), which the fault
+# injection builds with its own system calls (host_backend.h).
+TESTING_LIBRARY_SOURCES = [
+    "csrc/backends/backend_registry.cpp",
+    "csrc/backends/cuda_driver.cpp",
+    "csrc/backends/host_backend.cpp",
+]
 testing = Pybind11Extension(
     "vattn._testing",
-    [*sorted(str(p.relative_to(Path(__file__).resolve().parent))
-             for p in (Path(__file__).resolve().parent / "csrc" / "testing").glob("*.cpp")),
-     "csrc/backends/cuda_driver.cpp"],
+    [*sources("csrc/testing"), *TESTING_LIBRARY_SOURCES],
     include_dirs=["csrc", "driver_patch"],
     depends=headers("csrc/common", "csrc/backends", "csrc/core", "csrc/testing", "driver_patch"),
     cxx_std=17,

@@ -65,10 +65,7 @@ def timed(fn) -> float:
 
 
 def measure(backend_name: str, page_size: int, pages: int) -> dict:
-    if backend_name == "host":
-        backend = _C.make_host_backend(page_size, pages)
-    else:
-        backend = _C.make_cuda_backend(_C.default_cuda_driver_path(), 0, page_size, pages)
+    backend = _C.make_backend(backend_name, 0, page_size, pages, _C.default_cuda_driver_path())
     out: dict = {"backend": backend_name, "page_size": page_size, "pages": pages, "ops": {}}
     ops = out["ops"]
 

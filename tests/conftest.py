@@ -1,4 +1,5 @@
-"""Shared fixtures: the fake CUDA driver and small helpers for state snapshots."""
+"""Shared fixtures: the fake CUDA driver, the fault-injecting host backend and
+small helpers for state snapshots."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import gc
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import vattn
+from host_faults import faulty_host_backend
+from vattn import _testing
 
 HERE = Path(__file__).resolve().parent
 FAKE_CUDA_SOURCES = sorted((HERE / "backends" / "fake_cuda").glob("*.c"))
@@ -110,6 +114,13 @@ def fake_cuda(fake_cuda_lib, monkeypatch):
         assert lib.cuDevicePrimaryCtxReset_v2(0) == 0
     if poisoned and not lib.expect_fault:
         pytest.fail(f"a device access faulted at {lib.fake_cuda_fault_address(None):#x}: the context is poisoned")
+
+
+@pytest.fixture
+def host_faults() -> Iterator[_testing.FaultPlan]:
+    """The fault-injecting host backend (backend="host_faulty") for one test; yields its plan."""
+    with faulty_host_backend() as plan:
+        yield plan
 
 
 def manager_state(kv: vattn.KVCacheManager) -> tuple:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import torch
 
@@ -32,30 +31,6 @@ def _positive_int(name: str, value: object) -> int:
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-MAX_DEVICE_INDEX = 2**31 - 1  # CUDA device ordinals are C ints
-
-
-def parse_device(device: str | torch.device) -> tuple[str, int]:
-    """``"cpu"`` / ``"cpu:0"`` -> ("host", 0); ``"cuda"`` / ``"cuda:i"`` -> ("cuda", i).
-
-    Accepts the strings and ``torch.device`` objects torch accepts for these.
-    """
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
-    text = str(device)
-    match = re.fullmatch(r"(cpu|cuda)(?::(\d+))?", text)
-    if not match:
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {device!r}")
-    kind, index = match.group(1), int(match.group(2) or 0)
-    if kind == "cpu":
-        if index != 0:
-            raise ValueError(f"the host backend has one device, 'cpu' (= 'cpu:0'), got {device!r}")
-        return "host", 0
-    if index > MAX_DEVICE_INDEX:
-        raise ValueError(f"device index must be in [0, {MAX_DEVICE_INDEX}], got {index}")
-    return "cuda", index
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from . import _C
-from .backends import BackendSpec, resolve_backend
-from .config import KVCacheConfig, parse_device
+from .backends import BackendSpec, parse_device, resolve_backend, torch_device
+from .config import KVCacheConfig
 from .errors import BackendUnavailable, ForkedError
 
 SeqLens = Sequence[int] | torch.Tensor | np.ndarray
@@ -42,7 +42,8 @@ class KVCacheManager:
         page_size: bytes per physical page; a multiple of the backend's
             granularity (4 KiB on the host, 2 MiB on CUDA with the stock driver).
             ``None``: 256 KiB on the host, the granularity on CUDA.
-        device: ``"cpu"`` (host backend) or ``"cuda"`` / ``"cuda:i"``.
+        device: ``"cpu"`` (host backend) or ``"cuda"`` / ``"cuda:i"``: the
+            device types the registered backends serve.
         layout: ``"per_layer"`` (2N buffers ``[B, L, H, D]``) or ``"all_layers"``
             (2 buffers ``[B, L, N, H, D]``; layer i is the strided view ``[:, :, i]``).
         physical_memory: bytes of the physical page pool. ``None``: the smaller
@@ -75,7 +76,8 @@ class KVCacheManager:
             granularity is asked for and the patched nvidia-uvm is loaded.
             ``"cuda_uvm"``: 64/128/256 KiB or 2 MiB pages from the patched
             nvidia-uvm (driver_patch/README.md; default 64 KiB); without it,
-            :class:`vattn.BackendUnavailable`.
+            :class:`vattn.BackendUnavailable`. Any name registered with
+            :func:`vattn.backends.register_backend` for the device works too.
         sync_streams: CUDA only: the streams the engine's kernels and graph
             replays that read the cache run on (``torch.cuda.Stream`` objects
             or raw ``cudaStream_t`` handles as ints; see
@@ -146,10 +148,10 @@ class KVCacheManager:
         if external:  # the framework maps; nothing runs ahead of it
             policy.update(background=False, eager=False)
         policy["max_batch_ids"] = max(1, 1024 // self.config.num_buffers)  # ~1024 pages per mapper batch
-        kind, index = parse_device(device)
-        self.device = torch.device("cpu") if kind == "host" else torch.device("cuda", index)
-        self.backend: BackendSpec = resolve_backend(kind, index, self.config, page_size, physical_memory, backend,
-                                                   external_ids=external)
+        device_type, index = parse_device(device)
+        self.device = torch_device(device_type, index)
+        self.backend: BackendSpec = resolve_backend(device_type, index, self.config, page_size, physical_memory,
+                                                   backend, external_ids=external)
         self.page_size: int = self.backend.page_size
         self.slot_bytes: int = self.config.slot_bytes(self.page_size)
         self.page_allocator: str = page_allocator

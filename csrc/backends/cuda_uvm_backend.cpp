@@ -25,6 +25,11 @@
 // the patched module maps only inside external ranges, which is what
 // cuMemAddressReserve creates when the driver uses UVM (otherwise we create
 // one, and free it before cuMemAddressFree).
+//
+// Context scope, read fences and the graph-capture gate: cuda_sync.h, shared
+// with the cuda backend. The module's calls that map, unmap or create pass
+// the gate like the driver's (inside KVCacheManager.graph_capture() they
+// raise DriverError on every thread); they need no context.
 #include "backends/cuda_uvm_backend.h"
 
 #include <dirent.h>
@@ -39,13 +44,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "backends/backend_registry.h"
 #include "backends/cuda_context.h"
 #include "backends/cuda_driver.h"
+#include "backends/cuda_sync.h"
 #include "common/errors.h"
 #include "uvm_stock_ioctl.h"
 #include "vattn_uvm_ioctl.h"
@@ -179,25 +187,27 @@ int context_fd(const std::string& device, const uint8_t* uuid) {
 class CudaUvmBackend final : public VmmBackend {
  public:
   CudaUvmBackend(const DriverApi& api, int device, size_t page_size, size_t num_pages)
-      : api_(api), device_(device), page_size_(page_size), handles_(num_pages, 0) {
-    check("cuDeviceGet", api_.cuDeviceGet(&dev_, device));
-    check("cuDevicePrimaryCtxRetain", api_.cuDevicePrimaryCtxRetain(&ctx_, dev_));
+      : api_(api),
+        device_(device),
+        context_(api, device),
+        sync_(api, context_.get()),
+        page_size_(page_size),
+        handles_(num_pages, 0) {
     try {
       init();
     } catch (...) {
       if (fd_ >= 0) close(fd_);
-      api_.cuDevicePrimaryCtxRelease(dev_);
-      throw;
+      throw;  // the context reference goes with context_
     }
   }
 
   ~CudaUvmBackend() override {
     if (forked_) return;  // the parent's pages, descriptor and context
     // Pages still created here: release them so nothing leaks (errors are
-    // ignored, destructors never throw).
+    // ignored, destructors never throw). The fences' events go with sync_,
+    // then the context reference with context_ (members, in that order).
     release_all();
     if (fd_ >= 0) close(fd_);
-    api_.cuDevicePrimaryCtxRelease(dev_);
   }
 
   std::string name() const override { return "cuda_uvm"; }
@@ -207,8 +217,7 @@ class CudaUvmBackend final : public VmmBackend {
   DLDevice dl_device() const override { return DLDevice{kDLCUDA, device_}; }
 
   uintptr_t reserve(size_t bytes) override {
-    ScopedContext context(api_, ctx_);  // the caller's context is back on return
-    context.check();
+    CudaSync::Call call(sync_);
     size_t length = reserved_length(bytes);
     CUdeviceptr ptr = 0;
     check("cuMemAddressReserve",
@@ -239,8 +248,8 @@ class CudaUvmBackend final : public VmmBackend {
 
   bool free_reservation(uintptr_t base, size_t bytes) noexcept override {
     if (forked_) return false;
-    ScopedContext context(api_, ctx_);
-    if (!context.ok()) return false;
+    CudaSync::QuietCall call(sync_);
+    if (!call.ok()) return false;
     bool own = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -260,6 +269,7 @@ class CudaUvmBackend final : public VmmBackend {
 
   void create_pages(const uint32_t* ids, size_t count) override {
     check_open();
+    CudaSync::Call call(sync_, CudaSync::Scope::kGateOnly);
     for (size_t i = 0; i < count; ++i) {
       VATTN_UVM_CREATE_PARAMS p{};
       std::memcpy(p.gpuUuid, uuid_, sizeof(p.gpuUuid));
@@ -278,12 +288,14 @@ class CudaUvmBackend final : public VmmBackend {
 
   void release_pages(const uint32_t* ids, size_t count) noexcept override {
     if (forked_ || fd_ < 0) return;
+    CudaSync::QuietCall call(sync_, CudaSync::Scope::kGateOnly);
     for (size_t i = 0; i < count; ++i) release_handle(handles_[ids[i]]);
   }
 
   void map(const PageMapping* mappings, size_t count, size_t* done) override {
     *done = 0;
     check_open();
+    CudaSync::Call call(sync_, CudaSync::Scope::kGateOnly);
     std::vector<VATTN_UVM_MAP_ENTRY> entries;
     while (*done < count) {
       size_t n = std::min<size_t>(count - *done, VATTN_UVM_MAX_BATCH);
@@ -310,6 +322,7 @@ class CudaUvmBackend final : public VmmBackend {
   void unmap(const uintptr_t* addrs, size_t count, size_t* done) override {
     *done = 0;
     check_open();
+    CudaSync::Call call(sync_, CudaSync::Scope::kGateOnly);
     std::vector<uint64_t> batch;
     while (*done < count) {
       size_t n = std::min<size_t>(count - *done, VATTN_UVM_MAX_BATCH);
@@ -326,20 +339,27 @@ class CudaUvmBackend final : public VmmBackend {
   }
 
   void copy(uintptr_t dst, uintptr_t src, size_t bytes) override {
-    ScopedContext context(api_, ctx_);  // the caller's context is back on return
-    context.check();
+    CudaSync::Call call(sync_);
     check("cuMemcpyDtoD", api_.cuMemcpyDtoD(static_cast<CUdeviceptr>(dst), static_cast<CUdeviceptr>(src), bytes));
     check("cuCtxSynchronize", api_.cuCtxSynchronize());  // device-to-device copies are asynchronous
   }
 
-  void synchronize() override {
-    ScopedContext context(api_, ctx_);  // the caller's context is back on return
-    context.check();
-    check("cuCtxSynchronize", api_.cuCtxSynchronize());
+  void synchronize() override { sync_.synchronize(); }
+  uint64_t record_reads() noexcept override { return sync_.record_reads(); }
+  void wait_reads(uint64_t ticket) override { sync_.wait_reads(ticket); }
+  void set_sync_streams(const std::vector<uintptr_t>& streams) override { sync_.set_streams(streams); }
+  void suspend_driver_calls() override { sync_.suspend(); }
+  void resume_driver_calls() override { sync_.resume(); }
+
+  std::vector<std::pair<std::string, std::string>> facts() const override {
+    std::vector<std::pair<std::string, std::string>> out;
+    sync_.add_facts(out);
+    return out;
   }
 
   void close_pool() noexcept override {
     if (forked_) return;
+    CudaSync::QuietCall call(sync_, CudaSync::Scope::kGateOnly);
     release_all();
     pool_closed_ = true;
     close_fd_when_done();
@@ -349,16 +369,19 @@ class CudaUvmBackend final : public VmmBackend {
     // The parent's VA space, pages and context: the child never calls the
     // module or the driver for them, and leaves its copy of the descriptor.
     forked_ = true;
+    sync_.detach_after_fork();
+    context_.forget();
   }
 
  private:
   void init() {
-    ScopedContext context(api_, ctx_);  // the CUDA driver registers the context's GPU VA space with UVM here
+    // the CUDA driver registers the context's GPU VA space with UVM here
+    ScopedContext context(api_, context_.get());
     context.check();
     CUmemAllocationProp prop{};
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = dev_;
+    prop.location.id = context_.device();
     check("cuMemGetAllocationGranularity",
           api_.cuMemGetAllocationGranularity(&cuda_granularity_, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
     if (cuda_granularity_ == 0) cuda_granularity_ = size_t{2} << 20;
@@ -378,7 +401,7 @@ class CudaUvmBackend final : public VmmBackend {
     auto get = reinterpret_cast<GetUuid>(dlsym(api_.handle, "cuDeviceGetUuid_v2"));  // MIG instances: their own UUID
     if (!get) get = reinterpret_cast<GetUuid>(dlsym(api_.handle, "cuDeviceGetUuid"));
     if (!get) throw BackendUnavailable("CUDA driver " + api_.path + " has no cuDeviceGetUuid");
-    check("cuDeviceGetUuid", get(&uuid_, dev_));
+    check("cuDeviceGetUuid", get(&uuid_, context_.device()));
   }
 
   static std::string sizes_text(uint64_t mask) {
@@ -427,8 +450,8 @@ class CudaUvmBackend final : public VmmBackend {
 
   const DriverApi& api_;
   int device_;
-  CUdevice dev_ = 0;
-  CUcontext ctx_ = nullptr;
+  PrimaryContext context_;  // first: released after everything below
+  CudaSync sync_;           // context scope, read fences, graph-capture gate
   size_t page_size_;
   size_t cuda_granularity_ = 0;  // the driver's; reservations are rounded up to it
   Uuid uuid_{};
@@ -439,15 +462,6 @@ class CudaUvmBackend final : public VmmBackend {
   bool forked_ = false;                 // in a fork() child: never call the module or the driver
   bool pool_closed_ = false;            // close_pool() ran: only reservations are left to free
 };
-
-void check_device(const DriverApi& api, int device) {
-  int count = 0;
-  CUresult rc = api.cuDeviceGetCount(&count);
-  if (rc != CUDA_SUCCESS) throw DriverError("cuDeviceGetCount", error_name(api, rc));
-  if (device < 0 || device >= count)
-    throw BackendUnavailable("CUDA device " + std::to_string(device) + " does not exist (" + std::to_string(count) +
-                             " device(s) visible)");
-}
 
 }  // namespace
 
@@ -509,17 +523,22 @@ UvmPatchInfo uvm_patch_info() {
 
 bool uvm_patch_available() { return uvm_patch_info().available; }
 
-std::shared_ptr<VmmBackend> make_cuda_uvm_backend(const std::string& driver_path, int device, size_t page_size,
-                                                  size_t num_pages) {
+namespace {
+
+std::shared_ptr<VmmBackend> make_cuda_uvm_backend(const BackendParams& p) {
   const auto& sizes = uvm_page_sizes();
-  if (std::find(sizes.begin(), sizes.end(), page_size) == sizes.end())
+  if (std::find(sizes.begin(), sizes.end(), p.page_size) == sizes.end())
     throw std::invalid_argument("the cuda_uvm backend's page size must be 65536, 131072, 262144 or 2097152 bytes, got " +
-                                std::to_string(page_size));
-  if (num_pages == 0 || num_pages > UINT32_MAX)
-    throw std::invalid_argument("num_pages must be in [1, 2^32), got " + std::to_string(num_pages));
-  const DriverApi& api = load_driver(driver_path);
-  check_device(api, device);
-  return std::make_shared<CudaUvmBackend>(api, device, page_size, num_pages);
+                                std::to_string(p.page_size));
+  if (p.num_pages == 0 || p.num_pages > UINT32_MAX)
+    throw std::invalid_argument("num_pages must be in [1, 2^32), got " + std::to_string(p.num_pages));
+  const DriverApi& api = load_driver(p.driver_path.empty() ? default_driver_path() : p.driver_path);
+  check_device_exists(api, p.device_index);
+  return std::make_shared<CudaUvmBackend>(api, p.device_index, p.page_size, p.num_pages);
 }
+
+}  // namespace
+
+VATTN_REGISTER_BACKEND(cuda_uvm, make_cuda_uvm_backend);
 
 }  // namespace vattn

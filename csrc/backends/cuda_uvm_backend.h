@@ -1,15 +1,14 @@
 // The cuda_uvm backend: CUDA device memory in pages of 64 KiB, 128 KiB,
 // 256 KiB or 2 MiB, from the nvidia-uvm module patched by driver_patch/
-// (the stock driver maps 2 MiB at least). See cuda_uvm_backend.cpp.
+// (the stock driver maps 2 MiB at least). See cuda_uvm_backend.cpp. The
+// backend itself is built through the registry (backend_registry.h, name
+// "cuda_uvm"); this header holds what the Python layer asks first.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <vector>
-
-#include "backends/vmm_backend.h"
 
 namespace vattn {
 
@@ -33,12 +32,5 @@ bool uvm_patch_available();
 
 // NV_STATUS as text: "NV_ERR_NO_MEMORY (0x51)".
 std::string uvm_status_name(uint32_t status);
-
-// A cuda_uvm backend on `device` through the CUDA driver at `driver_path`.
-// Throws BackendUnavailable when the driver, the device, the patched module
-// or the CUDA context's UVM descriptor is missing, invalid_argument for a page
-// size the module does not serve.
-std::shared_ptr<VmmBackend> make_cuda_uvm_backend(const std::string& driver_path, int device,
-                                                  size_t page_size, size_t num_pages);
 
 }  // namespace vattn

@@ -1,4 +1,4 @@
-// Host backend: the DESIGN.md section 2 semantics on CPU memory.
+// Host backend: the page semantics of vmm_backend.h on CPU memory.
 //   pool        = one memfd of num_pages * page_size bytes (sparse until created)
 //   create      = fallocate the page's slice (commits memory)
 //   reserve     = mmap(PROT_NONE, MAP_NORESERVE) (address space only)
@@ -9,6 +9,8 @@
 // A MAP_FIXED mmap either replaces the whole range or fails leaving it as it was
 // (it may fail with ENOMEM when splitting a mapping would pass vm.max_map_count),
 // so a run is the unit of success and failure.
+#include "backends/host_backend.h"
+
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <sys/mman.h>
@@ -24,55 +26,29 @@
 #include <utility>
 #include <vector>
 
+#include "backends/backend_registry.h"
 #include "common/errors.h"
-#include "backends/vmm_backend.h"
 
 namespace vattn {
 
 size_t host_granularity() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
 
+int HostSystemCalls::memfd_create(const char* name, unsigned int flags) { return ::memfd_create(name, flags); }
+
+int HostSystemCalls::ftruncate(int fd, off_t bytes) { return ::ftruncate(fd, bytes); }
+
+void* HostSystemCalls::mmap_unmap(void* addr, size_t bytes) {
+  return mmap(addr, bytes, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+}
+
 namespace {
-
-// ---- failure injection (tests) ---------------------------------------------------
-
-struct InjectedFailure {
-  std::mutex mu;
-  std::string call;
-  long skip = 0;
-  long times = 0;
-  int err = 0;
-};
-InjectedFailure g_inject;
-std::atomic<bool> g_inject_armed{false};
-std::atomic<long> g_delay_us{0};  // every mmap_map / fallocate sleeps this long (tests: slow batches)
-
-// True (errno set) when the test hook says this call fails now.
-bool injected(const char* call) {
-  long delay = g_delay_us.load(std::memory_order_relaxed);
-  if (delay > 0 && (std::strcmp(call, "mmap_map") == 0 || std::strcmp(call, "fallocate") == 0)) usleep(delay);
-  if (!g_inject_armed.load(std::memory_order_relaxed)) return false;
-  std::lock_guard<std::mutex> lock(g_inject.mu);
-  if (g_inject.times == 0 || g_inject.call != call) return false;
-  if (g_inject.skip > 0) {
-    g_inject.skip--;
-    return false;
-  }
-  if (g_inject.times > 0 && --g_inject.times == 0) g_inject_armed = false;
-  errno = g_inject.err;
-  return true;
-}
-
-void* sys_mmap(const char* call, void* addr, size_t len, int prot, int flags, int fd, off_t off) {
-  if (injected(call)) return MAP_FAILED;
-  return mmap(addr, len, prot, flags, fd, off);
-}
 
 // ---- the pool -----------------------------------------------------------------
 
 // Owns the memfd; closing it frees every page not mapped anywhere.
 class MemfdPool {
  public:
-  explicit MemfdPool(size_t bytes) {
+  MemfdPool(size_t bytes, HostSystemCalls& calls) {
     // Growing a file past RLIMIT_FSIZE raises SIGXFSZ, which kills the process:
     // refuse before asking.
     struct rlimit limit;
@@ -83,9 +59,9 @@ class MemfdPool {
                             " bytes but RLIMIT_FSIZE (ulimit -f) allows " +
                             std::to_string(limit.rlim_cur) +
                             "; lower physical_memory or raise the limit");
-    fd_ = injected("memfd_create") ? -1 : memfd_create("vattn-kv-pool", MFD_CLOEXEC);
+    fd_ = calls.memfd_create("vattn-kv-pool", MFD_CLOEXEC);
     if (fd_ < 0) throw_errno("memfd_create", errno);
-    if (injected("ftruncate") || ftruncate(fd_, static_cast<off_t>(bytes)) != 0) {
+    if (calls.ftruncate(fd_, static_cast<off_t>(bytes)) != 0) {
       int err = errno;
       close(fd_);
       throw_errno("ftruncate(memfd)", err);
@@ -109,10 +85,11 @@ class MemfdPool {
 
 class HostBackend final : public VmmBackend {
  public:
-  HostBackend(size_t page_size, size_t num_pages)
+  HostBackend(size_t page_size, size_t num_pages, std::shared_ptr<HostSystemCalls> calls)
       : page_size_(page_size),
         num_pages_(num_pages),
-        pool_(std::make_unique<MemfdPool>(page_size * num_pages)) {}
+        calls_(std::move(calls)),
+        pool_(std::make_unique<MemfdPool>(page_size * num_pages, *calls_)) {}
 
   std::string name() const override { return "host"; }
   size_t granularity() const override { return host_granularity(); }
@@ -121,8 +98,7 @@ class HostBackend final : public VmmBackend {
   DLDevice dl_device() const override { return DLDevice{kDLCPU, 0}; }
 
   uintptr_t reserve(size_t bytes) override {
-    void* p = sys_mmap("mmap_reserve", nullptr, bytes, PROT_NONE,
-                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) {
       int err = errno;
       if (err == ENOMEM)
@@ -138,15 +114,13 @@ class HostBackend final : public VmmBackend {
   bool free_reservation(uintptr_t base, size_t bytes) noexcept override {
     // One munmap over whole mappings never needs a split, so it cannot hit
     // vm.max_map_count; it also drops any page an unmap failed to remove.
-    if (injected("munmap")) return false;
     return munmap(reinterpret_cast<void*>(base), bytes) == 0;
   }
 
   void create_pages(const uint32_t* ids, size_t count) override {
     check_pool();
     for (size_t i = 0; i < count; ++i) {
-      if (injected("fallocate") ||
-          fallocate(pool_->fd(), 0, offset(ids[i]), static_cast<off_t>(page_size_)) != 0) {
+      if (fallocate(pool_->fd(), 0, offset(ids[i]), static_cast<off_t>(page_size_)) != 0) {
         int err = errno;
         release_pages(ids, i + 1);  // a partial fallocate may have committed some
         if (err == ENOSPC || err == ENOMEM)
@@ -176,8 +150,8 @@ class HostBackend final : public VmmBackend {
       if (has_holes_.load(std::memory_order_relaxed) && in_hole(mappings[i].addr, n * page_size_))
         throw DriverError("mmap(map page)", "this part of the cache's address range was lost to another "
                                             "mapping after a failed unmap; it cannot be used");
-      void* got = sys_mmap("mmap_map", want, n * page_size_, PROT_READ | PROT_WRITE,
-                           MAP_FIXED | MAP_SHARED, pool_->fd(), offset(mappings[i].page));
+      void* got = mmap(want, n * page_size_, PROT_READ | PROT_WRITE, MAP_FIXED | MAP_SHARED, pool_->fd(),
+                       offset(mappings[i].page));
       if (got == MAP_FAILED) {
         int err = errno;
         if (err == ENOMEM)
@@ -234,10 +208,10 @@ class HostBackend final : public VmmBackend {
   void unmap_run(uintptr_t addr, size_t len) {
     void* want = reinterpret_cast<void*>(addr);
     const int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
-    if (sys_mmap("mmap_unmap", want, len, PROT_NONE, MAP_FIXED | flags, -1, 0) != MAP_FAILED) return;
+    if (calls_->mmap_unmap(want, len) != MAP_FAILED) return;
     int err = errno;
     if (err != ENOMEM) throw_errno("mmap(unmap page)", err);
-    if (injected("munmap") || munmap(want, len) != 0)
+    if (munmap(want, len) != 0)
       throw DriverError("mmap(unmap page)",
                         "ENOMEM: unmapping would split a mapping and the process is at "
                         "vm.max_map_count; the page stays mapped and is retried later");
@@ -261,6 +235,7 @@ class HostBackend final : public VmmBackend {
 
   size_t page_size_;
   size_t num_pages_;
+  std::shared_ptr<HostSystemCalls> calls_;  // see host_backend.h
   std::unique_ptr<MemfdPool> pool_;  // null once closed
   std::mutex holes_mu_;
   std::vector<std::pair<uintptr_t, size_t>> holes_;  // unmapped, not reserved again (see unmap_run)
@@ -269,18 +244,8 @@ class HostBackend final : public VmmBackend {
 
 }  // namespace
 
-void host_inject_failure(const std::string& call, long skip, long times, int err) {
-  std::lock_guard<std::mutex> lock(g_inject.mu);
-  g_inject.call = call;
-  g_inject.skip = skip;
-  g_inject.times = times;
-  g_inject.err = err;
-  g_inject_armed = times != 0;
-}
-
-void host_inject_delay(long microseconds) { g_delay_us = microseconds; }
-
-std::shared_ptr<VmmBackend> make_host_backend(size_t page_size, size_t num_pages) {
+std::shared_ptr<VmmBackend> make_host_backend(size_t page_size, size_t num_pages,
+                                              std::shared_ptr<HostSystemCalls> calls) {
   if (page_size == 0 || page_size % host_granularity() != 0)
     throw std::invalid_argument("page_size must be a positive multiple of " +
                                 std::to_string(host_granularity()) + " bytes, got " +
@@ -291,7 +256,16 @@ std::shared_ptr<VmmBackend> make_host_backend(size_t page_size, size_t num_pages
   if (__builtin_mul_overflow(page_size, num_pages, &bytes) || bytes > (size_t{1} << 62))
     throw std::invalid_argument("the page pool of " + std::to_string(num_pages) + " pages of " +
                                 std::to_string(page_size) + " bytes is too large");
-  return std::make_shared<HostBackend>(page_size, num_pages);
+  if (!calls) calls = std::make_shared<HostSystemCalls>();
+  return std::make_shared<HostBackend>(page_size, num_pages, std::move(calls));
 }
+
+namespace {
+std::shared_ptr<VmmBackend> make_host_from_params(const BackendParams& p) {
+  return make_host_backend(p.page_size, p.num_pages);
+}
+}  // namespace
+
+VATTN_REGISTER_BACKEND(host, make_host_from_params);
 
 }  // namespace vattn

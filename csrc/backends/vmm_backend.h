@@ -1,6 +1,8 @@
-// One interface over the virtual-memory backends (host memfd + mmap, and the
-// CUDA driver's VMM). A backend knows address ranges and physical pages,
-// nothing about requests, layers or tensors.
+// One interface over the virtual-memory backends (host memfd + mmap, the CUDA
+// driver's VMM, the patched nvidia-uvm). A backend knows address ranges and
+// physical pages, nothing about requests, layers or tensors. Each backend is
+// one source file that registers its factory by name (backend_registry.h);
+// backends on a CUDA device share cuda_sync.h (context, fences, graph capture).
 //
 // Physical pages form one pool of `num_pages` pages of `page_size` bytes, named
 // by index 0..num_pages-1. A page must be created before it is mapped; one
@@ -102,7 +104,8 @@ class VmmBackend {
   // creates or waits throws DriverError (from any thread: none may block
   // while it holds the page manager's lock), until resume_driver_calls().
   // Releases and teardown still go through. Waits for the calls under way.
-  // No-ops on backends without a device.
+  // No-ops on backends without a device; every CUDA backend gets them from
+  // cuda_sync.h.
   virtual void suspend_driver_calls() {}
   virtual void resume_driver_calls() {}
   // What the backend learned about its driver at run time, as (name, value)
@@ -116,32 +119,6 @@ class VmmBackend {
   // no-op or an error. Only async-signal-safe calls. Never throws.
   virtual void detach_after_fork(uintptr_t base, size_t bytes) noexcept = 0;
 };
-
-// Host backend: memfd pool, mmap reservation. page_size: multiple of the OS page size.
-std::shared_ptr<VmmBackend> make_host_backend(size_t page_size, size_t num_pages);
-size_t host_granularity();
-// Test hook: the next `skip` host calls named `call` (memfd_create, ftruncate,
-// fallocate, mmap_reserve, mmap_map, mmap_unmap, munmap) succeed, then `times`
-// calls (-1: all) fail with errno `err`. times = 0 clears it.
-void host_inject_failure(const std::string& call, long skip, long times, int err);
-// Test hook: every page map and page creation on the host sleeps this long.
-void host_inject_delay(long microseconds);
-
-// CUDA backend on `device` through the driver library at `driver_path`.
-std::shared_ptr<VmmBackend> make_cuda_backend(const std::string& driver_path, int device,
-                                              size_t page_size, size_t num_pages);
-
-// Device facts the Python layer needs before it builds a backend.
-struct CudaDeviceInfo {
-  int device_count = 0;
-  int driver_version = 0;
-  std::string name;
-  size_t granularity = 0;
-  size_t free_bytes = 0;
-  size_t total_bytes = 0;
-  bool primary_context_active = false;  // before the query (someone held the primary context)
-};
-CudaDeviceInfo cuda_device_info(const std::string& driver_path, int device);
 
 // Bumped in the child of every fork(). An object created under another
 // generation belongs to an ancestor process and must not act.

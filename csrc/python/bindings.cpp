@@ -8,19 +8,19 @@
 #include <string>
 #include <vector>
 
+#include "backends/backend_registry.h"
+#include "backends/cuda_backend.h"
 #include "backends/cuda_driver.h"
 #include "backends/cuda_uvm_backend.h"
-#include "vattn_uvm_ioctl.h"
+#include "backends/host_backend.h"
+#include "backends/vmm_backend.h"
 #include "common/dlpack.h"
 #include "common/errors.h"
 #include "core/page_manager.h"
-#include "backends/vmm_backend.h"
+#include "vattn_uvm_ioctl.h"
 
 namespace py = pybind11;
 using namespace vattn;
-
-namespace vattn {
-}
 
 namespace {
 
@@ -314,21 +314,20 @@ PYBIND11_MODULE(_C, m) {
           "What the backend learned about its driver at run time (CUDA: unmap mode and probe, "
           "reservation alignment, synchronization).");
 
+  m.def(
+      "make_backend",
+      [](const std::string& name, int device_index, size_t page_size, size_t num_pages,
+         const std::string& driver_path) {
+        return make_backend(name, BackendParams{device_index, page_size, num_pages, driver_path});
+      },
+      py::arg("name"), py::arg("device_index"), py::arg("page_size"), py::arg("num_pages"),
+      py::arg("driver_path") = "", py::call_guard<py::gil_scoped_release>(),
+      "The C++ backend registered as `name` (see backend_registry.h) for one cache: pages of "
+      "page_size bytes, a pool of num_pages pages, on device `device_index` of its kind; "
+      "driver_path: the driver library, for backends that load one (\"\": their default).");
+  m.def("backend_factories", &backend_factory_names, "Names of the C++ backends this build registered.");
   m.def("host_granularity", &host_granularity);
-  m.def("host_inject_failure", &host_inject_failure, py::arg("call"), py::arg("skip") = 0, py::arg("times") = 1,
-        py::arg("errno") = 12,
-        "Test hook: the next `skip` host calls named `call` succeed, then `times` fail with `errno` "
-        "(-1: all; 0 clears). Calls: memfd_create, ftruncate, fallocate, mmap_reserve, mmap_map, "
-        "mmap_unmap, munmap.");
-  m.def("host_inject_delay", &host_inject_delay, py::arg("microseconds"),
-        "Test hook: every host page map and page creation sleeps this long (0: off).");
-  m.def("make_host_backend", &make_host_backend, py::arg("page_size"), py::arg("num_pages"));
-  m.def("make_cuda_backend", &make_cuda_backend, py::arg("driver_path"), py::arg("device"),
-        py::arg("page_size"), py::arg("num_pages"), py::call_guard<py::gil_scoped_release>());
   m.def("default_cuda_driver_path", &cu::default_driver_path);
-  m.def("make_cuda_uvm_backend", &make_cuda_uvm_backend, py::arg("driver_path"), py::arg("device"),
-        py::arg("page_size"), py::arg("num_pages"), py::call_guard<py::gil_scoped_release>(),
-        "A cuda_uvm backend: pages of 64 KiB - 2 MiB from the patched nvidia-uvm (driver_patch/).");
   m.def("uvm_patch_available", &uvm_patch_available, py::call_guard<py::gil_scoped_release>(),
         "Whether the nvidia-uvm module at $VATTN_UVM_DEVICE (default /dev/nvidia-uvm) is the patched one.");
   m.def(

@@ -11,5 +11,6 @@ namespace vattn {
 namespace py = pybind11;
 
 void bind_bench_probes(py::module_& m);
+void bind_fault_injection(py::module_& m);  // fault_injection.cpp
 
 }  // namespace vattn

@@ -20,7 +20,9 @@ import numpy as np
 import torch
 
 import vattn
-from vattn import _C
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: shared helpers
+from host_faults import FAULTY_HOST, faulty_host_backend  # noqa: E402
 
 B, L = 16, 1024
 PAGE = 4096  # 16 tokens of 2 heads x 32 fp32 per page: many page crossings
@@ -133,103 +135,105 @@ def cleanup_while_waiting(reps: int) -> None:
     """Steps that wait for a slow mapper batch when cleanup() runs either
     finish before cleanup takes the manager or raise ClosedError: none
     carries on after it."""
-    for _ in range(reps):
-        _C.host_inject_delay(3000)  # every page map takes 3 ms: batches are slow
-        kv = make(eager_tokens=L)  # the mapper starts a long eager batch at once
-        results: list[tuple[str, float]] = []
+    with faulty_host_backend() as faults:
+        for _ in range(reps):
+            faults.delay(3000)  # every page map takes 3 ms: batches are slow
+            kv = make(eager_tokens=L, backend=FAULTY_HOST)  # the mapper starts a long eager batch at once
+            results: list[tuple[str, float]] = []
 
-        def stepper() -> None:
-            try:
-                r = kv.alloc_reqid()
-                lens = [0] * B
-                lens[r] = 600
-                ok = kv.step(lens)
-                results.append(("ok" if ok else "false", ""))
-            except vattn.ClosedError as e:
-                # the manager's own refusal, not a backend's pool that closed under a running call
-                results.append(("closed", str(e)))
+            def stepper() -> None:
+                try:
+                    r = kv.alloc_reqid()
+                    lens = [0] * B
+                    lens[r] = 600
+                    ok = kv.step(lens)
+                    results.append(("ok" if ok else "false", ""))
+                except vattn.ClosedError as e:
+                    # the manager's own refusal, not a backend's pool that closed under a running call
+                    results.append(("closed", str(e)))
 
-        threads = [threading.Thread(target=stepper) for _ in range(3)]
-        for t in threads:
-            t.start()
-        time.sleep(0.01)
-        kv.cleanup()
-        _C.host_inject_delay(0)
-        for t in threads:
-            t.join(timeout=30)
-            assert not t.is_alive()
-        assert len(results) == 3
-        for what, message in results:
-            assert what != "closed" or "manager was cleaned up" in message, message
+            threads = [threading.Thread(target=stepper) for _ in range(3)]
+            for t in threads:
+                t.start()
+            time.sleep(0.01)
+            kv.cleanup()
+            faults.delay(0)
+            for t in threads:
+                t.join(timeout=30)
+                assert not t.is_alive()
+            assert len(results) == 3
+            for what, message in results:
+                assert what != "closed" or "manager was cleaned up" in message, message
 
 
 def concurrent_cleanup_and_drop(reps: int) -> None:
     """cleanup() from two threads at once, module-level init/cleanup from
     threads, and managers dropped without cleanup (mapper busy or idle, views
     alive or not): no crash, no hang, nothing leaked."""
-    gc.collect()
-    fds0, threads0 = fd_count(), thread_count()
-    ranges: list[tuple[int, int]] = []  # every reservation made, to check none is left
-    for rep in range(reps):
-        _C.host_inject_delay(500 if rep % 2 else 0)  # odd reps: the mapper is busy
-        kv = make()
-        ranges.append((kv._pages.memory.base, kv._pages.memory.nbytes))
-        r = kv.alloc_reqid()
-        assert kv.step([300 if i == r else 0 for i in range(B)])
-        ts = [threading.Thread(target=kv.cleanup) for _ in range(2)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(timeout=30)
-            assert not t.is_alive()
-        assert kv.closed
-
-        outcomes: list[str] = []
-
-        def init_cleanup() -> None:
-            try:
-                vattn.init(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=2, max_context_len=128,
-                           page_size=PAGE)
-                outcomes.append("init")
-            except vattn.VAttnError:
-                outcomes.append("init-refused")
-            try:
-                vattn.cleanup()
-                outcomes.append("cleanup")
-            except vattn.ClosedError:
-                outcomes.append("cleanup-refused")
-
-        ts = [threading.Thread(target=init_cleanup) for _ in range(4)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(timeout=30)
-            assert not t.is_alive()
-        assert outcomes.count("init") >= 1 and outcomes.count("init") == outcomes.count("cleanup")
-
-        for keep_view in (False, True):
-            kv = make()
+    with faulty_host_backend() as faults:
+        gc.collect()
+        fds0, threads0 = fd_count(), thread_count()
+        ranges: list[tuple[int, int]] = []  # every reservation made, to check none is left
+        for rep in range(reps):
+            faults.delay(500 if rep % 2 else 0)  # odd reps: the mapper is busy
+            kv = make(backend=FAULTY_HOST)
             ranges.append((kv._pages.memory.base, kv._pages.memory.nbytes))
             r = kv.alloc_reqid()
-            assert kv.step([200 if i == r else 0 for i in range(B)])
-            k = kv.layer(1)[0]
-            k[r, :200] = 5.0
-            view = k if keep_view else None
-            del k, kv  # never cleaned up: the destructor does it, mapper busy or not
-            gc.collect()
-            if view is not None:
-                assert torch.all(view[r, :200] == 5.0)  # the view keeps its memory
-                del view
+            assert kv.step([300 if i == r else 0 for i in range(B)])
+            ts = [threading.Thread(target=kv.cleanup) for _ in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(timeout=30)
+                assert not t.is_alive()
+            assert kv.closed
+
+            outcomes: list[str] = []
+
+            def init_cleanup() -> None:
+                try:
+                    vattn.init(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=2, max_context_len=128,
+                               page_size=PAGE, backend=FAULTY_HOST)
+                    outcomes.append("init")
+                except vattn.VAttnError:
+                    outcomes.append("init-refused")
+                try:
+                    vattn.cleanup()
+                    outcomes.append("cleanup")
+                except vattn.ClosedError:
+                    outcomes.append("cleanup-refused")
+
+            ts = [threading.Thread(target=init_cleanup) for _ in range(4)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(timeout=30)
+                assert not t.is_alive()
+            assert outcomes.count("init") >= 1 and outcomes.count("init") == outcomes.count("cleanup")
+
+            for keep_view in (False, True):
+                kv = make(backend=FAULTY_HOST)
+                ranges.append((kv._pages.memory.base, kv._pages.memory.nbytes))
+                r = kv.alloc_reqid()
+                assert kv.step([200 if i == r else 0 for i in range(B)])
+                k = kv.layer(1)[0]
+                k[r, :200] = 5.0
+                view = k if keep_view else None
+                del k, kv  # never cleaned up: the destructor does it, mapper busy or not
                 gc.collect()
-    _C.host_inject_delay(0)
-    gc.collect()
-    assert fd_count() == fds0, "a pool fd leaked"
-    assert thread_count() == threads0, "a mapper thread leaked"
-    maps = open("/proc/self/maps").read()
-    assert "vattn-kv-pool" not in maps, "a page is still mapped"
-    for line in maps.splitlines():
-        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-        assert (lo, hi - lo) not in ranges, "a reservation leaked"
+                if view is not None:
+                    assert torch.all(view[r, :200] == 5.0)  # the view keeps its memory
+                    del view
+                    gc.collect()
+        faults.delay(0)
+        gc.collect()
+        assert fd_count() == fds0, "a pool fd leaked"
+        assert thread_count() == threads0, "a mapper thread leaked"
+        maps = open("/proc/self/maps").read()
+        assert "vattn-kv-pool" not in maps, "a page is still mapped"
+        for line in maps.splitlines():
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            assert (lo, hi - lo) not in ranges, "a reservation leaked"
 
 
 # ---- fork ------------------------------------------------------------------------
@@ -240,44 +244,45 @@ def fork_child_cannot_touch_parent(reps: int) -> None:
     inaccessible there) and the parent's cache is unchanged; a child that
     calls methods gets ForkedError from each and exits normally, mapper busy
     or not."""
-    for rep in range(reps):
-        _C.host_inject_delay(2000 if rep % 2 else 0)
-        kv = make(eager_tokens=L)
-        r = kv.alloc_reqid()
-        lens = [0] * B
-        lens[r] = 100
-        assert kv.step(lens)
-        k, v = kv.layer(0)
-        k[r, :100] = 1.0
-        pid = os.fork()
-        if pid == 0:  # child: write through the view
-            signal.signal(signal.SIGSEGV, signal.SIG_DFL)
-            k[r, :100] = 99.0
-            os._exit(0)  # reached only if the write went through
-        _, status = os.waitpid(pid, 0)
-        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV, f"child status {status}"
-        assert torch.all(k[r, :100] == 1.0), "the child changed the parent's cache"
+    with faulty_host_backend() as faults:
+        for rep in range(reps):
+            faults.delay(2000 if rep % 2 else 0)
+            kv = make(eager_tokens=L, backend=FAULTY_HOST)
+            r = kv.alloc_reqid()
+            lens = [0] * B
+            lens[r] = 100
+            assert kv.step(lens)
+            k, v = kv.layer(0)
+            k[r, :100] = 1.0
+            pid = os.fork()
+            if pid == 0:  # child: write through the view
+                signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+                k[r, :100] = 99.0
+                os._exit(0)  # reached only if the write went through
+            _, status = os.waitpid(pid, 0)
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV, f"child status {status}"
+            assert torch.all(k[r, :100] == 1.0), "the child changed the parent's cache"
 
-        pid = os.fork()
-        if pid == 0:  # child: every call refuses; exit must not hang
-            code = 0
-            calls = [lambda: kv.step(lens), kv.alloc_reqid, lambda: kv.free_reqid(r), kv.stats, lambda: kv.layer(0),
-                     kv.cleanup, lambda: kv.fork(r, 10), lambda: kv.retain_prefix(r, 10), kv.reclaim, kv.wait_idle]
-            for call in calls:
-                try:
-                    call()
-                    code = 3
-                except vattn.ForkedError:
-                    pass
-                except BaseException:  # noqa: BLE001
-                    code = 4
-            os._exit(code) if code else sys.exit(0)  # sys.exit runs atexit and destructors
-        _, status = os.waitpid(pid, 0)
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
-        assert kv.step(lens) and torch.all(k[r, :100] == 1.0)
-        del k, v
-        kv.cleanup()
-        _C.host_inject_delay(0)
+            pid = os.fork()
+            if pid == 0:  # child: every call refuses; exit must not hang
+                code = 0
+                calls = [lambda: kv.step(lens), kv.alloc_reqid, lambda: kv.free_reqid(r), kv.stats, lambda: kv.layer(0),
+                         kv.cleanup, lambda: kv.fork(r, 10), lambda: kv.retain_prefix(r, 10), kv.reclaim, kv.wait_idle]
+                for call in calls:
+                    try:
+                        call()
+                        code = 3
+                    except vattn.ForkedError:
+                        pass
+                    except BaseException:  # noqa: BLE001
+                        code = 4
+                os._exit(code) if code else sys.exit(0)  # sys.exit runs atexit and destructors
+            _, status = os.waitpid(pid, 0)
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+            assert kv.step(lens) and torch.all(k[r, :100] == 1.0)
+            del k, v
+            kv.cleanup()
+            faults.delay(0)
 
 
 # ---- resource limits ---------------------------------------------------------------
@@ -324,7 +329,6 @@ def max_map_count(reps: int) -> None:
     that must split a mapping fails and leaves the pages as orphans, and the
     page table describes exactly what is mapped throughout; freeing mappings
     lets the orphans go; cleanup releases everything."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest
     from conftest import assert_invariants, assert_table_is_real
 
     limit = int(open("/proc/sys/vm/max_map_count").read())

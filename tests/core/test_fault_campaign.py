@@ -24,11 +24,11 @@ import torch
 
 import vattn
 from conftest import assert_invariants, assert_table_is_real
-from vattn import _C
+from host_faults import FAULTY_HOST
 
 OPS = int(os.environ.get("VATTN_FAULT_OPS", "250"))
 B, L = 6, 256
-HOST_CALLS = ["fallocate", "mmap_map", "mmap_unmap"]
+HOST_CALLS = ["create_pages", "map", "mmap_unmap"]  # fallocate, mmap of a map run, mmap of an unmap
 CUDA_CALLS = [b"cuMemCreate", b"cuMemMap", b"cuMemSetAccess", b"cuMemUnmap", b"cuCtxSynchronize", b"cuMemcpyDtoD"]
 
 
@@ -45,8 +45,8 @@ class Model:
 
 
 class Campaign:
-    def __init__(self, kv: vattn.KVCacheManager, rng: random.Random, fake_cuda=None) -> None:
-        self.kv, self.rng, self.fake = kv, rng, fake_cuda
+    def __init__(self, kv: vattn.KVCacheManager, rng: random.Random, fake_cuda=None, host_faults=None) -> None:
+        self.kv, self.rng, self.fake, self.host = kv, rng, fake_cuda, host_faults
         self.model = Model()
         self.failures = 0
 
@@ -56,13 +56,13 @@ class Campaign:
             return
         skip = self.rng.randint(0, 3)
         if self.fake is None:
-            _C.host_inject_failure(self.rng.choice(HOST_CALLS), skip, 1, errno.ENOMEM)
+            self.host.fail(self.rng.choice(HOST_CALLS), skip, 1, errno.ENOMEM)
         else:
             self.fake.fake_cuda_fail(self.rng.choice(CUDA_CALLS), skip, 1, 2)
 
     def disarm(self) -> None:
         if self.fake is None:
-            _C.host_inject_failure("", 0, 0, 0)
+            self.host.clear()
         else:
             self.fake.fake_cuda_clear_failures()
 
@@ -182,16 +182,17 @@ def open_state() -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
-def test_fault_campaign_host(layout):
+def test_fault_campaign_host(layout, host_faults):
     fds, threads = open_state()
     kv = vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=B,
                               max_context_len=L, page_size=4096, layout=layout, physical_memory=96 * 4096,
-                              background=True, eager=True, eager_tokens=64, reclaim_threshold=0.2)
-    campaign = Campaign(kv, random.Random(f"host-{layout}"))
+                              background=True, eager=True, eager_tokens=64, reclaim_threshold=0.2,
+                              backend=FAULTY_HOST)
+    campaign = Campaign(kv, random.Random(f"host-{layout}"), host_faults=host_faults)
     try:
         campaign.run(OPS)
     finally:
-        _C.host_inject_failure("", 0, 0, 0)
+        host_faults.clear()
         kv.cleanup()
     assert campaign.failures > 0  # faults really happened
     assert open_state() == (fds, threads)

@@ -16,7 +16,7 @@ import torch
 
 import vattn
 from conftest import assert_invariants, assert_table_is_real, manager_state
-from vattn import _C
+from host_faults import FAULTY_HOST
 
 HERE = Path(__file__).resolve().parent
 PAGE = 4096
@@ -46,13 +46,6 @@ def run_scenario(name: str, reps: int = 2, timeout: int = 120) -> None:
         f"scenario {name} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
-@pytest.fixture(autouse=True)
-def _clear_host_faults():
-    yield
-    _C.host_inject_failure("", 0, 0, 0)
-    _C.host_inject_delay(0)
-
-
 # ---- threads and lifetime ------------------------------------------------------------
 
 
@@ -68,9 +61,9 @@ def test_concurrent_cleanup_init_and_dropped_managers_leak_nothing():
     run_scenario("concurrent_cleanup_and_drop", reps=4)
 
 
-def test_alloc_of_a_chosen_reqid_waits_for_an_eager_batch_landing_on_it():
-    _C.host_inject_delay(2000)  # the eager batch is slow: alloc arrives while it is in flight
-    with make(background=True, eager=True, eager_tokens=256) as kv:
+def test_alloc_of_a_chosen_reqid_waits_for_an_eager_batch_landing_on_it(host_faults):
+    host_faults.delay(2000)  # the eager batch is slow: alloc arrives while it is in flight
+    with make(background=True, eager=True, eager_tokens=256, backend=FAULTY_HOST) as kv:
         target = 0  # the eager slot: the first free one
         r = kv.alloc_reqid(0, reqid=target)
         assert r == target
@@ -97,26 +90,28 @@ def test_a_view_outliving_cleanup_reads_its_data_and_new_views_are_refused():
 # ---- driver and OS failures -------------------------------------------------------------
 
 
-HOST_CALLS = ["fallocate", "mmap_map", "mmap_unmap"]
+# a page creation (fallocate), a run of a map (mmap), the mmap of an unmap (whose
+# ENOMEM takes the munmap fallback)
+HOST_CALLS = ["create_pages", "map", "mmap_unmap"]
 
 
 @pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
 @pytest.mark.parametrize("call", HOST_CALLS)
-def test_host_call_failures_keep_the_table_exact(call, layout):
-    with make(layout=layout, deferred_reclaim=False) as kv:
+def test_host_call_failures_keep_the_table_exact(call, layout, host_faults):
+    with make(layout=layout, deferred_reclaim=False, backend=FAULTY_HOST) as kv:
         a, b = kv.alloc_reqid(), kv.alloc_reqid()
         assert kv.step([100 if i == a else 0 for i in range(B)])
         k, v = kv.layer(1)
         k[a, :100] = 1.0
         for skip in range(4):
-            _C.host_inject_failure(call, skip, 1, errno.ENOMEM)
+            host_faults.fail(call, skip, 1, errno.ENOMEM)
             try:
                 kv.step([300 if i == a else 60 if i == b else 0 for i in range(B)])
                 kv.free_reqid(b)
                 b = kv.alloc_reqid()
             except vattn.DriverError:
                 pass
-            _C.host_inject_failure("", 0, 0, 0)
+            host_faults.clear()
             assert_table_is_real(kv)
             assert_invariants(kv)
             assert torch.all(k[a, :100] == 1.0)  # an active request never loses a page
@@ -127,19 +122,19 @@ def test_host_call_failures_keep_the_table_exact(call, layout):
         assert_table_is_real(kv)
 
 
-def test_host_constructor_failures_leak_no_fd():
+def test_host_constructor_failures_leak_no_fd(host_faults):
     fds = len(os.listdir("/proc/self/fd"))
-    for call in ("memfd_create", "ftruncate", "mmap_reserve"):
-        _C.host_inject_failure(call, 0, 1, errno.ENOMEM)
+    for call in ("memfd_create", "ftruncate", "reserve"):
+        host_faults.fail(call, 0, 1, errno.ENOMEM)
         with pytest.raises(vattn.DriverError):
-            make()
-    _C.host_inject_failure("", 0, 0, 0)
+            make(backend=FAULTY_HOST)
+    host_faults.clear()
     assert len(os.listdir("/proc/self/fd")) == fds
 
 
-def test_failed_reservation_free_is_reported_not_crashing():
-    kv = make()
-    _C.host_inject_failure("munmap", 0, 1, errno.EINVAL)
+def test_failed_reservation_free_is_reported_not_crashing(host_faults):
+    kv = make(backend=FAULTY_HOST)
+    host_faults.fail("free_reservation", 0, 1, errno.EINVAL)
     with pytest.raises(vattn.DriverError, match="could not be freed"):
         kv.cleanup()
     assert kv.closed

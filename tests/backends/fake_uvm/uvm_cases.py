@@ -18,6 +18,7 @@ import errno
 import gc
 import importlib.util
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -251,6 +252,78 @@ def test_verify_script_catches_a_module_that_maps_the_wrong_memory(uvm, fake_cud
     problems = verify.check_page_size(64 * KiB, "cuda", host_slice)
     assert problems and all(p.startswith("65536: ") for p in problems)
     assert any("shared page differs between its two addresses" in p for p in problems)
+
+
+# ---- streams and CUDA graphs: what the cuda backend does, the same way ----------------
+
+
+def test_graph_capture_refuses_every_driver_reaching_call_on_every_thread(uvm, fake_cuda):
+    with make(background=True, eager=False, lookahead_tokens=64) as kv:
+        a, b = kv.alloc_reqid(), kv.alloc_reqid()
+        assert kv.step(lens_of(kv, **{f"r{a}": 64, f"r{b}": 64}))
+        kv.wait_idle()
+        tables, calls = kv._pages.table(), [uvm.fake_uvm_calls(i) for i in range(8)]
+        syncs = fake_cuda.fake_cuda_sync_calls()
+        outcome = []
+
+        def grow_b():
+            try:
+                outcome.append(kv.step(lens_of(kv, **{f"r{b}": 300})))
+            except vattn.DriverError as e:
+                outcome.append(e)
+
+        with kv.graph_capture():
+            assert kv.step(lens_of(kv, **{f"r{a}": 64, f"r{b}": 64}))  # mapped already: needs no driver call
+            with pytest.raises(vattn.DriverError, match="graph_capture"):
+                kv.step(lens_of(kv, **{f"r{a}": 200}))  # needs new pages
+            t = threading.Thread(target=grow_b)
+            t.start()
+            t.join(timeout=10)
+            assert not t.is_alive(), "another thread's call blocked during the capture"
+            assert isinstance(outcome[0], vattn.DriverError) and "another thread" in str(outcome[0])
+            with pytest.raises(vattn.DriverError, match="graph_capture"):
+                kv.fork(a, 64)  # waits for the device, then copies
+            kv.free_reqid(b)  # deferred reclaim: no unmap, no fence recorded
+            with pytest.raises(vattn.DriverError, match="graph_capture"):
+                kv.reclaim()  # waits for b's readers, then unmaps
+            assert kv._pages.table() == tables
+            assert [uvm.fake_uvm_calls(i) for i in range(8)] == calls, "an ioctl during the capture"
+            assert fake_cuda.fake_cuda_sync_calls() == syncs
+        assert kv.reclaim() == 8  # b's 2 pages in each of 4 buffers (64 tokens stepped, 64 mapped ahead)
+        assert kv.step(lens_of(kv, **{f"r{a}": 200}))  # after the capture it maps
+        kv.wait_idle()
+        assert kv.stats()["mapper_errors"] == 0
+        assert_table_exact(kv, uvm)
+        with pytest.raises(RuntimeError, match="already"):
+            with kv.graph_capture():
+                with kv.graph_capture():
+                    pass
+        assert kv.step(lens_of(kv, **{f"r{a}": 300}))  # the failed reentry left nothing paused or closed
+    assert_all_released(uvm)
+
+
+def test_reclaim_waits_for_the_named_stream_not_the_device(uvm, fake_cuda):
+    # 0: the legacy default stream, the one handle a test can name without a
+    # framework; its counters are the process's, so the test works with deltas
+    with make(sync_streams=0) as kv:
+        facts = dict(kv._pages.memory.backend.facts)
+        assert facts["sync"] == "events on 1 stream(s)"
+        syncs = fake_cuda.fake_cuda_sync_calls()
+        a = kv.alloc_reqid()
+        assert kv.step(lens_of(kv, **{f"r{a}": 100}))
+        fake_cuda.fake_cuda_launch(0)
+        fake_cuda.fake_cuda_launch(0)
+        read_before_free = fake_cuda.fake_cuda_launch(0)  # the kernels that read a
+        kv.free_reqid(a)  # its read fence: an event on the stream
+        fake_cuda.fake_cuda_launch(0)  # later iterations of other requests
+        assert kv.reclaim() == 8  # 2 pages x 4 buffers
+        assert fake_cuda.fake_cuda_stream_completed(0) == read_before_free  # a's readers, not the later kernel
+        assert fake_cuda.fake_cuda_sync_calls() == syncs  # nor the device
+        assert int(kv._pages.memory.backend.facts["event_waits"]) >= 1
+        kv.set_sync_streams(None)  # back to the device: waits for the stream's work first
+        assert fake_cuda.fake_cuda_stream_completed(0) == read_before_free + 1
+        assert dict(kv._pages.memory.backend.facts)["sync"] == "cuCtxSynchronize"
+    assert_all_released(uvm)
 
 
 # ---- the module refuses: each error code ------------------------------------------

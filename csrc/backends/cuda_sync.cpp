@@ -1,0 +1,272 @@
+#include "backends/cuda_sync.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "backends/vmm_backend.h"
+#include "common/errors.h"
+
+namespace vattn {
+namespace cu {
+
+void check_device_exists(const DriverApi& api, int device) {
+  int count = 0;
+  CUresult rc = api.cuDeviceGetCount(&count);
+  if (rc != CUDA_SUCCESS) throw DriverError("cuDeviceGetCount", error_name(api, rc));
+  if (device < 0 || device >= count)
+    throw BackendUnavailable("CUDA device " + std::to_string(device) + " does not exist (" +
+                             std::to_string(count) + " device(s) visible)");
+}
+
+// ---- PrimaryContext --------------------------------------------------------------
+
+PrimaryContext::PrimaryContext(const DriverApi& api, int device) : api_(api) {
+  CUresult rc = api_.cuDeviceGet(&dev_, device);
+  if (rc != CUDA_SUCCESS) throw DriverError("cuDeviceGet", error_name(api_, rc));
+  rc = api_.cuDevicePrimaryCtxRetain(&ctx_, dev_);
+  if (rc != CUDA_SUCCESS) throw DriverError("cuDevicePrimaryCtxRetain", error_name(api_, rc));
+}
+
+PrimaryContext::~PrimaryContext() {
+  // If ours was the last reference the context is destroyed: its owner has
+  // popped it everywhere by now (every ScopedContext is gone).
+  if (!forgotten_) api_.cuDevicePrimaryCtxRelease(dev_);
+}
+
+// ---- DriverGate ------------------------------------------------------------------
+
+void DriverGate::enter(bool may_throw) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (suspended_ && may_throw) {
+    if (owner_ == std::this_thread::get_id())
+      throw DriverError("graph_capture",
+                        "vattn may not call the CUDA driver while this thread captures a CUDA graph "
+                        "(a step that maps pages, alloc_reqid, free_reqid, fork, reclaim, map_pages: "
+                        "call them before graph_capture())");
+    throw DriverError("graph_capture",
+                      "another thread is capturing a CUDA graph (KVCacheManager.graph_capture()); vattn "
+                      "calls that reach the CUDA driver fail until the capture ends");
+  }
+  ++active_;
+}
+
+void DriverGate::leave() noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  --active_;
+  idle_.notify_all();
+}
+
+bool DriverGate::suspended() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return suspended_;
+}
+
+void DriverGate::suspend() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (suspended_) throw std::logic_error("driver calls are already suspended (graph_capture is not reentrant)");
+  suspended_ = true;
+  owner_ = std::this_thread::get_id();
+  idle_.wait(lock, [&] { return active_ == 0; });
+}
+
+void DriverGate::resume() noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  suspended_ = false;
+  idle_.notify_all();
+}
+
+// ---- entry points ----------------------------------------------------------------
+
+CudaSync::Call::Call(CudaSync& sync, Scope scope) : gate_(sync.gate_) {
+  gate_.enter(true);
+  if (scope == Scope::kGateOnly) return;
+  context_.emplace(sync.api_, sync.ctx_);
+  try {
+    context_->check();
+  } catch (...) {
+    context_.reset();
+    gate_.leave();
+    throw;
+  }
+}
+
+CudaSync::Call::~Call() {
+  context_.reset();  // pop before leaving the gate
+  gate_.leave();
+}
+
+CudaSync::QuietCall::QuietCall(CudaSync& sync, Scope scope) : gate_(sync.gate_) {
+  gate_.enter(false);
+  if (scope == Scope::kContext) context_.emplace(sync.api_, sync.ctx_);
+}
+
+CudaSync::QuietCall::~QuietCall() {
+  context_.reset();
+  gate_.leave();
+}
+
+// ---- read fences -----------------------------------------------------------------
+
+CudaSync::~CudaSync() {
+  if (forked_ || fences_.empty()) return;
+  // Errors are ignored: destructors never throw, and at process exit the
+  // driver may already be deinitialised.
+  ScopedContext context(api_, ctx_);
+  if (context.ok()) destroy_fences_locked();
+}
+
+void CudaSync::synchronize() {
+  Call call(*this);
+  std::shared_lock<std::shared_mutex> streams(streams_mu_);
+  wait_now_locked();
+}
+
+uint64_t CudaSync::record_reads() noexcept {
+  // While a graph is captured an event recorded on the capturing stream
+  // would join the graph: name no fence then (the wait is "now").
+  if (forked_ || gate_.suspended()) return VmmBackend::kReadsNow;
+  try {
+    Call call(*this);
+    std::shared_lock<std::shared_mutex> streams(streams_mu_);
+    if (streams_.empty()) return VmmBackend::kReadsNow;
+    return record_fence_locked();
+  } catch (...) {
+    return VmmBackend::kReadsNow;  // a later wait covers the reads all the same
+  }
+}
+
+void CudaSync::wait_reads(uint64_t ticket) {
+  if (ticket == VmmBackend::kNoReads) return;
+  Call call(*this);
+  std::shared_lock<std::shared_mutex> streams(streams_mu_);
+  std::vector<CUevent> events;
+  uint64_t seq = 0;
+  {
+    std::lock_guard<std::mutex> lock(fence_mu_);
+    if (ticket != VmmBackend::kReadsNow && ticket <= done_seq_) {
+      ++fence_waits_skipped_;  // an earlier wait covered it
+      return;
+    }
+    if (ticket != VmmBackend::kReadsNow && ticket < next_seq_ && !streams_.empty()) {
+      // The ring slot holds this fence or a later one (slots are only
+      // re-recorded with later fences), which covers it too.
+      const Fence& f = fences_[ticket % kFences];
+      events = f.events;
+      seq = f.seq;
+    }
+  }
+  if (events.empty()) {
+    wait_now_locked();
+    return;
+  }
+  for (CUevent e : events) {
+    ++event_waits_;
+    check("cuEventSynchronize", api_.cuEventSynchronize(e));
+  }
+  std::lock_guard<std::mutex> lock(fence_mu_);
+  done_seq_ = std::max(done_seq_, seq);
+}
+
+void CudaSync::set_streams(const std::vector<uintptr_t>& streams) {
+  Call call(*this);
+  std::vector<CUstream> unique;
+  for (uintptr_t s : streams)
+    if (std::find(unique.begin(), unique.end(), reinterpret_cast<CUstream>(s)) == unique.end())
+      unique.push_back(reinterpret_cast<CUstream>(s));
+  // An event recorded now proves each stream usable from our context (a
+  // stream of another context refuses our events): an error here, with the
+  // old setting kept, not at the first reclaim.
+  if (!unique.empty()) {
+    CUevent probe = nullptr;
+    check("cuEventCreate", api_.cuEventCreate(&probe, CU_EVENT_DISABLE_TIMING));
+    CUresult rc = CUDA_SUCCESS;
+    for (CUstream s : unique)
+      if (rc == CUDA_SUCCESS) rc = api_.cuEventRecord(probe, s);
+    api_.cuEventDestroy(probe);
+    check("cuEventRecord", rc);
+  }
+  std::unique_lock<std::shared_mutex> lock(streams_mu_);
+  // Fences recorded so far name the old streams, or "now" without any: wait
+  // for those readers once, here, and count every fence so far as done.
+  wait_now_locked();
+  std::lock_guard<std::mutex> fences(fence_mu_);
+  destroy_fences_locked();
+  streams_ = std::move(unique);
+  fences_.assign(streams_.empty() ? 0 : kFences, Fence{});
+  done_seq_ = next_seq_ - 1;
+}
+
+void CudaSync::add_facts(std::vector<std::pair<std::string, std::string>>& out) const {
+  size_t num_streams = 0;
+  {
+    std::shared_lock<std::shared_mutex> lock(streams_mu_);
+    num_streams = streams_.size();
+  }
+  out.emplace_back("sync", num_streams == 0 ? std::string("cuCtxSynchronize")
+                                            : "events on " + std::to_string(num_streams) + " stream(s)");
+  out.emplace_back("device_syncs", std::to_string(device_syncs_.load()));
+  out.emplace_back("event_waits", std::to_string(event_waits_.load()));
+  out.emplace_back("fence_waits_skipped", std::to_string(fence_waits_skipped_.load()));
+}
+
+// The caller holds streams_mu_ (shared) and a Call.
+uint64_t CudaSync::record_fence_locked() {
+  std::lock_guard<std::mutex> lock(fence_mu_);
+  const uint64_t seq = next_seq_;
+  Fence& f = fences_[seq % kFences];
+  if (f.events.empty()) {
+    std::vector<CUevent> made;
+    for (size_t i = 0; i < streams_.size(); ++i) {
+      CUevent e = nullptr;
+      CUresult rc = api_.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING);
+      if (rc != CUDA_SUCCESS) {
+        for (CUevent m : made) api_.cuEventDestroy(m);
+        throw DriverError("cuEventCreate", error_name(api_, rc));
+      }
+      made.push_back(e);
+    }
+    f.events = std::move(made);
+  }
+  // A failure part-way leaves some events re-recorded with later work:
+  // waits on the slot's old fence then wait longer, never shorter.
+  for (size_t i = 0; i < streams_.size(); ++i) check("cuEventRecord", api_.cuEventRecord(f.events[i], streams_[i]));
+  f.seq = seq;
+  ++next_seq_;
+  return seq;
+}
+
+// Waits for the work queued so far on the named streams, or the device.
+// The caller holds streams_mu_ (either way) and a Call.
+void CudaSync::wait_now_locked() {
+  if (streams_.empty()) {
+    ++device_syncs_;
+    check("cuCtxSynchronize", api_.cuCtxSynchronize());
+    return;
+  }
+  uint64_t seq = record_fence_locked();
+  std::vector<CUevent> events;
+  {
+    std::lock_guard<std::mutex> lock(fence_mu_);
+    events = fences_[seq % kFences].events;
+  }
+  for (CUevent e : events) {
+    ++event_waits_;
+    check("cuEventSynchronize", api_.cuEventSynchronize(e));
+  }
+  std::lock_guard<std::mutex> lock(fence_mu_);
+  done_seq_ = std::max(done_seq_, seq);
+}
+
+// The caller holds streams_mu_ (unique) or is the destructor, in our context.
+void CudaSync::destroy_fences_locked() noexcept {
+  for (Fence& f : fences_)
+    for (CUevent e : f.events) api_.cuEventDestroy(e);
+  fences_.clear();
+}
+
+void CudaSync::check(const char* call, CUresult rc) const {
+  if (rc != CUDA_SUCCESS) throw DriverError(call, error_name(api_, rc));
+}
+
+}  // namespace cu
+}  // namespace vattn

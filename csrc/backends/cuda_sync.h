@@ -1,0 +1,183 @@
+// What every backend on a CUDA device needs besides its own memory calls,
+// in one place so that each such backend behaves the same way:
+//
+// - Context scope. The backend holds a reference to the device's primary
+//   context (the one torch and every CUDA runtime use) for its whole life
+//   (PrimaryContext). Every entry point pushes that context on the calling
+//   thread's context stack and pops it before returning (CudaSync::Call), so
+//   the caller finds its stack as it was: a framework that has not
+//   initialised CUDA yet does not adopt our context (which it would not own:
+//   our release could then destroy it under it), and a thread with a context
+//   of its own keeps it. The reference is released after the last pop, so a
+//   context we made is never left current anywhere.
+//
+// - Read fences. Before pages that device work may read are unmapped, the
+//   page manager waits for a read fence it recorded when the request that
+//   read them was freed (record_reads / wait_reads); fork's copy waits for
+//   the work queued so far (synchronize). Once the caller named the streams
+//   that may read the cache (set_streams), a fence is one event per stream,
+//   taken from a ring of kFences, and a wait synchronizes those events only,
+//   and only if no later wait already covered them. Without named streams
+//   every wait is cuCtxSynchronize (the whole device, other users' kernels
+//   too): the only safe choice when the readers' streams are unknown.
+//
+// - The graph-capture gate. While a graph is captured in the default
+//   (global) mode the driver refuses "potentially unsafe" calls from every
+//   thread, a synchronization would invalidate the capture, and an event
+//   recorded on the capturing stream would become part of the graph.
+//   suspend() (KVCacheManager.graph_capture(), which pauses the mapper
+//   first) makes every entry point that maps, unmaps, creates or waits throw
+//   DriverError until resume(), on every thread: a call never blocks there,
+//   since its caller may hold the page manager's lock the capturing thread
+//   needs. Releases and teardown still go through (QuietCall).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "backends/cuda_context.h"
+#include "backends/cuda_driver.h"
+
+namespace vattn {
+namespace cu {
+
+// Throws BackendUnavailable unless `device` is one of the devices the driver sees.
+void check_device_exists(const DriverApi& api, int device);
+
+// A reference to `device`'s primary context for the owner's life.
+class PrimaryContext {
+ public:
+  PrimaryContext(const DriverApi& api, int device);  // throws DriverError
+  ~PrimaryContext();
+  PrimaryContext(const PrimaryContext&) = delete;
+  PrimaryContext& operator=(const PrimaryContext&) = delete;
+  CUcontext get() const { return ctx_; }
+  CUdevice device() const { return dev_; }
+  // In a fork() child: the reference is the parent's; never release it here.
+  void forget() noexcept { forgotten_ = true; }
+
+ private:
+  const DriverApi& api_;
+  CUdevice dev_ = 0;
+  CUcontext ctx_ = nullptr;
+  bool forgotten_ = false;
+};
+
+// Driver calls pass here; a graph capture closes it (see the top of this file).
+class DriverGate {
+ public:
+  // Enters a driver call. While suspended: throws when may_throw (a call that
+  // maps, unmaps, creates or waits), from any thread; lets the rest through
+  // (releases, teardown).
+  void enter(bool may_throw);
+  void leave() noexcept;
+  bool suspended();
+  // Waits for the calls under way to finish; later ones fail until resume().
+  void suspend();
+  void resume() noexcept;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable idle_;
+  bool suspended_ = false;
+  std::thread::id owner_;
+  size_t active_ = 0;
+};
+
+// The context scope, the gate and the read fences of one CUDA backend.
+class CudaSync {
+ public:
+  // `context` must outlive this object (declare the PrimaryContext first).
+  CudaSync(const DriverApi& api, CUcontext context) : api_(api), ctx_(context) {}
+  ~CudaSync();  // destroys the fences' events, in our context
+  CudaSync(const CudaSync&) = delete;
+  CudaSync& operator=(const CudaSync&) = delete;
+
+  // Whether an entry point needs our context current (driver API calls) or
+  // not (nvidia-uvm ioctls pass the gate only).
+  enum class Scope { kContext, kGateOnly };
+
+  // An entry point that may throw: waits at the gate (DriverError while
+  // driver calls are suspended), then makes our context current.
+  class Call {
+   public:
+    explicit Call(CudaSync& sync, Scope scope = Scope::kContext);
+    ~Call();
+    Call(const Call&) = delete;
+    Call& operator=(const Call&) = delete;
+
+   private:
+    DriverGate& gate_;
+    std::optional<ScopedContext> context_;
+  };
+
+  // A noexcept entry point (release, teardown): never refused at the gate;
+  // ok() is false when our context could not be made current.
+  class QuietCall {
+   public:
+    explicit QuietCall(CudaSync& sync, Scope scope = Scope::kContext);
+    ~QuietCall();
+    QuietCall(const QuietCall&) = delete;
+    QuietCall& operator=(const QuietCall&) = delete;
+    bool ok() const { return !context_ || context_->ok(); }
+
+   private:
+    DriverGate& gate_;
+    std::optional<ScopedContext> context_;
+  };
+
+  // VmmBackend's synchronize, record_reads, wait_reads, set_sync_streams,
+  // suspend_driver_calls and resume_driver_calls, for a CUDA backend.
+  void synchronize();
+  uint64_t record_reads() noexcept;
+  void wait_reads(uint64_t ticket);
+  void set_streams(const std::vector<uintptr_t>& streams);
+  void suspend() { gate_.suspend(); }
+  void resume() noexcept { gate_.resume(); }
+
+  // (name, value) pairs: how waits are done and how often (for facts()).
+  void add_facts(std::vector<std::pair<std::string, std::string>>& out) const;
+
+  // In a fork() child: the events belong to the parent's context; never call
+  // the driver for them.
+  void detach_after_fork() noexcept { forked_ = true; }
+
+ private:
+  // One read fence: an event on each named stream, recorded together.
+  struct Fence {
+    uint64_t seq = 0;             // the fence these events were last recorded for
+    std::vector<CUevent> events;  // one per stream, created at the slot's first use
+  };
+  static constexpr size_t kFences = 64;
+
+  uint64_t record_fence_locked();
+  void wait_now_locked();
+  void destroy_fences_locked() noexcept;
+  void check(const char* call, CUresult rc) const;
+
+  const DriverApi& api_;
+  CUcontext ctx_;
+  DriverGate gate_;
+  bool forked_ = false;
+  // streams_mu_: shared by record/wait (the mapper and callers at once),
+  // unique to change the streams; fence_mu_ guards the ring.
+  mutable std::shared_mutex streams_mu_;
+  std::vector<CUstream> streams_;  // empty: synchronize the whole device
+  std::mutex fence_mu_;
+  std::vector<Fence> fences_;      // kFences slots once streams are named; fence n in slot n % kFences
+  uint64_t next_seq_ = 1;          // the next fence's number (0 is kNoReads)
+  uint64_t done_seq_ = 0;          // every fence up to this one has finished
+  std::atomic<uint64_t> device_syncs_{0}, event_waits_{0}, fence_waits_skipped_{0};
+};
+
+}  // namespace cu
+}  // namespace vattn

@@ -1,0 +1,178 @@
+"""The backend registry: every place that lists backends reads it, and a backend
+added from outside the library (here, the fault-injecting test doubles of
+vattn._testing) works everywhere a built-in one does."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+
+import pytest
+import torch
+
+import vattn
+import vattn.info
+from conftest import assert_invariants, assert_table_is_real
+from host_faults import FAULTY_HOST, faulty_host_backend
+from vattn import _C, _testing
+from vattn.backends import (
+    backend_names,
+    default_backend,
+    get_backend,
+    native_factory,
+    parse_device,
+    register_backend,
+    unregister_backend,
+)
+
+PAGE = 4096
+
+
+def make(**overrides) -> vattn.KVCacheManager:
+    args = dict(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=4,
+                max_context_len=512, page_size=PAGE, background=False)
+    args.update(overrides)
+    return vattn.KVCacheManager(**args)
+
+
+def test_the_built_in_backends_and_their_devices():
+    assert backend_names()[:3] == ("host", "cuda", "cuda_uvm")
+    assert default_backend("cpu").name == "host" and default_backend("cuda").name == "cuda"
+    assert [get_backend(n).device for n in ("host", "cuda", "cuda_uvm")] == ["cpu", "cuda[:i]", "cuda[:i]"]
+    for name in ("host", "cuda", "cuda_uvm"):  # each is one C++ file that registered its factory
+        assert get_backend(name).factory is native_factory and name in _C.backend_factories()
+    with pytest.raises(ValueError, match=r"no C\+\+ backend is registered as 'rocm' \(registered: cuda, cuda_uvm, "):
+        _C.make_backend("rocm", 0, PAGE, 4)
+
+
+def test_a_backend_registered_from_a_test_serves_a_manager_and_shows_in_info():
+    with faulty_host_backend() as faults:
+        assert FAULTY_HOST in backend_names()
+        with make(backend=FAULTY_HOST) as kv:
+            assert kv.stats()["backend"] == FAULTY_HOST and kv.device == torch.device("cpu")
+            r = kv.alloc_reqid()
+            assert kv.step([100 if i == r else 0 for i in range(4)])
+            faults.fail("map")  # the registered factory built it: the plan reaches its calls
+            with pytest.raises(vattn.DriverError, match=r"map \(injected\) failed: errno 12"):
+                kv.step([300 if i == r else 0 for i in range(4)])
+            assert_table_is_real(kv)
+            assert_invariants(kv)
+        info = vattn.info.collect()
+        assert info["backends"][FAULTY_HOST] == {"description": get_backend(FAULTY_HOST).description}
+        assert f"backend {FAULTY_HOST}: the host backend, failing" in vattn.info.render(info)
+        assert json.loads(json.dumps(info)) == info
+        with pytest.raises(ValueError, match=f"backend '{FAULTY_HOST}' does not serve device cuda"):
+            make(backend=FAULTY_HOST, device="cuda")
+    assert FAULTY_HOST not in backend_names() and FAULTY_HOST not in vattn.info.collect()["backends"]
+    with pytest.raises(ValueError, match=r"backend must be one of \('host', 'cuda', 'cuda_uvm'\) or None"):
+        make(backend=FAULTY_HOST)
+
+
+def test_the_decorator_wraps_any_backend_and_fails_part_way_through_a_batch():
+    plan = _testing.FaultPlan()
+    register_backend("host_wrapped", device="cpu", defaults=get_backend("host").defaults,
+                     factory=lambda spec: _testing.fault_injecting_backend(
+                         native_factory(dataclasses.replace(spec, name="host")), plan),
+                     description="the native host backend inside the fault-injecting decorator")
+    try:
+        with make(backend="host_wrapped", deferred_reclaim=False) as kv:
+            a, b = kv.alloc_reqid(), kv.alloc_reqid()
+            plan.fail("map", skip=1)  # the second run of the batch: the first stays mapped
+            with pytest.raises(vattn.DriverError, match=r"map \(injected\)"):
+                kv.step([64 if i in (a, b) else 0 for i in range(4)])
+            assert_table_is_real(kv)
+            assert_invariants(kv)
+            plan.fail("create_pages", skip=2, errno=errno.ENOSPC)  # the third page of a creation
+            with pytest.raises(vattn.DriverError, match=r"create_pages \(injected\) failed: errno 28"):
+                kv.step([200 if i == a else 0 for i in range(4)])
+            assert_table_is_real(kv)
+            assert_invariants(kv)
+            assert kv.step([200 if i in (a, b) else 0 for i in range(4)])  # the plan fired once each
+            plan.fail("unmap", skip=1)
+            with pytest.raises(vattn.DriverError, match=r"unmap \(injected\)"):
+                kv.free_reqid(b)
+            assert_table_is_real(kv)
+            assert kv.stats()["pages_orphaned"] > 0
+            kv.reclaim()  # retries the orphans
+            assert kv.stats()["pages_orphaned"] == 0
+            assert_table_is_real(kv)
+        with pytest.raises(ValueError, match="call must be one of reserve, free_reservation"):
+            plan.fail("mmap_map")
+    finally:
+        unregister_backend("host_wrapped")
+
+
+def test_the_decorator_around_the_cuda_backend_releases_what_a_failed_creation_made(fake_cuda):
+    plan = _testing.FaultPlan()
+    register_backend("cuda_faulty", device="cuda[:i]", defaults=get_backend("cuda").defaults,
+                     factory=lambda spec: _testing.fault_injecting_backend(
+                         native_factory(dataclasses.replace(spec, name="cuda")), plan),
+                     description="the cuda backend inside the fault-injecting decorator")
+    try:
+        with make(backend="cuda_faulty", device="cuda", page_size=2 << 20, num_kv_heads=8, head_dim=128,
+                  max_context_len=4096) as kv:
+            r = kv.alloc_reqid()
+            plan.fail("create_pages", skip=3)  # 4 buffers x 2 pages: fails part-way
+            with pytest.raises(vattn.DriverError, match="create_pages"):
+                kv.step([1000 if i == r else 0 for i in range(4)])
+            assert fake_cuda.fake_cuda_live_handles() == fake_cuda.baseline_handles
+            assert_table_is_real(kv, fake_cuda)
+            assert kv.step([1000 if i == r else 0 for i in range(4)])
+    finally:
+        unregister_backend("cuda_faulty")
+    assert fake_cuda.fake_cuda_live_handles() == fake_cuda.baseline_handles
+
+
+def test_device_patterns_come_from_the_registry():
+    assert parse_device("cpu") == ("cpu", 0) and parse_device(torch.device("cuda", 3)) == ("cuda", 3)
+    with pytest.raises(ValueError, match=r"device must be 'cpu', 'cuda' or 'cuda:<index>', got 'xpu:1'"):
+        parse_device("xpu:1")
+    register_backend("host_as_xpu", device="xpu[:i]", defaults=get_backend("host").defaults,
+                     factory=native_factory, description="a second device type")
+    try:
+        assert parse_device("xpu:1") == ("xpu", 1)
+        with pytest.raises(ValueError, match=r"device must be 'cpu', 'cuda', 'cuda:<index>', 'xpu' or 'xpu:<index>'"):
+            parse_device("tpu")
+        with pytest.raises(ValueError, match="one device type has one pattern"):
+            register_backend("xpu_single", device="xpu", defaults=get_backend("host").defaults,
+                             factory=native_factory, description="disagrees")
+    finally:
+        unregister_backend("host_as_xpu")
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:<index>'"):
+        parse_device("xpu:1")
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(name="host"), ValueError, r"a backend named 'host' is registered already"),
+        (dict(name="2fast"), ValueError, r"name must be letters, digits and '_'"),
+        (dict(device="cuda:0"), ValueError, r"device must be a device type, optionally with '\[:i\]'"),
+        (dict(device="nope"), ValueError, r"torch knows no device type 'nope'"),
+        (dict(factory="host"), TypeError, r"factory must be callable, got str"),
+        (dict(description=" "), ValueError, r"description must be a non-empty string"),
+    ],
+)
+def test_bad_registrations_are_refused_and_change_nothing(kwargs, exc, match):
+    before = backend_names()
+    args = dict(name="new_backend", device="cpu", factory=native_factory, defaults=get_backend("host").defaults,
+                description="a backend")
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        register_backend(**args)
+    assert backend_names() == before
+    with pytest.raises(ValueError, match="no backend is registered as 'new_backend'"):
+        unregister_backend("new_backend")
+
+
+def test_replace_swaps_an_entry_in_place():
+    register_backend("swap_me", device="cpu", factory=native_factory, defaults=get_backend("host").defaults,
+                     description="first")
+    try:
+        register_backend("swap_me", device="cpu", factory=native_factory, defaults=get_backend("host").defaults,
+                         description="second", replace=True)
+        assert get_backend("swap_me").description == "second"
+        assert backend_names().count("swap_me") == 1
+    finally:
+        unregister_backend("swap_me")
