@@ -329,6 +329,11 @@ class Budget:
         return self._b.held_bytes
 
     @property
+    def available_bytes(self) -> int:
+        """Bytes a grant could get now, 0 above a lowered limit (read without the lock)."""
+        return self._b.available_bytes
+
+    @property
     def max_members(self) -> int:
         return self._b.max_members
 

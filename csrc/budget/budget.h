@@ -104,6 +104,12 @@ class Budget : public std::enable_shared_from_this<Budget> {
   // Lock-free reads, for polling.
   uint64_t limit_bytes() const { return segment_.header()->limit_bytes.load(std::memory_order_acquire); }
   uint64_t held_bytes() const { return segment_.header()->held_bytes.load(std::memory_order_acquire); }
+  // What a grant could get now (0 above a lowered limit): what a framework's
+  // scheduler may count on, beside its own free blocks.
+  uint64_t available_bytes() const {
+    const uint64_t limit = limit_bytes(), held = held_bytes();
+    return held < limit ? limit - held : 0;
+  }
 
   // Sets the limit. Lowering it below what members hold refuses grants and
   // makes members' pressure() positive until they release enough.

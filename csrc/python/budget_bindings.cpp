@@ -78,6 +78,7 @@ void bind_budget(py::module_& m) {
       .def_property_readonly("lock_timeout_s", &Budget::lock_timeout_s)
       .def_property_readonly("limit_bytes", &Budget::limit_bytes)
       .def_property_readonly("held_bytes", &Budget::held_bytes)
+      .def_property_readonly("available_bytes", &Budget::available_bytes)
       .def("set_limit", &Budget::set_limit, py::arg("limit_bytes"), release_gil())
       .def("usage",
            [](Budget& b) {

@@ -4,6 +4,8 @@ arguments, names, corrupt segments, a full member table, device names."""
 from __future__ import annotations
 
 import os
+import random
+import threading
 import time
 
 import pytest
@@ -46,6 +48,42 @@ def test_create_attach_and_account(budget_name):
         c.try_grant(1)
     d = b.usage().to_dict()
     assert d["processes"][0]["managers"] == ["engine-a"] and d["members"][0]["label"] == "engine-a"
+
+
+def test_threads_of_one_process_share_the_limit(budget_name):
+    limit = 10 * MiB
+    b = vattn.Budget.create(budget_name, limit)
+    held: dict[int, int] = {}
+    exceeded: list[int] = []
+
+    def work(seed: int) -> None:
+        m, rng, mine = b.join(f"thread-{seed}"), random.Random(seed), 0
+        for _ in range(1500):  # the calls release the GIL: the threads really contend for the lock
+            if mine and rng.random() < 0.45:
+                n = rng.randint(1, mine)
+                m.release(n)
+                mine -= n
+            elif m.try_grant(n := rng.randint(1, limit // 3)):
+                mine += n
+                if b.usage().held_bytes > limit:
+                    exceeded.append(seed)
+        held[m.id] = mine
+        threads_done.wait()  # keep the member until all are counted
+
+    threads_done = threading.Barrier(5)
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(held) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    u = b.usage()
+    threads_done.wait()
+    for t in threads:
+        t.join()
+    assert not exceeded
+    assert {m.id: m.held_bytes for m in u.members} == held and u.held_bytes == sum(held.values()) <= limit
+    assert b.available_bytes == limit  # the members left when their threads ended
 
 
 def test_bad_amounts_leave_the_state_unchanged(budget_name):

@@ -133,10 +133,13 @@ def test_a_lock_holder_killed_inside_the_lock_does_not_wedge_the_budget(budget_n
         assert 0.2 <= time.monotonic() - start < 1.0
         child.kill()
         child.wait()
-        start = time.monotonic()
-        result = run_in_child(lambda: vattn.Budget.attach(budget_name).join("next").try_grant(8 * MiB), timeout_s=5)
-        assert result == "ok", result
-        assert time.monotonic() - start < 1.0 + 0.5  # fork and exit of the helper included
+
+        def next_operation() -> None:  # by another process, timed there (the fork is not part of it)
+            start = time.monotonic()
+            assert vattn.Budget.attach(budget_name).join("next").try_grant(8 * MiB), "the dead share did not return"
+            assert time.monotonic() - start < 1.0, f"took {time.monotonic() - start:.2f} s"
+
+        assert run_in_child(next_operation, timeout_s=5) == "ok"
         u = b.usage()  # and the lock keeps working
         assert (u.held_bytes, [m.label for m in u.members]) == (0, [])
         assert b.join("after").try_grant(8 * MiB)
