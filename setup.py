@@ -17,8 +17,10 @@ def sources(folder: str) -> list[str]:
 # csrc/ is layered: common/ (errors, DLPack) <- backends/ (one VMM backend per
 # file, each registering its own factory, and what they share) <- core/ (page
 # bookkeeping and the mapper) <- python/ (the bindings). A new backend is a
-# new file in csrc/backends/: every file there is compiled.
-SOURCES = [*sources("csrc/backends"), *sources("csrc/core"), "csrc/python/bindings.cpp"]
+# new file in csrc/backends/: every file there is compiled. budget/ (the
+# machine-wide memory budget in shared memory) uses common/ only.
+SOURCES = [*sources("csrc/backends"), *sources("csrc/budget"), *sources("csrc/core"), "csrc/python/bindings.cpp",
+           "csrc/python/budget_bindings.cpp"]
 
 WARNINGS = ["-Wall", "-Wextra", "-Wno-missing-field-initializers"]
 
@@ -33,7 +35,7 @@ ext = Pybind11Extension(
     "vattn._C",
     SOURCES,
     include_dirs=["csrc", "driver_patch"],  # driver_patch/vattn_uvm_ioctl.h: the patched module's ABI
-    depends=headers("csrc/common", "csrc/backends", "csrc/core", "driver_patch"),
+    depends=headers("csrc/common", "csrc/backends", "csrc/budget", "csrc/core", "csrc/python", "driver_patch"),
     cxx_std=17,
     extra_compile_args=["-O2", *WARNINGS],
     libraries=["dl"],  # dlopen of libcuda.so.1 at run time
@@ -42,18 +44,21 @@ ext = Pybind11Extension(
 # vattn._testing: test hooks and benchmark probes, out of the production module.
 # Every file of csrc/testing is one part of it; it also compiles the library
 # sources its parts drive directly: the driver shim for the raw CUDA probes,
-# and the host backend (with the registry it registers in), which the fault
-# injection builds with its own system calls (host_backend.h).
+# the host backend (with the registry it registers in), which the fault
+# injection builds with its own system calls (host_backend.h), and the
+# budget's segment for its hooks.
 TESTING_LIBRARY_SOURCES = [
     "csrc/backends/backend_registry.cpp",
     "csrc/backends/cuda_driver.cpp",
     "csrc/backends/host_backend.cpp",
+    "csrc/budget/process_identity.cpp",
+    "csrc/budget/segment.cpp",
 ]
 testing = Pybind11Extension(
     "vattn._testing",
     [*sources("csrc/testing"), *TESTING_LIBRARY_SOURCES],
     include_dirs=["csrc", "driver_patch"],
-    depends=headers("csrc/common", "csrc/backends", "csrc/core", "csrc/testing", "driver_patch"),
+    depends=headers("csrc/common", "csrc/backends", "csrc/budget", "csrc/core", "csrc/testing", "driver_patch"),
     cxx_std=17,
     extra_compile_args=["-O2", *WARNINGS],
     libraries=["dl"],

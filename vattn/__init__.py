@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
+from .budget import Budget
 from .errors import BackendUnavailable, ClosedError, DriverError, ForkedError, OutOfPages, OutOfSlots, VAttnError
+from .errors import BudgetError
 from .manager import KVCacheManager, PrefixHandle, SeqLens
 
 __version__ = "0.1.0"
@@ -29,6 +31,8 @@ __all__ = [
     "ClosedError",
     "ForkedError",
     "PrefixHandle",
+    "Budget",
+    "BudgetError",
     "init",
     "layer",
     "alloc_reqid",

@@ -1,4 +1,4 @@
-"""Command line: `python -m vattn info` and `python -m vattn demo`."""
+"""Command line: `python -m vattn info`, `demo`, `budget` and `top`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     from .demo import add_arguments
 
     add_arguments(demo)
+    from .budget_cli import add_commands
+
+    add_commands(sub)
     args = parser.parse_args(argv)
+    if hasattr(args, "run_command"):
+        return args.run_command(args)
     if args.command == "info":
         from .info import collect, render
 

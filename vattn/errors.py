@@ -53,3 +53,14 @@ class ForkedError(ClosedError):
     inaccessible (touching a view faults), so the child can never change the
     parent's pages. Create a new manager in the child instead.
     """
+
+
+class BudgetError(VAttnError):
+    """A memory budget (:class:`vattn.Budget`) cannot be used as asked.
+
+    Raised when a budget name does not exist (or already exists, on create),
+    when its shared-memory segment is corrupt or of another format version,
+    when its member table is full, or when a member was dropped from it. The
+    message names the budget, what is wrong and what to do (often
+    ``python -m vattn budget rm NAME`` and creating it again).
+    """

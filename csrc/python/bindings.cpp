@@ -17,6 +17,7 @@
 #include "common/dlpack.h"
 #include "common/errors.h"
 #include "core/page_manager.h"
+#include "python/budget_bindings.h"
 #include "vattn_uvm_ioctl.h"
 
 namespace py = pybind11;
@@ -257,6 +258,7 @@ void register_errors() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "vattn core: VMM backends and page bookkeeping (no torch dependency)";
   register_errors();
+  bind_budget(m);
 
   py::class_<VmmBackend, std::shared_ptr<VmmBackend>>(m, "VmmBackend")
       .def_property_readonly("name", &VmmBackend::name)

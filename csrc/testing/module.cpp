@@ -8,4 +8,5 @@ PYBIND11_MODULE(_testing, m) {
   pybind11::module_::import("vattn._C");
   vattn::bind_bench_probes(m);
   vattn::bind_fault_injection(m);
+  vattn::bind_budget_hooks(m);
 }

@@ -12,5 +12,6 @@ namespace py = pybind11;
 
 void bind_bench_probes(py::module_& m);
 void bind_fault_injection(py::module_& m);  // fault_injection.cpp
+void bind_budget_hooks(py::module_& m);     // budget_hooks.cpp
 
 }  // namespace vattn

@@ -1,0 +1,16 @@
+// The error of the budget layer. The bindings translate it to
+// vattn.errors.BudgetError; the message always names the budget, what is
+// wrong and what to do about it.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace vattn {
+
+class BudgetError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+}  // namespace vattn

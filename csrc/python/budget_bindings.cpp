@@ -1,0 +1,107 @@
+// Every call that takes the budget's lock releases the GIL: the lock is shared
+// with other processes, and a holder may be slow (or dead, until the robust
+// mutex hands the lock on), so waiting for it must not stall this process's
+// other Python threads.
+#include "python/budget_bindings.h"
+
+#include <pybind11/stl.h>
+
+#include "budget/budget.h"
+
+namespace py = pybind11;
+
+namespace vattn {
+
+namespace {
+
+void register_budget_error() {
+  // A strong reference kept for the life of the process on purpose: a static
+  // py::object would be decref'd after the interpreter is gone.
+  static PyObject* budget_error =
+      py::object(py::module_::import("vattn.errors").attr("BudgetError")).release().ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const BudgetError& e) {
+      PyErr_SetString(budget_error, e.what());
+    }
+  });
+}
+
+py::dict usage_dict(const BudgetUsage& u) {
+  py::dict d;
+  d["name"] = u.name;
+  d["device"] = u.device;
+  d["limit_bytes"] = u.limit_bytes;
+  d["held_bytes"] = u.held_bytes;
+  d["in_use_bytes"] = u.in_use_bytes;
+  d["free_held_bytes"] = u.free_held_bytes;
+  d["waiting_bytes"] = u.waiting_bytes;
+  d["max_members"] = u.max_members;
+  d["created_unix_seconds"] = u.created_unix_seconds;
+  py::list members;
+  for (const BudgetMemberUsage& m : u.members) {
+    py::dict row;
+    row["id"] = m.id;
+    row["pid"] = m.pid;
+    row["label"] = m.label;
+    row["held_bytes"] = m.held_bytes;
+    row["in_use_bytes"] = m.in_use_bytes;
+    row["free_held_bytes"] = m.free_held_bytes;
+    row["waiting_bytes"] = m.waiting_bytes;
+    row["waiting_seconds"] = m.waiting_seconds;
+    row["joined_unix_seconds"] = m.joined_unix_seconds;
+    members.append(row);
+  }
+  d["members"] = members;
+  return d;
+}
+
+}  // namespace
+
+void bind_budget(py::module_& m) {
+  register_budget_error();
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+
+  py::class_<Budget, std::shared_ptr<Budget>>(m, "Budget",
+                                              "A machine-wide memory budget in shared memory (see vattn.Budget).")
+      .def_static("create", &Budget::create, py::arg("name"), py::arg("limit_bytes"), py::arg("device"),
+                  py::arg("max_members") = budget::kDefaultMaxMembers,
+                  py::arg("lock_timeout_s") = Budget::kDefaultLockTimeoutSeconds, release_gil())
+      .def_static("attach", &Budget::attach, py::arg("name"),
+                  py::arg("lock_timeout_s") = Budget::kDefaultLockTimeoutSeconds, release_gil())
+      .def_static("remove", &Budget::remove, py::arg("name"), release_gil())
+      .def_static("names", &Budget::names, release_gil())
+      .def_property_readonly("name", &Budget::name)
+      .def_property_readonly("device", &Budget::device)
+      .def_property_readonly("max_members", &Budget::max_members)
+      .def_property_readonly("lock_timeout_s", &Budget::lock_timeout_s)
+      .def_property_readonly("limit_bytes", &Budget::limit_bytes)
+      .def_property_readonly("held_bytes", &Budget::held_bytes)
+      .def_property_readonly("available_bytes", &Budget::available_bytes)
+      .def("set_limit", &Budget::set_limit, py::arg("limit_bytes"), release_gil())
+      .def("usage",
+           [](Budget& b) {
+             BudgetUsage u;
+             {
+               py::gil_scoped_release release;
+               u = b.usage();
+             }
+             return usage_dict(u);
+           })
+      .def("join", &Budget::join, py::arg("label"), release_gil());
+
+  py::class_<BudgetMember, std::shared_ptr<BudgetMember>>(m, "BudgetMember", "One KV cache manager's share of a budget.")
+      .def("try_grant", &BudgetMember::try_grant, py::arg("nbytes"), release_gil())
+      .def("release", &BudgetMember::release, py::arg("nbytes"), release_gil())
+      .def("report", &BudgetMember::report, py::arg("in_use_bytes"), py::arg("free_held_bytes"), release_gil())
+      .def("pressure", &BudgetMember::pressure, release_gil())
+      .def("clear_wait", &BudgetMember::clear_wait, release_gil())
+      .def("leave", &BudgetMember::leave, release_gil())
+      .def_property_readonly("held_bytes", &BudgetMember::held_bytes)
+      .def_property_readonly("id", &BudgetMember::id)
+      .def_property_readonly("label", &BudgetMember::label)
+      .def_property_readonly("budget", &BudgetMember::budget);
+}
+
+}  // namespace vattn

@@ -1,0 +1,138 @@
+"""Helpers of the budget tests: unique budget names removed after each test,
+the segment's file, and children forked to act as other processes."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import struct
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+import vattn
+from vattn import budget as vbudget
+
+SHM_DIR = Path("/dev/shm")
+_counter = itertools.count()
+
+
+def segment_path(name: str) -> Path:
+    return SHM_DIR / f"vattn-budget-{name}"
+
+
+@pytest.fixture
+def budget_name():
+    """A name no other test (or concurrent test run) uses; the budget is removed afterwards."""
+    name = f"t{os.getpid()}-{next(_counter)}"
+    yield name
+    try:
+        vbudget.remove(name)
+    except vattn.BudgetError:
+        pass  # the test removed it
+
+
+# The stable prefix of every format version: magic u64, version u32,
+# header_bytes u32, entry_bytes u32, max_members u32.
+PREFIX = struct.Struct("<QIIII")
+
+
+def read_prefix(name: str) -> tuple[int, int, int, int, int]:
+    return PREFIX.unpack(segment_path(name).read_bytes()[: PREFIX.size])
+
+
+def patch_prefix(name: str, **fields: int) -> None:
+    """Overwrites fields of the segment's prefix in place."""
+    keys = ("magic", "version", "header_bytes", "entry_bytes", "max_members")
+    values = dict(zip(keys, read_prefix(name)))
+    values.update(fields)
+    with open(segment_path(name), "r+b") as f:
+        f.write(PREFIX.pack(*(values[k] for k in keys)))
+
+
+class Child:
+    """A forked process running ``body(conn)``; talks over a pipe of lines.
+
+    A separate process (not a thread): its own pid, start time, address space
+    and lock ownership, as another engine on the machine would have.
+    """
+
+    def __init__(self, body: Callable[["Child"], Any]):
+        self._to_child_r, self._to_child_w = os.pipe()
+        self._to_parent_r, self._to_parent_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns into pytest
+            code = 0
+            try:
+                os.close(self._to_child_w)
+                os.close(self._to_parent_r)
+                self._in = os.fdopen(self._to_child_r, "r")
+                self._out = os.fdopen(self._to_parent_w, "w")
+                body(self)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(self._to_child_r)
+        os.close(self._to_parent_w)
+        self._in = os.fdopen(self._to_parent_r, "r")
+        self._out = os.fdopen(self._to_child_w, "w")
+        self.reaped = False
+
+    def send(self, line: str) -> None:
+        self._out.write(line + "\n")
+        self._out.flush()
+
+    def recv(self) -> str:
+        line = self._in.readline()
+        if not line:
+            raise EOFError("the other process closed its pipe (it died or failed: see its traceback above)")
+        return line.rstrip("\n")
+
+    def kill(self) -> None:
+        """SIGKILL, not reaped: the child stays a zombie until wait()."""
+        os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self) -> int:
+        """Reaps the child; its exit status (negative: killed by that signal)."""
+        _, status = os.waitpid(self.pid, 0)
+        self.reaped = True
+        return os.waitstatus_to_exitcode(status)
+
+    def close(self) -> None:
+        for f in (self._in, self._out):
+            try:
+                f.close()
+            except OSError:
+                pass
+        if not self.reaped:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.wait()
+
+
+def run_in_child(fn: Callable[[], Any], timeout_s: float) -> str:
+    """Runs ``fn`` in a forked child and returns what it printed as its result
+    line ("ok" or the error), or "timeout" if it did not finish in time (the
+    child is then killed): a call that could hang forever must not hang pytest."""
+    import select
+
+    def body(c: Child) -> None:
+        try:
+            fn()
+            c.send("ok")
+        except Exception as e:  # reported to the parent, which asserts on it
+            c.send(f"{type(e).__name__}: {e}")
+
+    child = Child(body)
+    try:
+        ready, _, _ = select.select([child._in], [], [], timeout_s)
+        return child.recv() if ready else "timeout"
+    finally:
+        child.close()

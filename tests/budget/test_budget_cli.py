@@ -1,0 +1,135 @@
+"""`python -m vattn budget ...` and `python -m vattn top`: the real entry point
+in two subprocesses (each imports torch: seconds), every path in-process."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from budget_helpers import budget_name, patch_prefix  # noqa: F401 (fixture)
+
+import vattn
+from vattn import budget_top
+from vattn.__main__ import main
+
+GiB = 1 << 30
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vattn", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_create_then_top_json_and_rm_in_subprocesses(budget_name, capsys):
+    assert main(["budget", "create", budget_name, "--limit", "4GiB"]) == 0  # in-process: the same parser
+    assert f"created budget {budget_name}: limit 4.00 GiB (4294967296 bytes), device cpu" in capsys.readouterr().out
+    m = vattn.Budget.attach(budget_name).join("engine:test")
+    assert m.try_grant(GiB)
+    m.report(GiB // 4, GiB // 2)
+    proc = cli("top", budget_name, "--once", "--json")
+    assert proc.returncode == 0, proc.stderr
+    (snap,) = json.loads(proc.stdout)["budgets"]
+    assert (snap["name"], snap["limit_bytes"], snap["held_bytes"], snap["available_bytes"]) == (
+        budget_name, 4 * GiB, GiB, 3 * GiB)
+    assert snap["processes"] == [{"pid": os.getpid(), "managers": ["engine:test"], "held_bytes": GiB,
+                                  "in_use_bytes": GiB // 4, "free_held_bytes": GiB // 2, "waiting_bytes": 0}]
+    assert [(x["label"], x["in_use_bytes"]) for x in snap["members"]] == [("engine:test", GiB // 4)]
+    proc = cli("budget", "rm", budget_name)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 member(s) in 1 process(es) keep using it" in proc.stdout
+    assert budget_name not in vattn.budget.names()
+
+
+def test_set_changes_the_limit_live_and_says_what_exceeds_it(budget_name, capsys):
+    assert main(["budget", "create", budget_name, "--limit", "2e9"]) == 0
+    b = vattn.Budget.attach(budget_name)
+    assert b.limit == 2_000_000_000
+    m = b.join("m")
+    assert m.try_grant(GiB)
+    assert main(["budget", "set", budget_name, "--limit", "512MiB"]) == 0
+    out = capsys.readouterr().out
+    assert b.limit == 512 << 20
+    assert "-> 512.0 MiB (536870912 bytes); members hold 1.00 GiB" in out
+    assert "512.0 MiB more than the new limit: grants are refused" in out
+    assert not m.try_grant(1)
+
+
+def test_errors_are_reported_not_raised(budget_name, capsys):
+    assert main(["budget", "set", budget_name, "--limit", "1GiB"]) == 1
+    assert f"no budget '{budget_name}'" in capsys.readouterr().err
+    assert main(["budget", "rm", budget_name]) == 1
+    assert main(["budget", "create", budget_name, "--limit", "1GiB", "--device", "tpu"]) == 1
+    assert "device must be" in capsys.readouterr().err
+    assert main(["budget", "create", "bad/name", "--limit", "1GiB"]) == 1
+    assert "budget name 'bad/name' is invalid" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["budget", "create", budget_name, "--limit", "four"])
+    assert "size 'four' is not understood" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["top", "--interval", "0"])
+    assert main(["budget", "create", budget_name, "--limit", "1GiB"]) == 0
+    assert main(["budget", "create", budget_name, "--limit", "1GiB"]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert main(["top", "--once", budget_name + "-missing"]) == 1
+
+
+def test_top_table_per_process_and_manager(budget_name, capsys):
+    b = vattn.Budget.create(budget_name, 4 * GiB)
+    a, c = b.join("engine:a"), b.join("engine:c")
+    assert a.try_grant(GiB) and c.try_grant(GiB)
+    a.report(GiB // 2, GiB // 2)
+    assert not c.try_grant(3 * GiB)  # waits
+    assert main(["top", "--once", budget_name]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(f"budget {budget_name}  device cpu  limit 4.00 GiB  held 2.00 GiB (50.0%)" in line for line in lines)
+    (proc_line,) = [line for line in lines if line.lstrip().startswith(str(os.getpid()))]
+    assert "process (2 managers)" in proc_line and "2.00 GiB" in proc_line and "50.0%" in proc_line
+    (a_line,) = [line for line in lines if "engine:a" in line]
+    assert a_line.split()[1:] == ["512.0", "MiB", "512.0", "MiB", "1.00", "GiB", "25.0%", "-"]
+    (c_line,) = [line for line in lines if "engine:c" in line]
+    assert "3.00 GiB for" in c_line  # what it waits for, and since when
+
+
+def test_top_redraws_on_a_terminal_and_appends_elsewhere(budget_name, monkeypatch):
+    vattn.Budget.create(budget_name, GiB)
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    assert budget_top.run_top(budget_name, False, False, 0.01, 3, screen) == 0
+    assert screen.getvalue().count(budget_top.CLEAR) == 3
+    plain = io.StringIO()
+    assert budget_top.run_top(budget_name, False, False, 0.01, 2, plain) == 0
+    assert budget_top.CLEAR not in plain.getvalue() and plain.getvalue().count(f"budget {budget_name} ") == 2
+
+    def interrupted(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(budget_top.time, "sleep", interrupted)  # Ctrl-C during the wait
+    screen = Terminal()
+    assert budget_top.run_top(budget_name, False, False, 1.0, None, screen) == 0
+    assert screen.getvalue().endswith("\n")
+
+
+def test_top_and_ls_show_every_budget_and_survive_a_corrupt_one(budget_name, capsys):
+    vattn.Budget.create(budget_name + "-ok", GiB)
+    vattn.Budget.create(budget_name, GiB)
+    try:
+        patch_prefix(budget_name, magic=1)
+        assert main(["top", "--once", "--json"]) == 0
+        snap = json.loads(capsys.readouterr().out)
+        assert budget_name + "-ok" in [u["name"] for u in snap["budgets"]]
+        assert any(e["name"] == budget_name and "bad magic" in e["error"] for e in snap["errors"])
+        assert main(["top", "--once"]) == 0
+        assert f"budget {budget_name}: budget '{budget_name}'" in capsys.readouterr().out
+        assert main(["budget", "ls"]) == 0
+        out = capsys.readouterr().out
+        assert f"{budget_name}-ok: device cpu, limit 1.00 GiB" in out and f"{budget_name}: unreadable" in out
+        assert main(["budget", "rm", budget_name]) == 0  # a corrupt budget is removed all the same
+    finally:
+        vattn.budget.remove(budget_name + "-ok")
