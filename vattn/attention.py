@@ -213,7 +213,7 @@ def flash_attn_attention(
     the whole cache).
     """
     FLASH_ATTN.module()  # not installed: BackendUnavailable before the plan is built on the device
-    FLASH_ATTN.require_device("flash_attn_attention", q, k_cache)
+    FLASH_ATTN.require_device("flash_attn_attention", q=q, k_cache=k_cache)
     return FLASH_ATTN.run(FLASH_ATTN.plan_for(batch), q, k_cache, v_cache, k, v, softmax_scale=softmax_scale)
 
 

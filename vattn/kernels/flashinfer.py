@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..errors import BackendUnavailable
 from .batch import AttentionBatch, check_inputs, write_rows
 from .protocol import AttentionCase, Kernel, KernelPlan, Support, load_module
 
@@ -74,6 +75,8 @@ class FlashInferKernel(_FlashInfer):
         if missing:
             raise ValueError(f"{self.name} plans with the case's {', '.join(missing)}: give an AttentionCase with them")
         assert case is not None
+        if batch.device.type not in self.devices:
+            raise BackendUnavailable(f"{self.name} plans on a CUDA device, got a batch on {batch.device}")
         self.check_options(case.sliding_window, case.logits_soft_cap)
         if max(batch.seq_lens) > case.max_context_len:
             raise ValueError(f"seq_lens must be <= max_context_len ({case.max_context_len}), got {max(batch.seq_lens)}")
@@ -112,6 +115,7 @@ class FlashInferKernel(_FlashInfer):
         case's), None or equal to it."""
         if not isinstance(plan, FlashInferPlan):
             raise TypeError(f"plan must be FlashInferKernel.plan's, got {type(plan).__name__}")
+        self.require_device("FlashInferAttention.run", q=q, k_cache=k_cache)
         self.check_options(sliding_window, logits_soft_cap)
         if softmax_scale is not None and softmax_scale != plan.case.softmax_scale:
             raise ValueError(f"{self.name} fixes softmax_scale when it plans: planned {plan.case.softmax_scale}, "
@@ -144,7 +148,7 @@ class FlashInferSinglePrefillKernel(_FlashInfer):
             softmax_scale: float | None = None, sliding_window: int | None = None,
             logits_soft_cap: float | None = None) -> torch.Tensor:
         flashinfer = self.module()
-        self.require_device("flashinfer_single_prefill", q, k_cache)
+        self.require_device("flashinfer_single_prefill", q=q, k_cache=k_cache)
         self.check_options(sliding_window, logits_soft_cap)
         batch = plan.batch
         check_inputs(q, k_cache, v_cache, batch, k, v, "flashinfer_single_prefill")

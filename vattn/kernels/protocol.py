@@ -57,7 +57,7 @@ class AttentionCase(NamedTuple):
         device = "cpu" if q.is_cpu else "cuda" if q.is_cuda else q.device.type
         q_shape, cache = q.shape, k_cache.shape
         four = len(cache) == 4
-        return tuple.__new__(cls, (device, q_shape[-1], q.dtype, k_cache.dtype,
+        return tuple.__new__(cls, (device, q_shape[-1] if q_shape else 0, q.dtype, k_cache.dtype,
                                    q_shape[1] if len(q_shape) == 3 else None, cache[2] if four else None,
                                    cache[1] if four else None, softmax_scale, sliding_window, logits_soft_cap))
 
@@ -156,13 +156,14 @@ class Kernel(abc.ABC):
         if not ok:
             raise ValueError(reason)
 
-    def require_device(self, what: str, *tensors: torch.Tensor) -> None:
-        """Raises :class:`vattn.BackendUnavailable` (starting with ``what``)
-        unless every tensor is on one of the kernel's devices."""
-        if any(t.device.type not in self.devices for t in tensors):
-            on = " and ".join(str(t.device) for t in tensors)
+    def require_device(self, what: str, **tensors: torch.Tensor) -> None:
+        """Raises :class:`vattn.BackendUnavailable` (starting with ``what``,
+        naming each tensor's device) unless every tensor is on one of the
+        kernel's devices."""
+        if any(t.device.type not in self.devices for t in tensors.values()):
+            on = " and ".join(f"{name} on {t.device}" for name, t in tensors.items())
             raise BackendUnavailable(f"{what} needs {' or '.join(d.upper() for d in self.devices)} tensors, "
-                                     f"got tensors on {on}")
+                                     f"got {on}")
 
     # ---- plan and run ----------------------------------------------------------------------
 
