@@ -51,19 +51,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from harness import machine, machine_slug, pyplot, save_plot, write_json
 
-import torch  # noqa: E402
-from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
-
-import vattn  # noqa: E402
-from vattn.attention import AttentionBatch, FlashInferAttention, flash_attn_attention, sdpa_attention, sdpa_dense  # noqa: E402
+import vattn
+from vattn.attention import AttentionBatch, FlashInferAttention, flash_attn_attention, sdpa_attention, sdpa_dense
 
 # (query heads, KV heads, head dim) of one GPU's share of each model
 MODELS = {"llama-3-8b": (32, 8, 128), "llama-3-70b-tp4": (16, 2, 128)}

@@ -58,18 +58,14 @@ import argparse
 import functools
 import json
 import math
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from attention_ab import MODELS, Case, grid, ints, measure, model_shape, paged_ratios, sdpa_kernels
+from harness import RESULTS, machine, machine_slug, pyplot, save_plot, write_json
 
-import torch  # noqa: E402
-from attention_ab import MODELS, Case, grid, ints, measure, model_shape, paged_ratios, sdpa_kernels  # noqa: E402
-from common import RESULTS, machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
-
-from vattn.attention import host_attention, host_attention_info  # noqa: E402
+from vattn.attention import host_attention, host_attention_info
 
 # ---- kernels: each returns {name: callable} for one case --------------------------
 

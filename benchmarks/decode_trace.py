@@ -47,16 +47,13 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.nn.functional as F
+from attention_ab import cache_rows
+from harness import machine, machine_slug, pyplot, save_plot, write_json
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from attention_ab import cache_rows  # noqa: E402
-from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
-
-import vattn  # noqa: E402
+import vattn
 
 KiB, MiB = 1024, 1024 * 1024
 LAYERS, KV_HEADS, HEAD_DIM, PROMPT = 32, 8, 128, 1000

@@ -28,16 +28,12 @@ import argparse
 import math
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from harness import machine, machine_slug, pyplot, save_plot, write_json
 
-import torch  # noqa: E402
-from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
-
-import vattn  # noqa: E402
+import vattn
 
 KiB, MiB, GiB = 1024, 1024 * 1024, 1024**3
 MODELS = {  # layers, KV heads, head dim (fp16)

@@ -106,7 +106,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from common import machine_slug  # benchmarks/common.py: the file names' machine part
+from harness import machine_slug  # benchmarks/harness.py: the file names' machine part
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 540  # every stage ends by then: with the wheels, summary and archive the suite stays under 10 minutes
@@ -327,7 +327,7 @@ def main() -> int:
                 continue
             results.append(run_stage(name, [c.replace("{out}", str(out)) for c in cmd], min(limit, left), env, log))
     machine = json.loads(subprocess.run(
-        [sys.executable, "-c", "import json, common; print(json.dumps(common.machine()))"], cwd=BENCH, env=env,
+        [sys.executable, "-c", "import json, harness; print(json.dumps(harness.machine()))"], cwd=BENCH, env=env,
         capture_output=True, text=True, check=True).stdout)
     summary = {
         "benchmark": "gpu_suite",

@@ -35,7 +35,6 @@ import json
 import platform
 import statistics
 import subprocess
-import sys
 import sysconfig
 import tempfile
 import time
@@ -44,13 +43,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import pybind11  # noqa: E402
-import torch  # noqa: E402
-from attention_ab import MODELS, Case, model_shape  # noqa: E402
-from common import RESULTS, machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
-from torch.utils.dlpack import to_dlpack  # noqa: E402
+import pybind11
+import torch
+from attention_ab import MODELS, Case, model_shape
+from harness import RESULTS, machine, machine_slug, pyplot, save_plot, write_json
+from torch.utils.dlpack import to_dlpack
 
 ROOT = Path(__file__).resolve().parents[1]
 CXX = "g++"

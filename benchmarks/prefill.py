@@ -25,14 +25,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from harness import machine, machine_slug, pyplot, save_plot, write_json
 
-import torch  # noqa: E402
-from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
-
-import vattn  # noqa: E402
+import vattn
 
 KiB, MiB = 1024, 1024 * 1024
 PROMPTS = [1024, 2048, 4096, 8192, 16384]

@@ -28,18 +28,13 @@ and a plot; prints progress.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from harness import machine, machine_slug, pyplot, save_plot, write_json
+from transformers import LlamaConfig, LlamaForCausalLM
 
-import torch  # noqa: E402
-from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-from vattn.engine import Engine  # noqa: E402
+from vattn.engine import Engine
 
 MiB = 2**20
 VOCAB = 2000

@@ -22,14 +22,11 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from harness import machine, machine_slug, pyplot, save_plot, write_json
 
-import torch  # noqa: E402
-from common import machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
-
-import vattn  # noqa: E402
+import vattn
 
 BATCHES = [1, 4, 16, 64, 128, 256]
 LAYERS, KV_HEADS, HEAD_DIM = 32, 1, 8

@@ -38,9 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import RESULTS, machine, machine_slug, pyplot, save_plot, write_json  # noqa: E402
+from harness import RESULTS, machine, machine_slug, pyplot, save_plot, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "tests" / "vllm_scenario.py"

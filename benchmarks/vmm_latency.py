@@ -33,14 +33,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import machine, machine_slug, pyplot, save_plot, summarize, write_json
 
-from common import machine, machine_slug, pyplot, save_plot, summarize, write_json  # noqa: E402
-
-from vattn import _C, _testing  # noqa: E402
-from vattn.errors import VAttnError  # noqa: E402
+from vattn import _C, _testing
+from vattn.errors import VAttnError
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 HOST_PAGE_SIZES = [64 * KiB, 256 * KiB, 2 * MiB]

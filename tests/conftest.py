@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +20,34 @@ from host_faults import faulty_host_backend
 from vattn import _testing
 
 HERE = Path(__file__).resolve().parent
+BENCHMARKS = HERE.parent / "benchmarks"
 FAKE_CUDA_SOURCES = sorted((HERE / "backends" / "fake_cuda").glob("*.c"))
 FAKE_UVM_SOURCE = HERE / "backends" / "fake_uvm" / "fake_uvm.c"
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module, loaded by path (the benchmarks are
+    scripts, not a package). What it imports from benchmarks/ (the harness,
+    a sibling benchmark) loads the same way, under the name a script run
+    from benchmarks/ finds it by."""
+    if name in sys.modules:
+        return sys.modules[name]
+    finder = _BenchmarkFinder()
+    sys.meta_path.insert(0, finder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.meta_path.remove(finder)
+
+
+class _BenchmarkFinder:
+    """Finds ``benchmarks/<name>.py`` for ``import <name>`` while a benchmark loads."""
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None):
+        source = BENCHMARKS / f"{fullname}.py"
+        if "." in fullname or not source.is_file():
+            return None
+        return importlib.util.spec_from_file_location(fullname, source)
 
 
 def c_compiler() -> str | None:

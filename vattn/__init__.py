@@ -9,8 +9,10 @@ Module-level functions act on one default manager created by :func:`init`;
 
 from __future__ import annotations
 
+import inspect
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec
 
 import torch
 
@@ -44,31 +46,30 @@ __all__ = [
     "get_manager",
 ]
 
+P = ParamSpec("P")
+
 _default: KVCacheManager | None = None
 _default_lock = threading.Lock()  # init / cleanup from several threads: one winner each
 
 
-def init(
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype = torch.float16,
-    max_batch_size: int = 1,
-    max_context_len: int = 4096,
-    page_size: int | None = None,
-    device: str | torch.device = "cpu",
-    layout: str = "per_layer",
-    physical_memory: int | None = None,
-    background: bool = True,
-    deferred_reclaim: bool = True,
-    eager: bool = True,
-    lookahead_tokens: int = 1,
-    eager_tokens: int | None = None,
-    reclaim_threshold: float = 0.1,
-    page_allocator: str = "vattn",
-    backend: str | None = None,
-) -> KVCacheManager:
-    """Creates the default manager (see :class:`KVCacheManager` for arguments).
+def _takes_parameters_of(target: Callable[P, Any]) -> Callable[[Callable[..., KVCacheManager]],
+                                                              Callable[P, KVCacheManager]]:
+    """Gives the decorated forwarder ``target``'s parameter list, so the list
+    is written once: at run time as its ``__signature__`` (``help()``,
+    ``inspect``) and, through the ParamSpec, for type checkers and IDEs."""
+
+    def wrap(forwarder: Callable[..., KVCacheManager]) -> Callable[P, KVCacheManager]:
+        forwarder.__signature__ = inspect.signature(target).replace(  # type: ignore[attr-defined]
+            return_annotation="KVCacheManager")
+        return forwarder
+
+    return wrap
+
+
+@_takes_parameters_of(KVCacheManager)
+def init(*args: Any, **kwargs: Any) -> KVCacheManager:
+    """Creates the default manager: ``KVCacheManager(*args, **kwargs)``, the
+    same parameters (see :class:`KVCacheManager` for them).
 
     Raises :class:`VAttnError` if one exists and was not cleaned up.
     """
@@ -76,26 +77,7 @@ def init(
     with _default_lock:
         if _default is not None and not _default.closed:
             raise VAttnError("vattn.init was already called; call vattn.cleanup() first")
-        _default = KVCacheManager(
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-            max_batch_size=max_batch_size,
-            max_context_len=max_context_len,
-            page_size=page_size,
-            device=device,
-            layout=layout,
-            physical_memory=physical_memory,
-            background=background,
-            deferred_reclaim=deferred_reclaim,
-            eager=eager,
-            lookahead_tokens=lookahead_tokens,
-            eager_tokens=eager_tokens,
-            reclaim_threshold=reclaim_threshold,
-            page_allocator=page_allocator,
-            backend=backend,
-        )
+        _default = KVCacheManager(*args, **kwargs)
         return _default
 
 

@@ -7,7 +7,6 @@ import contextlib
 import functools
 import itertools
 import os
-import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -16,9 +15,17 @@ import numpy as np
 import torch
 
 from . import _C
+from .arguments import as_int as _as_int
+from .arguments import bounded_int as _bounded_int
+from .arguments import int_array as _int_array
+from .arguments import policy_args as _policy_args
+from .arguments import stream_handles as _stream_handles
 from .backends import BackendSpec, parse_device, resolve_backend, torch_device
 from .config import KVCacheConfig
 from .errors import BackendUnavailable, ForkedError
+from .spans import forget_span as _forget_span
+from .spans import manager_of  # noqa: F401 - vattn.manager.manager_of, as before
+from .spans import remember_span as _remember_span
 
 SeqLens = Sequence[int] | torch.Tensor | np.ndarray
 IntArray = Sequence[int] | torch.Tensor | np.ndarray
@@ -625,61 +632,9 @@ class KVCacheManager:
         )
 
 
-def _policy_args(background: bool, deferred_reclaim: bool, eager: bool, lookahead_tokens: int,
-                 eager_tokens: int | None, reclaim_threshold: float, max_context_len: int) -> dict[str, Any]:
-    for name, flag in (("background", background), ("deferred_reclaim", deferred_reclaim), ("eager", eager)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if eager_tokens is None:
-        eager_tokens = min(max_context_len, 1024)
-    for name, tokens in (("lookahead_tokens", lookahead_tokens), ("eager_tokens", eager_tokens)):
-        if not 0 <= _as_int(name, tokens) <= max_context_len:
-            raise ValueError(f"{name} must be in [0, {max_context_len}] (max_context_len), got {tokens}")
-    lookahead_tokens, eager_tokens = int(lookahead_tokens), int(eager_tokens)
-    if isinstance(reclaim_threshold, bool) or not isinstance(reclaim_threshold, (int, float)):
-        raise TypeError(f"reclaim_threshold must be a number, got {type(reclaim_threshold).__name__}")
-    if not 0.0 <= reclaim_threshold <= 1.0:  # NaN fails too
-        raise ValueError(f"reclaim_threshold must be in [0, 1], got {reclaim_threshold}")
-    return dict(background=background, deferred_reclaim=deferred_reclaim, eager=eager and background,
-                lookahead_tokens=lookahead_tokens, eager_tokens=eager_tokens,
-                reclaim_threshold=float(reclaim_threshold))
-
-
 # Managers still open at interpreter exit are closed then, so their mapper
 # threads are joined before the interpreter and the driver go away.
 _live_managers: weakref.WeakSet[KVCacheManager] = weakref.WeakSet()
-
-
-# (first address, end, manager) of every open manager: a tuple replaced whole
-# under _spans_lock, so readers need no lock. A manager leaves it at cleanup
-# (its addresses may then be reused by another cache) or when collected.
-_spans: tuple[tuple[int, int, weakref.ref[KVCacheManager]], ...] = ()
-_spans_lock = threading.Lock()
-
-
-def _remember_span(manager: KVCacheManager) -> None:
-    global _spans
-    with _spans_lock:
-        _spans = (*_spans, (*manager._span, weakref.ref(manager, _forget_span)))
-
-
-def _forget_span(gone: KVCacheManager | weakref.ref[KVCacheManager]) -> None:
-    global _spans
-    with _spans_lock:
-        _spans = tuple(s for s in _spans if s[2] is not gone and s[2]() is not gone and s[2]() is not None)
-
-
-def manager_of(tensor: torch.Tensor) -> KVCacheManager | None:
-    """The open manager whose cache memory holds ``tensor``'s first element,
-    or None for any other tensor (a closed manager's views included: they
-    read the memory they kept, like plain tensors)."""
-    address = tensor.data_ptr()
-    for low, high, ref in _spans:
-        if low <= address < high:
-            manager = ref()
-            if manager is not None and manager.device.type == tensor.device.type:
-                return manager
-    return None
 
 
 @atexit.register
@@ -730,66 +685,3 @@ class PrefixHandle:
     def __repr__(self) -> str:
         state = "released" if self.released else f"{len(self.page_ids)} pages"
         return f"PrefixHandle(num_tokens={self.num_tokens}, {state})"
-
-
-def _as_int(name: str, value: object, limit: int = 2**63) -> int:
-    """``value`` as an int in ``[-limit, limit)``: ints and integer scalars, not bools or floats."""
-    if isinstance(value, bool) or not hasattr(value, "__index__") or isinstance(value, float):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    out = int(value.__index__())  # type: ignore[attr-defined]
-    if not -limit <= out < limit:
-        raise ValueError(f"{name} must be below {limit}, got {out}")
-    return out
-
-
-def _bounded_int(name: str, value: object, count: int) -> int:
-    """An int index in ``[0, count)``, with an error naming the argument and the range."""
-    if isinstance(value, bool) or not hasattr(value, "__index__") or isinstance(value, float):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    out = int(value.__index__())  # type: ignore[attr-defined]
-    if not 0 <= out < count:
-        raise ValueError(f"{name} must be in [0, {count - 1}], got {out}")
-    return out
-
-
-_CU_STREAM_PER_THREAD = 0x2  # cuda.h
-
-
-def _stream_handles(streams: Any) -> list[int]:
-    """Raw stream handles (ints) of ``streams``: None, a stream (an int or an
-    object with ``.cuda_stream``, as torch.cuda.Stream) or a sequence of them."""
-    if streams is None:
-        return []
-    if isinstance(streams, int) or hasattr(streams, "cuda_stream"):
-        streams = [streams]
-    if isinstance(streams, (str, bytes)) or not hasattr(streams, "__iter__"):
-        raise TypeError(f"sync_streams must be a stream, a raw stream handle (int) or a sequence of them, "
-                        f"got {type(streams).__name__}")
-    handles = []
-    for s in streams:
-        handle = getattr(s, "cuda_stream", s)
-        if isinstance(handle, bool) or not isinstance(handle, int):
-            raise TypeError(f"sync_streams entries must be streams (with .cuda_stream) or raw handles (int), "
-                            f"got {type(s).__name__}")
-        if not 0 <= handle < 2**64:
-            raise ValueError(f"sync_streams: a raw stream handle must be in [0, 2^64), got {handle}")
-        if handle == _CU_STREAM_PER_THREAD:  # vattn's waits run on other threads (the mapper's)
-            raise ValueError("sync_streams: 2 is CU_STREAM_PER_THREAD, a different stream on every thread, so "
-                             "vattn's fences could not name the caller's; name a created stream or the legacy "
-                             "default stream (0)")
-        handles.append(handle)
-    return handles
-
-
-def _int_array(name: str, values: object) -> Any:
-    """What the core reads as a 1-D int array: lists, tuples and numpy arrays
-    pass as they are; tensors must be CPU integer tensors (any stride)."""
-    if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu":
-            raise ValueError(f"{name} must be a CPU tensor or a list, got a tensor on {values.device}")
-        if values.dtype == torch.bool or values.is_floating_point() or values.is_complex():
-            raise TypeError(f"{name} must hold integers, got a {values.dtype} tensor")
-        if values.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
-        return values.numpy()
-    return values

@@ -34,9 +34,17 @@
 namespace vattn {
 namespace cpu_attn {
 
+const char* torch_dtype_name(DType d) {
+  switch (d) {
+    case DType::kF32: return "float32";
+    case DType::kBF16: return "bfloat16";
+    case DType::kF16: return "float16";
+  }
+  return "?";
+}
+
 namespace {
 
-constexpr int32_t kMaxHeadDim = 1024;
 constexpr int32_t kBlockRows = 64;       // query rows (queries x group heads) per prefill item
 constexpr int32_t kDecodeRows = 16;      // at most this many rows per kv head: one item spans all kv heads
 constexpr int64_t kMinSplitKeys = 256;   // a split covers at least this many keys
@@ -50,15 +58,6 @@ std::string shape_str(const TensorRef& t) {
   for (int i = 0; i < t.ndim; ++i) s << (i ? ", " : "") << t.shape[i];
   s << "]";
   return s.str();
-}
-
-const char* dtype_name(DType d) {
-  switch (d) {
-    case DType::kF32: return "float32";
-    case DType::kBF16: return "bfloat16";
-    case DType::kF16: return "float16";
-  }
-  return "?";
 }
 
 [[noreturn]] void bad(const std::string& message) { throw std::invalid_argument(message); }
@@ -94,10 +93,11 @@ void validate(const BatchPlan& plan, const Call& c, const TensorRef* k_new, cons
   for (int i = 0; i < 3; ++i)
     if (c.out.shape[i] != c.q.shape[i]) bad("out must have q's shape " + shape_str(c.q) + ", got " + shape_str(c.out));
   if (c.out.dtype != c.q.dtype)
-    throw TypeError(std::string("out must have q's dtype (") + dtype_name(c.q.dtype) + "), got " + dtype_name(c.out.dtype));
+    throw TypeError(std::string("out must have q's dtype (") + torch_dtype_name(c.q.dtype) + "), got " +
+                    torch_dtype_name(c.out.dtype));
   if (c.v_cache.dtype != c.k_cache.dtype)
-    throw TypeError(std::string("k_cache and v_cache dtypes differ: ") + dtype_name(c.k_cache.dtype) + " vs " +
-                    dtype_name(c.v_cache.dtype));
+    throw TypeError(std::string("k_cache and v_cache dtypes differ: ") + torch_dtype_name(c.k_cache.dtype) +
+                    " vs " + torch_dtype_name(c.v_cache.dtype));
   if (plan.max_reqid() >= B)
     bad("reqids must be in [0, " + std::to_string(B - 1) + "] for this cache (max_batch_size " + std::to_string(B) +
         "), got " + std::to_string(plan.max_reqid()));
@@ -115,14 +115,15 @@ void validate(const BatchPlan& plan, const Call& c, const TensorRef* k_new, cons
       bad(std::string(name) + " must be [" + std::to_string(T) + ", " + std::to_string(Hkv) + ", " +
           std::to_string(D) + "] (new tokens, kv heads, head_dim), got " + shape_str(*t));
     if (t->dtype != c.k_cache.dtype)
-      throw TypeError(std::string(name) + " must have the cache's dtype (" + dtype_name(c.k_cache.dtype) + "), got " +
-                      dtype_name(t->dtype));
+      throw TypeError(std::string(name) + " must have the cache's dtype (" + torch_dtype_name(c.k_cache.dtype) +
+                      "), got " + torch_dtype_name(t->dtype));
   }
   if (c.lse.data) {
     check_rank(c.lse, "lse", 2, "[num_tokens, num_heads_q]");
     if (c.lse.shape[0] != T || c.lse.shape[1] != Hq)
       bad("lse must be [" + std::to_string(T) + ", " + std::to_string(Hq) + "], got " + shape_str(c.lse));
-    if (c.lse.dtype != DType::kF32) throw TypeError(std::string("lse must be float32, got ") + dtype_name(c.lse.dtype));
+    if (c.lse.dtype != DType::kF32)
+      throw TypeError(std::string("lse must be float32, got ") + torch_dtype_name(c.lse.dtype));
   }
   if (!std::isfinite(c.scale)) bad("softmax_scale must be finite, got " + std::to_string(c.scale));
   if (!(c.softcap >= 0.0f) || !std::isfinite(c.softcap))

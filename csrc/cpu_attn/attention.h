@@ -17,6 +17,13 @@
 namespace vattn {
 namespace cpu_attn {
 
+// ---- limits of a call (vattn.kernels.host reads them from the module: stated here only) ----
+
+// The largest head_dim: the split merge keeps one row of this many floats on the stack.
+constexpr int32_t kMaxHeadDim = 1024;
+constexpr int kNumDTypes = 3;  // DType's values, 0 .. kNumDTypes - 1
+const char* torch_dtype_name(DType d);  // torch's name of the type: "float32", "bfloat16", "float16"
+
 // A bad argument whose type (dtype) is wrong; bindings raise TypeError.
 class TypeError : public std::invalid_argument {
  public:

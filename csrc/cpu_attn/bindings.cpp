@@ -147,5 +147,9 @@ PYBIND11_MODULE(_cpu_attn, m) {
         py::arg("out"), py::arg("k") = py::none(), py::arg("v") = py::none(), py::arg("lse") = py::none(),
         py::arg("scale"), py::arg("softcap") = 0.0, py::arg("window") = 0, py::arg("isa") = py::none(),
         "Attention of one layer over the cache (DLPack capsules); writes out (and lse). Returns the ISA used.");
+  m.attr("MAX_HEAD_DIM") = kMaxHeadDim;
+  py::tuple dtypes(kNumDTypes);
+  for (int i = 0; i < kNumDTypes; ++i) dtypes[i] = torch_dtype_name(static_cast<DType>(i));
+  m.attr("DTYPES") = dtypes;
   m.def("info", &info, "ISA chosen and supported, thread pool size, calls run per ISA.");
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -374,6 +375,20 @@ def test_module_level_api():
         vattn.cleanup()
     vattn.init(num_layers=1, num_kv_heads=1, head_dim=16)  # init again after cleanup works
     vattn.cleanup()
+
+
+def test_init_takes_exactly_the_managers_parameters():
+    """vattn.init forwards to KVCacheManager: one parameter list (names,
+    order, defaults, annotations), so a new manager parameter reaches init."""
+    assert list(inspect.signature(vattn.init).parameters.values()) == \
+        list(inspect.signature(vattn.KVCacheManager).parameters.values())
+    kv = vattn.init(1, 1, 16, max_context_len=64, background=False, sync_streams=None)  # once missing from init
+    assert vattn.get_manager() is kv and kv.config.max_context_len == 64
+    vattn.cleanup()
+    with pytest.raises(TypeError, match="page_sise"):
+        vattn.init(num_layers=1, num_kv_heads=1, head_dim=16, page_sise=4096)
+    with pytest.raises(vattn.ClosedError):  # the refused call left no default manager
+        vattn.get_manager()
 
 
 def test_views_keep_reservation_alive_after_manager_is_gone():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 
 import pytest
 import torch
@@ -264,5 +265,86 @@ def test_flashinfer_batched_matches_reference(layout, heads_q, heads_kv, decode_
             out = fi.run(q, *sc.kv.layer(layer), k=k, v=v)
             sc.check_cache_rows(layer)
             assert_matches(out, sc.reference(layer), dtype)
+    finally:
+        sc.close()
+
+
+# ---- FlashAttention's plan and calls, against a reference flash_attn_with_kvcache on the CPU ----------
+
+
+@pytest.fixture
+def reference_flash_attn(monkeypatch):
+    """``flash_attn`` replaced by a float reference of ``flash_attn_with_kvcache``
+    (appends k / v at ``cache_seqlens`` of rows ``cache_batch_idx``, then
+    attends causally, aligned to the end), and the FlashAttention kernel let
+    onto CPU tensors: what the kernel hands the library is checked here, the
+    library itself on a GPU. Records the q of every call."""
+    from vattn.kernels import FlashAttentionKernel, sdpa_dense
+
+    calls = []
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
+                                softmax_scale=None, causal=False):
+        assert causal and cache_seqlens.dtype == cache_batch_idx.dtype == torch.int32
+        assert q.dim() == 4 and (k is None) == (v is None)
+        calls.append(q)
+        out = torch.empty_like(q)
+        for b in range(q.shape[0]):
+            row, n = int(cache_batch_idx[b]), int(cache_seqlens[b])
+            if k is not None:
+                k_cache[row, n:n + q.shape[1]], v_cache[row, n:n + q.shape[1]] = k[b], v[b]
+                n += q.shape[1]
+            out[b] = sdpa_dense(q[b], k_cache[row, :n], v_cache[row, :n], softmax_scale)
+        return out
+
+    module = type(sys)("flash_attn")
+    module.flash_attn_with_kvcache = flash_attn_with_kvcache
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+    monkeypatch.setattr(FlashAttentionKernel, "devices", ("cuda", "cpu"))
+    return calls
+
+
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_flash_attn_builds_index_tensors_once_per_batch(reference_flash_attn, monkeypatch, layout, decode_only):
+    """The plan builds every call's index tensors (one copy to the device for
+    the ints, one for the token rows); the layers build none. A batch of one
+    query length is one call on q as it is: no gather of token rows."""
+    from vattn.kernels import KERNELS
+
+    kernel = KERNELS["flash_attn"]
+    sc = Scenario("cpu", layout, torch.float32, 8, 2, page_size=16384, decode_only=decode_only)
+    built = []
+    tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **kw: built.append(a) or tensor(*a, **kw))
+    try:
+        plan = kernel.plan(sc.batch)
+        assert len(built) == (1 if decode_only else 2)
+        assert len(plan.groups) == len(set(sc.batch.query_lens))
+        built.clear()
+        for layer in range(NUM_LAYERS):
+            q, k, v = sc.new[layer]
+            out = kernel.run(plan, q, *sc.kv.layer(layer), k, v)
+            sc.check_cache_rows(layer)
+            assert_matches(out, sc.reference(layer), torch.float32)
+            if decode_only:
+                assert reference_flash_attn[-1].data_ptr() == q.data_ptr()  # q went in as it is
+        assert built == [], "a layer built index tensors"
+        assert len(reference_flash_attn) == NUM_LAYERS * len(plan.groups)
+    finally:
+        sc.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_flash_attn_adapter_on_the_reference(reference_flash_attn, layout):
+    """flash_attn_attention (the function API) over every layer, K/V appended
+    by the library, and attending over K/V written before."""
+    check_adapter(flash_attn_attention, "cpu", layout, 8, 2, torch.float32, page_size=16384)
+    sc = Scenario("cpu", layout, torch.float32, 8, 2, page_size=16384)
+    try:
+        q, k, v = sc.new[0]
+        write_kv(*sc.kv.layer(0), sc.batch, k, v)
+        out = flash_attn_attention(q, *sc.kv.layer(0), sc.batch, softmax_scale=0.3)
+        assert_matches(out, sc.reference(0, scale=0.3), torch.float32)
     finally:
         sc.close()

@@ -29,6 +29,7 @@ import torch
 import vattn
 from vattn.attention import (AttentionBatch, attention, host_attention, host_attention_info, sdpa_attention,
                              write_kv)
+from vattn.kernels import KERNELS
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -169,7 +170,7 @@ def test_long_decodes_split_and_merge(isa: str) -> None:
         check(out, lse, reference(case.q, case.keys, case.values, batch, 1 / math.sqrt(128)),
               f"{isa} {dtype} {heads_q}/{heads_kv}")
     if host_attention_info()["threads"] > 1:
-        _, groups = batch.host_plan().num_items(group_size=8, heads_kv=1)
+        _, groups = KERNELS["host"].plan_for(batch).native.num_items(group_size=8, heads_kv=1)
         assert groups > 0, "a 4096-token MQA decode should be split across threads"
 
 
@@ -246,7 +247,7 @@ def test_nan_in_a_split_that_sees_one_key(isa: str) -> None:
     split = False
     for cached in range(256, 4097, 64):
         batch = AttentionBatch([0], [cached], [8])
-        split = split or batch.host_plan().num_items(group_size=4, heads_kv=1)[1] > 0
+        split = split or KERNELS["host"].plan_for(batch).native.num_items(group_size=4, heads_kv=1)[1] > 0
         case = DenseCase(batch, 4, 1, 64, torch.float32, max_len=cached + 8, seed=1)
         case.k[0, 0, 7] = float("nan")  # every query of the chunk sees its first new key
         out = host_attention(case.q, case.k_cache, case.v_cache, batch, k=case.k, v=case.v, isa=isa)

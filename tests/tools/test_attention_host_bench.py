@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from conftest import load_benchmark
 
-from attention_ab import time_interleaved  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+time_interleaved = load_benchmark("attention_ab").time_interleaved
 
 
 def test_every_timed_call_follows_a_flush():

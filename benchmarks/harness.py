@@ -1,4 +1,7 @@
-"""Shared helpers for benchmarks: machine description, stats, result files.
+"""The benchmarks' harness: machine facts, timing statistics, result files
+and plots, shared by every script in benchmarks/ (``from harness import
+...``: a script run as ``python benchmarks/x.py`` has benchmarks/ on its path;
+tests load the scripts by path, tests/conftest.py ``load_benchmark``).
 
 Results go to benchmarks/results/, or to $VATTN_RESULTS_DIR when set (the GPU
 suite, benchmarks/gpu_suite.sh, points it at its output folder). Under
@@ -14,7 +17,6 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 

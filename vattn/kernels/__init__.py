@@ -1,0 +1,59 @@
+"""Attention kernels on the vattn cache, one protocol for all of them.
+
+Every kernel reads K/V straight from the cache tensors of
+:meth:`vattn.KVCacheManager.layer` (``[B_max, L, H_kv, D]`` views, either
+layout): no block table, no gather, no copy of the cache. Each request ``r``
+is read only in rows ``[0, seq_len)``, which ``step`` has mapped; nothing reads
+the rest of the slot (a read there would fault).
+
+Modules:
+
+- ``batch``: :class:`AttentionBatch` (one forward's requests), :func:`write_kv`
+  and the input checks every kernel shares.
+- ``protocol``: :class:`Kernel` (``supports`` a case and says why not,
+  ``plan`` a batch once per forward, ``run`` one layer), :class:`AttentionCase`,
+  :class:`Support`, :class:`KernelPlan`.
+- ``host``: vattn's own kernel (``vattn._cpu_attn``, ``csrc/cpu_attn``),
+  :class:`HostKernel`; its limits are read from the extension.
+- ``sdpa``: torch SDPA per request, :class:`SdpaKernel` (the reference).
+- ``flash_attn``: FlashAttention-2's ``flash_attn_with_kvcache``,
+  :class:`FlashAttentionKernel`.
+- ``flashinfer``: FlashInfer's batched paged kernels and its single prefill,
+  :class:`FlashInferKernel`, :class:`FlashInferSinglePrefillKernel`.
+- ``select``: the kernel instances (:data:`KERNELS`), the preference per
+  device and :func:`select_kernel`, the one rule that picks a kernel.
+
+FlashAttention and FlashInfer are imported on first use; without them, or
+without a CUDA tensor, their kernels raise :class:`vattn.BackendUnavailable`.
+:mod:`vattn.attention` keeps the function-per-kernel API on top of these.
+"""
+
+from .batch import AttentionBatch, write_kv
+from .flash_attn import FlashAttentionKernel, FlashAttentionPlan
+from .flashinfer import FlashInferKernel, FlashInferPlan, FlashInferSinglePrefillKernel
+from .host import HostKernel, HostPlan
+from .protocol import AttentionCase, Kernel, KernelPlan, Support
+from .sdpa import SdpaKernel, sdpa_dense
+from .select import KERNELS, PREFERENCE, NoKernel, select_kernel
+
+__all__ = [
+    "AttentionBatch",
+    "AttentionCase",
+    "FlashAttentionKernel",
+    "FlashAttentionPlan",
+    "FlashInferKernel",
+    "FlashInferPlan",
+    "FlashInferSinglePrefillKernel",
+    "HostKernel",
+    "HostPlan",
+    "KERNELS",
+    "Kernel",
+    "KernelPlan",
+    "NoKernel",
+    "PREFERENCE",
+    "SdpaKernel",
+    "Support",
+    "sdpa_dense",
+    "select_kernel",
+    "write_kv",
+]

@@ -1,0 +1,219 @@
+"""One forward's requests (:class:`AttentionBatch`) and the checks and K/V
+writes every kernel shares.
+
+Token-packed ("varlen") tensors: ``q`` is ``[T, H_q, D]`` and ``k``/``v`` (the
+new tokens) ``[T, H_kv, D]`` where ``T = sum(query_lens)``, request ``i``'s
+tokens at rows ``[query_starts[i], query_starts[i+1])``. The caches are one
+layer's ``[B_max, L, H_kv, D]`` views (:meth:`vattn.KVCacheManager.layer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..spans import manager_of
+
+
+class AttentionBatch:
+    """One forward's requests: which reqids, how long, how many new tokens.
+
+    Built once per iteration (it validates and precomputes the index tensors)
+    and passed to every layer's attention call. What a kernel prepares from
+    it belongs to that kernel's plan (:meth:`vattn.kernels.Kernel.plan`), not
+    to the batch.
+
+    Args:
+        reqids: cache rows (vattn reqids) of the requests in this forward, in
+            the order their tokens appear in ``q``; distinct.
+        cached_lens: tokens each request already has in the cache before this
+            forward.
+        query_lens: new tokens each request brings in this forward (>= 1).
+        device: where the index tensors the kernels take should live
+            (the cache's device).
+
+    ``seq_lens[i] = cached_lens[i] + query_lens[i]`` tokens are attended; the
+    caller must have ``step``-ed every request to at least that length.
+    """
+
+    __slots__ = ("reqids", "cached_lens", "query_lens", "seq_lens", "query_starts", "device", "_tensors",
+                 "_mapped_checks", "__weakref__")
+
+    def __init__(
+        self,
+        reqids: Sequence[int],
+        cached_lens: Sequence[int],
+        query_lens: Sequence[int],
+        device: str | torch.device = "cpu",
+    ) -> None:
+        reqids, cached_lens, query_lens = (int_list(n, v) for n, v in
+                                            (("reqids", reqids), ("cached_lens", cached_lens),
+                                             ("query_lens", query_lens)))
+        if not len(reqids) == len(cached_lens) == len(query_lens):
+            raise ValueError(
+                f"reqids, cached_lens and query_lens must have equal lengths, got "
+                f"{len(reqids)}, {len(cached_lens)}, {len(query_lens)}"
+            )
+        if not reqids:
+            raise ValueError("reqids must name at least one request")
+        if min(reqids) < 0 or len(set(reqids)) != len(reqids):
+            raise ValueError(f"reqids must be distinct non-negative ints, got {reqids}")
+        if min(cached_lens) < 0:
+            raise ValueError(f"cached_lens must be >= 0, got {cached_lens}")
+        if min(query_lens) < 1:
+            raise ValueError(f"query_lens must be >= 1, got {query_lens}")
+        self.reqids = reqids
+        self.cached_lens = cached_lens
+        self.query_lens = query_lens
+        self.seq_lens = [c + q for c, q in zip(cached_lens, query_lens)]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        self.query_starts = starts
+        self.device = torch.device(device)
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._mapped_checks: dict[tuple, list[Any]] = {}  # per (k view, v view, caller): see check_mapped
+
+    @property
+    def num_tokens(self) -> int:
+        """T: new tokens in this forward, all requests together."""
+        return self.query_starts[-1]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request brings exactly one token."""
+        return self.num_tokens == len(self.reqids)
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """A per-batch index tensor on ``device``, built once per batch.
+
+        ``name`` is one of ``reqids``, ``cached_lens``, ``seq_lens``,
+        ``query_starts`` (length B+1), ``token_reqids`` and ``token_positions``
+        (length T: each new token's reqid and position in its request).
+        """
+        key = f"{name}:{dtype}"
+        if key not in self._tensors:
+            if name == "token_reqids":
+                values = [r for r, q in zip(self.reqids, self.query_lens) for _ in range(q)]
+            elif name == "token_positions":
+                values = [p for c, s in zip(self.cached_lens, self.seq_lens) for p in range(c, s)]
+            elif name in ("reqids", "cached_lens", "seq_lens", "query_starts"):
+                values = getattr(self, name)
+            else:
+                raise ValueError(f"unknown batch tensor {name!r}")
+            self._tensors[key] = torch.tensor(values, dtype=dtype, device=self.device)
+        return self._tensors[key]
+
+    def check_mapped(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
+        """Raises ``ValueError`` (starting with ``what``) unless every request
+        may be read: when a cache is a view of a :class:`vattn.KVCacheManager`'s
+        memory, each reqid must be allocated there with at least ``seq_len``
+        tokens mapped (rows past that are unmapped: a read would fault). Other
+        tensors are bounded by their shape, which the kernels check.
+
+        Checked on every call (one call into the core for the whole batch,
+        a few microseconds), so a request freed between two layers is caught
+        too; which manager and rows a view maps to is worked out once per view.
+        """
+        key = (k_cache.data_ptr(), k_cache.stride(), v_cache.data_ptr(), v_cache.stride(), what)
+        checks = self._mapped_checks.get(key)
+        if checks is None:
+            checks = self._mapped_checks[key] = self._plan_mapped_checks(k_cache, v_cache, what)
+        for check in checks:
+            check()
+
+    def _plan_mapped_checks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> list[Any]:
+        checks, origins = [], []
+        for cache in (k_cache, v_cache):
+            manager = manager_of(cache) if cache.dim() == 4 else None  # a bad rank: the kernel's check names it
+            if manager is None:
+                continue
+            origin, check = manager.mapped_check(cache, self.reqids, self.seq_lens, what)
+            if (manager, origin) not in origins:  # V at K's place in its own buffer: the same slots and tokens
+                origins.append((manager, origin))
+                checks.append(check)
+        return checks
+
+    def check_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Raises unless both caches are ``[B_max, L, H, D]`` and hold every
+        request (shapes only; :meth:`check_mapped` checks the memory)."""
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if cache.dim() != 4:
+                raise ValueError(f"{name} must be [max_batch_size, max_context_len, heads, head_dim], "
+                                 f"got shape {tuple(cache.shape)}")
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
+        slots, max_len = k_cache.shape[:2]
+        if max(self.reqids) >= slots:
+            raise ValueError(f"reqids must be in [0, {slots - 1}] for this cache, got {max(self.reqids)}")
+        if max(self.seq_lens) > max_len:
+            raise ValueError(f"cached_lens + query_lens must be <= {max_len} (max_context_len), "
+                             f"got {max(self.seq_lens)}")
+
+    def __repr__(self) -> str:
+        return (f"AttentionBatch(reqids={self.reqids}, cached_lens={self.cached_lens}, "
+                f"query_lens={self.query_lens})")
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Writes the new tokens' K and V (``[T, H_kv, D]``) into their cache rows.
+
+    One indexed store per tensor: row ``(reqid, cached_len + j)`` for every new
+    token; nothing else of the cache is touched.
+    """
+    batch.check_cache(k_cache, v_cache)
+    check_new_kv(k_cache, batch, k, v)
+    batch.check_mapped(k_cache, v_cache, "write_kv")
+    write_rows(k_cache, v_cache, batch, k, v)
+
+
+def write_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+    """:func:`write_kv` after its checks."""
+    rows = (batch.tensor("token_reqids", torch.long), batch.tensor("token_positions", torch.long))
+    k_cache.index_put_(rows, k)
+    v_cache.index_put_(rows, v)
+
+
+def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+                 k: torch.Tensor | None, v: torch.Tensor | None, what: str) -> None:
+    """Shapes of the caches, the queries and the new K/V (when either is
+    given), then the mapping of every request's rows; ``what`` (the caller)
+    starts a mapping error's message."""
+    batch.check_cache(k_cache, v_cache)
+    check_query(q, k_cache, batch)
+    if k is not None or v is not None:
+        check_new_kv(k_cache, batch, k, v)
+    batch.check_mapped(k_cache, v_cache, what)
+
+
+def check_query(q: torch.Tensor, k_cache: torch.Tensor, batch: AttentionBatch) -> None:
+    heads_kv, head_dim = k_cache.shape[2:]
+    if q.dim() != 3 or q.shape[0] != batch.num_tokens or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [{batch.num_tokens}, num_qo_heads, {head_dim}] "
+                         f"(tokens, heads, head_dim), got {tuple(q.shape)}")
+    if q.shape[1] % heads_kv:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of the cache's KV heads ({heads_kv})")
+
+
+def check_new_kv(k_cache: torch.Tensor, batch: AttentionBatch, k: torch.Tensor | None,
+                 v: torch.Tensor | None) -> None:
+    want = (batch.num_tokens, *k_cache.shape[2:])
+    for name, t in (("k", k), ("v", v)):
+        if t is None or tuple(t.shape) != want:
+            got = None if t is None else tuple(t.shape)
+            raise ValueError(f"{name} must be {list(want)} (new tokens, kv heads, head_dim), got {got}")
+
+
+def int_list(name: str, values: Sequence[int] | torch.Tensor) -> list[int]:
+    """``values`` as a list of ints (``TypeError`` naming ``name`` otherwise)."""
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    out = list(values)
+    for x in out:
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"{name} must hold ints, got {type(x).__name__}")
+    return out

@@ -1,0 +1,232 @@
+"""The protocol every attention kernel on the vattn cache follows.
+
+A kernel says whether it serves a case (:meth:`Kernel.supports`, with the
+reason when it does not), prepares a forward's batch once
+(:meth:`Kernel.plan`) and runs one layer on that plan (:meth:`Kernel.run`)::
+
+    case = AttentionCase.of(q, k_cache)
+    kernel = select_kernel(case)              # vattn.kernels.select
+    plan = kernel.plan(batch, case)           # once per forward
+    for i in range(num_layers):
+        out = kernel.run(plan, q[i], *kv.layer(i), k=k_new[i], v=v_new[i])
+
+A kernel's limits (devices, dtypes, head dims, options) are its class
+attributes, read by :meth:`Kernel.supports`; nothing else restates them.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import weakref
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from ..errors import BackendUnavailable
+from .batch import AttentionBatch
+
+
+class AttentionCase(NamedTuple):
+    """What a kernel's support and plan depend on.
+
+    Fields not known yet are None and not checked: a framework's start-up
+    check knows the device, head dim and options before any tensor exists.
+    ``sliding_window`` and ``logits_soft_cap``: None or 0 is off.
+    """
+
+    device_type: str  # "cpu" or "cuda"
+    head_dim: int  # elements per head (D)
+    dtype: torch.dtype | None = None  # of q (and out)
+    kv_dtype: torch.dtype | None = None  # of the cache; None: dtype's
+    num_q_heads: int | None = None  # H_q
+    num_kv_heads: int | None = None  # H_kv
+    max_context_len: int | None = None  # tokens per cache slot (L)
+    softmax_scale: float | None = None  # None: 1/sqrt(D)
+    sliding_window: int | None = None  # tokens a query sees, itself included
+    logits_soft_cap: float | None = None  # scores become cap * tanh(score / cap)
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k_cache: torch.Tensor, softmax_scale: float | None = None,
+           sliding_window: int | None = None, logits_soft_cap: float | None = None) -> AttentionCase:
+        """The case of one call: ``q`` ``[T, H_q, D]`` over ``k_cache``
+        ``[B_max, L, H_kv, D]`` (shapes the kernel checks again: a wrong rank
+        leaves a field None here)."""
+        # built on every attention() call, so from the cheapest accessors (tensor.device costs half a
+        # microsecond) and straight into the tuple
+        device = "cpu" if q.is_cpu else "cuda" if q.is_cuda else q.device.type
+        q_shape, cache = q.shape, k_cache.shape
+        four = len(cache) == 4
+        return tuple.__new__(cls, (device, q_shape[-1] if q_shape else 0, q.dtype, k_cache.dtype,
+                                   q_shape[1] if len(q_shape) == 3 else None, cache[2] if four else None,
+                                   cache[1] if four else None, softmax_scale, sliding_window, logits_soft_cap))
+
+
+class Support(NamedTuple):
+    """Whether a kernel serves a case; ``reason`` says why not (a sentence
+    naming the kernel). True / False as a condition."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+class KernelPlan:
+    """A forward's batch as one kernel prepared it: made by
+    :meth:`Kernel.plan` once per forward, read by every layer's
+    :meth:`Kernel.run`. Kernels with more to prepare subclass it."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: AttentionBatch) -> None:
+        self.batch = batch
+
+
+class Kernel(abc.ABC):
+    """An attention kernel on the vattn cache: its limits, plan and run.
+
+    Subclasses state their limits as class attributes (or properties, where
+    the limit lives in compiled code) and implement :meth:`plan` and
+    :meth:`run`. Kernels hold no per-forward state: one instance serves
+    every batch, from any thread.
+    """
+
+    name: ClassVar[str]  # for people: messages, logs, stats
+    key: ClassVar[str]  # for code: vattn.kernels.KERNELS[key], select_kernel(prefer=key)
+    devices: ClassVar[tuple[str, ...]]  # torch device types it runs on
+    dtypes: tuple[torch.dtype, ...] = ()  # of q and the cache
+    head_dim_max: int | None = None  # None: no upper bound
+    head_dim_multiple: int = 1
+    has_sliding_window: ClassVar[bool] = False
+    has_logits_soft_cap: ClassVar[bool] = False
+    # Serves the whole batch in a few calls per layer, with no loop over requests in Python.
+    batched: ClassVar[bool] = False
+    # The plan depends on the case (shapes, dtypes, options), not on the batch alone.
+    plans_per_case: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        # Plans made by plan_for, per batch, dropped with the batch: nothing here holds a batch (its plans
+        # see it through a weak proxy), so the batch's caller decides how long it and its plans live. The
+        # last one asked for is also kept apart, as one tuple (weakref to the batch, key, plan) that threads
+        # replace whole: every layer of a forward asks for the same one.
+        self._plans: weakref.WeakKeyDictionary[AttentionBatch, dict[Any, KernelPlan]] = weakref.WeakKeyDictionary()
+        self._last: tuple[Any, Any, KernelPlan | None] = (lambda: None, None, None)
+
+    # ---- limits ------------------------------------------------------------------------
+
+    def available(self) -> Support:
+        """Whether the kernel can be loaded here (its package installed, its
+        extension built); the reason names what is missing."""
+        return Support(True)
+
+    def supports(self, case: AttentionCase) -> Support:
+        """Whether the kernel serves ``case`` (installed or not: see
+        :meth:`available`); the reason is a sentence naming the kernel and the
+        limit."""
+        if case.device_type not in self.devices:
+            return Support(False, f"{self.name} runs on {' or '.join(d.upper() for d in self.devices)} tensors, "
+                                  f"not {case.device_type.upper()} ones")
+        for dtype in (case.dtype, case.kv_dtype):
+            if dtype is not None and dtype not in self.dtypes:
+                names = ", ".join(str(t).removeprefix("torch.") for t in self.dtypes)
+                return Support(False, f"{self.name} takes {names} tensors, not {str(dtype).removeprefix('torch.')}")
+        d, top, step = case.head_dim, self.head_dim_max, self.head_dim_multiple
+        if d < 1 or (top is not None and d > top) or d % step:
+            if step > 1:
+                rule = f"a multiple of {step} in [{step}, {top}]" if top else f"a positive multiple of {step}"
+            else:
+                rule = f"in [1, {top}]" if top else ">= 1"
+            return Support(False, f"head_dim={d} is not supported by {self.name} (head_dim must be {rule})")
+        return self.supports_options(case.sliding_window, case.logits_soft_cap)
+
+    def supports_options(self, sliding_window: int | None, logits_soft_cap: float | None) -> Support:
+        """Whether :meth:`run` takes these options (None or 0: off)."""
+        window = bool(sliding_window) and not self.has_sliding_window
+        if window or (logits_soft_cap and not self.has_logits_soft_cap):
+            what = "sliding windows" if window else "logit soft-capping"
+            return Support(False, f"{self.name} has no {what} (sliding_window={sliding_window}, "
+                                  f"logits_soft_cap={logits_soft_cap})")
+        return Support(True)
+
+    def check_options(self, sliding_window: int | None, logits_soft_cap: float | None) -> None:
+        """Raises ``ValueError`` unless :meth:`run` takes these options."""
+        ok, reason = self.supports_options(sliding_window, logits_soft_cap)
+        if not ok:
+            raise ValueError(reason)
+
+    def require_device(self, what: str, **tensors: torch.Tensor) -> None:
+        """Raises :class:`vattn.BackendUnavailable` (starting with ``what``,
+        naming each tensor's device) unless every tensor is on one of the
+        kernel's devices."""
+        if any(t.device.type not in self.devices for t in tensors.values()):
+            on = " and ".join(f"{name} on {t.device}" for name, t in tensors.items())
+            raise BackendUnavailable(f"{what} needs {' or '.join(d.upper() for d in self.devices)} tensors, "
+                                     f"got {on}")
+
+    # ---- plan and run ----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def plan(self, batch: AttentionBatch, case: AttentionCase | None = None) -> KernelPlan:
+        """Prepares ``batch`` once for every layer of the forward (index
+        tensors, work splits, a library's own plan). ``case`` gives the
+        shapes and options; kernels whose plan needs them
+        (``plans_per_case``) raise ``ValueError`` without it."""
+
+    @abc.abstractmethod
+    def run(self, plan: KernelPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            k: torch.Tensor | None = None, v: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+            softmax_scale: float | None = None, sliding_window: int | None = None,
+            logits_soft_cap: float | None = None) -> torch.Tensor:
+        """Attention of one layer over the cache.
+
+        Args:
+            plan: this forward's plan (:meth:`plan` of this kernel).
+            q: ``[T, H_q, D]`` queries, token-packed; ``H_q`` a multiple of ``H_kv``.
+            k_cache, v_cache: ``[B_max, L, H_kv, D]`` cache views of one layer.
+            k, v: ``[T, H_kv, D]`` new tokens, written into rows
+                ``(reqid, cached_len + j)`` before attending; None when the
+                caller has written them already.
+            out: ``[T, H_q, D]`` to write into; allocated when None.
+            softmax_scale: None: ``1/sqrt(D)``.
+            sliding_window, logits_soft_cap: None or 0: off; kernels without
+                them raise ``ValueError`` when asked.
+
+        Returns ``out``. Each request's rows ``[0, seq_len)`` are read,
+        nothing else; for views of a vattn cache every reqid is checked to
+        be allocated with that many tokens mapped before anything is read.
+        """
+
+    def plan_for(self, batch: AttentionBatch, case: AttentionCase | None = None) -> KernelPlan:
+        """:meth:`plan`, made once per batch (and per case, for
+        ``plans_per_case`` kernels) and kept while the batch lives: for callers
+        that hand every layer the batch rather than a plan. The plan refers
+        to the batch weakly (``plan.batch`` is a ``weakref.proxy``), so it
+        serves only while the caller keeps the batch."""
+        key = case if self.plans_per_case else None
+        last_batch, last_key, plan = self._last
+        if last_batch() is batch and last_key == key:
+            return plan  # type: ignore[return-value]
+        plans = self._plans.get(batch)
+        if plans is None:
+            plans = self._plans[batch] = {}
+        plan = plans.get(key)
+        if plan is None:  # two threads may both plan: each gets a valid plan, one is kept
+            plan = self.plan(batch, case)
+            plan.batch = weakref.proxy(batch)  # the memo must not keep its own key alive
+            plans[key] = plan
+        self._last = (weakref.ref(batch), key, plan)
+        return plan
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+def load_module(module: str, what: str) -> Any:
+    """Imports a kernel's package on first use; :class:`vattn.BackendUnavailable`
+    naming ``what`` (the kernel and how to install it) when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise BackendUnavailable(f"{what} is not installed: {e}") from e
