@@ -135,7 +135,9 @@ class PageManager {
   // pass the slot's mapped prefix. Positions that already hold the same id are
   // left alone; from the first one that differs, the slot's old mapping is
   // unmapped and the new ids are mapped. Managed ids must already be
-  // referenced; external ids are any in [0, num_ids).
+  // referenced; their new references are taken before the old positions are
+  // cut, so an id may move within a slot or between slots (a swap). External
+  // ids are any in [0, num_ids).
   void map_ids(const int64_t* slots, const int64_t* starts, const int64_t* offsets, size_t count,
                const uint32_t* ids, size_t num_ids_given);
   // For each i: unmaps positions from keep[i] on of slots[i].

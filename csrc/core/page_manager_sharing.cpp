@@ -189,22 +189,37 @@ void PageManager::map_ids(const int64_t* slots, const int64_t* starts, const int
       table_.mark_created(missing);
     }
   }
-  std::vector<SlotKeep> cuts;
-  std::vector<MapJob> jobs;
-  for (size_t i = 0; i < count; ++i) {
-    const size_t s = static_cast<size_t>(slots[i]), start = static_cast<size_t>(starts[i]);
-    const size_t n = static_cast<size_t>(offsets[i + 1] - offsets[i]);
-    const uint32_t* row = ids + offsets[i];
-    size_t same = 0;
-    while (same < n && start + same < table_.mapped(s) && table_.ids(s)[start + same] == row[same]) ++same;
-    if (same == n) continue;
-    if (table_.orphans_of(s)) settle_orphans_locked(slots[i]);
-    cuts.emplace_back(s, start + same);
-    jobs.push_back(MapJob{s, start + same, std::vector<uint32_t>(row + same, row + n), 0});
+  // Managed ids: the new positions' references are pinned before any old
+  // position is cut, so an id that moves (within a slot, or a swap between
+  // two) never drops to zero references and into the free pool while mapped.
+  std::vector<uint32_t> pinned;
+  if (!config_.external_ids) pinned.assign(ids, ids + num_ids_given);
+  for (uint32_t id : pinned) table_.add_hold(id);
+  auto unpin = [&] {
+    for (uint32_t id : pinned) table_.drop_hold(id);
+  };
+  try {
+    std::vector<SlotKeep> cuts;
+    std::vector<MapJob> jobs;
+    for (size_t i = 0; i < count; ++i) {
+      const size_t s = static_cast<size_t>(slots[i]), start = static_cast<size_t>(starts[i]);
+      const size_t n = static_cast<size_t>(offsets[i + 1] - offsets[i]);
+      const uint32_t* row = ids + offsets[i];
+      size_t same = 0;
+      while (same < n && start + same < table_.mapped(s) && table_.ids(s)[start + same] == row[same]) ++same;
+      if (same == n) continue;
+      if (table_.orphans_of(s)) settle_orphans_locked(slots[i]);
+      cuts.emplace_back(s, start + same);
+      jobs.push_back(MapJob{s, start + same, std::vector<uint32_t>(row + same, row + n), 0});
+    }
+    unmap_tails_locked(cuts);
+    std::vector<uint32_t> none;
+    map_jobs_locked(jobs, none);
+  } catch (...) {
+    unpin();
+    throw;
   }
-  unmap_tails_locked(cuts);
-  std::vector<uint32_t> none;
-  map_jobs_locked(jobs, none);
+  unpin();
 }
 
 void PageManager::truncate(const int64_t* slots, const int64_t* keep, size_t count) {
