@@ -2,7 +2,8 @@
 moved to another position of its request, pages swapped between two requests.
 The new references are taken before the old positions are cut, so a moved
 page never passes through the free pool while it is mapped (a later step would
-hand it to another request, whose writes would overwrite these rows).
+hand it to another request, whose writes would overwrite these rows). And page
+ids no uint32 holds are refused with the range map_pages accepts.
 """
 
 from __future__ import annotations
@@ -115,3 +116,16 @@ def test_pages_reordered_within_a_request_and_one_moved_in_from_another():
         assert_invariants(kv)
         assert_reads(kv, b, page_rows(a_values, 0))
 
+
+@pytest.mark.parametrize("page_id", [2**32 - 1, 2**32, 2**40, -1])
+def test_page_ids_no_uint32_holds_name_the_accepted_range(page_id):
+    with make() as kv:
+        a, _ = request(kv, 1, base=1.0)
+        b = kv.alloc_reqid()
+        before = (kv.page_ids(a), kv.page_ids(b), kv.stats()["pages_in_use"])
+        n = kv.num_page_ids
+        with pytest.raises(ValueError, match=r"map_pages: page_ids\[0\] must be in \[0, %d\] \(num_page_ids\), got %d"
+                                             % (n - 1, page_id)):
+            kv.map_pages([b], [0], [[page_id]])
+        assert (kv.page_ids(a), kv.page_ids(b), kv.stats()["pages_in_use"]) == before
+        assert_invariants(kv)
