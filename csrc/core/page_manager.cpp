@@ -101,9 +101,7 @@ std::string PageManager::range_text(int64_t lo, int64_t hi) {
   return "[" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
 }
 
-void PageManager::check_process() const {
-  if (forked()) throw ForkedError(kForked);
-}
+void PageManager::throw_forked() { throw ForkedError(kForked); }
 
 void PageManager::check_open() const {
   if (!memory_) throw ClosedError("the KV cache manager was cleaned up; create a new one");

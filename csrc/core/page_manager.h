@@ -218,7 +218,11 @@ class PageManager {
 
   static std::string range_text(int64_t lo, int64_t hi);
   bool forked() const { return fork_generation() != generation_; }
-  void check_process() const;  // throws ForkedError in a forked child; takes no lock
+  // Throws ForkedError in a forked child; takes no lock. Inline: every call starts with it.
+  void check_process() const {
+    if (forked()) throw_forked();
+  }
+  [[noreturn]] static void throw_forked();
   void check_open() const;     // caller holds mu
   void check_slot(int64_t slot, const char* what) const;
   void check_allocated(int64_t slot, const char* what) const;

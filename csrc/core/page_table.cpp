@@ -46,12 +46,6 @@ void PageTable::release(size_t slot) {
   stats_.slots_allocated--;
 }
 
-void PageTable::set_tokens(size_t slot, int64_t tokens) {
-  // tokens_active is the sum of every slot's tokens (a free slot holds 0).
-  stats_.tokens_active = stats_.tokens_active - static_cast<size_t>(slot_tokens_[slot]) + static_cast<size_t>(tokens);
-  slot_tokens_[slot] = tokens;
-}
-
 // ---- reference counts ---------------------------------------------------------------
 
 void PageTable::note_in_use() {

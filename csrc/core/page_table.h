@@ -99,7 +99,12 @@ class PageTable {
   // Marks an allocated slot free; its tokens leave tokens_active. Its
   // positions stay (deferred reclaim).
   void release(size_t slot);
-  void set_tokens(size_t slot, int64_t tokens);
+  // Inline: step() sets every active slot's length on its fast path.
+  void set_tokens(size_t slot, int64_t tokens) {
+    // tokens_active is the sum of every slot's tokens (a free slot holds 0).
+    stats_.tokens_active += static_cast<size_t>(tokens) - static_cast<size_t>(slot_tokens_[slot]);
+    slot_tokens_[slot] = tokens;
+  }
 
   // ---- reference counts ----
   uint32_t maps(uint32_t id) const { return id_maps_[id]; }    // positions and orphans

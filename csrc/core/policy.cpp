@@ -63,12 +63,6 @@ ReclaimPlan plan_reclaim(const PageTable& table, size_t want_ids, int64_t keep_s
   return plan;
 }
 
-size_t lookahead_positions(const PageTable& table, const PageGeometry& geometry, const PolicyConfig& policy,
-                           size_t slot) {
-  size_t tokens = static_cast<size_t>(table.tokens(slot)) + policy.lookahead_tokens;  // both <= max_tokens
-  return geometry.positions_for_tokens(static_cast<int64_t>(std::min(tokens, geometry.max_tokens)));
-}
-
 MapperPlan plan_mapper_batch(const PageTable& table, const PageGeometry& geometry, const PolicyConfig& policy,
                              size_t reclaim_floor_ids) {
   MapperPlan plan;

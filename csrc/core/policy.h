@@ -4,6 +4,7 @@
 // change nothing; the page manager carries their plans out.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -45,9 +46,13 @@ struct ReclaimPlan {
 ReclaimPlan plan_reclaim(const PageTable& table, size_t want_ids, int64_t keep_slot, size_t max_positions);
 
 // Positions slot s should have mapped ahead of its next step: its last
-// stepped length plus lookahead_tokens (at most max_tokens).
-size_t lookahead_positions(const PageTable& table, const PageGeometry& geometry, const PolicyConfig& policy,
-                           size_t slot);
+// stepped length plus lookahead_tokens (at most max_tokens). Inline: step()
+// asks it for every active slot on its fast path.
+inline size_t lookahead_positions(const PageTable& table, const PageGeometry& geometry, const PolicyConfig& policy,
+                                  size_t slot) {
+  size_t tokens = static_cast<size_t>(table.tokens(slot)) + policy.lookahead_tokens;  // both <= max_tokens
+  return geometry.positions_for_tokens(static_cast<int64_t>(std::min(tokens, geometry.max_tokens)));
+}
 
 // The background mapper's next batch, one kind at a time in this order:
 //   reclaim: free slots' tails to unmap, when the pool is below the floor;
