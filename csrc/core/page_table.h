@@ -164,7 +164,8 @@ class PageTable {
   void release_all_handles();
 
   // Forgets every slot, orphan and pooled id and zeroes the occupancy
-  // counters (the manager closed; the caller listed what was mapped first).
+  // counters: the manager closed (it listed what was mapped first) and uses
+  // the table no more.
   void clear();
 
   const PageStats& stats() const { return stats_; }
