@@ -242,10 +242,10 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
     // The batch may be mapping exactly these pages: let it land, then look again.
     auto t0 = std::chrono::steady_clock::now();
     wait_for_batch(lock);
-    table_.stats().step_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+    table_.counters().step_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                                        std::chrono::steady_clock::now() - t0).count();
   }
-  PageStats& stats = table_.stats();
+  PageStats& stats = table_.counters();
   stats.step_calls++;
   if (deficit > 0) {
     if (deficit > table_.available()) {

@@ -33,7 +33,7 @@ std::vector<PageMapping> PageManager::mappings_for(const std::vector<MapJob>& jo
 void PageManager::finish_map(std::vector<MapJob>& jobs, const std::vector<PageMapping>& mappings,
                              size_t done, bool background) {
   const size_t nb = config_.num_buffers;
-  PageStats& stats = table_.stats();
+  PageStats& stats = table_.counters();
   size_t at = 0;
   for (MapJob& job : jobs) {
     const size_t n_ids = job.ids.size(), n = n_ids * nb;
@@ -188,7 +188,7 @@ size_t PageManager::reclaim_locked(size_t want, int64_t keep_slot) {
     error = std::current_exception();
   }
   const size_t got = table_.available() - before;
-  table_.stats().reclaimed_pages += got * config_.num_buffers;
+  table_.counters().reclaimed_pages += got * config_.num_buffers;
   if (error) std::rethrow_exception(error);
   return got;
 }

@@ -48,7 +48,7 @@ void PageManager::run_batch(Batch& batch, size_t* done) {
 }
 
 void PageManager::commit_batch(Batch& batch, size_t done, std::exception_ptr error) {
-  PageStats& stats = table_.stats();
+  PageStats& stats = table_.counters();
   stats.mapper_batches++;
   if (error) {
     stats.mapper_errors++;
@@ -83,7 +83,7 @@ void PageManager::mapper_loop() {
     if (stop_) break;
     mapper_idle_ = false;
     mapper_seen_epoch_ = work_epoch_;
-    table_.stats().mapper_wakeups++;
+    table_.counters().mapper_wakeups++;
     while (!stop_ && !mapper_error_ && !paused_) {
       Batch batch = plan_batch();
       if (batch.empty()) break;

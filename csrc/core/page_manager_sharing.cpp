@@ -68,7 +68,7 @@ int64_t PageManager::fork(int64_t src, int64_t num_tokens) {
   }
   table_.allocate(d);
   table_.set_tokens(d, num_tokens);
-  PageStats& stats = table_.stats();
+  PageStats& stats = table_.counters();
   stats.forks++;
   stats.pages_copied += fresh * config_.num_buffers;
   work_epoch_++;

@@ -41,7 +41,6 @@ void PageTable::allocate(size_t slot) {
 
 void PageTable::release(size_t slot) {
   slot_allocated_[slot] = 0;
-  stats_.tokens_active -= static_cast<size_t>(slot_tokens_[slot]);
   slot_tokens_[slot] = 0;
   stats_.slots_allocated--;
 }
@@ -227,7 +226,14 @@ void PageTable::clear() {
   uncreated_.clear();
   stats_.pages_mapped = stats_.pages_in_use = stats_.page_slots_mapped = stats_.pages_orphaned = 0;
   stats_.pages_created = 0;
-  stats_.slots_allocated = stats_.tokens_active = stats_.prefix_handles = 0;
+  stats_.slots_allocated = stats_.prefix_handles = 0;
+}
+
+PageStats PageTable::stats() const {
+  PageStats out = stats_;
+  out.tokens_active = 0;
+  for (int64_t tokens : slot_tokens_) out.tokens_active += static_cast<size_t>(tokens);
+  return out;
 }
 
 // ---- invariants -------------------------------------------------------------------------

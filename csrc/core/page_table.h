@@ -31,7 +31,7 @@ namespace vattn {
 
 // Counters. "pages" are physical pages (a page id counts num_buffers of them).
 // The occupancy counters follow from the table's operations; the event
-// counters marked "caller" are bumped by the page manager through stats().
+// counters marked "caller" are bumped by the page manager through counters().
 struct PageStats {
   size_t pages_total = 0;        // pool capacity
   size_t pages_created = 0;      // physical pages committed now
@@ -96,15 +96,12 @@ class PageTable {
   size_t first_shared(size_t slot) const;
   // Marks a free slot allocated with 0 tokens.
   void allocate(size_t slot);
-  // Marks an allocated slot free; its tokens leave tokens_active. Its
-  // positions stay (deferred reclaim).
+  // Marks an allocated slot free with 0 tokens. Its positions stay
+  // (deferred reclaim).
   void release(size_t slot);
-  // Inline: step() sets every active slot's length on its fast path.
-  void set_tokens(size_t slot, int64_t tokens) {
-    // tokens_active is the sum of every slot's tokens (a free slot holds 0).
-    stats_.tokens_active += static_cast<size_t>(tokens) - static_cast<size_t>(slot_tokens_[slot]);
-    slot_tokens_[slot] = tokens;
-  }
+  // Inline and nothing else: step() sets every active slot's length on its
+  // fast path (tokens_active is summed when stats() is read).
+  void set_tokens(size_t slot, int64_t tokens) { slot_tokens_[slot] = tokens; }
 
   // ---- reference counts ----
   uint32_t maps(uint32_t id) const { return id_maps_[id]; }    // positions and orphans
@@ -168,8 +165,11 @@ class PageTable {
   // the table no more.
   void clear();
 
-  const PageStats& stats() const { return stats_; }
-  PageStats& stats() { return stats_; }
+  // The counters now; tokens_active is the sum of the slots' tokens (a free
+  // slot holds 0).
+  PageStats stats() const;
+  // The counters the caller bumps (the event counters).
+  PageStats& counters() { return stats_; }
 
   // Checks every invariant: reference counts against the positions, orphans
   // and handles; each managed id in exactly one place; the occupancy
