@@ -117,9 +117,10 @@ class PageTable {
   size_t available() const { return free_ids_.size() + uncreated_.size(); }
   const std::vector<uint32_t>& free_ids() const { return free_ids_; }    // back() is handed out next
   const std::vector<uint32_t>& uncreated() const { return uncreated_; }  // back() is the smallest
-  // Takes `count` ids out of the pool, in flight: free ones first (most
-  // recently freed first), then uncreated ones (smallest first), which are
-  // also appended to `to_create`. Caller checked available() >= count.
+  // Takes `count` ids out of the pool, in flight: free ones first (the most
+  // recently freed, in the order they were freed), then uncreated ones
+  // (smallest first), which are also appended to `to_create`. Caller checked
+  // available() >= count.
   std::vector<uint32_t> claim(size_t count, std::vector<uint32_t>& to_create);
   // Takes up to `count` uncreated ids (smallest first), in flight, to create.
   std::vector<uint32_t> take_uncreated(size_t count);
