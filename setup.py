@@ -45,14 +45,16 @@ ext = Pybind11Extension(
 # Every file of csrc/testing is one part of it; it also compiles the library
 # sources its parts drive directly: the driver shim for the raw CUDA probes,
 # the host backend (with the registry it registers in), which the fault
-# injection builds with its own system calls (host_backend.h), and the
-# budget's segment for its hooks.
+# injection builds with its own system calls (host_backend.h), the budget's
+# segment for its hooks, and the page table and the policy for their probes.
 TESTING_LIBRARY_SOURCES = [
     "csrc/backends/backend_registry.cpp",
     "csrc/backends/cuda_driver.cpp",
     "csrc/backends/host_backend.cpp",
     "csrc/budget/process_identity.cpp",
     "csrc/budget/segment.cpp",
+    "csrc/core/page_table.cpp",
+    "csrc/core/policy.cpp",
 ]
 testing = Pybind11Extension(
     "vattn._testing",

@@ -1,45 +1,30 @@
-// Page bookkeeping for one KV cache: which physical pages back which slot
-// (request id) of which buffer, reference counts for pages shared between
-// slots, the pool of free pages, and the background mapper that hides the
-// driver's latency. Knows slots and pages only; the Python manager above it
-// knows layers, dtypes and tensors.
+// The page manager of one KV cache: the lock, the background mapper thread
+// and every driver call, over a page table (core/page_table.h) that records
+// and a policy (core/policy.h) that decides. Knows slots and pages only; the
+// Python manager above it knows layers, dtypes and tensors. docs/design.md
+// describes the layers, the address layout, sharing and the failure contract.
 //
-// Address layout (DESIGN.md section 1). One reservation holds every buffer:
+// Address layout. One reservation holds every buffer:
 //
 //   base + b * buffer_bytes + s * slot_bytes + p * page_size
 //          ^ buffer b         ^ slot s         ^ page position p of that slot
 //
-// Page ids. A page id r names one physical page in every buffer: physical page
-// b * num_ids + r of the backend's pool in buffer b (so consecutive ids are
-// consecutive pages of one buffer and the host can merge their mappings). A
-// slot's page table is a prefix: positions [0, n) hold page ids, the same id in
-// every buffer. A request of t tokens needs ceil(t * bytes_per_token /
-// page_size) positions. One id may sit at positions of several slots (shared
-// pages: fork, prefix handles, a framework's prefix cache); its reference count
-// is its mappings plus the prefix handles holding it, and it returns to the
-// free pool when that count reaches zero.
-//
-// Two ways to own page ids:
-//   * managed (default): the manager draws ids from its free pool as step()
-//     grows requests; shared ids come from fork / prefix handles / map_pages
-//     of ids that are already referenced.
-//   * external: a framework's block manager owns the ids 0..num_ids-1 and maps
-//     them with map_pages; step(), the mapper and the pool are not used. Pages
-//     are created on first use and kept until close.
+// Page id r is physical page b * num_ids + r of the backend's pool in buffer
+// b, so consecutive ids are consecutive pages of one buffer and the host can
+// merge their mappings.
 //
 // Failures. Backends report how far a map or unmap got, so the table always
-// describes exactly what is mapped. An address that could not be unmapped is
-// kept as an "orphan" (slot, position, id, addresses still mapped): its id
-// keeps its reference, it is retried before anything is mapped into that slot,
-// by reclaim and at close, and it is never handed out twice.
+// describes exactly what is mapped; what could not be unmapped is kept as an
+// orphan, retried before anything is mapped into its slot, by reclaim and at
+// close.
 //
 // Locking discipline
 // ------------------
-// One mutex, mu, guards every member below it in the class. Driver calls made
-// by the caller's thread run with mu held. The mapper thread plans under mu,
-// runs its driver calls WITHOUT mu (so a step on the fast path never waits for
-// the driver), then commits under mu. Between plan and commit the batch is "in
-// flight" (inflight_ is true):
+// One mutex, mu, guards the table and every member below it in the class.
+// Driver calls made by the caller's thread run with mu held. The mapper thread
+// plans under mu, runs its driver calls WITHOUT mu (so a step on the fast path
+// never waits for the driver), then commits under mu. Between plan and commit
+// the batch is "in flight" (inflight_ is true):
 //   * Its fresh pages were taken out of the pool under mu, so no other thread
 //     can map them: a page is never handed out twice.
 //   * Its target addresses lie past the committed prefix of their slots, and a
@@ -63,13 +48,17 @@
 // by a thread that does not exist there), and the destructor leaks the
 // synchronisation objects and the thread handle instead of joining a thread
 // that is not there.
+//
+// The member functions live in four files: page_manager.cpp (lifetime, slots,
+// step, queries), page_manager_sharing.cpp (fork, prefix handles, map_ids,
+// truncate), page_manager_driver.cpp (map and unmap on the caller's thread)
+// and page_manager_mapper.cpp (the background mapper).
 #pragma once
 
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -78,6 +67,9 @@
 #include <vector>
 
 #include "backends/vmm_backend.h"
+#include "core/page_geometry.h"
+#include "core/page_table.h"
+#include "core/policy.h"
 
 namespace vattn {
 
@@ -87,45 +79,7 @@ struct PageManagerConfig {
   size_t slot_bytes = 0;       // bytes per slot per buffer, a multiple of page_size (S_req)
   size_t bytes_per_token = 0;  // bytes one token takes in one buffer (S_tok)
   size_t max_tokens = 0;       // max context length in tokens (L)
-  bool external_ids = false;   // page ids are owned by the caller (see above)
-};
-
-struct PolicyConfig {
-  bool background = false;        // run the mapper thread
-  bool deferred_reclaim = true;   // free_slot keeps pages; false: unmapped at once
-  bool eager = false;             // mapper pre-maps the slot alloc_slot returns next (needs background)
-  size_t lookahead_tokens = 1;    // mapper maps each active slot this many tokens ahead
-  size_t eager_tokens = 0;        // tokens the next slot is pre-mapped for
-  double reclaim_threshold = 0.1; // mapper reclaims free slots' pages below this fraction of the pool free
-  size_t max_batch_ids = 64;      // page ids (positions) per mapper batch: bounds a step's wait
-};
-
-// Counters. "pages" are physical pages (a page id counts num_buffers of them).
-struct PageStats {
-  size_t pages_total = 0;        // pool capacity
-  size_t pages_created = 0;      // physical pages committed now
-  size_t pages_mapped = 0;       // distinct pages mapped in at least one slot
-  size_t pages_in_use = 0;       // distinct pages referenced (mapped, or held by a prefix handle)
-  size_t page_slots_mapped = 0;  // page-sized mappings (a shared page counts once per slot)
-  size_t pages_mapped_peak = 0;
-  size_t pages_free_low = 0;     // low-water mark of pages not in use
-  size_t pages_orphaned = 0;     // pages kept mapped after a failed unmap, retried later
-  size_t slots_allocated = 0;
-  size_t tokens_active = 0;      // sum of allocated slots' last stepped lengths
-  size_t prefix_handles = 0;     // live prefix handles
-  uint64_t step_calls = 0;
-  uint64_t failed_steps = 0;     // steps that returned false (not enough pages)
-  uint64_t sync_page_maps = 0;   // pages mapped on the caller's thread (step, fork, map_pages)
-  uint64_t background_page_maps = 0;
-  uint64_t page_unmaps = 0;
-  uint64_t reclaimed_pages = 0;  // pages returned to the pool from free slots (any path)
-  uint64_t background_reclaimed_pages = 0;
-  uint64_t forks = 0;
-  uint64_t pages_copied = 0;     // fork's copies of partial pages
-  uint64_t mapper_wakeups = 0;   // times the mapper woke to plan work
-  uint64_t mapper_batches = 0;
-  uint64_t mapper_errors = 0;
-  uint64_t step_wait_ns = 0;     // time steps spent waiting for an in-flight mapper batch
+  bool external_ids = false;   // page ids are owned by the caller (core/page_table.h)
 };
 
 // One mapping the table believes exists (for tests and diagnostics).
@@ -181,7 +135,9 @@ class PageManager {
   // pass the slot's mapped prefix. Positions that already hold the same id are
   // left alone; from the first one that differs, the slot's old mapping is
   // unmapped and the new ids are mapped. Managed ids must already be
-  // referenced; external ids are any in [0, num_ids).
+  // referenced; their new references are taken before the old positions are
+  // cut, so an id may move within a slot or between slots (a swap). External
+  // ids are any in [0, num_ids).
   void map_ids(const int64_t* slots, const int64_t* starts, const int64_t* offsets, size_t count,
                const uint32_t* ids, size_t num_ids_given);
   // For each i: unmaps positions from keep[i] on of slots[i].
@@ -229,6 +185,7 @@ class PageManager {
  private:
   using Lock = std::unique_lock<std::mutex>;
   static constexpr uint32_t kNoId = UINT32_MAX;
+  using SlotKeep = std::pair<size_t, size_t>;  // (slot, positions kept)
 
   // Positions [from, from + ids.size()) of `slot` get `ids`.
   struct MapJob {
@@ -236,19 +193,6 @@ class PageManager {
     size_t from;
     std::vector<uint32_t> ids;
     size_t fresh = 0;  // the last `fresh` ids came out of the pool for this job
-  };
-  // Positions [from, from + ids.size()) of `slot` were cut from its prefix and
-  // are being unmapped.
-  struct Cut {
-    size_t slot;
-    size_t from;
-    std::vector<uint32_t> ids;
-  };
-  struct Orphan {
-    size_t slot;
-    size_t pos;
-    uint32_t id;
-    std::vector<uintptr_t> addrs;  // still mapped
   };
   // A unit of mapper work: map jobs, or cuts to unmap, or pages to create
   // into the pool (creation, the driver's slowest call, off the critical path).
@@ -272,42 +216,26 @@ class PageManager {
     std::thread mapper;
   };
 
+  static std::string range_text(int64_t lo, int64_t hi);
   bool forked() const { return fork_generation() != generation_; }
-  void check_open() const;  // caller holds mu
+  // Throws ForkedError in a forked child; takes no lock. Inline: every call starts with it.
+  void check_process() const {
+    if (forked()) throw_forked();
+  }
+  [[noreturn]] static void throw_forked();
+  void check_open() const;     // caller holds mu
   void check_slot(int64_t slot, const char* what) const;
   void check_allocated(int64_t slot, const char* what) const;
-  size_t positions_for_tokens(int64_t tokens) const;
-  int64_t tokens_in_positions(size_t positions) const;
-  // Positions of the first num_tokens tokens that can be shared: whole pages
-  // ending on a token boundary.
-  size_t shareable_positions(int64_t num_tokens) const;
   uintptr_t address(size_t buffer, size_t slot, size_t pos) const {
     return base_ + buffer * buffer_bytes() + slot * config_.slot_bytes + pos * page_size_;
   }
   uint32_t physical(size_t buffer, uint32_t id) const {
     return static_cast<uint32_t>(buffer * num_ids_ + id);
   }
-  size_t mapped_of(size_t slot) const { return slot_ids_[slot].size(); }
-  size_t available_ids() const { return free_ids_.size() + uncreated_.size(); }
-  size_t lookahead_positions(size_t s) const;
-  size_t first_shared(size_t slot) const;  // first position whose id has another reference
-  int64_t best_free_slot(int64_t prompt_tokens) const;
   void wait_for_batch(Lock& lock);  // then check_open()
 
-  // Reference counting (caller holds mu).
-  void add_map_ref(uint32_t id);
-  void drop_map_ref(uint32_t id);
-  void add_hold(uint32_t id);
-  void drop_hold(uint32_t id);
-  void release_if_unreferenced(uint32_t id);
-  void note_in_use();
-
-  // Takes `count` ids out of the pool (free ones first, then uncreated ones,
-  // recorded in to_create). Caller has checked available_ids() >= count.
-  std::vector<uint32_t> claim_ids(size_t count, std::vector<uint32_t>& to_create);
-  void return_fresh(const std::vector<uint32_t>& ids);  // unreferenced fresh ids back to the pool
-  void create_ids(const std::vector<uint32_t>& ids);    // backend create, no mu needed
-  void mark_created(const std::vector<uint32_t>& ids);
+  // ---- driver work on the caller's thread (caller holds mu) ----
+  void create_ids(const std::vector<uint32_t>& ids);  // backend create, no mu needed
   std::vector<PageMapping> mappings_for(const std::vector<MapJob>& jobs) const;
   // Commits the jobs covered by the first `done` mappings, undoes the rest
   // (orphaning what cannot be undone), returns fresh ids to the pool.
@@ -316,9 +244,6 @@ class PageManager {
   // Creates `to_create` (ids the jobs claimed from the uncreated pool), then
   // maps the jobs on this thread; throws DriverError with the table exact.
   void map_jobs_locked(std::vector<MapJob>& jobs, std::vector<uint32_t>& to_create);
-
-  // Cuts positions from keep on of `slot` out of its prefix into `cuts`.
-  void cut_tail(size_t slot, size_t keep, std::vector<Cut>& cuts);
   std::vector<uintptr_t> addresses_of(const std::vector<Cut>& cuts) const;
   // Drops the references of positions whose every address is among the first
   // `done` of `addrs`; the rest become orphans.
@@ -328,17 +253,16 @@ class PageManager {
   uint64_t reads_of(size_t slot) const;
   // Waits for the slots' reads, then unmaps the cut positions on this thread.
   // A failed wait changes nothing; a failed unmap leaves orphans. Throws.
-  void unmap_tails_locked(const std::vector<std::pair<size_t, size_t>>& slot_keep);
+  void unmap_tails_locked(const std::vector<SlotKeep>& slot_keep);
   // Retries unmapping orphans (of `slot`, or all when slot < 0). Throws the
   // first failure after trying all.
   void settle_orphans_locked(int64_t slot);
-  // Free slots' tails to cut (never keep_slot) so that up to `want` ids return
-  // to the pool; positions cut at most `max_positions`. Returns (slot, keep).
-  std::vector<std::pair<size_t, size_t>> plan_reclaim(size_t want, int64_t keep_slot,
-                                                      size_t max_positions, size_t* freed) const;
+  // Unmaps free slots' tails (never keep_slot) until up to `want` ids went
+  // back to the pool; returns how many did.
   size_t reclaim_locked(size_t want, int64_t keep_slot);
   void trim_for_new_request_locked(size_t slot, size_t keep);
 
+  // ---- the background mapper ----
   void mapper_loop();
   Batch plan_batch();                                         // caller holds mu
   void run_batch(Batch& batch, size_t* done);                 // without mu; throws
@@ -348,27 +272,17 @@ class PageManager {
   const PageManagerConfig config_;
   const PolicyConfig policy_;
   const size_t page_size_;
+  const PageGeometry geometry_;
   const size_t num_ids_;              // page ids: backend pages / num_buffers
   const size_t reclaim_floor_ids_;    // reclaim_threshold * num_ids
   const uint64_t generation_;         // fork generation of the creating process
   std::unique_ptr<Sync> sync_;
 
   // ---- guarded by sync_->mu ----
+  PageTable table_;
   std::shared_ptr<CacheMemory> memory_;  // null once closed
   uintptr_t base_ = 0;
-  std::vector<std::vector<uint32_t>> slot_ids_;  // page id at each mapped position of each slot
-  std::vector<uint8_t> slot_allocated_;
-  std::vector<int64_t> slot_tokens_;  // last stepped length per slot
-  std::vector<uint32_t> id_maps_;     // mappings of each page id (slot positions and orphans)
-  std::vector<uint32_t> id_holds_;    // prefix-handle references of each page id
-  std::vector<uint8_t> id_created_;
-  std::vector<uint32_t> free_ids_;    // created, unreferenced ids (managed)
-  std::vector<uint32_t> uncreated_;   // ids never created (managed); back() is the smallest
-  std::vector<Orphan> orphans_;
-  std::vector<uint32_t> slot_orphans_;  // orphans per slot
-  std::vector<uint64_t> slot_reads_;    // read fence recorded when each slot was last freed
-  std::map<uint64_t, std::vector<uint32_t>> handles_;
-  uint64_t next_handle_ = 1;
+  std::vector<uint64_t> slot_reads_;  // read fence recorded when each slot was last freed
   bool inflight_ = false;             // a mapper batch is between plan and commit
   bool stop_ = false;                 // mapper must exit
   bool paused_ = false;               // mapper starts no batch (pause_mapper)
@@ -376,7 +290,6 @@ class PageManager {
   uint64_t mapper_seen_epoch_ = 0;    // work_epoch_ the mapper last planned for
   uint64_t work_epoch_ = 0;           // bumped whenever the mapper's work may change
   std::exception_ptr mapper_error_;   // raised by the next step
-  PageStats stats_;
 };
 
 }  // namespace vattn

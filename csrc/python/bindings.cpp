@@ -179,11 +179,16 @@ auto on_page_range(Op op) {
   };
 }
 
-std::vector<uint32_t> to_ids(const std::vector<int64_t>& values, const char* name) {
+// Page ids as the core takes them (uint32). A value no uint32 holds is
+// refused here with the range the core checks the others against (num_ids is
+// below 2^32 - 1); the core validates the rest under its lock.
+std::vector<uint32_t> to_ids(const std::vector<int64_t>& values, const char* what, const char* name,
+                             size_t num_ids) {
   std::vector<uint32_t> out(values.size());
   for (size_t i = 0; i < values.size(); ++i) {
     if (values[i] < 0 || values[i] >= static_cast<int64_t>(UINT32_MAX))
-      throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] must be a page id >= 0, got " +
+      throw std::invalid_argument(std::string(what) + ": " + name + "[" + std::to_string(i) + "] must be in [0, " +
+                                  std::to_string(num_ids - 1) + "] (num_page_ids), got " +
                                   std::to_string(values[i]));
     out[i] = static_cast<uint32_t>(values[i]);
   }
@@ -451,7 +456,7 @@ PYBIND11_MODULE(_C, m) {
               if (__builtin_add_overflow(offsets[i], counts[i], &offsets[i + 1]))
                 throw std::invalid_argument("map_pages: counts overflow");
             }
-            std::vector<uint32_t> ids = to_ids(raw_ids, "page_ids");
+            std::vector<uint32_t> ids = to_ids(raw_ids, "map_pages", "page_ids", pm.num_ids());
             py::gil_scoped_release release;
             pm.map_ids(slots.data(), starts.data(), offsets.data(), slots.size(), ids.data(), ids.size());
           },

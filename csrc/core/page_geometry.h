@@ -1,0 +1,42 @@
+// Tokens and page positions of one slot: how many page positions a request
+// of t tokens needs, and how many tokens a run of positions holds. Pure
+// arithmetic, shared by the policy (lookahead, eager) and the mapper.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+
+namespace vattn {
+
+struct PageGeometry {
+  size_t page_size = 0;        // bytes per page
+  size_t bytes_per_token = 0;  // bytes one token takes in one buffer
+  size_t max_tokens = 0;       // tokens per slot (max context length)
+
+  // Positions (pages per buffer) that hold the first `tokens` tokens;
+  // tokens in [0, max_tokens], so bytes <= slot_bytes: no overflow.
+  size_t positions_for_tokens(int64_t tokens) const {
+    size_t bytes = static_cast<size_t>(tokens) * bytes_per_token;
+    return (bytes + page_size - 1) / page_size;
+  }
+
+  // Whole tokens in the first `positions` positions, at most max_tokens.
+  int64_t tokens_in_positions(size_t positions) const {
+    size_t tokens = positions * page_size / bytes_per_token;  // <= slot_bytes / token bytes
+    return static_cast<int64_t>(std::min(tokens, max_tokens));
+  }
+
+  // Positions of the first num_tokens tokens that can be shared: whole pages
+  // ending on a token boundary (a page shared with another slot must not
+  // hold the first bytes of a token that slot writes).
+  size_t shareable_positions(int64_t num_tokens) const {
+    size_t whole = static_cast<size_t>(num_tokens) * bytes_per_token / page_size;
+    // p pages end on a token boundary iff p is a multiple of bytes_per_token / gcd.
+    size_t period = bytes_per_token / std::gcd(page_size, bytes_per_token);
+    return whole - whole % period;
+  }
+};
+
+}  // namespace vattn

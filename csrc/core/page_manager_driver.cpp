@@ -1,0 +1,204 @@
+// PageManager: driver work on the caller's thread, with mu held. Every
+// backend call reports how far it got, and the table is brought to exactly
+// what is mapped before an error goes on.
+#include <algorithm>
+#include <exception>
+
+#include "core/page_manager.h"
+
+namespace vattn {
+
+// ---- mapping --------------------------------------------------------------------------
+
+void PageManager::create_ids(const std::vector<uint32_t>& ids) {
+  std::vector<uint32_t> pages;
+  pages.reserve(ids.size() * config_.num_buffers);
+  for (size_t b = 0; b < config_.num_buffers; ++b)
+    for (uint32_t id : ids) pages.push_back(physical(b, id));
+  backend_->create_pages(pages.data(), pages.size());
+}
+
+std::vector<PageMapping> PageManager::mappings_for(const std::vector<MapJob>& jobs) const {
+  // Job by job, buffer-major: each buffer's new positions of a slot are one
+  // address run, and fresh ids are consecutive along it, so the host merges
+  // the mappings and CUDA grants access once per run.
+  std::vector<PageMapping> out;
+  for (const MapJob& job : jobs)
+    for (size_t b = 0; b < config_.num_buffers; ++b)
+      for (size_t i = 0; i < job.ids.size(); ++i)
+        out.push_back(PageMapping{address(b, job.slot, job.from + i), physical(b, job.ids[i])});
+  return out;
+}
+
+void PageManager::finish_map(std::vector<MapJob>& jobs, const std::vector<PageMapping>& mappings,
+                             size_t done, bool background) {
+  const size_t nb = config_.num_buffers;
+  PageStats& stats = table_.counters();
+  size_t at = 0;
+  for (MapJob& job : jobs) {
+    const size_t n_ids = job.ids.size(), n = n_ids * nb;
+    if (at + n <= done) {
+      table_.append(job.slot, job.ids);
+      (background ? stats.background_page_maps : stats.sync_page_maps) += n;
+    } else {
+      size_t mapped_here = done > at ? done - at : 0;
+      if (mapped_here > 0) {
+        // Undo this job's mapped part so the slot's prefix stays exact; what
+        // cannot be undone is kept as orphans.
+        std::vector<uintptr_t> addrs;
+        for (size_t e = 0; e < mapped_here; ++e) addrs.push_back(mappings[at + e].addr);
+        size_t undone = 0;
+        try {
+          backend_->unmap(addrs.data(), addrs.size(), &undone);
+        } catch (...) {
+          // The failure is the original error's consequence; orphans record it.
+        }
+        std::vector<Orphan> kept;
+        for (size_t e = undone; e < mapped_here; ++e) {
+          size_t i = e % n_ids;
+          auto it = std::find_if(kept.begin(), kept.end(), [&](const Orphan& o) { return o.pos == job.from + i; });
+          if (it == kept.end()) {
+            kept.push_back(Orphan{job.slot, job.from + i, job.ids[i], {}});
+            it = kept.end() - 1;
+          }
+          it->addrs.push_back(addrs[e]);
+        }
+        for (Orphan& o : kept) table_.add_orphan(std::move(o));
+      }
+      table_.return_fresh(std::vector<uint32_t>(job.ids.end() - job.fresh, job.ids.end()));
+    }
+    at += n;
+  }
+}
+
+void PageManager::map_jobs_locked(std::vector<MapJob>& jobs, std::vector<uint32_t>& to_create) {
+  if (!to_create.empty()) {
+    try {
+      create_ids(to_create);
+    } catch (...) {
+      for (MapJob& job : jobs) table_.return_fresh(std::vector<uint32_t>(job.ids.end() - job.fresh, job.ids.end()));
+      throw;
+    }
+    table_.mark_created(to_create);
+  }
+  std::vector<PageMapping> mappings = mappings_for(jobs);
+  size_t done = 0;
+  std::exception_ptr error;
+  try {
+    backend_->map(mappings.data(), mappings.size(), &done);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  finish_map(jobs, mappings, error ? done : mappings.size(), false);
+  if (error) std::rethrow_exception(error);
+}
+
+// ---- unmapping ------------------------------------------------------------------------
+
+std::vector<uintptr_t> PageManager::addresses_of(const std::vector<Cut>& cuts) const {
+  std::vector<uintptr_t> out;
+  for (const Cut& cut : cuts)
+    for (size_t b = 0; b < config_.num_buffers; ++b)
+      for (size_t i = 0; i < cut.ids.size(); ++i) out.push_back(address(b, cut.slot, cut.from + i));
+  return out;
+}
+
+void PageManager::finish_unmap(std::vector<Cut>& cuts, const std::vector<uintptr_t>& addrs, size_t done) {
+  const size_t nb = config_.num_buffers;
+  size_t at = 0;
+  for (Cut& cut : cuts) {
+    const size_t n_ids = cut.ids.size();
+    for (size_t i = 0; i < n_ids; ++i) {
+      std::vector<uintptr_t> still;
+      for (size_t b = 0; b < nb; ++b)
+        if (at + b * n_ids + i >= done) still.push_back(addrs[at + b * n_ids + i]);
+      table_.count_unmapped(nb - still.size());
+      if (still.empty()) {
+        table_.drop_map_ref(cut.ids[i]);
+      } else {  // the position's mapping reference moves to the orphan
+        table_.keep_orphan(Orphan{cut.slot, cut.from + i, cut.ids[i], std::move(still)});
+      }
+    }
+    at += n_ids * nb;
+  }
+}
+
+uint64_t PageManager::reads_of(size_t slot) const {
+  return table_.allocated(slot) ? VmmBackend::kReadsNow : slot_reads_[slot];
+}
+
+void PageManager::unmap_tails_locked(const std::vector<SlotKeep>& slot_keep) {
+  bool any = false;
+  uint64_t reads = VmmBackend::kNoReads;  // fences are ordered: the latest covers the others
+  for (auto [slot, keep] : slot_keep) {
+    if (table_.mapped(slot) <= keep) continue;
+    any = true;
+    reads = std::max(reads, reads_of(slot));
+  }
+  if (!any) return;
+  // A finished request's kernels may still read these pages. If this fails,
+  // nothing has changed yet.
+  backend_->wait_reads(reads);
+  std::vector<Cut> cuts;
+  for (auto [slot, keep] : slot_keep) table_.cut_tail(slot, keep, cuts);
+  std::vector<uintptr_t> addrs = addresses_of(cuts);
+  size_t done = 0;
+  std::exception_ptr error;
+  try {
+    backend_->unmap(addrs.data(), addrs.size(), &done);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  finish_unmap(cuts, addrs, error ? done : addrs.size());
+  if (error) std::rethrow_exception(error);
+}
+
+void PageManager::settle_orphans_locked(int64_t slot) {
+  const std::vector<Orphan>& orphans = table_.orphans();
+  auto matches = [&](const Orphan& o) { return slot < 0 || o.slot == static_cast<size_t>(slot); };
+  if (std::none_of(orphans.begin(), orphans.end(), matches)) return;
+  backend_->synchronize();
+  std::exception_ptr first_error;
+  for (size_t k = 0; k < orphans.size();) {
+    const Orphan& o = orphans[k];
+    if (!matches(o)) {
+      ++k;
+      continue;
+    }
+    size_t done = 0;
+    try {
+      backend_->unmap(o.addrs.data(), o.addrs.size(), &done);
+    } catch (...) {
+      if (!first_error) first_error = std::current_exception();
+    }
+    if (!table_.settle_orphan(k, done)) ++k;  // some addresses are still mapped
+  }
+  if (first_error) std::rethrow_exception(first_error);
+}
+
+// ---- reclaiming ---------------------------------------------------------------------------
+
+size_t PageManager::reclaim_locked(size_t want, int64_t keep_slot) {
+  ReclaimPlan plan = plan_reclaim(table_, want, keep_slot, SIZE_MAX);
+  const size_t before = table_.available();
+  std::exception_ptr error;
+  try {
+    unmap_tails_locked(plan.cuts);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  const size_t got = table_.available() - before;
+  table_.counters().reclaimed_pages += got * config_.num_buffers;
+  if (error) std::rethrow_exception(error);
+  return got;
+}
+
+void PageManager::trim_for_new_request_locked(size_t slot, size_t keep) {
+  // A new request writes every position it uses: a page shared with another
+  // slot or a handle must not be among them.
+  keep = std::min(keep, table_.first_shared(slot));
+  if (table_.orphans_of(slot)) settle_orphans_locked(static_cast<int64_t>(slot));
+  unmap_tails_locked({{slot, keep}});
+}
+
+}  // namespace vattn

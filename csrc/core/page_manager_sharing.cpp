@@ -1,0 +1,251 @@
+// PageManager: shared pages. fork, prefix handles, and the page-table
+// primitive (map_ids / truncate) that puts given ids at given positions.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "common/errors.h"
+#include "core/page_manager.h"
+
+namespace vattn {
+
+int64_t PageManager::fork(int64_t src, int64_t num_tokens) {
+  check_process();
+  Lock lock(sync_->mu);
+  check_open();
+  if (config_.external_ids)
+    throw std::invalid_argument("fork: this manager's page ids are owned by the caller (page_ids='external')");
+  auto validate = [&] {
+    check_allocated(src, "fork");
+    int64_t mapped = geometry_.tokens_in_positions(table_.mapped(static_cast<size_t>(src)));
+    if (num_tokens < 0 || num_tokens > mapped)
+      throw std::invalid_argument("fork: num_tokens must be in " + range_text(0, mapped) +
+                                  " (tokens mapped for reqid " + std::to_string(src) + "), got " +
+                                  std::to_string(num_tokens));
+  };
+  validate();
+  wait_for_batch(lock);
+  validate();
+  const size_t shared = geometry_.shareable_positions(num_tokens);
+  const size_t total = geometry_.positions_for_tokens(num_tokens);
+  const size_t fresh = total - shared;
+  const int64_t dst = emptiest_free_slot(table_);
+  if (dst < 0)
+    throw OutOfSlots("fork: all " + std::to_string(config_.num_slots) +
+                     " reqids are in use (max_batch_size); free one with free_reqid");
+  const size_t d = static_cast<size_t>(dst);
+  size_t own = 0;  // ids only dst references: truncating it frees them
+  for (uint32_t id : table_.ids(d)) own += table_.maps(id) == 1 && table_.holds(id) == 0;
+  size_t reclaimable = 0;
+  if (table_.available() + own < fresh)
+    reclaimable = plan_reclaim(table_, fresh - table_.available() - own, dst, SIZE_MAX).freed_ids;
+  if (table_.available() + own + reclaimable < fresh)
+    throw OutOfPages("fork: the page pool cannot supply the " + std::to_string(fresh) +
+                     " page(s) per buffer the copied tail of " + std::to_string(num_tokens) +
+                     " tokens needs; free requests or raise physical_memory");
+  if (table_.orphans_of(d)) settle_orphans_locked(dst);
+  unmap_tails_locked({{d, 0}});
+  if (table_.available() < fresh) reclaim_locked(fresh - table_.available(), dst);
+  if (table_.available() < fresh) throw OutOfPages("fork: the page pool ran out while reclaiming");
+  const std::vector<uint32_t>& src_ids = table_.ids(static_cast<size_t>(src));
+  std::vector<uint32_t> to_create;
+  std::vector<MapJob> jobs;
+  jobs.push_back(MapJob{d, 0, std::vector<uint32_t>(src_ids.begin(), src_ids.begin() + shared), 0});
+  jobs.push_back(MapJob{d, shared, table_.claim(fresh, to_create), fresh});
+  try {
+    map_jobs_locked(jobs, to_create);
+    if (fresh > 0) {
+      backend_->synchronize();  // the source's last tokens must have been written
+      for (size_t b = 0; b < config_.num_buffers; ++b)
+        backend_->copy(address(b, d, shared), address(b, static_cast<size_t>(src), shared), fresh * page_size_);
+    }
+  } catch (...) {
+    try {
+      unmap_tails_locked({{d, 0}});  // nothing half-done: dst stays free and empty
+    } catch (...) {
+    }
+    throw;
+  }
+  table_.allocate(d);
+  table_.set_tokens(d, num_tokens);
+  PageStats& stats = table_.counters();
+  stats.forks++;
+  stats.pages_copied += fresh * config_.num_buffers;
+  work_epoch_++;
+  sync_->wake.notify_one();
+  return dst;
+}
+
+std::pair<uint64_t, int64_t> PageManager::retain_prefix(int64_t slot, int64_t num_tokens) {
+  check_process();
+  Lock lock(sync_->mu);
+  check_open();
+  if (config_.external_ids)
+    throw std::invalid_argument("retain_prefix: this manager's page ids are owned by the caller "
+                                "(page_ids='external')");
+  check_allocated(slot, "retain_prefix");
+  const std::vector<uint32_t>& slot_ids = table_.ids(static_cast<size_t>(slot));
+  int64_t mapped = geometry_.tokens_in_positions(slot_ids.size());
+  if (num_tokens < 0 || num_tokens > mapped)
+    throw std::invalid_argument("retain_prefix: num_tokens must be in " + range_text(0, mapped) +
+                                " (tokens mapped for reqid " + std::to_string(slot) + "), got " +
+                                std::to_string(num_tokens));
+  const size_t shared = geometry_.shareable_positions(num_tokens);
+  uint64_t handle = table_.retain(std::vector<uint32_t>(slot_ids.begin(), slot_ids.begin() + shared));
+  return {handle, geometry_.tokens_in_positions(shared)};
+}
+
+int64_t PageManager::attach_prefix(uint64_t handle, int64_t slot) {
+  check_process();
+  Lock lock(sync_->mu);
+  check_open();
+  auto validate = [&] {
+    if (!table_.handle_ids(handle)) throw std::invalid_argument("attach_prefix: the prefix handle was released");
+    check_allocated(slot, "attach_prefix");
+    if (table_.tokens(static_cast<size_t>(slot)) > 0)
+      throw std::invalid_argument("attach_prefix: reqid " + std::to_string(slot) + " already holds " +
+                                  std::to_string(table_.tokens(static_cast<size_t>(slot))) +
+                                  " tokens; attach to a freshly allocated reqid");
+  };
+  validate();
+  wait_for_batch(lock);
+  validate();
+  const std::vector<uint32_t> ids = *table_.handle_ids(handle);
+  const size_t s = static_cast<size_t>(slot);
+  if (table_.orphans_of(s)) settle_orphans_locked(slot);
+  size_t same = 0;
+  while (same < std::min(table_.mapped(s), ids.size()) && table_.ids(s)[same] == ids[same]) ++same;
+  unmap_tails_locked({{s, same}});
+  std::vector<MapJob> jobs{MapJob{s, same, std::vector<uint32_t>(ids.begin() + same, ids.end()), 0}};
+  std::vector<uint32_t> none;
+  map_jobs_locked(jobs, none);
+  int64_t tokens = geometry_.tokens_in_positions(ids.size());
+  table_.set_tokens(s, tokens);
+  return tokens;
+}
+
+void PageManager::release_prefix(uint64_t handle) {
+  check_process();
+  Lock lock(sync_->mu);
+  if (!table_.release_handle(handle)) return;  // released already, or by cleanup()
+  work_epoch_++;
+  sync_->wake.notify_one();
+}
+
+std::vector<uint32_t> PageManager::prefix_ids(uint64_t handle) const {
+  check_process();
+  Lock lock(sync_->mu);
+  const std::vector<uint32_t>* ids = table_.handle_ids(handle);
+  if (!ids) throw std::invalid_argument("the prefix handle was released");
+  return *ids;
+}
+
+void PageManager::map_ids(const int64_t* slots, const int64_t* starts, const int64_t* offsets, size_t count,
+                          const uint32_t* ids, size_t num_ids_given) {
+  check_process();
+  Lock lock(sync_->mu);
+  check_open();
+  const size_t slot_positions = config_.slot_bytes / page_size_;
+  auto validate = [&] {
+    if (offsets[0] != 0 || static_cast<size_t>(offsets[count]) != num_ids_given)
+      throw std::invalid_argument("map_pages: counts must add up to len(page_ids) = " +
+                                  std::to_string(num_ids_given));
+    std::vector<uint8_t> seen(config_.num_slots, 0);
+    for (size_t i = 0; i < count; ++i) {
+      check_allocated(slots[i], "map_pages");
+      if (seen[slots[i]]++)
+        throw std::invalid_argument("map_pages: reqid " + std::to_string(slots[i]) + " appears twice");
+      int64_t n = offsets[i + 1] - offsets[i];
+      int64_t mapped = static_cast<int64_t>(table_.mapped(static_cast<size_t>(slots[i])));
+      if (n < 0) throw std::invalid_argument("map_pages: counts must be >= 0");
+      if (starts[i] < 0 || starts[i] > mapped)
+        throw std::invalid_argument("map_pages: starts[" + std::to_string(i) + "] must be in " +
+                                    range_text(0, mapped) + " (positions mapped for reqid " +
+                                    std::to_string(slots[i]) + "), got " + std::to_string(starts[i]));
+      if (static_cast<size_t>(starts[i] + n) > slot_positions)
+        throw std::invalid_argument("map_pages: reqid " + std::to_string(slots[i]) + " has " +
+                                    std::to_string(slot_positions) + " page positions; starts[" +
+                                    std::to_string(i) + "] + count = " + std::to_string(starts[i] + n));
+    }
+    for (size_t k = 0; k < num_ids_given; ++k) {
+      if (ids[k] >= num_ids_)
+        throw std::invalid_argument("map_pages: page_ids[" + std::to_string(k) + "] must be in " +
+                                    range_text(0, num_ids_ - 1) + " (num_page_ids), got " + std::to_string(ids[k]));
+      if (!config_.external_ids && table_.refs(ids[k]) == 0)
+        throw std::invalid_argument("map_pages: page_ids[" + std::to_string(k) + "] = " + std::to_string(ids[k]) +
+                                    " is not in use (managed page ids must be mapped in some reqid "
+                                    "or held by a prefix handle)");
+    }
+  };
+  validate();
+  if (inflight_) {
+    wait_for_batch(lock);
+    validate();
+  }
+  if (config_.external_ids) {  // pages are created on first use
+    std::vector<uint32_t> missing = table_.uncreated_among(ids, num_ids_given);
+    if (!missing.empty()) {
+      create_ids(missing);
+      table_.mark_created(missing);
+    }
+  }
+  // Managed ids: the new positions' references are pinned before any old
+  // position is cut, so an id that moves (within a slot, or a swap between
+  // two) never drops to zero references and into the free pool while mapped.
+  std::vector<uint32_t> pinned;
+  if (!config_.external_ids) pinned.assign(ids, ids + num_ids_given);
+  for (uint32_t id : pinned) table_.add_hold(id);
+  auto unpin = [&] {
+    for (uint32_t id : pinned) table_.drop_hold(id);
+  };
+  try {
+    std::vector<SlotKeep> cuts;
+    std::vector<MapJob> jobs;
+    for (size_t i = 0; i < count; ++i) {
+      const size_t s = static_cast<size_t>(slots[i]), start = static_cast<size_t>(starts[i]);
+      const size_t n = static_cast<size_t>(offsets[i + 1] - offsets[i]);
+      const uint32_t* row = ids + offsets[i];
+      size_t same = 0;
+      while (same < n && start + same < table_.mapped(s) && table_.ids(s)[start + same] == row[same]) ++same;
+      if (same == n) continue;
+      if (table_.orphans_of(s)) settle_orphans_locked(slots[i]);
+      cuts.emplace_back(s, start + same);
+      jobs.push_back(MapJob{s, start + same, std::vector<uint32_t>(row + same, row + n), 0});
+    }
+    unmap_tails_locked(cuts);
+    std::vector<uint32_t> none;
+    map_jobs_locked(jobs, none);
+  } catch (...) {
+    unpin();
+    throw;
+  }
+  unpin();
+}
+
+void PageManager::truncate(const int64_t* slots, const int64_t* keep, size_t count) {
+  check_process();
+  Lock lock(sync_->mu);
+  check_open();
+  for (size_t i = 0; i < count; ++i) {
+    check_slot(slots[i], "unmap_pages");
+    if (keep[i] < 0) throw std::invalid_argument("unmap_pages: keep must be >= 0, got " + std::to_string(keep[i]));
+  }
+  wait_for_batch(lock);
+  std::vector<SlotKeep> cuts;
+  for (size_t i = 0; i < count; ++i) cuts.emplace_back(static_cast<size_t>(slots[i]), static_cast<size_t>(keep[i]));
+  for (auto [s, k] : cuts)
+    if (table_.orphans_of(s)) settle_orphans_locked(static_cast<int64_t>(s));
+  unmap_tails_locked(cuts);
+  work_epoch_++;
+  sync_->wake.notify_one();
+}
+
+std::vector<uint32_t> PageManager::slot_ids(int64_t slot) const {
+  check_process();
+  Lock lock(sync_->mu);
+  check_open();
+  check_slot(slot, "page_ids");
+  return table_.ids(static_cast<size_t>(slot));
+}
+
+}  // namespace vattn
