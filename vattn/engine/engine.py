@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from vattn import ClosedError, KVCacheManager
+from vattn import ClosedError, KVCacheManager, VAttnError
 from vattn.attention import AttentionBatch, attention
 from vattn.integrations.hf_model import kv_shape
 
@@ -73,6 +73,10 @@ class Engine:
         prefix_cache: keep whole-page prefixes of requests and reuse them for
             new requests with the same leading tokens (see the module
             docstring). Needs a ``page_size`` holding a whole number of tokens.
+        kv_retries: iterations in a row a request is retried after the KV
+            cache raised in them (a driver or OS error); one more failure
+            finishes it with ``finish_reason`` "error" (see the module
+            docstring's failure contract).
         **vattn_options: passed to :class:`vattn.KVCacheManager` (``page_size``,
             ``physical_memory``, ``layout``, policy switches).
 
@@ -90,6 +94,7 @@ class Engine:
         device: str | torch.device | None = None,
         prefill_chunk_size: int | None = None,
         prefix_cache: bool = False,
+        kv_retries: int = 3,
         **vattn_options: Any,
     ) -> None:
         if prefill_chunk_size is not None and (isinstance(prefill_chunk_size, bool)
@@ -97,6 +102,10 @@ class Engine:
             raise ValueError(f"prefill_chunk_size must be a positive int or None, got {prefill_chunk_size!r}")
         if not isinstance(prefix_cache, bool):
             raise TypeError(f"prefix_cache must be a bool, got {type(prefix_cache).__name__}")
+        if isinstance(kv_retries, bool) or not isinstance(kv_retries, int):
+            raise TypeError(f"kv_retries must be an int >= 0, got {type(kv_retries).__name__}")
+        if kv_retries < 0:
+            raise ValueError(f"kv_retries must be an int >= 0, got {kv_retries}")
         self.model = model.eval()
         self.kv = KVCacheManager(**kv_shape(model), dtype=model.dtype, max_batch_size=max_batch_size,
                                  max_context_len=max_context_len, device=device or model.device, **vattn_options)
@@ -108,7 +117,7 @@ class Engine:
                                  f"{self.kv.page_size} is not a multiple of {self.kv.config.token_bytes_per_buffer} "
                                  f"bytes per token")
             cache = PrefixCache(self.kv.page_tokens)
-        self.scheduler = Scheduler(self.kv, cache, prefill_chunk_size)
+        self.scheduler = Scheduler(self.kv, cache, prefill_chunk_size, kv_retries)
         text_config = model.config.get_text_config(decoder=True)
         self.vocab_size: int = text_config.vocab_size
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -152,8 +161,9 @@ class Engine:
 
         Raises ValueError / TypeError (and queues nothing) for an empty prompt,
         a prompt longer than ``max_context_len`` tokens, token ids outside the
-        vocabulary or not ints, ``max_new_tokens`` or ``n`` < 1, a seed
-        outside ``[0, 2**63)``, or sampling values out of range.
+        vocabulary or not ints, ``max_new_tokens`` < 1, ``n`` outside
+        ``[1, max_batch_size]`` (its completions run side by side, one reqid
+        each), a seed outside ``[0, 2**63 - n]``, or sampling values out of range.
         """
         self._check_open()
         request = self._new_request(prompt, max_new_tokens, temperature, top_p, seed, n)
@@ -165,7 +175,7 @@ class Engine:
         """A validated, numbered request; raises (numbering nothing) on bad input."""
         prompt = check_prompt(prompt, self.vocab_size, self.kv.config.max_context_len)
         max_new_tokens = check_count("max_new_tokens", max_new_tokens)
-        n = check_count("n", n)
+        n = self._check_n(n)
         temperature, top_p = check_sampling(temperature, top_p)
         seed = check_seed(seed, n)
         samplers = generators(n, seed, temperature, self.kv.device)
@@ -173,6 +183,9 @@ class Engine:
         self._next_request_id += 1
         return Request(request_id, prompt, max_new_tokens, temperature, top_p, samplers[0], time.perf_counter(),
                        pending_samples=samplers[1:])
+
+    def _check_n(self, n: object) -> int:
+        return check_count("n", n, self.kv.config.max_batch_size, "max_batch_size")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -185,7 +198,8 @@ class Engine:
 
         ``max_new_tokens`` is one count for all or one per prompt; with
         sampling, completion ``j`` of prompt ``i`` uses seed ``seed + i * n + j``.
-        Every prompt is checked before any is queued.
+        Every prompt is checked before any is queued. Raises RuntimeError when
+        a request finished with an error (the others still ran to the end).
         """
         self._check_open()
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
@@ -199,7 +213,7 @@ class Engine:
             raise TypeError(f"max_new_tokens must be an int or a sequence of ints, got {type(max_new_tokens).__name__}")
         if len(counts) != len(prompts):
             raise ValueError(f"max_new_tokens has {len(counts)} entries for {len(prompts)} prompts")
-        n = check_count("n", n)
+        n = self._check_n(n)
         if seed is not None and (isinstance(seed, bool) or not hasattr(seed, "__index__")):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         first_id = self._next_request_id
@@ -213,10 +227,12 @@ class Engine:
             raise type(e)(f"prompt {len(requests)}: {e}") from None
         self.scheduler.waiting.extend(requests)
         ids = [r.request_id for r in requests]
+        mine = set(ids)
         results: dict[tuple[int, int], RequestOutput] = {}
         while len(results) < len(ids) * n:
             for out in self.step():
-                results[out.request_id, out.sample_index] = out
+                if out.request_id in mine:  # not a request queued by add_request
+                    results[out.request_id, out.sample_index] = out
         failed = [out for out in results.values() if out.error]
         if failed:
             raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
@@ -228,12 +244,26 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: admit, map pages (preempting if needed), run the
-        model once, sample. Returns the requests that finished in it."""
+        model once, sample. Returns the requests that finished in it.
+
+        A KV-cache error (a driver or OS failure) does not escape: the
+        iteration's requests are retried in the next one or finish with an
+        error (module docstring). Other exceptions (the model's) escape with
+        every request as it was before the iteration."""
         self._check_open()
         finished: list[RequestOutput] = []
-        batch = self.scheduler.schedule(finished)
-        if batch:
-            self._run(batch, finished)
+        batch: list[tuple[Request, int]] = []
+        try:
+            batch = self.scheduler.schedule(finished)
+            logits = self._forward(batch) if batch else None
+        except ClosedError:
+            raise
+        except VAttnError as e:
+            self.scheduler.failed(e, finished)
+            batch = []
+        else:
+            if batch:
+                self._advance(batch, logits, finished)
         self.iteration += 1
         self._record(batch)
         return finished
@@ -249,7 +279,10 @@ class Engine:
             bytes_used=stats["bytes_used"],  # the tokens of running requests
         ))
 
-    def _run(self, batch: list[tuple[Request, int]], finished: list[RequestOutput]) -> None:
+    def _forward(self, batch: list[tuple[Request, int]]) -> torch.Tensor:
+        """Runs the model once over the batch's new tokens packed into one
+        sequence; the logits of each request's last new token, ``[len(batch), vocab]``.
+        Changes no request."""
         tokens, positions, sample_rows = [], [], []
         for req, n in batch:
             start = req.num_computed
@@ -259,23 +292,41 @@ class Engine:
         device = self.kv.device
         self._plan = AttentionBatch([r.reqid for r, _ in batch], [r.num_computed for r, _ in batch],
                                     [n for _, n in batch], device=device)
-        with torch.inference_mode():
-            logits = self.model(
-                input_ids=torch.tensor([tokens], device=device),
-                position_ids=torch.tensor([positions], device=device),
-                logits_to_keep=torch.tensor(sample_rows, device=device),
-                use_cache=False,
-            ).logits[0]
-        self._plan = None
+        try:
+            with torch.inference_mode():
+                return self.model(
+                    input_ids=torch.tensor([tokens], device=device),
+                    position_ids=torch.tensor([positions], device=device),
+                    logits_to_keep=torch.tensor(sample_rows, device=device),
+                    use_cache=False,
+                ).logits[0]
+        finally:
+            self._plan = None
+
+    def _advance(self, batch: list[tuple[Request, int]], logits: torch.Tensor,
+                 finished: list[RequestOutput]) -> None:
+        """Commits the iteration: computed counts move on, tokens are appended,
+        completions forked, finished requests retired. Every token is drawn
+        before anything changes, and the KV-cache calls made here (prefix
+        cache, fork, free) recover from their own errors, so no request is
+        left half-way."""
         now = time.perf_counter()
+        drawn: list[list[int] | None] = []  # per request: its token, then its pending completions' first
         for row, (req, n) in enumerate(batch):
+            if req.num_computed + n < req.num_tokens:
+                drawn.append(None)  # a prefill chunk that does not reach the end yet
+                continue
+            drawn.append([sample(logits[row], req.temperature, req.top_p, generator)
+                          for generator in (req.generator, *req.pending_samples)])
+        for (req, n), tokens in zip(batch, drawn):
             req.num_computed += n
-            if req.num_computed < req.num_tokens:
-                continue  # a prefill chunk that does not reach the end yet
+            req.kv_failures = 0
+            if tokens is None:
+                continue
             if not req.output:
                 self.scheduler.computed(req)  # the prompt is computed
-            samples = [req] + self._fork_samples(req, logits[row], now, finished)
-            req.output.append(sample(logits[row], req.temperature, req.top_p, req.generator))
+            samples = [req] + self._fork_samples(req, tokens[1:], now, finished)
+            req.output.append(tokens[0])
             for done in samples:
                 if done.first_token_time is None:
                     done.first_token_time = now
@@ -284,17 +335,16 @@ class Engine:
                     self.scheduler.retire(done)
                     finished.append(done.finished(reason))
 
-    def _fork_samples(self, req: Request, logits: torch.Tensor, now: float,
+    def _fork_samples(self, req: Request, first_tokens: list[int], now: float,
                       finished: list[RequestOutput]) -> list[Request]:
-        """Completions 1.. of a request whose prompt was just computed: each
-        samples its first token from the prompt's logits and gets a fork of
-        the request's KV (or, without a free reqid or page, waits to be
-        recomputed like a preempted request). Returns the forked ones."""
+        """Completions 1.. of a request whose prompt was just computed, with
+        their first tokens (drawn from the prompt's logits): each gets a fork
+        of the request's KV (or, when the fork fails, waits to be recomputed
+        like a preempted request). Returns the forked ones."""
         forked = []
-        for j, generator in enumerate(req.pending_samples, start=1):
-            child = dataclasses.replace(req, generator=generator, output=[], pending_samples=[], sample_index=j,
-                                        preemptions=0, first_token_time=now, reqid=-1)
-            child.output.append(sample(logits, child.temperature, child.top_p, child.generator))
+        for j, (generator, token) in enumerate(zip(req.pending_samples, first_tokens), start=1):
+            child = dataclasses.replace(req, generator=generator, output=[token], pending_samples=[], sample_index=j,
+                                        preemptions=0, first_token_time=now, reqid=-1, kv_failures=0)
             reason = self._finish_reason(child)
             if reason:  # done with its first token: no KV of its own needed
                 finished.append(child.finished(reason))
@@ -332,14 +382,16 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """The cache's stats plus iteration and preemption counts and, with
-        ``prefix_cache``, its queries, tokens looked up and tokens hit."""
+        ``prefix_cache``, its queries, tokens looked up and tokens hit.
+        ``kv_errors``: KV-cache exceptions the engine recovered from."""
         self._check_open()
         out = dict(self.kv.stats(), iterations=self.iteration, preemptions=self.preemptions,
-                   running=len(self.running), waiting=len(self.waiting))
+                   running=len(self.running), waiting=len(self.waiting), kv_errors=self.scheduler.kv_errors)
         if self.prefix_cache is not None:
             pc = self.prefix_cache
             out.update(prefix_cache_queries=pc.queries, prefix_cache_query_tokens=pc.query_tokens,
-                       prefix_cache_hit_tokens=pc.hit_tokens, prefix_cache_entries=len(pc.entries))
+                       prefix_cache_hit_tokens=pc.hit_tokens, prefix_cache_entries=len(pc.entries),
+                       prefix_cache_evictions=pc.evictions)
         return out
 
     def _check_open(self) -> None:

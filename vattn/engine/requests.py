@@ -48,6 +48,7 @@ class Request:
     first_token_time: float | None = None
     preemptions: int = 0
     sample_index: int = 0
+    kv_failures: int = 0  # iterations in a row in which the KV cache raised for this request
     # completions 1 .. n-1 still to fork off when the prompt's logits are there: their generators
     pending_samples: list[torch.Generator | None] = dataclasses.field(default_factory=list)
 
@@ -83,11 +84,15 @@ def check_prompt(prompt: object, vocab_size: int, max_context_len: int) -> list[
     return tokens
 
 
-def check_count(name: str, value: object) -> int:
-    """An int >= 1 (ints and integer scalars; not bools or floats)."""
+def check_count(name: str, value: object, limit: int | None = None, limit_name: str = "") -> int:
+    """An int >= 1 (ints and integer scalars; not bools or floats), and at
+    most ``limit`` (named ``limit_name`` in the error) when one is given."""
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__}")
     value = operator.index(value)
+    if limit is not None and not 1 <= value <= limit:
+        raise ValueError(f"{name} must be an int >= 1 and <= {limit} ({limit_name}), i.e. in [1, {limit}], "
+                         f"got {value}")
     if value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value}")
     return value
