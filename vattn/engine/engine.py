@@ -1,13 +1,16 @@
 """A continuous-batching serving engine whose KV cache is vattn.
 
 :class:`Engine` wraps a transformers causal LM. Each iteration it admits
-waiting requests (first come, first served) while reqids and pages allow,
-calls ``step`` with every running request's new length, preempts the most
-recently admitted requests when ``step`` says the pages are not there
-(recompute: their tokens so far become the prompt when they come back, ahead
-of everyone else), runs the model once over the tokens of all running requests
-packed into one sequence, and samples. A request leaves the batch the
-iteration it finishes.
+waiting requests (first come, first served) while reqids allow, calls
+``step`` with every running request's new length, and when ``step`` says the
+pages are not there sends the most recently admitted requests back to the
+head of the queue (a request admitted in this iteration simply waits; one
+that had computed tokens is preempted: recompute, its tokens so far become
+the prompt when it comes back). It then runs the model once over the tokens
+of all running requests packed into one sequence, and samples. A request
+leaves the batch the iteration it finishes. The parts: :mod:`.scheduler`
+(queues, admission, pages, preemption), :mod:`.prefix_cache`,
+:mod:`.sampling`, :mod:`.requests` (request state and checks).
 
 Shared pages (vattn's fork and prefix handles):
 
@@ -20,8 +23,38 @@ Shared pages (vattn's fork and prefix handles):
   and generated tokens, once computed) are kept with prefix handles, keyed by
   a chain hash of page-sized token blocks as vLLM does; a new request maps the
   longest cached prefix of its tokens into its slice and prefills only the
-  rest. Least recently used entries are released when the pool runs short,
-  before any request is preempted.
+  rest. When the pool runs short, least recently used entries holding pages
+  that no running request maps are released (those return pages; an entry
+  whose pages running requests map frees nothing and stays), before any
+  request is preempted.
+
+Failure contract. Any exception the KV cache raises during an iteration
+(a driver or OS failure: :class:`vattn.DriverError`; also ``OutOfPages`` /
+``OutOfSlots`` where they are not the expected answer) leaves the engine
+consistent:
+
+* Every request is in exactly one place: waiting, running (holding a reqid),
+  or finished and returned by ``step`` once. No request disappears and no
+  reqid leaks.
+* An error while admitting a request (``alloc_reqid``, attaching its cached
+  prefix) frees its reqid again and leaves it at the head of the queue;
+  admission stops for this iteration, the running requests go on.
+* An error in ``step`` or in the model's run (before any token is drawn) rolls
+  the iteration back: no request's computed count, tokens or sampling state
+  moved, and the same requests are retried in the next iteration.
+* After the model ran, every token of the iteration is drawn before anything
+  changes; then the KV-cache calls of the commit recover one by one: a failed
+  ``fork`` sends that completion to the queue to be recomputed, a failed
+  prefix-cache insert only costs the entry, a failed unmap in ``free_reqid``
+  leaves the reqid free and the pages to the cache's own retry.
+* A request that fails ``kv_retries`` + 1 iterations in a row (default 3 + 1)
+  finishes with ``finish_reason="error"`` and ``error`` naming the last
+  exception; its reqid is freed. ``generate`` raises ``RuntimeError`` for it.
+* ``step`` does not raise for these errors (``stats()["kv_errors"]`` counts
+  them, and each is logged as a warning on the ``vattn.engine`` logger).
+  ``ClosedError`` (the cache was closed) and exceptions that are not the KV
+  cache's (the model's, bad arguments) propagate, with every request as it
+  was before the iteration.
 
 The model's attention is replaced (for as long as the engine is open) by one
 that writes each layer's new K/V into the vattn tensors and attends over
