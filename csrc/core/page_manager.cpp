@@ -613,7 +613,7 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
   check_open();
   if (config_.external_ids)
     throw std::invalid_argument("step: this manager's page ids are owned by the caller "
-                                "(page_ids='external'); map them with map_pages");
+                                "(page_allocator='external'); map them with map_pages");
   if (count != config_.num_slots)
     throw std::invalid_argument("step: seq_lens must have max_batch_size = " + std::to_string(config_.num_slots) +
                                 " entries, got " + std::to_string(count));
@@ -702,7 +702,8 @@ int64_t PageManager::fork(int64_t src, int64_t num_tokens) {
   Lock lock(sync_->mu);
   check_open();
   if (config_.external_ids)
-    throw std::invalid_argument("fork: this manager's page ids are owned by the caller (page_ids='external')");
+    throw std::invalid_argument("fork: this manager's page ids are owned by the caller "
+                                "(page_allocator='external')");
   auto validate = [&] {
     check_allocated(src, "fork");
     int64_t mapped = tokens_in_positions(mapped_of(src));
@@ -773,7 +774,7 @@ std::pair<uint64_t, int64_t> PageManager::retain_prefix(int64_t slot, int64_t nu
   check_open();
   if (config_.external_ids)
     throw std::invalid_argument("retain_prefix: this manager's page ids are owned by the caller "
-                                "(page_ids='external')");
+                                "(page_allocator='external')");
   check_allocated(slot, "retain_prefix");
   int64_t mapped = tokens_in_positions(mapped_of(slot));
   if (num_tokens < 0 || num_tokens > mapped)
