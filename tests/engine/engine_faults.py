@@ -4,8 +4,9 @@ KV cache's host OS calls."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +30,18 @@ def inject_fault(call: str, skip: int = 0, times: int = 1, err: int = errno.ENOM
 
 def clear_faults() -> None:
     inject_fault("", 0, 0, 0)
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """The tiny model's matrices are too small to split across threads, and
+    on a loaded machine idle intra-op threads cost several times the work."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def tiny_llama() -> Any:

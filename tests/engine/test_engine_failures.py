@@ -14,7 +14,8 @@ import vattn
 pytest.importorskip("transformers", reason="needs transformers (pip install vattn[transformers])")
 
 from conftest import assert_invariants  # noqa: E402
-from engine_faults import PAGE, FailingCalls, alone, clear_faults, inject_fault, prompts, run_until_done, tiny_llama  # noqa: E402
+from engine_faults import (PAGE, FailingCalls, alone, clear_faults, inject_fault, one_torch_thread,  # noqa: E402
+                           prompts, run_until_done, tiny_llama)
 
 from vattn.engine import Engine  # noqa: E402
 
@@ -24,7 +25,8 @@ SYNC = dict(background=False, eager=False)
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_llama()
+    with one_torch_thread():
+        yield tiny_llama()
 
 
 @pytest.fixture(scope="module")
@@ -113,15 +115,16 @@ def test_a_kv_cache_that_keeps_failing_finishes_requests_with_an_error(model, re
     again once the driver does."""
     ps, want = reference
     with Engine(model, max_batch_size=4, max_context_len=128, page_size=PAGE, kv_retries=2, **SYNC) as engine:
-        ids = [engine.add_request(p, max_new_tokens=8) for p in ps[:2]]
+        ids = [engine.add_request(p, max_new_tokens=8, n=n) for p, n in zip(ps[:2], (1, 3))]
         inject_fault("mmap_map", times=-1)  # every map fails from now on
         outs = run_until_done(engine, max_iterations=20)
         clear_faults()
-        assert sorted(outs) == [(i, 0) for i in ids]  # none lost, none hanging
-        for i in ids:
-            assert outs[i, 0].finish_reason == "error"
-            assert "KV cache failed 3 iterations in a row" in outs[i, 0].error
-            assert "DriverError" in outs[i, 0].error
+        # none lost (the completions not forked yet fail with their prompt), none hanging
+        assert sorted(outs) == [(ids[0], 0), (ids[1], 0), (ids[1], 1), (ids[1], 2)]
+        for out in outs.values():
+            assert out.finish_reason == "error" and out.output == []
+            assert "KV cache failed 3 iterations in a row" in out.error
+            assert "DriverError" in out.error
         assert_clean(engine)
         with pytest.raises(RuntimeError, match="failed: the KV cache failed"):
             inject_fault("mmap_map", times=-1)
@@ -130,6 +133,35 @@ def test_a_kv_cache_that_keeps_failing_finishes_requests_with_an_error(model, re
             finally:
                 clear_faults()
         assert engine.generate(ps[:2], max_new_tokens=8) == want[:2]
+        assert_clean(engine)
+
+
+def test_a_request_too_large_for_the_pool_fails_with_all_its_completions(model):
+    """Its n completions finish with the error too (only the first used to, so
+    generate(..., n=3) waited for the others forever)."""
+    with Engine(model, max_batch_size=4, max_context_len=128, page_size=PAGE, physical_memory=6 * PAGE) as engine:
+        big = engine.add_request(list(range(2, 90)), max_new_tokens=2, n=3)  # 88 tokens need 3 pages per buffer
+        outs = run_until_done(engine, max_iterations=20)
+        assert sorted(outs) == [(big, j) for j in range(3)]
+        assert all(out.finish_reason == "error" and "physical pool" in out.error for out in outs.values())
+        with pytest.raises(RuntimeError, match="physical pool"):
+            engine.generate([list(range(2, 90))], max_new_tokens=2, n=2)
+        assert_clean(engine)
+
+
+def test_pages_stranded_by_a_failed_unmap_are_recovered_before_a_request_is_refused(model):
+    """Found by the fault campaign: a failed unmap in free_reqid leaves its
+    pages as orphans, which step retries only for the reqids it grows; a
+    request needing the whole pool was then refused as too large for it."""
+    prompt = prompts(1, seed=9, low=100, high=101)[0]
+    with Engine(model, max_batch_size=3, max_context_len=128, page_size=PAGE, physical_memory=4 * 6 * PAGE,
+                **dict(SYNC, deferred_reclaim=False)) as engine:  # 4 page ids; free_reqid unmaps at once
+        fault = FailingCalls(engine.kv, "free_reqid", "mmap_unmap")
+        # reqid 0: 28 tokens (1 page); reqid 1: 64 tokens (2 pages), finishing first: its unmap fails
+        assert engine.generate([prompt[:20], prompt[:60]], max_new_tokens=[8, 4])
+        assert fault.raised == 1 and engine.kv.stats()["pages_orphaned"] > 0
+        outs = engine.generate([prompt], max_new_tokens=8)  # 108 tokens in reqid 0: all 4 pages
+        assert len(outs[0]) == 8
         assert_clean(engine)
 
 

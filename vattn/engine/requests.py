@@ -65,6 +65,16 @@ class Request:
         return RequestOutput(self.request_id, self.prompt, self.output, reason, self.arrival_time,
                              self.first_token_time, time.perf_counter(), self.preemptions, error, self.sample_index)
 
+    def failed(self, error: str) -> list[RequestOutput]:
+        """Error outputs for this completion and for every completion still to
+        be forked from it (they share its prompt, so they fail with it)."""
+        outs = [self.finished("error", error)]
+        for j in range(1, len(self.pending_samples) + 1):
+            outs.append(RequestOutput(self.request_id, self.prompt, [], "error", self.arrival_time, None,
+                                      time.perf_counter(), self.preemptions, error, j))
+        self.pending_samples = []
+        return outs
+
 
 def check_prompt(prompt: object, vocab_size: int, max_context_len: int) -> list[int]:
     """``prompt`` as a list of token ids in the vocabulary, at most ``max_context_len`` of them."""

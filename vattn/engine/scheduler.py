@@ -80,6 +80,10 @@ class Scheduler:
                 lens[req.reqid] = req.num_computed + self.chunk(req)
             if self.kv.step(lens):
                 return [(req, self.chunk(req)) for req in self.running]
+            # Pages whose unmap failed earlier wait for a retry that step makes
+            # only for the reqids it grows; reclaim retries them all.
+            if self.kv.stats()["pages_orphaned"] and self.kv.reclaim():
+                continue
             # Cached prefixes whose pages no request maps go first, except the
             # ones this iteration's newcomers attached: those go once no
             # newcomer is left to send back, before any request is preempted
@@ -91,9 +95,9 @@ class Scheduler:
             need = lens[victim.reqid]
             self._free(victim)
             if not self.running:  # alone, and still too large for the pool
-                finished.append(victim.finished("error", error=(
+                finished.extend(victim.failed(
                     f"needs {need} tokens of KV cache, more than the physical pool holds "
-                    f"({self.kv.stats()['bytes_total']} bytes)")))
+                    f"({self.kv.stats()['bytes_total']} bytes)"))
                 break
             if id(victim) not in self._admitted:  # its computed tokens are lost: recompute later
                 victim.preemptions += 1
@@ -166,8 +170,8 @@ class Scheduler:
         req.kv_failures += 1
         if req.kv_failures <= self.kv_retries:
             return True
-        finished.append(req.finished("error", error=(
-            f"the KV cache failed {req.kv_failures} iterations in a row; last: {type(error).__name__}: {error}")))
+        finished.extend(req.failed(
+            f"the KV cache failed {req.kv_failures} iterations in a row; last: {type(error).__name__}: {error}"))
         return False
 
     def _note(self, error: VAttnError) -> None:
