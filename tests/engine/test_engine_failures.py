@@ -123,7 +123,7 @@ def test_a_kv_cache_that_keeps_failing_finishes_requests_with_an_error(model, re
         assert sorted(outs) == [(ids[0], 0), (ids[1], 0), (ids[1], 1), (ids[1], 2)]
         for out in outs.values():
             assert out.finish_reason == "error" and out.output == []
-            assert "KV cache failed 3 iterations in a row" in out.error
+            assert "KV cache failed 3 times in a row (kv_retries=2)" in out.error
             assert "DriverError" in out.error
         assert_clean(engine)
         with pytest.raises(RuntimeError, match="failed: the KV cache failed"):
@@ -180,6 +180,28 @@ def test_an_exception_from_the_model_leaves_the_engine_consistent(model, referen
         assert engine.model.forward == forward
         outs = run_until_done(engine)
         assert [outs[i, 0].output for i in ids] == want[:2]
+        assert_clean(engine)
+
+
+def test_outputs_decided_before_a_model_exception_come_with_the_next_step(model, reference):
+    """An admission that fails for good finishes its request with an error in
+    the same iteration as the model raises: that output is not lost."""
+    ps, want = reference
+    with Engine(model, max_batch_size=4, max_context_len=128, page_size=PAGE, prefix_cache=True, kv_retries=0,
+                **SYNC) as engine:
+        assert engine.generate([ps[0]], max_new_tokens=8) == [want[0]]
+        running = engine.add_request(ps[1], max_new_tokens=8)
+        engine.step()
+        fault = FailingCalls(engine.kv, "map_pages", "mmap_map")
+        doomed = engine.add_request(ps[0], max_new_tokens=8)  # attaches the cached prompt: the fault fires
+        engine.model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("model failed"))
+        with pytest.raises(RuntimeError, match="model failed"):
+            engine.step()
+        del engine.model.forward
+        assert fault.raised == 1
+        outs = run_until_done(engine)
+        assert outs[doomed, 0].finish_reason == "error" and "KV cache failed 1 time in a row" in outs[doomed, 0].error
+        assert outs[running, 0].output == want[1]
         assert_clean(engine)
 
 

@@ -49,12 +49,16 @@ consistent:
   leaves the reqid free and the pages to the cache's own retry.
 * A request that fails ``kv_retries`` + 1 iterations in a row (default 3 + 1)
   finishes with ``finish_reason="error"`` and ``error`` naming the last
-  exception; its reqid is freed. ``generate`` raises ``RuntimeError`` for it.
+  exception, and so do its completions not forked yet; its reqid is freed.
+  ``generate`` raises ``RuntimeError`` for it.
+* Pages that a failed unmap left behind are reclaimed before any request is
+  preempted or refused as too large for the pool.
 * ``step`` does not raise for these errors (``stats()["kv_errors"]`` counts
   them, and each is logged as a warning on the ``vattn.engine`` logger).
   ``ClosedError`` (the cache was closed) and exceptions that are not the KV
-  cache's (the model's, bad arguments) propagate, with every request as it
-  was before the iteration.
+  cache's (the model's) propagate before any token of the iteration is
+  drawn: every request is waiting or running as a whole, and outputs the
+  iteration had already decided come with the next ``step``.
 
 The model's attention is replaced (for as long as the engine is open) by one
 that writes each layer's new K/V into the vattn tensors and attends over
@@ -159,6 +163,7 @@ class Engine:
         self.history: list[dict[str, float]] = []  # one record per iteration (times, sizes, bytes)
         self._next_request_id = 0
         self._plan: AttentionBatch | None = None
+        self._undelivered: list[RequestOutput] = []  # outputs of an iteration an exception cut short
         # The model's attention calls back into this engine under a unique name.
         self._attn_name = f"vattn_engine_{next(Engine._ids)}"
         self._previous_attn = text_config._attn_implementation
@@ -221,7 +226,8 @@ class Engine:
         return check_count("n", n, self.kv.config.max_batch_size, "max_batch_size")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests waiting or running, or outputs not yet returned by ``step``."""
+        return self.scheduler.has_unfinished() or bool(self._undelivered)
 
     def generate(self, prompts: Iterable[Sequence[int]], max_new_tokens: int | Sequence[int] = 16,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
@@ -281,10 +287,11 @@ class Engine:
 
         A KV-cache error (a driver or OS failure) does not escape: the
         iteration's requests are retried in the next one or finish with an
-        error (module docstring). Other exceptions (the model's) escape with
-        every request as it was before the iteration."""
+        error (module docstring). Other exceptions (the model's) escape before
+        any token is drawn, every request waiting or running as a whole; the
+        outputs the iteration had already decided come with the next step."""
         self._check_open()
-        finished: list[RequestOutput] = []
+        finished, self._undelivered = self._undelivered, []
         batch: list[tuple[Request, int]] = []
         try:
             batch = self.scheduler.schedule(finished)
@@ -294,6 +301,9 @@ class Engine:
         except VAttnError as e:
             self.scheduler.failed(e, finished)
             batch = []
+        except BaseException:
+            self._undelivered = finished
+            raise
         else:
             if batch:
                 self._advance(batch, logits, finished)

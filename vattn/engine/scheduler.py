@@ -171,7 +171,8 @@ class Scheduler:
         if req.kv_failures <= self.kv_retries:
             return True
         finished.extend(req.failed(
-            f"the KV cache failed {req.kv_failures} iterations in a row; last: {type(error).__name__}: {error}"))
+            f"the KV cache failed {req.kv_failures} time{'s' if req.kv_failures > 1 else ''} in a row "
+            f"(kv_retries={self.kv_retries}); last: {type(error).__name__}: {error}"))
         return False
 
     def _note(self, error: VAttnError) -> None:
