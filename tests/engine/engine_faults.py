@@ -1,6 +1,7 @@
 """Helpers of the engine's failure tests: a tiny random Llama, the reference
-(each prompt generated alone with transformers), and fault injection into the
-KV cache's host OS calls."""
+(each prompt generated alone with transformers), and faults injected into the
+KV cache's host backend (engines made with ``backend=FAULTY_HOST`` and the
+``host_faults`` fixture's plan, tests/host_faults.py)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,14 @@ from typing import Any
 import torch
 
 import vattn
-from vattn import _C
+from host_faults import FAULTY_HOST  # noqa: F401 - the backend name the tests' engines use
 
 VOCAB = 96
 PAGE = 4096  # bytes: 32 tokens of one layer's K (2 KV heads x 16 x fp32)
-# The host calls that creating, mapping and unmapping pages make, each with an
-# errno that makes it fail (an unmap that meets ENOMEM falls back to munmap).
-HOST_FAULTS = {"fallocate": errno.ENOSPC, "mmap_map": errno.ENOMEM, "mmap_unmap": errno.EINVAL}
-
-
-def inject_fault(call: str, skip: int = 0, times: int = 1, err: int = errno.ENOMEM) -> None:
-    """The next ``skip`` host calls named ``call`` succeed, then ``times`` fail
-    with ``err`` (process-wide; ``inject_fault("", times=0)`` clears). The one
-    place these tests reach the test hook."""
-    _C.host_inject_failure(call, skip, times, err)
-
-
-def clear_faults() -> None:
-    inject_fault("", 0, 0, 0)
+# Calls of the fault-injecting host backend, each with an errno it fails with:
+# creating pages (fallocate), a map or unmap run, and the mmap of an unmap
+# (EINVAL: ENOMEM there takes the munmap fallback and succeeds).
+HOST_FAULTS = {"create_pages": errno.ENOSPC, "map": errno.ENOMEM, "unmap": errno.EINVAL, "mmap_unmap": errno.EINVAL}
 
 
 @contextlib.contextmanager
@@ -73,12 +64,14 @@ def prompts(n: int, seed: int, low: int = 3, high: int = 60) -> list[list[int]]:
 
 class FailingCalls:
     """Makes ``kv.<method>`` fail inside: before each of its next ``times``
-    calls one fault is armed on the host call ``call`` (cleared when the
-    method returns), so the method meets the error part-way, as it would from
-    the OS. ``raised`` counts the calls that ended in DriverError."""
+    calls one fault is armed in ``plan`` (the host backend's) on ``call``
+    (cleared when the method returns), so the method meets the error
+    part-way, as it would from the OS. ``raised`` counts the calls that ended
+    in DriverError."""
 
-    def __init__(self, kv: vattn.KVCacheManager, method: str, call: str, times: int = 1, skip: int = 0) -> None:
-        self.kv, self.method, self.original = kv, method, getattr(kv, method)
+    def __init__(self, kv: vattn.KVCacheManager, method: str, plan: Any, call: str, times: int = 1,
+                 skip: int = 0) -> None:
+        self.kv, self.method, self.original, self.plan = kv, method, getattr(kv, method), plan
         self.left, self.call, self.skip = times, call, skip
         self.err = HOST_FAULTS[call]
         self.raised = 0
@@ -88,14 +81,14 @@ class FailingCalls:
         if self.left <= 0:
             return self.original(*args, **kwargs)
         self.left -= 1
-        inject_fault(self.call, self.skip, 1, self.err)
+        self.plan.fail(self.call, self.skip, 1, self.err)
         try:
             return self.original(*args, **kwargs)
         except vattn.DriverError:
             self.raised += 1
             raise
         finally:
-            clear_faults()
+            self.plan.clear()
 
     def restore(self) -> None:
         setattr(self.kv, self.method, self.original)

@@ -6,6 +6,8 @@ argument checks and its preemption accounting with the prefix cache."""
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 import torch
 
@@ -14,13 +16,15 @@ import vattn
 pytest.importorskip("transformers", reason="needs transformers (pip install vattn[transformers])")
 
 from conftest import assert_invariants  # noqa: E402
-from engine_faults import (PAGE, FailingCalls, alone, clear_faults, inject_fault, one_torch_thread,  # noqa: E402
-                           prompts, run_until_done, tiny_llama)
+from engine_faults import (FAULTY_HOST, PAGE, FailingCalls, alone, one_torch_thread, prompts,  # noqa: E402
+                           run_until_done, tiny_llama)
 
 from vattn.engine import Engine  # noqa: E402
 
-# Map and unmap only inside calls, so an injected fault lands in the call it is armed for.
-SYNC = dict(background=False, eager=False)
+# Map and unmap only inside calls (deterministic, and an injected fault lands in the call it is armed
+# for); with faults, the host backend that fails the calls its plan (the host_faults fixture) names.
+MAPPER_OFF = dict(background=False, eager=False)
+SYNC = dict(MAPPER_OFF, backend=FAULTY_HOST)
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +39,6 @@ def reference(model):
     return ps, [alone(model, p, 8) for p in ps]
 
 
-@pytest.fixture(autouse=True)
-def no_fault_left():
-    yield
-    clear_faults()
-
-
 def assert_clean(engine: Engine) -> None:
     """Nothing running or waiting, every reqid free, the page table consistent."""
     assert not engine.has_unfinished()
@@ -48,13 +46,13 @@ def assert_clean(engine: Engine) -> None:
     assert_invariants(engine.kv)
 
 
-def test_a_fork_that_fails_is_retried(model, reference):
+def test_a_fork_that_fails_is_retried(model, reference, host_faults):
     """issue 25, defect 2: an out-of-memory inside kv.fork (n=2) used to leave
     the parent with its computed count moved on and no token sampled: every
     later step raised 'query_lens must be >= 1' and two reqids leaked."""
     ps, want = reference
     with Engine(model, max_batch_size=4, max_context_len=128, page_size=PAGE, **SYNC) as engine:
-        fault = FailingCalls(engine.kv, "fork", "mmap_map")
+        fault = FailingCalls(engine.kv, "fork", host_faults, "map")
         rid = engine.add_request(ps[0], max_new_tokens=8, n=2)
         outs = run_until_done(engine)
         assert fault.raised == 1  # the fault happened, inside fork
@@ -67,13 +65,13 @@ def test_a_fork_that_fails_is_retried(model, reference):
         assert_clean(engine)
 
 
-def test_a_failed_prefix_attach_keeps_the_request(model, reference):
+def test_a_failed_prefix_attach_keeps_the_request(model, reference, host_faults):
     """issue 25, defect 3: an error in the map_pages of the cached-prefix attach
     used to lose the request (off the queue, not running, reqid allocated)."""
     ps, want = reference
     with Engine(model, max_batch_size=4, max_context_len=128, page_size=PAGE, prefix_cache=True, **SYNC) as engine:
         assert engine.generate([ps[0]], max_new_tokens=8) == [want[0]]
-        fault = FailingCalls(engine.kv, "map_pages", "mmap_map")
+        fault = FailingCalls(engine.kv, "map_pages", host_faults, "map")
         rid = engine.add_request(ps[0], max_new_tokens=8)  # its prompt is cached: attached at admission
         outs = run_until_done(engine)
         assert fault.raised == 1
@@ -83,14 +81,15 @@ def test_a_failed_prefix_attach_keeps_the_request(model, reference):
 
 
 @pytest.mark.parametrize("method, call", [
-    ("step", "mmap_map"),
-    ("step", "fallocate"),
-    ("alloc_reqid", "mmap_unmap"),  # a reused reqid gives back pages it shared first
-    ("fork", "mmap_map"),
-    ("map_pages", "mmap_map"),  # attaching a cached prefix
-    ("free_reqid", "mmap_unmap"),
+    ("step", "map"),
+    ("step", "create_pages"),
+    ("alloc_reqid", "unmap"),  # a reused reqid gives back pages it shared first
+    ("alloc_reqid", "mmap_unmap"),
+    ("fork", "map"),
+    ("map_pages", "map"),  # attaching a cached prefix
+    ("free_reqid", "unmap"),
 ])
-def test_any_kv_failure_mid_iteration_is_recovered(model, reference, method, call):
+def test_any_kv_failure_mid_iteration_is_recovered(model, reference, method, call, host_faults):
     """One driver fault in each KV-cache call the engine makes, with n=2 and
     the prefix cache on: outputs equal a fault-free run, nothing leaks."""
     ps, want = reference
@@ -98,7 +97,7 @@ def test_any_kv_failure_mid_iteration_is_recovered(model, reference, method, cal
     with Engine(model, max_batch_size=4, max_context_len=128, page_size=PAGE, prefix_cache=True,
                 **options) as engine:
         assert engine.generate([ps[0]], max_new_tokens=8) == [want[0]]
-        faults = FailingCalls(engine.kv, method, call, times=3)
+        faults = FailingCalls(engine.kv, method, host_faults, call, times=3)
         ids = [engine.add_request(p, max_new_tokens=8, n=2) for p in ps[:3]]
         outs = run_until_done(engine)
         faults.restore()
@@ -109,16 +108,16 @@ def test_any_kv_failure_mid_iteration_is_recovered(model, reference, method, cal
         assert_clean(engine)
 
 
-def test_a_kv_cache_that_keeps_failing_finishes_requests_with_an_error(model, reference):
+def test_a_kv_cache_that_keeps_failing_finishes_requests_with_an_error(model, reference, host_faults):
     """A persistent driver failure: each request is retried kv_retries times,
     then finishes with finish_reason 'error' saying why; the engine works
     again once the driver does."""
     ps, want = reference
     with Engine(model, max_batch_size=4, max_context_len=128, page_size=PAGE, kv_retries=2, **SYNC) as engine:
         ids = [engine.add_request(p, max_new_tokens=8, n=n) for p, n in zip(ps[:2], (1, 3))]
-        inject_fault("mmap_map", times=-1)  # every map fails from now on
+        host_faults.fail("map", 0, -1, errno.ENOMEM)  # every map fails from now on
         outs = run_until_done(engine, max_iterations=20)
-        clear_faults()
+        host_faults.clear()
         # none lost (the completions not forked yet fail with their prompt), none hanging
         assert sorted(outs) == [(ids[0], 0), (ids[1], 0), (ids[1], 1), (ids[1], 2)]
         for out in outs.values():
@@ -127,11 +126,11 @@ def test_a_kv_cache_that_keeps_failing_finishes_requests_with_an_error(model, re
             assert "DriverError" in out.error
         assert_clean(engine)
         with pytest.raises(RuntimeError, match="failed: the KV cache failed"):
-            inject_fault("mmap_map", times=-1)
+            host_faults.fail("map", 0, -1, errno.ENOMEM)
             try:
                 engine.generate([ps[0]], max_new_tokens=4)
             finally:
-                clear_faults()
+                host_faults.clear()
         assert engine.generate(ps[:2], max_new_tokens=8) == want[:2]
         assert_clean(engine)
 
@@ -149,14 +148,14 @@ def test_a_request_too_large_for_the_pool_fails_with_all_its_completions(model):
         assert_clean(engine)
 
 
-def test_pages_stranded_by_a_failed_unmap_are_recovered_before_a_request_is_refused(model):
+def test_pages_stranded_by_a_failed_unmap_are_recovered_before_a_request_is_refused(model, host_faults):
     """Found by the fault campaign: a failed unmap in free_reqid leaves its
     pages as orphans, which step retries only for the reqids it grows; a
     request needing the whole pool was then refused as too large for it."""
     prompt = prompts(1, seed=9, low=100, high=101)[0]
     with Engine(model, max_batch_size=3, max_context_len=128, page_size=PAGE, physical_memory=4 * 6 * PAGE,
                 **dict(SYNC, deferred_reclaim=False)) as engine:  # 4 page ids; free_reqid unmaps at once
-        fault = FailingCalls(engine.kv, "free_reqid", "mmap_unmap")
+        fault = FailingCalls(engine.kv, "free_reqid", host_faults, "unmap")
         # reqid 0: 28 tokens (1 page); reqid 1: 64 tokens (2 pages), finishing first: its unmap fails
         assert engine.generate([prompt[:20], prompt[:60]], max_new_tokens=[8, 4])
         assert fault.raised == 1 and engine.kv.stats()["pages_orphaned"] > 0
@@ -183,7 +182,7 @@ def test_an_exception_from_the_model_leaves_the_engine_consistent(model, referen
         assert_clean(engine)
 
 
-def test_outputs_decided_before_a_model_exception_come_with_the_next_step(model, reference):
+def test_outputs_decided_before_a_model_exception_come_with_the_next_step(model, reference, host_faults):
     """An admission that fails for good finishes its request with an error in
     the same iteration as the model raises: that output is not lost."""
     ps, want = reference
@@ -192,7 +191,7 @@ def test_outputs_decided_before_a_model_exception_come_with_the_next_step(model,
         assert engine.generate([ps[0]], max_new_tokens=8) == [want[0]]
         running = engine.add_request(ps[1], max_new_tokens=8)
         engine.step()
-        fault = FailingCalls(engine.kv, "map_pages", "mmap_map")
+        fault = FailingCalls(engine.kv, "map_pages", host_faults, "map")
         doomed = engine.add_request(ps[0], max_new_tokens=8)  # attaches the cached prompt: the fault fires
         engine.model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("model failed"))
         with pytest.raises(RuntimeError, match="model failed"):
@@ -255,7 +254,7 @@ def test_the_prefix_cache_under_preemption(model):
         counts = torch.randint(1, 30, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         for cached in (False, True):
             with Engine(model, max_batch_size=8, max_context_len=128, page_size=PAGE, physical_memory=36 * PAGE,
-                        prefix_cache=cached, **SYNC) as engine:
+                        prefix_cache=cached, **MAPPER_OFF) as engine:
                 outs = engine.generate(ps, max_new_tokens=counts, n=3)
                 runs[cached].append((outs, engine.stats()["preemptions"], sum(h["tokens"] for h in engine.history)))
                 assert_clean(engine)

@@ -28,8 +28,7 @@ import torch
 pytest.importorskip("transformers", reason="needs transformers (pip install vattn[transformers])")
 
 from conftest import assert_invariants, assert_table_is_real  # noqa: E402
-from engine_faults import (HOST_FAULTS, PAGE, VOCAB, clear_faults, inject_fault,  # noqa: E402
-                           one_torch_thread, tiny_llama)
+from engine_faults import FAULTY_HOST, HOST_FAULTS, PAGE, VOCAB, one_torch_thread, tiny_llama  # noqa: E402
 
 from vattn.engine import Engine, RequestOutput  # noqa: E402
 
@@ -49,7 +48,7 @@ CONFIGS = {
 
 
 OPTIONS = dict(max_batch_size=6, max_context_len=96, page_size=PAGE, physical_memory=36 * PAGE,  # 6 page ids
-               prefix_cache=True, kv_retries=2)
+               prefix_cache=True, kv_retries=2, backend=FAULTY_HOST)
 _fault_free: dict[int, dict] = {}  # seed -> outputs of the workload without faults
 
 
@@ -74,10 +73,10 @@ def workload(seed: int) -> list[dict]:
     return out
 
 
-def run(engine: Engine, requests: list[dict], rng: random.Random | None) -> tuple[dict, int]:
+def run(engine: Engine, requests: list[dict], rng: random.Random | None = None, plan=None) -> tuple[dict, int]:
     """Feeds the requests (a few per iteration), steps until all finished;
-    with ``rng``, arms a fault (a random host call, failing after a random
-    number of successful ones) before some iterations. Returns the outputs by
+    with ``rng``, arms a fault in ``plan`` (a random host call, failing after
+    a random number of successful ones) before some iterations. Returns the outputs by
     (request_id, sample_index) and the number of KV errors the engine met."""
     outs: dict[tuple[int, int], RequestOutput] = {}
     pending = list(requests)
@@ -90,11 +89,12 @@ def run(engine: Engine, requests: list[dict], rng: random.Random | None) -> tupl
         del pending[:arriving]
         if rng is not None and rng.random() < FAULT_RATE:
             call = rng.choice(sorted(HOST_FAULTS))
-            inject_fault(call, skip=rng.randint(0, 4), times=rng.choice([1, 1, 1, 4]), err=HOST_FAULTS[call])
+            plan.fail(call, rng.randint(0, 4), rng.choice([1, 1, 1, 4]), HOST_FAULTS[call])
         try:
             finished = engine.step()
         finally:
-            clear_faults()
+            if plan is not None:
+                plan.clear()
         for out in finished:
             key = (out.request_id, out.sample_index)
             assert key not in outs, f"request {key} finished twice"
@@ -146,19 +146,19 @@ def open_state() -> tuple[int, int]:
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("seed", SEEDS)
-def test_engine_fault_campaign(model, config, seed):
+def test_engine_fault_campaign(model, config, seed, host_faults):
     """Short by default; VATTN_LONG_TESTS=1 runs 12 seeds of 24 requests each."""
     requests = workload(seed)
     options = dict(OPTIONS, **CONFIGS[config])
     if seed not in _fault_free:  # greedy outputs do not depend on the schedule: one run serves every config
         with Engine(model, **OPTIONS, **CONFIGS["sync"]) as engine:
-            _fault_free[seed], errors = run(engine, requests, rng=None)
+            _fault_free[seed], errors = run(engine, requests)
             assert errors == 0 and all(out.finish_reason != "error" for out in _fault_free[seed].values())
     want = _fault_free[seed]
     fds, threads = open_state()
     rng = random.Random(f"{config}-{seed}")
     with Engine(model, **options) as engine:
-        got, errors = run(engine, requests, rng)
+        got, errors = run(engine, requests, rng, host_faults)
         assert sorted(got) == sorted(want)  # every completion of every request, once
         for key, out in got.items():
             spec = requests[key[0]]
