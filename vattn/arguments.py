@@ -44,8 +44,9 @@ def int_array(name: str, values: object) -> Any:
     return values
 
 
-def page_id_rows(page_ids: object) -> list[list[int]]:
-    """``map_pages``'s ``page_ids`` without ``counts``: one sequence of ids per request."""
+def page_id_rows(page_ids: object) -> tuple[list[int], list[int]]:
+    """``map_pages``'s ``page_ids`` without ``counts`` (one sequence of ids
+    per request) as the counts and the flat ids the core takes."""
     shape = "one sequence of page ids per request, e.g. [[3, 7], [3]] (flat ids need counts=)"
     array = isinstance(page_ids, (torch.Tensor, np.ndarray))
     if isinstance(page_ids, (str, bytes)) or not hasattr(page_ids, "__iter__") or (array and page_ids.ndim != 2):
@@ -57,7 +58,7 @@ def page_id_rows(page_ids: object) -> list[list[int]]:
             raise TypeError(f"map_pages: page_ids must be {shape}; page_ids[{i}] is "
                             f"{type(row).__name__} {row!r}, not a sequence")
         rows.append(list(int_array("page_ids", row)))
-    return rows
+    return [len(row) for row in rows], [i for row in rows for i in row]
 
 
 _CU_STREAM_PER_THREAD = 0x2  # cuda.h

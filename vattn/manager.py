@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import itertools
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -450,8 +449,7 @@ class KVCacheManager:
         created on first use.
         """
         if counts is None:
-            rows = _page_id_rows(page_ids)
-            counts, page_ids = [len(r) for r in rows], list(itertools.chain.from_iterable(rows))
+            counts, page_ids = _page_id_rows(page_ids)
         self._pages.map_ids(_int_array("reqids", reqids), _int_array("starts", starts),
                             _int_array("counts", counts), _int_array("page_ids", page_ids))
 
@@ -650,11 +648,9 @@ def _close_live_managers() -> None:
 class PrefixHandle:
     """References to the whole pages of a request's prefix (see
     :meth:`KVCacheManager.retain_prefix`). ``num_tokens``: tokens covered;
-    ``page_ids``: the ids, position 0 first.
-
-    A handle dropped without :meth:`release` releases its pages when it is
-    garbage-collected. In a process forked from the one that made it, every
-    use raises :class:`vattn.ForkedError` (the pages are the parent's)."""
+    ``page_ids``: the ids, position 0 first. Dropped without :meth:`release`,
+    it releases its pages when collected; in a forked child every use raises
+    :class:`vattn.ForkedError` (the pages are the parent's)."""
 
     __slots__ = ("_manager", "_id", "num_tokens", "_finalizer", "__weakref__")
 
@@ -662,31 +658,22 @@ class PrefixHandle:
         self._manager = manager
         self._id = handle_id
         self.num_tokens: int = num_tokens
-        # Holds the C++ page manager, not self: the release runs once, from
-        # release() or when the handle is collected; never at interpreter exit
-        # (cleanup releases every handle then).
+        # Runs once, from release() or when collected; not at exit (cleanup releases every handle then).
         self._finalizer = weakref.finalize(self, PrefixHandle._release_pages, manager._pages, handle_id, os.getpid())
         self._finalizer.atexit = False
 
     @staticmethod
     def _release_pages(pages: Any, handle_id: int, pid: int) -> None:
-        """Drops the handle's references; nothing in a forked child (the parent
-        owns them) or after cleanup. Never raises: it may run from the
-        garbage collector."""
+        """Nothing in a forked child or after cleanup; never raises (the garbage collector may call it)."""
         try:
             if os.getpid() == pid and not pages.closed:
                 pages.release_prefix(handle_id)
-        except Exception:  # noqa: BLE001 - a finalizer must not raise; cleanup releases what is left
+        except Exception:  # noqa: BLE001 - cleanup releases what is left
             pass
-
-    def _check_process(self) -> None:
-        if os.getpid() != self._manager._pid:  # handles come from their manager's process
-            raise ForkedError("this prefix handle was created by another process: a forked child cannot use its "
-                              "parent's pages")
 
     @property
     def released(self) -> bool:
-        self._check_process()
+        self._manager._check_process()
         return not self._finalizer.alive or self._manager.closed
 
     @property
@@ -697,7 +684,7 @@ class PrefixHandle:
 
     def release(self) -> None:
         """Drops the references (idempotent): pages no request maps return to the pool."""
-        self._check_process()
+        self._manager._check_process()
         self._finalizer()
 
     def __enter__(self) -> PrefixHandle:
