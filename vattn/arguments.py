@@ -1,11 +1,12 @@
 """Checks and conversions of the public API's arguments: ints, int arrays,
-CUDA stream handles and the mapper's policy. Each raises ``TypeError`` /
-``ValueError`` naming the argument and the accepted range."""
+page-id rows, CUDA stream handles and the mapper's policy. Each raises
+``TypeError`` / ``ValueError`` naming the argument and the accepted range."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -41,6 +42,23 @@ def int_array(name: str, values: object) -> Any:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
         return values.numpy()
     return values
+
+
+def page_id_rows(page_ids: object) -> tuple[list[int], list[int]]:
+    """``map_pages``'s ``page_ids`` without ``counts`` (one sequence of ids
+    per request) as the counts and the flat ids the core takes."""
+    shape = "one sequence of page ids per request, e.g. [[3, 7], [3]] (flat ids need counts=)"
+    array = isinstance(page_ids, (torch.Tensor, np.ndarray))
+    if isinstance(page_ids, (str, bytes)) or not hasattr(page_ids, "__iter__") or (array and page_ids.ndim != 2):
+        what = f"a {page_ids.ndim}-D array" if array else type(page_ids).__name__  # type: ignore[union-attr]
+        raise TypeError(f"map_pages: page_ids must be {shape}, got {what}")
+    rows = []
+    for i, row in enumerate(page_ids):  # type: ignore[union-attr]
+        if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
+            raise TypeError(f"map_pages: page_ids must be {shape}; page_ids[{i}] is "
+                            f"{type(row).__name__} {row!r}, not a sequence")
+        rows.append(list(int_array("page_ids", row)))
+    return [len(row) for row in rows], [i for row in rows for i in row]
 
 
 _CU_STREAM_PER_THREAD = 0x2  # cuda.h

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import itertools
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -18,6 +17,7 @@ from . import _C
 from .arguments import as_int as _as_int
 from .arguments import bounded_int as _bounded_int
 from .arguments import int_array as _int_array
+from .arguments import page_id_rows as _page_id_rows
 from .arguments import policy_args as _policy_args
 from .arguments import stream_handles as _stream_handles
 from .backends import BackendSpec, parse_device, resolve_backend, torch_device
@@ -426,7 +426,7 @@ class KVCacheManager:
             raise TypeError(f"handle must be a PrefixHandle, got {type(handle).__name__}")
         if handle._manager is not self:
             raise ValueError("handle belongs to another KV cache manager")
-        if handle._released:
+        if not handle._finalizer.alive:
             raise ValueError("handle was released")
         return self._pages.attach_prefix(handle._id, self._reqid(reqid))
 
@@ -449,8 +449,7 @@ class KVCacheManager:
         created on first use.
         """
         if counts is None:
-            rows = [list(_int_array("page_ids", row)) for row in page_ids]  # type: ignore[union-attr]
-            counts, page_ids = [len(r) for r in rows], list(itertools.chain.from_iterable(rows))
+            counts, page_ids = _page_id_rows(page_ids)
         self._pages.map_ids(_int_array("reqids", reqids), _int_array("starts", starts),
                             _int_array("counts", counts), _int_array("page_ids", page_ids))
 
@@ -649,19 +648,33 @@ def _close_live_managers() -> None:
 class PrefixHandle:
     """References to the whole pages of a request's prefix (see
     :meth:`KVCacheManager.retain_prefix`). ``num_tokens``: tokens covered;
-    ``page_ids``: the ids, position 0 first."""
+    ``page_ids``: the ids, position 0 first. Dropped without :meth:`release`,
+    it releases its pages when collected; in a forked child every use raises
+    :class:`vattn.ForkedError` (the pages are the parent's)."""
 
-    __slots__ = ("_manager", "_id", "num_tokens", "_released", "__weakref__")
+    __slots__ = ("_manager", "_id", "num_tokens", "_finalizer", "__weakref__")
 
     def __init__(self, manager: KVCacheManager, handle_id: int, num_tokens: int) -> None:
         self._manager = manager
         self._id = handle_id
         self.num_tokens: int = num_tokens
-        self._released = False
+        # Runs once, from release() or when collected; not at exit (cleanup releases every handle then).
+        self._finalizer = weakref.finalize(self, PrefixHandle._release_pages, manager._pages, handle_id, os.getpid())
+        self._finalizer.atexit = False
+
+    @staticmethod
+    def _release_pages(pages: Any, handle_id: int, pid: int) -> None:
+        """Nothing in a forked child or after cleanup; never raises (the garbage collector may call it)."""
+        try:
+            if os.getpid() == pid and not pages.closed:
+                pages.release_prefix(handle_id)
+        except Exception:  # noqa: BLE001 - cleanup releases what is left
+            pass
 
     @property
     def released(self) -> bool:
-        return self._released or self._manager.closed
+        self._manager._check_process()
+        return not self._finalizer.alive or self._manager.closed
 
     @property
     def page_ids(self) -> list[int]:
@@ -671,10 +684,8 @@ class PrefixHandle:
 
     def release(self) -> None:
         """Drops the references (idempotent): pages no request maps return to the pool."""
-        if not self._released:
-            self._released = True
-            if not self._manager.closed:
-                self._manager._pages.release_prefix(self._id)
+        self._manager._check_process()
+        self._finalizer()
 
     def __enter__(self) -> PrefixHandle:
         return self
@@ -683,5 +694,7 @@ class PrefixHandle:
         self.release()
 
     def __repr__(self) -> str:
+        if os.getpid() != self._manager._pid:
+            return f"PrefixHandle(num_tokens={self.num_tokens}, from another process)"
         state = "released" if self.released else f"{len(self.page_ids)} pages"
         return f"PrefixHandle(num_tokens={self.num_tokens}, {state})"

@@ -208,7 +208,7 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
   check_open();
   if (config_.external_ids)
     throw std::invalid_argument("step: this manager's page ids are owned by the caller "
-                                "(page_ids='external'); map them with map_pages");
+                                "(page_allocator='external'); map them with map_pages");
   if (count != config_.num_slots)
     throw std::invalid_argument("step: seq_lens must have max_batch_size = " + std::to_string(config_.num_slots) +
                                 " entries, got " + std::to_string(count));

@@ -14,7 +14,7 @@ int64_t PageManager::fork(int64_t src, int64_t num_tokens) {
   Lock lock(sync_->mu);
   check_open();
   if (config_.external_ids)
-    throw std::invalid_argument("fork: this manager's page ids are owned by the caller (page_ids='external')");
+    throw std::invalid_argument("fork: this manager's page ids are owned by the caller (page_allocator='external')");
   auto validate = [&] {
     check_allocated(src, "fork");
     int64_t mapped = geometry_.tokens_in_positions(table_.mapped(static_cast<size_t>(src)));
@@ -82,7 +82,7 @@ std::pair<uint64_t, int64_t> PageManager::retain_prefix(int64_t slot, int64_t nu
   check_open();
   if (config_.external_ids)
     throw std::invalid_argument("retain_prefix: this manager's page ids are owned by the caller "
-                                "(page_ids='external')");
+                                "(page_allocator='external')");
   check_allocated(slot, "retain_prefix");
   const std::vector<uint32_t>& slot_ids = table_.ids(static_cast<size_t>(slot));
   int64_t mapped = geometry_.tokens_in_positions(slot_ids.size());

@@ -1,13 +1,16 @@
 """A continuous-batching serving engine whose KV cache is vattn.
 
 :class:`Engine` wraps a transformers causal LM. Each iteration it admits
-waiting requests (first come, first served) while reqids and pages allow,
-calls ``step`` with every running request's new length, preempts the most
-recently admitted requests when ``step`` says the pages are not there
-(recompute: their tokens so far become the prompt when they come back, ahead
-of everyone else), runs the model once over the tokens of all running requests
-packed into one sequence, and samples. A request leaves the batch the
-iteration it finishes.
+waiting requests (first come, first served) while reqids allow, calls
+``step`` with every running request's new length, and when ``step`` says the
+pages are not there sends the most recently admitted requests back to the
+head of the queue (a request admitted in this iteration simply waits; one
+that had computed tokens is preempted: recompute, its tokens so far become
+the prompt when it comes back). It then runs the model once over the tokens
+of all running requests packed into one sequence, and samples. A request
+leaves the batch the iteration it finishes. The parts: :mod:`.scheduler`
+(queues, admission, pages, preemption), :mod:`.prefix_cache`,
+:mod:`.sampling`, :mod:`.requests` (request state and checks).
 
 Shared pages (vattn's fork and prefix handles):
 
@@ -20,8 +23,42 @@ Shared pages (vattn's fork and prefix handles):
   and generated tokens, once computed) are kept with prefix handles, keyed by
   a chain hash of page-sized token blocks as vLLM does; a new request maps the
   longest cached prefix of its tokens into its slice and prefills only the
-  rest. Least recently used entries are released when the pool runs short,
-  before any request is preempted.
+  rest. When the pool runs short, least recently used entries holding pages
+  that no running request maps are released (those return pages; an entry
+  whose pages running requests map frees nothing and stays), before any
+  request is preempted.
+
+Failure contract. Any exception the KV cache raises during an iteration
+(a driver or OS failure: :class:`vattn.DriverError`; also ``OutOfPages`` /
+``OutOfSlots`` where they are not the expected answer) leaves the engine
+consistent:
+
+* Every request is in exactly one place: waiting, running (holding a reqid),
+  or finished and returned by ``step`` once. No request disappears and no
+  reqid leaks.
+* An error while admitting a request (``alloc_reqid``, attaching its cached
+  prefix) frees its reqid again and leaves it at the head of the queue;
+  admission stops for this iteration, the running requests go on.
+* An error in ``step`` or in the model's run (before any token is drawn) rolls
+  the iteration back: no request's computed count, tokens or sampling state
+  moved, and the same requests are retried in the next iteration.
+* After the model ran, every token of the iteration is drawn before anything
+  changes; then the KV-cache calls of the commit recover one by one: a failed
+  ``fork`` sends that completion to the queue to be recomputed, a failed
+  prefix-cache insert only costs the entry, a failed unmap in ``free_reqid``
+  leaves the reqid free and the pages to the cache's own retry.
+* A request that fails ``kv_retries`` + 1 iterations in a row (default 3 + 1)
+  finishes with ``finish_reason="error"`` and ``error`` naming the last
+  exception, and so do its completions not forked yet; its reqid is freed.
+  ``generate`` raises ``RuntimeError`` for it.
+* Pages that a failed unmap left behind are reclaimed before any request is
+  preempted or refused as too large for the pool.
+* ``step`` does not raise for these errors (``stats()["kv_errors"]`` counts
+  them, and each is logged as a warning on the ``vattn.engine`` logger).
+  ``ClosedError`` (the cache was closed) and exceptions that are not the KV
+  cache's (the model's) propagate before any token of the iteration is
+  drawn: every request is waiting or running as a whole, and outputs the
+  iteration had already decided come with the next ``step``.
 
 The model's attention is replaced (for as long as the engine is open) by one
 that writes each layer's new K/V into the vattn tensors and attends over
@@ -38,10 +75,8 @@ Example::
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
-import math
 import operator
 import time
 from collections.abc import Iterable, Sequence
@@ -50,123 +85,16 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from vattn import ClosedError, KVCacheManager, OutOfPages, OutOfSlots, PrefixHandle
+from vattn import ClosedError, KVCacheManager, VAttnError
 from vattn.attention import AttentionBatch, attention
-
 from vattn.integrations.hf_model import kv_shape
 
+from .prefix_cache import PrefixCache
+from .requests import Request, RequestOutput, check_count, check_prompt, check_sampling, check_seed
+from .sampling import generators, sample
+from .scheduler import Scheduler
+
 __all__ = ["Engine", "RequestOutput"]
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """A finished request. Times are ``time.perf_counter()`` seconds."""
-
-    request_id: int
-    prompt: list[int]
-    output: list[int]  # generated token ids
-    finish_reason: str  # "length" (max_new_tokens), "eos", "context" (max_context_len) or "error"
-    arrival_time: float
-    first_token_time: float | None
-    finish_time: float
-    preemptions: int  # times the request lost its cache and was recomputed
-    error: str | None = None
-    sample_index: int = 0  # which of the request's n completions (0 .. n-1)
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    request_id: int
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    generator: torch.Generator | None
-    arrival_time: float
-    output: list[int] = dataclasses.field(default_factory=list)
-    reqid: int = -1  # vattn reqid while running
-    num_computed: int = 0  # tokens whose K/V are in the cache
-    first_token_time: float | None = None
-    preemptions: int = 0
-    sample_index: int = 0
-    # completions 1 .. n-1 still to fork off when the prompt's logits are there: their generators
-    pending_samples: list[torch.Generator | None] = dataclasses.field(default_factory=list)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-
-class _PrefixCache:
-    """Whole-page token prefixes held by vattn prefix handles.
-
-    Keys are chain hashes of page-sized token blocks (block i's key covers
-    blocks 0..i), so a lookup finds the longest cached prefix of any token
-    sequence. Each handle records its tokens and is checked on a hit, so a
-    hash collision can only cost a miss. Least recently used handles go first.
-    """
-
-    def __init__(self, page_tokens: int) -> None:
-        self.page_tokens = page_tokens
-        self.index: dict[int, PrefixHandle] = {}
-        self.entries: collections.OrderedDict[PrefixHandle, tuple[list[int], list[int]]] = collections.OrderedDict()
-        self.queries = self.query_tokens = self.hit_tokens = 0
-
-    def keys(self, tokens: Sequence[int]) -> list[int]:
-        keys, key = [], 0
-        for start in range(0, len(tokens) - self.page_tokens + 1, self.page_tokens):
-            key = hash((key, tuple(tokens[start:start + self.page_tokens])))
-            keys.append(key)
-        return keys
-
-    def lookup(self, tokens: Sequence[int]) -> tuple[PrefixHandle | None, int]:
-        """The cached handle and number of pages matching the longest whole-page
-        prefix of ``tokens[:-1]`` (the last token is always computed again, for
-        its logits)."""
-        self.queries += 1
-        self.query_tokens += len(tokens)
-        keys = self.keys(tokens[:-1])
-        for pages in range(len(keys), 0, -1):
-            handle = self.index.get(keys[pages - 1])
-            if handle is None:
-                continue
-            held = self.entries[handle][1]
-            if list(tokens[:pages * self.page_tokens]) != held[:pages * self.page_tokens]:
-                continue  # a hash collision
-            self.entries.move_to_end(handle)
-            self.hit_tokens += pages * self.page_tokens
-            return handle, pages
-        return None, 0
-
-    def insert(self, kv: KVCacheManager, reqid: int, tokens: Sequence[int]) -> None:
-        """Keeps the whole pages of reqid's first ``len(tokens)`` tokens (computed)."""
-        pages = len(tokens) // self.page_tokens
-        if pages == 0:
-            return
-        keys = self.keys(tokens[:pages * self.page_tokens])
-        known = self.index.get(keys[-1])
-        if known is not None:
-            self.entries.move_to_end(known)
-            return
-        handle = kv.retain_prefix(reqid, pages * self.page_tokens)
-        self.entries[handle] = (keys, list(tokens[:pages * self.page_tokens]))
-        for key in keys:
-            self.index[key] = handle
-
-    def evict(self) -> bool:
-        """Releases the least recently used entry; False when there is none."""
-        if not self.entries:
-            return False
-        handle, (keys, _) = self.entries.popitem(last=False)
-        for key in keys:
-            if self.index.get(key) is handle:
-                del self.index[key]
-        handle.release()
-        return True
-
-    def clear(self) -> None:
-        while self.evict():
-            pass
 
 
 class Engine:
@@ -182,6 +110,10 @@ class Engine:
         prefix_cache: keep whole-page prefixes of requests and reuse them for
             new requests with the same leading tokens (see the module
             docstring). Needs a ``page_size`` holding a whole number of tokens.
+        kv_retries: iterations in a row a request is retried after the KV
+            cache raised in them (a driver or OS error); one more failure
+            finishes it with ``finish_reason`` "error" (see the module
+            docstring's failure contract).
         **vattn_options: passed to :class:`vattn.KVCacheManager` (``page_size``,
             ``physical_memory``, ``layout``, policy switches).
 
@@ -199,6 +131,7 @@ class Engine:
         device: str | torch.device | None = None,
         prefill_chunk_size: int | None = None,
         prefix_cache: bool = False,
+        kv_retries: int = 3,
         **vattn_options: Any,
     ) -> None:
         if prefill_chunk_size is not None and (isinstance(prefill_chunk_size, bool)
@@ -206,35 +139,53 @@ class Engine:
             raise ValueError(f"prefill_chunk_size must be a positive int or None, got {prefill_chunk_size!r}")
         if not isinstance(prefix_cache, bool):
             raise TypeError(f"prefix_cache must be a bool, got {type(prefix_cache).__name__}")
+        if isinstance(kv_retries, bool) or not isinstance(kv_retries, int):
+            raise TypeError(f"kv_retries must be an int >= 0, got {type(kv_retries).__name__}")
+        if kv_retries < 0:
+            raise ValueError(f"kv_retries must be an int >= 0, got {kv_retries}")
         self.model = model.eval()
         self.kv = KVCacheManager(**kv_shape(model), dtype=model.dtype, max_batch_size=max_batch_size,
                                  max_context_len=max_context_len, device=device or model.device, **vattn_options)
-        self.prefix_cache: _PrefixCache | None = None
+        cache: PrefixCache | None = None
         if prefix_cache:
             if self.kv.page_tokens is None:
                 self.kv.cleanup()
                 raise ValueError(f"prefix_cache needs pages holding a whole number of tokens; page_size "
                                  f"{self.kv.page_size} is not a multiple of {self.kv.config.token_bytes_per_buffer} "
                                  f"bytes per token")
-            self.prefix_cache = _PrefixCache(self.kv.page_tokens)
+            cache = PrefixCache(self.kv.page_tokens)
+        self.scheduler = Scheduler(self.kv, cache, prefill_chunk_size, kv_retries)
         text_config = model.config.get_text_config(decoder=True)
         self.vocab_size: int = text_config.vocab_size
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_token_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else eos or [])
-        self.prefill_chunk_size = prefill_chunk_size
-        self.waiting: collections.deque[_Request] = collections.deque()
-        self.running: list[_Request] = []  # in admission order
         self.iteration = 0
-        self.preemptions = 0
         self.history: list[dict[str, float]] = []  # one record per iteration (times, sizes, bytes)
         self._next_request_id = 0
         self._plan: AttentionBatch | None = None
+        self._undelivered: list[RequestOutput] = []  # outputs of an iteration an exception cut short
         # The model's attention calls back into this engine under a unique name.
         self._attn_name = f"vattn_engine_{next(Engine._ids)}"
         self._previous_attn = text_config._attn_implementation
         AttentionInterface.register(self._attn_name, self._attention)
         model.set_attn_implementation(self._attn_name)
         self._closed = False
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.scheduler.prefix_cache
+
+    @property
+    def waiting(self) -> Sequence[Request]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.preemptions
 
     # ---- requests ------------------------------------------------------------
 
@@ -248,56 +199,35 @@ class Engine:
 
         Raises ValueError / TypeError (and queues nothing) for an empty prompt,
         a prompt longer than ``max_context_len`` tokens, token ids outside the
-        vocabulary or not ints, ``max_new_tokens`` or ``n`` < 1, a seed
-        outside ``[0, 2**63)``, or sampling values out of range.
+        vocabulary or not ints, ``max_new_tokens`` < 1, ``n`` outside
+        ``[1, max_batch_size]`` (its completions run side by side, one reqid
+        each), a seed outside ``[0, 2**63 - n]``, or sampling values out of range.
         """
         self._check_open()
         request = self._new_request(prompt, max_new_tokens, temperature, top_p, seed, n)
-        self.waiting.append(request)
+        self.scheduler.waiting.append(request)
         return request.request_id
 
     def _new_request(self, prompt: object, max_new_tokens: object, temperature: object, top_p: object,
-                     seed: object, n: object) -> _Request:
+                     seed: object, n: object) -> Request:
         """A validated, numbered request; raises (numbering nothing) on bad input."""
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
-            raise TypeError(f"prompt must be a sequence of int token ids, got {type(prompt).__name__}")
-        prompt = list(prompt)
-        if any(isinstance(t, bool) or not hasattr(t, "__index__") for t in prompt):
-            raise TypeError("prompt must be a sequence of int token ids (not bools or floats)")
-        prompt = [operator.index(t) for t in prompt]
-        limit = self.kv.config.max_context_len
-        if not prompt:
-            raise ValueError("prompt must hold at least one token")
-        if len(prompt) > limit:
-            raise ValueError(f"prompt has {len(prompt)} tokens; max_context_len is {limit}")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size - 1}] (the vocabulary); got {bad[:5]}")
-        max_new_tokens = _count("max_new_tokens", max_new_tokens)
-        n = _count("n", n)
-        temperature = _real("temperature", temperature)
-        if not (0.0 <= temperature < math.inf):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-        top_p = _real("top_p", top_p)
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if seed is not None:
-            if isinstance(seed, bool) or not hasattr(seed, "__index__"):
-                raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-            seed = operator.index(seed)
-            if not 0 <= seed <= 2**63 - n:
-                raise ValueError(f"seed must be in [0, 2**63 - n], got {seed}")
-        generators: list[torch.Generator | None] = [None] * n
-        if temperature > 0:
-            base = seed if seed is not None else int(torch.seed()) % (2**62)
-            generators = [torch.Generator(device=self.kv.device).manual_seed(base + j) for j in range(n)]
+        prompt = check_prompt(prompt, self.vocab_size, self.kv.config.max_context_len)
+        max_new_tokens = check_count("max_new_tokens", max_new_tokens)
+        n = self._check_n(n)
+        temperature, top_p = check_sampling(temperature, top_p)
+        seed = check_seed(seed, n)
+        samplers = generators(n, seed, temperature, self.kv.device)
         request_id = self._next_request_id
         self._next_request_id += 1
-        return _Request(request_id, prompt, max_new_tokens, temperature, top_p, generators[0], time.perf_counter(),
-                        pending_samples=generators[1:])
+        return Request(request_id, prompt, max_new_tokens, temperature, top_p, samplers[0], time.perf_counter(),
+                       pending_samples=samplers[1:])
+
+    def _check_n(self, n: object) -> int:
+        return check_count("n", n, self.kv.config.max_batch_size, "max_batch_size")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests waiting or running, or outputs not yet returned by ``step``."""
+        return self.scheduler.has_unfinished() or bool(self._undelivered)
 
     def generate(self, prompts: Iterable[Sequence[int]], max_new_tokens: int | Sequence[int] = 16,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
@@ -307,7 +237,8 @@ class Engine:
 
         ``max_new_tokens`` is one count for all or one per prompt; with
         sampling, completion ``j`` of prompt ``i`` uses seed ``seed + i * n + j``.
-        Every prompt is checked before any is queued.
+        Every prompt is checked before any is queued. Raises RuntimeError when
+        a request finished with an error (the others still ran to the end).
         """
         self._check_open()
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
@@ -321,7 +252,7 @@ class Engine:
             raise TypeError(f"max_new_tokens must be an int or a sequence of ints, got {type(max_new_tokens).__name__}")
         if len(counts) != len(prompts):
             raise ValueError(f"max_new_tokens has {len(counts)} entries for {len(prompts)} prompts")
-        n = _count("n", n)
+        n = self._check_n(n)
         if seed is not None and (isinstance(seed, bool) or not hasattr(seed, "__index__")):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         first_id = self._next_request_id
@@ -333,12 +264,14 @@ class Engine:
         except (ValueError, TypeError) as e:
             self._next_request_id = first_id
             raise type(e)(f"prompt {len(requests)}: {e}") from None
-        self.waiting.extend(requests)
+        self.scheduler.waiting.extend(requests)
         ids = [r.request_id for r in requests]
+        mine = set(ids)
         results: dict[tuple[int, int], RequestOutput] = {}
         while len(results) < len(ids) * n:
             for out in self.step():
-                results[out.request_id, out.sample_index] = out
+                if out.request_id in mine:  # not a request queued by add_request
+                    results[out.request_id, out.sample_index] = out
         failed = [out for out in results.values() if out.error]
         if failed:
             raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
@@ -350,65 +283,49 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: admit, map pages (preempting if needed), run the
-        model once, sample. Returns the requests that finished in it."""
+        model once, sample. Returns the requests that finished in it.
+
+        A KV-cache error (a driver or OS failure) does not escape: the
+        iteration's requests are retried in the next one or finish with an
+        error (module docstring). Other exceptions (the model's) escape before
+        any token is drawn, every request waiting or running as a whole; the
+        outputs the iteration had already decided come with the next step."""
         self._check_open()
-        finished: list[RequestOutput] = []
-        batch = self._schedule(finished)
-        if batch:
-            self._run(batch, finished)
+        finished, self._undelivered = self._undelivered, []
+        batch: list[tuple[Request, int]] = []
+        try:
+            batch = self.scheduler.schedule(finished)
+            logits = self._forward(batch) if batch else None
+        except ClosedError:
+            raise
+        except VAttnError as e:
+            self.scheduler.failed(e, finished)
+            batch = []
+        except BaseException:
+            self._undelivered = finished
+            raise
+        else:
+            if batch:
+                self._advance(batch, logits, finished)
         self.iteration += 1
+        self._record(batch)
+        return finished
+
+    def _record(self, batch: list[tuple[Request, int]]) -> None:
         stats = self.kv.stats()
         self.history.append(dict(
             time=time.perf_counter(), running=len(self.running), waiting=len(self.waiting),
             tokens=sum(n for _, n in batch),
             bytes_mapped=stats["bytes_mapped"],  # all of it, pages kept for reuse included
             bytes_in_use=stats["pages_in_use"] * self.kv.page_size,  # distinct pages mapped or held by the prefix cache
-            bytes_needed=self._bytes_needed(),  # the pages running requests' tokens need
+            bytes_needed=self.scheduler.bytes_needed(),  # the pages running requests' tokens need
             bytes_used=stats["bytes_used"],  # the tokens of running requests
         ))
-        return finished
 
-    def _bytes_needed(self) -> int:
-        """Bytes of the pages that the running requests' cached tokens occupy."""
-        kv, cfg = self.kv, self.kv.config
-        pages = sum(cfg.pages_for(r.num_computed, kv.page_size) for r in self.running)
-        return pages * kv.page_size * cfg.num_buffers
-
-    def _chunk(self, req: _Request) -> int:
-        """Tokens of ``req`` this iteration computes."""
-        pending = len(req.prompt) + len(req.output) - req.num_computed
-        return min(pending, self.prefill_chunk_size or pending)
-
-    def _schedule(self, finished: list[RequestOutput]) -> list[tuple[_Request, int]]:
-        """Admits waiting requests and maps pages for this iteration."""
-        while self.waiting and len(self.running) < self.kv.config.max_batch_size:
-            req = self.waiting.popleft()
-            req.reqid = self.kv.alloc_reqid(len(req.prompt) + len(req.output))
-            self._attach_cached_prefix(req)
-            self.running.append(req)
-        while self.running:
-            lens = [0] * self.kv.config.max_batch_size
-            for req in self.running:
-                lens[req.reqid] = req.num_computed + self._chunk(req)
-            if self.kv.step(lens):
-                return [(req, self._chunk(req)) for req in self.running]
-            if self.prefix_cache is not None and self.prefix_cache.evict():
-                continue  # cached prefixes go before any running request
-            victim = self.running.pop()  # the most recently admitted
-            self.kv.free_reqid(victim.reqid)
-            if not self.running:  # alone, and still too large for the pool
-                finished.append(self._finish(victim, "error", error=(
-                    f"needs {lens[victim.reqid]} tokens of KV cache, more than the physical pool holds "
-                    f"({self.kv.stats()['bytes_total']} bytes)")))
-                break
-            if victim.num_computed:  # not just admitted: its cache is lost, recompute later
-                victim.preemptions += 1
-                self.preemptions += 1
-            victim.num_computed = 0
-            self.waiting.appendleft(victim)
-        return []
-
-    def _run(self, batch: list[tuple[_Request, int]], finished: list[RequestOutput]) -> None:
+    def _forward(self, batch: list[tuple[Request, int]]) -> torch.Tensor:
+        """Runs the model once over the batch's new tokens packed into one
+        sequence; the logits of each request's last new token, ``[len(batch), vocab]``.
+        Changes no request."""
         tokens, positions, sample_rows = [], [], []
         for req, n in batch:
             start = req.num_computed
@@ -418,95 +335,76 @@ class Engine:
         device = self.kv.device
         self._plan = AttentionBatch([r.reqid for r, _ in batch], [r.num_computed for r, _ in batch],
                                     [n for _, n in batch], device=device)
-        with torch.inference_mode():
-            logits = self.model(
-                input_ids=torch.tensor([tokens], device=device),
-                position_ids=torch.tensor([positions], device=device),
-                logits_to_keep=torch.tensor(sample_rows, device=device),
-                use_cache=False,
-            ).logits[0]
-        self._plan = None
-        now = time.perf_counter()
-        for row, (req, n) in enumerate(batch):
-            req.num_computed += n
-            if req.num_computed < len(req.prompt) + len(req.output):
-                continue  # a prefill chunk that does not reach the end yet
-            if not req.output and self.prefix_cache is not None:
-                self.prefix_cache.insert(self.kv, req.reqid, req.prompt)  # the prompt is computed
-            samples = [req] + self._fork_samples(req, logits[row], now, finished)
-            req.output.append(self._sample(req, logits[row]))
-            for sample in samples:
-                if sample.first_token_time is None:
-                    sample.first_token_time = now
-                reason = self._finish_reason(sample)
-                if reason:
-                    self._retire(sample, reason, finished)
+        try:
+            with torch.inference_mode():
+                return self.model(
+                    input_ids=torch.tensor([tokens], device=device),
+                    position_ids=torch.tensor([positions], device=device),
+                    logits_to_keep=torch.tensor(sample_rows, device=device),
+                    use_cache=False,
+                ).logits[0]
+        finally:
+            self._plan = None
 
-    def _fork_samples(self, req: _Request, logits: torch.Tensor, now: float,
-                      finished: list[RequestOutput]) -> list[_Request]:
-        """Completions 1.. of a request whose prompt was just computed: each
-        samples its first token from the prompt's logits and gets a fork of
-        the request's KV (or, without a free reqid or page, waits to be
-        recomputed like a preempted request). Returns the forked ones."""
+    def _advance(self, batch: list[tuple[Request, int]], logits: torch.Tensor,
+                 finished: list[RequestOutput]) -> None:
+        """Commits the iteration: computed counts move on, tokens are appended,
+        completions forked, finished requests retired. Every token is drawn
+        before anything changes, and the KV-cache calls made here (prefix
+        cache, fork, free) recover from their own errors, so no request is
+        left half-way."""
+        now = time.perf_counter()
+        drawn: list[list[int] | None] = []  # per request: its token, then its pending completions' first
+        for row, (req, n) in enumerate(batch):
+            if req.num_computed + n < req.num_tokens:
+                drawn.append(None)  # a prefill chunk that does not reach the end yet
+                continue
+            drawn.append([sample(logits[row], req.temperature, req.top_p, generator)
+                          for generator in (req.generator, *req.pending_samples)])
+        for (req, n), tokens in zip(batch, drawn):
+            req.num_computed += n
+            req.kv_failures = 0
+            if tokens is None:
+                continue
+            if not req.output:
+                self.scheduler.computed(req)  # the prompt is computed
+            samples = [req] + self._fork_samples(req, tokens[1:], now, finished)
+            req.output.append(tokens[0])
+            for done in samples:
+                if done.first_token_time is None:
+                    done.first_token_time = now
+                reason = self._finish_reason(done)
+                if reason:
+                    self.scheduler.retire(done)
+                    finished.append(done.finished(reason))
+
+    def _fork_samples(self, req: Request, first_tokens: list[int], now: float,
+                      finished: list[RequestOutput]) -> list[Request]:
+        """Completions 1.. of a request whose prompt was just computed, with
+        their first tokens (drawn from the prompt's logits): each gets a fork
+        of the request's KV (or, when the fork fails, waits to be recomputed
+        like a preempted request). Returns the forked ones."""
         forked = []
-        for j, generator in enumerate(req.pending_samples, start=1):
-            child = dataclasses.replace(req, generator=generator, output=[], pending_samples=[], sample_index=j,
-                                        preemptions=0, first_token_time=now, reqid=-1)
-            child.output.append(self._sample(child, logits))
+        for j, (generator, token) in enumerate(zip(req.pending_samples, first_tokens), start=1):
+            child = dataclasses.replace(req, generator=generator, output=[token], pending_samples=[], sample_index=j,
+                                        preemptions=0, first_token_time=now, reqid=-1, kv_failures=0)
             reason = self._finish_reason(child)
             if reason:  # done with its first token: no KV of its own needed
-                finished.append(self._finish(child, reason))
+                finished.append(child.finished(reason))
                 continue
-            try:
-                child.reqid = self.kv.fork(req.reqid, req.num_computed)
-            except (OutOfSlots, OutOfPages):
-                child.num_computed = 0
-                self.waiting.appendleft(child)
-                continue
-            self.running.append(child)
-            forked.append(child)
+            if self.scheduler.fork(req, child):
+                forked.append(child)
         req.pending_samples = []
         return forked
 
-    def _retire(self, req: _Request, reason: str, finished: list[RequestOutput]) -> None:
-        self.running.remove(req)
-        if self.prefix_cache is not None:
-            self.prefix_cache.insert(self.kv, req.reqid, req.tokens[:req.num_computed])
-        self.kv.free_reqid(req.reqid)
-        finished.append(self._finish(req, reason))
-
-    def _attach_cached_prefix(self, req: _Request) -> None:
-        """Maps the longest cached whole-page prefix of a new request's tokens
-        into its slice: those tokens need no prefill."""
-        if self.prefix_cache is None:
-            return
-        handle, pages = self.prefix_cache.lookup(req.tokens)
-        if pages:
-            self.kv.map_pages([req.reqid], [0], handle.page_ids[:pages], [pages])
-            req.num_computed = pages * self.prefix_cache.page_tokens
-
-    def _sample(self, req: _Request, logits: torch.Tensor) -> int:
-        if req.temperature == 0.0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.float() / req.temperature, dim=-1)
-        if req.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            keep = sorted_probs.cumsum(-1) - sorted_probs < req.top_p  # the smallest set reaching top_p
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-        return int(torch.multinomial(probs, 1, generator=req.generator))
-
-    def _finish_reason(self, req: _Request) -> str | None:
+    def _finish_reason(self, req: Request) -> str | None:
         if req.output[-1] in self.eos_token_ids:
             return "eos"
         if len(req.output) >= req.max_new_tokens:
             return "length"
-        if len(req.prompt) + len(req.output) > self.kv.config.max_context_len:
+        if req.num_tokens > self.kv.config.max_context_len:
             return "context"  # the next token would need a row past max_context_len
         return None
-
-    def _finish(self, req: _Request, reason: str, error: str | None = None) -> RequestOutput:
-        return RequestOutput(req.request_id, req.prompt, req.output, reason, req.arrival_time,
-                             req.first_token_time, time.perf_counter(), req.preemptions, error, req.sample_index)
 
     # ---- attention -----------------------------------------------------------
 
@@ -527,14 +425,16 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """The cache's stats plus iteration and preemption counts and, with
-        ``prefix_cache``, its queries, tokens looked up and tokens hit."""
+        ``prefix_cache``, its queries, tokens looked up and tokens hit.
+        ``kv_errors``: KV-cache exceptions the engine recovered from."""
         self._check_open()
         out = dict(self.kv.stats(), iterations=self.iteration, preemptions=self.preemptions,
-                   running=len(self.running), waiting=len(self.waiting))
+                   running=len(self.running), waiting=len(self.waiting), kv_errors=self.scheduler.kv_errors)
         if self.prefix_cache is not None:
             pc = self.prefix_cache
             out.update(prefix_cache_queries=pc.queries, prefix_cache_query_tokens=pc.query_tokens,
-                       prefix_cache_hit_tokens=pc.hit_tokens, prefix_cache_entries=len(pc.entries))
+                       prefix_cache_hit_tokens=pc.hit_tokens, prefix_cache_entries=len(pc.entries),
+                       prefix_cache_evictions=pc.evictions)
         return out
 
     def _check_open(self) -> None:
@@ -555,20 +455,3 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _count(name: str, value: object) -> int:
-    """An int >= 1 (ints and integer scalars; not bools or floats)."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__}")
-    value = operator.index(value)
-    if value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value}")
-    return value
-
-
-def _real(name: str, value: object) -> float:
-    """A real number (ints, floats, numpy scalars; not bools, strings or None)."""
-    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    return float(value)
