@@ -12,12 +12,10 @@ mapping, handle, reservation or thread.
 Bounded to a few hundred operations per configuration; set
 VATTN_FAULT_OPS=20000 to run it longer.
 
-map_pages can move a page a request already maps to another position of it
-(or swap two requests' pages). Issue 25 defect 1: the core dropped such a
-page's last reference before taking the new one, so the page went back to
-the pool while mapped. Until the core fix lands the managed-mode campaign
-only maps pages whose other references survive the call;
-VATTN_FAULT_MAP_MOVES=1 lets it move pages too.
+map_pages moves pages a request already maps to other positions of it and
+swaps two requests' pages: the core once dropped such a page's last
+reference before taking the new one, so the page went back to the pool
+while mapped (one page in two requests).
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ from conftest import assert_invariants, assert_table_is_real
 from host_faults import FAULTY_HOST
 
 OPS = int(os.environ.get("VATTN_FAULT_OPS", "250"))
-MAP_MOVES = os.environ.get("VATTN_FAULT_MAP_MOVES") == "1"
 B, L = 6, 256
 # Calls of the fault-injecting host backend (tests/host_faults.py) and an errno
 # each fails with: a page creation (fallocate), a map or unmap run, the mmap
@@ -234,9 +231,6 @@ class Campaign:
         old = {r: self.kv.page_ids(r) for r in targets}
         starts = {r: self.rng.randint(0, len(self.model.requests[r].values) // self.pt) for r in targets}
         choices = sorted(pages)
-        if not MAP_MOVES:  # no id whose references the call itself may cut (issue 25, defect 1)
-            cut = {i for r in targets for i in old[r][starts[r]:]}
-            choices = [i for i in choices if i not in cut]
         if not choices:
             return
         limit = L // self.pt
