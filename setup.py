@@ -1,6 +1,9 @@
 """Builds vattn._C and vattn._cpu_attn. Needs a C++17 compiler and pybind11; not torch, not CUDA."""
 
+import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext, has_flag
@@ -116,6 +119,30 @@ cpu_attn = Pybind11Extension(
 )
 
 
+def torch_missing_warning(python: str, environ: dict[str, str]) -> str | None:
+    """A warning when ``python`` (the interpreter vattn is being installed for)
+    cannot find torch. The build never needs torch (tensors cross through DLPack),
+    but ``import vattn`` does, and pip installs vattn without it: torch is not
+    declared, so that pip never swaps an installed CUDA build of torch for another.
+    pip's build isolation hides the target's site-packages from this process,
+    hence the question goes to a child without pip's overlay on its path."""
+    env = dict(environ)
+    path = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p and "pip-build-env" not in p]
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(path)
+    env.pop("PYTHONNOUSERSITE", None)  # set by pip's isolation; user site-packages count at run time
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"
+    try:
+        found = subprocess.run([python, "-c", probe], env=env, capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return None  # cannot tell: say nothing rather than something wrong
+    if found:
+        return None
+    return (f"WARNING: torch is not installed for {python}. vattn builds without it, but `import vattn` "
+            "needs it: install torch first (see README), e.g. `pip install torch` (a CUDA build on a GPU "
+            "machine); the extension built here works with any torch version.")
+
+
 class BuildExt(build_ext):
     """pybind11's build_ext, plus each kernel unit's own ISA flags."""
 
@@ -140,3 +167,8 @@ if __name__ == "__main__":  # pip and `python setup.py` run it as __main__; test
     # one compiler per CPU (VATTN_BUILD_JOBS=N to choose): sixteen units, each a few seconds
     with ParallelCompile("VATTN_BUILD_JOBS"):
         setup(ext_modules=[ext, testing, cpu_attn], cmdclass={"build_ext": BuildExt})
+    # once per install (pip runs this file for metadata too), last, where a verbose install's output ends
+    builds = {"build", "build_ext", "bdist_wheel", "editable_wheel", "install", "develop"}
+    warning = torch_missing_warning(sys.executable, dict(os.environ)) if builds & set(sys.argv[1:]) else None
+    if warning:
+        print(warning, file=sys.stderr)

@@ -59,7 +59,7 @@ def fake_cuda_lib(tmp_path_factory) -> Path:
     """Builds the test driver library (tests/backends/fake_cuda/*.c) once."""
     cc = c_compiler()
     if cc is None:
-        pytest.skip("no C compiler to build the fake CUDA driver")
+        pytest.skip("needs a C compiler: cc builds the fake CUDA driver")
     out = tmp_path_factory.mktemp("fake_cuda") / "libfakecuda.so"
     subprocess.run([cc, "-O1", "-Wall", "-shared", "-fPIC", "-o", str(out), *map(str, FAKE_CUDA_SOURCES), "-lpthread"],
                    check=True)
@@ -72,7 +72,7 @@ def fake_uvm_lib(tmp_path_factory) -> Path:
     for LD_PRELOAD."""
     cc = c_compiler()
     if cc is None:
-        pytest.skip("no C compiler to build the nvidia-uvm stand-in")
+        pytest.skip("needs a C compiler: cc builds the nvidia-uvm stand-in")
     out = tmp_path_factory.mktemp("fake_uvm") / "libfakeuvm.so"
     subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(out), str(FAKE_UVM_SOURCE), "-ldl", "-lpthread"],
                    check=True)

@@ -14,7 +14,12 @@ import threading
 from collections.abc import Callable
 from typing import Any, ParamSpec
 
-import torch
+from ._install_check import check_extension, check_torch
+
+check_torch()  # "install torch first" instead of a bare "No module named 'torch'" from below
+check_extension()  # "not built, build it so" instead of a "circular import" of _C
+
+import torch  # noqa: E402
 
 from .budget import Budget
 from .errors import BackendUnavailable, ClosedError, DriverError, ForkedError, OutOfPages, OutOfSlots, VAttnError

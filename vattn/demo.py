@@ -17,6 +17,7 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,7 +94,35 @@ class Progress:
             print(file=sys.stderr)
 
 
+def argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--model`` / ``--plot`` and how to fix it, checked
+    before the trace runs (a missing matplotlib found after a whole run, or a
+    transformers traceback about hub repo ids for a mistyped path, helps no one)."""
+    if args.model is not None:
+        model = Path(args.model)
+        holds = ("a model directory holds config.json and the weights (model.safetensors or pytorch_model.bin), "
+                 "as transformers' save_pretrained writes them")
+        if not model.exists():
+            return f"--model {args.model}: no such directory; {holds}"
+        if not (model / "config.json").is_file():
+            return f"--model {args.model}: no config.json there; {holds}"
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as e:
+            return (f"--plot {args.plot} needs matplotlib, which does not import ({e}): "
+                    f"pip install -e \".[bench]\" (or pip install matplotlib), or leave out --plot")
+        folder = Path(args.plot).resolve().parent
+        if not folder.is_dir():
+            return f"--plot {args.plot}: the folder {folder} does not exist"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = argument_problem(args)
+    if problem:
+        print(f"python -m vattn demo: error: {problem}", file=sys.stderr)
+        return 2
     try:
         from vattn.engine import Engine
     except ImportError as e:

@@ -36,7 +36,9 @@ def render(info: dict[str, Any]) -> str:
     lines = [
         f"vattn {info['vattn']}  (python {info['python']}, torch {info['torch']}, "
         f"torch CUDA {'yes' if info['torch_cuda'] else 'no'})",
-        f"extension: {build['compiler']}, C++ {build['cplusplus']}, pybind11 {build['pybind11']}, "
+        # the compiler's __VERSION__: bare digits from GCC, "Clang ..." from clang
+        f"extension: compiler {'GCC ' if build['compiler'][:1].isdigit() else ''}{build['compiler']}, "
+        f"C++ {build['cplusplus']}, pybind11 {build['pybind11']}, "
         f"DLPack {build['dlpack_capsule']}; CUDA driver {build['cuda_driver']}",
     ]
     entries = {entry.name: entry for entry in registered_backends()}

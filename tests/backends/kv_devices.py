@@ -28,11 +28,11 @@ MiB = 1024 * 1024
 def cuda_skip_reason() -> str | None:
     """Why the real-GPU variant cannot run here, or None."""
     if not torch.cuda.is_available():
-        return "needs a CUDA GPU and a CUDA build of torch"
+        return "needs a CUDA GPU: torch.cuda.is_available() is False (a CUDA build of torch on a GPU machine)"
     try:
         vattn.backends.cuda_info(0, "libcuda.so.1")
     except vattn.VAttnError as e:
-        return f"CUDA driver unusable: {e}"
+        return f"needs a CUDA GPU: the CUDA driver is unusable: {e}"
     return None
 
 
@@ -55,7 +55,7 @@ class Device:
             return vattn.KVCacheManager(**args)
         except vattn.DriverError as e:
             if "OUT_OF_MEMORY" in str(e) and self.name == "cuda":
-                pytest.skip(f"GPU out of memory: {e}")
+                pytest.skip(f"needs a CUDA GPU with free memory: {e}")
             raise
 
     # -- rows of layer `layer`'s K (kind 0) or V (kind 1), as CPU tensors [n, H, D] --

@@ -171,7 +171,7 @@ def test_missing_device(fake_cuda):
 def test_cuda_tensors_need_a_cuda_torch(fake_cuda):
     with make() as kv:
         if torch.cuda.is_available():
-            pytest.skip("this torch has CUDA; the fake driver's addresses are not device memory")
+            pytest.skip("needs a torch without CUDA: the fake driver's addresses are not device memory")
         with pytest.raises(vattn.BackendUnavailable, match="no CUDA support"):
             kv.layer(0)
 

@@ -101,7 +101,7 @@ def fetch_cuda_h(major: int) -> Path:
         why = str(e)
     wheel = newest_wheel(folder)
     if wheel is None:
-        pytest.skip(f"no cuda.h of CUDA {major} on this machine (looked in $VATTN_CUDA_INCLUDE, the CUDA toolkits "
+        pytest.skip(f"needs CUDA's cuda.h: none of CUDA {major} on this machine (looked in $VATTN_CUDA_INCLUDE, the CUDA toolkits "
                     f"and the nvidia / triton wheels), cannot fetch {WHEELS[major]!r} (pip download failed: "
                     f"{why or 'no wheel'}), and no cached wheel in {folder}")
     include = folder / f"include-{wheel.stem}"
@@ -119,7 +119,7 @@ def fetch_cuda_h(major: int) -> Path:
 def test_driver_declarations_match_cuda_h(major):
     cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
     if cxx is None:
-        pytest.skip("no C++ compiler")
+        pytest.skip("needs a C++ compiler: no c++ or g++ on PATH")
     include = fetch_cuda_h(major)
     version = header_version(include / "cuda.h")
     assert version is not None and version // 1000 == major, f"cuda.h says CUDA_VERSION {version}, expected {major}.x"

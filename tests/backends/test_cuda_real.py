@@ -95,7 +95,7 @@ def test_out_of_pages_and_reclaim(device):
 
 def test_the_frameworks_context_stays_current_and_a_bare_thread_stays_bare(device):
     if not device.has_contexts:
-        pytest.skip("the host backend has no CUDA contexts")
+        pytest.skip("needs a CUDA backend: the host backend has no CUDA contexts")
     before = device.adopt_context()  # torch's context is current on this thread
     assert before is not None
     with device.make(background=True, eager=True) as kv:
@@ -132,7 +132,7 @@ def test_page_of_three_granules(device):
 
 def test_what_the_unmap_probe_found_works_on_this_driver(device):
     if not device.has_contexts:
-        pytest.skip("the host backend has no unmap probe: munmap takes any range")
+        pytest.skip("needs a CUDA backend: the host backend has no unmap probe (munmap takes any range)")
     # no mapper (its one-token lookahead would map a fourth page at 3 pages' tokens)
     # and no eager pages (reclaim would return those too): exactly 3 pages per buffer
     with device.make(physical_memory=64 * MiB, background=False, eager=False) as kv:  # 4 page ids

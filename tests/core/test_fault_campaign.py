@@ -450,7 +450,7 @@ def test_fault_campaign_fake_cuda(layout, page_allocator, fake_cuda, monkeypatch
                               reclaim_threshold=0.2, page_allocator=page_allocator)
     if torch.cuda.is_available():  # a CUDA torch would get real device tensors; this checks the fake driver
         kv.cleanup()
-        pytest.skip("the fake driver's memory is host memory; run without a CUDA torch")
+        pytest.skip("needs a torch without CUDA: the fake driver's memory is host memory")
     campaign = CAMPAIGNS[page_allocator](_HostViews(kv), random.Random(f"cuda-{layout}-{page_allocator}"), fake_cuda)
     try:
         campaign.run(OPS)

@@ -8,7 +8,7 @@ import torch
 
 import vattn
 
-pytest.importorskip("transformers", reason="needs transformers (pip install vattn[transformers])")
+pytest.importorskip("transformers", reason="needs transformers: pip install -e \".[transformers]\"")
 
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 

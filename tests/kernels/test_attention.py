@@ -33,7 +33,7 @@ TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfl
 
 def _cuda_reason() -> str | None:
     if not torch.cuda.is_available():
-        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
+        return "needs a CUDA GPU: torch.cuda.is_available() is False"
     return None
 
 
@@ -41,7 +41,7 @@ def _module_reason(module: str, what: str) -> str | None:
     if _cuda_reason():
         return _cuda_reason()
     if importlib.util.find_spec(module) is None:
-        return f"needs {what} (python package {module!r} is not installed)"
+        return f"needs {what}: the python package {module!r} is not installed"
     return None
 
 

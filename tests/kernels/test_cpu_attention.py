@@ -302,7 +302,7 @@ def test_query_dtype_may_differ_from_the_cache() -> None:
     check(out, None, reference(q, case.keys, case.values, batch, 1 / 8), "f32 q over bf16 cache")
 
 
-@pytest.mark.skipif(not LONG, reason="long randomized sweep: set VATTN_LONG_TESTS=1")
+@pytest.mark.skipif(not LONG, reason="long test: set VATTN_LONG_TESTS=1 (a longer randomized sweep)")
 @pytest.mark.parametrize("seed", range(40))
 def test_long_randomized_sweep(seed: int) -> None:
     rng = random.Random(1000 + seed)

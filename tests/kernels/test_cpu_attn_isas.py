@@ -104,15 +104,15 @@ EVERY_DTYPE_AND_LAYOUT = sorted(f"{d}/{lay}" for d in ("f32", "bf16", "f16") for
 def aarch64_check(tmp_path_factory) -> Path:
     missing = [tool for tool in (CROSS, QEMU) if shutil.which(tool) is None]
     if missing:
-        pytest.skip(f"needs {' and '.join(missing)} to run the AArch64 paths (Debian: g++-aarch64-linux-gnu, "
-                    "qemu-user)")
+        pytest.skip(f"needs an AArch64 cross toolchain: {' and '.join(missing)} not found, so the NEON and SVE "
+                    "paths do not run (Debian: g++-aarch64-linux-gnu, qemu-user)")
     return build(CROSS, "aarch64", tmp_path_factory.mktemp("aarch64"), ["-static"])
 
 
 def native_compiler() -> str:
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
-        pytest.skip("needs a C++ compiler (g++)")
+        pytest.skip("needs a C++ compiler: no g++ or c++ on PATH")
     return cxx
 
 

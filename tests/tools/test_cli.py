@@ -20,6 +20,7 @@ def run_cli(*args: str) -> str:
 def test_info_reports_backends():
     out = run_cli("info")
     assert "backend host: available" in out
+    assert re.search(r"^extension: compiler \S", out, re.M)  # labelled, not a bare version number
     assert re.search(r"granularity \d+ bytes", out)
     assert "backend cuda:" in out
     data = json.loads(run_cli("info", "--json"))

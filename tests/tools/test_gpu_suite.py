@@ -46,8 +46,8 @@ def probe_wheel(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    pytest.importorskip("matplotlib", reason="the benchmarks plot with matplotlib")
-    pytest.importorskip("transformers", reason="the engine benchmark needs transformers")
+    pytest.importorskip("matplotlib", reason="needs matplotlib: the benchmarks plot with it")
+    pytest.importorskip("transformers", reason="needs transformers: the engine benchmark runs a model")
     base = tmp_path_factory.mktemp("gpu_suite")
     out = base / "out"
     wheels = probe_wheel(base / "wheels").parent
@@ -131,7 +131,7 @@ def test_carried_wheels_are_installed_for_the_stages(dry_run):
 def test_cuda_paths_ran_on_the_fake_driver(dry_run):
     out, _ = dry_run
     if shutil.which(os.environ.get("CC", "cc")) is None and shutil.which("gcc") is None:
-        pytest.skip("no C compiler: the dry run had no fake driver")
+        pytest.skip("needs a C compiler: the dry run had no fake driver")
     summary = json.loads((out / "gpu_suite.json").read_text())
     assert summary["machine"]["driver"]["device"].startswith("Fake CUDA")
     findings = summary["driver_findings"]
@@ -145,9 +145,9 @@ def test_cuda_paths_ran_on_the_fake_driver(dry_run):
 
 
 def test_without_a_gpu_the_suite_refuses_and_points_to_the_dry_run(tmp_path):
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="needs torch: the suite checks torch for CUDA")
     if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
+        pytest.skip("needs a machine without a CUDA GPU: on a GPU the suite runs instead of refusing")
     proc = subprocess.run(["bash", str(SUITE), str(tmp_path)], env=suite_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2

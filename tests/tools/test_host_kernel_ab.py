@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_two_builds_side_by_side(tmp_path):
     if shutil.which("g++") is None:
-        pytest.skip("needs g++ to build the two kernels")
+        pytest.skip("needs a C++ compiler: no g++ to build the two kernels")
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode != 0:
-        pytest.skip("needs a git checkout (the base build is HEAD's sources)")
+        pytest.skip("needs a git checkout: the base build is HEAD's sources")
     env = {**os.environ, "VATTN_RESULTS_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_kernel_ab.py"), "HEAD", ".",
                            "--points", "2:40:float32,1:70:bfloat16", "--rounds", "2"],
@@ -44,7 +44,7 @@ def test_two_builds_side_by_side(tmp_path):
 
 def test_a_revision_that_does_not_exist_is_refused(tmp_path):
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode != 0:
-        pytest.skip("needs a git checkout")
+        pytest.skip("needs a git checkout: the revision is looked up with git")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_kernel_ab.py"), "no-such-rev-xyz"],
                           env={**os.environ, "VATTN_RESULTS_DIR": str(tmp_path)}, capture_output=True, text=True,
                           timeout=120)
