@@ -13,7 +13,7 @@ import torch
 
 import vattn
 
-pytest.importorskip("transformers", reason="needs transformers (pip install vattn[transformers])")
+pytest.importorskip("transformers", reason="needs transformers: pip install -e \".[transformers]\"")
 
 from conftest import assert_invariants  # noqa: E402
 from engine_faults import (FAULTY_HOST, PAGE, FailingCalls, alone, one_torch_thread, prompts,  # noqa: E402

@@ -25,7 +25,7 @@ import random
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="needs transformers (pip install vattn[transformers])")
+pytest.importorskip("transformers", reason="needs transformers: pip install -e \".[transformers]\"")
 
 from conftest import assert_invariants, assert_table_is_real  # noqa: E402
 from engine_faults import FAULTY_HOST, HOST_FAULTS, PAGE, VOCAB, one_torch_thread, tiny_llama  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 
 import vattn
 
-pytest.importorskip("transformers", reason="needs transformers (pip install vattn[transformers])")
+pytest.importorskip("transformers", reason="needs transformers: pip install -e \".[transformers]\"")
 
 from conftest import assert_invariants  # noqa: E402
 
