@@ -250,16 +250,18 @@ def test_gpu_adapter_matches_reference(layout, heads_q, heads_kv, dtype, adapter
 
 
 @pytest.mark.skipif(FI_REASON is not None, reason=str(FI_REASON))
+@pytest.mark.parametrize("presentation", ["pages", "request"])
 @pytest.mark.parametrize("decode_only", [False, True], ids=["prefill", "decode"])
 @pytest.mark.parametrize("heads_q,heads_kv", HEADS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_flashinfer_batched_matches_reference(layout, heads_q, heads_kv, decode_only):
+def test_flashinfer_batched_matches_reference(layout, heads_q, heads_kv, decode_only, presentation):
     dtype = torch.float16
     sc = Scenario("cuda", layout, dtype, heads_q, heads_kv, page_size=None, decode_only=decode_only)
     try:
-        fi = FlashInferAttention(device="cuda")
+        fi = FlashInferAttention(device="cuda", presentation=presentation)
         cfg = sc.kv.config
-        fi.plan(sc.batch, heads_q, heads_kv, HEAD_DIM, cfg.max_context_len, q_dtype=dtype)
+        fi.plan(sc.batch, heads_q, heads_kv, HEAD_DIM, cfg.max_context_len, q_dtype=dtype,
+                page_tokens=sc.kv.page_tokens)
         for layer in range(NUM_LAYERS):
             q, k, v = sc.new[layer]
             out = fi.run(q, *sc.kv.layer(layer), k=k, v=v)
