@@ -34,7 +34,10 @@ GPU (when torch sees one):
                         cache vs block_table on the paged pool
   fi-* / fi-paged-B     FlashInfer, when importable: single prefill per request
                         (prefill) and the batched wrapper on the vattn cache
-                        vs its paged wrappers
+                        (fi-batched: the cache cut into vattn-page-sized pages
+                        whose indices are ranges; fi-batched-request: one page
+                        per request, where FlashInfer cannot split a request's
+                        keys) vs its paged wrappers
 A kernel that refuses a shape is listed under "not_measured" with its error.
 
 Every kernel's output is checked against the vattn SDPA output before it is
@@ -208,9 +211,16 @@ def flashinfer_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], 
     from vattn.attention import flashinfer_single_prefill
 
     b = case.batch
-    fi = FlashInferAttention(device=case.device)
-    fi.plan(b, case.heads_q, case.heads_kv, case.head_dim, case.ctx, q_dtype=case.q.dtype)
-    fns = {"fi-batched": lambda: fi.run(case.q, case.k_cache, case.v_cache)}
+    fns = {}
+    for name, presentation in (("fi-batched", "pages"), ("fi-batched-request", "request")):
+        fi = FlashInferAttention(device=case.device, presentation=presentation)
+        try:
+            fi.plan(b, case.heads_q, case.heads_kv, case.head_dim, case.ctx, q_dtype=case.q.dtype,
+                    k_cache=case.k_cache, page_tokens=case.kv.page_tokens)
+        except ValueError as e:  # a shape this presentation refuses: measure() records it
+            fns[name] = refused(e)
+            continue
+        fns[name] = lambda fi=fi: fi.run(case.q, case.k_cache, case.v_cache)
     if case.phase == "prefill":
         fns["fi-single"] = lambda: flashinfer_single_prefill(case.q, case.k_cache, case.v_cache, b)
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device=case.device)
@@ -230,6 +240,15 @@ def flashinfer_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], 
                    causal=True, q_data_type=case.q.dtype)
         fns[f"fi-paged-{block}"] = lambda w=w, k_pool=k_pool, v_pool=v_pool: w.run(case.q, (k_pool, v_pool))
     return fns
+
+
+def refused(error: Exception) -> Callable[[], torch.Tensor]:
+    """A kernel that refused the shape when it planned: raises ``error`` when called."""
+
+    def call() -> torch.Tensor:
+        raise error
+
+    return call
 
 
 # ---- timing -----------------------------------------------------------------------

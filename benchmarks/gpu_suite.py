@@ -74,8 +74,9 @@ packages, for every stage. The choices and the numbers each gives:
                 nvidia-cudnn-frontend) and compiles each kernel with nvcc at
                 first use, minutes per shape and dtype, which the 10-minute
                 call cannot hold beside the other stages. So attention_ab's
-                fi-batched / fi-single vs fi-paged-B (the FlashInfer adapter
-                and its page-table view) stay unmeasured, listed under
+                fi-batched / fi-batched-request / fi-single vs fi-paged-B
+                (the FlashInfer adapter's two presentations of the cache and
+                its page-table view) stay unmeasured, listed under
                 not_measured with the import error.
   vLLM          not carried (gigabytes, and it needs its own torch): the
                 vLLM integration's GPU path stays unmeasured.

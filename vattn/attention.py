@@ -236,26 +236,34 @@ class FlashInferAttention:
     """FlashInfer's batched paged kernels, run on the vattn cache as-is
     (:class:`vattn.kernels.FlashInferKernel` with a workspace of its own).
 
-    The cache ``[B_max, L, H_kv, D]`` is presented as a paged cache with
-    ``page_size = L``: one "page" per request, page index = reqid, last page
-    length = the request's length. So the kernel reads ``k_cache[r, :seq_len]``
-    and nothing else. :meth:`plan` once per forward, :meth:`run` per layer.
+    ``presentation`` says how the cache ``[B_max, L, H_kv, D]`` is shown to
+    FlashInfer as a paged cache: ``"pages"`` (default) cuts every slot into
+    pages of ``page_tokens`` rows (the vattn page; page ``j`` of reqid ``r``
+    is ``r * P + j``), so FlashInfer can split a long request's keys across
+    thread blocks; ``"request"`` makes each slot one page (``page_size =
+    L``, page index = reqid), which FlashInfer refuses past 2^32 elements
+    per slot. Either way the kernel reads ``k_cache[r, :seq_len]`` and
+    nothing else. :meth:`plan` once per forward, :meth:`run` per layer.
 
     Example::
 
         fi = FlashInferAttention(device="cuda")
         fi.plan(batch, num_qo_heads=32, num_kv_heads=8, head_dim=128,
-                max_context_len=L, q_dtype=torch.bfloat16)
+                max_context_len=L, q_dtype=torch.bfloat16, k_cache=kv.layer(0)[0],
+                page_tokens=kv.page_tokens)
         for i in range(num_layers):
             out = fi.run(q[i], *kv.layer(i), k=k_new[i], v=v_new[i])
     """
 
-    def __init__(self, device: str | torch.device = "cuda", workspace_bytes: int = 128 << 20) -> None:
-        self._kernel = FlashInferKernel(workspace_bytes)
+    def __init__(self, device: str | torch.device = "cuda", workspace_bytes: int = 128 << 20,
+                 presentation: str = "pages") -> None:
+        self._kernel = FlashInferKernel(workspace_bytes, presentation)
         self._kernel.module()
         self.device = torch.device(device)
         if self.device.type not in self._kernel.devices:
             raise BackendUnavailable(f"FlashInferAttention needs a CUDA device, got {self.device}")
+        self._batch: AttentionBatch | None = None
+        self._case: AttentionCase | None = None
         self._plan: FlashInferPlan | None = None
 
     def plan(
@@ -268,16 +276,38 @@ class FlashInferAttention:
         q_dtype: torch.dtype,
         kv_dtype: torch.dtype | None = None,
         softmax_scale: float | None = None,
+        k_cache: torch.Tensor | None = None,
+        page_tokens: int | None = None,
     ) -> None:
-        """Plans the batched decode (every ``query_len`` 1) or prefill kernel."""
-        case = AttentionCase(self.device.type, head_dim, q_dtype, kv_dtype or q_dtype, num_qo_heads, num_kv_heads,
-                             max_context_len, softmax_scale)
-        self._plan = self._kernel.plan(batch, case)
+        """Plans the batched decode (every ``query_len`` 1) or prefill kernel.
+
+        ``k_cache``: a layer's cache view, for its slot and row strides
+        (every layer's are the same); None: the plan is made at the first
+        :meth:`run`, from its cache. ``page_tokens``: the vattn page in tokens
+        (``KVCacheManager.page_tokens``) for the ``"pages"`` presentation;
+        None: the largest power of two up to 256 that divides a slot.
+        """
+        self._batch = batch
+        self._case = AttentionCase(self.device.type, head_dim, q_dtype, kv_dtype or q_dtype, num_qo_heads,
+                                   num_kv_heads, max_context_len, softmax_scale, page_tokens=page_tokens)
+        self._plan = None
+        if k_cache is not None:
+            self._plan_for(k_cache)
+
+    def _plan_for(self, k_cache: torch.Tensor) -> FlashInferPlan:
+        assert self._batch is not None and self._case is not None
+        case = self._case._replace(slot_stride=k_cache.stride(0), row_stride=k_cache.stride(1))
+        if self._plan is None or self._plan.case != case:
+            self._plan = self._kernel.plan(self._batch, case)
+        return self._plan
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``q`` (``[T, H_q, D]``) over one layer's cache; writes
         ``k``/``v`` (``[T, H_kv, D]``) first when given. Returns ``[T, H_q, D]``."""
-        if self._plan is None:
+        if self._batch is None:
             raise RuntimeError("FlashInferAttention.run called before plan()")
-        return self._kernel.run(self._plan, q, k_cache, v_cache, k, v)
+        if k_cache.dim() != 4:
+            raise ValueError(f"k_cache must be [max_batch_size, max_context_len, heads, head_dim], "
+                             f"got shape {tuple(k_cache.shape)}")
+        return self._kernel.run(self._plan_for(k_cache), q, k_cache, v_cache, k, v)

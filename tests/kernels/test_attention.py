@@ -250,16 +250,18 @@ def test_gpu_adapter_matches_reference(layout, heads_q, heads_kv, dtype, adapter
 
 
 @pytest.mark.skipif(FI_REASON is not None, reason=str(FI_REASON))
+@pytest.mark.parametrize("presentation", ["pages", "request"])
 @pytest.mark.parametrize("decode_only", [False, True], ids=["prefill", "decode"])
 @pytest.mark.parametrize("heads_q,heads_kv", HEADS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_flashinfer_batched_matches_reference(layout, heads_q, heads_kv, decode_only):
+def test_flashinfer_batched_matches_reference(layout, heads_q, heads_kv, decode_only, presentation):
     dtype = torch.float16
     sc = Scenario("cuda", layout, dtype, heads_q, heads_kv, page_size=None, decode_only=decode_only)
     try:
-        fi = FlashInferAttention(device="cuda")
+        fi = FlashInferAttention(device="cuda", presentation=presentation)
         cfg = sc.kv.config
-        fi.plan(sc.batch, heads_q, heads_kv, HEAD_DIM, cfg.max_context_len, q_dtype=dtype)
+        fi.plan(sc.batch, heads_q, heads_kv, HEAD_DIM, cfg.max_context_len, q_dtype=dtype,
+                page_tokens=sc.kv.page_tokens)
         for layer in range(NUM_LAYERS):
             q, k, v = sc.new[layer]
             out = fi.run(q, *sc.kv.layer(layer), k=k, v=v)
@@ -275,41 +277,21 @@ def test_flashinfer_batched_matches_reference(layout, heads_q, heads_kv, decode_
 @pytest.fixture
 def reference_flash_attn(monkeypatch):
     """``flash_attn`` replaced by a float reference of ``flash_attn_with_kvcache``
-    (appends k / v at ``cache_seqlens`` of rows ``cache_batch_idx``, then
-    attends causally, aligned to the end), and the FlashAttention kernel let
+    (tests/kernels/kernel_references.py), and the FlashAttention kernel let
     onto CPU tensors: what the kernel hands the library is checked here, the
     library itself on a GPU. Records the q of every call."""
-    from vattn.kernels import FlashAttentionKernel, sdpa_dense
+    from kernels.kernel_references import install_flash_attn
 
-    calls = []
-
-    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
-                                softmax_scale=None, causal=False):
-        assert causal and cache_seqlens.dtype == cache_batch_idx.dtype == torch.int32
-        assert q.dim() == 4 and (k is None) == (v is None)
-        calls.append(q)
-        out = torch.empty_like(q)
-        for b in range(q.shape[0]):
-            row, n = int(cache_batch_idx[b]), int(cache_seqlens[b])
-            if k is not None:
-                k_cache[row, n:n + q.shape[1]], v_cache[row, n:n + q.shape[1]] = k[b], v[b]
-                n += q.shape[1]
-            out[b] = sdpa_dense(q[b], k_cache[row, :n], v_cache[row, :n], softmax_scale)
-        return out
-
-    module = type(sys)("flash_attn")
-    module.flash_attn_with_kvcache = flash_attn_with_kvcache
-    monkeypatch.setitem(sys.modules, "flash_attn", module)
-    monkeypatch.setattr(FlashAttentionKernel, "devices", ("cuda", "cpu"))
-    return calls
+    return install_flash_attn(monkeypatch)
 
 
 @pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_flash_attn_builds_index_tensors_once_per_batch(reference_flash_attn, monkeypatch, layout, decode_only):
-    """The plan builds every call's index tensors (one copy to the device for
-    the ints, one for the token rows); the layers build none. A batch of one
-    query length is one call on q as it is: no gather of token rows."""
+    """The plan builds every call's index tensors (one copy to the device:
+    every group's requests are adjacent here); the layers build none. A
+    group of adjacent requests is one call on its rows of q as they are: no
+    gather."""
     from vattn.kernels import KERNELS
 
     kernel = KERNELS["flash_attn"]
@@ -319,20 +301,45 @@ def test_flash_attn_builds_index_tensors_once_per_batch(reference_flash_attn, mo
     monkeypatch.setattr(torch, "tensor", lambda *a, **kw: built.append(a) or tensor(*a, **kw))
     try:
         plan = kernel.plan(sc.batch)
-        assert len(built) == (1 if decode_only else 2)
+        assert len(built) == 1
         assert len(plan.groups) == len(set(sc.batch.query_lens))
         built.clear()
         for layer in range(NUM_LAYERS):
             q, k, v = sc.new[layer]
+            del reference_flash_attn[:]
             out = kernel.run(plan, q, *sc.kv.layer(layer), k, v)
             sc.check_cache_rows(layer)
             assert_matches(out, sc.reference(layer), torch.float32)
-            if decode_only:
-                assert reference_flash_attn[-1].data_ptr() == q.data_ptr()  # q went in as it is
+            for g, q_in in zip(plan.groups, reference_flash_attn):  # q went in as it is: views of its rows
+                assert q_in.data_ptr() == q[g.rows].data_ptr() and q_in.untyped_storage().data_ptr() == \
+                    q.untyped_storage().data_ptr()
         assert built == [], "a layer built index tensors"
-        assert len(reference_flash_attn) == NUM_LAYERS * len(plan.groups)
+        assert len(reference_flash_attn) == len(plan.groups)
     finally:
         sc.close()
+
+
+def test_flash_attn_gathers_only_groups_whose_requests_are_apart(reference_flash_attn):
+    """Query lengths 1, 3, 1, 3: each group's requests are apart, so their
+    token rows are gathered (one more copy at plan), and the result is the
+    same."""
+    from vattn.kernels import KERNELS
+
+    kernel = KERNELS["flash_attn"]
+    with vattn.KVCacheManager(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32, max_batch_size=4,
+                              max_context_len=64, page_size=4096, background=False) as kv:
+        reqids = [kv.alloc_reqid() for _ in range(4)]
+        batch = AttentionBatch(reqids, [5, 0, 7, 2], [1, 3, 1, 3])
+        assert kv.step(batch.seq_lens)
+        plan = kernel.plan(batch)
+        assert [g.rows.tolist() for g in plan.groups] == [[0, 4], [1, 2, 3, 5, 6, 7]]
+        torch.manual_seed(0)
+        q, k, v = torch.randn(8, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+        k_cache, v_cache = kv.layer(0)
+        for r, c in zip(reqids, batch.cached_lens):
+            k_cache[r, :c], v_cache[r, :c] = torch.randn(c, 2, 16), torch.randn(c, 2, 16)
+        expected = sdpa_attention(q, k_cache, v_cache, batch, k=k, v=v)
+        torch.testing.assert_close(kernel.run(plan, q, k_cache, v_cache, k, v), expected)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -348,3 +355,4 @@ def test_flash_attn_adapter_on_the_reference(reference_flash_attn, layout):
         assert_matches(out, sc.reference(0, scale=0.3), torch.float32)
     finally:
         sc.close()
+

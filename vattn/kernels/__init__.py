@@ -16,10 +16,12 @@ Modules:
 - ``host``: vattn's own kernel (``vattn._cpu_attn``, ``csrc/cpu_attn``),
   :class:`HostKernel`; its limits are read from the extension.
 - ``sdpa``: torch SDPA per request, :class:`SdpaKernel` (the reference).
-- ``flash_attn``: FlashAttention-2's ``flash_attn_with_kvcache``,
-  :class:`FlashAttentionKernel`.
+- ``flash_attn``: FlashAttention-2's ``flash_attn_with_kvcache`` (the
+  ``flash-attn`` package), :class:`FlashAttentionKernel`.
 - ``flashinfer``: FlashInfer's batched paged kernels and its single prefill,
   :class:`FlashInferKernel`, :class:`FlashInferSinglePrefillKernel`.
+- ``page_view``: the cache as a paged cache whose page table is plain
+  ranges (what FlashInfer's ``"pages"`` presentation reads).
 - ``select``: the kernel instances (:data:`KERNELS`), the preference per
   device and :func:`select_kernel`, the one rule that picks a kernel.
 

@@ -93,18 +93,29 @@ class AttentionBatch:
         ``query_starts`` (length B+1), ``token_reqids`` and ``token_positions``
         (length T: each new token's reqid and position in its request).
         """
-        key = f"{name}:{dtype}"
-        if key not in self._tensors:
-            if name == "token_reqids":
-                values = [r for r, q in zip(self.reqids, self.query_lens) for _ in range(q)]
-            elif name == "token_positions":
-                values = [p for c, s in zip(self.cached_lens, self.seq_lens) for p in range(c, s)]
-            elif name in ("reqids", "cached_lens", "seq_lens", "query_starts"):
-                values = getattr(self, name)
-            else:
-                raise ValueError(f"unknown batch tensor {name!r}")
-            self._tensors[key] = torch.tensor(values, dtype=dtype, device=self.device)
-        return self._tensors[key]
+        return self.tensors((name,), dtype)[0]
+
+    def tensors(self, names: Sequence[str], dtype: torch.dtype = torch.int32) -> list[torch.Tensor]:
+        """Several of :meth:`tensor`'s tensors; those not built yet are built
+        in one copy to the device (views of one tensor)."""
+        keys = [f"{name}:{dtype}" for name in names]
+        missing = [(key, self._values(name)) for key, name in zip(keys, names) if key not in self._tensors]
+        if missing:
+            packed = torch.tensor([x for _, values in missing for x in values], dtype=dtype, device=self.device)
+            at = 0
+            for key, values in missing:
+                self._tensors[key] = packed[at:at + len(values)]
+                at += len(values)
+        return [self._tensors[key] for key in keys]
+
+    def _values(self, name: str) -> list[int]:
+        if name == "token_reqids":
+            return [r for r, q in zip(self.reqids, self.query_lens) for _ in range(q)]
+        if name == "token_positions":
+            return [p for c, s in zip(self.cached_lens, self.seq_lens) for p in range(c, s)]
+        if name in ("reqids", "cached_lens", "seq_lens", "query_starts"):
+            return getattr(self, name)
+        raise ValueError(f"unknown batch tensor {name!r}")
 
     def check_mapped(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
         """Raises ``ValueError`` (starting with ``what``) unless every request
@@ -173,9 +184,16 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
 def write_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch, k: torch.Tensor,
                v: torch.Tensor) -> None:
     """:func:`write_kv` after its checks."""
-    rows = (batch.tensor("token_reqids", torch.long), batch.tensor("token_positions", torch.long))
+    rows = tuple(token_rows(batch))
     k_cache.index_put_(rows, k)
     v_cache.index_put_(rows, v)
+
+
+def token_rows(batch: AttentionBatch) -> list[torch.Tensor]:
+    """Each new token's (reqid, position) as two int64 tensors on the batch's
+    device, built once per batch in one copy: where :func:`write_rows`
+    stores. A kernel's plan asks for them, so that no layer builds them."""
+    return batch.tensors(("token_reqids", "token_positions"), torch.long)
 
 
 def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,

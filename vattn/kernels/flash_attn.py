@@ -4,9 +4,11 @@
 so the kernel reads each request's rows in place; new ``k``/``v`` are
 appended in place by the kernel. Requests with equal ``query_lens`` share one
 call (a decode batch is one call). The index tensors of every call are built
-by the plan, once per forward and in one copy to the device; a batch whose
-requests all have one query length (every decode batch) is passed as it is,
-with no gather of its token rows.
+by the plan, once per forward and in one copy to the device (two when some
+group's token rows must be gathered). A group whose requests are adjacent in
+the batch (a batch of one query length, every decode batch, or a mixed batch
+ordered by query length) takes its token rows as a slice of ``q``, ``k`` and
+``v``, with no gather.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class _Group(NamedTuple):
 
     count: int  # requests
     query_len: int  # tokens each
-    rows: torch.Tensor | None  # their token rows (int64); None: the whole batch, in order
+    rows: slice | torch.Tensor  # their token rows: a slice when adjacent, else an int64 index (a gather)
     reqids: torch.Tensor  # int32, cache_batch_idx
     cached_lens: torch.Tensor  # int32, cache_seqlens when the kernel appends k / v
     seq_lens: torch.Tensor  # int32, cache_seqlens when k / v are in the cache already
@@ -42,12 +44,13 @@ class FlashAttentionPlan(KernelPlan):
         for i, q_len in enumerate(batch.query_lens):
             members.setdefault(q_len, []).append(i)
         ints: list[int] = []  # per group: reqids, cached_lens, seq_lens
-        rows: list[int] = []
+        rows: list[int] = []  # token rows of the groups whose requests are not adjacent
         starts = batch.query_starts
-        for idx in members.values():
+        adjacent = {q_len: idx[-1] - idx[0] == len(idx) - 1 for q_len, idx in members.items()}
+        for q_len, idx in members.items():
             for values in (batch.reqids, batch.cached_lens, batch.seq_lens):
                 ints.extend(values[i] for i in idx)
-            if len(members) > 1:
+            if not adjacent[q_len]:
                 rows.extend(t for i in idx for t in range(starts[i], starts[i + 1]))
         packed = torch.tensor(ints, dtype=torch.int32, device=batch.device)
         packed_rows = torch.tensor(rows, dtype=torch.long, device=batch.device) if rows else None
@@ -55,10 +58,15 @@ class FlashAttentionPlan(KernelPlan):
         at = row_at = 0
         for q_len, idx in members.items():
             n = len(idx)
-            group_rows = None if packed_rows is None else packed_rows[row_at:row_at + n * q_len]
+            if adjacent[q_len]:
+                group_rows: slice | torch.Tensor = slice(starts[idx[0]], starts[idx[-1] + 1])
+            else:
+                assert packed_rows is not None
+                group_rows = packed_rows[row_at:row_at + n * q_len]
+                row_at += n * q_len
             self.groups.append(_Group(n, q_len, group_rows, packed[at:at + n], packed[at + n:at + 2 * n],
                                       packed[at + 2 * n:at + 3 * n]))
-            at, row_at = at + 3 * n, row_at + n * q_len
+            at += 3 * n
 
 
 class FlashAttentionKernel(Kernel):
@@ -111,15 +119,12 @@ class FlashAttentionKernel(Kernel):
             def grouped(t: torch.Tensor | None) -> torch.Tensor | None:  # [G * q_len, ...] -> [G, q_len, ...]
                 if t is None:
                     return None
-                return (t if g.rows is None else t[g.rows]).reshape(g.count, g.query_len, *t.shape[1:])
+                return t[g.rows].reshape(g.count, g.query_len, *t.shape[1:])
 
             o = flash_attn.flash_attn_with_kvcache(
                 grouped(q), k_cache, v_cache, k=grouped(k), v=grouped(v),
                 cache_seqlens=g.cached_lens if appending else g.seq_lens, cache_batch_idx=g.reqids,
                 softmax_scale=softmax_scale, causal=True,
             )
-            if g.rows is None:
-                out.copy_(o.reshape(out.shape))
-            else:
-                out[g.rows] = o.reshape(-1, *q.shape[1:])
+            out[g.rows] = o.reshape(-1, *q.shape[1:])
         return out

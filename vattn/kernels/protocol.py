@@ -32,7 +32,9 @@ class AttentionCase(NamedTuple):
 
     Fields not known yet are None and not checked: a framework's start-up
     check knows the device, head dim and options before any tensor exists.
-    ``sliding_window`` and ``logits_soft_cap``: None or 0 is off.
+    ``sliding_window`` and ``logits_soft_cap``: None or 0 is off. The
+    cache's geometry (``slot_stride``, ``row_stride``, ``page_tokens``)
+    matters to kernels that present the cache as pages (FlashInfer).
     """
 
     device_type: str  # "cpu" or "cuda"
@@ -45,21 +47,28 @@ class AttentionCase(NamedTuple):
     softmax_scale: float | None = None  # None: 1/sqrt(D)
     sliding_window: int | None = None  # tokens a query sees, itself included
     logits_soft_cap: float | None = None  # scores become cap * tanh(score / cap)
+    slot_stride: int | None = None  # elements from one reqid's row 0 to the next's (k_cache.stride(0))
+    row_stride: int | None = None  # elements from one token's row to the next (k_cache.stride(1))
+    page_tokens: int | None = None  # tokens per vattn page (KVCacheManager.page_tokens), when whole
 
     @classmethod
     def of(cls, q: torch.Tensor, k_cache: torch.Tensor, softmax_scale: float | None = None,
-           sliding_window: int | None = None, logits_soft_cap: float | None = None) -> AttentionCase:
+           sliding_window: int | None = None, logits_soft_cap: float | None = None,
+           page_tokens: int | None = None) -> AttentionCase:
         """The case of one call: ``q`` ``[T, H_q, D]`` over ``k_cache``
         ``[B_max, L, H_kv, D]`` (shapes the kernel checks again: a wrong rank
-        leaves a field None here)."""
+        leaves a field None here). ``page_tokens`` is not read from the
+        cache's manager (a lookup per call): give it where it matters."""
         # built on every attention() call, so from the cheapest accessors (tensor.device costs half a
         # microsecond) and straight into the tuple
         device = "cpu" if q.is_cpu else "cuda" if q.is_cuda else q.device.type
         q_shape, cache = q.shape, k_cache.shape
         four = len(cache) == 4
+        strides = k_cache.stride() if four else (None, None)
         return tuple.__new__(cls, (device, q_shape[-1] if q_shape else 0, q.dtype, k_cache.dtype,
                                    q_shape[1] if len(q_shape) == 3 else None, cache[2] if four else None,
-                                   cache[1] if four else None, softmax_scale, sliding_window, logits_soft_cap))
+                                   cache[1] if four else None, softmax_scale, sliding_window, logits_soft_cap,
+                                   strides[0], strides[1], page_tokens))
 
 
 class Support(NamedTuple):

@@ -21,9 +21,11 @@ HOST = HostKernel()
 SDPA = SdpaKernel()
 FLASH_ATTN = FlashAttentionKernel()
 FLASHINFER = FlashInferKernel()
+FLASHINFER_REQUEST = FlashInferKernel(presentation="request")
 FLASHINFER_SINGLE = FlashInferSinglePrefillKernel()
 
-KERNELS: dict[str, Kernel] = {k.key: k for k in (HOST, SDPA, FLASH_ATTN, FLASHINFER, FLASHINFER_SINGLE)}
+KERNELS: dict[str, Kernel] = {k.key: k for k in (HOST, SDPA, FLASH_ATTN, FLASHINFER, FLASHINFER_REQUEST,
+                                                 FLASHINFER_SINGLE)}
 """Every kernel, by key."""
 
 PREFERENCE: dict[str, tuple[Kernel, ...]] = {

@@ -1,0 +1,123 @@
+"""CPU stand-ins for the GPU kernel libraries vattn calls, so that what vattn
+hands a library (arguments, index tensors, strided views of the cache) is
+checked on any machine; the libraries themselves run on a GPU only.
+
+Each stand-in keeps the library's calling convention and the rules of its
+arguments that vattn could break (dtypes, shapes, FlashInfer's 32-bit
+strides), then attends with ``sdpa_dense`` on
+exactly the rows the real kernel reads: reading a row the kernel would not
+read faults on an unmapped page instead of passing.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from vattn.kernels import sdpa_dense
+
+
+def flash_attn_with_kvcache(calls: list, q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                            cache_batch_idx=None, softmax_scale=None, causal=False):
+    """The flash-attn package's ``flash_attn_with_kvcache``: appends k / v at
+    ``cache_seqlens`` of rows ``cache_batch_idx``, then attends causally,
+    aligned to the end. Records each call's q."""
+    assert causal and cache_seqlens.dtype == cache_batch_idx.dtype == torch.int32
+    assert q.dim() == 4 and (k is None) == (v is None)
+    calls.append(q)
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        row, n = int(cache_batch_idx[b]), int(cache_seqlens[b])
+        if k is not None:
+            k_cache[row, n:n + q.shape[1]], v_cache[row, n:n + q.shape[1]] = k[b], v[b]
+            n += q.shape[1]
+        out[b] = sdpa_dense(q[b], k_cache[row, :n], v_cache[row, :n], softmax_scale)
+    return out
+
+
+UINT32_MASK = (1 << 32) - 1
+
+
+class PagedWrapper:
+    """FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` /
+    ``BatchPrefillWithPagedKVCacheWrapper`` (NHD): ``plan`` takes the page
+    arrays (host or device int32), ``run`` reads each request's pages
+    ``indices[indptr[i]:indptr[i + 1]]`` of the pool, the last one up to
+    ``last_page_len``. Strides wrap at 32 bits as in ``paged_kv_t``, so a
+    pool FlashInfer would misread is misread here too."""
+
+    def __init__(self, kind: str, workspace: torch.Tensor, layout: str, log: list) -> None:
+        assert layout == "NHD" and workspace.dtype == torch.uint8
+        self.kind, self.log, self.planned = kind, log, None
+
+    def plan(self, *args, **kwargs):
+        if self.kind == "prefill":
+            qo_indptr, *args = args
+            assert kwargs.pop("causal") is True
+        else:
+            qo_indptr = None
+        indptr, indices, last_page_len, heads_q, heads_kv, head_dim, page_size = args
+        for t in (indptr, indices, last_page_len) + ((qo_indptr,) if qo_indptr is not None else ()):
+            assert t.dtype == torch.int32 and t.dim() == 1
+        n = last_page_len.numel()
+        assert indptr.numel() == n + 1 and indices.numel() == int(indptr[-1])
+        assert bool((last_page_len >= 1).all()) and bool((last_page_len <= page_size).all())
+        self.planned = dict(qo_indptr=qo_indptr, indptr=indptr.cpu(), indices=indices.cpu(),
+                            last_page_len=last_page_len.cpu(), heads=(heads_q, heads_kv, head_dim),
+                            page_size=page_size, **kwargs)
+        self.log.append(("plan", self.kind, self.planned))
+
+    def run(self, q, paged_kv):
+        k_pool, v_pool = paged_kv
+        p = self.planned
+        heads_q, heads_kv, head_dim = p["heads"]
+        assert k_pool.shape[1:] == (p["page_size"], heads_kv, head_dim) and v_pool.shape == k_pool.shape
+        assert q.shape[1:] == (heads_q, head_dim) and q.dtype == p["q_data_type"]
+        self.log.append(("run", self.kind, (k_pool.data_ptr(), tuple(k_pool.shape), k_pool.stride())))
+        pools = [self._as_flashinfer_reads(pool) for pool in (k_pool, v_pool)]
+        indptr, indices, last = p["indptr"].tolist(), p["indices"].tolist(), p["last_page_len"].tolist()
+        q_starts = p["qo_indptr"].tolist() if p["qo_indptr"] is not None else list(range(len(last) + 1))
+        out = torch.empty_like(q)
+        for i in range(len(last)):
+            pages = indices[indptr[i]:indptr[i + 1]]
+            keys, values = ([pool[page, :p["page_size"] if j < len(pages) - 1 else last[i]]
+                             for j, page in enumerate(pages)] for pool in pools)
+            out[q_starts[i]:q_starts[i + 1]] = sdpa_dense(q[q_starts[i]:q_starts[i + 1]], torch.cat(keys),
+                                                          torch.cat(values), p["sm_scale"])
+        return out
+
+    @staticmethod
+    def _as_flashinfer_reads(pool: torch.Tensor) -> torch.Tensor:
+        """The pool as paged_kv_t sees it: its strides kept in 32 bits."""
+        strides = tuple(s & UINT32_MASK for s in pool.stride())
+        return pool.as_strided(pool.shape, strides, pool.storage_offset())
+
+
+def install_flash_attn(monkeypatch: pytest.MonkeyPatch) -> list:
+    """``flash_attn`` replaced by the reference, and the FlashAttention kernel
+    let onto CPU tensors; returns the list of recorded q's."""
+    from vattn.kernels import FlashAttentionKernel
+
+    calls: list = []
+    module = types.ModuleType("flash_attn")
+    module.flash_attn_with_kvcache = lambda *a, **kw: flash_attn_with_kvcache(calls, *a, **kw)
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+    monkeypatch.setattr(FlashAttentionKernel, "devices", ("cuda", "cpu"))
+    return calls
+
+
+def install_flashinfer(monkeypatch: pytest.MonkeyPatch) -> list:
+    """``flashinfer`` replaced by :class:`PagedWrapper`, and the FlashInfer
+    kernel let onto CPU tensors; returns the log of plans and runs."""
+    from vattn.kernels import FlashInferKernel
+
+    log: list = []
+    module = types.ModuleType("flashinfer")
+    module.BatchDecodeWithPagedKVCacheWrapper = lambda ws, layout: PagedWrapper("decode", ws, layout, log)
+    module.BatchPrefillWithPagedKVCacheWrapper = lambda ws, layout: PagedWrapper("prefill", ws, layout, log)
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    monkeypatch.setattr(FlashInferKernel, "devices", ("cuda", "cpu"))
+    return log
