@@ -74,7 +74,7 @@ class KVCacheManager:
             as :meth:`step` grows requests. ``"external"``: a framework's block
             manager owns the page ids ``0 .. num_page_ids - 1`` and maps them
             with :meth:`map_pages`; :meth:`step`, the mapper, eager allocation
-            and reclamation are off (DESIGN.md section 8). A page keeps its
+            and reclamation are off (docs/design.md section 3). A page keeps its
             physical memory and contents from first use until cleanup, also
             while no reqid maps it, and ``physical_memory`` alone sizes the
             pool: ``num_page_ids`` may exceed what the reqids can map at once.
