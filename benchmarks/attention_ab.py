@@ -65,7 +65,16 @@ import vattn
 from vattn.attention import AttentionBatch, FlashInferAttention, flash_attn_attention, sdpa_attention, sdpa_dense
 
 # (query heads, KV heads, head dim) of one GPU's share of each model
-MODELS = {"llama-3-8b": (32, 8, 128), "llama-3-70b-tp4": (16, 2, 128)}
+MODELS = {
+    "llama-3-8b": (32, 8, 128),
+    "llama-3-70b-tp4": (16, 2, 128),
+    # the small models serving runs on a CPU: few KV heads of 64, so a token's K row is 128-256 bytes
+    "qwen2-0.5b": (14, 2, 64),
+    "tinyllama-1.1b": (32, 4, 64),
+    "llama-3.2-1b": (32, 8, 64),
+    "small-8q2kv": (8, 2, 64),  # the 4-layer model of the vLLM serving traces (hidden 512)
+}
+"""(query heads, KV heads, head dim) per model name."""
 
 
 class Case:

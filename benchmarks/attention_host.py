@@ -48,7 +48,8 @@ call before left them (in cache, up to a few MiB). ``--flush-mb N`` writes N
 MiB before every timed call instead, untimed, so that the K/V come from
 memory as they do in a forward, where every other layer runs in between.
 Writes benchmarks/results/attention_host_<machine>.json (cold:
-attention_host_cold_<machine>.json) and a plot (matplotlib; without it,
+attention_host_cold_<machine>.json; another ``--model`` than Llama-3-8B:
+attention_host_[cold_]<model>_<machine>.json) and a plot (matplotlib; without it,
 --replot draws it later).
 """
 
@@ -167,7 +168,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny grid, for a smoke run")
     p.add_argument("--replot", action="store_true", help="only redraw the plot from this machine's JSON")
     args = p.parse_args()
-    name = f"attention_host_{'cold_' if args.flush_mb > 0 else ''}{machine_slug(machine())}"
+    model = "" if args.model == "llama-3-8b" else f"{args.model.split(':')[0]}_"
+    name = f"attention_host_{'cold_' if args.flush_mb > 0 else ''}{model}{machine_slug(machine())}"
     if args.replot:
         plot(json.loads((RESULTS / f"{name}.json").read_text())["results"], name)
         return
