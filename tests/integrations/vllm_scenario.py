@@ -3,7 +3,7 @@
 Runs under the interpreter of the vLLM environment (vLLM starts its workers
 with spawn, so everything happens under ``__main__``):
 
-    python tests/integrations/vllm_scenario.py make-model DIR [LAYERS HIDDEN [SLIDING_WINDOW]]
+    python tests/integrations/vllm_scenario.py make-model DIR [LAYERS HIDDEN [SLIDING_WINDOW [QUERY_HEADS MAX_POSITIONS]]]
     python tests/integrations/vllm_scenario.py run DIR SPEC.json OUT.json
 
 SPEC: ``engine`` (keyword arguments of ``vllm.LLM``: dtype, max_model_len,
@@ -29,16 +29,18 @@ import sys
 import time
 
 
-def make_model(path: str, layers: int = 2, hidden: int = 128, sliding_window: int = 0) -> None:
-    """A small random-weight Llama with GQA (4 query heads, 2 KV heads of
-    hidden / 4); with ``sliding_window`` a Mistral (Llama with a window)."""
+def make_model(path: str, layers: int = 2, hidden: int = 128, sliding_window: int = 0, query_heads: int = 4,
+               max_positions: int = 1024) -> None:
+    """A small random-weight Llama with GQA (``query_heads`` query heads, 2 KV
+    heads of hidden / query_heads); with ``sliding_window`` a Mistral (Llama
+    with a window)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
     common = dict(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=1024,
-                  bos_token_id=1, eos_token_id=2)
+                  num_attention_heads=query_heads, num_key_value_heads=2, head_dim=hidden // query_heads,
+                  max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2)
     if sliding_window:
         model = MistralForCausalLM(MistralConfig(sliding_window=sliding_window, **common))
     else:
@@ -131,7 +133,7 @@ def run(model: str, spec: dict) -> dict:
 
 if __name__ == "__main__":
     if sys.argv[1] == "make-model":
-        make_model(sys.argv[2], *map(int, sys.argv[3:6]))
+        make_model(sys.argv[2], *map(int, sys.argv[3:8]))
     else:
         _, _, model_dir, spec_path, out_path = sys.argv
         with open(spec_path) as f:
