@@ -221,14 +221,18 @@ class BudgetMember:
         """Bytes granted to this member and not released (0 once it left)."""
         return self._member.held_bytes
 
-    def try_grant(self, nbytes: int) -> bool:
+    def try_grant(self, nbytes: int, record_wait: bool = True) -> bool:
         """Grants ``nbytes`` (bytes) if the budget's total stays within its limit.
 
         On refusal returns False and records that this member waits for
         ``nbytes``: other members see it as :meth:`pressure` until this member
         is granted, calls :meth:`clear_wait`, or stops asking for a second.
+        ``record_wait=False``: an ask ahead of need (a manager's mapper), whose
+        refusal makes nobody give memory back.
         """
-        return self._member.try_grant(_check_bytes(nbytes, "nbytes"))
+        if not isinstance(record_wait, bool):
+            raise TypeError(f"record_wait must be a bool, got {type(record_wait).__name__}")
+        return self._member.try_grant(_check_bytes(nbytes, "nbytes"), record_wait)
 
     def release(self, nbytes: int) -> None:
         """Gives back ``nbytes`` (bytes) of what this member holds (ValueError above it)."""
