@@ -18,9 +18,11 @@ process that needs it. See docs/elastic.md.
     268435456
     >>> member.leave(); budget.remove()
 
-The KV cache manager does not join budgets yet; this module is the budget
-itself, its command line (``python -m vattn budget``, ``python -m vattn top``)
-and the API a manager uses.
+A :class:`vattn.KVCacheManager` joins with ``budget=`` (a budget or its
+name) or the ``VATTN_BUDGET`` environment variable, and then does all of
+this itself (vattn/manager_budget.py, csrc/core/page_budget.h). This module
+is the budget, the member API, and what the command line
+(``python -m vattn budget``, ``python -m vattn top``) uses.
 """
 
 from __future__ import annotations
