@@ -357,7 +357,7 @@ class PageManager {
   std::exception_ptr mapper_error_;   // raised by the next step (also the keeper's errors)
   uint64_t refused_epoch_ = 0;        // work_epoch_ when the mapper's creation was refused (0: never)
   uint64_t last_step_ns_ = 0;         // steady clock of the last step (budget only)
-  bool idle_released_ = false;        // free pages went back for idleness; no speculative pages until a step
+  bool idle_released_ = false;        // idle past idle_release_s: free pages go back, no speculative ones until a step
   std::vector<uint64_t> reported_;    // what the keeper last reported (a signature of the state)
 };
 

@@ -149,10 +149,10 @@ void PageManager::keeper_tick(Lock& lock) {
   lock.lock();
   if (error) std::rethrow_exception(error);
   if (stop_ || !memory_) return;
-  if (!config_.preallocate && !config_.external_ids && idle_release_ns_ > 0 && !idle_released_ &&
+  if (!config_.preallocate && !config_.external_ids && idle_release_ns_ > 0 &&
       steady_ns() - last_step_ns_ >= idle_release_ns_) {
-    idle_released_ = true;  // once per idle spell: the next step ends it
-    want = SIZE_MAX;
+    idle_released_ = true;  // until the next step: no speculative pages
+    want = SIZE_MAX;        // pages freed later in the idle spell go too
   }
   // While a CUDA graph is captured nothing may reach the driver.
   if (want > 0 && !paused_ && has_idle_pages_locked() && shed_locked(lock, want) > 0) {

@@ -59,6 +59,9 @@ def _stepper(name: str, seed: int, ops: int, limit: int):
                     del live[r]
             violations += budget.held_bytes > limit
         kv.wait_idle()
+        c.send("done")
+        c.recv()  # the others are done too and no wait is left: nothing moves any more
+        kv.wait_idle()
         c.send(json.dumps({"label": f"stepper-{seed}", "share": kv.budget_share(), "steps": steps,
                            "created": kv.stats()["bytes_created"], "refused": refused, "violations": violations,
                            "invariants": kv._pages.check_invariants()}))
@@ -75,6 +78,11 @@ def test_the_limit_holds_across_processes_under_concurrent_steps(budget_name):
     try:
         for c in children:
             c.send("go")
+        assert [c.recv() for c in children] == ["done"] * 3
+        # Until the last refused wait expires (1 s) the keepers still give free pages back to it.
+        time.sleep(1.1)
+        for c in children:
+            c.send("report")
         results = [json.loads(c.recv()) for c in children]
         assert all(r["violations"] == 0 and r["invariants"] == "" for r in results), results
         # the model: each member holds exactly the pages its process created

@@ -152,7 +152,8 @@ class Engine:
         if kv_retries < 0:
             raise ValueError(f"kv_retries must be an int >= 0, got {kv_retries}")
         self.model = model.eval()
-        vattn_options.setdefault("budget_label", f"engine {getattr(model.config, 'name_or_path', '')}"[:47].strip())
+        name = "".join(c for c in str(getattr(model.config, "name_or_path", "")) if " " <= c <= "~")
+        vattn_options.setdefault("budget_label", f"engine {name[-40:]}".strip())  # what `vattn top` shows
         self.kv = KVCacheManager(**kv_shape(model), dtype=model.dtype, max_batch_size=max_batch_size,
                                  max_context_len=max_context_len, device=device or model.device, budget=budget,
                                  **vattn_options)
