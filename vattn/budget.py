@@ -18,9 +18,11 @@ process that needs it. See docs/elastic.md.
     268435456
     >>> member.leave(); budget.remove()
 
-The KV cache manager does not join budgets yet; this module is the budget
-itself, its command line (``python -m vattn budget``, ``python -m vattn top``)
-and the API a manager uses.
+A :class:`vattn.KVCacheManager` joins with ``budget=`` (a budget or its
+name) or the ``VATTN_BUDGET`` environment variable, and then does all of
+this itself (vattn/manager_budget.py, csrc/core/page_budget.h). This module
+is the budget, the member API, and what the command line
+(``python -m vattn budget``, ``python -m vattn top``) uses.
 """
 
 from __future__ import annotations
@@ -221,14 +223,18 @@ class BudgetMember:
         """Bytes granted to this member and not released (0 once it left)."""
         return self._member.held_bytes
 
-    def try_grant(self, nbytes: int) -> bool:
+    def try_grant(self, nbytes: int, record_wait: bool = True) -> bool:
         """Grants ``nbytes`` (bytes) if the budget's total stays within its limit.
 
         On refusal returns False and records that this member waits for
         ``nbytes``: other members see it as :meth:`pressure` until this member
         is granted, calls :meth:`clear_wait`, or stops asking for a second.
+        ``record_wait=False``: an ask ahead of need (a manager's mapper), whose
+        refusal makes nobody give memory back.
         """
-        return self._member.try_grant(_check_bytes(nbytes, "nbytes"))
+        if not isinstance(record_wait, bool):
+            raise TypeError(f"record_wait must be a bool, got {type(record_wait).__name__}")
+        return self._member.try_grant(_check_bytes(nbytes, "nbytes"), record_wait)
 
     def release(self, nbytes: int) -> None:
         """Gives back ``nbytes`` (bytes) of what this member holds (ValueError above it)."""

@@ -39,10 +39,14 @@ class ClosedError(VAttnError):
 
 
 class OutOfPages(VAttnError, MemoryError):
-    """The physical page pool cannot hold the lengths asked for.
+    """The physical page pool cannot hold the lengths asked for, or no page
+    can be created now (a memory budget refuses it, the device or host is out
+    of memory).
 
     ``step`` itself returns False in that case, so an engine can preempt; this
-    is raised by integrations that have no one to preempt (a transformers cache).
+    is raised by ``fork``, ``map_pages``, a manager created with
+    ``preallocate=True``, and integrations that have no one to preempt (a
+    transformers cache). Nothing changed when it is raised.
     """
 
 

@@ -23,6 +23,8 @@ from .arguments import stream_handles as _stream_handles
 from .backends import BackendSpec, parse_device, resolve_backend, torch_device
 from .config import KVCacheConfig
 from .errors import BackendUnavailable, ForkedError
+from .manager_budget import DEFAULT_IDLE_RELEASE_S, default_label, idle_release_seconds, join_budget
+from .prefix_handle import PrefixHandle
 from .spans import forget_span as _forget_span
 from .spans import manager_of  # noqa: F401 - vattn.manager.manager_of, as before
 from .spans import remember_span as _remember_span
@@ -90,6 +92,22 @@ class KVCacheManager:
             or raw ``cudaStream_t`` handles as ints; see
             :meth:`set_sync_streams`). ``None``: every wait before an unmap is
             ``cuCtxSynchronize`` (the whole device).
+        preallocate: create every physical page at construction (as the
+            reference vAttention does) and keep them until cleanup, so nothing
+            the framework allocates later can take them; in a budget the whole
+            pool is charged at once (:class:`vattn.OutOfPages` when it cannot
+            be) and never given back early.
+        budget: a machine-wide :class:`vattn.Budget` (or its name) to draw
+            physical pages from, shared with managers in other processes;
+            ``None``: the one ``VATTN_BUDGET`` names, if set; ``False``: none.
+            ``step`` then returns False when the budget cannot grant the pages
+            (docs/elastic.md).
+        idle_release_s: in a budget, free pages (freed requests' cache, eager
+            pages, the free pool) go back after this many seconds without a
+            ``step``, and at once when another process waits for memory or
+            the limit is lowered below what is held. ``None``: never for
+            idleness. Default 30.
+        budget_label: what ``python -m vattn top`` shows for this manager.
 
     Page ids: one page id names one physical page in every buffer (so it
     holds ``page_size`` bytes of each layer's K and V, ``page_tokens``
@@ -136,10 +154,17 @@ class KVCacheManager:
         page_allocator: str = "vattn",
         backend: str | None = None,
         sync_streams: Any = None,
+        preallocate: bool = False,
+        budget: Any = None,
+        idle_release_s: float | None = DEFAULT_IDLE_RELEASE_S,
+        budget_label: str | None = None,
     ) -> None:
         if page_allocator not in PAGE_ALLOCATORS:
             raise ValueError(f"page_allocator must be one of {PAGE_ALLOCATORS}, got {page_allocator!r}")
+        if not isinstance(preallocate, bool):
+            raise TypeError(f"preallocate must be a bool, got {type(preallocate).__name__}")
         streams = _stream_handles(sync_streams)
+        idle_release = idle_release_seconds(idle_release_s)
         external = page_allocator == "external"
         self.config = KVCacheConfig(
             num_layers=num_layers,
@@ -166,6 +191,7 @@ class KVCacheManager:
         vmm = self.backend.make()
         if streams:
             vmm.set_sync_streams(streams)
+        self.budget, member = join_budget(budget, self.device, budget_label or default_label(self.config))
         self._pages = _C.PageManager(
             vmm,
             num_buffers=self.config.num_buffers,
@@ -174,6 +200,9 @@ class KVCacheManager:
             bytes_per_token=self.config.token_bytes_per_buffer,
             max_tokens=self.config.max_context_len,
             external_ids=external,
+            preallocate=preallocate,
+            budget=member and member._member,
+            idle_release_s=idle_release,
             **policy,
         )
         self.policy: dict[str, Any] = policy
@@ -312,8 +341,10 @@ class KVCacheManager:
         Returns:
             True when every reqid ``r`` has at least ``seq_lens[r]`` tokens
             mapped in every buffer. False when the physical pool cannot supply
-            the pages even after unmapping pages of freed reqids; no active
-            request lost a page. The caller preempts a request and steps again.
+            the pages even after unmapping pages of freed reqids, or they
+            cannot be created now (the budget refuses them, the device or host
+            is out of memory); no active request lost a page. The caller
+            preempts a request and steps again.
         """
         return self._pages.step(_int_array("seq_lens", seq_lens))
 
@@ -325,6 +356,27 @@ class KVCacheManager:
         if not 0 <= limit < 2**63:
             raise ValueError(f"max_pages must be in [0, 2^63), got {limit}")
         return self._pages.reclaim(limit)
+
+    def release_free_memory(self, max_bytes: int | None = None) -> int:
+        """Gives free physical memory back to the OS or device (and to the
+        budget): up to ``max_bytes`` bytes (all when None) of the free pool,
+        then of freed reqids' and eager pages (unmapped first). Pages under
+        requests or prefix handles stay. Returns the bytes released. What
+        ``idle_release_s`` does on its own in a budget; not for
+        ``page_allocator="external"`` (ValueError: those pages keep their contents)."""
+        limit = 2**63 - 1 if max_bytes is None else _as_int("max_bytes", max_bytes)
+        if not 0 <= limit < 2**63:
+            raise ValueError(f"max_bytes must be in [0, 2^63), got {limit}")
+        return self._pages.release_free(-(-limit // self.page_size)) * self.page_size
+
+    def budget_share(self) -> dict[str, Any] | None:
+        """This manager's share of its budget now, in bytes: ``held_bytes``
+        (every created page), of which ``in_use_bytes`` (under requests,
+        prefix handles) and ``free_held_bytes`` (kept for reuse); with
+        ``budget`` (its name). None outside a budget. :meth:`vattn.Budget.usage`
+        shows what every manager last reported (within 20 ms)."""
+        share = self._pages.budget_share()
+        return share if share["budget"] else None
 
     def mapped_tokens(self, reqid: int) -> int:
         """Tokens reqid can hold with its pages mapped now (per buffer)."""
@@ -446,7 +498,8 @@ class KVCacheManager:
         With ``page_allocator="vattn"`` the ids must already be in use (mapped
         in some reqid or held by a prefix handle): this shares pages. With
         ``"external"`` any id in ``[0, num_page_ids)`` is accepted; pages are
-        created on first use.
+        created on first use (:class:`vattn.OutOfPages`, nothing changed, when
+        they cannot be: the budget refuses, the device is out of memory).
         """
         if counts is None:
             counts, page_ids = _page_id_rows(page_ids)
@@ -478,7 +531,7 @@ class KVCacheManager:
         """Counters and memory figures. Bytes are bytes; pages count every buffer.
 
         ``bytes_used``: bytes the active tokens occupy; ``bytes_mapped``:
-        physical bytes mapped; ``bytes_reserved``: virtual bytes reserved;
+        physical bytes mapped; ``bytes_created``: physical bytes held; ``bytes_reserved``: virtual bytes reserved;
         ``bytes_static``: what a static max-length reservation would need.
         """
         s = self._pages.stats()
@@ -490,6 +543,8 @@ class KVCacheManager:
             page_size=self.page_size,
             num_buffers=cfg.num_buffers,
             bytes_total=s["pages_total"] * self.page_size,
+            bytes_created=s["pages_created"] * self.page_size,
+            budget=self.budget.name if self.budget is not None else None,
             bytes_used=s["tokens_active"] * cfg.token_bytes,
             bytes_reserved=cfg.num_buffers * self._pages.buffer_bytes,
             bytes_static=cfg.static_bytes(),
@@ -643,58 +698,3 @@ def _close_live_managers() -> None:
             manager.cleanup()
         except Exception:  # noqa: BLE001 - exit must go on; the OS reclaims the rest
             pass
-
-
-class PrefixHandle:
-    """References to the whole pages of a request's prefix (see
-    :meth:`KVCacheManager.retain_prefix`). ``num_tokens``: tokens covered;
-    ``page_ids``: the ids, position 0 first. Dropped without :meth:`release`,
-    it releases its pages when collected; in a forked child every use raises
-    :class:`vattn.ForkedError` (the pages are the parent's)."""
-
-    __slots__ = ("_manager", "_id", "num_tokens", "_finalizer", "__weakref__")
-
-    def __init__(self, manager: KVCacheManager, handle_id: int, num_tokens: int) -> None:
-        self._manager = manager
-        self._id = handle_id
-        self.num_tokens: int = num_tokens
-        # Runs once, from release() or when collected; not at exit (cleanup releases every handle then).
-        self._finalizer = weakref.finalize(self, PrefixHandle._release_pages, manager._pages, handle_id, os.getpid())
-        self._finalizer.atexit = False
-
-    @staticmethod
-    def _release_pages(pages: Any, handle_id: int, pid: int) -> None:
-        """Nothing in a forked child or after cleanup; never raises (the garbage collector may call it)."""
-        try:
-            if os.getpid() == pid and not pages.closed:
-                pages.release_prefix(handle_id)
-        except Exception:  # noqa: BLE001 - cleanup releases what is left
-            pass
-
-    @property
-    def released(self) -> bool:
-        self._manager._check_process()
-        return not self._finalizer.alive or self._manager.closed
-
-    @property
-    def page_ids(self) -> list[int]:
-        if self.released:
-            raise ValueError("handle was released")
-        return self._manager._pages.prefix_ids(self._id)
-
-    def release(self) -> None:
-        """Drops the references (idempotent): pages no request maps return to the pool."""
-        self._manager._check_process()
-        self._finalizer()
-
-    def __enter__(self) -> PrefixHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        if os.getpid() != self._manager._pid:
-            return f"PrefixHandle(num_tokens={self.num_tokens}, from another process)"
-        state = "released" if self.released else f"{len(self.page_ids)} pages"
-        return f"PrefixHandle(num_tokens={self.num_tokens}, {state})"

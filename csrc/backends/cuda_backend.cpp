@@ -93,6 +93,7 @@ class CudaBackend final : public VmmBackend {
       if (rc != CUDA_SUCCESS) {
         handles_[ids[i]] = 0;
         release_handles(ids, i);
+        if (rc == CUDA_ERROR_OUT_OF_MEMORY) throw OutOfMemory("cuMemCreate", error_name(api_, rc));
         throw DriverError("cuMemCreate", error_name(api_, rc));
       }
     }

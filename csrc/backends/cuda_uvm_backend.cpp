@@ -280,6 +280,8 @@ class CudaUvmBackend final : public VmmBackend {
         release_pages(ids, i);
         if (rc != 0) throw_errno("ioctl(VATTN_UVM_CREATE)", err);
         if (p.rmStatus == VATTN_UVM_STATUS_OK) throw DriverError("VATTN_UVM_CREATE", "the module returned handle 0");
+        if (p.rmStatus == VATTN_UVM_STATUS_NO_MEMORY)
+          throw OutOfMemory("VATTN_UVM_CREATE", uvm_status_name(p.rmStatus));
         throw DriverError("VATTN_UVM_CREATE", uvm_status_name(p.rmStatus));
       }
       handles_[ids[i]] = p.handle;

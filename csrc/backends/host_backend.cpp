@@ -37,6 +37,8 @@ int HostSystemCalls::memfd_create(const char* name, unsigned int flags) { return
 
 int HostSystemCalls::ftruncate(int fd, off_t bytes) { return ::ftruncate(fd, bytes); }
 
+int HostSystemCalls::fallocate(int fd, off_t offset, off_t bytes) { return ::fallocate(fd, 0, offset, bytes); }
+
 void* HostSystemCalls::mmap_unmap(void* addr, size_t bytes) {
   return mmap(addr, bytes, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
 }
@@ -120,11 +122,11 @@ class HostBackend final : public VmmBackend {
   void create_pages(const uint32_t* ids, size_t count) override {
     check_pool();
     for (size_t i = 0; i < count; ++i) {
-      if (fallocate(pool_->fd(), 0, offset(ids[i]), static_cast<off_t>(page_size_)) != 0) {
+      if (calls_->fallocate(pool_->fd(), offset(ids[i]), static_cast<off_t>(page_size_)) != 0) {
         int err = errno;
         release_pages(ids, i + 1);  // a partial fallocate may have committed some
         if (err == ENOSPC || err == ENOMEM)
-          throw DriverError("fallocate", "errno " + std::to_string(err) + " (" + std::strerror(err) +
+          throw OutOfMemory("fallocate", "errno " + std::to_string(err) + " (" + std::strerror(err) +
                                              "): the host cannot commit another page");
         throw_errno("fallocate", err);
       }

@@ -16,15 +16,18 @@ size_t host_granularity();
 
 // The system calls inside one host operation whose failure the backend
 // handles itself, so a test can fail exactly those (vattn._testing): creating
-// the pool (a failed ftruncate closes the memfd again) and the mmap that
+// the pool (a failed ftruncate closes the memfd again), the mmap that
 // unmaps pages (at vm.max_map_count it falls back to munmap and reserves the
-// range again). Failures at the operations' own boundaries need no seam:
+// range again) and the fallocate that commits a page (ENOSPC / ENOMEM there is
+// out of memory, which the page manager treats as a full pool). Failures at the operations' own boundaries need no seam:
 // a decorator around any VmmBackend injects those. The default calls the kernel.
 class HostSystemCalls {
  public:
   virtual ~HostSystemCalls() = default;
   virtual int memfd_create(const char* name, unsigned int flags);
   virtual int ftruncate(int fd, off_t bytes);
+  // Commits [offset, offset + bytes) of the pool (fallocate mode 0).
+  virtual int fallocate(int fd, off_t offset, off_t bytes);
   // Puts PROT_NONE anonymous memory over [addr, addr + bytes) (MAP_FIXED).
   virtual void* mmap_unmap(void* addr, size_t bytes);
 };

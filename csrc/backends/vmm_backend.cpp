@@ -81,6 +81,17 @@ void CacheMemory::hand_over(std::vector<uintptr_t> mapped) {
   handed_over_.insert(handed_over_.end(), mapped.begin(), mapped.end());
 }
 
+void CacheMemory::on_teardown(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!torn_down_) {
+      on_teardown_.push_back(std::move(fn));
+      return;
+    }
+  }
+  fn();
+}
+
 void CacheMemory::teardown() {
   std::lock_guard<std::mutex> lock(mu_);
   if (torn_down_ || !in_creator_process()) return;
@@ -106,6 +117,8 @@ void CacheMemory::teardown() {
   }
   handed_over_.clear();
   backend_->close_pool();
+  for (auto& fn : on_teardown_) fn();
+  on_teardown_.clear();
   if (!backend_->free_reservation(base_, bytes_) && !first_error)
     first_error = std::make_exception_ptr(
         DriverError("free reservation", "the address range could not be freed (pages still mapped)"));

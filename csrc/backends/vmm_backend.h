@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -148,6 +149,10 @@ class CacheMemory {
   // The manager closes: `mapped` lists every address still mapped. They are
   // unmapped at teardown, when the last owner is gone.
   void hand_over(std::vector<uintptr_t> mapped);
+  // `fn` runs once the pool is released (at teardown, or now if that ran):
+  // what accounts for the pages (a budget share) ends with them, also when a
+  // tensor view kept them past the manager's close. `fn` must not throw.
+  void on_teardown(std::function<void()> fn);
   // Unmaps what was handed over, releases the pool and the range. Throws the
   // first driver error after doing all it can. Idempotent.
   void teardown();
@@ -160,6 +165,7 @@ class CacheMemory {
   uint64_t generation_ = 0;
   std::mutex mu_;  // guards the two below
   std::vector<uintptr_t> handed_over_;
+  std::vector<std::function<void()>> on_teardown_;
   bool torn_down_ = false;
 };
 

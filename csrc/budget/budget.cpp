@@ -275,7 +275,7 @@ std::shared_ptr<BudgetMember> Budget::join(const std::string& label) {
                     "(vattn.Budget.create(..., max_members=N))");
 }
 
-bool Budget::try_grant(const BudgetMember& member, uint64_t bytes) {
+bool Budget::try_grant(const BudgetMember& member, uint64_t bytes, bool record_wait) {
   Locked lock(*this);
   const bool checked = refresh_locked(lock.owner_died());
   Entry& e = entry_locked(member);
@@ -294,6 +294,7 @@ bool Budget::try_grant(const BudgetMember& member, uint64_t bytes) {
     h->waiting_bytes.store(h->waiting_bytes.load() - had_waiting, std::memory_order_release);
     return true;
   }
+  if (!record_wait) return false;
   const uint64_t now = budget::monotonic_ns();
   if (!had_waiting) e.wait_since_ns = now;
   e.wait_renewed_ns = now;
@@ -386,12 +387,20 @@ BudgetMember::~BudgetMember() {
   if (owner_pid_ == static_cast<int32_t>(getpid())) leave();
 }
 
-bool BudgetMember::try_grant(uint64_t bytes) { return budget_->try_grant(*this, bytes); }
+bool BudgetMember::try_grant(uint64_t bytes, bool record_wait) {
+  return budget_->try_grant(*this, bytes, record_wait);
+}
 void BudgetMember::release(uint64_t bytes) { budget_->release(*this, bytes); }
 void BudgetMember::report(uint64_t in_use_bytes, uint64_t free_held_bytes) {
   budget_->report(*this, in_use_bytes, free_held_bytes);
 }
 uint64_t BudgetMember::pressure() { return budget_->pressure(*this); }
+
+bool BudgetMember::contended() const {
+  const budget::Header* h = budget_->segment_.header();
+  return h->waiting_bytes.load(std::memory_order_acquire) != 0 ||
+         h->held_bytes.load(std::memory_order_acquire) > h->limit_bytes.load(std::memory_order_acquire);
+}
 void BudgetMember::clear_wait() { budget_->clear_wait(*this); }
 
 void BudgetMember::leave() {

@@ -134,7 +134,7 @@ class Budget : public std::enable_shared_from_this<Budget> {
   const budget::ProcessIdentity& self_locked();
   budget::Entry& entry_locked(const BudgetMember& member);
 
-  bool try_grant(const BudgetMember& member, uint64_t bytes);
+  bool try_grant(const BudgetMember& member, uint64_t bytes, bool record_wait);
   void release(const BudgetMember& member, uint64_t bytes);
   void report(const BudgetMember& member, uint64_t in_use_bytes, uint64_t free_held_bytes);
   uint64_t pressure(const BudgetMember& member);
@@ -155,8 +155,10 @@ class BudgetMember {
   ~BudgetMember();
 
   // Grants `bytes` if the budget's total stays within the limit; otherwise
-  // records that this member waits for `bytes` and returns false.
-  bool try_grant(uint64_t bytes);
+  // records that this member waits for `bytes` (unless !record_wait: a
+  // speculative ask, which should not make others give memory back) and
+  // returns false.
+  bool try_grant(uint64_t bytes, bool record_wait = true);
   // Returns `bytes` of this member's held bytes to the budget
   // (std::invalid_argument above what it holds).
   void release(uint64_t bytes);
@@ -168,6 +170,10 @@ class BudgetMember {
   // is free within the limit. Lock-free when it is 0, exact (under the lock)
   // otherwise: cheap to poll.
   uint64_t pressure();
+  // Lock-free and possibly stale: whether any member waits or the total sits
+  // above the limit (this member's own wait included). A page manager makes
+  // no speculative pages while it is true.
+  bool contended() const;
   // This member no longer waits (its caller gave up on the refused grant).
   void clear_wait();
   // Leaves the budget, returning everything held. Idempotent.

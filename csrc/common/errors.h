@@ -22,6 +22,15 @@ class DriverError : public std::runtime_error {
   std::string detail_;
 };
 
+// A page could not be created because the device or the host has no memory
+// left for it (CUDA_ERROR_OUT_OF_MEMORY from cuMemCreate, ENOSPC / ENOMEM when
+// the host commits a page). Someone else may give memory back later, so the
+// page manager treats it as a full pool, not as a failure (docs/elastic.md).
+class OutOfMemory : public DriverError {
+ public:
+  using DriverError::DriverError;
+};
+
 // The requested backend cannot run here (no driver, no device).
 class BackendUnavailable : public std::runtime_error {
  public:

@@ -55,6 +55,12 @@ size_t checked_num_ids(const VmmBackend& backend, const PageManagerConfig& confi
   return num_ids;
 }
 
+uint64_t checked_idle_release_ns(double seconds) {
+  if (!(seconds >= 0 && seconds <= 1e9))
+    throw std::invalid_argument("idle_release_s must be in [0, 1e9] seconds (0: never)");
+  return static_cast<uint64_t>(seconds * 1e9);
+}
+
 const char* kForked =
     "this KV cache manager was created by another process: a forked child cannot use its "
     "parent's cache (create a new manager in the child)";
@@ -64,7 +70,7 @@ const char* kForked =
 // ---- construction and lifetime ------------------------------------------------------
 
 PageManager::PageManager(std::shared_ptr<VmmBackend> backend, const PageManagerConfig& config,
-                         const PolicyConfig& policy)
+                         const PolicyConfig& policy, const BudgetLink& budget)
     : backend_(std::move(backend)),
       config_(config),
       policy_(checked_policy(policy, config.max_tokens)),
@@ -74,13 +80,22 @@ PageManager::PageManager(std::shared_ptr<VmmBackend> backend, const PageManagerC
       reclaim_floor_ids_(static_cast<size_t>(std::ceil(policy_.reclaim_threshold * static_cast<double>(num_ids_)))),
       generation_(fork_generation()),
       sync_(std::make_unique<Sync>()),
+      idle_release_ns_(checked_idle_release_ns(budget.idle_release_s)),
       table_(config.num_slots, config.num_buffers, num_ids_, config.external_ids) {
   memory_ = std::make_shared<CacheMemory>(backend_, config_.num_buffers * buffer_bytes());
   base_ = memory_->base();
   slot_reads_.assign(config_.num_slots, VmmBackend::kNoReads);
+  if (budget.member) {
+    budget_ = std::make_shared<PageBudget>(budget.member, static_cast<uint64_t>(page_size_) * config_.num_buffers);
+    // The share ends with the pages: at teardown, which a tensor view may delay past close().
+    memory_->on_teardown([b = budget_] { b->leave(); });
+  }
+  if (config_.preallocate) preallocate();  // before any thread: a failure destroys nothing running
   work_epoch_ = 1;  // the mapper starts with work: the eager slot
+  last_step_ns_ = steady_ns();
   if (policy_.background && !config_.external_ids)
     sync_->mapper = std::thread(&PageManager::mapper_loop, this);
+  if (budget_) sync_->keeper = std::thread(&PageManager::keeper_loop, this);
 }
 
 PageManager::~PageManager() {
@@ -212,6 +227,14 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
   if (count != config_.num_slots)
     throw std::invalid_argument("step: seq_lens must have max_batch_size = " + std::to_string(config_.num_slots) +
                                 " entries, got " + std::to_string(count));
+  if (budget_) {
+    last_step_ns_ = steady_ns();
+    if (idle_released_) {  // busy again: the mapper may run ahead again
+      idle_released_ = false;
+      work_epoch_++;
+      sync_->wake.notify_one();
+    }
+  }
   // Per-thread scratch: several threads may step at once, and a step can wait
   // (releasing the mutex) between computing and using it.
   thread_local std::vector<size_t> need;
@@ -247,7 +270,7 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
   }
   PageStats& stats = table_.counters();
   stats.step_calls++;
-  if (deficit > 0) {
+  for (bool reclaimed_for_creation = false; deficit > 0;) {
     if (deficit > table_.available()) {
       ReclaimPlan plan = plan_reclaim(table_, deficit - table_.available(), -1, SIZE_MAX);
       if (table_.available() + plan.freed_ids < deficit) {
@@ -267,7 +290,20 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
       size_t add = need[s] - table_.mapped(s);
       jobs.push_back(MapJob{s, table_.mapped(s), table_.claim(add, to_create), add});
     }
-    map_jobs_locked(jobs, to_create);
+    try {
+      map_jobs_locked(jobs, to_create);
+      break;
+    } catch (const OutOfPages&) {
+      // No page can be created now (the budget refused, the device is out of
+      // memory) and nothing changed. Pages cached in free slots stand in for
+      // new ones, once; then the pool is full, as when it has no page left.
+      if (!reclaimed_for_creation && reclaim_locked(to_create.size(), -1) > 0) {
+        reclaimed_for_creation = true;
+        continue;
+      }
+      stats.failed_steps++;
+      return false;
+    }
   }
   // The mapper is woken only when this step gave it work: the pool changed
   // (pages mapped here: reserve, eager and reclaim floor may need attention) or
@@ -329,7 +365,9 @@ void PageManager::close() {
     stop_ = true;
   }
   sync_->wake.notify_all();
+  sync_->keeper_wake.notify_all();
   if (sync_->mapper.joinable()) sync_->mapper.join();  // without mu: the mapper commits its batch first
+  if (sync_->keeper.joinable()) sync_->keeper.join();
   Lock lock(sync_->mu);
   table_.release_all_handles();
   std::vector<uintptr_t> mapped;
@@ -416,7 +454,12 @@ std::string PageManager::check_invariants() {
   Lock lock(sync_->mu);
   check_open();
   sync_->batch_done.wait(lock, [&] { return !inflight_; });
-  return table_.check_invariants();
+  std::string problem = table_.check_invariants();
+  const size_t created_ids = table_.stats().pages_created / config_.num_buffers;
+  if (problem.empty() && budget_ && budget_->charged_ids() != created_ids)
+    problem = "the budget is charged for " + std::to_string(budget_->charged_ids()) + " page ids, " +
+              std::to_string(created_ids) + " are created";
+  return problem;
 }
 
 std::shared_ptr<CacheMemory> PageManager::memory() const {

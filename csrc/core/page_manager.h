@@ -49,12 +49,23 @@
 // synchronisation objects and the thread handle instead of joining a thread
 // that is not there.
 //
-// The member functions live in four files: page_manager.cpp (lifetime, slots,
+// Budget. A manager may hold a share of a machine-wide budget (core/
+// page_budget.h): every page creation is charged first, every release
+// uncharged after. One path says "no pages can be created now": create_ids
+// throws OutOfPages when the budget refuses or the device (host) is out of
+// memory, and step() returns false for it, fork() and map_ids() raise it, the
+// mapper stops creating until new work comes. A keeper thread (only with a
+// budget) gives free pages back: all of them after idle_release_s without a
+// step, and as many as others wait for or a lowered limit asks.
+//
+// The member functions live in five files: page_manager.cpp (lifetime, slots,
 // step, queries), page_manager_sharing.cpp (fork, prefix handles, map_ids,
-// truncate), page_manager_driver.cpp (map and unmap on the caller's thread)
-// and page_manager_mapper.cpp (the background mapper).
+// truncate), page_manager_driver.cpp (create, map and unmap on the caller's
+// thread), page_manager_mapper.cpp (the background mapper) and
+// page_manager_budget.cpp (preallocation, giving pages back, the keeper).
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -67,6 +78,7 @@
 #include <vector>
 
 #include "backends/vmm_backend.h"
+#include "core/page_budget.h"
 #include "core/page_geometry.h"
 #include "core/page_table.h"
 #include "core/policy.h"
@@ -80,6 +92,21 @@ struct PageManagerConfig {
   size_t bytes_per_token = 0;  // bytes one token takes in one buffer (S_tok)
   size_t max_tokens = 0;       // max context length in tokens (L)
   bool external_ids = false;   // page ids are owned by the caller (core/page_table.h)
+  bool preallocate = false;    // create every page at construction and keep them until close
+};
+
+// A manager's place in a machine-wide budget (budget/budget.h).
+struct BudgetLink {
+  std::shared_ptr<BudgetMember> member;  // null: no budget
+  double idle_release_s = 0;             // free pages go back after this long without a step; 0: never
+};
+
+// What a manager holds of its budget now. Bytes.
+struct BudgetShare {
+  std::string budget;            // the budget's name ("" without one)
+  uint64_t held_bytes = 0;       // charged: every created page
+  uint64_t in_use_bytes = 0;     // of held: pages under requests, prefix handles or orphans
+  uint64_t free_held_bytes = 0;  // of held: free pages kept for reuse
 };
 
 // One mapping the table believes exists (for tests and diagnostics).
@@ -90,8 +117,10 @@ struct TableEntry {
 
 class PageManager {
  public:
+  // Throws OutOfPages when preallocate cannot create the pool (the budget
+  // refuses it, or the device has no memory for it).
   PageManager(std::shared_ptr<VmmBackend> backend, const PageManagerConfig& config,
-              const PolicyConfig& policy);
+              const PolicyConfig& policy, const BudgetLink& budget = BudgetLink{});
   ~PageManager();  // close(), errors swallowed; leaks the thread handle in a forked child
   PageManager(const PageManager&) = delete;
   PageManager& operator=(const PageManager&) = delete;
@@ -108,13 +137,22 @@ class PageManager {
   void free_slot(int64_t slot);
   // Maps pages so every allocated slot s holds seq_lens[s] tokens. Returns
   // false, changing no active slot, when the pool cannot supply the pages even
-  // after unmapping pages of free slots. Throws std::invalid_argument on bad
+  // after unmapping pages of free slots, or the pages cannot be created now
+  // (the budget refuses them, the device is out of memory). Throws std::invalid_argument on bad
   // input (nothing changed), DriverError on driver failure (no new mapping
   // kept), and a mapper error held since the last step.
   bool step(const int64_t* seq_lens, size_t count);
   // Unmaps pages of free slots (tails first) until up to max_ids page ids went
   // back to the pool, and retries orphans; returns the physical pages freed.
   size_t reclaim(size_t max_ids);
+  // Releases up to max_ids free page ids (the free pool first, then pages of
+  // free slots, unmapped), giving their memory back to the OS or device and
+  // to the budget; returns the physical pages released. Pages under
+  // requests and prefix handles stay. Throws std::invalid_argument with
+  // external ids (their pages keep their contents).
+  size_t release_free(size_t max_ids);
+  // The budget share now (an empty name without a budget).
+  BudgetShare budget_share() const;
 
   // ---- shared pages ----
   // A new slot whose first num_tokens tokens are src's: whole pages shared,
@@ -214,9 +252,16 @@ class PageManager {
     std::condition_variable wake;        // mapper: work may have changed, or stop
     std::condition_variable batch_done;  // waiters: inflight_ became false
     std::thread mapper;
+    std::condition_variable keeper_wake;  // keeper: stop
+    std::thread keeper;                   // only with a budget
   };
 
   static std::string range_text(int64_t lo, int64_t hi);
+  static uint64_t steady_ns() {
+    return static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+            .count());
+  }
   bool forked() const { return fork_generation() != generation_; }
   // Throws ForkedError in a forked child; takes no lock. Inline: every call starts with it.
   void check_process() const {
@@ -235,7 +280,13 @@ class PageManager {
   void wait_for_batch(Lock& lock);  // then check_open()
 
   // ---- driver work on the caller's thread (caller holds mu) ----
-  void create_ids(const std::vector<uint32_t>& ids);  // backend create, no mu needed
+  // Creates the pages of `ids` in every buffer, charged to the budget first.
+  // Throws OutOfPages when no pages can be created now (the budget refuses,
+  // the device is out of memory): nothing created, nothing charged. `demand`:
+  // a caller needs them now (a refusal is recorded as a wait, and counted:
+  // the caller holds mu). The mapper calls it without mu and demand false.
+  void create_ids(const std::vector<uint32_t>& ids, bool demand);
+  void release_ids(const std::vector<uint32_t>& ids);  // backend release, then uncharge
   std::vector<PageMapping> mappings_for(const std::vector<MapJob>& jobs) const;
   // Commits the jobs covered by the first `done` mappings, undoes the rest
   // (orphaning what cannot be undone), returns fresh ids to the pool.
@@ -262,6 +313,18 @@ class PageManager {
   size_t reclaim_locked(size_t want, int64_t keep_slot);
   void trim_for_new_request_locked(size_t slot, size_t keep);
 
+  // ---- the budget (page_manager_budget.cpp) ----
+  void preallocate();  // constructor: every page created, into the pool
+  // Releases up to `want` free ids, reclaiming free slots' pages for more;
+  // returns the ids released. Waits for the mapper's batch.
+  size_t shed_locked(Lock& lock, size_t want);
+  bool has_idle_pages_locked() const;
+  // What the mapper may create now (caller holds mu).
+  MapperLimits mapper_limits() const;
+  BudgetShare budget_share_locked() const;
+  void keeper_loop();  // the budget's keeper thread: idle release, pressure, reports
+  void keeper_tick(Lock& lock);
+
   // ---- the background mapper ----
   void mapper_loop();
   Batch plan_batch();                                         // caller holds mu
@@ -277,6 +340,8 @@ class PageManager {
   const size_t reclaim_floor_ids_;    // reclaim_threshold * num_ids
   const uint64_t generation_;         // fork generation of the creating process
   std::unique_ptr<Sync> sync_;
+  std::shared_ptr<PageBudget> budget_;  // null without a budget; the cache memory drops it at teardown
+  const uint64_t idle_release_ns_;      // 0: no idle release
 
   // ---- guarded by sync_->mu ----
   PageTable table_;
@@ -289,7 +354,11 @@ class PageManager {
   bool mapper_idle_ = true;           // mapper waits for work
   uint64_t mapper_seen_epoch_ = 0;    // work_epoch_ the mapper last planned for
   uint64_t work_epoch_ = 0;           // bumped whenever the mapper's work may change
-  std::exception_ptr mapper_error_;   // raised by the next step
+  std::exception_ptr mapper_error_;   // raised by the next step (also the keeper's errors)
+  uint64_t refused_epoch_ = 0;        // work_epoch_ when the mapper's creation was refused (0: never)
+  uint64_t last_step_ns_ = 0;         // steady clock of the last step (budget only)
+  bool idle_released_ = false;        // idle past idle_release_s: free pages go back, no speculative ones until a step
+  std::vector<uint64_t> reported_;    // what the keeper last reported (a signature of the state)
 };
 
 }  // namespace vattn

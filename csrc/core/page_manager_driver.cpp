@@ -3,20 +3,53 @@
 // what is mapped before an error goes on.
 #include <algorithm>
 #include <exception>
+#include <string>
 
+#include "common/errors.h"
 #include "core/page_manager.h"
 
 namespace vattn {
 
-// ---- mapping --------------------------------------------------------------------------
+// ---- creating and releasing pages ------------------------------------------------------
 
-void PageManager::create_ids(const std::vector<uint32_t>& ids) {
+void PageManager::create_ids(const std::vector<uint32_t>& ids, bool demand) {
+  if (ids.empty()) return;
+  const size_t nb = config_.num_buffers;
+  auto refused = [&](const std::string& why) {
+    if (demand) table_.counters().creations_refused++;
+    return OutOfPages("cannot create " + std::to_string(ids.size() * nb) + " page(s) of " +
+                      std::to_string(page_size_) + " bytes now: " + why);
+  };
+  if (budget_ && !budget_->charge(ids.size(), demand))
+    throw refused("the " + budget_->describe() + " cannot grant " +
+                  std::to_string(ids.size() * budget_->id_bytes()) + " more bytes");
+  std::vector<uint32_t> pages;
+  pages.reserve(ids.size() * nb);
+  for (size_t b = 0; b < nb; ++b)
+    for (uint32_t id : ids) pages.push_back(physical(b, id));
+  try {
+    backend_->create_pages(pages.data(), pages.size());  // all or nothing
+  } catch (const OutOfMemory& e) {
+    if (budget_) budget_->uncharge(ids.size());
+    throw refused(std::string("the ") + (backend_->dl_device().device_type == kDLCPU ? "host" : "device") +
+                  " has no memory left for them (" + e.what() + ")");
+  } catch (...) {
+    if (budget_) budget_->uncharge(ids.size());
+    throw;
+  }
+}
+
+void PageManager::release_ids(const std::vector<uint32_t>& ids) {
   std::vector<uint32_t> pages;
   pages.reserve(ids.size() * config_.num_buffers);
   for (size_t b = 0; b < config_.num_buffers; ++b)
     for (uint32_t id : ids) pages.push_back(physical(b, id));
-  backend_->create_pages(pages.data(), pages.size());
+  backend_->release_pages(pages.data(), pages.size());  // never throws; the memory is the OS's (device's) again
+  if (budget_) budget_->uncharge(ids.size());
+  table_.counters().pages_released += pages.size();
 }
+
+// ---- mapping ----------------------------------------------------------------------------
 
 std::vector<PageMapping> PageManager::mappings_for(const std::vector<MapJob>& jobs) const {
   // Job by job, buffer-major: each buffer's new positions of a slot are one
@@ -74,7 +107,7 @@ void PageManager::finish_map(std::vector<MapJob>& jobs, const std::vector<PageMa
 void PageManager::map_jobs_locked(std::vector<MapJob>& jobs, std::vector<uint32_t>& to_create) {
   if (!to_create.empty()) {
     try {
-      create_ids(to_create);
+      create_ids(to_create, true);
     } catch (...) {
       for (MapJob& job : jobs) table_.return_fresh(std::vector<uint32_t>(job.ids.end() - job.fresh, job.ids.end()));
       throw;

@@ -6,13 +6,14 @@
 #include <exception>
 #include <stdexcept>
 
+#include "common/errors.h"
 #include "core/page_manager.h"
 
 namespace vattn {
 
 PageManager::Batch PageManager::plan_batch() {
   Batch batch;
-  MapperPlan plan = plan_mapper_batch(table_, geometry_, policy_, reclaim_floor_ids_);
+  MapperPlan plan = plan_mapper_batch(table_, geometry_, policy_, reclaim_floor_ids_, mapper_limits());
   switch (plan.kind) {
     case MapperPlan::Kind::kIdle:
       break;
@@ -41,7 +42,7 @@ void PageManager::run_batch(Batch& batch, size_t* done) {
     return;
   }
   if (!batch.to_create.empty()) {
-    create_ids(batch.to_create);  // all or nothing
+    create_ids(batch.to_create, false);  // all or nothing; OutOfPages when none can be created now
     batch.created = true;
   }
   if (!batch.mappings.empty()) backend_->map(batch.mappings.data(), batch.mappings.size(), done);
@@ -51,8 +52,18 @@ void PageManager::commit_batch(Batch& batch, size_t done, std::exception_ptr err
   PageStats& stats = table_.counters();
   stats.mapper_batches++;
   if (error) {
-    stats.mapper_errors++;
-    mapper_error_ = error;
+    try {
+      std::rethrow_exception(error);
+    } catch (const OutOfPages&) {
+      // No page can be created now: not an error. The mapper creates nothing
+      // more until new work comes (a step or a freed request may change
+      // that); a step that needs pages tries itself and answers false.
+      stats.creations_refused++;
+      refused_epoch_ = work_epoch_;
+    } catch (...) {
+      stats.mapper_errors++;
+      mapper_error_ = error;
+    }
   }
   if (!batch.cuts.empty()) {
     const size_t before = table_.available();

@@ -185,7 +185,7 @@ void PageManager::map_ids(const int64_t* slots, const int64_t* starts, const int
   if (config_.external_ids) {  // pages are created on first use
     std::vector<uint32_t> missing = table_.uncreated_among(ids, num_ids_given);
     if (!missing.empty()) {
-      create_ids(missing);
+      create_ids(missing, true);  // OutOfPages: nothing changed yet
       table_.mark_created(missing);
     }
   }

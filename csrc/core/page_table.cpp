@@ -124,6 +124,30 @@ void PageTable::mark_created(const std::vector<uint32_t>& ids) {
   stats_.pages_created += ids.size() * num_buffers_;
 }
 
+std::vector<uint32_t> PageTable::uncreate_free(size_t count) {
+  count = std::min(count, free_ids_.size());
+  std::vector<uint32_t> out(free_ids_.begin(), free_ids_.begin() + count);  // front: freed longest ago
+  free_ids_.erase(free_ids_.begin(), free_ids_.begin() + count);
+  for (uint32_t id : out) {
+    id_created_[id] = 0;
+    uncreated_.push_back(id);
+  }
+  if (!out.empty()) std::sort(uncreated_.begin(), uncreated_.end(), std::greater<uint32_t>());
+  stats_.pages_created -= out.size() * num_buffers_;
+  return out;
+}
+
+size_t PageTable::idle_ids() const {
+  size_t idle = free_ids_.size();
+  std::vector<uint32_t> free_slot_maps(num_ids(), 0);
+  for (size_t s = 0; s < slot_ids_.size(); ++s)
+    if (!slot_allocated_[s])
+      for (uint32_t id : slot_ids_[s]) free_slot_maps[id]++;
+  for (size_t id = 0; id < free_slot_maps.size(); ++id)
+    idle += free_slot_maps[id] > 0 && free_slot_maps[id] == id_maps_[id] && id_holds_[id] == 0;
+  return idle;
+}
+
 std::vector<uint32_t> PageTable::uncreated_among(const uint32_t* ids, size_t count) {
   std::vector<uint32_t> missing;
   for (size_t k = 0; k < count; ++k)

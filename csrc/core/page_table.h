@@ -57,6 +57,8 @@ struct PageStats {
   uint64_t mapper_batches = 0;   // caller
   uint64_t mapper_errors = 0;    // caller
   uint64_t step_wait_ns = 0;     // caller: time steps spent waiting for an in-flight mapper batch
+  uint64_t pages_released = 0;   // caller: created pages released again (given back to a budget)
+  uint64_t creations_refused = 0;  // caller: page creations a budget refused or the device had no memory for
 };
 
 // Positions [from, from + ids.size()) of `slot`, cut from its prefix: their
@@ -128,6 +130,13 @@ class PageTable {
   // Ids that meanwhile got a reference (an orphan) stay where they are.
   void return_fresh(const std::vector<uint32_t>& ids);
   void mark_created(const std::vector<uint32_t>& ids);
+  // Up to `count` ids of the free pool, the least recently freed first, are
+  // uncreated again (their physical pages are to be released by the caller).
+  std::vector<uint32_t> uncreate_free(size_t count);
+  // Created ids that no allocated slot, prefix handle or orphan references:
+  // the free pool and the ids only free slots map (deferred reclaim, eager
+  // pages). What a budget counts as free-held. O(num_ids + free slots' positions).
+  size_t idle_ids() const;
   // The distinct ids among ids[0, count) not created yet, in first-seen order.
   std::vector<uint32_t> uncreated_among(const uint32_t* ids, size_t count);
 

@@ -64,10 +64,12 @@ ReclaimPlan plan_reclaim(const PageTable& table, size_t want_ids, int64_t keep_s
 }
 
 MapperPlan plan_mapper_batch(const PageTable& table, const PageGeometry& geometry, const PolicyConfig& policy,
-                             size_t reclaim_floor_ids) {
+                             size_t reclaim_floor_ids, const MapperLimits& limits) {
   MapperPlan plan;
   const size_t available = table.available();
-  const int64_t eager_slot = policy.eager ? best_free_slot(table, -1) : -1;
+  const size_t creatable = std::min(table.uncreated().size(), limits.creatable_ids);
+  const size_t usable = table.free_ids().size() + creatable;  // what grows may claim
+  const int64_t eager_slot = policy.eager && limits.speculative ? best_free_slot(table, -1) : -1;
   // 1. Deferred reclamation: keep free slots' pages until the pool runs low.
   if (policy.deferred_reclaim && available < reclaim_floor_ids) {
     ReclaimPlan reclaim = plan_reclaim(table, reclaim_floor_ids - available, eager_slot, policy.max_batch_ids);
@@ -78,7 +80,7 @@ MapperPlan plan_mapper_batch(const PageTable& table, const PageGeometry& geometr
     }
   }
   // 2. Lookahead for active slots, then 3. the eager slot, within the budget.
-  const size_t budget = std::min(policy.max_batch_ids, available);
+  const size_t budget = std::min(policy.max_batch_ids, usable);
   size_t planned = 0;
   auto grow = [&](size_t s, size_t target, size_t limit) {
     size_t have = table.mapped(s);
@@ -95,7 +97,7 @@ MapperPlan plan_mapper_batch(const PageTable& table, const PageGeometry& geometr
     // worth growing now.
     if (table.first_shared(eager) == table.mapped(eager)) {
       // Eager pages are speculative: they never eat into the reclaim floor.
-      size_t spare = available - planned;  // planned <= budget <= available
+      size_t spare = usable - planned;  // planned <= budget <= usable
       size_t above_floor = spare > reclaim_floor_ids ? spare - reclaim_floor_ids : 0;
       grow(eager, geometry.positions_for_tokens(static_cast<int64_t>(policy.eager_tokens)),
            std::min(budget, planned + above_floor));
@@ -111,9 +113,9 @@ MapperPlan plan_mapper_batch(const PageTable& table, const PageGeometry& geometr
   size_t active = 0;
   for (size_t s = 0; s < table.num_slots(); ++s) active += table.allocated(s);
   const size_t free_ids = table.free_ids().size(), uncreated = table.uncreated().size();
-  if (free_ids < active && uncreated > 0) {
+  if (limits.speculative && free_ids < active && uncreated > 0 && creatable > 0) {
     plan.kind = MapperPlan::Kind::kCreate;
-    plan.create_ids = std::min({active - free_ids, uncreated, policy.max_batch_ids});
+    plan.create_ids = std::min({active - free_ids, uncreated, creatable, policy.max_batch_ids});
   }
   return plan;
 }

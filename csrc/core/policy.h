@@ -56,9 +56,17 @@ inline size_t lookahead_positions(const PageTable& table, const PageGeometry& ge
 
 // The background mapper's next batch, one kind at a time in this order:
 //   reclaim: free slots' tails to unmap, when the pool is below the floor;
-//   grow:    positions to map, lookahead of active slots then the eager slot;
-//   create:  uncreated ids to create into the pool (one per active slot);
+//   grow:    positions to map, lookahead of active slots then the eager slot
+//            (speculative only);
+//   create:  uncreated ids to create into the pool (one per active slot;
+//            speculative only);
 //   idle:    nothing to do.
+// What the mapper may create beyond the page table's own pool: a budget's
+// room now, and whether pages nobody asked for yet are welcome.
+struct MapperLimits {
+  size_t creatable_ids = SIZE_MAX;  // uncreated ids a plan may use (0 after a creation was refused)
+  bool speculative = true;          // eager pages and created spares (false under budget contention, after idle release)
+};
 struct MapperPlan {
   enum class Kind { kIdle, kReclaim, kGrow, kCreate };
   Kind kind = Kind::kIdle;
@@ -67,6 +75,6 @@ struct MapperPlan {
   size_t create_ids = 0;                           // uncreated ids to create
 };
 MapperPlan plan_mapper_batch(const PageTable& table, const PageGeometry& geometry, const PolicyConfig& policy,
-                             size_t reclaim_floor_ids);
+                             size_t reclaim_floor_ids, const MapperLimits& limits = MapperLimits{});
 
 }  // namespace vattn

@@ -225,6 +225,8 @@ py::dict stats_dict(const PageStats& s, size_t page_size) {
   d["mapper_errors"] = s.mapper_errors;
   d["step_wait_us"] = static_cast<double>(s.step_wait_ns) / 1e3;
   d["pages_free_low"] = s.pages_free_low;
+  d["pages_released"] = s.pages_released;
+  d["creations_refused"] = s.creations_refused;
   return d;
 }
 
@@ -388,18 +390,21 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](std::shared_ptr<VmmBackend> backend, size_t num_buffers, size_t num_slots,
                        size_t slot_bytes, size_t bytes_per_token, size_t max_tokens, bool external_ids,
                        bool background, bool deferred_reclaim, bool eager, size_t lookahead_tokens,
-                       size_t eager_tokens, double reclaim_threshold, size_t max_batch_ids) {
-             PageManagerConfig c{num_buffers, num_slots, slot_bytes, bytes_per_token, max_tokens, external_ids};
+                       size_t eager_tokens, double reclaim_threshold, size_t max_batch_ids, bool preallocate,
+                       std::shared_ptr<BudgetMember> budget, double idle_release_s) {
+             PageManagerConfig c{num_buffers, num_slots, slot_bytes, bytes_per_token, max_tokens, external_ids,
+                                 preallocate};
              PolicyConfig p{background,   deferred_reclaim,  eager,          lookahead_tokens,
                             eager_tokens, reclaim_threshold, max_batch_ids};
-             py::gil_scoped_release release;
-             return new PageManager(std::move(backend), c, p);
+             py::gil_scoped_release release;  // preallocation creates pages; a budget's lock may be slow
+             return new PageManager(std::move(backend), c, p, BudgetLink{std::move(budget), idle_release_s});
            }),
            py::arg("backend"), py::arg("num_buffers"), py::arg("num_slots"),
            py::arg("slot_bytes"), py::arg("bytes_per_token"), py::arg("max_tokens"),
            py::arg("external_ids") = false, py::arg("background") = false,
            py::arg("deferred_reclaim") = true, py::arg("eager") = false, py::arg("lookahead_tokens") = 1,
-           py::arg("eager_tokens") = 0, py::arg("reclaim_threshold") = 0.1, py::arg("max_batch_ids") = 64)
+           py::arg("eager_tokens") = 0, py::arg("reclaim_threshold") = 0.1, py::arg("max_batch_ids") = 64,
+           py::arg("preallocate") = false, py::arg("budget") = nullptr, py::arg("idle_release_s") = 0.0)
       .def("pause_mapper", &PageManager::pause_mapper, py::arg("paused"),
            py::call_guard<py::gil_scoped_release>())  // waits for the batch in flight
       .def("wait_idle", &PageManager::wait_idle, py::call_guard<py::gil_scoped_release>(),
@@ -426,6 +431,29 @@ PYBIND11_MODULE(_C, m) {
             return pm.reclaim(ids);
           },
           py::arg("max_pages"))
+      .def(
+          "release_free",
+          [](PageManager& pm, size_t max_pages) {
+            size_t nb = pm.config().num_buffers;
+            size_t ids = max_pages / nb + (max_pages % nb != 0);
+            py::gil_scoped_release release;
+            return pm.release_free(ids);
+          },
+          py::arg("max_pages"), "Release up to max_pages free pages (whole page ids); returns the pages released.")
+      .def("budget_share",
+           [](const PageManager& pm) {
+             BudgetShare share;
+             {
+               py::gil_scoped_release release;
+               share = pm.budget_share();
+             }
+             py::dict d;
+             d["budget"] = share.budget;
+             d["held_bytes"] = share.held_bytes;
+             d["in_use_bytes"] = share.in_use_bytes;
+             d["free_held_bytes"] = share.free_held_bytes;
+             return d;
+           })
       .def("fork", &PageManager::fork, py::arg("src"), py::arg("num_tokens"),
            py::call_guard<py::gil_scoped_release>())
       .def("retain_prefix", &PageManager::retain_prefix, py::arg("slot"), py::arg("num_tokens"),

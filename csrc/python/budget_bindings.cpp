@@ -92,7 +92,7 @@ void bind_budget(py::module_& m) {
       .def("join", &Budget::join, py::arg("label"), release_gil());
 
   py::class_<BudgetMember, std::shared_ptr<BudgetMember>>(m, "BudgetMember", "One KV cache manager's share of a budget.")
-      .def("try_grant", &BudgetMember::try_grant, py::arg("nbytes"), release_gil())
+      .def("try_grant", &BudgetMember::try_grant, py::arg("nbytes"), py::arg("record_wait") = true, release_gil())
       .def("release", &BudgetMember::release, py::arg("nbytes"), release_gil())
       .def("report", &BudgetMember::report, py::arg("in_use_bytes"), py::arg("free_held_bytes"), release_gil())
       .def("pressure", &BudgetMember::pressure, release_gil())

@@ -17,7 +17,7 @@ namespace vattn {
 const std::vector<std::string>& FaultPlan::calls() {
   static const std::vector<std::string> names = {
       "reserve", "free_reservation", "create_pages", "map", "unmap", "copy", "synchronize", "wait_reads",
-      "memfd_create", "ftruncate", "mmap_unmap"};
+      "memfd_create", "ftruncate", "mmap_unmap", "fallocate"};
   return names;
 }
 
@@ -167,6 +167,15 @@ int FaultyHostCalls::ftruncate(int fd, off_t bytes) {
   return HostSystemCalls::ftruncate(fd, bytes);
 }
 
+int FaultyHostCalls::fallocate(int fd, off_t offset, off_t bytes) {
+  int err = 0;
+  if (plan_->fails("fallocate", &err)) {
+    errno = err;
+    return -1;
+  }
+  return HostSystemCalls::fallocate(fd, offset, bytes);
+}
+
 void* FaultyHostCalls::mmap_unmap(void* addr, size_t bytes) {
   int err = 0;
   if (plan_->fails("mmap_unmap", &err)) {
@@ -187,7 +196,8 @@ void bind_fault_injection(py::module_& m) {
            "The next `skip` calls named `call` succeed, then `times` calls (-1: all) fail with `errno` "
            "(0 clears). Calls: the VmmBackend operations reserve, free_reservation, create_pages (per page), "
            "map (per run), unmap (per run), copy, synchronize, wait_reads; on the host backend also "
-           "memfd_create, ftruncate, mmap_unmap.")
+           "memfd_create, ftruncate, mmap_unmap and fallocate (one page's commit: ENOSPC / ENOMEM there is "
+           "out of memory, which the page manager takes for a full pool).")
       .def("clear", &FaultPlan::clear, "No call fails any more (the delay stays).")
       .def("delay", &FaultPlan::delay, py::arg("microseconds"),
            "Every map run and every page creation sleeps this long first (0: off).")

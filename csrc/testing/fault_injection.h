@@ -9,7 +9,8 @@
 //   pages before it mapped, as the host backend's own failure would.
 // - FaultyHostCalls fails the system calls inside one host operation that
 //   the host backend recovers from itself (host_backend.h: creating the pool,
-//   the mmap of an unmap, whose ENOMEM takes the munmap fallback).
+//   the mmap of an unmap, whose ENOMEM takes the munmap fallback) or
+//   classifies (the fallocate of a page: ENOSPC / ENOMEM is out of memory).
 //
 // Both read one FaultPlan, which the test holds (vattn._testing.FaultPlan).
 #pragma once
@@ -99,6 +100,7 @@ class FaultyHostCalls final : public HostSystemCalls {
   explicit FaultyHostCalls(std::shared_ptr<FaultPlan> plan) : plan_(std::move(plan)) {}
   int memfd_create(const char* name, unsigned int flags) override;
   int ftruncate(int fd, off_t bytes) override;
+  int fallocate(int fd, off_t offset, off_t bytes) override;
   void* mmap_unmap(void* addr, size_t bytes) override;
 
  private:

@@ -139,6 +139,9 @@ void bind_table(py::module_& m) {
              check_ids(t, ids);
              t.mark_created(ids);
            }, py::arg("ids"))
+      .def("uncreate_free", &PageTable::uncreate_free, py::arg("count"),
+           "Up to count free ids, freed longest ago first, become uncreated; returns them.")
+      .def("idle_ids", &PageTable::idle_ids, "Created ids no allocated slot, handle or orphan references.")
       .def("uncreated_among", [](PageTable& t, const std::vector<uint32_t>& ids) {
              check_ids(t, ids);
              return t.uncreated_among(ids.data(), ids.size());
@@ -215,12 +218,13 @@ void bind_policy(py::module_& m) {
   m.def(
       "plan_mapper_batch",
       [](const PageTable& t, size_t page_size, size_t bytes_per_token, size_t max_tokens, bool deferred_reclaim,
-         bool eager, size_t lookahead_tokens, size_t eager_tokens, size_t max_batch_ids, size_t reclaim_floor_ids) {
+         bool eager, size_t lookahead_tokens, size_t eager_tokens, size_t max_batch_ids, size_t reclaim_floor_ids,
+         size_t creatable_ids, bool speculative) {
         if (page_size == 0 || bytes_per_token == 0 || max_batch_ids == 0)
           throw std::invalid_argument("page_size, bytes_per_token and max_batch_ids must be positive");
         PolicyConfig p = policy_of(deferred_reclaim, eager, lookahead_tokens, eager_tokens, max_batch_ids);
         MapperPlan plan = plan_mapper_batch(t, PageGeometry{page_size, bytes_per_token, max_tokens}, p,
-                                            reclaim_floor_ids);
+                                            reclaim_floor_ids, MapperLimits{creatable_ids, speculative});
         py::dict d;
         d["kind"] = kind_name(plan.kind);
         d["reclaim"] = plan.reclaim;
@@ -231,6 +235,7 @@ void bind_policy(py::module_& m) {
       py::arg("table"), py::arg("page_size"), py::arg("bytes_per_token"), py::arg("max_tokens"),
       py::arg("deferred_reclaim") = true, py::arg("eager") = false, py::arg("lookahead_tokens") = 1,
       py::arg("eager_tokens") = 0, py::arg("max_batch_ids") = 64, py::arg("reclaim_floor_ids") = 0,
+      py::arg("creatable_ids") = SIZE_MAX, py::arg("speculative") = true,
       "The mapper's next batch: {kind: idle | reclaim | grow | create, reclaim: [(slot, kept)], "
       "grows: [(slot, positions to add)], create_ids}.");
 }

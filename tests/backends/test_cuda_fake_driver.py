@@ -108,8 +108,8 @@ def test_reclaim_synchronizes_before_unmap(fake_cuda):
 @pytest.mark.parametrize(
     "call,skip,code,name",
     [
-        ("cuMemCreate", 0, CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY"),
-        ("cuMemCreate", 5, CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY"),
+        ("cuMemCreate", 0, CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN"),
+        ("cuMemCreate", 5, CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE"),
         ("cuMemMap", 0, CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN"),
         ("cuMemMap", 3, CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY"),
         ("cuMemSetAccess", 0, CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE"),
@@ -139,6 +139,29 @@ def test_injected_failure_surfaces_cleanly(fake_cuda, call, skip, code, name):
     assert kv.step(lens)
     write_row(fake_cuda, kv, 3, b, 5999, 0x33)
     assert read_row(fake_cuda, kv, 3, b, 5999) == bytes([0x33]) * 1024
+    kv.cleanup()
+    assert_all_released(fake_cuda)
+
+
+@pytest.mark.parametrize("skip", [0, 5])
+def test_out_of_memory_at_creation_is_a_full_pool(fake_cuda, skip):
+    # CUDA_ERROR_OUT_OF_MEMORY from cuMemCreate (something else took the
+    # memory) is no failure: step answers False as for a full pool, nothing
+    # changed, and the same step succeeds once memory is back.
+    kv = make()
+    a, b = kv.alloc_reqid(), kv.alloc_reqid()
+    assert kv.step([100 if r == a else 0 for r in range(4)])
+    write_row(fake_cuda, kv, 0, a, 99, 0x5A)
+    before, handles = manager_state(kv), fake_cuda.fake_cuda_live_handles()
+    fake_cuda.fake_cuda_fail(b"cuMemCreate", skip, 1, CUDA_ERROR_OUT_OF_MEMORY)
+    lens = [0] * 4
+    lens[a], lens[b] = 6000, 6000
+    assert kv.step(lens) is False
+    assert manager_state(kv)[1:] == before[1:] and fake_cuda.fake_cuda_live_handles() == handles
+    assert read_row(fake_cuda, kv, 0, a, 99) == bytes([0x5A]) * 1024
+    assert kv.stats()["creations_refused"] == 1 and kv.stats()["failed_steps"] == 1
+    fake_cuda.fake_cuda_clear_failures()
+    assert kv.step(lens)
     kv.cleanup()
     assert_all_released(fake_cuda)
 

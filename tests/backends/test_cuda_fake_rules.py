@@ -382,9 +382,6 @@ def test_device_memory_others_take_is_gone_for_vattn(fake_cuda, fw, drv):
     assert fake_cuda.fake_cuda_free_mem() == 64 * MiB
 
 
-@pytest.mark.xfail(strict=True, raises=vattn.DriverError,
-                   reason="issue 28, defect 8: out-of-memory at page creation is a DriverError, "
-                          "not a full pool (step should return False)")
 def test_step_returns_false_when_another_process_took_the_memory(fake_cuda, fw):
     with vattn.KVCacheManager(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=2,
                               max_context_len=8192, device="cuda", physical_memory=32 * MiB, background=False,

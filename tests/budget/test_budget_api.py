@@ -106,6 +106,15 @@ def test_bad_amounts_leave_the_state_unchanged(budget_name):
     assert m.try_grant(0)
 
 
+def test_a_speculative_ask_records_no_wait(budget_name):
+    b = vattn.Budget.create(budget_name, 4 * MiB)
+    holder, asker = b.join("holder"), b.join("asker")
+    assert holder.try_grant(3 * MiB)
+    assert not asker.try_grant(2 * MiB, record_wait=False)  # ahead of need: nobody should give back for it
+    assert b.usage().waiting_bytes == 0 and holder.pressure() == 0
+    assert asker.try_grant(MiB, record_wait=False)
+
+
 def test_a_refused_grant_waits_and_others_see_pressure(budget_name):
     b = vattn.Budget.create(budget_name, 10 * MiB)
     holder, asker = b.join("holder"), b.join("asker")

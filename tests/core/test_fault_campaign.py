@@ -239,7 +239,7 @@ class Campaign:
         error = None
         try:
             self.kv.map_pages(targets, [starts[r] for r in targets], [rows[r] for r in targets])
-        except vattn.DriverError as e:
+        except (vattn.DriverError, vattn.OutOfPages) as e:  # OutOfPages: creation out of memory, nothing changed
             error = e
         for r in targets:
             actual = self.kv.page_ids(r)
@@ -343,7 +343,7 @@ class ExternalCampaign:
         error = None
         try:
             self.kv.map_pages(targets, [starts[r] for r in targets], [rows[r] for r in targets])
-        except vattn.DriverError as e:
+        except (vattn.DriverError, vattn.OutOfPages) as e:  # OutOfPages: creation out of memory, nothing changed
             error = e
         for r in targets:
             actual = self.kv.page_ids(r)
@@ -400,7 +400,7 @@ class ExternalCampaign:
                 getattr(self, f"op_{name}")()
             except vattn.DriverError:
                 self.failures += 1
-            except vattn.OutOfSlots:
+            except (vattn.OutOfSlots, vattn.OutOfPages):
                 pass
             finally:
                 self.faults.disarm()

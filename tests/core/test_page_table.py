@@ -453,6 +453,24 @@ def test_reclaim_counts_an_id_only_when_its_last_reference_goes():
     assert T.plan_reclaim(external, 1) == ([], 0)  # nothing to reclaim into
 
 
+def test_free_ids_are_uncreated_again_and_idle_ids_count_what_no_request_uses():
+    t = table_with([3, 2, 2], allocated=[0], num_ids=10)  # slot 0: ids 0-2 in use; slots 1, 2: 3-4, 5-6
+    assert t.idle_ids() == 4  # the free slots' ids
+    t.append(1, [0])  # shared with the allocated slot: in use
+    h = t.retain([6])  # held by a handle: in use
+    assert t.idle_ids() == 3
+    t.release_handle(h)
+    unmapped(t, 2, 0)  # ids 5 then 6 go back to the pool, still created
+    assert (t.free_ids, t.idle_ids()) == ([5, 6], 4)
+    assert t.uncreate_free(1) == [5]  # freed longest ago first
+    assert (t.free_ids, t.uncreated[-1], t.stats()["pages_created"]) == ([6], 5, 6)
+    assert t.check_invariants() == ""
+    assert t.uncreate_free(5) == [6] and t.uncreated == [9, 8, 7, 6, 5]  # smallest at the back again
+    assert t.claim(2) == ([5, 6], [5, 6])
+    external = T.PageTable(num_slots=1, num_buffers=1, num_ids=2, external_ids=True)
+    assert external.uncreate_free(2) == []
+
+
 GEOMETRY = dict(page_size=4096, bytes_per_token=128, max_tokens=256)  # 32 tokens a page, 8 positions a slot
 
 
@@ -491,6 +509,29 @@ def test_mapper_pre_maps_the_next_slot_above_the_reclaim_floor_only():
     assert plan(t, eager=True, eager_tokens=96, reclaim_floor_ids=5)["kind"] == "idle"
     t.append(0, t.ids(1))  # the next slot's page is shared: it is trimmed when handed out, not grown
     assert plan(t, eager=True, eager_tokens=96)["kind"] == "idle"
+
+
+def test_mapper_creates_only_what_its_limits_allow():
+    t = table_with([1, 0, 0], num_ids=6)
+    t.allocate(0)
+    t.set_tokens(0, 32)
+    assert plan(t, lookahead_tokens=64)["grows"] == [(0, 2)]
+    assert plan(t, lookahead_tokens=64, creatable_ids=1)["grows"] == [(0, 1)]  # a budget's room
+    assert plan(t, lookahead_tokens=64, creatable_ids=0)["kind"] == "idle"  # a refused creation
+    unmapped(t, 0, 0)
+    t.set_tokens(0, 0)
+    assert (t.free_ids, plan(t, lookahead_tokens=64, creatable_ids=0)["kind"]) == ([0], "idle")
+    t.set_tokens(0, 32)
+    assert plan(t, lookahead_tokens=64, creatable_ids=0)["grows"] == [(0, 1)]  # free ids need no creation
+    # Not speculative (budget contention, idle release): no eager pages, no created spares.
+    t = table_with([0, 0], num_ids=6)
+    assert plan(t, eager=True, eager_tokens=96)["grows"] == [(0, 3)]
+    assert plan(t, eager=True, eager_tokens=96, speculative=False)["kind"] == "idle"
+    t = table_with([1, 0], allocated=[0], num_ids=6)
+    t.set_tokens(0, 32)  # mapped as far as it looks ahead: a spare id would be created
+    assert plan(t, lookahead_tokens=0) == {"kind": "create", "reclaim": [], "grows": [], "create_ids": 1}
+    assert plan(t, lookahead_tokens=0, speculative=False)["kind"] == "idle"
+    assert plan(t, lookahead_tokens=0, creatable_ids=0)["kind"] == "idle"
 
 
 def test_mapper_reclaims_below_the_floor_but_never_the_eager_slot():

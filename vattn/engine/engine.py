@@ -114,8 +114,15 @@ class Engine:
             cache raised in them (a driver or OS error); one more failure
             finishes it with ``finish_reason`` "error" (see the module
             docstring's failure contract).
+        budget: a machine-wide :class:`vattn.Budget` (or its name) the KV
+            cache draws its pages from, shared with engines in other
+            processes; ``None``: the one ``VATTN_BUDGET`` names, if set;
+            ``False``: none. When the budget cannot grant pages the engine
+            preempts as for a full pool, and a request alone that fits the
+            pool and the budget's limit waits for others to give memory back
+            (docs/elastic.md).
         **vattn_options: passed to :class:`vattn.KVCacheManager` (``page_size``,
-            ``physical_memory``, ``layout``, policy switches).
+            ``physical_memory``, ``layout``, policy switches, ``idle_release_s``).
 
     While the engine is open the model's attention implementation is the
     engine's; :meth:`close` restores it and releases the cache.
@@ -132,6 +139,7 @@ class Engine:
         prefill_chunk_size: int | None = None,
         prefix_cache: bool = False,
         kv_retries: int = 3,
+        budget: Any = None,
         **vattn_options: Any,
     ) -> None:
         if prefill_chunk_size is not None and (isinstance(prefill_chunk_size, bool)
@@ -144,8 +152,11 @@ class Engine:
         if kv_retries < 0:
             raise ValueError(f"kv_retries must be an int >= 0, got {kv_retries}")
         self.model = model.eval()
+        name = "".join(c for c in str(getattr(model.config, "name_or_path", "")) if " " <= c <= "~")
+        vattn_options.setdefault("budget_label", f"engine {name[-40:]}".strip())  # what `vattn top` shows
         self.kv = KVCacheManager(**kv_shape(model), dtype=model.dtype, max_batch_size=max_batch_size,
-                                 max_context_len=max_context_len, device=device or model.device, **vattn_options)
+                                 max_context_len=max_context_len, device=device or model.device, budget=budget,
+                                 **vattn_options)
         cache: PrefixCache | None = None
         if prefix_cache:
             if self.kv.page_tokens is None:

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Collection
 
 from vattn import ClosedError, KVCacheManager, OutOfPages, OutOfSlots, PrefixHandle, VAttnError
+from vattn.manager_budget import fits_alone
 
 from .prefix_cache import PrefixCache
 from .requests import Request, RequestOutput
@@ -94,10 +95,11 @@ class Scheduler:
             victim = self.running.pop()  # the most recently admitted
             need = lens[victim.reqid]
             self._free(victim)
-            if not self.running:  # alone, and still too large for the pool
-                finished.extend(victim.failed(
-                    f"needs {need} tokens of KV cache, more than the physical pool holds "
-                    f"({self.kv.stats()['bytes_total']} bytes)"))
+            # Alone and refused although it fits: in a budget, another process
+            # holds the memory now; it waits at the head of the queue (others
+            # give memory back when they see it wait). Otherwise it can never run.
+            if not self.running and (self.kv.budget is None or not fits_alone(self.kv, need)):
+                finished.extend(victim.failed(self._refusal(need)))
                 break
             if id(victim) not in self._admitted:  # its computed tokens are lost: recompute later
                 victim.preemptions += 1
@@ -105,6 +107,16 @@ class Scheduler:
             victim.num_computed = 0
             self.waiting.appendleft(victim)
         return []
+
+    def _refusal(self, need: int) -> str:
+        """Why a request of ``need`` tokens, alone in the batch, cannot run."""
+        if fits_alone(self.kv, need):
+            return (f"needs {need} tokens of KV cache, whose pages could not be created "
+                    f"(the device or host is out of memory)")
+        budget = self.kv.budget
+        return (f"needs {need} tokens of KV cache, more than the physical pool holds "
+                f"({self.kv.stats()['bytes_total']} bytes)"
+                + (f" or budget '{budget.name}' allows ({budget.limit} bytes)" if budget is not None else ""))
 
     def _admit(self, finished: list[RequestOutput]) -> None:
         """Moves waiting requests to the batch while reqids are free. A request

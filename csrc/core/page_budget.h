@@ -1,0 +1,65 @@
+// A page manager's share of a machine-wide memory budget (budget/budget.h),
+// counted in page ids: one id is num_buffers physical pages of page_size
+// bytes. An id is charged before its pages are created and uncharged after
+// they are released (host: the hole punched; CUDA: cuMemRelease), so the
+// budget always covers every physical page this manager holds.
+//
+// Thread-safe without the page manager's lock: the mapper charges for the
+// pages it creates while the manager's mutex is free (the budget has a
+// process-shared lock of its own). docs/elastic.md has the semantics.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "budget/budget.h"
+
+namespace vattn {
+
+class PageBudget {
+ public:
+  PageBudget(std::shared_ptr<BudgetMember> member, uint64_t id_bytes);
+  ~PageBudget();  // leaves the budget (not in a forked child: the entry is the parent's)
+  PageBudget(const PageBudget&) = delete;
+  PageBudget& operator=(const PageBudget&) = delete;
+
+  // Charges `ids` page ids before their pages are created. False when the
+  // budget refuses; `demand` (a caller needs them now, not the mapper ahead
+  // of time) records the refusal as a wait, which makes the budget's other
+  // members give free pages back. Throws BudgetError when the budget cannot
+  // be used (a corrupt segment, a stuck lock holder, this member dropped).
+  bool charge(size_t ids, bool demand);
+  // Gives `ids` charged ids back (their pages were released, or never
+  // created). Never throws: a budget that cannot be reached has nothing to
+  // give back to.
+  void uncharge(size_t ids) noexcept;
+  // Page ids to give back now: others' waits and a lowered limit, beyond
+  // what is free within the limit (rounded up to whole ids). Lock-free when 0.
+  size_t pressure_ids();
+  // Lock-free: whether anyone waits or the total is above the limit.
+  bool contended() const { return member_->contended(); }
+  // Lock-free: ids a charge could get now (stale by the time it is used).
+  size_t grantable_ids() const;
+  // Records the split of what is charged: ids under requests and free ids
+  // kept for reuse (clamped to what is charged).
+  void report(size_t in_use_ids, size_t free_ids);
+  // Leaves the budget, giving back everything charged: the pages are gone.
+  // Idempotent; never throws.
+  void leave() noexcept;
+
+  size_t charged_ids() const { return charged_.load(std::memory_order_acquire); }
+  uint64_t id_bytes() const { return id_bytes_; }
+  const std::string& budget_name() const { return member_->budget()->name(); }
+  // "budget 'NAME' (limit L bytes, A available)": for error messages.
+  std::string describe() const;
+
+ private:
+  std::shared_ptr<BudgetMember> member_;
+  const uint64_t id_bytes_;
+  std::atomic<size_t> charged_{0};
+};
+
+}  // namespace vattn

@@ -1,0 +1,318 @@
+"""A KV cache manager in a budget, within one process: pages charged from
+creation to release, step answering False at the limit with nothing changed,
+pages of freed requests standing in for new ones, preallocation, idle release
+(the host really gets the memory back), shedding under a lowered limit or
+another member's wait, out of memory at page creation as a full pool (host
+and the strict fake CUDA driver), the joining rules and a forked child.
+tests/budget/test_manager_budget_processes.py has the same across processes."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import threading
+import time
+
+import pytest
+import torch
+from budget_helpers import budget_name, run_in_child  # noqa: F401 (fixture)
+from conftest import assert_invariants
+from manager_helpers import (ID_BYTES, MiB, TOKENS_PER_PAGE, held_matches_created, make_kv, pages,
+                             pool_bytes_committed, rss_shmem_bytes, wait_until)
+
+import vattn
+
+
+def quiet(**overrides):
+    """No mapper, no eager pages: every page is created by the calls the test makes."""
+    return dict(background=False, eager=False) | overrides
+
+
+def test_pages_are_charged_from_creation_to_release(budget_name):
+    budget = vattn.Budget.create(budget_name, 32 * ID_BYTES)
+    committed = pool_bytes_committed()
+    with make_kv(budget=budget_name, budget_label="charged", **quiet()) as kv:
+        a = kv.alloc_reqid()
+        assert kv.step(pages(a, 4 * TOKENS_PER_PAGE))  # 4 page ids
+        assert budget.held_bytes == 4 * ID_BYTES == kv.stats()["bytes_created"]
+        assert pool_bytes_committed() - committed == 4 * ID_BYTES  # the host holds what the budget counts
+        assert kv.budget_share() == dict(budget=budget_name, held_bytes=4 * ID_BYTES, in_use_bytes=4 * ID_BYTES,
+                                         free_held_bytes=0)
+        wait_until(lambda: budget.usage().members[0].in_use_bytes == 4 * ID_BYTES, what="the keeper's report")
+        kv.free_reqid(a)  # deferred reclaim: the pages stay, free-held
+        assert kv.budget_share()["free_held_bytes"] == 4 * ID_BYTES
+        wait_until(lambda: budget.usage().members[0].free_held_bytes == 4 * ID_BYTES, what="the report after free")
+        assert budget.usage().members[0].label == "charged"
+        assert kv.release_free_memory() == 4 * ID_BYTES
+        assert budget.held_bytes == 0 and kv.stats()["pages_released"] == 8
+        assert pool_bytes_committed() == committed  # the holes are punched
+        assert_invariants(kv)
+    assert budget.usage().members == ()
+
+
+def test_step_returns_false_at_the_limit_and_nothing_changes(budget_name):
+    budget = vattn.Budget.create(budget_name, 6 * ID_BYTES)
+    with make_kv(budget=budget, **quiet()) as kv:
+        a, b = kv.alloc_reqid(), kv.alloc_reqid()
+        lens = pages(a, 4 * TOKENS_PER_PAGE)
+        assert kv.step(lens)
+        kv.layer(0)[0][a, :10] = 7.0
+        lens[b] = 4 * TOKENS_PER_PAGE  # 4 more ids, 2 left in the budget
+        assert kv.step(lens) is False
+        assert (kv.page_ids(a), kv.page_ids(b)) == ([0, 1, 2, 3], [])
+        assert budget.held_bytes == 4 * ID_BYTES and held_matches_created(kv)
+        assert budget.usage().members[0].waiting_bytes == 4 * ID_BYTES  # the refusal is a wait others see
+        s = kv.stats()
+        assert (s["failed_steps"], s["creations_refused"]) == (1, 1)
+        budget.set_limit(8 * ID_BYTES)
+        assert kv.step(lens)
+        assert budget.usage().waiting_bytes == 0 and budget.held_bytes == 8 * ID_BYTES
+        assert torch.all(kv.layer(0)[0][a, :10] == 7.0)
+        assert_invariants(kv)
+
+
+def test_a_refused_step_takes_pages_of_freed_requests_first(budget_name):
+    vattn.Budget.create(budget_name, 6 * ID_BYTES)
+    with make_kv(budget=budget_name, **quiet()) as kv:
+        a, b = kv.alloc_reqid(), kv.alloc_reqid()
+        assert kv.step(pages(a, 4 * TOKENS_PER_PAGE))
+        kv.free_reqid(a)  # its 4 ids stay mapped in its free slot
+        assert kv.step(pages(b, 6 * TOKENS_PER_PAGE))  # 6 ids: 2 new ones are all the budget grants
+        assert sorted(kv.page_ids(b)) == [0, 1, 2, 3, 4, 5] and kv.page_ids(a) == []
+        assert kv.stats()["bytes_created"] == 6 * ID_BYTES
+        assert_invariants(kv)
+
+
+def test_preallocate_creates_the_pool_up_front_and_keeps_it(budget_name):
+    with make_kv(preallocate=True, **quiet()) as kv:  # no budget: the pool is committed now
+        assert kv.stats()["pages_created"] == kv.stats()["pages_total"]
+        a = kv.alloc_reqid()
+        assert kv.step(pages(a, 4 * TOKENS_PER_PAGE))
+        assert kv.stats()["sync_page_maps"] == 8 and kv.stats()["pages_created"] == kv.stats()["pages_total"]
+        assert_invariants(kv)
+    budget = vattn.Budget.create(budget_name, 16 * ID_BYTES)
+    with pytest.raises(vattn.OutOfPages, match=rf"preallocate: .*budget '{budget_name}'.*cannot grant 8388608"):
+        make_kv(preallocate=True, budget=budget_name)  # 64 ids, 16 allowed
+    assert budget.usage().members == () and budget.held_bytes == 0
+    budget.set_limit(64 * ID_BYTES)
+    with make_kv(preallocate=True, budget=budget_name, idle_release_s=0.05) as kv:
+        assert budget.held_bytes == 64 * ID_BYTES
+        time.sleep(0.3)  # idle: a preallocated pool is not given back
+        assert budget.held_bytes == 64 * ID_BYTES and kv.stats()["pages_released"] == 0
+    assert budget.held_bytes == 0
+
+
+def test_idle_release_gives_the_memory_back_on_its_own(budget_name):
+    budget = vattn.Budget.create(budget_name, 32 * ID_BYTES)
+    committed = pool_bytes_committed()
+    with make_kv(budget=budget_name, idle_release_s=1.0) as kv:  # mapper and eager pages on
+        a, b = kv.alloc_reqid(), kv.alloc_reqid()
+        lens = [0] * 4
+        lens[a], lens[b] = 4 * TOKENS_PER_PAGE, 4 * TOKENS_PER_PAGE
+        assert kv.step(lens)
+        for r in (a, b):
+            for t in kv.layer(0):  # K and V
+                t[r, :4 * TOKENS_PER_PAGE] = 1.0  # resident now
+        del t  # a view keeps the pages (and their share) past cleanup
+        peak = rss_shmem_bytes()
+        kv.free_reqid(a)
+        # No call: after a second without a step the keeper gives back every
+        # free page (a's, the eager slot's, the pool's), not b's ...
+        wait_until(lambda: budget.held_bytes == len(kv.page_ids(b)) * ID_BYTES, what="idle release")
+        assert len(kv.page_ids(b)) >= 4 and kv.stats()["pages_released"] >= 8
+        # ... and the host really has them back: the memfd's blocks and resident memory
+        assert pool_bytes_committed() - committed == budget.held_bytes
+        assert rss_shmem_bytes() <= peak - 4 * ID_BYTES
+        assert torch.all(kv.layer(0)[0][b, :100] == 1.0)
+        assert kv.budget_share()["free_held_bytes"] == 0
+        assert_invariants(kv)
+        # busy again: pages come back as needed, eager ones too
+        c = kv.alloc_reqid()
+        assert kv.step(pages(c, 10))
+        kv.wait_idle()
+        assert kv.stats()["background_page_maps"] > 0 and held_matches_created(kv)
+    assert budget.held_bytes == 0
+
+
+def test_a_lowered_limit_takes_free_pages_not_pages_under_requests(budget_name):
+    budget = vattn.Budget.create(budget_name, 32 * ID_BYTES)
+    with make_kv(budget=budget_name, idle_release_s=None, **quiet()) as kv:
+        a, b = kv.alloc_reqid(), kv.alloc_reqid()
+        lens = [0] * 4
+        lens[a], lens[b] = 4 * TOKENS_PER_PAGE, 6 * TOKENS_PER_PAGE
+        assert kv.step(lens)
+        kv.free_reqid(b)  # 6 ids free-held
+        budget.set_limit(7 * ID_BYTES)
+        wait_until(lambda: budget.held_bytes <= 7 * ID_BYTES, what="shedding to the limit")
+        assert budget.held_bytes == 7 * ID_BYTES  # free pages went until the total fit, no more
+        budget.set_limit(ID_BYTES)
+        wait_until(lambda: budget.held_bytes == 4 * ID_BYTES, what="shedding every free page")
+        time.sleep(0.1)
+        assert budget.held_bytes == 4 * ID_BYTES and len(kv.page_ids(a)) == 4  # a's pages stay
+        assert_invariants(kv)
+
+
+def test_another_members_wait_makes_the_manager_give_back_and_stop_running_ahead(budget_name):
+    budget = vattn.Budget.create(budget_name, 8 * ID_BYTES)
+    other = budget.join("other")
+    with make_kv(budget=budget_name, idle_release_s=None) as kv:  # mapper and eager pages on
+        kv.wait_idle()
+        assert kv.stats()["bytes_created"] > 0  # the next reqid's eager pages, free-held
+        stop = threading.Event()
+
+        def keep_waiting() -> None:  # more than the limit: refused, and renewed before the 1 s expiry
+            while not stop.is_set():
+                assert not other.try_grant(9 * ID_BYTES)
+                stop.wait(0.05)
+
+        waiter = threading.Thread(target=keep_waiting)
+        waiter.start()
+        try:
+            wait_until(lambda: budget.held_bytes == 0, what="free pages given back for the wait")
+            a = kv.alloc_reqid()
+            kv.free_reqid(a)  # new work for the mapper: no eager pages while someone waits
+            kv.wait_idle()
+            time.sleep(0.1)
+            assert kv.stats()["bytes_created"] == 0
+        finally:
+            stop.set()
+            waiter.join()
+        other.clear_wait()
+        assert other.try_grant(8 * ID_BYTES)
+        other.leave()
+
+
+def test_out_of_memory_at_creation_is_a_full_pool_on_the_host(host_faults):
+    # fallocate's ENOSPC is the host out of memory (a tmpfs or cgroup limit):
+    # step answers False, fork and map_pages raise OutOfPages, nothing changes.
+    with make_kv(backend="host_faulty", **quiet()) as kv:
+        a = kv.alloc_reqid()
+        assert kv.step(pages(a, 2 * TOKENS_PER_PAGE))
+        host_faults.fail("fallocate", skip=1, times=1, errno=errno.ENOSPC)  # the second page of the next step
+        lens = pages(a, 5 * TOKENS_PER_PAGE)
+        assert kv.step(lens) is False
+        assert kv.page_ids(a) == [0, 1] and kv.stats()["pages_created"] == 4
+        assert kv.step(lens)
+        kv.layer(0)[0][a, 5 * TOKENS_PER_PAGE - 1] = 3.0
+        host_faults.fail("fallocate", times=-1, errno=errno.ENOMEM)
+        with pytest.raises(vattn.OutOfPages, match="host has no memory left"):
+            kv.fork(a, 5 * TOKENS_PER_PAGE - 10)  # the partial last page is a new one
+        assert kv.stats()["forks"] == 0 and kv.stats()["slots_allocated"] == 1
+        host_faults.clear()
+        assert_invariants(kv)
+    with make_kv(backend="host_faulty", page_allocator="external") as kv:
+        a = kv.alloc_reqid()
+        kv.map_pages([a], [0], [[5, 6]])
+        host_faults.fail("fallocate", times=-1, errno=errno.ENOSPC)
+        with pytest.raises(vattn.OutOfPages, match="cannot create 2 page"):
+            kv.map_pages([a], [0], [[5, 6, 7]])
+        assert kv.page_ids(a) == [5, 6]
+        host_faults.fail("fallocate", times=-1, errno=errno.EIO)  # not out of memory: a driver error
+        with pytest.raises(vattn.DriverError, match="fallocate"):
+            kv.map_pages([a], [0], [[5, 6, 7]])
+        host_faults.clear()
+        kv.map_pages([a], [0], [[5, 6, 7]])
+        assert_invariants(kv)
+
+
+def test_out_of_memory_at_creation_gives_the_charge_back(budget_name, host_faults):
+    budget = vattn.Budget.create(budget_name, 32 * ID_BYTES)
+    with make_kv(backend="host_faulty", budget=budget_name, **quiet()) as kv:
+        a = kv.alloc_reqid()
+        host_faults.fail("fallocate", skip=3, times=1, errno=errno.ENOSPC)
+        assert kv.step(pages(a, 4 * TOKENS_PER_PAGE)) is False
+        assert budget.held_bytes == 0 and held_matches_created(kv)
+        assert kv.step(pages(a, 4 * TOKENS_PER_PAGE))
+        assert budget.held_bytes == 4 * ID_BYTES
+        assert_invariants(kv)
+
+
+def test_the_share_ends_with_the_pages_not_with_cleanup(budget_name):
+    budget = vattn.Budget.create(budget_name, 32 * ID_BYTES)
+    kv = make_kv(budget=budget_name, **quiet())
+    a = kv.alloc_reqid()
+    assert kv.step(pages(a, 100))
+    views = kv.layer(0)
+    kv.cleanup()
+    assert budget.held_bytes == ID_BYTES  # the views keep the page mapped, so it stays counted
+    del views
+    gc.collect()
+    assert budget.held_bytes == 0 and budget.usage().members == ()
+
+
+def test_joining_by_name_object_or_environment(budget_name, monkeypatch):
+    budget = vattn.Budget.create(budget_name, 32 * ID_BYTES)
+    monkeypatch.setenv("VATTN_BUDGET", budget_name)
+    with make_kv(budget=None) as kv:  # what an engine a framework starts does
+        assert kv.budget.name == budget_name and kv.stats()["budget"] == budget_name
+        assert [m.label for m in budget.usage().members] == ["kv 1x1x64 float32"]
+    with make_kv(budget=False) as kv:  # opted out
+        assert kv.budget is None and kv.budget_share() is None
+    monkeypatch.setenv("VATTN_BUDGET", budget_name + "-missing")
+    with pytest.raises(vattn.BudgetError, match="no budget '.*-missing'"):
+        make_kv(budget=None)
+    monkeypatch.delenv("VATTN_BUDGET")
+    with make_kv(budget=None) as kv:
+        assert kv.budget is None
+
+
+def test_bad_budget_arguments(budget_name):
+    vattn.Budget.create(budget_name, MiB, device="GPU-00000000-0000-0000-0000-000000000000")
+    with pytest.raises(ValueError, match=rf"budget '{budget_name}' governs device GPU-0000.*lives on cpu"):
+        make_kv(budget=budget_name)
+    with pytest.raises(TypeError, match="budget must be a vattn.Budget"):
+        make_kv(budget=3)
+    with pytest.raises(ValueError, match=r"idle_release_s must be in \(0, 1e9\]"):
+        make_kv(idle_release_s=0)
+    with pytest.raises(TypeError, match="idle_release_s must be a number"):
+        make_kv(idle_release_s="10")
+    with pytest.raises(TypeError, match="preallocate must be a bool"):
+        make_kv(preallocate=1)
+    with make_kv(page_allocator="external") as kv, pytest.raises(ValueError, match="owned by the caller"):
+        kv.release_free_memory()
+    assert vattn.Budget.attach(budget_name).usage().members == ()  # nothing joined on the way
+
+
+def test_a_forked_child_cannot_act_on_the_parents_share(budget_name):
+    budget = vattn.Budget.create(budget_name, 32 * ID_BYTES)
+    with make_kv(budget=budget_name, **quiet()) as kv:
+        a = kv.alloc_reqid()
+        assert kv.step(pages(a, 100))
+        for call in (kv.budget_share, kv.release_free_memory, lambda: kv.step(pages(a, 1000))):
+            assert run_in_child(call, 10).startswith("ForkedError")
+        assert budget.held_bytes == ID_BYTES and len(budget.usage().members) == 1  # the child left nothing
+        assert kv.budget_share()["held_bytes"] == ID_BYTES
+
+
+def test_the_cuda_path_against_the_fake_driver(budget_name, fake_cuda):
+    # 2 MiB pages, 1 layer: a page id is 4 MiB of device memory (K and V).
+    budget = vattn.Budget.create(budget_name, 8 * MiB, device="cuda:0")
+    assert budget.device.startswith("GPU-")
+    handles = fake_cuda.fake_cuda_live_handles()
+    kv = vattn.KVCacheManager(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=2,
+                              max_context_len=8192, device="cuda", physical_memory=32 * MiB, budget=budget_name,
+                              idle_release_s=0.2, background=False, eager=False)
+    a, b = kv.alloc_reqid(), kv.alloc_reqid()
+    lens = [0, 0]
+    lens[a] = 2048  # one page id
+    assert kv.step(lens)
+    assert fake_cuda.fake_cuda_live_handles() - handles == 2 and budget.held_bytes == 4 * MiB
+    lens[a], lens[b] = 2048, 4096  # two more ids, one allowed
+    assert kv.step(lens) is False
+    assert fake_cuda.fake_cuda_live_handles() - handles == 2 and kv.page_ids(b) == []
+    budget.set_limit(12 * MiB)
+    assert kv.step(lens)
+    assert fake_cuda.fake_cuda_live_handles() - handles == 6 and held_matches_created(kv)
+    # torch took the rest of the device: out of memory at cuMemCreate gives the charge back
+    budget.set_limit(64 * MiB)
+    assert fake_cuda.fake_cuda_other_process_alloc(fake_cuda.fake_cuda_free_mem())
+    lens[b] = 8192
+    assert kv.step(lens) is False
+    assert budget.held_bytes == 12 * MiB and budget.usage().waiting_bytes == 0  # no budget wait: the device said no
+    fake_cuda.fake_cuda_other_process_free(2**63)
+    kv.free_reqid(b)
+    wait_until(lambda: budget.held_bytes == 4 * MiB, what="idle release through cuMemRelease")
+    assert fake_cuda.fake_cuda_live_handles() - handles == 2
+    assert_invariants(kv)
+    kv.cleanup()
+    assert budget.held_bytes == 0 and fake_cuda.fake_cuda_live_handles() == handles

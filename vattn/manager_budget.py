@@ -1,0 +1,79 @@
+"""A KV cache manager's place in a machine-wide memory budget (docs/elastic.md):
+which budget it joins (the ``budget`` argument, else the ``VATTN_BUDGET``
+environment variable, so engines a framework starts join without code
+changes), as what, and the checks of the budget arguments."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from .budget import Budget, BudgetMember, resolve_device
+from .config import KVCacheConfig
+
+ENV_VAR = "VATTN_BUDGET"
+# Seconds without a step after which a manager in a budget gives its free
+# pages back: long enough that a pause between bursts keeps the cache warm,
+# short next to the minutes an idle model may sit (kvcached's issue #359).
+DEFAULT_IDLE_RELEASE_S = 30.0
+
+
+def idle_release_seconds(value: object) -> float:
+    """``idle_release_s`` as the core takes it: seconds, 0.0 for never (None)."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"idle_release_s must be a number of seconds or None, got {type(value).__name__}")
+    if not (math.isfinite(value) and 0 < value <= 1e9):
+        raise ValueError(f"idle_release_s must be in (0, 1e9] seconds, or None for never; got {value}")
+    return float(value)
+
+
+def default_label(config: KVCacheConfig) -> str:
+    """What ``python -m vattn top`` shows for a manager that gave no label."""
+    dtype = str(config.dtype).replace("torch.", "")
+    return f"kv {config.num_layers}x{config.num_kv_heads}x{config.head_dim} {dtype}"
+
+
+def join_budget(budget: Any, device: torch.device, label: str) -> tuple[Budget | None, BudgetMember | None]:
+    """The budget a manager on ``device`` joins, and its membership.
+
+    ``budget``: a :class:`vattn.Budget`, a budget's name, ``None`` (the
+    budget named by ``VATTN_BUDGET`` when that is set and not empty, else
+    none) or ``False`` (none, whatever the environment says). Raises
+    :class:`vattn.BudgetError` when the named budget does not exist or cannot
+    be joined, ``ValueError`` when it governs another device.
+    """
+    source = "budget"
+    if budget is False:
+        return None, None
+    if budget is None:
+        name = os.environ.get(ENV_VAR, "").strip()
+        if not name:
+            return None, None
+        budget, source = name, f"{ENV_VAR}={name}"
+    if isinstance(budget, str):
+        budget = Budget.attach(budget)
+    elif not isinstance(budget, Budget):
+        raise TypeError(f"budget must be a vattn.Budget, a budget's name, None or False, "
+                        f"got {type(budget).__name__}")
+    wanted = resolve_device(device)
+    if budget.device != wanted:
+        raise ValueError(f"{source}: budget '{budget.name}' governs device {budget.device}, but this cache "
+                         f"lives on {device} ({wanted}); create a budget for that device")
+    return budget, budget.join(label)
+
+
+def fits_alone(manager: Any, tokens: int) -> bool:
+    """Whether one request of ``tokens`` tokens could ever be mapped in
+    ``manager``: its pages fit the physical pool and, in a budget, the
+    budget's limit. A request that fits waits when ``step`` refuses it (others
+    hold the memory now); one that does not can never run."""
+    positions = manager.config.pages_for(tokens, manager.page_size)  # page ids, one per position
+    if positions > manager.num_page_ids:
+        return False
+    budget = manager.budget
+    return budget is None or positions * manager.page_size * manager.config.num_buffers <= budget.limit
