@@ -95,13 +95,16 @@ inline int32_t key_tile(int32_t rows_per_head, int64_t token_bytes, int64_t max_
 // argument, so the maxima over a schedule's items bound every item.
 inline int64_t scratch_floats(int64_t rows, int32_t rows_per_head, int32_t d) {
   // q, acc: rows x d; scores: rows (decode: every head's) or rows_per_head rounded up to 16,
-  // x tile; max, sum, alpha: rows;
-  // widened K and V tiles: tile x d; the AMX unit's Q and P as two bf16 terms each and
-  // its P V product (rows_per_head rounded up to 16 by d rounded up to 32, tile and d);
+  // x tile; max, sum, alpha: rows, or for blocks of more than 8 rows a head each head's rows
+  // rounded up to a whole vector (at most 16 floats, under twice the rows from 9 rows on);
+  // widened K and V tiles: tile x d; then either the AMX unit's Q and P as two bf16 terms each
+  // and its P V product (rows_per_head rounded up to 16 by d rounded up to 32, tile and d) or
+  // the transposed Q of the rows-in-lanes blocks (padded rows by d, under 2 rows x d);
   // slack for aligning each block to 64 bytes
   const int64_t rows_pad = (rows_per_head + 15) / 16 * 16, d_pad = (d + 31) / 32 * 32;
-  return 2 * rows * d + (rows > rows_pad ? rows : rows_pad) * kMaxKeyTile + 3 * rows + 2 * kMaxKeyTile * d +
-         rows_pad * (d_pad + kMaxKeyTile + d) + 12 * 16;
+  const int64_t amx = rows_pad * (d_pad + kMaxKeyTile + d), transposed_q = 2 * rows * d;
+  return 2 * rows * d + (rows > rows_pad ? rows : rows_pad) * kMaxKeyTile + 6 * rows + 2 * kMaxKeyTile * d +
+         (amx > transposed_q ? amx : transposed_q) + 12 * 16;
 }
 
 // One ISA's kernels.
