@@ -253,12 +253,14 @@ const KernelTable* kernels_of(Isa isa) {
     case Isa::kNeon: return neon_kernels();
     case Isa::kSve: return sve_kernels();
     case Isa::kAmx: return amx_kernels();
+    case Isa::kAvx512Bf16: return avx512_bf16_kernels();
   }
   return nullptr;
 }
 
 // Every path, fastest first: the order in which the default is picked and requests fall back.
-constexpr Isa kFastestFirst[] = {Isa::kAmx, Isa::kAvx512, Isa::kAvx2, Isa::kSve, Isa::kNeon, Isa::kScalar};
+constexpr Isa kFastestFirst[] = {Isa::kAmx, Isa::kAvx512Bf16, Isa::kAvx512, Isa::kAvx2,
+                                  Isa::kSve, Isa::kNeon,        Isa::kScalar};
 
 // The requested ISA, or the next lower supported one whose vector width divides head_dim.
 Isa usable_isa(Isa requested, int head_dim) {
@@ -427,6 +429,7 @@ const char* isa_name(Isa isa) {
     case Isa::kNeon: return "neon";
     case Isa::kSve: return "sve256";
     case Isa::kAmx: return "amx";
+    case Isa::kAvx512Bf16: return "avx512_bf16";
   }
   return "?";
 }
@@ -451,6 +454,17 @@ bool isa_compiled(Isa isa) { return kernels_of(isa) != nullptr; }
 
 namespace {
 
+#if defined(__x86_64__)
+// AVX512_BF16 (CPUID leaf 7 subleaf 1, EAX bit 5) and AVX512BW (leaf 7 subleaf 0, EBX bit 30), which
+// the VDPBF16PS functions are built with (read directly: not every compiler's __builtin_cpu_supports
+// knows "avx512bf16"; the OS's support of the AVX-512 state is __builtin_cpu_supports("avx512f")'s)
+bool cpu_has_avx512_bf16() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(ebx & (1u << 30)) || eax < 1) return false;
+  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5));
+}
+#endif
+
 // What the CPU and OS offer; asked once per process (isa_supported), since every
 // layer call consults it (on AArch64 the SVE check is a system call).
 bool detect_isa(Isa isa) {
@@ -461,12 +475,14 @@ bool detect_isa(Isa isa) {
     case Isa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     case Isa::kAvx512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
+    case Isa::kAvx512Bf16:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c") && cpu_has_avx512_bf16();
     case Isa::kAmx: {
       // CPUID leaf 7, subleaf 0, EDX: AMX-BF16 is bit 22, AMX-TILE bit 24 (read directly:
       // not every compiler's __builtin_cpu_supports knows the AMX names)
       unsigned eax, ebx, ecx, edx;
       if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 22)) || !(edx & (1u << 24)) ||
-          !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("f16c"))
+          !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("f16c") || !cpu_has_avx512_bf16())
         return false;
       // Linux (5.16+) hands a process the 8 KiB tile state only when asked
       // (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it a

@@ -22,8 +22,9 @@ enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 // kSve: SVE at a 256-bit vector length ("sve256"; other lengths use NEON).
 // kAmx: AVX-512 with AMX-BF16 tiles for prefill blocks of a bf16 cache ("amx").
-enum class Isa : int32_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3, kSve = 4, kAmx = 5 };
-constexpr int kNumIsas = 6;
+// kAvx512Bf16: AVX-512 with Q K^T of bf16 queries over a bf16 cache by VDPBF16PS ("avx512_bf16").
+enum class Isa : int32_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3, kSve = 4, kAmx = 5, kAvx512Bf16 = 6 };
+constexpr int kNumIsas = 7;
 
 // A strided view of one tensor argument (strides in elements).
 struct TensorRef {
@@ -118,6 +119,7 @@ struct KernelTable {
 const KernelTable* scalar_kernels();
 const KernelTable* avx2_kernels();
 const KernelTable* avx512_kernels();
+const KernelTable* avx512_bf16_kernels();
 const KernelTable* neon_kernels();
 const KernelTable* sve_kernels();
 const KernelTable* amx_kernels();

@@ -353,10 +353,24 @@ struct UsesTiles<bf16> {
 #endif  // VATTN_AMX_BF16
 
 #include "kernel_lanes.h"
+#ifdef VATTN_BF16_DOT
+#include "kernel_bf16_dot.h"
+#endif
+
+template <class T>
+struct IsBf16 {
+  static constexpr bool value = false;
+};
+template <>
+struct IsBf16<bf16> {
+  static constexpr bool value = true;
+};
 
 // ---- one work item ------------------------------------------------------------------
 
-template <class T>
+// kDot: the AVX512_BF16 variant of the unit (kernel_bf16_dot.h), with Q K^T of bf16 queries over a bf16 cache
+// by VDPBF16PS
+template <class T, bool kDot>
 void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const Request& rq = c.requests[it.req];
   const int G = c.group_size, d = c.head_dim;
@@ -399,11 +413,29 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   float* qt = align64(v_wide + kMaxKeyTile * d);  // lanes: [nh][d][ld_rows]
 
   const int64_t first_token = rq.query_start + it.q_begin;
+#ifdef VATTN_AMX_BF16
+  const bool tiles = UsesTiles<T>::value && widen && nh == 1;  // (below)
+#else
+  constexpr bool tiles = false;
+#endif
+  const bool lanes = widen && !tiles;
+#ifdef VATTN_BF16_DOT
+  // bf16 queries over a bf16 cache, outside the AMX tiles: Q K^T by VDPBF16PS on the queries as they are
+  const bool dot = kDot && IsBf16<T>::value && !tiles && c.q.dtype == DType::kBF16 && d % 32 == 0;
+  bf16* q_bf16 = reinterpret_cast<bf16*>(q);  // [nh][rows][d], unscaled
+#endif
   for (int h = 0; h < nh; ++h)
     for (int j = 0; j < nq; ++j)
-      for (int g = 0; g < G; ++g)
-        load_query_row(c.q, first_token + j, static_cast<int64_t>(it.head_begin + h) * G + g, c.scale, d,
-                       q + h * head_rows + static_cast<int64_t>(j * G + g) * d);
+      for (int g = 0; g < G; ++g) {
+        const int64_t head = static_cast<int64_t>(it.head_begin + h) * G + g, row = h * head_rows + (j * G + g) * d;
+#ifdef VATTN_BF16_DOT
+        if (dot) {
+          __builtin_memcpy(q_bf16 + row, element(c.q, first_token + j, head), d * sizeof(bf16));
+          continue;
+        }
+#endif
+        load_query_row(c.q, first_token + j, head, c.scale, d, q + row);
+      }
   for (int64_t i = 0; i < nh * head_rows; ++i) acc[i] = 0.0f;
   for (int64_t r = 0; r < static_cast<int64_t>(nh) * ld_rows; ++r) {
     m[r] = kNegInf;
@@ -435,7 +467,6 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
 #ifdef VATTN_AMX_BF16
   // Prefill blocks of a bf16 cache (one kv head) go through the tiles: K and V
   // tiles packed into the widening buffers, Q (once) and P (per tile) in bf16.
-  const bool tiles = UsesTiles<T>::value && widen && nh == 1;
   const int d_pad = (d + 31) / 32 * 32;
   bf16* q_hi = reinterpret_cast<bf16*>(align64(v_wide + kMaxKeyTile * d));  // [rows_pad][d_pad], twice (for qt)
   bf16* q_lo = q_hi + rows_pad * d_pad;
@@ -447,12 +478,17 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
     _tile_loadconfig(&tile_config);
     to_bf16_terms(q, d, rows, rows_pad, d, d_pad, q_hi, q_lo);
   }
-#else
-  constexpr bool tiles = false;
 #endif
-  const bool lanes = widen && !tiles;
   if (lanes)
-    for (int h = 0; h < nh; ++h) transpose_rows(q + h * head_rows, rows, d, qt + h * d * ld_rows, ld_rows);
+    for (int h = 0; h < nh; ++h) {
+#ifdef VATTN_BF16_DOT
+      if (dot) {
+        pair_transpose(q_bf16 + h * head_rows, rows, d, reinterpret_cast<uint32_t*>(qt) + h * d * ld_rows, ld_rows);
+        continue;
+      }
+#endif
+      transpose_rows(q + h * head_rows, rows, d, qt + h * d * ld_rows, ld_rows);
+    }
 
   if (first_tile) {
     prefetch_tokens(k_heads + it.k_begin * ldk, ldk, imin(tile, it.k_end - it.k_begin), k_span);
@@ -463,9 +499,17 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
     const int64_t next = k0 + n, n_next = imin(tile, it.k_end - next);
     const int64_t per_head = (n_next + nh - 1) / nh;  // next-tile tokens prefetched under each head
     if (!widen)  // decode: every head's scores first, so the K tile is read in one pass, then the V tile
-      for (int h = 0; h < nh; ++h)
+      for (int h = 0; h < nh; ++h) {
+#ifdef VATTN_BF16_DOT
+        if (dot) {  // decode
+          qk_dot(q_bf16 + h * head_rows, d, rows, reinterpret_cast<const bf16*>(k_heads + k0 * ldk + h * kc.strides[2]),
+                 ldk, n, d, c.scale, s_all + h * rows * kMaxKeyTile, kMaxKeyTile, n * ldk, spread ? n_next : 0);
+          continue;
+        }
+#endif
         qk<T>(q + h * head_rows, d, rows, k_heads + k0 * ldk + h * kc.strides[2], ldk, n, d,
               s_all + h * rows * kMaxKeyTile, kMaxKeyTile, n * ldk, spread ? n_next : 0);
+      }
     for (int h = 0; h < nh; ++h) {
       const int64_t p0 = imin(n_next, h * per_head), p1 = imin(n_next, p0 + per_head);
       if (widen && p1 > p0) {  // a prefill block's burst
@@ -480,8 +524,16 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
       float* alh = alpha + h * ld_rows;
       float* s = widen ? s_all : s_all + h * rows * kMaxKeyTile;  // this head's scores
       if (lanes) {
-        widen_rows(kt, ldk, n, d, k_wide);
-        qk_lanes(qt + h * d * ld_rows, ld_rows, lane_vecs, k_wide, d, n, d, s, ld_rows);
+#ifdef VATTN_BF16_DOT
+        if (dot)
+          qk_lanes_dot(reinterpret_cast<const uint32_t*>(qt) + h * d * ld_rows, ld_rows, lane_vecs,
+                       reinterpret_cast<const bf16*>(kt), ldk, n, d, c.scale, s, ld_rows);
+        else
+#endif
+        {
+          widen_rows(kt, ldk, n, d, k_wide);
+          qk_lanes(qt + h * d * ld_rows, ld_rows, lane_vecs, k_wide, d, n, d, s, ld_rows);
+        }
         if (c.softcap > 0.0f) softcap_lanes(s, ld_rows, n, lane_vecs, c.softcap);
         mask_lanes(s, ld_rows, n, k0, rows, G, first_pos, c.window);
         softmax_lanes(s, ld_rows, n, lane_vecs, mh, lh, alh);
@@ -545,6 +597,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   }
 }
 
+template <bool kDot>
 void run_item(const Call& c, const WorkItem& it, float* scratch) {
-  with_storage_type(c.k_cache.dtype, [&](auto tag) { run_item_typed<decltype(tag)>(c, it, scratch); });
+  with_storage_type(c.k_cache.dtype, [&](auto tag) { run_item_typed<decltype(tag), kDot>(c, it, scratch); });
 }
