@@ -49,6 +49,10 @@ constexpr int32_t kBlockRows = 64;       // query rows (queries x group heads) p
 constexpr int32_t kDecodeRows = 16;      // at most this many rows per kv head: one item spans all kv heads
 constexpr int64_t kMinSplitKeys = 256;   // a split covers at least this many keys
 constexpr int kItemsPerThread = 4;       // splitting aims at this many items per thread
+// Work (rows x keys x head_dim) below which one more thread costs more than it saves: handing
+// items to another thread and waiting for it takes about 1.5 us (2 threads of libgomp, 2-core
+// AVX-512 VM), and a share of this size takes about 2 us there (bf16 decode, head_dim 64).
+constexpr double kMinThreadWork = 96 * 1024;
 
 std::atomic<uint64_t> call_counts[kNumIsas];  // completed attention() calls per ISA, since the module loaded
 
@@ -303,11 +307,13 @@ BatchPlan::BatchPlan(const std::vector<int64_t>& reqids, const std::vector<int64
 }
 
 std::shared_ptr<const Schedule> BatchPlan::schedule(int32_t group_size, int32_t heads_kv, int64_t window,
-                                                    int threads) const {
+                                                    int threads, int32_t head_dim) const {
   // attention() validated these already; Plan.num_items reaches here directly
   if (group_size < 1 || heads_kv < 1) bad("group_size and heads_kv must be >= 1");
   if (window < 0) bad("window must be >= 0 (0 = off), got " + std::to_string(window));
-  const auto key = std::make_tuple(group_size, heads_kv, window, threads);
+  if (head_dim < 1 || head_dim > kMaxHeadDim)
+    bad("head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "], got " + std::to_string(head_dim));
+  const auto key = std::make_tuple(group_size, heads_kv, window, threads, head_dim);
   std::lock_guard<std::mutex> lock(mutex_);
   auto found = schedules_.find(key);
   if (found != schedules_.end()) return found->second;
@@ -338,6 +344,9 @@ std::shared_ptr<const Schedule> BatchPlan::schedule(int32_t group_size, int32_t 
   };
   double total = 0;
   for (const WorkItem& it : whole) total += static_cast<double>(cost(it));
+  // a call too small to share runs on fewer threads (one: not split at all)
+  threads = static_cast<int>(std::max(1.0, std::min<double>(threads, std::floor(total * head_dim / kMinThreadWork))));
+  sched->threads = threads;
   // Then cut the large ones, keys first (long contexts), then kv heads, so that
   // every thread gets several items and the largest-first order can balance them.
   const double target = total / (static_cast<double>(threads) * kItemsPerThread);
@@ -399,7 +408,7 @@ Isa attention(const BatchPlan& plan, Call c, const TensorRef* k_new, const Tenso
     write_rows(plan, c.v_cache, *v_new);
   }
   ThreadPool& pool = ThreadPool::instance();
-  const auto sched = plan.schedule(c.group_size, c.num_heads_kv, c.window, pool.threads());
+  const auto sched = plan.schedule(c.group_size, c.num_heads_kv, c.window, pool.threads(), c.head_dim);
   std::atomic<int32_t>* remaining = nullptr;
   if (sched->num_slots > 0) {
     const int64_t slot_rows = static_cast<int64_t>(sched->num_slots) * sched->rows_per_slot;
@@ -412,7 +421,7 @@ Isa attention(const BatchPlan& plan, Call c, const TensorRef* k_new, const Tenso
   }
   Job job{&c, kernels_of(isa), sched.get(), remaining};
   pool.run(static_cast<int64_t>(sched->items.size()), run_task, &job,
-           scratch_floats(sched->max_rows, sched->max_rows_per_head, c.head_dim));
+           scratch_floats(sched->max_rows, sched->max_rows_per_head, c.head_dim), sched->threads);
   call_counts[static_cast<int>(isa)].fetch_add(1, std::memory_order_relaxed);
   return isa;
 }

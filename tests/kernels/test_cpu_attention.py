@@ -247,13 +247,25 @@ def test_nan_in_a_split_that_sees_one_key(isa: str) -> None:
     split = False
     for cached in range(256, 4097, 64):
         batch = AttentionBatch([0], [cached], [8])
-        split = split or KERNELS["host"].plan_for(batch).native.num_items(group_size=4, heads_kv=1)[1] > 0
+        split = split or KERNELS["host"].plan_for(batch).native.num_items(group_size=4, heads_kv=1, head_dim=64)[1] > 0
         case = DenseCase(batch, 4, 1, 64, torch.float32, max_len=cached + 8, seed=1)
         case.k[0, 0, 7] = float("nan")  # every query of the chunk sees its first new key
         out = host_attention(case.q, case.k_cache, case.v_cache, batch, k=case.k, v=case.v, isa=isa)
         finite_rows = (~out.isnan()).any(-1).nonzero().tolist()
         assert not finite_rows, f"{isa}: after {cached} cached tokens, rows {finite_rows} are finite"
     assert split or host_attention_info()["threads"] == 1, "no history length was split: the merge went untested"
+
+
+def test_a_call_too_small_to_share_stays_on_one_thread() -> None:
+    """Handing items to another thread and waiting for it costs more than a
+    few microseconds of work saves: a small decode is one item (no head or
+    key split), a long one is cut for every thread of the pool."""
+    small = AttentionBatch([0], [127], [1])
+    assert KERNELS["host"].plan_for(small).native.num_items(group_size=4, heads_kv=2, head_dim=64) == (1, 0)
+    if host_attention_info()["threads"] > 1:
+        long = AttentionBatch([0], [4095], [1])
+        items, groups = KERNELS["host"].plan_for(long).native.num_items(group_size=4, heads_kv=2, head_dim=64)
+        assert items >= host_attention_info()["threads"] and groups > 0, (items, groups)
 
 
 def test_concurrent_calls_from_many_threads_agree() -> None:
