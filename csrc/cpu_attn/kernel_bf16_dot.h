@@ -73,14 +73,10 @@ VATTN_BF16_DOT_TARGET __attribute__((noinline)) void qk_dot(const bf16* q, int64
 // (k[t][2i], k[t][2i+1]), broadcast from the cache row as it is (no widening of K), against 16
 // rows' dwords (q[r][2i], q[r][2i+1]) of the pair-transposed queries qt2[i][r].
 
-// qt2[i][r] = (q[r][2i], q[r][2i+1]) for r < rows, 0 up to ldqt; q rows d apart, d even
+// qt2[i][r] = (q[r][2i], q[r][2i+1]) for r < rows, 0 up to ldqt; q rows d apart, d even: each row
+// is d / 2 dwords, transposed as 32-bit elements
 inline void pair_transpose(const bf16* q, int rows, int d, uint32_t* qt2, int64_t ldqt) {
-  for (int i = 0; i < d / 2; ++i) {
-    uint32_t* col = qt2 + i * ldqt;
-    for (int r = 0; r < rows; ++r)
-      col[r] = q[static_cast<int64_t>(r) * d + 2 * i].bits | static_cast<uint32_t>(q[static_cast<int64_t>(r) * d + 2 * i + 1].bits) << 16;
-    for (int64_t r = rows; r < ldqt; ++r) col[r] = 0;
-  }
+  transpose_rows(reinterpret_cast<const uint32_t*>(q), d / 2, rows, d / 2, qt2, ldqt);
 }
 
 template <int MT, int NR>

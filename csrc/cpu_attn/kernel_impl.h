@@ -358,6 +358,14 @@ struct UsesTiles<bf16> {
 #endif
 
 template <class T>
+struct IsFloat {
+  static constexpr bool value = false;
+};
+template <>
+struct IsFloat<float> {
+  static constexpr bool value = true;
+};
+template <class T>
 struct IsBf16 {
   static constexpr bool value = false;
 };
@@ -487,7 +495,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
         continue;
       }
 #endif
-      transpose_rows(q + h * head_rows, rows, d, qt + h * d * ld_rows, ld_rows);
+      transpose_rows(q + h * head_rows, d, rows, d, qt + h * d * ld_rows, ld_rows);
     }
 
   if (first_tile) {
@@ -530,7 +538,10 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
                        reinterpret_cast<const bf16*>(kt), ldk, n, d, c.scale, s, ld_rows);
         else
 #endif
-        {
+        if (IsFloat<T>::value && lane_vecs <= kLaneVecs) {  // each K element is read once: no copy
+          qk_lanes(qt + h * d * ld_rows, ld_rows, lane_vecs, reinterpret_cast<const float*>(kt), ldk, n, d, s,
+                   ld_rows);
+        } else {
           widen_rows(kt, ldk, n, d, k_wide);
           qk_lanes(qt + h * d * ld_rows, ld_rows, lane_vecs, k_wide, d, n, d, s, ld_rows);
         }
