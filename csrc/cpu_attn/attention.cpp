@@ -8,6 +8,8 @@
 #include <cstring>
 #include <sstream>
 
+#include <unistd.h>
+
 #if defined(__x86_64__)
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -249,6 +251,15 @@ class SplitBuffers {
 };
 thread_local SplitBuffers split_buffers;
 
+// Bytes of L2 cache a core has (sysconf; 1 MiB where the C library cannot tell).
+int64_t l2_bytes_per_core() {
+  static const int64_t bytes = [] {
+    const long n = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return n > 0 ? static_cast<int64_t>(n) : int64_t{1} << 20;
+  }();
+  return bytes;
+}
+
 const KernelTable* kernels_of(Isa isa) {
   switch (isa) {
     case Isa::kScalar: return scalar_kernels();
@@ -300,6 +311,7 @@ BatchPlan::BatchPlan(const std::vector<int64_t>& reqids, const std::vector<int64
     requests_.push_back(Request{reqids[i], cached_lens[i], query_lens[i], start});
     start += query_lens[i];
     max_seq_len_ = std::max(max_seq_len_, cached_lens[i] + query_lens[i]);
+    total_seq_len_ += cached_lens[i] + query_lens[i];
   }
   if (start > (int64_t{1} << 31)) bad("at most 2^31 new tokens per batch");
   num_tokens_ = start;
@@ -419,6 +431,8 @@ Isa attention(const BatchPlan& plan, Call c, const TensorRef* k_new, const Tenso
     remaining = split_buffers.counters(sched->groups.size());
     for (size_t g = 0; g < sched->groups.size(); ++g) remaining[g].store(sched->groups[g].num_splits);
   }
+  const int64_t kv_bytes = 2 * plan.total_seq_len() * c.num_heads_kv * c.head_dim * element_size(c.k_cache.dtype);
+  c.beyond_l2 = kv_bytes > l2_bytes_per_core() * sched->threads;
   Job job{&c, kernels_of(isa), sched.get(), remaining};
   pool.run(static_cast<int64_t>(sched->items.size()), run_task, &job,
            scratch_floats(sched->max_rows, sched->max_rows_per_head, c.head_dim), sched->threads);

@@ -69,6 +69,9 @@ struct Call {
   float scale = 1.0f;       // softmax scale, applied to q . k
   float softcap = 0.0f;     // > 0: scores become softcap * tanh(score / softcap)
   int64_t window = 0;       // > 0: a query at p sees keys (p - window, p]
+  // the call's K and V outgrow the L2 caches of the threads that run it, so they come from L3 or
+  // memory even in back-to-back calls: every decode item requests the next tile's lines as it works
+  bool beyond_l2 = false;
   // partial results of split items: [slot][row][D] accumulators, [slot][row] max and sum
   float* partial_acc = nullptr;
   float* partial_max = nullptr;

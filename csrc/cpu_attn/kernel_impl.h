@@ -469,8 +469,12 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // 512 tokens of context on and fp32 decode 0.75-0.94x as fast; asking for nothing made fp32 decode
   // 1.03-1.14x faster (a burst stalls the core before any work on the tile starts). Against spreading,
   // asking for nothing made bf16 items of 1-4 heads (256 B - 1 KiB per token) 1.03-1.09x faster, and
-  // 2 KiB ones 0.80-0.91x as fast.
-  const bool spread = wide_rows && (streaming || sizeof(T) == 2);
+  // 2 KiB ones 0.80-0.91x as fast. Those items read their K and V from L2 in back-to-back calls; where a
+  // call's K and V outgrow the L2 of its threads (Call::beyond_l2) every decode item spreads its
+  // requests: 8 q / 2 kv heads of 64 on a 2-core AVX-512 VM, one thread, against asking for nothing:
+  // 1.25-2.0x (bf16) and 1.05-1.6x (fp32) from 2 MiB of K and V on, after 4 MiB were written between
+  // calls and after 64 MiB (the K and V then come from memory, as in a forward over many layers).
+  const bool spread = (wide_rows && (streaming || sizeof(T) == 2)) || (!widen && c.beyond_l2);
   const bool first_tile = widen || spread;  // whether the first tile is requested up front
 #ifdef VATTN_AMX_BF16
   // Prefill blocks of a bf16 cache (one kv head) go through the tiles: K and V
