@@ -6,6 +6,7 @@ agrees within a few percent).
 
     python benchmarks/host_kernel_ab.py HEAD~1               # HEAD~1 against the working tree
     python benchmarks/host_kernel_ab.py main my-branch --points 1:128:float32,16:2048:bfloat16
+    python benchmarks/host_kernel_ab.py main . --model small-8q2kv --points 4:512:bfloat16,1:2048:bfloat16:prefill
     python benchmarks/host_kernel_ab.py HEAD HEAD            # A/A: how far apart equal builds read
     python benchmarks/host_kernel_ab.py HEAD~1 --tag mychange   # results as host_kernel_ab_mychange_<machine>.*
     python benchmarks/host_kernel_ab.py --replot             # redraw the plot from the JSON (with --tag: that one)
@@ -13,9 +14,12 @@ agrees within a few percent).
 Each side (a git revision, or ``.`` for the working tree) is compiled from its
 own csrc/cpu_attn with its own setup.py's per-unit ISA flags into a module of
 its own name and C++ namespace (``-Dvattn=...``, ``-D_cpu_attn=...``), so both
-load side by side. For every point (``batch:ctx:dtype``, one decode layer of
-``--model``, per_layer cache) both modules attend over the same vattn cache
-into their own outputs; the outputs must agree before anything is timed.
+load side by side. For every point (``batch:ctx:dtype[:phase]``, one layer of
+``--model``, per_layer cache; phase ``decode`` (default: one new token over
+``ctx`` cached ones) or ``prefill`` (``ctx`` new tokens per request, causal))
+both modules attend over the same vattn cache into their own outputs, on the
+path ``--isa`` names (default: each build's own choice); the outputs must
+agree before anything is timed.
 Rounds alternate the order (base first, then test first); in each, a side's
 call runs once after ``--flush-mb`` MiB were written (``cold``: the K/V come
 from the last-level cache or DRAM, as for a layer whose cache other layers
@@ -110,10 +114,11 @@ def load(name: str, library: Path) -> ModuleType:
 
 
 def measure(modules: list[ModuleType], batch: int, ctx: int, dtype: torch.dtype, shape: tuple[int, int, int],
-            flush: torch.Tensor, rounds: int) -> dict[str, Any]:
-    """Median us per call, cold and warm, of each module on one decode point,
-    and the rounds run: ``rounds``, or fewer where a call takes over 8 ms."""
-    case = Case("decode", "per_layer", batch, ctx, 1, "cpu", dtype, [], shape)
+            flush: torch.Tensor, rounds: int, phase: str = "decode", isa: str | None = None) -> dict[str, Any]:
+    """Median us per call, cold and warm, of each module on one point (``phase``
+    decode or prefill) on the path ``isa`` (None: each module's default), and
+    the rounds run: ``rounds``, or fewer where a call takes over 8 ms."""
+    case = Case(phase, "per_layer", batch, ctx, 1, "cpu", dtype, [], shape)
     try:
         b = case.batch
         scale = shape[2] ** -0.5
@@ -122,7 +127,7 @@ def measure(modules: list[ModuleType], batch: int, ctx: int, dtype: torch.dtype,
             plan = m.Plan(list(b.reqids), list(b.cached_lens), list(b.query_lens))
             out = torch.empty_like(case.q)
             args = (plan, to_dlpack(case.q), to_dlpack(case.k_cache), to_dlpack(case.v_cache), to_dlpack(out),
-                    None, None, None, scale, 0.0, 0, None)
+                    None, None, None, scale, 0.0, 0, isa)
             calls.append(functools.partial(m.attention, *args))
             outs.append(out)
         for call in calls:
@@ -148,14 +153,24 @@ def measure(modules: list[ModuleType], batch: int, ctx: int, dtype: torch.dtype,
         case.close()
 
 
+def parse_point(spec: str) -> tuple[int, int, str, str]:
+    """``batch:ctx:dtype[:phase]`` -> (batch, ctx, dtype, phase)."""
+    parts = spec.split(":")
+    phase = parts[3] if len(parts) == 4 else "decode"
+    if len(parts) not in (3, 4) or phase not in ("decode", "prefill") or not hasattr(torch, parts[2]):
+        raise SystemExit(f"--points: {spec!r} is not batch:ctx:dtype[:phase] (phase decode or prefill)")
+    return int(parts[0]), int(parts[1]), parts[2], phase
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("base", nargs="?", help="git revision of the base build, or . for the working tree")
     p.add_argument("test", nargs="?", default=".", help="git revision of the test build (default: the working tree)")
     p.add_argument("--points", default="1:128:float32,4:512:float32,16:2048:float32,1:8192:float32,"
                                         "1:128:bfloat16,4:512:bfloat16,16:2048:bfloat16,1:8192:bfloat16",
-                   help="decode points, batch:ctx:dtype, comma-separated")
+                   help="points, batch:ctx:dtype[:phase] (phase decode, the default, or prefill), comma-separated")
     p.add_argument("--model", default="llama-3-8b", help=f"one of {sorted(MODELS)} or name:heads_q:heads_kv:head_dim")
+    p.add_argument("--isa", default=None, help="the path both builds run (e.g. avx2; default: each build's choice)")
     p.add_argument("--flush-mb", type=int, default=4, help="MiB written before each cold call")
     p.add_argument("--rounds", type=int, default=60, help="rounds per point (fewer for points above 8 ms)")
     p.add_argument("--tag", default="", help="names the result files host_kernel_ab_<tag>_<machine>.*")
@@ -179,14 +194,14 @@ def main() -> None:
     flush = torch.zeros(args.flush_mb << 18)
     rows = []
     started = time.perf_counter()
-    points = [spec.split(":") for spec in args.points.split(",")]
-    for n, (batch, ctx, dtype) in enumerate(points, 1):
-        batch, ctx = int(batch), int(ctx)
-        times = measure(modules, batch, ctx, getattr(torch, dtype), shape, flush, args.rounds)
-        row = dict(batch=batch, ctx=ctx, dtype=dtype, **times,
+    points = [parse_point(spec) for spec in args.points.split(",")]
+    for n, (batch, ctx, dtype, phase) in enumerate(points, 1):
+        times = measure(modules, batch, ctx, getattr(torch, dtype), shape, flush, args.rounds, phase, args.isa)
+        row = dict(batch=batch, ctx=ctx, dtype=dtype, phase=phase, **times,
                    base_over_test={k: round(times[f"{k}_us"][0] / times[f"{k}_us"][1], 3) for k in ("cold", "warm")})
         rows.append(row)
-        print(f"[{n}/{len(points)} {time.perf_counter() - started:5.0f}s] {dtype:8s} B={batch:<3d} ctx={ctx:<6d} "
+        print(f"[{n}/{len(points)} {time.perf_counter() - started:5.0f}s] {dtype:8s} {phase:7s} B={batch:<3d} "
+              f"ctx={ctx:<6d} "
               f"cold {times['cold_us'][0]:9.1f} -> {times['cold_us'][1]:9.1f} us ({row['base_over_test']['cold']:.2f}x)  "
               f"warm {times['warm_us'][0]:9.1f} -> {times['warm_us'][1]:9.1f} us ({row['base_over_test']['warm']:.2f}x)",
               flush=True)
@@ -197,9 +212,9 @@ def main() -> None:
         "base": {"rev": sides[0][1], "commit": sides[0][2]},
         "test": {"rev": sides[1][1], "commit": sides[1][2]},
         "threads": modules[0].info()["threads"],
-        "isa": modules[0].info()["isa"],
+        "isa": args.isa or modules[0].info()["isa"],
         "flush_mb": args.flush_mb,
-        "unit": "median us per call (one decode layer, per_layer cache); base_over_test above 1: the test build is faster",
+        "unit": "median us per call (one layer, per_layer cache); base_over_test above 1: the test build is faster",
         "results": rows,
     }
     print(f"wrote {write_json(name, payload)}")
@@ -214,7 +229,8 @@ def plot(payload: dict, name: str) -> None:
     plt = pyplot()
     rows = payload["results"]
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    labels = [f"{short.get(r['dtype'], r['dtype'])} B={r['batch']}\nctx={r['ctx']}" for r in rows]
+    labels = [f"{short.get(r['dtype'], r['dtype'])}{' pre' if r.get('phase') == 'prefill' else ''} B={r['batch']}"
+              f"\nctx={r['ctx']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r["base_over_test"]["cold"] for r in rows], 0.4, label="cold")

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <sstream>
 
+#include <unistd.h>
+
 #if defined(__x86_64__)
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -49,6 +51,10 @@ constexpr int32_t kBlockRows = 64;       // query rows (queries x group heads) p
 constexpr int32_t kDecodeRows = 16;      // at most this many rows per kv head: one item spans all kv heads
 constexpr int64_t kMinSplitKeys = 256;   // a split covers at least this many keys
 constexpr int kItemsPerThread = 4;       // splitting aims at this many items per thread
+// Work (rows x keys x head_dim) below which one more thread costs more than it saves: handing
+// items to another thread and waiting for it takes about 1.5 us (2 threads of libgomp, 2-core
+// AVX-512 VM), and a share of this size takes about 2 us there (bf16 decode, head_dim 64).
+constexpr double kMinThreadWork = 96 * 1024;
 
 std::atomic<uint64_t> call_counts[kNumIsas];  // completed attention() calls per ISA, since the module loaded
 
@@ -245,6 +251,15 @@ class SplitBuffers {
 };
 thread_local SplitBuffers split_buffers;
 
+// Bytes of L2 cache a core has (sysconf; 1 MiB where the C library cannot tell).
+int64_t l2_bytes_per_core() {
+  static const int64_t bytes = [] {
+    const long n = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return n > 0 ? static_cast<int64_t>(n) : int64_t{1} << 20;
+  }();
+  return bytes;
+}
+
 const KernelTable* kernels_of(Isa isa) {
   switch (isa) {
     case Isa::kScalar: return scalar_kernels();
@@ -253,12 +268,14 @@ const KernelTable* kernels_of(Isa isa) {
     case Isa::kNeon: return neon_kernels();
     case Isa::kSve: return sve_kernels();
     case Isa::kAmx: return amx_kernels();
+    case Isa::kAvx512Bf16: return avx512_bf16_kernels();
   }
   return nullptr;
 }
 
 // Every path, fastest first: the order in which the default is picked and requests fall back.
-constexpr Isa kFastestFirst[] = {Isa::kAmx, Isa::kAvx512, Isa::kAvx2, Isa::kSve, Isa::kNeon, Isa::kScalar};
+constexpr Isa kFastestFirst[] = {Isa::kAmx, Isa::kAvx512Bf16, Isa::kAvx512, Isa::kAvx2,
+                                  Isa::kSve, Isa::kNeon,        Isa::kScalar};
 
 // The requested ISA, or the next lower supported one whose vector width divides head_dim.
 Isa usable_isa(Isa requested, int head_dim) {
@@ -294,6 +311,7 @@ BatchPlan::BatchPlan(const std::vector<int64_t>& reqids, const std::vector<int64
     requests_.push_back(Request{reqids[i], cached_lens[i], query_lens[i], start});
     start += query_lens[i];
     max_seq_len_ = std::max(max_seq_len_, cached_lens[i] + query_lens[i]);
+    total_seq_len_ += cached_lens[i] + query_lens[i];
   }
   if (start > (int64_t{1} << 31)) bad("at most 2^31 new tokens per batch");
   num_tokens_ = start;
@@ -301,11 +319,13 @@ BatchPlan::BatchPlan(const std::vector<int64_t>& reqids, const std::vector<int64
 }
 
 std::shared_ptr<const Schedule> BatchPlan::schedule(int32_t group_size, int32_t heads_kv, int64_t window,
-                                                    int threads) const {
+                                                    int threads, int32_t head_dim) const {
   // attention() validated these already; Plan.num_items reaches here directly
   if (group_size < 1 || heads_kv < 1) bad("group_size and heads_kv must be >= 1");
   if (window < 0) bad("window must be >= 0 (0 = off), got " + std::to_string(window));
-  const auto key = std::make_tuple(group_size, heads_kv, window, threads);
+  if (head_dim < 1 || head_dim > kMaxHeadDim)
+    bad("head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "], got " + std::to_string(head_dim));
+  const auto key = std::make_tuple(group_size, heads_kv, window, threads, head_dim);
   std::lock_guard<std::mutex> lock(mutex_);
   auto found = schedules_.find(key);
   if (found != schedules_.end()) return found->second;
@@ -336,6 +356,9 @@ std::shared_ptr<const Schedule> BatchPlan::schedule(int32_t group_size, int32_t 
   };
   double total = 0;
   for (const WorkItem& it : whole) total += static_cast<double>(cost(it));
+  // a call too small to share runs on fewer threads (one: not split at all)
+  threads = static_cast<int>(std::max(1.0, std::min<double>(threads, std::floor(total * head_dim / kMinThreadWork))));
+  sched->threads = threads;
   // Then cut the large ones, keys first (long contexts), then kv heads, so that
   // every thread gets several items and the largest-first order can balance them.
   const double target = total / (static_cast<double>(threads) * kItemsPerThread);
@@ -397,7 +420,7 @@ Isa attention(const BatchPlan& plan, Call c, const TensorRef* k_new, const Tenso
     write_rows(plan, c.v_cache, *v_new);
   }
   ThreadPool& pool = ThreadPool::instance();
-  const auto sched = plan.schedule(c.group_size, c.num_heads_kv, c.window, pool.threads());
+  const auto sched = plan.schedule(c.group_size, c.num_heads_kv, c.window, pool.threads(), c.head_dim);
   std::atomic<int32_t>* remaining = nullptr;
   if (sched->num_slots > 0) {
     const int64_t slot_rows = static_cast<int64_t>(sched->num_slots) * sched->rows_per_slot;
@@ -408,9 +431,11 @@ Isa attention(const BatchPlan& plan, Call c, const TensorRef* k_new, const Tenso
     remaining = split_buffers.counters(sched->groups.size());
     for (size_t g = 0; g < sched->groups.size(); ++g) remaining[g].store(sched->groups[g].num_splits);
   }
+  const int64_t kv_bytes = 2 * plan.total_seq_len() * c.num_heads_kv * c.head_dim * element_size(c.k_cache.dtype);
+  c.beyond_l2 = kv_bytes > l2_bytes_per_core() * sched->threads;
   Job job{&c, kernels_of(isa), sched.get(), remaining};
   pool.run(static_cast<int64_t>(sched->items.size()), run_task, &job,
-           scratch_floats(sched->max_rows, sched->max_rows_per_head, c.head_dim));
+           scratch_floats(sched->max_rows, sched->max_rows_per_head, c.head_dim), sched->threads);
   call_counts[static_cast<int>(isa)].fetch_add(1, std::memory_order_relaxed);
   return isa;
 }
@@ -427,6 +452,7 @@ const char* isa_name(Isa isa) {
     case Isa::kNeon: return "neon";
     case Isa::kSve: return "sve256";
     case Isa::kAmx: return "amx";
+    case Isa::kAvx512Bf16: return "avx512_bf16";
   }
   return "?";
 }
@@ -451,6 +477,17 @@ bool isa_compiled(Isa isa) { return kernels_of(isa) != nullptr; }
 
 namespace {
 
+#if defined(__x86_64__)
+// AVX512_BF16 (CPUID leaf 7 subleaf 1, EAX bit 5) and AVX512BW (leaf 7 subleaf 0, EBX bit 30), which
+// the VDPBF16PS functions are built with (read directly: not every compiler's __builtin_cpu_supports
+// knows "avx512bf16"; the OS's support of the AVX-512 state is __builtin_cpu_supports("avx512f")'s)
+bool cpu_has_avx512_bf16() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(ebx & (1u << 30)) || eax < 1) return false;
+  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5));
+}
+#endif
+
 // What the CPU and OS offer; asked once per process (isa_supported), since every
 // layer call consults it (on AArch64 the SVE check is a system call).
 bool detect_isa(Isa isa) {
@@ -461,12 +498,14 @@ bool detect_isa(Isa isa) {
     case Isa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     case Isa::kAvx512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
+    case Isa::kAvx512Bf16:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c") && cpu_has_avx512_bf16();
     case Isa::kAmx: {
       // CPUID leaf 7, subleaf 0, EDX: AMX-BF16 is bit 22, AMX-TILE bit 24 (read directly:
       // not every compiler's __builtin_cpu_supports knows the AMX names)
       unsigned eax, ebx, ecx, edx;
       if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 22)) || !(edx & (1u << 24)) ||
-          !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("f16c"))
+          !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("f16c") || !cpu_has_avx512_bf16())
         return false;
       // Linux (5.16+) hands a process the 8 KiB tile state only when asked
       // (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it a

@@ -42,11 +42,12 @@ struct Schedule {
   int32_t rows_per_slot = 0;      // rows of the largest split item (kv heads x rows per head)
   int64_t max_rows = 0;           // of any item, all its heads
   int32_t max_rows_per_head = 0;  // of any item
+  int threads = 1;                // threads worth running it on (at most the pool's)
 };
 
 // One forward's requests (vattn.attention.AttentionBatch), validated once and
-// shared by every layer's call. The schedule depends on the heads, the window
-// and the pool size only, so it is built on the first call and reused.
+// shared by every layer's call. The schedule depends on the heads, the window,
+// the head dim and the pool size only, so it is built on the first call and reused.
 class BatchPlan {
  public:
   BatchPlan(const std::vector<int64_t>& reqids, const std::vector<int64_t>& cached_lens,
@@ -55,15 +56,17 @@ class BatchPlan {
   const std::vector<Request>& requests() const { return requests_; }
   int64_t num_tokens() const { return num_tokens_; }
   int64_t max_seq_len() const { return max_seq_len_; }
+  int64_t total_seq_len() const { return total_seq_len_; }  // tokens the calls read a kv head's rows of
   int64_t max_reqid() const { return max_reqid_; }
 
-  std::shared_ptr<const Schedule> schedule(int32_t group_size, int32_t heads_kv, int64_t window, int threads) const;
+  std::shared_ptr<const Schedule> schedule(int32_t group_size, int32_t heads_kv, int64_t window, int threads,
+                                           int32_t head_dim) const;
 
  private:
   std::vector<Request> requests_;
-  int64_t num_tokens_ = 0, max_seq_len_ = 0, max_reqid_ = 0;
+  int64_t num_tokens_ = 0, max_seq_len_ = 0, max_reqid_ = 0, total_seq_len_ = 0;
   mutable std::mutex mutex_;
-  mutable std::map<std::tuple<int32_t, int32_t, int64_t, int>, std::shared_ptr<const Schedule>> schedules_;
+  mutable std::map<std::tuple<int32_t, int32_t, int64_t, int, int32_t>, std::shared_ptr<const Schedule>> schedules_;
 };
 
 // Attention of one layer. `call` carries the tensors (shapes as in

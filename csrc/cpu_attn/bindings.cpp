@@ -136,11 +136,11 @@ PYBIND11_MODULE(_cpu_attn, m) {
       .def_property_readonly("num_tokens", &BatchPlan::num_tokens)
       .def_property_readonly("num_requests", [](const BatchPlan& p) { return p.requests().size(); })
       .def("num_items",
-           [](const BatchPlan& p, int32_t group_size, int32_t heads_kv, int64_t window) {
-             auto s = p.schedule(group_size, heads_kv, window, pool_threads());
+           [](const BatchPlan& p, int32_t group_size, int32_t heads_kv, int64_t window, int32_t head_dim) {
+             auto s = p.schedule(group_size, heads_kv, window, pool_threads(), head_dim);
              return py::make_tuple(s->items.size(), s->groups.size());
            },
-           py::arg("group_size"), py::arg("heads_kv"), py::arg("window") = 0,
+           py::arg("group_size"), py::arg("heads_kv"), py::arg("window") = 0, py::arg("head_dim") = 128,
            "(work items, split groups) of a call with these heads on this pool.");
 
   m.def("attention", &attention_binding, py::arg("plan"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),

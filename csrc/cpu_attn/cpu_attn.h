@@ -22,8 +22,9 @@ enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 // kSve: SVE at a 256-bit vector length ("sve256"; other lengths use NEON).
 // kAmx: AVX-512 with AMX-BF16 tiles for prefill blocks of a bf16 cache ("amx").
-enum class Isa : int32_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3, kSve = 4, kAmx = 5 };
-constexpr int kNumIsas = 6;
+// kAvx512Bf16: AVX-512 with Q K^T of bf16 queries over a bf16 cache by VDPBF16PS ("avx512_bf16").
+enum class Isa : int32_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3, kSve = 4, kAmx = 5, kAvx512Bf16 = 6 };
+constexpr int kNumIsas = 7;
 
 // A strided view of one tensor argument (strides in elements).
 struct TensorRef {
@@ -68,6 +69,9 @@ struct Call {
   float scale = 1.0f;       // softmax scale, applied to q . k
   float softcap = 0.0f;     // > 0: scores become softcap * tanh(score / softcap)
   int64_t window = 0;       // > 0: a query at p sees keys (p - window, p]
+  // the call's K and V outgrow the L2 caches of the threads that run it, so they come from L3 or
+  // memory even in back-to-back calls: every decode item requests the next tile's lines as it works
+  bool beyond_l2 = false;
   // partial results of split items: [slot][row][D] accumulators, [slot][row] max and sum
   float* partial_acc = nullptr;
   float* partial_max = nullptr;
@@ -80,11 +84,15 @@ struct Call {
 // tokens, and its K tile's scores are all computed before the V tile is
 // read, so a tile (and, where the item requests the next tile's lines while
 // this one computes, that one too) must sit in L2: at most max_bytes (64 KiB,
-// or less for a streaming item) of K (and of V) per tile: 8, 16, 32 or 64
-// tokens (so that tiles divide the 64-token split boundaries).
-constexpr int32_t kMaxKeyTile = 64;
+// or less for a streaming item) of K (and of V) per tile: 8 to 128 tokens,
+// a power of two (so that tiles divide the 128-token split boundaries). Few
+// kv heads of 64 take 128-token tiles, halving the per-tile softmax work:
+// against 64-token tiles 1.03-1.07x (8 q / 2 kv heads of 64, bf16 decode,
+// host_kernel_ab.py single-threaded on a 2-core AVX-512 VM).
+constexpr int32_t kMaxKeyTile = 128;
+constexpr int32_t kPrefillKeyTile = 64;
 inline int32_t key_tile(int32_t rows_per_head, int64_t token_bytes, int64_t max_bytes) {
-  if (rows_per_head > 16) return kMaxKeyTile;
+  if (rows_per_head > 16) return kPrefillKeyTile;
   int32_t tile = kMaxKeyTile;
   while (tile > 8 && tile * token_bytes > max_bytes) tile /= 2;
   return tile;
@@ -95,13 +103,16 @@ inline int32_t key_tile(int32_t rows_per_head, int64_t token_bytes, int64_t max_
 // argument, so the maxima over a schedule's items bound every item.
 inline int64_t scratch_floats(int64_t rows, int32_t rows_per_head, int32_t d) {
   // q, acc: rows x d; scores: rows (decode: every head's) or rows_per_head rounded up to 16,
-  // x tile; max, sum, alpha: rows;
-  // widened K and V tiles: tile x d; the AMX unit's Q and P as two bf16 terms each and
-  // its P V product (rows_per_head rounded up to 16 by d rounded up to 32, tile and d);
+  // x tile; max, sum, alpha: rows, or for blocks of more than 8 rows a head each head's rows
+  // rounded up to a whole vector (at most 16 floats, under twice the rows from 9 rows on);
+  // widened K and V tiles: tile x d; then either the AMX unit's Q and P as two bf16 terms each
+  // and its P V product (rows_per_head rounded up to 16 by d rounded up to 32, tile and d) or
+  // the transposed Q of the rows-in-lanes blocks (padded rows by d, under 2 rows x d);
   // slack for aligning each block to 64 bytes
   const int64_t rows_pad = (rows_per_head + 15) / 16 * 16, d_pad = (d + 31) / 32 * 32;
-  return 2 * rows * d + (rows > rows_pad ? rows : rows_pad) * kMaxKeyTile + 3 * rows + 2 * kMaxKeyTile * d +
-         rows_pad * (d_pad + kMaxKeyTile + d) + 12 * 16;
+  const int64_t amx = rows_pad * (d_pad + kMaxKeyTile + d), transposed_q = 2 * rows * d;
+  return 2 * rows * d + (rows > rows_pad ? rows : rows_pad) * kMaxKeyTile + 6 * rows + 2 * kMaxKeyTile * d +
+         (amx > transposed_q ? amx : transposed_q) + 12 * 16;
 }
 
 // One ISA's kernels.
@@ -115,6 +126,7 @@ struct KernelTable {
 const KernelTable* scalar_kernels();
 const KernelTable* avx2_kernels();
 const KernelTable* avx512_kernels();
+const KernelTable* avx512_bf16_kernels();
 const KernelTable* neon_kernels();
 const KernelTable* sve_kernels();
 const KernelTable* amx_kernels();

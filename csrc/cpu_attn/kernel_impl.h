@@ -65,7 +65,9 @@ inline void qk_block(const float* q, int64_t ldq, const T* k, int64_t ldk, int d
 template <class T, int MR>
 inline void qk_rows(const float* q, int64_t ldq, const T* k, int64_t ldk, int64_t n, int d, float* s, int64_t lds,
                     int64_t pf_off, int64_t pf_n) {
-  constexpr int NT = MR == 1 ? 8 : (MR == 2 ? 4 : 2);
+  // as many sums per block as hsum_n reduces in one tree: 16 at AVX-512's width, else 8
+  constexpr int kSums = W >= 16 ? 16 : 8;
+  constexpr int NT = kSums / MR;
   int64_t t = 0;
   for (; t + NT <= n; t += NT) qk_block<T, MR, NT>(q, ldq, k + t * ldk, ldk, d, s + t, lds, pf_off, pf_n - t);
   for (; t < n; ++t) qk_block<T, MR, 1>(q, ldq, k + t * ldk, ldk, d, s + t, lds, pf_off, pf_n - t);
@@ -89,7 +91,7 @@ void qk(const float* q, int64_t ldq, int rows, const T* k, int64_t ldk, int64_t 
 // ---- P V: MR rows x NV vectors of head_dim per register block -------------------
 
 template <class T, int MR, int NV>
-inline void pv_block(const float* p, int64_t ldp, const float* alpha, const T* v, int64_t ldv, int64_t n, float* o,
+inline void pv_block(const float* p, int64_t ldp, int64_t ldpt, const float* alpha, const T* v, int64_t ldv, int64_t n, float* o,
                      int64_t ldo, int64_t pf_off, int64_t pf_n) {
   constexpr int kBytes = NV * W * static_cast<int>(sizeof(T));  // of each key row this block reads
   R acc[MR][NV];
@@ -104,7 +106,7 @@ inline void pv_block(const float* p, int64_t ldp, const float* alpha, const T* v
     R vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = Vec::load(v + t * ldv + c * W);
     for (int r = 0; r < MR; ++r) {
-      const R pr = Vec::set1(p[r * ldp + t]);
+      const R pr = Vec::set1(p[r * ldp + t * ldpt]);
       for (int c = 0; c < NV; ++c) acc[r][c] = Vec::fma(pr, vv[c], acc[r][c]);
     }
   }
@@ -114,28 +116,29 @@ inline void pv_block(const float* p, int64_t ldp, const float* alpha, const T* v
 
 // (a block that starts mid-line leaves that line to the block before it)
 template <class T, int MR>
-inline void pv_rows(const float* p, int64_t ldp, const float* alpha, const T* v, int64_t ldv, int64_t n, int d,
+inline void pv_rows(const float* p, int64_t ldp, int64_t ldpt, const float* alpha, const T* v, int64_t ldv, int64_t n, int d,
                     float* o, int64_t ldo, int64_t pf_off, int64_t pf_n) {
-  constexpr int NV = MR == 1 ? 4 : 2;
+  // 16-float vectors (32 registers): 4 rows x 4 vectors, so that a head_dim of 64 takes one pass over the keys
+  constexpr int NV = MR == 1 || W >= 16 ? 4 : 2;
   auto pf_at = [&](int x) { return ((x * static_cast<int64_t>(sizeof(T))) & 63) == 0 ? pf_n : 0; };
   int x = 0;
   for (; x + NV * W <= d; x += NV * W)
-    pv_block<T, MR, NV>(p, ldp, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
-  for (; x < d; x += W) pv_block<T, MR, 1>(p, ldp, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
+    pv_block<T, MR, NV>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
+  for (; x < d; x += W) pv_block<T, MR, 1>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
 }
 
-// o[r] = alpha[r] o[r] + sum_t p[r][t] v[t] for r < rows; prefetches keys [0, pf_n) of the tile
-// pf_off elements on
+// o[r] = alpha[r] o[r] + sum_t p[r][t] v[t] for r < rows, p[r][t] at p + r * ldp + t * ldpt; prefetches
+// keys [0, pf_n) of the tile pf_off elements on
 template <class T>
-void pv(const float* p, int64_t ldp, const float* alpha, int rows, const T* v, int64_t ldv, int64_t n, int d,
+void pv(const float* p, int64_t ldp, int64_t ldpt, const float* alpha, int rows, const T* v, int64_t ldv, int64_t n, int d,
         float* o, int64_t ldo, int64_t pf_off = 0, int64_t pf_n = 0) {
   int r = 0;
   for (; r + 4 <= rows; r += 4, pf_n = 0)  // the first row block prefetches
-    pv_rows<T, 4>(p + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n);
+    pv_rows<T, 4>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n);
   switch (rows - r) {
-    case 3: pv_rows<T, 3>(p + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
-    case 2: pv_rows<T, 2>(p + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
-    case 1: pv_rows<T, 1>(p + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
+    case 3: pv_rows<T, 3>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
+    case 2: pv_rows<T, 2>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
+    case 1: pv_rows<T, 1>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
     default: break;
   }
 }
@@ -349,9 +352,33 @@ struct UsesTiles<bf16> {
 };
 #endif  // VATTN_AMX_BF16
 
-// ---- one work item ------------------------------------------------------------------
+#include "kernel_lanes.h"
+#ifdef VATTN_BF16_DOT
+#include "kernel_bf16_dot.h"
+#endif
 
 template <class T>
+struct IsFloat {
+  static constexpr bool value = false;
+};
+template <>
+struct IsFloat<float> {
+  static constexpr bool value = true;
+};
+template <class T>
+struct IsBf16 {
+  static constexpr bool value = false;
+};
+template <>
+struct IsBf16<bf16> {
+  static constexpr bool value = true;
+};
+
+// ---- one work item ------------------------------------------------------------------
+
+// kDot: the AVX512_BF16 variant of the unit (kernel_bf16_dot.h), with Q K^T of bf16 queries over a bf16 cache
+// by VDPBF16PS
+template <class T, bool kDot>
 void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const Request& rq = c.requests[it.req];
   const int G = c.group_size, d = c.head_dim;
@@ -381,20 +408,44 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // tile): a decode item's [nh][rows] (all heads' scores of a tile come first), else one head's
   // [rows_pad] (whole 16-row tiles)
   float* s_all = align64(acc + nh * head_rows);
-  float* m = align64(s_all + imax(nh * rows, rows_pad) * kMaxKeyTile); // [nh][rows]
-  float* l = m + nh * rows;
-  float* alpha = l + nh * rows;
-  float* k_wide = align64(alpha + nh * rows); // [tile][d]
+  // Blocks of many rows (prefill, more than 8 rows a kv head) outside the AMX tiles put the rows across
+  // the lanes (kernel_lanes.h): scores st[t][r], Q transposed, m, l and alpha per head padded to whole
+  // vectors of rows; the others keep a row per score row, m, l and alpha `rows` apart.
+  const int lane_vecs = (rows + W - 1) / W;
+  const int ld_rows = widen ? lane_vecs * W : rows;  // m, l, alpha: rows per head; qt, st: row stride
+  float* m = align64(s_all + imax(nh * rows, rows_pad) * kMaxKeyTile); // [nh][ld_rows]
+  float* l = m + nh * ld_rows;
+  float* alpha = l + nh * ld_rows;
+  float* k_wide = align64(alpha + nh * ld_rows); // [tile][d]
   float* v_wide = align64(k_wide + kMaxKeyTile * d);
+  float* qt = align64(v_wide + kMaxKeyTile * d);  // lanes: [nh][d][ld_rows]
 
   const int64_t first_token = rq.query_start + it.q_begin;
+#ifdef VATTN_AMX_BF16
+  const bool tiles = UsesTiles<T>::value && widen && nh == 1;  // (below)
+#else
+  constexpr bool tiles = false;
+#endif
+  const bool lanes = widen && !tiles;
+#ifdef VATTN_BF16_DOT
+  // bf16 queries over a bf16 cache, outside the AMX tiles: Q K^T by VDPBF16PS on the queries as they are
+  const bool dot = kDot && IsBf16<T>::value && !tiles && c.q.dtype == DType::kBF16 && d % 32 == 0;
+  bf16* q_bf16 = reinterpret_cast<bf16*>(q);  // [nh][rows][d], unscaled
+#endif
   for (int h = 0; h < nh; ++h)
     for (int j = 0; j < nq; ++j)
-      for (int g = 0; g < G; ++g)
-        load_query_row(c.q, first_token + j, static_cast<int64_t>(it.head_begin + h) * G + g, c.scale, d,
-                       q + h * head_rows + static_cast<int64_t>(j * G + g) * d);
+      for (int g = 0; g < G; ++g) {
+        const int64_t head = static_cast<int64_t>(it.head_begin + h) * G + g, row = h * head_rows + (j * G + g) * d;
+#ifdef VATTN_BF16_DOT
+        if (dot) {
+          __builtin_memcpy(q_bf16 + row, element(c.q, first_token + j, head), d * sizeof(bf16));
+          continue;
+        }
+#endif
+        load_query_row(c.q, first_token + j, head, c.scale, d, q + row);
+      }
   for (int64_t i = 0; i < nh * head_rows; ++i) acc[i] = 0.0f;
-  for (int64_t r = 0; r < static_cast<int64_t>(nh) * rows; ++r) {
+  for (int64_t r = 0; r < static_cast<int64_t>(nh) * ld_rows; ++r) {
     m[r] = kNegInf;
     l[r] = 0.0f;
   }
@@ -418,15 +469,18 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // 512 tokens of context on and fp32 decode 0.75-0.94x as fast; asking for nothing made fp32 decode
   // 1.03-1.14x faster (a burst stalls the core before any work on the tile starts). Against spreading,
   // asking for nothing made bf16 items of 1-4 heads (256 B - 1 KiB per token) 1.03-1.09x faster, and
-  // 2 KiB ones 0.80-0.91x as fast.
-  const bool spread = wide_rows && (streaming || sizeof(T) == 2);
+  // 2 KiB ones 0.80-0.91x as fast. Those items read their K and V from L2 in back-to-back calls; where a
+  // call's K and V outgrow the L2 of its threads (Call::beyond_l2) every decode item spreads its
+  // requests: 8 q / 2 kv heads of 64 on a 2-core AVX-512 VM, one thread, against asking for nothing:
+  // 1.25-2.0x (bf16) and 1.05-1.6x (fp32) from 2 MiB of K and V on, after 4 MiB were written between
+  // calls and after 64 MiB (the K and V then come from memory, as in a forward over many layers).
+  const bool spread = (wide_rows && (streaming || sizeof(T) == 2)) || (!widen && c.beyond_l2);
   const bool first_tile = widen || spread;  // whether the first tile is requested up front
 #ifdef VATTN_AMX_BF16
   // Prefill blocks of a bf16 cache (one kv head) go through the tiles: K and V
   // tiles packed into the widening buffers, Q (once) and P (per tile) in bf16.
-  const bool tiles = UsesTiles<T>::value && widen && nh == 1;
   const int d_pad = (d + 31) / 32 * 32;
-  bf16* q_hi = reinterpret_cast<bf16*>(align64(v_wide + kMaxKeyTile * d));  // [rows_pad][d_pad], twice
+  bf16* q_hi = reinterpret_cast<bf16*>(align64(v_wide + kMaxKeyTile * d));  // [rows_pad][d_pad], twice (for qt)
   bf16* q_lo = q_hi + rows_pad * d_pad;
   bf16* p_hi = reinterpret_cast<bf16*>(align64(reinterpret_cast<float*>(q_lo + rows_pad * d_pad)));  // [rows_pad][64], twice
   bf16* p_lo = p_hi + rows_pad * kMaxKeyTile;
@@ -437,6 +491,16 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
     to_bf16_terms(q, d, rows, rows_pad, d, d_pad, q_hi, q_lo);
   }
 #endif
+  if (lanes)
+    for (int h = 0; h < nh; ++h) {
+#ifdef VATTN_BF16_DOT
+      if (dot) {
+        pair_transpose(q_bf16 + h * head_rows, rows, d, reinterpret_cast<uint32_t*>(qt) + h * d * ld_rows, ld_rows);
+        continue;
+      }
+#endif
+      transpose_rows(q + h * head_rows, d, rows, d, qt + h * d * ld_rows, ld_rows);
+    }
 
   if (first_tile) {
     prefetch_tokens(k_heads + it.k_begin * ldk, ldk, imin(tile, it.k_end - it.k_begin), k_span);
@@ -447,9 +511,17 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
     const int64_t next = k0 + n, n_next = imin(tile, it.k_end - next);
     const int64_t per_head = (n_next + nh - 1) / nh;  // next-tile tokens prefetched under each head
     if (!widen)  // decode: every head's scores first, so the K tile is read in one pass, then the V tile
-      for (int h = 0; h < nh; ++h)
+      for (int h = 0; h < nh; ++h) {
+#ifdef VATTN_BF16_DOT
+        if (dot) {  // decode
+          qk_dot(q_bf16 + h * head_rows, d, rows, reinterpret_cast<const bf16*>(k_heads + k0 * ldk + h * kc.strides[2]),
+                 ldk, n, d, c.scale, s_all + h * rows * kMaxKeyTile, kMaxKeyTile, n * ldk, spread ? n_next : 0);
+          continue;
+        }
+#endif
         qk<T>(q + h * head_rows, d, rows, k_heads + k0 * ldk + h * kc.strides[2], ldk, n, d,
               s_all + h * rows * kMaxKeyTile, kMaxKeyTile, n * ldk, spread ? n_next : 0);
+      }
     for (int h = 0; h < nh; ++h) {
       const int64_t p0 = imin(n_next, h * per_head), p1 = imin(n_next, p0 + per_head);
       if (widen && p1 > p0) {  // a prefill block's burst
@@ -458,27 +530,42 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
       }
       const T* kt = k_heads + k0 * ldk + h * kc.strides[2];
       const T* vt = v_heads + k0 * ldv + h * vc.strides[2];
-      float* qh = q + h * head_rows;
       float* ah = acc + h * head_rows;
-      float* mh = m + h * rows;
-      float* lh = l + h * rows;
-      float* alh = alpha + h * rows;
+      float* mh = m + h * ld_rows;
+      float* lh = l + h * ld_rows;
+      float* alh = alpha + h * ld_rows;
       float* s = widen ? s_all : s_all + h * rows * kMaxKeyTile;  // this head's scores
-#ifdef VATTN_AMX_BF16
-      if (tiles) {
-        pack_b_tiles(reinterpret_cast<const bf16*>(kt), 1, ldk, d, n, d_pad / 32, reinterpret_cast<uint32_t*>(k_wide));
-        qk_tiles(q_hi, q_lo, d_pad, rows_pad, reinterpret_cast<const uint32_t*>(k_wide), n, s, kMaxKeyTile);
-      } else
+      if (lanes) {
+#ifdef VATTN_BF16_DOT
+        if (dot)
+          qk_lanes_dot(reinterpret_cast<const uint32_t*>(qt) + h * d * ld_rows, ld_rows, lane_vecs,
+                       reinterpret_cast<const bf16*>(kt), ldk, n, d, c.scale, s, ld_rows);
+        else
 #endif
-      if (widen) {
-        widen_rows(kt, ldk, n, d, k_wide);
-        qk<float>(qh, d, rows, k_wide, d, n, d, s, kMaxKeyTile);
-      }
-      for (int r = 0; r < rows; ++r) {
-        const int64_t pos = first_pos + r / G;
-        const int64_t hi = imin(n, pos + 1 - k0);
-        const int64_t lo = c.window > 0 ? imax(0, pos - c.window + 1 - k0) : 0;
-        softmax_tile(s + r * kMaxKeyTile, n, lo, hi, c.softcap, mh + r, lh + r, alh + r);
+        if (IsFloat<T>::value && lane_vecs <= kLaneVecs) {  // each K element is read once: no copy
+          qk_lanes(qt + h * d * ld_rows, ld_rows, lane_vecs, reinterpret_cast<const float*>(kt), ldk, n, d, s,
+                   ld_rows);
+        } else {
+          widen_rows(kt, ldk, n, d, k_wide);
+          qk_lanes(qt + h * d * ld_rows, ld_rows, lane_vecs, k_wide, d, n, d, s, ld_rows);
+        }
+        if (c.softcap > 0.0f) softcap_lanes(s, ld_rows, n, lane_vecs, c.softcap);
+        mask_lanes(s, ld_rows, n, k0, rows, G, first_pos, c.window);
+        softmax_lanes(s, ld_rows, n, lane_vecs, mh, lh, alh);
+      } else {
+#ifdef VATTN_AMX_BF16
+        if (tiles) {
+          pack_b_tiles(reinterpret_cast<const bf16*>(kt), 1, ldk, d, n, d_pad / 32,
+                       reinterpret_cast<uint32_t*>(k_wide));
+          qk_tiles(q_hi, q_lo, d_pad, rows_pad, reinterpret_cast<const uint32_t*>(k_wide), n, s, kMaxKeyTile);
+        }
+#endif
+        for (int r = 0; r < rows; ++r) {
+          const int64_t pos = first_pos + r / G;
+          const int64_t hi = imin(n, pos + 1 - k0);
+          const int64_t lo = c.window > 0 ? imax(0, pos - c.window + 1 - k0) : 0;
+          softmax_tile(s + r * kMaxKeyTile, n, lo, hi, c.softcap, mh + r, lh + r, alh + r);
+        }
       }
 #ifdef VATTN_AMX_BF16
       if (tiles) {
@@ -489,11 +576,11 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
         pv_tiles(p_hi, p_lo, n_pad, alh, rows, rows_pad, reinterpret_cast<const uint32_t*>(v_wide), d, product, ah);
       } else
 #endif
-      if (widen) {
+      if (lanes) {
         widen_rows(vt, ldv, n, d, v_wide);
-        pv<float>(s, kMaxKeyTile, alh, rows, v_wide, d, n, d, ah, d);
+        pv<float>(s, 1, ld_rows, alh, rows, v_wide, d, n, d, ah, d);
       } else {
-        pv<T>(s, kMaxKeyTile, alh, rows, vt, ldv, n, d, ah, d, n * ldv, spread ? n_next : 0);
+        pv<T>(s, kMaxKeyTile, 1, alh, rows, vt, ldv, n, d, ah, d, n * ldv, spread ? n_next : 0);
       }
     }
   }
@@ -505,25 +592,27 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
     const int64_t base = static_cast<int64_t>(it.slot) * c.rows_per_slot;
     float* pacc = c.partial_acc + base * d;
     for (int64_t i = 0; i < nh * head_rows; ++i) pacc[i] = acc[i];
-    for (int64_t r = 0; r < static_cast<int64_t>(nh) * rows; ++r) {
-      c.partial_max[base + r] = m[r];
-      c.partial_sum[base + r] = l[r];
-    }
+    for (int h = 0; h < nh; ++h)
+      for (int r = 0; r < rows; ++r) {
+        c.partial_max[base + h * rows + r] = m[h * ld_rows + r];
+        c.partial_sum[base + h * rows + r] = l[h * ld_rows + r];
+      }
     return;
   }
   for (int h = 0; h < nh; ++h) {
     for (int r = 0; r < rows; ++r) {
-      const int64_t hr = static_cast<int64_t>(h) * rows + r;
+      const int64_t hr = static_cast<int64_t>(h) * rows + r, hm = static_cast<int64_t>(h) * ld_rows + r;
       const int64_t token = first_token + r / G, head = static_cast<int64_t>(it.head_begin + h) * G + r % G;
       // l == 0: the row saw no key (output 0, LSE -inf); a NaN l stays NaN in both
-      store_output_row(c.out, token, head, acc + hr * d, l[hr] == 0.0f ? 0.0f : 1.0f / l[hr], d);
+      store_output_row(c.out, token, head, acc + hr * d, l[hm] == 0.0f ? 0.0f : 1.0f / l[hm], d);
       if (c.lse.data)
         *reinterpret_cast<float*>(const_cast<char*>(element(c.lse, token, head))) =
-            l[hr] == 0.0f ? kNegInf : m[hr] + ::logf(l[hr]);
+            l[hm] == 0.0f ? kNegInf : m[hm] + ::logf(l[hm]);
     }
   }
 }
 
+template <bool kDot>
 void run_item(const Call& c, const WorkItem& it, float* scratch) {
-  with_storage_type(c.k_cache.dtype, [&](auto tag) { run_item_typed<decltype(tag)>(c, it, scratch); });
+  with_storage_type(c.k_cache.dtype, [&](auto tag) { run_item_typed<decltype(tag), kDot>(c, it, scratch); });
 }

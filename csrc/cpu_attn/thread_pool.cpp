@@ -164,11 +164,16 @@ ThreadPool::~ThreadPool() {
 
 float* ThreadPool::scratch_for(int thread) { return scratch_[thread].get(); }
 
-void ThreadPool::run(int64_t count, Task task, void* ctx, int64_t scratch_floats) {
+void ThreadPool::run(int64_t count, Task task, void* ctx, int64_t scratch_floats, int max_threads) {
   if (count <= 0) return;
   std::lock_guard<std::mutex> job(run_mutex_);
+  if (max_threads <= 1 || count == 1) {  // the calling thread alone: no team to start or wait for
+    ensure_scratch(1, scratch_floats);
+    for (int64_t i = 0; i < count; ++i) task(ctx, i, scratch_for(0));
+    return;
+  }
   if (omp_) {
-    const int n = threads();
+    const int n = std::min(threads(), max_threads);
     ensure_scratch(n, scratch_floats);
     OmpJob omp_job{task, ctx, count, {0}, &scratch_, omp_->thread_num};
     // the team has at most n threads (fewer when the runtime has fewer to give)

@@ -53,10 +53,11 @@ class ThreadPool {
   // "openmp (libgomp.so.1)" or "own"
   std::string kind() const;
 
-  // Runs every task once across the pool and the calling thread; returns when
-  // all have finished. Each thread's scratch holds at least scratch_floats
-  // floats. One job at a time: a concurrent caller waits.
-  void run(int64_t count, Task task, void* ctx, int64_t scratch_floats);
+  // Runs every task once across the pool and the calling thread (at most
+  // max_threads of them; 1: the calling thread alone); returns when all have
+  // finished. Each thread's scratch holds at least scratch_floats floats. One
+  // job at a time: a concurrent caller waits.
+  void run(int64_t count, Task task, void* ctx, int64_t scratch_floats, int max_threads);
 
  private:
   void worker_main(int index);

@@ -4,6 +4,7 @@
 
 struct Vec {
   static constexpr int W = 8;
+  static constexpr int kRegisters = 16;  // vector registers the ISA has (register blocking)
   using R = __m256;
 
   static R zero() { return _mm256_setzero_ps(); }

@@ -4,6 +4,7 @@
 
 struct Vec {
   static constexpr int W = 4;
+  static constexpr int kRegisters = 32;  // vector registers the ISA has (register blocking)
   using R = float32x4_t;
 
   static R zero() { return vdupq_n_f32(0.0f); }

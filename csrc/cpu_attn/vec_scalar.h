@@ -4,6 +4,7 @@
 
 struct Vec {
   static constexpr int W = 1;
+  static constexpr int kRegisters = 16;  // vector registers the ISA has (register blocking)
   using R = float;
 
   static R zero() { return 0.0f; }

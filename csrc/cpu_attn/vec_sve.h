@@ -13,6 +13,7 @@ typedef svint32_t sve_s32 __attribute__((arm_sve_vector_bits(256)));
 
 struct Vec {
   static constexpr int W = 8;
+  static constexpr int kRegisters = 32;  // vector registers the ISA has (register blocking)
   using R = sve_f32;
 
   static svbool_t all() { return svptrue_b32(); }

@@ -71,7 +71,7 @@ int run_case(std::mt19937_64& rng, int index, int64_t max_cached, int64_t max_kv
   const int64_t D = pick({64, 80, 96, 128, 256});
   // 16 kv heads (max_kv_heads >= 16): a decode item's token rows exceed 4 KiB in fp32, so key tiles shrink to 8
   const int64_t Hkv = max_kv_heads >= 16 && rng() % 2 ? 16 : pick({1, 2, 4});
-  const int64_t G = pick({1, 4, 8});
+  const int64_t G = pick({1, 4, 7, 8});  // 7: Qwen2-0.5B, prefill blocks of rows that are no whole number of vectors
   const int64_t Hq = Hkv * G;
   // dtype and layout cycle, so that any 6 consecutive cases cover every pair
   const DType dtype = static_cast<DType>(index % 3);

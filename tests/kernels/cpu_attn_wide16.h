@@ -10,6 +10,7 @@ struct Wide16 {
 
 struct Vec {
   static constexpr int W = 16;
+  static constexpr int kRegisters = 32;  // vector registers the ISA has (register blocking)
   using R = Wide16;
 
   template <class F>

@@ -2,7 +2,9 @@
 float64 reference on copies of the same K/V.
 
 Every case runs on the scalar path and on the fastest vector path this CPU
-has (AVX2 here), so both are checked on every machine that has them. The
+has, so both are checked on every machine that has them; the small models'
+head shapes run on every path the CPU supports (the C++ harness,
+test_cpu_attn_isas.py, runs every path on random cases too). The
 manager cases map exactly each request's length (no lookahead, no background
 mapper) and put request ends at page ends, so a kernel that read one row past
 a request would fault instead of passing.
@@ -188,6 +190,37 @@ def test_long_decodes_over_wide_rows(isa: str, dtype: torch.dtype) -> None:
     check(out, lse, reference(case.q, case.keys, case.values, batch, 1 / math.sqrt(128)), f"{isa} {dtype}")
 
 
+SUPPORTED = host_attention_info()["supported"]  # every path this CPU runs (scalar, avx2, avx512, avx512_bf16, ...)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("heads_q,heads_kv", [(8, 2), (14, 2), (32, 4)], ids=["8q2kv", "14q2kv", "32q4kv"])
+def test_small_model_head_shapes(dtype: torch.dtype, heads_q: int, heads_kv: int) -> None:
+    """The head shapes of the small models served on CPUs (2-4 kv heads of
+    64; Qwen2-0.5B's 7 query heads a kv head leave prefill blocks of rows
+    that are no whole number of vectors) on every path this CPU supports: a
+    fresh prefill of several key tiles, a chunk after history, and decodes
+    around tile and split boundaries, plain and with a sliding window and
+    soft-cap (prefill blocks mask the window and the diagonal down the columns)."""
+    batch = AttentionBatch([3, 0, 5, 1, 2, 4], [0, 300, 0, 127, 128, 599], [200, 40, 1, 1, 1, 1])
+    case = DenseCase(batch, heads_q, heads_kv, 64, dtype, max_len=600, seed=heads_q)
+    for window, cap in ((0, 0.0), (150, 20.0)):
+        expected = reference(case.q, case.keys, case.values, batch, 1 / 8, window, cap)
+        for isa in SUPPORTED:
+            out, lse = host_attention(case.q, case.k_cache, case.v_cache, batch, k=case.k, v=case.v,
+                                      return_lse=True, sliding_window=window, logits_soft_cap=cap, isa=isa)
+            check(out, lse, expected, f"{isa} {dtype} {heads_q}/{heads_kv} window={window} cap={cap}")
+
+
+def test_the_default_path_is_the_fastest_this_cpu_has() -> None:
+    """AMX, then AVX-512 with AVX512_BF16 (VDPBF16PS), AVX-512, AVX2; SVE at
+    256 bits, NEON; scalar: the first of these the CPU supports is the default."""
+    info = host_attention_info()
+    fastest_first = ["amx", "avx512_bf16", "avx512", "avx2", "sve256", "neon", "scalar"]
+    assert info["best_isa"] == next(i for i in fastest_first if i in info["supported"]), info
+    assert sorted(info["supported"]) == sorted(i for i in fastest_first if i in info["supported"])
+
+
 def test_single_long_request_split_over_keys() -> None:
     """One request, one kv head: all parallelism comes from key splits, also
     for a prefill chunk after a long history."""
@@ -247,13 +280,25 @@ def test_nan_in_a_split_that_sees_one_key(isa: str) -> None:
     split = False
     for cached in range(256, 4097, 64):
         batch = AttentionBatch([0], [cached], [8])
-        split = split or KERNELS["host"].plan_for(batch).native.num_items(group_size=4, heads_kv=1)[1] > 0
+        split = split or KERNELS["host"].plan_for(batch).native.num_items(group_size=4, heads_kv=1, head_dim=64)[1] > 0
         case = DenseCase(batch, 4, 1, 64, torch.float32, max_len=cached + 8, seed=1)
         case.k[0, 0, 7] = float("nan")  # every query of the chunk sees its first new key
         out = host_attention(case.q, case.k_cache, case.v_cache, batch, k=case.k, v=case.v, isa=isa)
         finite_rows = (~out.isnan()).any(-1).nonzero().tolist()
         assert not finite_rows, f"{isa}: after {cached} cached tokens, rows {finite_rows} are finite"
     assert split or host_attention_info()["threads"] == 1, "no history length was split: the merge went untested"
+
+
+def test_a_call_too_small_to_share_stays_on_one_thread() -> None:
+    """Handing items to another thread and waiting for it costs more than a
+    few microseconds of work saves: a small decode is one item (no head or
+    key split), a long one is cut for every thread of the pool."""
+    small = AttentionBatch([0], [127], [1])
+    assert KERNELS["host"].plan_for(small).native.num_items(group_size=4, heads_kv=2, head_dim=64) == (1, 0)
+    if host_attention_info()["threads"] > 1:
+        long = AttentionBatch([0], [4095], [1])
+        items, groups = KERNELS["host"].plan_for(long).native.num_items(group_size=4, heads_kv=2, head_dim=64)
+        assert items >= host_attention_info()["threads"] and groups > 0, (items, groups)
 
 
 def test_concurrent_calls_from_many_threads_agree() -> None:
