@@ -23,6 +23,7 @@ from .arguments import stream_handles as _stream_handles
 from .backends import BackendSpec, parse_device, resolve_backend, torch_device
 from .config import KVCacheConfig
 from .errors import BackendUnavailable, ForkedError
+from .prefix_handle import PrefixHandle
 from .spans import forget_span as _forget_span
 from .spans import manager_of  # noqa: F401 - vattn.manager.manager_of, as before
 from .spans import remember_span as _remember_span
@@ -31,6 +32,7 @@ SeqLens = Sequence[int] | torch.Tensor | np.ndarray
 IntArray = Sequence[int] | torch.Tensor | np.ndarray
 
 PAGE_ALLOCATORS = ("vattn", "external")
+_HOLE = 2**32 - 1  # a hole in page_ids (the core's PageTable::kHole)
 
 
 class KVCacheManager:
@@ -458,9 +460,21 @@ class KVCacheManager:
         or allocated), in one call. Pages still used elsewhere stay there."""
         self._pages.truncate(_int_array("reqids", reqids), _int_array("keep", keep))
 
+    def unmap_pages_below(self, reqids: IntArray, first: IntArray) -> None:
+        """Unmaps page positions below ``first[i]`` of ``reqids[i]``, in one
+        call: they become holes, and positions from ``first[i]`` on keep their
+        pages at their addresses, so the slice stays one contiguous range
+        whose front maps nothing (the tokens behind a sliding window). A
+        slice mapped over fewer positions grows to ``first[i]`` with holes, so
+        :meth:`map_pages` may start there. Reading a hole faults: only
+        kernels that skip the rows behind the window may read such a slice.
+        ``page_allocator="external"`` only."""
+        self._pages.punch(_int_array("reqids", reqids), _int_array("first", first))
+
     def page_ids(self, reqid: int) -> list[int]:
-        """The page id mapped at each page position of reqid, in order."""
-        return self._pages.slot_ids(self._reqid(reqid))
+        """The page id mapped at each page position of reqid, in order; -1
+        at a hole (:meth:`unmap_pages_below`)."""
+        return [-1 if i == _HOLE else i for i in self._pages.slot_ids(self._reqid(reqid))]
 
     def _reqid(self, value: object, name: str = "reqid") -> int:
         return _bounded_int(name, value, self.config.max_batch_size)
@@ -643,58 +657,3 @@ def _close_live_managers() -> None:
             manager.cleanup()
         except Exception:  # noqa: BLE001 - exit must go on; the OS reclaims the rest
             pass
-
-
-class PrefixHandle:
-    """References to the whole pages of a request's prefix (see
-    :meth:`KVCacheManager.retain_prefix`). ``num_tokens``: tokens covered;
-    ``page_ids``: the ids, position 0 first. Dropped without :meth:`release`,
-    it releases its pages when collected; in a forked child every use raises
-    :class:`vattn.ForkedError` (the pages are the parent's)."""
-
-    __slots__ = ("_manager", "_id", "num_tokens", "_finalizer", "__weakref__")
-
-    def __init__(self, manager: KVCacheManager, handle_id: int, num_tokens: int) -> None:
-        self._manager = manager
-        self._id = handle_id
-        self.num_tokens: int = num_tokens
-        # Runs once, from release() or when collected; not at exit (cleanup releases every handle then).
-        self._finalizer = weakref.finalize(self, PrefixHandle._release_pages, manager._pages, handle_id, os.getpid())
-        self._finalizer.atexit = False
-
-    @staticmethod
-    def _release_pages(pages: Any, handle_id: int, pid: int) -> None:
-        """Nothing in a forked child or after cleanup; never raises (the garbage collector may call it)."""
-        try:
-            if os.getpid() == pid and not pages.closed:
-                pages.release_prefix(handle_id)
-        except Exception:  # noqa: BLE001 - cleanup releases what is left
-            pass
-
-    @property
-    def released(self) -> bool:
-        self._manager._check_process()
-        return not self._finalizer.alive or self._manager.closed
-
-    @property
-    def page_ids(self) -> list[int]:
-        if self.released:
-            raise ValueError("handle was released")
-        return self._manager._pages.prefix_ids(self._id)
-
-    def release(self) -> None:
-        """Drops the references (idempotent): pages no request maps return to the pool."""
-        self._manager._check_process()
-        self._finalizer()
-
-    def __enter__(self) -> PrefixHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        if os.getpid() != self._manager._pid:
-            return f"PrefixHandle(num_tokens={self.num_tokens}, from another process)"
-        state = "released" if self.released else f"{len(self.page_ids)} pages"
-        return f"PrefixHandle(num_tokens={self.num_tokens}, {state})"
