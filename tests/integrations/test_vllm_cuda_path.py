@@ -21,6 +21,7 @@ import torch
 
 import vattn
 from vattn.integrations import vllm as plugin
+from vattn.integrations import vllm_cache
 from vattn.integrations.block_mapper import BlockMapper
 from vattn.kernels import KERNELS
 
@@ -154,16 +155,16 @@ def test_the_workers_manager_fences_on_vllms_stream(monkeypatch):
     torch_utils = types.ModuleType("vllm.utils.torch_utils")
     torch_utils.current_stream = lambda: stream
     monkeypatch.setitem(sys.modules, "vllm.utils.torch_utils", torch_utils)
-    monkeypatch.setattr(plugin, "_granularity", lambda device: 4096 if device.type == "cpu" else 2 << 20)
+    monkeypatch.setattr(vllm_cache, "granularity", lambda device: 4096 if device.type == "cpu" else 2 << 20)
     spec = types.SimpleNamespace(num_kv_heads=8, head_size=128, dtype=torch.bfloat16, block_size=32)
     runner = types.SimpleNamespace(device=torch.device("cuda", 0), max_model_len=4096,
                                    input_batch=types.SimpleNamespace(max_num_reqs=16))
-    args = plugin.cache_arguments(runner, spec, 32, 100)
+    args = vllm_cache.cache_arguments(runner, spec, 32, 100)
     assert args["sync_streams"] == [stream]
     assert (args["device"], args["layout"], args["page_size"]) == ("cuda:0", "all_layers", 2 << 20)
     runner.device = torch.device("cpu")
     spec = types.SimpleNamespace(num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=32)
-    args = plugin.cache_arguments(runner, spec, 2, 10)
+    args = vllm_cache.cache_arguments(runner, spec, 2, 10)
     assert args["sync_streams"] is None
     with vattn.KVCacheManager(**args) as kv:  # what the worker builds on the CPU
         assert kv.num_page_ids == 10
