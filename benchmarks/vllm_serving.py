@@ -94,7 +94,7 @@ SUITES = {
         engine=dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, enable_prefix_caching=True)),
     "long": dict(
         traces=("prefill_heavy", "decode_heavy"), phases=long_phases, requests=8,
-        model_args=["4", "512", "0", "8", "8192"],
+        model_args=["4", "512", "8", "8192"],
         model="random-weight Llama, 4 layers, hidden 512, 8 q / 2 kv heads x 64, bf16",
         engine=dict(dtype="bfloat16", max_model_len=8192, max_num_seqs=8, enable_prefix_caching=True,
                     max_num_batched_tokens=8192)),

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import os
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,6 +21,7 @@ from .arguments import policy_args as _policy_args
 from .arguments import stream_handles as _stream_handles
 from .backends import BackendSpec, parse_device, resolve_backend, torch_device
 from .config import KVCacheConfig
+from .cuda_streams import CudaStreams
 from .errors import BackendUnavailable, ForkedError
 from .manager_budget import DEFAULT_IDLE_RELEASE_S, default_label, idle_release_seconds, join_budget
 from .prefix_handle import PrefixHandle
@@ -33,9 +33,10 @@ SeqLens = Sequence[int] | torch.Tensor | np.ndarray
 IntArray = Sequence[int] | torch.Tensor | np.ndarray
 
 PAGE_ALLOCATORS = ("vattn", "external")
+_HOLE = 2**32 - 1  # a hole in page_ids (the core's PageTable::kHole)
 
 
-class KVCacheManager:
+class KVCacheManager(CudaStreams):
     """A KV cache whose every K and V buffer is one contiguous virtual tensor.
 
     Physical pages are mapped behind a request's slice on demand by :meth:`step`.
@@ -511,9 +512,21 @@ class KVCacheManager:
         or allocated), in one call. Pages still used elsewhere stay there."""
         self._pages.truncate(_int_array("reqids", reqids), _int_array("keep", keep))
 
+    def unmap_pages_below(self, reqids: IntArray, first: IntArray) -> None:
+        """Unmaps page positions below ``first[i]`` of ``reqids[i]``, in one
+        call: they become holes, and positions from ``first[i]`` on keep their
+        pages at their addresses, so the slice stays one contiguous range
+        whose front maps nothing (the tokens behind a sliding window). A
+        slice mapped over fewer positions grows to ``first[i]`` with holes, so
+        :meth:`map_pages` may start there. Reading a hole faults: only
+        kernels that skip the rows behind the window may read such a slice.
+        ``page_allocator="external"`` only."""
+        self._pages.punch(_int_array("reqids", reqids), _int_array("first", first))
+
     def page_ids(self, reqid: int) -> list[int]:
-        """The page id mapped at each page position of reqid, in order."""
-        return self._pages.slot_ids(self._reqid(reqid))
+        """The page id mapped at each page position of reqid, in order; -1
+        at a hole (:meth:`unmap_pages_below`)."""
+        return [-1 if i == _HOLE else i for i in self._pages.slot_ids(self._reqid(reqid))]
 
     def _reqid(self, value: object, name: str = "reqid") -> int:
         return _bounded_int(name, value, self.config.max_batch_size)
@@ -555,98 +568,6 @@ class KVCacheManager:
         """Blocks until the background mapper has mapped everything it planned
         (for tests and benchmarks; serving code never needs it)."""
         self._pages.wait_idle()
-
-    # ---- CUDA: streams and graphs ------------------------------------------------
-
-    def set_sync_streams(self, streams: Any) -> None:
-        """Names the streams whose kernels may read the cache.
-
-        vattn unmaps a page only once no queued kernel can still read it: the
-        pages of a freed reqid (deferred reclaim by the mapper, :meth:`reclaim`,
-        the last-resort reclaim inside :meth:`step`, the trim of
-        ``alloc_reqid(reqid=)``). With streams named, :meth:`free_reqid`
-        records an event on each of them (a read fence: the request's last
-        kernels are queued by then), and the unmap later waits for those
-        events only, usually finished long before; a fence an earlier wait
-        covered costs no driver call. :meth:`fork` waits for the work queued so
-        far on the streams before it copies. Without streams (``None`` or
-        ``[]``, the default) every such wait is ``cuCtxSynchronize``: the
-        whole device, other users' kernels included.
-
-        Args:
-            streams: a ``torch.cuda.Stream`` (anything with ``.cuda_stream``),
-                a raw ``cudaStream_t`` as an int (0: the legacy default
-                stream), or a sequence of them. Every stream that launches
-                kernels or CUDA graph replays reading the cache must be named
-                and must outlive this setting; a serving engine names the
-                stream its forward pass runs on, e.g.
-                ``kv.set_sync_streams(torch.cuda.current_stream())``. Kernels
-                may read a reqid's rows only between the ``step`` that covered
-                them and its ``free_reqid``. CUDA only.
-
-        Changing the setting first waits, once, for the readers the old one
-        names. Raises ``DriverError`` (the old setting kept) when a stream
-        cannot carry vattn's events, e.g. one of another context.
-
-        Example::
-
-            kv = vattn.KVCacheManager(..., device="cuda",
-                                      sync_streams=torch.cuda.current_stream())
-        """
-        handles = _stream_handles(streams)
-        self._vmm().set_sync_streams(handles)
-
-    @contextlib.contextmanager
-    def graph_capture(self) -> Iterator[KVCacheManager]:
-        """Wrap CUDA graph capture in this block.
-
-        The contract with CUDA graphs (a graph records addresses, not
-        mappings):
-
-        - Replay: a kernel or graph replay launched after ``step(seq_lens)``
-          returned True may read rows ``[0, seq_lens[r])`` of every reqid
-          ``r``. ``step`` returns only once every page those lengths need is
-          mapped with access granted, waiting for the background mapper's
-          batch in flight when that batch maps some of them; the pages stay
-          mapped until ``r`` is freed and its read fence has passed. So: step,
-          then replay, every iteration, with every length the replay reads at
-          most what the last step covered; rows of padding entries in a
-          captured batch must read nothing (length 0) or only stepped rows.
-        - The background mapper maps only beyond the stepped lengths (pages no
-          launched kernel reads) and unmaps only pages of freed reqids, after
-          their fences: it may run while graphs replay.
-        - Capture: inside this block the mapper starts no work (its batch in
-          flight, if any, lands first), and every vattn call that would reach
-          the CUDA driver raises ``DriverError`` instead, on any thread: in
-          the default (global) capture mode the driver refuses such calls and
-          a synchronization would invalidate the capture, and an event
-          recorded on the capturing stream would join the graph. A ``step``
-          whose lengths are already mapped needs no driver call and works.
-          Step before the capture to the lengths it reads.
-
-        On the host backend it only pauses the mapper. Not reentrant
-        (``RuntimeError``).
-
-        Example::
-
-            kv.step(lens)                  # maps what the captured kernels read
-            with kv.graph_capture(), torch.cuda.graph(g):
-                out = model_forward(...)   # reads k[r, :n], n <= lens[r]
-            ...
-            kv.step(lens); g.replay()      # every iteration: step, then replay
-        """
-        vmm = self._vmm()
-        self._pages.pause_mapper(True)  # raises when already paused: nothing else changed
-        try:
-            vmm.suspend_driver_calls()
-        except BaseException:
-            self._pages.pause_mapper(False)
-            raise
-        try:
-            yield self
-        finally:
-            vmm.resume_driver_calls()
-            self._pages.pause_mapper(False)
 
     def _vmm(self) -> Any:
         """The C++ VMM backend of the open cache (ClosedError after cleanup)."""

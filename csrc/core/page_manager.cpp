@@ -373,7 +373,8 @@ void PageManager::close() {
   std::vector<uintptr_t> mapped;
   for (size_t s = 0; s < config_.num_slots; ++s)
     for (size_t b = 0; b < config_.num_buffers; ++b)
-      for (size_t p = 0; p < table_.mapped(s); ++p) mapped.push_back(address(b, s, p));
+      for (size_t p = 0; p < table_.mapped(s); ++p)
+        if (table_.ids(s)[p] != PageTable::kHole) mapped.push_back(address(b, s, p));
   for (const Orphan& o : table_.orphans()) mapped.insert(mapped.end(), o.addrs.begin(), o.addrs.end());
   table_.clear();
   memory_->hand_over(std::move(mapped));
@@ -440,7 +441,8 @@ std::vector<TableEntry> PageManager::table() const {
   for (size_t s = 0; s < config_.num_slots; ++s)
     for (size_t b = 0; b < config_.num_buffers; ++b)
       for (size_t p = 0; p < table_.mapped(s); ++p)
-        out.push_back(TableEntry{address(b, s, p), physical(b, table_.ids(s)[p])});
+        if (table_.ids(s)[p] != PageTable::kHole)
+          out.push_back(TableEntry{address(b, s, p), physical(b, table_.ids(s)[p])});
   for (const Orphan& o : table_.orphans())
     for (uintptr_t a : o.addrs) {
       size_t b = (a - base_) / buffer_bytes();

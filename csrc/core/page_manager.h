@@ -180,6 +180,10 @@ class PageManager {
                const uint32_t* ids, size_t num_ids_given);
   // For each i: unmaps positions from keep[i] on of slots[i].
   void truncate(const int64_t* slots, const int64_t* keep, size_t count);
+  // For each i: positions [0, first[i]) of slots[i] become holes (unmapped,
+  // addresses kept; a shorter prefix grows to first[i] with holes), so map_ids
+  // may start at first[i]. External ids only: a sliding window's front.
+  void punch(const int64_t* slots, const int64_t* first, size_t count);
   std::vector<uint32_t> slot_ids(int64_t slot) const;
 
   // Stops the mapper, releases prefix handles, hands every mapping to the
@@ -305,6 +309,9 @@ class PageManager {
   // Waits for the slots' reads, then unmaps the cut positions on this thread.
   // A failed wait changes nothing; a failed unmap leaves orphans. Throws.
   void unmap_tails_locked(const std::vector<SlotKeep>& slot_keep);
+  // Unmaps positions cut from the table (their reads waited for); a failed
+  // unmap leaves orphans. Throws.
+  void unmap_cuts_locked(std::vector<Cut>& cuts);
   // Retries unmapping orphans (of `slot`, or all when slot < 0). Throws the
   // first failure after trying all.
   void settle_orphans_locked(int64_t slot);

@@ -174,6 +174,10 @@ void PageManager::unmap_tails_locked(const std::vector<SlotKeep>& slot_keep) {
   backend_->wait_reads(reads);
   std::vector<Cut> cuts;
   for (auto [slot, keep] : slot_keep) table_.cut_tail(slot, keep, cuts);
+  unmap_cuts_locked(cuts);
+}
+
+void PageManager::unmap_cuts_locked(std::vector<Cut>& cuts) {
   std::vector<uintptr_t> addrs = addresses_of(cuts);
   size_t done = 0;
   std::exception_ptr error;

@@ -1,5 +1,6 @@
 // PageManager: shared pages. fork, prefix handles, and the page-table
-// primitive (map_ids / truncate) that puts given ids at given positions.
+// primitive (map_ids / truncate / punch) that puts given ids at given
+// positions.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -236,6 +237,35 @@ void PageManager::truncate(const int64_t* slots, const int64_t* keep, size_t cou
   for (auto [s, k] : cuts)
     if (table_.orphans_of(s)) settle_orphans_locked(static_cast<int64_t>(s));
   unmap_tails_locked(cuts);
+  work_epoch_++;
+  sync_->wake.notify_one();
+}
+
+void PageManager::punch(const int64_t* slots, const int64_t* first, size_t count) {
+  check_process();
+  Lock lock(sync_->mu);
+  check_open();
+  if (!config_.external_ids)
+    throw std::invalid_argument("unmap_pages_below: only a manager whose page ids the caller owns "
+                                "(page_allocator='external') leaves holes in a slice");
+  const int64_t slot_positions = static_cast<int64_t>(config_.slot_bytes / page_size_);
+  for (size_t i = 0; i < count; ++i) {
+    check_slot(slots[i], "unmap_pages_below");
+    if (first[i] < 0 || first[i] > slot_positions)
+      throw std::invalid_argument("unmap_pages_below: first must be in " + range_text(0, slot_positions) +
+                                  " (page positions per reqid), got " + std::to_string(first[i]));
+  }
+  wait_for_batch(lock);
+  uint64_t reads = VmmBackend::kNoReads;
+  for (size_t i = 0; i < count; ++i) {
+    const size_t s = static_cast<size_t>(slots[i]);
+    if (table_.orphans_of(s)) settle_orphans_locked(slots[i]);
+    if (table_.maps_below(s, static_cast<size_t>(first[i]))) reads = std::max(reads, reads_of(s));
+  }
+  backend_->wait_reads(reads);  // the pages behind a window may still be read by queued work
+  std::vector<Cut> cuts;
+  for (size_t i = 0; i < count; ++i) table_.punch(static_cast<size_t>(slots[i]), static_cast<size_t>(first[i]), cuts);
+  unmap_cuts_locked(cuts);
   work_epoch_++;
   sync_->wake.notify_one();
 }

@@ -29,7 +29,7 @@ PageTable::PageTable(size_t num_slots, size_t num_buffers, size_t num_ids, bool 
 size_t PageTable::first_shared(size_t slot) const {
   const auto& ids = slot_ids_[slot];
   for (size_t p = 0; p < ids.size(); ++p)
-    if (refs(ids[p]) > 1) return p;
+    if (ids[p] != kHole && refs(ids[p]) > 1) return p;
   return ids.size();
 }
 
@@ -169,11 +169,39 @@ void PageTable::append(size_t slot, const std::vector<uint32_t>& ids) {
   stats_.page_slots_mapped += ids.size() * num_buffers_;
 }
 
+void PageTable::cut_runs(size_t slot, size_t from, size_t to, std::vector<Cut>& cuts) const {
+  const auto& ids = slot_ids_[slot];
+  for (size_t p = from; p < to;) {
+    if (ids[p] == kHole) {
+      ++p;
+      continue;
+    }
+    size_t end = p;
+    while (end < to && ids[end] != kHole) ++end;
+    cuts.push_back(Cut{slot, p, std::vector<uint32_t>(ids.begin() + p, ids.begin() + end)});
+    p = end;
+  }
+}
+
 void PageTable::cut_tail(size_t slot, size_t keep, std::vector<Cut>& cuts) {
   auto& ids = slot_ids_[slot];
   if (ids.size() <= keep) return;
-  cuts.push_back(Cut{slot, keep, std::vector<uint32_t>(ids.begin() + keep, ids.end())});
+  cut_runs(slot, keep, ids.size(), cuts);
   ids.resize(keep);
+}
+
+void PageTable::punch(size_t slot, size_t first, std::vector<Cut>& cuts) {
+  auto& ids = slot_ids_[slot];
+  const size_t upto = std::min(first, ids.size());
+  cut_runs(slot, 0, upto, cuts);
+  std::fill(ids.begin(), ids.begin() + upto, kHole);
+  if (first > ids.size()) ids.resize(first, kHole);
+}
+
+bool PageTable::maps_below(size_t slot, size_t first) const {
+  const auto& ids = slot_ids_[slot];
+  const size_t upto = std::min(first, ids.size());
+  return std::any_of(ids.begin(), ids.begin() + upto, [](uint32_t id) { return id != kHole; });
 }
 
 void PageTable::count_unmapped(size_t addrs) {
@@ -269,11 +297,15 @@ std::string PageTable::check_invariants() const {
   for (size_t s = 0; s < slot_ids_.size(); ++s) {
     allocated += slot_allocated_[s];
     for (uint32_t id : slot_ids_[s]) {
+      if (id == kHole) {
+        if (!external_ids_) return "slot " + std::to_string(s) + " has a hole, but its ids are managed";
+        continue;
+      }
       if (id >= n_ids) return "slot " + std::to_string(s) + " holds id " + std::to_string(id) + " out of range";
       if (!id_created_[id]) return "slot " + std::to_string(s) + " maps uncreated id " + std::to_string(id);
       maps[id]++;
+      slots_mapped += nb;
     }
-    slots_mapped += slot_ids_[s].size() * nb;
   }
   size_t orphaned = 0;
   std::vector<uint32_t> per_slot(slot_ids_.size(), 0);

@@ -5,7 +5,9 @@
 //
 // Page ids. Ids 0..num_ids-1 each name one physical page per buffer. A slot
 // (request id) maps a prefix of positions [0, n), the same id at a position in
-// every buffer. An id's reference count is its mappings (positions of slots,
+// every buffer. With external ids the front of a prefix may be holes (punch):
+// positions that map nothing and hold no reference, so a sliding window's
+// slice gives back the pages behind the window and keeps its addresses. An id's reference count is its mappings (positions of slots,
 // and orphans) plus the prefix handles holding it; an id is in exactly one of:
 // referenced, the free pool (created, unreferenced), the uncreated list, or in
 // flight (claimed by the caller, not yet appended or given back).
@@ -79,6 +81,8 @@ struct Orphan {
 
 class PageTable {
  public:
+  static constexpr uint32_t kHole = UINT32_MAX;  // a position of a prefix that maps nothing
+
   // Every slot free and empty; managed ids all uncreated, handed out smallest first.
   PageTable(size_t num_slots, size_t num_buffers, size_t num_ids, bool external_ids);
 
@@ -89,7 +93,7 @@ class PageTable {
 
   // ---- slots ----
   const std::vector<uint32_t>& ids(size_t slot) const { return slot_ids_[slot]; }
-  size_t mapped(size_t slot) const { return slot_ids_[slot].size(); }  // positions in the prefix
+  size_t mapped(size_t slot) const { return slot_ids_[slot].size(); }  // positions in the prefix, holes included
   bool allocated(size_t slot) const { return slot_allocated_[slot] != 0; }
   int64_t tokens(size_t slot) const { return slot_tokens_[slot]; }  // last stepped length
   size_t orphans_of(size_t slot) const { return slot_orphans_[slot]; }
@@ -144,8 +148,15 @@ class PageTable {
   // Positions mapped(slot).. of `slot` now hold `ids` (each gets a mapping reference).
   void append(size_t slot, const std::vector<uint32_t>& ids);
   // Cuts positions [keep, mapped) of `slot` out of its prefix into `cuts`
-  // (nothing when keep >= mapped); their references stay until reported.
+  // (nothing when keep >= mapped; one cut per run between holes); their
+  // references stay until reported.
   void cut_tail(size_t slot, size_t keep, std::vector<Cut>& cuts);
+  // Positions [0, first) of `slot` become holes: their ids go into `cuts`
+  // (references stay until reported), and a prefix shorter than `first`
+  // grows to it with holes. External ids only.
+  void punch(size_t slot, size_t first, std::vector<Cut>& cuts);
+  // Whether positions [0, first) of `slot` hold any page.
+  bool maps_below(size_t slot, size_t first) const;
   // `addrs` page-sized mappings went away (the unmap counters).
   void count_unmapped(size_t addrs);
   // Drops one mapping reference of `id` (a cut position fully unmapped).
@@ -190,6 +201,8 @@ class PageTable {
  private:
   void add_map_ref(uint32_t id);
   void release_if_unreferenced(uint32_t id);
+  // Runs of ids (holes skipped) among positions [from, to) of `slot`, as cuts.
+  void cut_runs(size_t slot, size_t from, size_t to, std::vector<Cut>& cuts) const;
   void note_in_use();
 
   const size_t num_buffers_;

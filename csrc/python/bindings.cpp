@@ -501,6 +501,18 @@ PYBIND11_MODULE(_C, m) {
             pm.truncate(slots.data(), keep.data(), slots.size());
           },
           py::arg("reqids"), py::arg("keep"))
+      .def(
+          "punch",
+          [](PageManager& pm, py::handle slots_obj, py::handle first_obj) {
+            std::vector<int64_t> slots, first;
+            read_ints(slots_obj, "reqids", slots);
+            read_ints(first_obj, "first", first);
+            if (first.size() != slots.size())
+              throw std::invalid_argument("unmap_pages_below: reqids and first must have equal lengths");
+            py::gil_scoped_release release;  // unmapping waits for the device and the driver
+            pm.punch(slots.data(), first.data(), slots.size());
+          },
+          py::arg("reqids"), py::arg("first"))
       .def("slot_ids", &PageManager::slot_ids, py::arg("slot"))
       .def(
           "table",

@@ -208,10 +208,10 @@ def attempt(name, make):
         results[name] = "started"
     except Exception as e:  # the message a user sees
         results[name] = f"{type(e).__name__}: {e}"
-model, windowed = sys.argv[1], sys.argv[2]
+model, latent = sys.argv[1], sys.argv[2]
 common = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=256, max_num_seqs=4, enforce_eager=True)
 attempt("block_size", lambda: LLM(model=model, block_size=8, **common))
-attempt("sliding_window", lambda: LLM(model=windowed, block_size=32, **common))
+attempt("latent_attention", lambda: LLM(model=latent, **common))
 from vattn.integrations import vllm as plugin
 from vllm.v1.attention.backend import AttentionType
 impl = plugin._impl_cls()
@@ -227,20 +227,20 @@ print("RESULTS", json.dumps(results))
 
 @needs_vllm
 def test_bad_configurations_fail_at_start_up_with_clear_messages(runs, tmp_path):
-    windowed = tmp_path / "windowed"
-    subprocess.run([vllm_python(), str(SCENARIO), "make-model", str(windowed), "2", "128", "64"], check=True,
+    latent = tmp_path / "deepseek-v2"
+    subprocess.run([vllm_python(), str(SCENARIO), "make-arch", str(latent), "deepseek-v2"], check=True,
                    capture_output=True, timeout=300)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("VATTN_VLLM")}
     environ.update(VATTN_VLLM="1", VATTN_VLLM_LAYOUT="per_layer", VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.run([vllm_python(), "-c", BAD_CONFIG, str(runs.model), str(windowed)], capture_output=True,
+    proc = subprocess.run([vllm_python(), "-c", BAD_CONFIG, str(runs.model), str(latent)], capture_output=True,
                           text=True, timeout=600, env=environ, cwd=tmp_path)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert lines, proc.stderr[-4000:]
     results = json.loads(lines[0][len("RESULTS "):])
     assert ("block_size=8 makes 2048-byte pages (per_layer), not a multiple of the backend's 4096-byte "
             "granularity; block sizes that fit: multiples of 16 tokens") in results["block_size"]
-    # the host kernel has windows, but vLLM's sliding-window block groups are not served: refused at start-up
-    assert "this model's layers use a sliding window of 64 tokens" in results["sliding_window"]
+    # DeepSeek-V2's latent cache is read by vLLM's MLA kernels through the block table: refused at start-up
+    assert "vattn's vLLM integration does not serve multi-head latent attention" in results["latent_attention"]
     assert "attention type 'encoder_only' (decoder only)" in results["encoder"], results["encoder"]
     assert "does not support ALiBi" in results["alibi"]
     assert "kv_cache_dtype 'fp8'" in results["fp8"]

@@ -184,3 +184,74 @@ def test_kernel_limits_are_checked_at_start_up(monkeypatch):
     assert check_kernel(80, "cpu", sliding_window=512, logits_soft_cap=30.0) == "vattn's host kernel"
     with pytest.raises(ValueError, match=r"head_dim=2048 is not supported by vattn's host kernel"):
         check_kernel(2048, "cpu")
+
+
+# ---- sliding windows and KV cache groups ---------------------------------------------------
+
+
+def test_blocks_a_window_left_behind_become_holes_and_the_window_keeps_its_addresses(kv):
+    """vLLM frees the blocks a sliding window (here 32 tokens) left behind and
+    puts its null block in their places: those positions are unmapped, the
+    window's pages stay where they are."""
+    mapper = BlockMapper(kv, BLOCK)
+    step(mapper, [[3, 4, 5]], [40])
+    write(kv, 0, 16, 24, 2.0)
+    address = kv.layer(0)[0][0, 32].data_ptr()
+    step(mapper, [[NULL_BLOCK_ID, 4, 5]], [41])  # the first block fell out of the window
+    assert kv.page_ids(0) == [-1, 4, 5] and mapper.holes == 1
+    assert read(kv, 0, 16, 24) == [2.0] * 24 and kv.layer(0)[0][0, 32].data_ptr() == address
+    step(mapper, [[NULL_BLOCK_ID, NULL_BLOCK_ID, 5, 6]], [50])  # and the second; a new block at the end
+    assert kv.page_ids(0) == [-1, -1, 5, 6] and kv.stats()["page_slots_mapped"] == 2 * kv.config.num_buffers
+    step(mapper, [[7]], [3])  # another request takes the row: the holes and the old pages go
+    assert kv.page_ids(0) == [7] and mapper.holes == 0
+    assert_invariants(kv)
+
+
+def test_a_window_unmaps_the_blocks_no_query_can_see_though_the_table_still_names_them(kv):
+    """vLLM frees a block once the window has passed it but leaves its id in
+    the worker's block table (and may hand it to another request): the
+    mapper works the window out from the forward's earliest query."""
+    mapper = BlockMapper(kv, BLOCK, window=32)
+    mapper.map_rows(*table([[3, 4, 5, 6]]), np.array([50]), np.array([50]))  # a prefill: every query from 0
+    assert kv.page_ids(0) == [3, 4, 5, 6] and mapper.holes == 0
+    write(kv, 0, 32, 18, 4.0)
+    mapper.map_rows(*table([[3, 4, 5, 6]]), np.array([51]), np.array([1]))  # query 50 sees 19..50
+    assert kv.page_ids(0) == [-1, 4, 5, 6] and mapper.holes == 1
+    # query 64 sees 33..64, past block 4 too; block 3 went to the request in row 1
+    mapper.map_rows(*table([[3, 4, 5, 6, 7], [3]]), np.array([65, 5]), np.array([1, 5]))
+    assert kv.page_ids(0) == [-1, -1, 5, 6, 7] and kv.page_ids(1) == [3] and mapper.holes == 2
+    assert read(kv, 0, 32, 18) == [4.0] * 18
+    assert_invariants(kv)
+
+
+def test_a_prefix_hit_in_a_windowed_group_maps_only_the_window(kv):
+    """A request whose window starts in its third block, found in the prefix
+    cache: vLLM hands it null blocks before the window."""
+    mapper = BlockMapper(kv, BLOCK)
+    step(mapper, [[], [NULL_BLOCK_ID, NULL_BLOCK_ID, 8, 9]], [1, 60])  # row 0: a dummy row, null only
+    assert kv.page_ids(1) == [-1, -1, 8, 9] and kv.page_ids(0) == [NULL_BLOCK_ID] and mapper.holes == 2
+    assert kv.stats()["pages_mapped"] == 3 * kv.config.num_buffers
+    assert_invariants(kv)
+
+
+def test_groups_map_their_own_block_tables_into_their_own_slices_from_one_pool():
+    """Two KV cache groups (a sliding-window one and a global one) of 2 rows
+    each on one manager: reqids 0-1 and 2-3. A block id is one physical page
+    whichever group holds it, as vLLM's one block pool hands it out."""
+    with vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=4,
+                              max_context_len=MAX_LEN, page_size=PAGE, physical_memory=NUM_BLOCKS * 4 * PAGE,
+                              page_allocator="external", background=False, deferred_reclaim=False,
+                              eager=False) as kv:
+        local, full = BlockMapper(kv, BLOCK, first_reqid=0, rows=2), BlockMapper(kv, BLOCK, first_reqid=2, rows=2)
+        local.map_rows(*table([[NULL_BLOCK_ID, 11, 12]]), np.array([40]))
+        full.map_rows(*table([[1, 2, 3]]), np.array([40]))
+        assert [kv.page_ids(r) for r in range(4)] == [[-1, 11, 12], [], [1, 2, 3], []]
+        write(kv, 2, 0, 40, 5.0)
+        local.map_rows(*table([]), np.array([], dtype=np.int64))  # the request finished: block 11 freed
+        full.map_rows(*table([[11]]), np.array([10]))  # and handed to the global group
+        assert kv.page_ids(0) == [] and kv.page_ids(2) == [11]
+        assert kv.stats()["pages_created"] == 5 * kv.config.num_buffers  # 1, 2, 3, 11, 12 and nothing else
+        assert_invariants(kv)
+        with pytest.raises(ValueError, match=r"reqids first_reqid .. first_reqid \+ rows - 1 must lie in \[0, 3\], "
+                                             r"got first_reqid=3, rows=2"):
+            BlockMapper(kv, BLOCK, first_reqid=3, rows=2)

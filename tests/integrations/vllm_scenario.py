@@ -3,16 +3,19 @@
 Runs under the interpreter of the vLLM environment (vLLM starts its workers
 with spawn, so everything happens under ``__main__``):
 
-    python tests/integrations/vllm_scenario.py make-model DIR [LAYERS HIDDEN [SLIDING_WINDOW [QUERY_HEADS MAX_POSITIONS]]]
+    python tests/integrations/vllm_scenario.py make-model DIR [LAYERS HIDDEN [QUERY_HEADS MAX_POSITIONS]]
+    python tests/integrations/vllm_scenario.py make-arch DIR ARCHITECTURE   (vllm_models.ARCHITECTURES)
     python tests/integrations/vllm_scenario.py run DIR SPEC.json OUT.json
 
 SPEC: ``engine`` (keyword arguments of ``vllm.LLM``: dtype, max_model_len,
 max_num_seqs, block_size, enable_prefix_caching, kv_cache_memory_bytes,
-tensor_parallel_size, ...) and ``phases``, each ``{"name", "prompts" (token id
+tensor_parallel_size, pipeline_parallel_size, enforce_eager (default True),
+...) and ``phases``, each ``{"name", "prompts" (token id
 lists), "max_tokens" (one per prompt)}``, generated one after the other on one
 engine (so later phases can hit what earlier ones cached). vattn is used when
 the caller sets VATTN_VLLM=1. With ``record_usage`` the engine core runs in
-this process and the scheduler's blocks in use are recorded at every step.
+this process and the scheduler's blocks in use are recorded at every step,
+with the bytes one block holds (the layers of one KV cache group).
 
 OUT: per phase the generated ids, seconds, generated tokens, time to first
 token of every request, and the phase's prefix-cache hits, queries and
@@ -29,22 +32,17 @@ import sys
 import time
 
 
-def make_model(path: str, layers: int = 2, hidden: int = 128, sliding_window: int = 0, query_heads: int = 4,
-               max_positions: int = 1024) -> None:
+def make_model(path: str, layers: int = 2, hidden: int = 128, query_heads: int = 4, max_positions: int = 1024) -> None:
     """A small random-weight Llama with GQA (``query_heads`` query heads, 2 KV
-    heads of hidden / query_heads); with ``sliding_window`` a Mistral (Llama
-    with a window)."""
+    heads of hidden / query_heads)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    common = dict(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=query_heads, num_key_value_heads=2, head_dim=hidden // query_heads,
-                  max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2)
-    if sliding_window:
-        model = MistralForCausalLM(MistralConfig(sliding_window=sliding_window, **common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common))
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=query_heads, num_key_value_heads=2, head_dim=hidden // query_heads,
+        max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2))
     model.to(torch.bfloat16).save_pretrained(path)
 
 
@@ -59,6 +57,7 @@ class UsageRecorder:
         from vllm.v1.core.sched.scheduler import Scheduler
 
         self.series: list[tuple[float, int]] = []  # (time.monotonic(), blocks in use)
+        self.block_bytes = 0  # bytes one block id holds: K and V of one KV cache group's layers
         original = Scheduler.schedule
         recorder = self
 
@@ -66,6 +65,8 @@ class UsageRecorder:
             out = original(scheduler, *args, **kwargs)
             pool = scheduler.kv_cache_manager.block_pool
             recorder.series.append((time.monotonic(), pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()))
+            recorder.block_bytes = max(len(g.layer_names) * g.kv_cache_spec.page_size_bytes
+                                       for g in scheduler.kv_cache_config.kv_cache_groups)
             return out
 
         Scheduler.schedule = schedule
@@ -91,8 +92,8 @@ def run(model: str, spec: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     start = time.perf_counter()
-    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, disable_log_stats=False,
-              **spec["engine"])
+    llm = LLM(model=model, **dict(dict(skip_tokenizer_init=True, enforce_eager=True, disable_log_stats=False),
+                                  **spec["engine"]))
     result: dict = {"startup_s": time.perf_counter() - start, "phases": {}}
     for phase in spec["phases"]:
         before = {n: counter(llm, n) for n in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
@@ -113,9 +114,10 @@ def run(model: str, spec: dict) -> dict:
             "preemptions": counter(llm, "vllm:num_preemptions") - before["vllm:num_preemptions"],
         }
     config = llm.llm_engine.vllm_config
-    hf = config.model_config.hf_text_config
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * config.model_config.dtype.itemsize
+    model_config = config.model_config
+    head_dim = model_config.get_head_size()
+    per_token = (2 * model_config.hf_text_config.num_hidden_layers * model_config.get_total_num_kv_heads()
+                 * head_dim * model_config.dtype.itemsize)
     cache = config.cache_config
     result.update(
         num_blocks=cache.num_gpu_blocks,
@@ -125,6 +127,7 @@ def run(model: str, spec: dict) -> dict:
         block_bytes=cache.block_size * per_token,
         kv_bytes_allocated=cache.num_gpu_blocks * cache.block_size * per_token,
         usage_series=recorder.series if recorder else None,
+        usage_block_bytes=recorder.block_bytes if recorder else None,
         attention_backend=attention_backend(config, head_dim),
         vattn=llm.collective_rpc("vattn_stats") if os.environ.get("VATTN_VLLM") == "1" else None,
     )
@@ -133,7 +136,11 @@ def run(model: str, spec: dict) -> dict:
 
 if __name__ == "__main__":
     if sys.argv[1] == "make-model":
-        make_model(sys.argv[2], *map(int, sys.argv[3:8]))
+        make_model(sys.argv[2], *map(int, sys.argv[3:7]))
+    elif sys.argv[1] == "make-arch":
+        import vllm_models  # next to this file, on sys.path as the script's folder
+
+        vllm_models.make(sys.argv[3], sys.argv[2])
     else:
         _, _, model_dir, spec_path, out_path = sys.argv
         with open(spec_path) as f:

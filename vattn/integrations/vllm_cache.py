@@ -1,0 +1,170 @@
+"""The vLLM worker's KV cache on vattn: KV cache groups as ranges of slices.
+
+vLLM puts the attention layers of a model in KV cache groups, each with a
+block table of its own: one group for a model whose layers all attend alike,
+several for a model that mixes sliding-window and global layers (Gemma-2,
+Gemma-3). The groups draw their blocks from one block pool, and stock vLLM
+lets the ``i``-th layer of every group use the same memory (a block id is
+held by one group at a time), so the pool holds ``num_blocks`` blocks of one
+group's layers.
+
+vattn does the same with one :class:`vattn.KVCacheManager`: its layers are
+the layers of one group (``layers_per_group``), its reqids ``G x R`` (group
+``g``, persistent-batch row ``r``: reqid ``g * R + r``) and its pool the
+``num_blocks`` page ids. Layer ``j`` of group ``g`` reads and writes buffer
+pair ``j`` through its group's slices, so every (group, row) is one
+contiguous slice, each group maps into slices of its own, and one physical
+page pool serves them all, as vLLM's one block pool does. The pages a
+sliding window leaves behind, which vLLM frees, become holes at the front of
+the slice (:class:`vattn.integrations.block_mapper.BlockMapper`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from vattn import KVCacheManager
+from vattn.integrations import block_mapper
+from vattn.integrations.block_mapper import BlockMapper
+from vattn.kernels import AttentionCase, Kernel
+
+LAYOUT_SETTING = "VATTN_VLLM_LAYOUT"
+
+
+def granularity(device: torch.device) -> int:
+    """Bytes a vattn page must be a multiple of on ``device``'s backend."""
+    from vattn import _C
+    from vattn.backends import cuda_info
+
+    return _C.host_granularity() if device.type == "cpu" else cuda_info(device.index or 0)["granularity"]
+
+
+def forward_streams(device: torch.device) -> list[Any] | None:
+    """CUDA: the stream vLLM's forward launches its kernels and graph replays
+    on (vLLM's ``current_stream()``, a stream of its own per worker), for
+    vattn to fence unmaps on instead of synchronising the whole device. None
+    on other devices."""
+    if device.type != "cuda":
+        return None
+    from vllm.utils.torch_utils import current_stream
+
+    return [current_stream()]
+
+
+def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, num_groups: int = 1) -> dict[str, Any]:
+    """The :class:`KVCacheManager` arguments for a worker: ``num_layers``
+    layers (per group) of vLLM's KV cache spec ``spec``, one slice per
+    (group, row of the runner's persistent batch), a pool of exactly
+    ``num_blocks`` page ids (one per vLLM block), pages owned by vLLM, fences
+    on vLLM's stream."""
+    layout, page_size = block_mapper.choose_layout(num_layers, spec.num_kv_heads, spec.head_size,
+                                                   spec.dtype.itemsize, spec.block_size, granularity(runner.device),
+                                                   os.environ.get(LAYOUT_SETTING), setting=LAYOUT_SETTING)
+    num_buffers = 2 * num_layers if layout == "per_layer" else 2
+    return dict(num_layers=num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size, dtype=spec.dtype,
+                max_batch_size=num_groups * runner.input_batch.max_num_reqs, max_context_len=runner.max_model_len,
+                page_size=page_size, physical_memory=num_blocks * page_size * num_buffers, layout=layout,
+                device=str(runner.device), page_allocator="external", background=False, deferred_reclaim=False,
+                eager=False, sync_streams=forward_streams(runner.device))
+
+
+def check_groups(kv_cache_config: Any, kernel_block_sizes: Any) -> Any:
+    """The one attention spec every KV cache group shares (heads, head
+    size, dtype, block size); ValueError naming what vattn does not serve
+    otherwise. Groups may differ in their window only."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    if not groups or any(type(g.kv_cache_spec) not in (FullAttentionSpec, SlidingWindowSpec) for g in groups):
+        raise ValueError("vattn's vLLM integration serves attention layers with full or sliding-window KV caches; "
+                         f"this model's KV cache groups are {kinds}; unset VATTN_VLLM for this model")
+    shapes = {(s.num_kv_heads, s.head_size, s.dtype, s.block_size) for s in (g.kv_cache_spec for g in groups)}
+    if len(shapes) != 1:
+        raise ValueError(f"vattn: the KV cache groups {kinds} differ in heads, head size, dtype or block size "
+                         f"({sorted(map(str, shapes))}); vattn needs one page shape; unset VATTN_VLLM for this model")
+    spec = groups[0].kv_cache_spec
+    if list(kernel_block_sizes) != [spec.block_size] * len(groups):
+        raise ValueError(f"vattn: kernel block sizes {kernel_block_sizes} differ from block_size {spec.block_size}")
+    return spec
+
+
+@dataclasses.dataclass
+class GroupSlices:
+    """One KV cache group: its layers, its window and the mapper of its rows."""
+
+    layer_names: list[str]  # vLLM's names, in the group's order: layer j uses buffer pair j
+    window: int | None  # tokens a query sees (sliding-window groups), else None
+    mapper: BlockMapper  # rows of the persistent batch -> the group's reqids
+
+
+@dataclasses.dataclass
+class WorkerCache:
+    """One worker's vattn cache, its groups, and what it recorded per forward."""
+
+    manager: KVCacheManager
+    groups: list[GroupSlices]
+    runner: Any  # vLLM's model runner: its input batch holds the CPU block tables
+    kernel: Kernel  # the attention kernel
+    case: AttentionCase  # what the kernel plans each forward with: the cache's device, shapes and dtype
+    group_of: dict[str, int] = dataclasses.field(default_factory=dict)  # layer name -> group index
+    time_s: list[float] = dataclasses.field(default_factory=list)  # time.monotonic() of each forward
+    bytes_mapped: list[int] = dataclasses.field(default_factory=list)  # distinct pages mapped, all buffers
+    tokens: list[int] = dataclasses.field(default_factory=list)  # attended tokens of the forward
+    behind_windows: list[int] = dataclasses.field(default_factory=list)  # bytes of the holes behind windows
+    map_ns: int = 0  # time spent mapping and unmapping, all forwards
+
+    @classmethod
+    def build(cls, runner: Any, kv_cache_config: Any, spec: Any, kernel: Kernel,
+              case: AttentionCase) -> WorkerCache:
+        groups = kv_cache_config.kv_cache_groups
+        per_group = max(len(g.layer_names) for g in groups)
+        arguments = cache_arguments(runner, spec, per_group, kv_cache_config.num_blocks, len(groups))
+        manager = KVCacheManager(**arguments)
+        if manager.num_page_ids != kv_cache_config.num_blocks:
+            manager.cleanup()
+            raise RuntimeError(f"vattn: the page pool holds {manager.num_page_ids} ids for vLLM's "
+                               f"{kv_cache_config.num_blocks} blocks")
+        rows = runner.input_batch.max_num_reqs
+        slices = [GroupSlices(list(g.layer_names), getattr(g.kv_cache_spec, "sliding_window", None),
+                              BlockMapper(manager, spec.block_size, first_reqid=i * rows, rows=rows,
+                                          window=getattr(g.kv_cache_spec, "sliding_window", None)))
+                  for i, g in enumerate(groups)]
+        group_of = {name: i for i, g in enumerate(slices) for name in g.layer_names}
+        return cls(manager, slices, runner, kernel, case, group_of)
+
+    def kv_caches(self) -> dict[str, torch.Tensor]:
+        """Each layer's ``[2, R, L, H, D]`` K/V view: its buffer pair, its group's slices."""
+        out = {}
+        for i, group in enumerate(self.groups):
+            rows = slice(i * group.mapper.rows, (i + 1) * group.mapper.rows)
+            for j, name in enumerate(group.layer_names):
+                out[name] = self.manager.kv_tensor(j)[:, rows]
+        return out
+
+    def map_batch(self, group: int, seq_lens: np.ndarray, query_lens: np.ndarray) -> None:
+        """Maps group ``group``'s rows for this forward (its block table, its
+        window); the forward is recorded once the last group is mapped."""
+        table = self.runner.input_batch.block_table[group]
+        start = time.perf_counter_ns()
+        self.groups[group].mapper.map_rows(table.block_table.np, table.num_blocks_per_row, seq_lens, query_lens)
+        self.map_ns += time.perf_counter_ns() - start
+        if group == len(self.groups) - 1:
+            self.time_s.append(time.monotonic())
+            self.bytes_mapped.append(self.manager.stats()["bytes_mapped"])
+            self.tokens.append(int(seq_lens.sum()))
+            page_id_bytes = self.manager.config.num_buffers * self.manager.page_size  # a position, every buffer
+            self.behind_windows.append(sum(g.mapper.holes for g in self.groups) * page_id_bytes)
+
+    def stats(self) -> dict[str, Any]:
+        """The cache's stats, its groups, and the per-forward series."""
+        return dict(self.manager.stats(), layout=self.manager.config.layout, kernel=self.kernel.name,
+                    map_ns=self.map_ns, time_s_series=list(self.time_s), bytes_mapped_series=list(self.bytes_mapped),
+                    tokens_series=list(self.tokens), bytes_behind_windows_series=list(self.behind_windows),
+                    groups=[dict(layers=len(g.layer_names), window=g.window) for g in self.groups])
