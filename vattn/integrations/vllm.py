@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from vattn import KVCacheManager
-from vattn.integrations import block_mapper
+from vattn.integrations import block_mapper, vllm_budget
 from vattn.integrations.block_mapper import NULL_BLOCK_ID, BlockMapper
 from vattn.kernels import AttentionBatch, AttentionCase, Kernel, KernelPlan, NoKernel, select_kernel
 from vattn.kernels import host as host_kernel
@@ -141,7 +141,7 @@ class _WorkerCache:
     def map_batch(self, seq_lens: np.ndarray) -> None:
         table = self.runner.input_batch.block_table[0]
         start = time.perf_counter_ns()
-        self.mapper.map_rows(table.block_table.np, table.num_blocks_per_row, seq_lens)
+        vllm_budget.map_rows(self.mapper, table.block_table.np, table.num_blocks_per_row, seq_lens)
         self.map_ns += time.perf_counter_ns() - start
         self.time_s.append(time.monotonic())
         self.bytes_mapped.append(self.manager.stats()["bytes_mapped"])
@@ -214,7 +214,8 @@ def _worker_stats(worker: Any) -> dict[str, Any] | None:
     return dict(cache.manager.stats(), layout=cache.manager.config.layout, kernel=cache.kernel.name,
                 map_ns=cache.map_ns,
                 time_s_series=list(cache.time_s), bytes_mapped_series=list(cache.bytes_mapped),
-                tokens_series=list(cache.tokens), host_attention=host)
+                tokens_series=list(cache.tokens), host_attention=host, budget_share=cache.manager.budget_share(),
+                block_pool_budget=vllm_budget.stats())
 
 
 # ---- configuration (every process, before the engine starts) ----------------------------
@@ -234,6 +235,7 @@ def _configure(vllm_config: Any) -> None:
     if cache.cache_dtype not in ("auto", None):
         raise ValueError(f"vattn's vLLM integration stores K/V in the model dtype; kv_cache_dtype="
                          f"{cache.cache_dtype!r} is not supported")
+    vllm_budget.check_config(vllm_config)
     from vllm.platforms import current_platform
 
     device = "cpu" if current_platform.is_cpu() else "cuda"
@@ -426,3 +428,4 @@ def _install_hooks() -> None:
 
         CPUModelRunner._zero_block_ids = _skip_zeroing
     Worker.vattn_stats = _worker_stats
+    vllm_budget.install()  # VATTN_BUDGET: the scheduler counts the blocks the budget can grant
