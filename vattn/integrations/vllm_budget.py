@@ -11,7 +11,9 @@ by ``BlockPool.get_num_free_blocks()``; on the engine's pool that becomes
 so the scheduler waits or preempts when the budget is short, as for a full
 pool, instead of the model runner failing. ``get_new_blocks`` hands out
 vLLM's blocks in vLLM's order; when that takes more blocks without pages than
-the budget grants, the pages of other free blocks are given back first, and a
+the budget grants, the pages of other free blocks are given back first; the
+bytes of the blocks it hands out are held in the budget until the forward
+creates their pages (so another process cannot take them in between); a
 refused allocation records a wait in the budget, so other processes give
 memory back.
 
@@ -89,7 +91,9 @@ class BudgetedBlockPool:
         self.last_active = time.monotonic()
         self.idle_released = False
         self.counters = dict(blocks_released=0, cached_blocks_dropped=0, budget_limited_allocations=0,
-                             waits_recorded=0, rows_unmapped_for_release=0, map_retries=0)
+                             waits_recorded=0, rows_unmapped_for_release=0, map_retries=0,
+                             reservations_refused=0)
+        self.reserved_bytes = 0  # held in the budget for blocks handed out, until the forward creates them
         self._stock_get_new_blocks = self.pool.get_new_blocks
         self.pool.get_num_free_blocks = self.num_free_blocks  # instance attributes: this pool only
         self.pool.get_new_blocks = self.get_new_blocks
@@ -138,7 +142,20 @@ class BudgetedBlockPool:
                 self.release(len(fresh) - grantable, unmap_rows=True)
             self.with_pages[fresh] = True
             self.num_with_pages += len(fresh)
+            # Hold their bytes in the budget until the forward creates the pages, so no other process
+            # takes them in between; a refusal (it took them already) is left to the forward's retry.
+            if fresh and self.member.try_grant(len(fresh) * self.id_bytes):
+                self.reserved_bytes += len(fresh) * self.id_bytes
+            elif fresh:
+                self.counters["reservations_refused"] += 1
             return blocks
+
+    def end_reservation(self) -> None:
+        """Right before the forward creates the pages of the blocks handed out since the last one."""
+        with self.lock:
+            if self.reserved_bytes:
+                self.member.release(self.reserved_bytes)
+                self.reserved_bytes = 0
 
     def _note_refusal(self, num_new_tokens: int) -> None:
         """A refused allocation that stock vLLM would have granted waits on the budget: other members
@@ -307,6 +324,8 @@ def map_rows(mapper: Any, table: np.ndarray, num_blocks: np.ndarray, seq_lens: n
     (others give pages back) and is retried for up to ``MAP_RETRY_S`` seconds, then fails with a
     message saying what happened."""
     deadline = time.monotonic() + MAP_RETRY_S
+    if _pool is not None:
+        _pool.end_reservation()
     while True:
         try:
             mapper.map_rows(table, num_blocks, seq_lens)
