@@ -92,11 +92,22 @@ class BudgetedBlockPool:
         self.idle_released = False
         self.counters = dict(blocks_released=0, cached_blocks_dropped=0, budget_limited_allocations=0,
                              waits_recorded=0, rows_unmapped_for_release=0, map_retries=0,
-                             reservations_refused=0)
+                             reservations_refused=0, sleeps=0)
         self.reserved_bytes = 0  # held in the budget for blocks handed out, until the forward creates them
         self._stock_get_new_blocks = self.pool.get_new_blocks
         self.pool.get_num_free_blocks = self.num_free_blocks  # instance attributes: this pool only
         self.pool.get_new_blocks = self.get_new_blocks
+        stock_reset = self.pool.reset_prefix_cache
+
+        @functools.wraps(stock_reset)
+        def reset_prefix_cache() -> bool:
+            del self.pool.get_num_free_blocks  # vLLM's own count: it checks that every block is free
+            try:
+                return stock_reset()
+            finally:
+                self.pool.get_num_free_blocks = self.num_free_blocks
+
+        self.pool.reset_prefix_cache = reset_prefix_cache
         kv_manager = scheduler.kv_cache_manager
         stock_allocate = kv_manager.allocate_slots
 
@@ -289,8 +300,34 @@ def install() -> None:
         attach(scheduler)
 
     Scheduler.__init__ = __init__
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        _install_sleep(CPUWorker)
     for name in ("schedule", "update_from_output", "finish_requests", "reset_prefix_cache"):
         setattr(Scheduler, name, _locked(getattr(Scheduler, name)))
+
+
+def _install_sleep(worker_cls: Any) -> None:
+    """vLLM-CPU's ``sleep()`` pauses the scheduler (aborting its requests by default), resets the
+    prefix cache and then only logs that the CPU worker does not sleep. Under a budget the free
+    blocks' pages go back at that point; ``wake_up()`` needs nothing: pages are created again by
+    the forwards that map them."""
+    stock_sleep = worker_cls.sleep
+
+    @functools.wraps(stock_sleep)
+    def sleep(worker: Any, level: int = 1) -> None:
+        stock_sleep(worker, level)
+        pool = _pool
+        if pool is not None and level >= 1:
+            with pool.lock:
+                busy = bool(pool.scheduler.running) or bool(len(pool.scheduler.waiting))
+                pool.release(None, unmap_rows=not busy)
+                pool.counters["sleeps"] += 1
+
+    worker_cls.sleep = sleep
 
 
 def check_config(vllm_config: Any) -> None:
