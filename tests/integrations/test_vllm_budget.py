@@ -3,7 +3,7 @@
 Two engines in two processes share a budget that fits one engine's peak but not
 both: each must produce stock vLLM's fp32 greedy tokens, nothing may fail in the
 model runner (the scheduler waits or preempts), the budget's total never passes
-its limit, and an idle engine gives its pages back."""
+its limit, and an idle engine, or one put to sleep(), gives its pages back."""
 
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ def test_two_engines_share_a_budget_with_stock_tokens_preempting_instead_of_fail
         procs, outs = [], []
         for seed in (1, 2):
             spec = tmp_path / f"budget-{seed}.spec.json"
-            spec.write_text(json.dumps(dict(engine=ENGINE, phases=engine_phases(seed), idle_s=2.0,
+            # engine 1 goes idle, engine 2 is put to sleep: either gives its free blocks' pages back
+            after = dict(idle_s=2.0) if seed == 1 else dict(sleep=True)
+            spec.write_text(json.dumps(dict(engine=ENGINE, phases=engine_phases(seed), **after,
                                             barrier=dict(dir=str(barrier), parties=2))))
             outs.append(tmp_path / f"budget-{seed}.json")
             procs.append(threading.Thread(target=lambda s=spec, o=outs[-1]: procs_done.append(run_scenario(
@@ -77,8 +79,9 @@ def test_two_engines_share_a_budget_with_stock_tokens_preempting_instead_of_fail
             assert v["budget"] == budget.name and pool["block_bytes"] == BLOCK_BYTES
             assert v["bytes_created"] <= LIMIT_BLOCKS * BLOCK_BYTES
             print(f"engine {seed}: {pool}")  # map_retries: forwards that waited for pages another process took
-            # idle: every free block's pages went back (the null padding block may stay)
-            (idle,) = result["vattn_idle"]
+            # idle or asleep: every free block's pages went back (the null padding block may stay)
+            (idle,) = result["vattn_idle" if seed == 1 else "vattn_asleep"]
+            assert idle["block_pool_budget"]["sleeps"] == (seed == 2)
             assert idle["bytes_created"] <= BLOCK_BYTES, idle["block_pool_budget"]
             assert idle["budget_share"]["held_bytes"] == idle["bytes_created"]
             assert idle["block_pool_budget"]["blocks_released"] > 0

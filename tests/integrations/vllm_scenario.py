@@ -14,7 +14,8 @@ engine (so later phases can hit what earlier ones cached). vattn is used when
 the caller sets VATTN_VLLM=1. ``barrier`` ``{"dir", "parties"}``: after start-up,
 wait until that many engines (processes) reached it, so their phases overlap;
 ``idle_s``: afterwards, sleep that long and record the worker's stats again
-(``vattn_idle``). With ``record_usage`` the engine core runs in
+(``vattn_idle``); ``sleep``: afterwards, ``llm.sleep()``, the worker's stats
+(``vattn_asleep``), ``llm.wake_up()``. With ``record_usage`` the engine core runs in
 this process and the scheduler's blocks in use are recorded at every step.
 
 OUT: per phase the generated ids, seconds, generated tokens, time to first
@@ -127,6 +128,10 @@ def run(model: str, spec: dict) -> dict:
             "prefix_cache_queries": counter(llm, "vllm:prefix_cache_queries") - before["vllm:prefix_cache_queries"],
             "preemptions": counter(llm, "vllm:num_preemptions") - before["vllm:num_preemptions"],
         }
+    if spec.get("sleep"):
+        llm.sleep()
+        result["vattn_asleep"] = llm.collective_rpc("vattn_stats")
+        llm.wake_up()
     if spec.get("idle_s"):
         time.sleep(spec["idle_s"])
         result["vattn_idle"] = llm.collective_rpc("vattn_stats")

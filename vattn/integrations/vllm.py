@@ -38,6 +38,9 @@ other versions are refused unless ``VATTN_VLLM_ALLOW_UNTESTED=1``):
 - ``GPUModelRunner._zero_block_ids`` / ``CPUModelRunner._zero_block_ids``
   (replaced): new blocks are not zeroed; the kernels read written rows only.
 - ``Worker.vattn_stats`` (added): ``LLM.collective_rpc("vattn_stats")``.
+- With ``VATTN_BUDGET``: ``Scheduler`` (its block operations locked, its
+  block pool's free count and block hand-out under the budget) and
+  ``CPUWorker.sleep``; see :mod:`vattn.integrations.vllm_budget`.
 
 vLLM's model runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``) keeps its block tables
 elsewhere and is not supported; the plugin asks for the V1 runner, which the
