@@ -249,6 +249,7 @@ class BudgetedBlockPool:
                 self.last_active = time.monotonic()
                 self.idle_released = False
             if idle and not busy:
+                self.end_reservation()  # no forward follows: what get_new_blocks held goes back too
                 self.release(None, unmap_rows=True)
                 self.idle_released = True
             elif want:
