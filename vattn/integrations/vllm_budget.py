@@ -119,7 +119,6 @@ class BudgetedBlockPool:
             return blocks
 
         kv_manager.allocate_slots = allocate_slots
-        self._stop = threading.Event()
         self.keeper = threading.Thread(target=self._keeper_loop, name="vattn-vllm-budget", daemon=True)
         self.keeper.start()
 
@@ -226,9 +225,8 @@ class BudgetedBlockPool:
         return {i for r in range(self.mapper.rows) for i in self.manager.page_ids(r)}
 
     def _keeper_loop(self) -> None:
-        while not self._stop.wait(KEEPER_INTERVAL_S):
-            if self.manager.closed:
-                return
+        while not self.manager.closed:  # the cache closes when the engine shuts down
+            time.sleep(KEEPER_INTERVAL_S)
             try:
                 self._keeper_tick()
             except Exception as e:  # noqa: BLE001 - a closed cache at shutdown; anything else is logged
@@ -265,9 +263,6 @@ class BudgetedBlockPool:
         return dict(self.counters, blocks_with_pages=int(self.num_with_pages), free_blocks_with_pages=with_pages,
                     free_blocks_without_pages=without, block_bytes=self.id_bytes,
                     idle_release_s=self.idle_release_s)
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 # ---- hooks --------------------------------------------------------------------------------
