@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _C
+from . import _C, manager_budget
 from .arguments import as_int as _as_int
 from .arguments import bounded_int as _bounded_int
 from .arguments import int_array as _int_array
@@ -23,7 +23,7 @@ from .backends import BackendSpec, parse_device, resolve_backend, torch_device
 from .config import KVCacheConfig
 from .cuda_streams import CudaStreams
 from .errors import BackendUnavailable, ForkedError
-from .manager_budget import DEFAULT_IDLE_RELEASE_S, default_label, idle_release_seconds, join_budget
+from .manager_budget import DEFAULT_IDLE_RELEASE_S as _IDLE_S, default_label, idle_release_seconds, join_budget
 from .prefix_handle import PrefixHandle
 from .spans import forget_span as _forget_span
 from .spans import manager_of  # noqa: F401 - vattn.manager.manager_of, as before
@@ -157,7 +157,7 @@ class KVCacheManager(CudaStreams):
         sync_streams: Any = None,
         preallocate: bool = False,
         budget: Any = None,
-        idle_release_s: float | None = DEFAULT_IDLE_RELEASE_S,
+        idle_release_s: float | None = _IDLE_S,
         budget_label: str | None = None,
     ) -> None:
         if page_allocator not in PAGE_ALLOCATORS:
@@ -192,7 +192,8 @@ class KVCacheManager(CudaStreams):
         vmm = self.backend.make()
         if streams:
             vmm.set_sync_streams(streams)
-        self.budget, member = join_budget(budget, self.device, budget_label or default_label(self.config))
+        self.budget, self._budget_member = join_budget(budget, self.device,
+                                                       budget_label or default_label(self.config))
         self._pages = _C.PageManager(
             vmm,
             num_buffers=self.config.num_buffers,
@@ -202,7 +203,7 @@ class KVCacheManager(CudaStreams):
             max_tokens=self.config.max_context_len,
             external_ids=external,
             preallocate=preallocate,
-            budget=member and member._member,
+            budget=self._budget_member and self._budget_member._member,
             idle_release_s=idle_release,
             **policy,
         )
@@ -319,9 +320,8 @@ class KVCacheManager(CudaStreams):
             return self._pages.alloc_slot(-1, wanted)
         prompt = _as_int("prompt_len", prompt_len)
         if not 0 <= prompt <= self.config.max_context_len:
-            raise ValueError(
-                f"prompt_len must be in [0, {self.config.max_context_len}] (max_context_len), got {prompt_len}"
-            )
+            raise ValueError(f"prompt_len must be in [0, {self.config.max_context_len}] (max_context_len), "
+                             f"got {prompt_len}")
         return self._pages.alloc_slot(prompt, wanted)
 
     def free_reqid(self, reqid: int) -> None:
@@ -359,16 +359,16 @@ class KVCacheManager(CudaStreams):
         return self._pages.reclaim(limit)
 
     def release_free_memory(self, max_bytes: int | None = None) -> int:
-        """Gives free physical memory back to the OS or device (and to the
-        budget): up to ``max_bytes`` bytes (all when None) of the free pool,
-        then of freed reqids' and eager pages (unmapped first). Pages under
-        requests or prefix handles stay. Returns the bytes released. What
-        ``idle_release_s`` does on its own in a budget; not for
-        ``page_allocator="external"`` (ValueError: those pages keep their contents)."""
+        """Gives free physical memory back to the OS or device (and to the budget): up to ``max_bytes``
+        bytes (all when None) of the free pool, then of freed reqids' and eager pages (unmapped first).
+        Pages under requests or prefix handles stay. Returns the bytes released. What ``idle_release_s``
+        does on its own in a budget; not for ``page_allocator="external"`` (ValueError; see release_pages)."""
         limit = 2**63 - 1 if max_bytes is None else _as_int("max_bytes", max_bytes)
         if not 0 <= limit < 2**63:
             raise ValueError(f"max_bytes must be in [0, 2^63), got {limit}")
         return self._pages.release_free(-(-limit // self.page_size)) * self.page_size
+
+    release_pages = manager_budget.release_external_pages  # page_allocator="external" only
 
     def budget_share(self) -> dict[str, Any] | None:
         """This manager's share of its budget now, in bytes: ``held_bytes``

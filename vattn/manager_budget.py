@@ -77,3 +77,22 @@ def fits_alone(manager: Any, tokens: int) -> bool:
         return False
     budget = manager.budget
     return budget is None or positions * manager.page_size * manager.config.num_buffers <= budget.limit
+
+
+def release_external_pages(manager: Any, page_ids: Any) -> list[int]:
+    """``KVCacheManager.release_pages(page_ids)``: with ``page_allocator="external"``, gives the
+    physical pages of the given page ids back to the OS or device, and to the budget, for those that
+    are created and mapped in no reqid (a framework's freed blocks whose contents are no longer
+    wanted). A later :meth:`map_pages` of such an id creates (and charges) its pages again, with
+    their contents gone. Ids still mapped somewhere, or never created, are left as they are.
+
+    Args:
+        page_ids: ids in ``[0, num_page_ids)``, any order; repeats are released once.
+
+    Returns:
+        The ids released, in the order given. ValueError (nothing released) for an id out of
+        range, or for a manager that hands out its own ids (use ``release_free_memory``).
+    """
+    from .arguments import int_array
+
+    return list(manager._pages.release_external(int_array("page_ids", page_ids)))

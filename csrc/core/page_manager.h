@@ -151,6 +151,14 @@ class PageManager {
   // requests and prefix handles stay. Throws std::invalid_argument with
   // external ids (their pages keep their contents).
   size_t release_free(size_t max_ids);
+  // External ids only: releases the pages of those of ids[0, n) that are
+  // created and that no slot position, orphan or hold references, giving
+  // their memory back to the OS or device and to the budget; a later
+  // map_ids creates (and charges) them again, their contents gone. Returns
+  // the ids released; referenced or uncreated ids are left as they are.
+  // Throws std::invalid_argument for a managed manager or an id out of range
+  // (nothing released).
+  std::vector<uint32_t> release_external(const uint32_t* ids, size_t n);
   // The budget share now (an empty name without a budget).
   BudgetShare budget_share() const;
 

@@ -56,6 +56,25 @@ size_t PageManager::release_free(size_t max_ids) {
   return released * config_.num_buffers;
 }
 
+std::vector<uint32_t> PageManager::release_external(const uint32_t* ids, size_t n) {
+  check_process();
+  Lock lock(sync_->mu);
+  check_open();
+  if (!config_.external_ids)
+    throw std::invalid_argument("release_pages: this manager hands out its own page ids (page_allocator='vattn'); "
+                                "use release_free_memory");
+  for (size_t k = 0; k < n; ++k)
+    if (ids[k] >= num_ids_)
+      throw std::invalid_argument("release_pages: page_ids[" + std::to_string(k) + "] must be in " +
+                                  range_text(0, static_cast<int64_t>(num_ids_) - 1) + " (num_page_ids), got " +
+                                  std::to_string(ids[k]));
+  wait_for_batch(lock);
+  std::vector<uint32_t> released = table_.uncreate_unreferenced(ids, n);
+  release_ids(released);
+  if (!released.empty()) work_epoch_++;  // the keeper reports the new split
+  return released;
+}
+
 size_t PageManager::shed_locked(Lock& lock, size_t want) {
   wait_for_batch(lock);  // a batch in flight holds ids out of the pool
   std::vector<uint32_t> ids = table_.uncreate_free(want);

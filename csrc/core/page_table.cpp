@@ -137,6 +137,18 @@ std::vector<uint32_t> PageTable::uncreate_free(size_t count) {
   return out;
 }
 
+std::vector<uint32_t> PageTable::uncreate_unreferenced(const uint32_t* ids, size_t count) {
+  std::vector<uint32_t> out;
+  for (size_t k = 0; k < count; ++k) {
+    const uint32_t id = ids[k];
+    if (!id_created_[id] || refs(id) != 0) continue;
+    id_created_[id] = 0;  // a repeated id is no longer created: released once
+    out.push_back(id);
+  }
+  stats_.pages_created -= out.size() * num_buffers_;
+  return out;
+}
+
 size_t PageTable::idle_ids() const {
   size_t idle = free_ids_.size();
   std::vector<uint32_t> free_slot_maps(num_ids(), 0);

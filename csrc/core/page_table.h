@@ -137,6 +137,10 @@ class PageTable {
   // Up to `count` ids of the free pool, the least recently freed first, are
   // uncreated again (their physical pages are to be released by the caller).
   std::vector<uint32_t> uncreate_free(size_t count);
+  // External ids: those of ids[0, count) that are created and unreferenced
+  // (no position, orphan or hold) are uncreated again, each once; returns
+  // them (their physical pages are to be released by the caller).
+  std::vector<uint32_t> uncreate_unreferenced(const uint32_t* ids, size_t count);
   // Created ids that no allocated slot, prefix handle or orphan references:
   // the free pool and the ids only free slots map (deferred reclaim, eager
   // pages). What a budget counts as free-held. O(num_ids + free slots' positions).

@@ -440,6 +440,24 @@ PYBIND11_MODULE(_C, m) {
             return pm.release_free(ids);
           },
           py::arg("max_pages"), "Release up to max_pages free pages (whole page ids); returns the pages released.")
+      .def(
+          "release_external",
+          [](PageManager& pm, py::handle page_ids) {
+            thread_local std::vector<int64_t> raw;
+            read_ints(page_ids, "page_ids", raw);
+            std::vector<uint32_t> ids(raw.size());
+            for (size_t k = 0; k < raw.size(); ++k) {
+              if (raw[k] < 0 || raw[k] > static_cast<int64_t>(UINT32_MAX))
+                throw py::value_error("release_pages: page_ids[" + std::to_string(k) + "] must be in [0, " +
+                                      std::to_string(pm.num_ids() - 1) + "] (num_page_ids), got " +
+                                      std::to_string(raw[k]));
+              ids[k] = static_cast<uint32_t>(raw[k]);
+            }
+            py::gil_scoped_release release;
+            return pm.release_external(ids.data(), ids.size());
+          },
+          py::arg("page_ids"),
+          "External ids: release the pages of the given created, unreferenced ids; returns the ids released.")
       .def("budget_share",
            [](const PageManager& pm) {
              BudgetShare share;

@@ -13,7 +13,11 @@ tensor_parallel_size, pipeline_parallel_size, enforce_eager (default True),
 ...) and ``phases``, each ``{"name", "prompts" (token id
 lists), "max_tokens" (one per prompt)}``, generated one after the other on one
 engine (so later phases can hit what earlier ones cached). vattn is used when
-the caller sets VATTN_VLLM=1. With ``record_usage`` the engine core runs in
+the caller sets VATTN_VLLM=1. ``barrier`` ``{"dir", "parties"}``: after start-up,
+wait until that many engines (processes) reached it, so their phases overlap;
+``idle_s``: afterwards, sleep that long and record the worker's stats again
+(``vattn_idle``); ``sleep``: afterwards, ``llm.sleep()``, the worker's stats
+(``vattn_asleep``), ``llm.wake_up()``. With ``record_usage`` the engine core runs in
 this process and the scheduler's blocks in use are recorded at every step,
 with the bytes one block holds (the layers of one KV cache group).
 
@@ -72,6 +76,16 @@ class UsageRecorder:
         Scheduler.schedule = schedule
 
 
+def wait_for_parties(dir: str, parties: int, timeout_s: float = 300) -> None:
+    """A barrier between processes: one file per arrival in ``dir``."""
+    open(os.path.join(dir, f"arrived-{os.getpid()}"), "w").close()
+    deadline = time.monotonic() + timeout_s
+    while sum(n.startswith("arrived-") for n in os.listdir(dir)) < parties:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{parties} engines did not all start within {timeout_s} s")
+        time.sleep(0.05)
+
+
 def attention_backend(config, head_dim: int) -> str:
     """The attention backend class vLLM's selector picks for this model (the
     plugin, when switched on, registers its own), as ``module.ClassName``."""
@@ -95,6 +109,8 @@ def run(model: str, spec: dict) -> dict:
     llm = LLM(model=model, **dict(dict(skip_tokenizer_init=True, enforce_eager=True, disable_log_stats=False),
                                   **spec["engine"]))
     result: dict = {"startup_s": time.perf_counter() - start, "phases": {}}
+    if spec.get("barrier"):
+        wait_for_parties(**spec["barrier"])
     for phase in spec["phases"]:
         before = {n: counter(llm, n) for n in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
                                                "vllm:num_preemptions")}
@@ -113,6 +129,13 @@ def run(model: str, spec: dict) -> dict:
             "prefix_cache_queries": counter(llm, "vllm:prefix_cache_queries") - before["vllm:prefix_cache_queries"],
             "preemptions": counter(llm, "vllm:num_preemptions") - before["vllm:num_preemptions"],
         }
+    if spec.get("sleep"):
+        llm.sleep()
+        result["vattn_asleep"] = llm.collective_rpc("vattn_stats")
+        llm.wake_up()
+    if spec.get("idle_s"):
+        time.sleep(spec["idle_s"])
+        result["vattn_idle"] = llm.collective_rpc("vattn_stats")
     config = llm.llm_engine.vllm_config
     model_config = config.model_config
     head_dim = model_config.get_head_size()

@@ -47,6 +47,9 @@ other versions are refused unless ``VATTN_VLLM_ALLOW_UNTESTED=1``):
 - ``GPUModelRunner._zero_block_ids`` / ``CPUModelRunner._zero_block_ids``
   (replaced): new blocks are not zeroed; the kernels read written rows only.
 - ``Worker.vattn_stats`` (added): ``LLM.collective_rpc("vattn_stats")``.
+- With ``VATTN_BUDGET``: ``Scheduler`` (its block operations locked, its
+  block pool's free count and block hand-out under the budget) and
+  ``CPUWorker.sleep``; see :mod:`vattn.integrations.vllm_budget`.
 
 vLLM's model runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``) keeps its block tables
 elsewhere and is not supported; the plugin asks for the V1 runner, which the
@@ -68,7 +71,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from vattn.integrations import block_mapper
+from vattn.integrations import block_mapper, vllm_budget
 from vattn.integrations.block_mapper import NULL_BLOCK_ID, BlockMapper
 from vattn.integrations.vllm_cache import LAYOUT_SETTING, WorkerCache, cache_arguments, check_groups, granularity
 from vattn.kernels import AttentionBatch, AttentionCase, Kernel, KernelPlan, NoKernel, select_kernel
@@ -216,6 +219,7 @@ def _configure(vllm_config: Any) -> None:
     if cache.cache_dtype not in ("auto", None):
         raise ValueError(f"vattn's vLLM integration stores K/V in the model dtype; kv_cache_dtype="
                          f"{cache.cache_dtype!r} is not supported")
+    vllm_budget.check_config(vllm_config)
     from vllm.platforms import current_platform
 
     device = "cpu" if current_platform.is_cpu() else "cuda"
@@ -410,3 +414,4 @@ def _install_hooks() -> None:
 
         CPUModelRunner._zero_block_ids = _skip_zeroing
     Worker.vattn_stats = _worker_stats
+    vllm_budget.install()  # VATTN_BUDGET: the scheduler counts the blocks the budget can grant

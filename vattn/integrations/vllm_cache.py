@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from vattn import KVCacheManager
-from vattn.integrations import block_mapper
+from vattn.integrations import block_mapper, vllm_budget
 from vattn.integrations.block_mapper import BlockMapper
 from vattn.kernels import AttentionCase, Kernel
 
@@ -153,7 +153,8 @@ class WorkerCache:
         window); the forward is recorded once the last group is mapped."""
         table = self.runner.input_batch.block_table[group]
         start = time.perf_counter_ns()
-        self.groups[group].mapper.map_rows(table.block_table.np, table.num_blocks_per_row, seq_lens, query_lens)
+        vllm_budget.map_rows(self.groups[group].mapper, table.block_table.np, table.num_blocks_per_row, seq_lens,
+                             query_lens)
         self.map_ns += time.perf_counter_ns() - start
         if group == len(self.groups) - 1:
             self.time_s.append(time.monotonic())
@@ -167,4 +168,5 @@ class WorkerCache:
         return dict(self.manager.stats(), layout=self.manager.config.layout, kernel=self.kernel.name,
                     map_ns=self.map_ns, time_s_series=list(self.time_s), bytes_mapped_series=list(self.bytes_mapped),
                     tokens_series=list(self.tokens), bytes_behind_windows_series=list(self.behind_windows),
-                    groups=[dict(layers=len(g.layer_names), window=g.window) for g in self.groups])
+                    groups=[dict(layers=len(g.layer_names), window=g.window) for g in self.groups],
+                    budget_share=self.manager.budget_share(), block_pool_budget=vllm_budget.stats())

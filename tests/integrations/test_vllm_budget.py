@@ -1,0 +1,112 @@
+"""vLLM engines under one machine-wide budget (vattn/integrations/vllm_budget.py).
+
+Two engines in two processes share a budget that fits one engine's peak but not
+both: each must produce stock vLLM's fp32 greedy tokens, nothing may fail in the
+model runner (the scheduler waits or preempts), the budget's total never passes
+its limit, and an idle engine, or one put to sleep(), gives its pages back."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import threading
+import time
+
+import pytest
+
+import vattn
+from test_vllm import SCENARIO, TOKEN_BYTES, needs_vllm, run_scenario, vllm_python
+
+BLOCK = 32
+BLOCK_BYTES = BLOCK * TOKEN_BYTES  # one block's pages, K and V of both layers
+LIMIT_BLOCKS = 20  # one engine's peak (4 running requests of up to 5 blocks), not two
+ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=4, block_size=BLOCK, enable_prefix_caching=True)
+
+
+def engine_phases(seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    mixed = [[rng.randrange(3, 256) for _ in range(rng.randint(20, 90))] for _ in range(8)]
+    system = [rng.randrange(3, 256) for _ in range(70)]
+    shared = [system + [rng.randrange(3, 256) for _ in range(rng.randint(3, 30))] for _ in range(6)]
+    return [dict(name=f"mixed-{seed}", prompts=mixed, max_tokens=[rng.randint(30, 60) for _ in mixed]),
+            dict(name=f"shared-{seed}", prompts=shared, max_tokens=[rng.randint(8, 30) for _ in shared])]
+
+
+@needs_vllm
+def test_two_engines_share_a_budget_with_stock_tokens_preempting_instead_of_failing(tmp_path):
+    model = tmp_path / "model"
+    subprocess.run([vllm_python(), str(SCENARIO), "make-model", str(model)], check=True, capture_output=True,
+                   timeout=300)
+    budget = vattn.Budget.create(f"vllm-{os.getpid()}", LIMIT_BLOCKS * BLOCK_BYTES)
+    env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    try:
+        barrier = tmp_path / "barrier"
+        barrier.mkdir()
+        procs, outs = [], []
+        for seed in (1, 2):
+            spec = tmp_path / f"budget-{seed}.spec.json"
+            # engine 1 goes idle, engine 2 is put to sleep: either gives its free blocks' pages back
+            after = dict(idle_s=2.0) if seed == 1 else dict(sleep=True)
+            spec.write_text(json.dumps(dict(engine=ENGINE, phases=engine_phases(seed), **after,
+                                            barrier=dict(dir=str(barrier), parties=2))))
+            outs.append(tmp_path / f"budget-{seed}.json")
+            procs.append(threading.Thread(target=lambda s=spec, o=outs[-1]: procs_done.append(run_scenario(
+                model, s, o, tmp_path, True, VATTN_BUDGET=budget.name, VATTN_VLLM_IDLE_RELEASE_S="1", **env))))
+        procs_done: list[subprocess.CompletedProcess] = []
+        held_peak = 0
+        for t in procs:
+            t.start()
+        while any(t.is_alive() for t in procs):
+            held_peak = max(held_peak, budget.held_bytes)
+            time.sleep(0.01)
+        for proc in procs_done:
+            assert proc.returncode == 0, proc.stderr[-4000:]
+        stock_spec = tmp_path / "stock.spec.json"
+        stock_spec.write_text(json.dumps(dict(engine=ENGINE, phases=engine_phases(1) + engine_phases(2))))
+        stock = run_scenario(model, stock_spec, tmp_path / "stock.json", tmp_path, False, **env)
+        assert stock.returncode == 0, stock.stderr[-4000:]
+        stock_out = json.loads((tmp_path / "stock.json").read_text())["phases"]
+        preemptions = 0
+        for seed, out in zip((1, 2), outs):
+            result = json.loads(out.read_text())
+            for name, phase in result["phases"].items():
+                assert phase["outputs"] == stock_out[name]["outputs"], name
+                preemptions += phase["preemptions"]
+            (v,) = result["vattn"]
+            pool = v["block_pool_budget"]
+            assert v["budget"] == budget.name and pool["block_bytes"] == BLOCK_BYTES
+            assert v["bytes_created"] <= LIMIT_BLOCKS * BLOCK_BYTES
+            print(f"engine {seed}: {pool}")  # map_retries: forwards that waited for pages another process took
+            # idle or asleep: every free block's pages went back (the null padding block may stay)
+            (idle,) = result["vattn_idle" if seed == 1 else "vattn_asleep"]
+            assert idle["block_pool_budget"]["sleeps"] == (seed == 2)
+            assert idle["bytes_created"] <= BLOCK_BYTES, idle["block_pool_budget"]
+            assert idle["budget_share"]["held_bytes"] == idle["bytes_created"]
+            assert idle["block_pool_budget"]["blocks_released"] > 0
+        assert preemptions > 0  # the budget, not the pools (1 GiB each), bounded the engines
+        assert 0 < held_peak <= LIMIT_BLOCKS * BLOCK_BYTES
+    finally:
+        budget.remove()
+
+
+def test_a_budget_needs_the_worker_in_the_engine_core_process(monkeypatch):
+    from types import SimpleNamespace
+
+    from vattn.integrations import vllm_budget
+
+    def config(backend: str, world: int = 1) -> SimpleNamespace:
+        return SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend, world_size=world),
+                               scheduler_config=SimpleNamespace(async_scheduling=False))
+
+    monkeypatch.delenv("VATTN_BUDGET", raising=False)
+    vllm_budget.check_config(config("mp"))  # no budget: anything goes
+    monkeypatch.setenv("VATTN_BUDGET", "kv")
+    vllm_budget.check_config(config("uni"))
+    for bad in (config("mp"), config("uni", 2)):
+        with pytest.raises(ValueError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+            vllm_budget.check_config(bad)
+    monkeypatch.setenv("VATTN_VLLM_IDLE_RELEASE_S", "soon")
+    with pytest.raises(ValueError, match="VATTN_VLLM_IDLE_RELEASE_S"):
+        vllm_budget.idle_release_setting()
