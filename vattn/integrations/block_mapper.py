@@ -99,6 +99,11 @@ class BlockMapper:
         for reqid in self._all_rows:
             manager.alloc_reqid(reqid=int(reqid))
 
+    @property
+    def reqids(self) -> np.ndarray:
+        """The reqid of each row (``int64``, one per row)."""
+        return self._all_rows
+
     def map_rows(self, block_table: np.ndarray, num_blocks: np.ndarray, seq_lens: np.ndarray,
                  query_lens: np.ndarray | None = None) -> None:
         """Maps rows ``0 .. n - 1`` for this forward (``n = len(seq_lens)``).

@@ -74,7 +74,9 @@ class BudgetedBlockPool:
         self.scheduler = scheduler
         self.pool = scheduler.kv_cache_manager.block_pool
         self.manager = cache.manager
-        self.mapper = cache.mapper
+        mappers = [g.mapper for g in cache.groups]  # one per KV cache group, all on the manager's one pool
+        self.block_size = mappers[0].block_size
+        self.reqids = np.concatenate([m.reqids for m in mappers])  # every group's rows' reqids
         self.member = self.manager._budget_member
         self.budget = self.manager.budget
         self.id_bytes = self.manager.page_size * self.manager.config.num_buffers  # bytes of one block's pages
@@ -172,7 +174,7 @@ class BudgetedBlockPool:
         see it as pressure and give memory back."""
         if self.pool.free_block_queue.num_free_blocks <= self.num_free_blocks():
             return  # the pool itself is full: nothing the budget could change
-        want = max(1, -(-num_new_tokens // self.mapper.block_size)) * self.id_bytes
+        want = max(1, -(-num_new_tokens // self.block_size)) * self.id_bytes
         if self.member.try_grant(want):  # the memory came free meanwhile: not needed as a grant
             self.member.release(want)
         else:
@@ -208,8 +210,7 @@ class BudgetedBlockPool:
         ids = [b.block_id for b in candidates]
         released = set(self.manager.release_pages(ids))
         if len(released) < len(ids) and unmap_rows:
-            rows = self.mapper.rows
-            self.manager.unmap_pages(np.arange(rows), np.zeros(rows, dtype=np.int64))
+            self.manager.unmap_pages(self.reqids, np.zeros(len(self.reqids), dtype=np.int64))
             self.counters["rows_unmapped_for_release"] += 1
             released |= set(self.manager.release_pages([i for i in ids if i not in released]))
         # what stays is mapped in a row; a block neither released nor mapped was never created
@@ -222,7 +223,7 @@ class BudgetedBlockPool:
         return len(released)
 
     def _mapped_ids(self) -> set[int]:
-        return {i for r in range(self.mapper.rows) for i in self.manager.page_ids(r)}
+        return {i for r in self.reqids.tolist() for i in self.manager.page_ids(r) if i >= 0}  # -1: a hole
 
     def _keeper_loop(self) -> None:
         while not self.manager.closed:  # the cache closes when the engine shuts down
