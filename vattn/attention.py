@@ -121,12 +121,13 @@ def host_attention(
         return_lse: also return the log-sum-exp of the (scaled, capped)
             scores, ``[T, H_q]`` float32, natural log.
         out: ``[T, H_q, D]`` in ``q``'s dtype to write into; allocated when None.
-        isa: ``"scalar"``, ``"avx2"``, ``"avx512"``, ``"amx"`` (AVX-512
-            with AMX-BF16 tiles for prefill blocks of a bf16 cache),
-            ``"neon"`` or ``"sve256"`` (SVE at a 256-bit vector length) to
-            force a path (falls back to a lower supported one); None: the
-            fastest this CPU supports, or the one ``VATTN_CPU_ATTN_ISA``
-            names.
+        isa: ``"scalar"``, ``"avx2"``, ``"avx512"``, ``"avx512_bf16"``
+            (AVX-512 with Q K^T of bf16 queries over a bf16 cache by
+            VDPBF16PS), ``"amx"`` (that, plus AMX-BF16 tiles for prefill
+            blocks of a bf16 cache), ``"neon"`` or ``"sve256"`` (SVE at a
+            256-bit vector length) to force a path (falls back to a lower
+            supported one); None: the fastest this CPU supports, or the one
+            ``VATTN_CPU_ATTN_ISA`` names.
 
     Returns:
         ``out`` ``[T, H_q, D]`` in ``q``'s dtype, or ``(out, lse)``.
