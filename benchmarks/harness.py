@@ -28,20 +28,28 @@ def dry_run() -> bool:
     return os.environ.get("VATTN_GPU_SUITE_DRY_RUN", "") not in ("", "0")
 
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve", "bf16")
+"""The /proc/cpuinfo flags the host kernels choose their code paths by (a VM's
+"model name" may not say which generation of a CPU it runs on)."""
+
+
 def machine() -> dict[str, Any]:
-    """CPU model, cores, memory and GPU (when torch sees one) of this machine."""
-    cpu = platform.processor() or "unknown CPU"
+    """CPU model, its vector extensions (ISA_FLAGS), cores, memory and GPU
+    (when torch sees one) of this machine."""
+    fields: dict[str, str] = {}  # the first processor's /proc/cpuinfo lines
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    cpu = fields.get("model name") or platform.processor() or "unknown CPU"
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1), "gpu": None,
-                            "torch": None, "cuda": None, "driver": None}
+    info: dict[str, Any] = {"cpu": cpu, "isa": [f for f in ISA_FLAGS if f in flags], "cores": os.cpu_count(),
+                            "memory_gib": round(mem_gib, 1), "gpu": None, "torch": None, "cuda": None,
+                            "driver": None}
     try:
         import torch
 
@@ -104,6 +112,17 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(_compact_lists(json.dumps(payload, indent=2)) + "\n")
+    return path
+
+
+def publish(name: str, payload: dict[str, Any], plot: Any, shown: Any = None) -> Path:
+    """Writes results/<name>.json, prints ``shown`` (a summary, as JSON) and
+    the path, and draws the figure: ``plot(payload, name)``."""
+    path = write_json(name, payload)
+    if shown is not None:
+        print(json.dumps(shown, indent=2))
+    print(f"wrote {path}")
+    plot(payload, name)
     return path
 
 
