@@ -18,6 +18,9 @@ import pytest
 
 import vattn
 from test_vllm import SCENARIO, TOKEN_BYTES, needs_vllm, run_scenario, vllm_python
+from vllm_models import ENGINE as MODEL_ENGINE
+from vllm_models import WINDOW
+from vllm_models import phases as model_phases
 
 BLOCK = 32
 BLOCK_BYTES = BLOCK * TOKEN_BYTES  # one block's pages, K and V of both layers
@@ -32,6 +35,17 @@ def engine_phases(seed: int) -> list[dict]:
     shared = [system + [rng.randrange(3, 256) for _ in range(rng.randint(3, 30))] for _ in range(6)]
     return [dict(name=f"mixed-{seed}", prompts=mixed, max_tokens=[rng.randint(30, 60) for _ in mixed]),
             dict(name=f"shared-{seed}", prompts=shared, max_tokens=[rng.randint(8, 30) for _ in shared])]
+
+
+def held_peak_while(budget: vattn.Budget, work: list[threading.Thread]) -> int:
+    """Starts ``work`` and returns the most bytes the budget held while it ran (sampled every 10 ms)."""
+    peak = 0
+    for t in work:
+        t.start()
+    while any(t.is_alive() for t in work):
+        peak = max(peak, budget.held_bytes)
+        time.sleep(0.01)
+    return peak
 
 
 @needs_vllm
@@ -55,12 +69,7 @@ def test_two_engines_share_a_budget_with_stock_tokens_preempting_instead_of_fail
             procs.append(threading.Thread(target=lambda s=spec, o=outs[-1]: procs_done.append(run_scenario(
                 model, s, o, tmp_path, True, VATTN_BUDGET=budget.name, VATTN_VLLM_IDLE_RELEASE_S="1", **env))))
         procs_done: list[subprocess.CompletedProcess] = []
-        held_peak = 0
-        for t in procs:
-            t.start()
-        while any(t.is_alive() for t in procs):
-            held_peak = max(held_peak, budget.held_bytes)
-            time.sleep(0.01)
+        held_peak = held_peak_while(budget, procs)
         for proc in procs_done:
             assert proc.returncode == 0, proc.stderr[-4000:]
         stock_spec = tmp_path / "stock.spec.json"
@@ -89,6 +98,47 @@ def test_two_engines_share_a_budget_with_stock_tokens_preempting_instead_of_fail
         assert 0 < held_peak <= LIMIT_BLOCKS * BLOCK_BYTES
     finally:
         budget.remove()
+
+
+@needs_vllm
+def test_a_hybrid_model_under_a_budget_serves_stock_tokens(tmp_path):
+    model = tmp_path / "gemma2"
+    subprocess.run([vllm_python(), str(SCENARIO), "make-arch", str(model), "gemma2"], check=True,
+                   capture_output=True, timeout=300)
+    env = dict(VLLM_CPU_KVCACHE_SPACE="1")
+    stock_spec = tmp_path / "stock.spec.json"
+    stock_spec.write_text(json.dumps(dict(engine=MODEL_ENGINE, phases=model_phases(), record_usage=True)))
+    proc = run_scenario(model, stock_spec, tmp_path / "stock.json", tmp_path, False, **env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    stock = json.loads((tmp_path / "stock.json").read_text())
+    block_bytes = stock["usage_block_bytes"]  # one block id: a page of every layer of both groups
+    stock_peak_blocks = max(blocks for _, blocks in stock["usage_series"])
+    limit_blocks = 16  # the longest request needs 11 (8 global + 3 in the window); stock's peak is more
+    assert stock_peak_blocks > limit_blocks
+    budget = vattn.Budget.create(f"vllm-hybrid-{os.getpid()}", limit_blocks * block_bytes)
+    try:
+        spec = tmp_path / "vattn.spec.json"
+        spec.write_text(json.dumps(dict(engine=MODEL_ENGINE, phases=model_phases(), record_usage=True, idle_s=2.0)))
+        done: list[subprocess.CompletedProcess] = []
+        work = threading.Thread(target=lambda: done.append(run_scenario(
+            model, spec, tmp_path / "vattn.json", tmp_path, True, VATTN_BUDGET=budget.name,
+            VATTN_VLLM_IDLE_RELEASE_S="1", **env)))
+        held_peak = held_peak_while(budget, [work])
+        assert done[0].returncode == 0, done[0].stderr[-4000:]
+    finally:
+        budget.remove()
+    ours = json.loads((tmp_path / "vattn.json").read_text())
+    for name, phase in stock["phases"].items():
+        assert ours["phases"][name]["outputs"] == phase["outputs"], name
+    (v,) = ours["vattn"]
+    assert [g["window"] for g in v["groups"]] == [WINDOW, None]
+    assert max(v["bytes_behind_windows_series"]) > 0  # the window's group still unmapped what slid out
+    assert 0 < held_peak <= limit_blocks * block_bytes
+    assert max(blocks for _, blocks in ours["usage_series"]) <= limit_blocks
+    assert sum(p["preemptions"] for p in ours["phases"].values()) + \
+        v["block_pool_budget"]["waits_recorded"] > 0  # the budget, not the 1 GiB pool, bounded the engine
+    (idle,) = ours["vattn_idle"]
+    assert idle["bytes_created"] <= block_bytes and idle["block_pool_budget"]["blocks_released"] > 0
 
 
 def test_a_budget_needs_the_worker_in_the_engine_core_process(monkeypatch):
