@@ -18,8 +18,8 @@ import pytest
 
 import vattn
 from test_vllm import SCENARIO, TOKEN_BYTES, needs_vllm, run_scenario, vllm_python
+from test_vllm_models import GROUP_WINDOWS, long_unless_in_suite
 from vllm_models import ENGINE as MODEL_ENGINE
-from vllm_models import WINDOW
 from vllm_models import phases as model_phases
 
 BLOCK = 32
@@ -101,9 +101,14 @@ def test_two_engines_share_a_budget_with_stock_tokens_preempting_instead_of_fail
 
 
 @needs_vllm
-def test_a_hybrid_model_under_a_budget_serves_stock_tokens(tmp_path):
-    model = tmp_path / "gemma2"
-    subprocess.run([vllm_python(), str(SCENARIO), "make-arch", str(model), "gemma2"], check=True,
+@pytest.mark.parametrize("arch,limit_blocks", [
+    pytest.param("gemma2", 16, id="gemma2"),
+    pytest.param("gemma3", 20, id="gemma3", marks=long_unless_in_suite("gemma3").marks)])
+def test_a_hybrid_model_under_a_budget_serves_stock_tokens(arch, limit_blocks, tmp_path):
+    """``limit_blocks``: below stock's peak, above the longest request's need (Gemma-2: 8 global blocks + 3
+    in the window; Gemma-3: 8 + 3 + 3)."""
+    model = tmp_path / arch
+    subprocess.run([vllm_python(), str(SCENARIO), "make-arch", str(model), arch], check=True,
                    capture_output=True, timeout=300)
     env = dict(VLLM_CPU_KVCACHE_SPACE="1")
     stock_spec = tmp_path / "stock.spec.json"
@@ -111,10 +116,8 @@ def test_a_hybrid_model_under_a_budget_serves_stock_tokens(tmp_path):
     proc = run_scenario(model, stock_spec, tmp_path / "stock.json", tmp_path, False, **env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     stock = json.loads((tmp_path / "stock.json").read_text())
-    block_bytes = stock["usage_block_bytes"]  # one block id: a page of every layer of both groups
-    stock_peak_blocks = max(blocks for _, blocks in stock["usage_series"])
-    limit_blocks = 16  # the longest request needs 11 (8 global + 3 in the window); stock's peak is more
-    assert stock_peak_blocks > limit_blocks
+    block_bytes = stock["usage_block_bytes"]  # one block id: a page of every layer of every group
+    assert max(blocks for _, blocks in stock["usage_series"]) > limit_blocks
     budget = vattn.Budget.create(f"vllm-hybrid-{os.getpid()}", limit_blocks * block_bytes)
     try:
         spec = tmp_path / "vattn.spec.json"
@@ -131,7 +134,7 @@ def test_a_hybrid_model_under_a_budget_serves_stock_tokens(tmp_path):
     for name, phase in stock["phases"].items():
         assert ours["phases"][name]["outputs"] == phase["outputs"], name
     (v,) = ours["vattn"]
-    assert [g["window"] for g in v["groups"]] == [WINDOW, None]
+    assert [g["window"] for g in v["groups"]] == GROUP_WINDOWS[arch]
     assert max(v["bytes_behind_windows_series"]) > 0  # the window's group still unmapped what slid out
     assert 0 < held_peak <= limit_blocks * block_bytes
     assert max(blocks for _, blocks in ours["usage_series"]) <= limit_blocks
