@@ -272,6 +272,15 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
   stats.step_calls++;
   for (bool reclaimed_for_creation = false; deficit > 0;) {
     if (deficit > table_.available()) {
+      // Orphans (addresses a failed unmap left mapped) hold their ids until an unmap succeeds; the plan
+      // below only counts mapped positions, so retry them first. One that fails again stays an orphan,
+      // as the table says; its error was raised when it was kept, and this step only needs what it frees.
+      if (!table_.orphans().empty()) {
+        try {
+          settle_orphans_locked(-1);
+        } catch (const std::exception&) {
+        }
+      }
       ReclaimPlan plan = plan_reclaim(table_, deficit - table_.available(), -1, SIZE_MAX);
       if (table_.available() + plan.freed_ids < deficit) {
         stats.failed_steps++;

@@ -348,3 +348,24 @@ def test_loose_types_are_refused_and_arrays_of_any_stride_accepted():
 
 def test_a_forked_child_cannot_touch_the_parent_and_exits_normally():
     run_scenario("fork_child_cannot_touch_parent", reps=2)
+
+
+def test_steps_last_resort_reclaim_settles_orphans_left_in_free_slots(host_faults):
+    """A free slot's cached pages whose unmap failed stay orphans; once the driver works again, a step that
+    needs those pages settles them and maps, instead of reporting a full pool (it did: the reclaim plan only
+    counted mapped positions)."""
+    tokens = PAGE // (2 * 32 * 4)  # tokens per page
+    with make(backend=FAULTY_HOST, physical_memory=4 * 4 * PAGE, deferred_reclaim=True, eager=False) as kv:
+        assert kv.num_page_ids == 4
+        a = kv.alloc_reqid(reqid=0)
+        assert kv.step(only(a, 4 * tokens))
+        kv.free_reqid(a)  # its 4 pages stay mapped in the free slot, cached for reuse
+        b = kv.alloc_reqid(reqid=1)  # another slot: a's pages must be reclaimed from slot 0
+        host_faults.fail("unmap", 0, 1, errno.EIO)
+        with pytest.raises(vattn.DriverError):
+            kv.step(only(b, 4 * tokens))  # the reclaim's unmap fails: the pages become orphans
+        assert kv.stats()["pages_orphaned"] > 0
+        assert_invariants(kv)
+        assert kv.step(only(b, 4 * tokens))  # the driver works again: the orphans are settled, b maps
+        assert kv.stats()["pages_orphaned"] == 0 and kv._pages.mapped_pages(b) == 4
+        assert_invariants(kv)
