@@ -141,8 +141,9 @@ def run_config(config: str, args: argparse.Namespace, models: list[tuple], trace
     start_dir = tmp / f"start-{label.replace(' ', '-')}"
     start_dir.mkdir()
     budget = None
-    environ = {n: v for n, v in os.environ.items() if not n.startswith(("VATTN_VLLM", "VATTN_BUDGET"))}
-    environ = {n: v for n, v in environ.items() if n != "VLLM_CPU_KVCACHE_SPACE"}  # it overrides the engine's size
+    # (VLLM_CPU_KVCACHE_SPACE would override the engines' kv_cache_memory_bytes)
+    environ = {n: v for n, v in os.environ.items()
+               if not n.startswith(("VATTN_VLLM", "VATTN_BUDGET")) and n != "VLLM_CPU_KVCACHE_SPACE"}
     environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     engine = dict(dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=args.burst_requests,
                   enable_prefix_caching=True, block_size=BLOCK)
