@@ -195,6 +195,21 @@ std::vector<uint32_t> to_ids(const std::vector<int64_t>& values, const char* wha
   return out;
 }
 
+// A page-table call per reqid: reqids[i] with values[i] (equal lengths), run without the GIL (unmapping
+// waits for the device and the driver). ``api`` and ``values_name`` name the Python call and argument.
+template <class Method>
+auto per_reqid_call(Method method, const char* api, const char* values_name) {
+  return [=](PageManager& pm, py::handle slots_obj, py::handle values_obj) {
+    std::vector<int64_t> slots, values;
+    read_ints(slots_obj, "reqids", slots);
+    read_ints(values_obj, values_name, values);
+    if (values.size() != slots.size())
+      throw std::invalid_argument(std::string(api) + ": reqids and " + values_name + " must have equal lengths");
+    py::gil_scoped_release release;
+    (pm.*method)(slots.data(), values.data(), slots.size());
+  };
+}
+
 py::dict stats_dict(const PageStats& s, size_t page_size) {
   py::dict d;
   d["pages_total"] = s.pages_total;
@@ -443,16 +458,9 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "release_external",
           [](PageManager& pm, py::handle page_ids) {
-            thread_local std::vector<int64_t> raw;
+            std::vector<int64_t> raw;
             read_ints(page_ids, "page_ids", raw);
-            std::vector<uint32_t> ids(raw.size());
-            for (size_t k = 0; k < raw.size(); ++k) {
-              if (raw[k] < 0 || raw[k] > static_cast<int64_t>(UINT32_MAX))
-                throw py::value_error("release_pages: page_ids[" + std::to_string(k) + "] must be in [0, " +
-                                      std::to_string(pm.num_ids() - 1) + "] (num_page_ids), got " +
-                                      std::to_string(raw[k]));
-              ids[k] = static_cast<uint32_t>(raw[k]);
-            }
+            std::vector<uint32_t> ids = to_ids(raw, "release_pages", "page_ids", pm.num_ids());
             py::gil_scoped_release release;
             return pm.release_external(ids.data(), ids.size());
           },
@@ -507,30 +515,10 @@ PYBIND11_MODULE(_C, m) {
             pm.map_ids(slots.data(), starts.data(), offsets.data(), slots.size(), ids.data(), ids.size());
           },
           py::arg("reqids"), py::arg("starts"), py::arg("counts"), py::arg("page_ids"))
-      .def(
-          "truncate",
-          [](PageManager& pm, py::handle slots_obj, py::handle keep_obj) {
-            std::vector<int64_t> slots, keep;
-            read_ints(slots_obj, "reqids", slots);
-            read_ints(keep_obj, "keep", keep);
-            if (keep.size() != slots.size())
-              throw std::invalid_argument("unmap_pages: reqids and keep must have equal lengths");
-            py::gil_scoped_release release;
-            pm.truncate(slots.data(), keep.data(), slots.size());
-          },
-          py::arg("reqids"), py::arg("keep"))
-      .def(
-          "punch",
-          [](PageManager& pm, py::handle slots_obj, py::handle first_obj) {
-            std::vector<int64_t> slots, first;
-            read_ints(slots_obj, "reqids", slots);
-            read_ints(first_obj, "first", first);
-            if (first.size() != slots.size())
-              throw std::invalid_argument("unmap_pages_below: reqids and first must have equal lengths");
-            py::gil_scoped_release release;  // unmapping waits for the device and the driver
-            pm.punch(slots.data(), first.data(), slots.size());
-          },
-          py::arg("reqids"), py::arg("first"))
+      .def("truncate", per_reqid_call(&PageManager::truncate, "unmap_pages", "keep"), py::arg("reqids"),
+           py::arg("keep"))
+      .def("punch", per_reqid_call(&PageManager::punch, "unmap_pages_below", "first"), py::arg("reqids"),
+           py::arg("first"))
       .def("slot_ids", &PageManager::slot_ids, py::arg("slot"))
       .def(
           "table",
