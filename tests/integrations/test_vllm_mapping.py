@@ -255,3 +255,14 @@ def test_groups_map_their_own_block_tables_into_their_own_slices_from_one_pool()
         with pytest.raises(ValueError, match=r"reqids first_reqid .. first_reqid \+ rows - 1 must lie in \[0, 3\], "
                                              r"got first_reqid=3, rows=2"):
             BlockMapper(kv, BLOCK, first_reqid=3, rows=2)
+
+
+def test_the_worker_caches_per_forward_series_are_bounded():
+    """vattn_stats keeps per-forward series; a server runs for days, so they keep the latest forwards only."""
+    from vattn.integrations import vllm_cache
+
+    cache = vllm_cache.WorkerCache(manager=None, groups=[], runner=None, kernel=None, case=None)
+    for series in (cache.time_s, cache.bytes_mapped, cache.tokens, cache.behind_windows):
+        for i in range(vllm_cache.SERIES_FORWARDS + 3):
+            series.append(i)
+        assert len(series) == vllm_cache.SERIES_FORWARDS and series[0] == 3

@@ -21,6 +21,7 @@ the slice (:class:`vattn.integrations.block_mapper.BlockMapper`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import time
@@ -104,6 +105,14 @@ class GroupSlices:
     mapper: BlockMapper  # rows of the persistent batch -> the group's reqids
 
 
+SERIES_FORWARDS = 1 << 16
+"""Forwards the per-forward series of ``vattn_stats`` keep (the latest ones)."""
+
+
+def series() -> collections.deque:
+    return collections.deque(maxlen=SERIES_FORWARDS)
+
+
 @dataclasses.dataclass
 class WorkerCache:
     """One worker's vattn cache, its groups, and what it recorded per forward."""
@@ -114,10 +123,11 @@ class WorkerCache:
     kernel: Kernel  # the attention kernel
     case: AttentionCase  # what the kernel plans each forward with: the cache's device, shapes and dtype
     group_of: dict[str, int] = dataclasses.field(default_factory=dict)  # layer name -> group index
-    time_s: list[float] = dataclasses.field(default_factory=list)  # time.monotonic() of each forward
-    bytes_mapped: list[int] = dataclasses.field(default_factory=list)  # distinct pages mapped, all buffers
-    tokens: list[int] = dataclasses.field(default_factory=list)  # attended tokens of the forward
-    behind_windows: list[int] = dataclasses.field(default_factory=list)  # bytes of the holes behind windows
+    # per forward, the last SERIES_FORWARDS of them (a server runs for days: the series must not grow forever)
+    time_s: collections.deque = dataclasses.field(default_factory=lambda: series())  # time.monotonic()
+    bytes_mapped: collections.deque = dataclasses.field(default_factory=lambda: series())  # distinct pages, all buffers
+    tokens: collections.deque = dataclasses.field(default_factory=lambda: series())  # attended tokens
+    behind_windows: collections.deque = dataclasses.field(default_factory=lambda: series())  # bytes of window holes
     map_ns: int = 0  # time spent mapping and unmapping, all forwards
 
     @classmethod
@@ -164,7 +174,7 @@ class WorkerCache:
             self.behind_windows.append(sum(g.mapper.holes for g in self.groups) * page_id_bytes)
 
     def stats(self) -> dict[str, Any]:
-        """The cache's stats, its groups, and the per-forward series."""
+        """The cache's stats, its groups, and the per-forward series (the last SERIES_FORWARDS forwards)."""
         return dict(self.manager.stats(), layout=self.manager.config.layout, kernel=self.kernel.name,
                     map_ns=self.map_ns, time_s_series=list(self.time_s), bytes_mapped_series=list(self.bytes_mapped),
                     tokens_series=list(self.tokens), bytes_behind_windows_series=list(self.behind_windows),
