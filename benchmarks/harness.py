@@ -68,7 +68,7 @@ def cuda_driver() -> dict[str, Any] | None:
     version, the device it reports and the kernel module version
     (nvidia-smi); None where no driver loads."""
     from vattn import _C
-    from vattn.errors import VAttnError
+    from vattn.common.errors import VAttnError
 
     path = _C.default_cuda_driver_path()
     try:

@@ -37,7 +37,7 @@ import time
 from harness import machine, machine_slug, pyplot, save_plot, summarize, write_json
 
 from vattn import _C, _testing
-from vattn.errors import VAttnError
+from vattn.common.errors import VAttnError
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 HOST_PAGE_SIZES = [64 * KiB, 256 * KiB, 2 * MiB]

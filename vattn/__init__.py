@@ -14,19 +14,18 @@ import threading
 from collections.abc import Callable
 from typing import Any, ParamSpec
 
-from ._install_check import check_extension, check_torch
+from vattn.common.install_check import check_extension, check_torch
 
 check_torch()  # "install torch first" instead of a bare "No module named 'torch'" from below
 check_extension()  # "not built, build it so" instead of a "circular import" of _C
 
 import torch  # noqa: E402
 
-from .budget import Budget
-from .errors import BackendUnavailable, ClosedError, DriverError, ForkedError, OutOfPages, OutOfSlots, VAttnError
-from .errors import BudgetError
-from .manager import KVCacheManager, PrefixHandle, SeqLens
-
-__version__ = "0.1.0"
+from vattn.budget import Budget
+from vattn.common.errors import BackendUnavailable, BudgetError, ClosedError, DriverError, ForkedError, OutOfPages
+from vattn.common.errors import OutOfSlots, VAttnError
+from vattn.common.version import VERSION as __version__
+from vattn.core import KVCacheManager, PrefixHandle, SeqLens
 
 __all__ = [
     "KVCacheManager",

@@ -1,5 +1,5 @@
 // The error of the budget layer. The bindings translate it to
-// vattn.errors.BudgetError; the message always names the budget, what is
+// vattn.common.errors.BudgetError; the message always names the budget, what is
 // wrong and what to do about it.
 #pragma once
 

@@ -1,5 +1,5 @@
 // Exceptions thrown by the C++ core. The bindings translate each to the
-// Python class of the same role in vattn.errors; nothing here ever exits.
+// Python class of the same role in vattn.common.errors; nothing here ever exits.
 #pragma once
 
 #include <cstring>

@@ -246,7 +246,7 @@ py::dict stats_dict(const PageStats& s, size_t page_size) {
 }
 
 void register_errors() {
-  py::module_ errors = py::module_::import("vattn.errors");
+  py::module_ errors = py::module_::import("vattn.common.errors");
   // Strong references kept for the life of the process on purpose: a static
   // py::object would be decref'd after the interpreter is gone.
   static PyObject* driver_error = py::object(errors.attr("DriverError")).release().ptr();

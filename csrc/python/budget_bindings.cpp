@@ -18,7 +18,7 @@ void register_budget_error() {
   // A strong reference kept for the life of the process on purpose: a static
   // py::object would be decref'd after the interpreter is gone.
   static PyObject* budget_error =
-      py::object(py::module_::import("vattn.errors").attr("BudgetError")).release().ptr();
+      py::object(py::module_::import("vattn.common.errors").attr("BudgetError")).release().ptr();
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import vattn
-import vattn.info
+import vattn.cli.info
 from conftest import c_compiler
 
 HERE = Path(__file__).resolve().parent
@@ -199,11 +199,11 @@ def test_bad_backend_and_page_size_arguments(fake_cuda, stock_uvm):
 
 def test_info_says_the_patched_module_is_not_loaded(stock_uvm):
     stock_uvm("missing")
-    info = vattn.info.collect()
+    info = vattn.cli.info.collect()
     uvm = info["backends"]["cuda_uvm"]
     assert uvm["patched_module"] is False and uvm["available"] is False and uvm["page_sizes"] == []
     assert "the nvidia-uvm module is not loaded" in uvm["reason"] and "driver_patch/README.md" in uvm["reason"]
-    text = vattn.info.render(info)
+    text = vattn.cli.info.render(info)
     assert "backend cuda_uvm: unavailable (patched nvidia-uvm not loaded: cannot open" in text
     assert json.loads(json.dumps(info)) == info  # --json can print it
 

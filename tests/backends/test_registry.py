@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import vattn
-import vattn.info
+import vattn.cli.info
 from conftest import assert_invariants, assert_table_is_real
 from host_faults import FAULTY_HOST, faulty_host_backend
 from vattn import _C, _testing
@@ -58,13 +58,13 @@ def test_a_backend_registered_from_a_test_serves_a_manager_and_shows_in_info():
                 kv.step([300 if i == r else 0 for i in range(4)])
             assert_table_is_real(kv)
             assert_invariants(kv)
-        info = vattn.info.collect()
+        info = vattn.cli.info.collect()
         assert info["backends"][FAULTY_HOST] == {"description": get_backend(FAULTY_HOST).description}
-        assert f"backend {FAULTY_HOST}: the host backend, failing" in vattn.info.render(info)
+        assert f"backend {FAULTY_HOST}: the host backend, failing" in vattn.cli.info.render(info)
         assert json.loads(json.dumps(info)) == info
         with pytest.raises(ValueError, match=f"backend '{FAULTY_HOST}' does not serve device cuda"):
             make(backend=FAULTY_HOST, device="cuda")
-    assert FAULTY_HOST not in backend_names() and FAULTY_HOST not in vattn.info.collect()["backends"]
+    assert FAULTY_HOST not in backend_names() and FAULTY_HOST not in vattn.cli.info.collect()["backends"]
     with pytest.raises(ValueError, match=r"backend must be one of \('host', 'cuda', 'cuda_uvm'\) or None"):
         make(backend=FAULTY_HOST)
 

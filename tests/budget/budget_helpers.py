@@ -14,7 +14,7 @@ from typing import Any, Callable
 import pytest
 
 import vattn
-from vattn import budget as vbudget
+from vattn.budget import budget as vbudget
 
 SHM_DIR = Path("/dev/shm")
 _counter = itertools.count()

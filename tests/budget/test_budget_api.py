@@ -12,7 +12,7 @@ import pytest
 from budget_helpers import budget_name, patch_prefix, read_prefix, segment_path  # noqa: F401 (fixture)
 
 import vattn
-from vattn import budget as vbudget
+from vattn.budget import budget as vbudget
 
 MiB = 1 << 20
 

@@ -13,8 +13,8 @@ import pytest
 from budget_helpers import budget_name, patch_prefix  # noqa: F401 (fixture)
 
 import vattn
-from vattn import budget_top
-from vattn.__main__ import main
+from vattn.budget import top as budget_top
+from vattn.cli.main import main
 
 GiB = 1 << 30
 

@@ -189,7 +189,7 @@ def test_without_the_switch_vllm_runs_stock(runs):
     # file paths, which hold the word when the checkout lives in a folder named vattn.
     stock, ours = runs.stock(), runs.vattn()
     assert stock["attention_backend"].startswith("vllm.v1.attention.backends.")
-    assert ours["attention_backend"] == "vattn.integrations.vllm.VAttnAttentionBackend"
+    assert ours["attention_backend"] == "vattn.integrations.vllm.attention.VAttnAttentionBackend"
     assert PLUGIN_LOG_LINE not in stock["log"] and PLUGIN_LOG_LINE in ours["log"]
     probe = subprocess.run(
         [vllm_python(), "-c", "from importlib.metadata import entry_points; "
@@ -212,9 +212,9 @@ model, latent = sys.argv[1], sys.argv[2]
 common = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=256, max_num_seqs=4, enforce_eager=True)
 attempt("block_size", lambda: LLM(model=model, block_size=8, **common))
 attempt("latent_attention", lambda: LLM(model=latent, **common))
-from vattn.integrations import vllm as plugin
+from vattn.integrations.vllm import attention
 from vllm.v1.attention.backend import AttentionType
-impl = plugin._impl_cls()
+impl = attention._impl_cls()
 base = dict(num_heads=4, head_size=32, scale=1.0, num_kv_heads=2, alibi_slopes=None, sliding_window=None,
             kv_cache_dtype="auto")
 attempt("encoder", lambda: impl(**dict(base, attn_type=AttentionType.ENCODER_ONLY)))
@@ -256,7 +256,7 @@ def test_untested_vllm_version_is_refused():
                           env=dict(os.environ, VATTN_VLLM="1"))
     assert "refused: VATTN_VLLM=1: vattn's vLLM integration is checked against vLLM 0.32.0, this is vLLM " \
            "0.31.0; set VATTN_VLLM_ALLOW_UNTESTED=1" in proc.stdout, proc.stderr[-2000:]
-    proc = subprocess.run([vllm_python(), "-c", code + "print('hooked:', plugin._hooks_installed)"],
+    proc = subprocess.run([vllm_python(), "-c", code + "from vattn.integrations.vllm import hooks\nprint('hooked:', hooks._hooks_installed)"],
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, VATTN_VLLM="1", VATTN_VLLM_ALLOW_UNTESTED="1"))
     assert "refused" not in proc.stdout and "hooked: True" in proc.stdout, proc.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""vLLM engines under one machine-wide budget (vattn/integrations/vllm_budget.py).
+"""vLLM engines under one machine-wide budget (vattn/integrations/vllm/budget.py).
 
 Two engines in two processes share a budget that fits one engine's peak but not
 both: each must produce stock vLLM's fp32 greedy tokens, nothing may fail in the
@@ -147,7 +147,7 @@ def test_a_hybrid_model_under_a_budget_serves_stock_tokens(arch, limit_blocks, t
 def test_a_budget_needs_the_worker_in_the_engine_core_process(monkeypatch):
     from types import SimpleNamespace
 
-    from vattn.integrations import vllm_budget
+    from vattn.integrations.vllm import budget as vllm_budget
 
     def config(backend: str, world: int = 1) -> SimpleNamespace:
         return SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend, world_size=world),

@@ -21,11 +21,12 @@ import torch
 
 import vattn
 from vattn.integrations import vllm as plugin
-from vattn.integrations import vllm_cache
+from vattn.integrations.vllm import configuration
+from vattn.integrations.vllm import worker_cache as vllm_cache
 from vattn.integrations.block_mapper import BlockMapper
 from vattn.kernels import KERNELS
 
-ADAPTER = "vattn.integrations.vllm_flash_attn"
+ADAPTER = "vattn.integrations.vllm.flash_attn"
 
 
 def reference_varlen(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=None, softmax_scale=None,
@@ -65,7 +66,7 @@ def fake_vllm_build(monkeypatch):
     sys.modules.pop(ADAPTER, None)
     yield importlib.import_module(ADAPTER)
     sys.modules.pop(ADAPTER, None)
-    monkeypatch.delattr(importlib.import_module("vattn.integrations"), "vllm_flash_attn", raising=False)
+    monkeypatch.delattr(importlib.import_module("vattn.integrations.vllm"), "flash_attn", raising=False)
 
 
 def _without(monkeypatch, *modules: str) -> None:
@@ -77,7 +78,7 @@ def _without(monkeypatch, *modules: str) -> None:
 def test_vllms_bundled_flash_attention_is_preferred(fake_vllm_build, monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))  # the package too
     kernel = plugin.loaded_kernel(KERNELS["flash_attn"])
-    assert kernel is plugin.VLLM_FLASH_ATTN and kernel.name == "FlashAttention-2"
+    assert kernel is configuration.VLLM_FLASH_ATTN and kernel.name == "FlashAttention-2"
     assert kernel.module().flash_attn_with_kvcache is fake_vllm_build.flash_attn_with_kvcache
 
 

@@ -259,7 +259,7 @@ def test_groups_map_their_own_block_tables_into_their_own_slices_from_one_pool()
 
 def test_the_worker_caches_per_forward_series_are_bounded():
     """vattn_stats keeps per-forward series; a server runs for days, so they keep the latest forwards only."""
-    from vattn.integrations import vllm_cache
+    from vattn.integrations.vllm import worker_cache as vllm_cache
 
     cache = vllm_cache.WorkerCache(manager=None, groups=[], runner=None, kernel=None, case=None)
     for series in (cache.time_s, cache.bytes_mapped, cache.tokens, cache.behind_windows):

@@ -652,7 +652,7 @@ def test_a_forked_child_runs_the_kernel_on_a_pool_of_its_own() -> None:
 
 
 def test_info_names_the_active_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vattn.info import collect, render
+    from vattn.cli.info import collect, render
 
     assert f"host attention kernel: {VECTOR_ISA} path" in render(collect())
     monkeypatch.setenv("VATTN_CPU_ATTN_ISA", "scalar")

@@ -61,7 +61,7 @@ def test_import_without_torch_says_install_torch_first():
 
 
 def demo(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
-    code = prelude + f"import sys\nfrom vattn.__main__ import main\nsys.exit(main({['demo', *args]!r}))"
+    code = prelude + f"import sys\nfrom vattn.cli.main import main\nsys.exit(main({['demo', *args]!r}))"
     return run_python(code)
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .. import _C
-from ..errors import BackendUnavailable, VAttnError
+from vattn import _C
+from vattn.common.errors import BackendUnavailable, VAttnError
 from .registry import BackendDefaults, native_factory, register_backend
 
 KiB = 1024

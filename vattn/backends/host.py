@@ -7,7 +7,7 @@ import resource
 from collections.abc import Mapping
 from typing import Any
 
-from .. import _C
+from vattn import _C
 from .registry import MAX_RESERVATION_BYTES, BackendDefaults, native_factory, register_backend
 
 KiB = 1024

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .. import _C
+from vattn import _C
 
 MAX_DEVICE_INDEX = 2**31 - 1  # device ordinals are C ints
 # Address space a cache may reserve: x86-64 and arm64 user space is 128 TiB

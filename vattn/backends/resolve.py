@@ -3,7 +3,7 @@ checked against what the registered backend offers on the device."""
 
 from __future__ import annotations
 
-from ..config import KVCacheConfig
+from vattn.common.config import KVCacheConfig
 from .registry import MAX_RESERVATION_BYTES, BackendDefaults, BackendSpec, backend_names, default_backend, get_backend
 
 

@@ -85,8 +85,9 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from vattn import ClosedError, KVCacheManager, VAttnError
-from vattn.attention import AttentionBatch, attention
+from vattn.common.errors import ClosedError, VAttnError
+from vattn.core import KVCacheManager
+from vattn.kernels.functions import AttentionBatch, attention
 from vattn.integrations.hf_model import kv_shape
 
 from .prefix_cache import PrefixCache

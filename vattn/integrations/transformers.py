@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from vattn import KVCacheManager
-from vattn.errors import OutOfPages
+from vattn.core import KVCacheManager
+from vattn.common.errors import OutOfPages
 
 from .hf_model import kv_shape
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..spans import manager_of
+from vattn.core.tensor_owners import manager_of
 
 
 class AttentionBatch:

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import BackendUnavailable
+from vattn.common.errors import BackendUnavailable
 from .batch import AttentionBatch, check_inputs, token_rows, write_rows
 from .page_view import PageGeometry, page_geometry, page_ranges, paged_view
 from .protocol import AttentionCase, Kernel, KernelPlan, Support, load_module

@@ -24,7 +24,7 @@ def native() -> Any:
     """The host kernel extension (``vattn._cpu_attn``), imported on first use."""
     global _native_module
     if _native_module is None:
-        from .. import _cpu_attn as module
+        from vattn import _cpu_attn as module
 
         _native_module = module
     return _native_module

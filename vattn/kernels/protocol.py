@@ -23,7 +23,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..errors import BackendUnavailable
+from vattn.common.errors import BackendUnavailable
 from .batch import AttentionBatch
 
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import vattn
-import vattn.info
+import vattn.cli.info
 from vattn import _C
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -216,12 +216,12 @@ def test_automatic_selection(uvm, fake_cuda):
 
 
 def test_info_reports_the_patched_module(fake_cuda):
-    info = vattn.info.collect()
+    info = vattn.cli.info.collect()
     uvm_info = info["backends"]["cuda_uvm"]
     assert uvm_info["patched_module"] and uvm_info["available"]
     assert uvm_info["abi_version"] == _C.uvm_abi_version
     assert uvm_info["page_sizes"] == PAGE_SIZES
-    text = vattn.info.render(info)
+    text = vattn.cli.info.render(info)
     assert "backend cuda_uvm: available (patched nvidia-uvm loaded (ABI 1" in text
     assert "page sizes: 64 KiB, 128 KiB, 256 KiB, 2 MiB (default 64 KiB)" in text
 

@@ -8,16 +8,16 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .arguments import stream_handles as _stream_handles
+from vattn.common.argument_checks import stream_handles as _stream_handles
 
 
 class CudaStreams:
     """:meth:`set_sync_streams` and :meth:`graph_capture` of a manager (the
-    manager provides ``_vmm()``, its C++ backend, and ``_pages``, its page
+    manager provides ``_vmm_backend()``, its C++ backend, and ``_pages``, its page
     manager)."""
 
     _pages: Any
-    _vmm: Callable[[], Any]
+    _vmm_backend: Callable[[], Any]
 
     def set_sync_streams(self, streams: Any) -> None:
         """Names the streams whose kernels may read the cache.
@@ -55,7 +55,7 @@ class CudaStreams:
                                       sync_streams=torch.cuda.current_stream())
         """
         handles = _stream_handles(streams)
-        self._vmm().set_sync_streams(handles)
+        self._vmm_backend().set_sync_streams(handles)
 
     @contextlib.contextmanager
     def graph_capture(self) -> Iterator[Any]:
@@ -96,7 +96,7 @@ class CudaStreams:
             ...
             kv.step(lens); g.replay()      # every iteration: step, then replay
         """
-        vmm = self._vmm()
+        vmm = self._vmm_backend()
         self._pages.pause_mapper(True)  # raises when already paused: nothing else changed
         try:
             vmm.suspend_driver_calls()

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from . import __version__, _C
-from .backends import registered_backends
+from vattn import _C
+from vattn.common.version import VERSION as __version__
+from vattn.backends import registered_backends
 
 
 def collect() -> dict[str, Any]:
@@ -18,7 +19,7 @@ def collect() -> dict[str, Any]:
     for entry in registered_backends():  # each sees those before it (cuda_uvm reads cuda's)
         facts = entry.info(backends) if entry.info else {}
         backends[entry.name] = {**facts, "description": entry.description}
-    from .attention import host_attention_info
+    from vattn.kernels.functions import host_attention_info
 
     return {
         "vattn": __version__,

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .config import LAYOUTS
+from vattn.common.config import LAYOUTS
 
 MiB = 1024 * 1024
 

@@ -47,8 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from vattn.errors import OutOfPages
-from vattn.manager_budget import DEFAULT_IDLE_RELEASE_S, ENV_VAR, idle_release_seconds
+from vattn.common.errors import OutOfPages
+from vattn.budget.membership import DEFAULT_IDLE_RELEASE_S, ENV_VAR, idle_release_seconds
 
 IDLE_SETTING = "VATTN_VLLM_IDLE_RELEASE_S"
 KEEPER_INTERVAL_S = 0.05  # how often the keeper looks at the budget (a lock-free read when nothing is asked)
@@ -342,11 +342,22 @@ def check_config(vllm_config: Any) -> None:
         raise ValueError(f"vattn: {ENV_VAR} with vLLM needs synchronous scheduling; drop async_scheduling")
 
 
-def attach(scheduler: Any) -> None:
-    global _pool
-    from vattn.integrations import vllm as plugin
+_offered: Any = None  # the cache of the worker in this process, until its scheduler takes it
 
-    cache = plugin._worker_cache
+
+def offer(cache: Any) -> None:
+    """The worker, when it built ``cache`` (a ``WorkerCache``): a scheduler in
+    this process (the worker runs in the engine-core process under a budget,
+    :func:`check_config`) takes it when vLLM constructs it, right after."""
+    global _offered
+    _offered = cache
+
+
+def attach(scheduler: Any) -> None:
+    """Gives ``scheduler`` the budget's view of its block pool when this
+    process's worker cache is in a budget."""
+    global _pool
+    cache = _offered
     if cache is None or cache.manager.budget is None:
         return
     scheduler._vattn_budget = _pool = BudgetedBlockPool(scheduler, cache, idle_release_setting())

@@ -7,9 +7,9 @@ import json
 import sys
 
 from .budget import DEFAULT_MAX_MEMBERS, Budget, names, remove
-from .budget_top import run_top
-from .errors import BudgetError, VAttnError
-from .sizes import format_bytes, parse_size
+from .top import run_top
+from vattn.common.errors import BudgetError, VAttnError
+from vattn.common.sizes import format_bytes, parse_size
 
 
 def _size(text: str) -> int:

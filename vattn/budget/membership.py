@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .budget import Budget, BudgetMember, resolve_device
-from .config import KVCacheConfig
+from vattn.common.config import KVCacheConfig
 
 ENV_VAR = "VATTN_BUDGET"
 # Seconds without a step after which a manager in a budget gives its free
@@ -93,6 +93,6 @@ def release_external_pages(manager: Any, page_ids: Any) -> list[int]:
         The ids released, in the order given. ValueError (nothing released) for an id out of
         range, or for a manager that hands out its own ids (use ``release_free_memory``).
     """
-    from .arguments import int_array
+    from vattn.common.argument_checks import int_array
 
     return list(manager._pages.release_external(int_array("page_ids", page_ids)))

@@ -8,8 +8,8 @@ import time
 from typing import Any, TextIO
 
 from .budget import Budget, BudgetUsage, names
-from .errors import BudgetError
-from .sizes import format_bytes
+from vattn.common.errors import BudgetError
+from vattn.common.sizes import format_bytes
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: redraw in place on a terminal
 COLUMNS = f"{'PID':>8}  {'LABEL':<32} {'IN USE':>11} {'FREE-HELD':>11} {'HELD':>11} {'SHARE':>7}  WAITING"

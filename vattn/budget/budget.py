@@ -20,7 +20,7 @@ process that needs it. See docs/elastic.md.
 
 A :class:`vattn.KVCacheManager` joins with ``budget=`` (a budget or its
 name) or the ``VATTN_BUDGET`` environment variable, and then does all of
-this itself (vattn/manager_budget.py, csrc/core/page_budget.h). This module
+this itself (vattn/budget/membership.py, csrc/core/page_budget.h). This module
 is the budget, the member API, and what the command line
 (``python -m vattn budget``, ``python -m vattn top``) uses.
 """
@@ -31,8 +31,8 @@ import ctypes
 import dataclasses
 from typing import Any
 
-from . import _C
-from .errors import BackendUnavailable, BudgetError, DriverError
+from vattn import _C
+from vattn.common.errors import BackendUnavailable, BudgetError, DriverError
 
 __all__ = [
     "Budget",

@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from vattn import KVCacheManager
-from vattn.integrations import block_mapper, vllm_budget
+from vattn.core import KVCacheManager
+from vattn.integrations import block_mapper
+from . import budget as vllm_budget
 from vattn.integrations.block_mapper import BlockMapper
 from vattn.kernels import AttentionCase, Kernel
 

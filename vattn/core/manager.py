@@ -12,22 +12,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _C, manager_budget
-from .arguments import as_int as _as_int
-from .arguments import bounded_int as _bounded_int
-from .arguments import int_array as _int_array
-from .arguments import page_id_rows as _page_id_rows
-from .arguments import policy_args as _policy_args
-from .arguments import stream_handles as _stream_handles
-from .backends import BackendSpec, parse_device, resolve_backend, torch_device
-from .config import KVCacheConfig
+from vattn import _C
+from vattn.budget import membership
+from vattn.common.argument_checks import as_int as _as_int
+from vattn.common.argument_checks import bounded_int as _bounded_int
+from vattn.common.argument_checks import int_array as _int_array
+from vattn.common.argument_checks import page_id_rows as _page_id_rows
+from vattn.common.argument_checks import policy_args as _policy_args
+from vattn.common.argument_checks import stream_handles as _stream_handles
+from vattn.backends import BackendSpec, parse_device, resolve_backend, torch_device
+from vattn.common.config import KVCacheConfig
 from .cuda_streams import CudaStreams
-from .errors import BackendUnavailable, ForkedError
-from .manager_budget import DEFAULT_IDLE_RELEASE_S as _IDLE_S, default_label, idle_release_seconds, join_budget
+from vattn.common.errors import BackendUnavailable, ForkedError
+from vattn.budget.membership import DEFAULT_IDLE_RELEASE_S as _IDLE_S, default_label, idle_release_seconds, join_budget
 from .prefix_handle import PrefixHandle
-from .spans import forget_span as _forget_span
-from .spans import manager_of  # noqa: F401 - vattn.manager.manager_of, as before
-from .spans import remember_span as _remember_span
+from .tensor_owners import forget_span as _forget_span
+from .tensor_owners import remember_span as _remember_span
 
 SeqLens = Sequence[int] | torch.Tensor | np.ndarray
 IntArray = Sequence[int] | torch.Tensor | np.ndarray
@@ -368,7 +368,7 @@ class KVCacheManager(CudaStreams):
             raise ValueError(f"max_bytes must be in [0, 2^63), got {limit}")
         return self._pages.release_free(-(-limit // self.page_size)) * self.page_size
 
-    release_pages = manager_budget.release_external_pages  # page_allocator="external" only
+    release_pages = membership.release_external_pages  # page_allocator="external" only
 
     def budget_share(self) -> dict[str, Any] | None:
         """This manager's share of its budget now, in bytes: ``held_bytes``
@@ -569,7 +569,7 @@ class KVCacheManager(CudaStreams):
         (for tests and benchmarks; serving code never needs it)."""
         self._pages.wait_idle()
 
-    def _vmm(self) -> Any:
+    def _vmm_backend(self) -> Any:
         """The C++ VMM backend of the open cache (ClosedError after cleanup)."""
         self._pages.check_usable()
         return self._pages.memory.backend

@@ -42,4 +42,4 @@ def check_torch() -> None:
 def check_extension() -> None:
     """Raises ImportError saying how to build ``vattn._C`` when it is absent."""
     if importlib.util.find_spec("vattn._C") is None:
-        raise ImportError(extension_missing(Path(__file__).resolve().parent), name="vattn._C")
+        raise ImportError(extension_missing(Path(__file__).resolve().parents[1]), name="vattn._C")  # vattn/

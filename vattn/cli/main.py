@@ -1,0 +1,37 @@
+"""Command line: `python -m vattn info`, `demo`, `budget` and `top`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vattn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="backends, granularity, page sizes, memory, build")
+    info.add_argument("--json", action="store_true", help="print as JSON")
+    demo = sub.add_parser("demo", help="serve a model with continuous batching on vattn (CPU)")
+    from .demo import add_arguments
+
+    add_arguments(demo)
+    from vattn.budget.cli import add_commands
+
+    add_commands(sub)
+    args = parser.parse_args(argv)
+    if hasattr(args, "run_command"):
+        return args.run_command(args)
+    if args.command == "info":
+        from .info import collect, render
+
+        data = collect()
+        print(json.dumps(data, indent=2) if args.json else render(data))
+        return 0
+    from .demo import run
+
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

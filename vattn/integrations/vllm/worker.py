@@ -1,0 +1,68 @@
+"""The worker's side of the plugin: the KV cache tensors vLLM's model runner
+gets (vattn's, in place of ``allocate_kv_cache``), handed to the attention
+metadata builders that map into them, and ``vattn_stats``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vattn.kernels import AttentionCase
+from vattn.kernels import host as host_kernel
+
+from . import budget as vllm_budget
+from .configuration import VLLM_FLASH_ATTN, loaded_kernel, serving_kernel
+from .worker_cache import WorkerCache, check_groups
+
+RUNNER_ATTRIBUTE = "vattn_cache"  # the model runner holds its WorkerCache here
+
+
+def initialize_kv_cache_tensors(runner: Any, kv_cache_config: Any, kernel_block_sizes: Any,
+                                kv_cache_allocation_context: Any = None) -> dict[str, torch.Tensor]:
+    """Replaces ``GPUModelRunner.initialize_kv_cache_tensors``: builds the
+    worker's vattn cache and hands it to whoever uses it: the runner holds it,
+    the attention metadata builders vLLM made just before map into it, and the
+    budget's scheduler side learns of it (:func:`vllm_budget.offer`)."""
+    from vllm.logger import init_logger
+    from vllm.v1.worker.utils import bind_kv_cache
+
+    spec = check_groups(kv_cache_config, kernel_block_sizes)
+    if runner.shared_kv_cache_layers:
+        raise ValueError("vattn's vLLM integration does not support KV sharing across layers")
+    case = AttentionCase(runner.device.type, spec.head_size, spec.dtype, spec.dtype,
+                         num_kv_heads=spec.num_kv_heads, max_context_len=runner.max_model_len)
+    kernel = loaded_kernel(serving_kernel(case))  # fails here, at engine construction, if it cannot load
+    cache = WorkerCache.build(runner, kv_cache_config, spec, kernel, case)
+    manager = cache.manager
+    if kernel is VLLM_FLASH_ATTN:
+        kernel.module().slot_tokens(manager.layer(0)[0])  # its page-size rule, at start-up
+    setattr(runner, RUNNER_ATTRIBUTE, cache)
+    for groups in runner.attn_groups:
+        for group in groups:
+            for builder in group.metadata_builders:
+                builder.bind(cache)
+    vllm_budget.offer(cache)
+    kv_caches = cache.kv_caches()
+    bind_kv_cache(kv_caches, runner.compilation_config.static_forward_context, runner.kv_caches,
+                  kv_cache_groups=kv_cache_config.kv_cache_groups)
+    init_logger("vllm.vattn").info(
+        "vattn: KV cache on vattn (%s layout): %d blocks of %d tokens = %d page ids of %d bytes x %d buffers; "
+        "%d KV cache group(s) (windows %s) x %d slices (max_num_seqs) of %d tokens; attention: %s",
+        manager.config.layout, kv_cache_config.num_blocks, spec.block_size, manager.num_page_ids, manager.page_size,
+        manager.config.num_buffers, len(cache.groups), [g.window for g in cache.groups],
+        runner.input_batch.max_num_reqs, runner.max_model_len, kernel.name)
+    return kv_caches
+
+
+def worker_stats(worker: Any) -> dict[str, Any] | None:
+    """``LLM.collective_rpc("vattn_stats")``: the cache's stats, its KV cache
+    groups and, for every forward, its ``time.monotonic()``, the bytes
+    mapped and the tokens attended; on the host, ``host_attention``: the host
+    kernel's path and its calls in this worker
+    (:func:`vattn.kernels.host.info`). None without vattn."""
+    cache = getattr(worker.model_runner, RUNNER_ATTRIBUTE, None)
+    if cache is None:
+        return None
+    host = host_kernel.info() if cache.manager.device.type == "cpu" else None
+    return dict(cache.stats(), host_attention=host)
