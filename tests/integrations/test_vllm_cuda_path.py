@@ -1,17 +1,17 @@
 """The vLLM integration's CUDA path, as far as it runs without a GPU.
 
-Which FlashAttention the worker loads (vLLM's bundled build before the
-flash-attn package, with the failure at start-up when neither loads), the
-adapter that serves vLLM's build (``flash_attn_varlen_func`` over the vattn
-cache) against a reference paged kernel that follows that function's
-documented contract, on a real vattn cache of the host backend, and the
-stream the worker's manager fences on. A GPU run of the same path has not
+Which FlashAttention the worker loads (vLLM's bundled build, at the version
+vLLM picks for the GPU, before the flash-attn package, with the failure at
+start-up when neither loads), the kernel over vLLM's build (one
+``flash_attn_varlen_func`` call per layer over the vattn cache) against a
+reference paged kernel that follows that function's documented contract, on
+a real vattn cache of the host backend, and the stream the worker's manager
+fences on. A GPU run of the same path has not
 happened: these tests fix the choices and the indexing, not the kernel.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 
@@ -20,66 +20,45 @@ import pytest
 import torch
 
 import vattn
+from kernels.kernel_references import vllm_varlen
 from vattn.integrations import vllm as plugin
+from vattn.integrations.block_mapper import BlockMapper
 from vattn.integrations.vllm import configuration
 from vattn.integrations.vllm import worker_cache as vllm_cache
-from vattn.integrations.block_mapper import BlockMapper
-from vattn.kernels import KERNELS
+from vattn.kernels import KERNELS, AttentionBatch, sdpa_dense
 
-ADAPTER = "vattn.integrations.vllm.flash_attn"
-
-
-def reference_varlen(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=None, softmax_scale=None,
-                     causal=False, block_table=None, **_):
-    """``flash_attn_varlen_func`` with a paged cache, by its documentation:
-    request b's queries are ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]``, its
-    key j sits in page ``block_table[b, j // page]`` at row ``j % page``, it
-    has ``seqused_k[b]`` keys, causal masks align to the end. Reads only
-    those rows (others may be unmapped)."""
-    assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
-    assert k.shape[1] % 16 == 0 and max_seqlen_k >= int(seqused_k.max())
-    out = torch.empty_like(q)
-    page, group = k.shape[1], q.shape[1] // k.shape[2]
-    for b in range(len(seqused_k)):
-        start, end, n = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
-        assert end - start <= max_seqlen_q
-        j = torch.arange(n)
-        pages = block_table[b, j // page].long()
-        keys = k[pages, j % page].repeat_interleave(group, dim=1)  # [n, H_q, D]
-        values = v[pages, j % page].repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:end], keys) * softmax_scale
-        if causal:
-            visible = j[None, :] <= torch.arange(end - start)[:, None] + n - (end - start)
-            scores = scores.masked_fill(~visible, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
-    return out
+CALLS: list = []  # (q, fa_version) of every call of the fake build
 
 
 @pytest.fixture
 def fake_vllm_build(monkeypatch):
     """A vLLM whose ``vllm.vllm_flash_attn`` loads (as on a CUDA build), with
-    the reference kernel; the adapter imported against it, and forgotten
-    afterwards."""
+    the reference of its ``flash_attn_varlen_func``, on a GPU where vLLM
+    picks FlashAttention-3 (Hopper); the FlashAttention kernels let onto CPU
+    tensors."""
+    from vattn.kernels import FlashAttentionKernel
+
     build = types.ModuleType("vllm.vllm_flash_attn")
-    build.flash_attn_varlen_func = reference_varlen
+    build.flash_attn_varlen_func = lambda *a, **kw: vllm_varlen(CALLS, *a, **kw)
+    fa_utils = types.ModuleType("vllm.v1.attention.backends.fa_utils")
+    fa_utils.get_flash_attn_version = lambda head_size=None, **_: 3
     monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", build)
-    sys.modules.pop(ADAPTER, None)
-    yield importlib.import_module(ADAPTER)
-    sys.modules.pop(ADAPTER, None)
-    monkeypatch.delattr(importlib.import_module("vattn.integrations.vllm"), "flash_attn", raising=False)
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.fa_utils", fa_utils)
+    monkeypatch.setattr(FlashAttentionKernel, "devices", ("cuda", "cpu"))
+    CALLS.clear()
+    return build
 
 
 def _without(monkeypatch, *modules: str) -> None:
     for name in modules:  # None in sys.modules: importing it raises ImportError
         monkeypatch.setitem(sys.modules, name, None)
-    sys.modules.pop(ADAPTER, None)
 
 
 def test_vllms_bundled_flash_attention_is_preferred(fake_vllm_build, monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))  # the package too
-    kernel = plugin.loaded_kernel(KERNELS["flash_attn"])
-    assert kernel is configuration.VLLM_FLASH_ATTN and kernel.name == "FlashAttention-2"
-    assert kernel.module().flash_attn_with_kvcache is fake_vllm_build.flash_attn_with_kvcache
+    kernel = plugin.loaded_kernel(KERNELS["flash_attn"], head_size=128)
+    assert isinstance(kernel, type(configuration.VLLM_FLASH_ATTN)) and kernel.module() is fake_vllm_build
+    assert kernel.fa_version == 3 and kernel.name == "FlashAttention-3 (vLLM's build)"  # what stock vLLM runs
 
 
 def test_without_vllms_build_the_flash_attn_package_serves(monkeypatch):
@@ -101,51 +80,51 @@ def test_no_flash_attention_fails_at_start_up_naming_both(monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
-def test_adapter_reads_each_slice_as_one_page_and_writes_the_new_rows(fake_vllm_build, layout):
-    """Three requests in rows 2, 0, 3 of a cache whose slices are whole
-    16-token blocks; one appends 3 tokens per request (a prefill chunk), the
-    result must be attention over exactly the request's rows."""
+def test_vllms_build_reads_each_slice_as_one_page_in_one_call_per_layer(fake_vllm_build, layout):
+    """Three requests of mixed query lengths (a prefill chunk, two decodes)
+    in slices 2, 0, 3 of a cache whose slices are whole 16-token pages: one
+    call per layer at vLLM's FlashAttention version, the new rows written,
+    attention over exactly each request's rows."""
     torch.manual_seed(0)
+    kernel = plugin.loaded_kernel(KERNELS["flash_attn"], head_size=32)
     with vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=4,
                               max_context_len=100, page_size=4096 * (2 if layout == "all_layers" else 1),
                               physical_memory=40 * 4 * 4096, layout=layout, page_allocator="external",
                               background=False, deferred_reclaim=False, eager=False) as kv:
         mapper = BlockMapper(kv, 16)
-        rows, cached, q_len = [2, 0, 3], [20, 33, 0], 3
-        table = np.zeros((4, 7), dtype=np.int32)
-        counts = np.zeros(4, dtype=np.int32)
-        seq_lens = np.zeros(4, dtype=np.int64)
-        next_id = 1
-        for r, c in zip(rows, cached):
-            need = -(-(c + q_len) // 16)
-            table[r, :need] = range(next_id, next_id + need)
-            counts[r], seq_lens[r], next_id = need, c + q_len, next_id + need
-        mapper.map_rows(table, counts, seq_lens)
+        keys, cached, query = ["b", "a", "c"], [20, 33, 0], [1, 1, 5]
+        reqids = mapper.reqids_of(keys)
+        seq_lens = np.array(cached) + np.array(query)
+        need = -(-seq_lens // 16)
+        table = np.zeros((3, 7), dtype=np.int32)
+        for i, n in enumerate(need):
+            table[i, :n] = range(1 + 7 * i, 1 + 7 * i + n)
+        mapper.map(reqids, table, need.astype(np.int32), seq_lens)
         k_cache, v_cache = kv.layer(1)
-        assert fake_vllm_build.slot_tokens(k_cache) == 112  # 100 tokens rounded up to whole 16-token pages
-        for r, c in zip(rows, cached):
+        assert kernel.slice_tokens(k_cache.stride(0), k_cache.stride(1)) == 112  # 100 tokens, whole pages
+        for r, c in zip(reqids.tolist(), cached):
             k_cache[r, :c] = torch.randn(c, 2, 32)
             v_cache[r, :c] = torch.randn(c, 2, 32)
-        q = torch.randn(3, q_len, 4, 32)
-        k_new, v_new = torch.randn(3, q_len, 2, 32), torch.randn(3, q_len, 2, 32)
-        out = fake_vllm_build.flash_attn_with_kvcache(
-            q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=torch.tensor(cached, dtype=torch.int32),
-            cache_batch_idx=torch.tensor(rows, dtype=torch.int32), softmax_scale=0.125, causal=True)
-        assert out.shape == q.shape
-        for g, (r, c) in enumerate(zip(rows, cached)):
-            assert torch.equal(k_cache[r, c:c + q_len], k_new[g]) and torch.equal(v_cache[r, c:c + q_len], v_new[g])
-            keys = k_cache[r, :c + q_len].repeat_interleave(2, dim=1).transpose(0, 1)
-            values = v_cache[r, :c + q_len].repeat_interleave(2, dim=1).transpose(0, 1)
-            mask = torch.ones(q_len, c + q_len, dtype=torch.bool).tril(c)
-            want = torch.nn.functional.scaled_dot_product_attention(q[g].transpose(0, 1), keys, values,
-                                                                    attn_mask=mask, scale=0.125)
-            torch.testing.assert_close(out[g], want.transpose(0, 1))
+        batch = AttentionBatch.of_arrays(reqids, np.array(cached), np.array(query))
+        plan = kernel.plan(batch)
+        q = torch.randn(7, 4, 32)
+        k_new, v_new = torch.randn(7, 2, 32), torch.randn(7, 2, 32)
+        out = kernel.run(plan, q, k_cache, v_cache, k_new, v_new, softmax_scale=0.125)
+        assert [fa for _, fa in CALLS] == [3]
+        starts = batch.query_starts
+        for i, (r, c) in enumerate(zip(reqids.tolist(), cached)):
+            rows = slice(starts[i], starts[i + 1])
+            assert torch.equal(k_cache[r, c:c + query[i]], k_new[rows])
+            assert torch.equal(v_cache[r, c:c + query[i]], v_new[rows])
+            want = sdpa_dense(q[rows], k_cache[r, :c + query[i]], v_cache[r, :c + query[i]], 0.125)
+            torch.testing.assert_close(out[rows], want)
 
 
-def test_adapter_refuses_slices_vllms_kernel_cannot_page(fake_vllm_build):
+def test_vllms_build_refuses_slices_it_cannot_page(fake_vllm_build):
+    kernel = plugin.loaded_kernel(KERNELS["flash_attn"])
     cache = torch.zeros(4, 24, 2, 8)  # 24-token slices: not a multiple of 16
     with pytest.raises(ValueError, match=r"a multiple of 16 tokens; this cache's slices are 24 tokens apart"):
-        fake_vllm_build.slot_tokens(cache)
+        kernel.slice_tokens(cache.stride(0), cache.stride(1))
 
 
 def test_the_workers_manager_fences_on_vllms_stream(monkeypatch):

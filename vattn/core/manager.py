@@ -358,6 +358,17 @@ class KVCacheManager(CudaStreams):
             raise ValueError(f"max_pages must be in [0, 2^63), got {limit}")
         return self._pages.reclaim(limit)
 
+    def reclaim_freed(self, wait: bool = False) -> tuple[int, int]:
+        """Deferred reclamation of freed reqids: unmaps every page position
+        of the free reqids whose readers the device has finished (asked
+        without waiting, so a forward never waits for the device here), or,
+        with ``wait``, of every free reqid. Pages still used elsewhere stay
+        there. Returns the positions unmapped (per buffer) and how many free
+        reqids still map pages (their readers were not done)."""
+        if not isinstance(wait, bool):
+            raise TypeError(f"wait must be a bool, got {type(wait).__name__}")
+        return self._pages.reclaim_freed(wait)
+
     def release_free_memory(self, max_bytes: int | None = None) -> int:
         """Gives free physical memory back to the OS or device (and to the budget): up to ``max_bytes``
         bytes (all when None) of the free pool, then of freed reqids' and eager pages (unmapped first).
@@ -563,6 +574,13 @@ class KVCacheManager(CudaStreams):
             bytes_static=cfg.static_bytes(),
         )
         return s
+
+    @property
+    def bytes_mapped(self) -> int:
+        """Physical bytes mapped in the cache's slices, every buffer (a page
+        mapped in several slices counts once): ``stats()["bytes_mapped"]``
+        without the rest of the stats."""
+        return self._pages.bytes_mapped
 
     def wait_idle(self) -> None:
         """Blocks until the background mapper has mapped everything it planned

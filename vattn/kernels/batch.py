@@ -9,12 +9,17 @@ layer's ``[B_max, L, H_kv, D]`` views (:meth:`vattn.KVCacheManager.layer`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from vattn.core.tensor_owners import manager_of
+
+if TYPE_CHECKING:
+    from .protocol import AttentionCase, Kernel, KernelPlan
 
 
 class AttentionBatch:
@@ -22,8 +27,9 @@ class AttentionBatch:
 
     Built once per iteration (it validates and precomputes the index tensors)
     and passed to every layer's attention call. What a kernel prepares from
-    it belongs to that kernel's plan (:meth:`vattn.kernels.Kernel.plan`), not
-    to the batch.
+    it is that kernel's plan (:meth:`vattn.kernels.Kernel.plan`); the batch
+    keeps the plans made for it (:meth:`plan`), so a caller that hands every
+    layer the batch plans it once per kernel and lives as long as the batch.
 
     Args:
         reqids: cache rows (vattn reqids) of the requests in this forward, in
@@ -39,7 +45,7 @@ class AttentionBatch:
     """
 
     __slots__ = ("reqids", "cached_lens", "query_lens", "seq_lens", "query_starts", "device", "_tensors",
-                 "_mapped_checks", "__weakref__")
+                 "_mapped_checks", "_plans", "__weakref__")
 
     def __init__(
         self,
@@ -64,17 +70,42 @@ class AttentionBatch:
             raise ValueError(f"cached_lens must be >= 0, got {cached_lens}")
         if min(query_lens) < 1:
             raise ValueError(f"query_lens must be >= 1, got {query_lens}")
-        self.reqids = reqids
-        self.cached_lens = cached_lens
-        self.query_lens = query_lens
-        self.seq_lens = [c + q for c, q in zip(cached_lens, query_lens)]
+        seq_lens = [c + q for c, q in zip(cached_lens, query_lens)]
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
-        self.query_starts = starts
-        self.device = torch.device(device)
+        self._fill(reqids, cached_lens, query_lens, seq_lens, starts, device)
+
+    @classmethod
+    def of_arrays(cls, reqids: np.ndarray, cached_lens: np.ndarray, query_lens: np.ndarray,
+                  device: str | torch.device = "cpu") -> AttentionBatch:
+        """The batch of a framework's per-forward integer arrays (numpy,
+        ``[n]`` each), checked by array operations rather than per request
+        in Python: the integrations' path, once per forward. Same checks
+        and errors as the constructor."""
+        reqids, cached, query = (np.asarray(a, dtype=np.int64) for a in (reqids, cached_lens, query_lens))
+        n = len(reqids)
+        if not n == len(cached) == len(query) or n == 0 or reqids.min() < 0 or cached.min() < 0 \
+                or query.min() < 1 or len(np.unique(reqids)) != n:
+            return cls(reqids.tolist(), cached.tolist(), query.tolist(), device)  # raises, naming the argument
+        starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(query, out=starts[1:])
+        batch = cls.__new__(cls)
+        batch._fill(reqids.tolist(), cached.tolist(), query.tolist(), (cached + query).tolist(), starts.tolist(),
+                    device)
+        return batch
+
+    def _fill(self, reqids: list[int], cached_lens: list[int], query_lens: list[int], seq_lens: list[int],
+              query_starts: list[int], device: str | torch.device) -> None:
+        self.reqids = reqids
+        self.cached_lens = cached_lens
+        self.query_lens = query_lens
+        self.seq_lens = seq_lens
+        self.query_starts = query_starts
+        self.device = device if isinstance(device, torch.device) else torch.device(device)
         self._tensors: dict[str, torch.Tensor] = {}
         self._mapped_checks: dict[tuple, list[Any]] = {}  # per (k view, v view, caller): see check_mapped
+        self._plans: dict[Any, Any] = {}  # per (kernel, case key): see plan
 
     @property
     def num_tokens(self) -> int:
@@ -90,8 +121,10 @@ class AttentionBatch:
         """A per-batch index tensor on ``device``, built once per batch.
 
         ``name`` is one of ``reqids``, ``cached_lens``, ``seq_lens``,
-        ``query_starts`` (length B+1), ``token_reqids`` and ``token_positions``
-        (length T: each new token's reqid and position in its request).
+        ``query_starts`` and ``key_starts`` (length B+1: running sums of
+        ``query_lens`` and of ``seq_lens``), ``token_reqids`` and
+        ``token_positions`` (length T: each new token's reqid and position in
+        its request).
         """
         return self.tensors((name,), dtype)[0]
 
@@ -113,9 +146,27 @@ class AttentionBatch:
             return [r for r, q in zip(self.reqids, self.query_lens) for _ in range(q)]
         if name == "token_positions":
             return [p for c, s in zip(self.cached_lens, self.seq_lens) for p in range(c, s)]
+        if name == "key_starts":
+            starts = [0]
+            for n in self.seq_lens:
+                starts.append(starts[-1] + n)
+            return starts
         if name in ("reqids", "cached_lens", "seq_lens", "query_starts"):
             return getattr(self, name)
         raise ValueError(f"unknown batch tensor {name!r}")
+
+    def plan(self, kernel: Kernel, case: AttentionCase | None = None) -> KernelPlan:
+        """``kernel.plan(self, case)``, made once per kernel (and per case,
+        for kernels whose plan depends on it: ``plans_per_case``) and kept
+        with the batch: callers that hand every layer the batch (the
+        :mod:`vattn.attention` functions) plan it once."""
+        key = (kernel, case) if kernel.plans_per_case else kernel
+        plan = self._plans.get(key)
+        if plan is None:  # two threads may both plan: each gets a valid plan, one is kept
+            plan = kernel.plan(self, case)
+            plan.batch = weakref.proxy(self)  # kept by the batch: the plan must not keep the batch alive
+            self._plans[key] = plan
+        return plan
 
     def check_mapped(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
         """Raises ``ValueError`` (starting with ``what``) unless every request

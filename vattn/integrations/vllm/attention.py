@@ -20,7 +20,7 @@ from .worker_cache import WorkerCache
 @dataclasses.dataclass
 class VAttnMetadata:
     kernel: Kernel  # the worker's attention kernel
-    plan: KernelPlan  # the forward's batch as the kernel planned it; its reqids are rows of the persistent batch
+    plan: KernelPlan  # the forward's batch as the kernel planned it; its reqids are the requests' slices
 
 
 def _builder_cls() -> type:
@@ -48,11 +48,10 @@ def _builder_cls() -> type:
             query_lens = np.diff(starts)
             n = int(np.count_nonzero(query_lens))  # rows past n are padding
             seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens
-            seq_lens = seq_lens[:n].cpu().numpy().astype(np.int64)  # exact: no speculative decoding
+            seq_lens = seq_lens[:n].numpy().astype(np.int64)  # exact: no speculative decoding
             query_lens = query_lens[:n]
-            cache.map_batch(cache.group_of[self.layer_names[0]], seq_lens, query_lens)
-            batch = AttentionBatch(list(range(n)), (seq_lens - query_lens).tolist(), query_lens.tolist(),
-                                   device=self.device)
+            reqids = cache.map_batch(cache.group_of[self.layer_names[0]], seq_lens, query_lens)
+            batch = AttentionBatch.of_arrays(reqids, seq_lens - query_lens, query_lens, device=self.device)
             return VAttnMetadata(cache.kernel, cache.kernel.plan(batch, cache.case))
 
     return VAttnMetadataBuilder
@@ -62,7 +61,7 @@ def _impl_cls() -> type:
     from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
     class VAttnAttentionImpl(AttentionImpl):
-        """Writes the new K/V into the row's slice and attends over ``k[row, :seq_len]``."""
+        """Writes the new K/V into the request's slice and attends over ``k[reqid, :seq_len]``."""
 
         def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                      alibi_slopes: Any, sliding_window: int | None, kv_cache_dtype: str,
