@@ -101,9 +101,9 @@ class UsageRecorder:
 
 PROFILE_PARTS = {  # part of a forward -> (file name ending, function) whose cumulative time it is
     "attention layers (kernel and cache write)": [("backends/cpu_attn.py", "forward"),
-                                                  ("vattn/integrations/vllm/__init__.py", "forward")],
-    "attention metadata": [("backends/cpu_attn.py", "build"), ("vattn/integrations/vllm/__init__.py", "build")],
-    "vattn mapping": [("vattn/integrations/block_mapper.py", "map_rows")],
+                                                  ("vattn/integrations/vllm/attention.py", "forward")],
+    "attention metadata": [("backends/cpu_attn.py", "build"), ("vattn/integrations/vllm/attention.py", "build")],
+    "vattn mapping": [("vattn/integrations/vllm/worker_cache.py", "map_batch")],
     "model runner step (inputs, metadata, forward)": [("v1/worker/gpu_model_runner.py", "execute_model")],
     "model forward (the layers)": [("v1/worker/gpu_model_runner.py", "_model_forward")],
     "scheduler": [("v1/core/sched/scheduler.py", "schedule")],
