@@ -43,6 +43,7 @@ void PageTable::release(size_t slot) {
   slot_allocated_[slot] = 0;
   slot_tokens_[slot] = 0;
   stats_.slots_allocated--;
+  stats_.shrinks++;
 }
 
 // ---- reference counts ---------------------------------------------------------------
@@ -200,6 +201,7 @@ void PageTable::cut_tail(size_t slot, size_t keep, std::vector<Cut>& cuts) {
   if (ids.size() <= keep) return;
   cut_runs(slot, keep, ids.size(), cuts);
   ids.resize(keep);
+  stats_.shrinks++;
 }
 
 void PageTable::punch(size_t slot, size_t first, std::vector<Cut>& cuts) {
@@ -207,6 +209,7 @@ void PageTable::punch(size_t slot, size_t first, std::vector<Cut>& cuts) {
   const size_t upto = std::min(first, ids.size());
   cut_runs(slot, 0, upto, cuts);
   std::fill(ids.begin(), ids.begin() + upto, kHole);
+  if (upto > 0) stats_.shrinks++;
   if (first > ids.size()) ids.resize(first, kHole);
 }
 
@@ -279,6 +282,7 @@ void PageTable::release_all_handles() {
 }
 
 void PageTable::clear() {
+  stats_.shrinks++;
   for (size_t s = 0; s < slot_ids_.size(); ++s) {
     slot_ids_[s].clear();
     slot_allocated_[s] = 0;

@@ -551,6 +551,8 @@ PYBIND11_MODULE(_C, m) {
       // Read once per forward by the vLLM worker: one number, without building the stats dict.
       .def_property_readonly("bytes_mapped",
                              [](const PageManager& pm) { return pm.stats().pages_mapped * pm.page_size(); })
+      // Read per layer by the kernels' mapping check: unchanged since a check passed, the check holds.
+      .def_property_readonly("shrinks", [](const PageManager& pm) { return pm.stats().shrinks; })
       .def_property_readonly("page_size", &PageManager::page_size)
       .def_property_readonly("num_ids", &PageManager::num_ids)
       .def_property_readonly("buffer_bytes", &PageManager::buffer_bytes)

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import vattn
+from vattn.core.manager import MappedCheck
 from vattn.attention import (AttentionBatch, attention, host_attention, host_attention_info, sdpa_attention,
                              write_kv)
 from vattn.kernels import KERNELS
@@ -563,6 +564,43 @@ def test_every_call_is_checked_and_views_keep_their_slots(mapped_cache) -> None:
         host_attention(q, k_cache[:, 1:], v_cache[:, 1:], AttentionBatch([0], [t - 1], [1]))
     with pytest.raises(ValueError, match="a view of the vattn cache must have its slot and token strides"):
         host_attention(q, k_cache[::2], v_cache[::2], AttentionBatch([0], [0], [1]))
+
+
+def test_the_core_is_asked_again_only_after_a_slice_shrinks(mapped_cache) -> None:
+    """A batch's mapping check runs per layer; it asks the core once, then
+    again only when a slice lost positions or a reqid was freed (growth keeps
+    every check valid)."""
+    kv, t = mapped_cache
+
+    class CountingPages:
+        def __init__(self, pages) -> None:
+            self.pages, self.asked = pages, 0
+
+        @property
+        def shrinks(self) -> int:
+            return self.pages.shrinks
+
+        def check_mapped(self, *args) -> None:
+            self.asked += 1
+            self.pages.check_mapped(*args)
+
+    pages = CountingPages(kv._pages)
+    check = MappedCheck(pages, [0], [t], (0, 0), "probe")
+    for _ in range(4):  # four layers
+        check()
+    assert pages.asked == 1
+    assert kv.step([2 * t, 5, 0, 0])  # slices grow: still valid
+    check()
+    assert pages.asked == 1
+    kv.free_reqid(1)  # a shrink elsewhere: asked again, and still true
+    check()
+    check()
+    assert pages.asked == 2
+    kv.free_reqid(0)
+    with pytest.raises(ValueError, match="probe: reqid 0 is not allocated"):
+        check()
+    with pytest.raises(ValueError, match="probe: reqid 0 is not allocated"):  # a failed check is not cached
+        check()
 
 
 def test_a_cache_at_a_closed_caches_addresses_is_checked_as_itself() -> None:

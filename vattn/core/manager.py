@@ -36,6 +36,33 @@ PAGE_ALLOCATORS = ("vattn", "external")
 _HOLE = 2**32 - 1  # a hole in page_ids (the core's PageTable::kHole)
 
 
+class MappedCheck:
+    """That a batch's rows are mapped in one cache (see
+    :meth:`KVCacheManager.mapped_check`): called per layer, it asks the core
+    again only when the core's count of shrinks (positions cut from a slice,
+    reqids freed) moved since the last check passed."""
+
+    __slots__ = ("pages", "slots", "tokens", "what", "verified")
+
+    def __init__(self, pages: Any, reqids: IntArray, seq_lens: IntArray, origin: tuple[int, int], what: str) -> None:
+        self.pages, self.what, self.verified = pages, what, -1
+        self.slots, self.tokens = self.rows(reqids, seq_lens, origin)
+
+    @staticmethod
+    def rows(reqids: IntArray, seq_lens: IntArray, origin: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """The core's slots and token counts of ``view[reqids[i], :seq_lens[i]]`` for a view whose row
+        0 is ``origin``: a slice of a layer view starts at another slot / token."""
+        slots = np.asarray(_int_array("reqids", reqids), dtype=np.int64) + origin[0]
+        tokens = np.asarray(_int_array("seq_lens", seq_lens), dtype=np.int64) + origin[1]
+        return slots, tokens
+
+    def __call__(self) -> None:
+        shrinks = self.pages.shrinks  # read first: a shrink during the check makes the next call ask again
+        if shrinks != self.verified:
+            self.pages.check_mapped(self.slots, self.tokens, self.what)
+            self.verified = shrinks
+
+
 class KVCacheManager(CudaStreams):
     """A KV cache whose every K and V buffer is one contiguous virtual tensor.
 
@@ -420,27 +447,32 @@ class KVCacheManager(CudaStreams):
         mapped), or when ``view``'s strides are not the cache's (slot and token
         strides of :meth:`layer`). One call into the core for the whole batch.
         """
-        self.mapped_check(view, reqids, seq_lens, what)[1]()
+        self._pages.check_mapped(*MappedCheck.rows(reqids, seq_lens, self.view_origin(view, what)), what)
+
+    def view_origin(self, view: torch.Tensor, what: str) -> tuple[int, int]:
+        """The (slot, token) of a cache view's row 0, after checking that its
+        slot and token strides are the cache's (``ValueError`` starting with
+        ``what`` otherwise). Views of every layer share their origin."""
+        token_bytes = self.config.token_bytes_per_buffer
+        size = view.element_size()
+        offset = (view.data_ptr() - self._span[0]) % self.buffer_bytes
+        if (view.dim() != 4 or view.stride(0) * size != self.slot_bytes or view.stride(1) * size != token_bytes):
+            raise ValueError(f"{what}: a view of the vattn cache must have its slot and token strides "
+                             f"({self.slot_bytes} and {token_bytes} bytes), got shape "
+                             f"{tuple(view.shape)} and strides {tuple(view.stride())} (elements of {size} bytes)")
+        return offset // self.slot_bytes, offset % self.slot_bytes // token_bytes
 
     def mapped_check(self, view: torch.Tensor, reqids: IntArray, seq_lens: IntArray,
                      what: str) -> tuple[tuple[int, int], Callable[[], None]]:
         """:meth:`check_mapped` prepared for repeated use (one batch, every
         layer): the view's strides are checked now; returns ``(origin,
         check)`` where origin is the (slot, token) of the view's row 0 and
-        ``check()`` asks the core each time it is called."""
-        cfg = self.config
-        size = view.element_size()
-        offset = (view.data_ptr() - self._span[0]) % self.buffer_bytes
-        if (view.dim() != 4 or view.stride(0) * size != self.slot_bytes
-                or view.stride(1) * size != cfg.token_bytes_per_buffer):
-            raise ValueError(f"{what}: a view of the vattn cache must have its slot and token strides "
-                             f"({self.slot_bytes} and {cfg.token_bytes_per_buffer} bytes), got shape "
-                             f"{tuple(view.shape)} and strides {tuple(view.stride())} (elements of {size} bytes)")
-        first_slot, first_token = offset // self.slot_bytes, offset % self.slot_bytes // cfg.token_bytes_per_buffer
-        # a slice of a layer view starts at another slot / token: shift the indices
-        slots = np.asarray(_int_array("reqids", reqids), dtype=np.int64) + first_slot
-        tokens = np.asarray(_int_array("seq_lens", seq_lens), dtype=np.int64) + first_token
-        return (first_slot, first_token), functools.partial(self._pages.check_mapped, slots, tokens, what)
+        ``check()`` raises as :meth:`check_mapped` would. It asks the core
+        only when a slice lost pages or a reqid was freed since it last
+        passed (a counter the core keeps), so a check per layer costs one
+        read of that counter."""
+        origin = self.view_origin(view, what)
+        return origin, MappedCheck(self._pages, reqids, seq_lens, origin, what)
 
     # ---- shared pages ------------------------------------------------------------
 

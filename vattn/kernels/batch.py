@@ -9,6 +9,7 @@ layer's ``[B_max, L, H_kv, D]`` views (:meth:`vattn.KVCacheManager.layer`).
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -83,16 +84,14 @@ class AttentionBatch:
         ``[n]`` each), checked by array operations rather than per request
         in Python: the integrations' path, once per forward. Same checks
         and errors as the constructor."""
-        reqids, cached, query = (np.asarray(a, dtype=np.int64) for a in (reqids, cached_lens, query_lens))
-        n = len(reqids)
-        if not n == len(cached) == len(query) or n == 0 or reqids.min() < 0 or cached.min() < 0 \
-                or query.min() < 1 or len(np.unique(reqids)) != n:
-            return cls(reqids.tolist(), cached.tolist(), query.tolist(), device)  # raises, naming the argument
-        starts = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(query, out=starts[1:])
+        arrays = [np.asarray(a, dtype=np.int64) for a in (reqids, cached_lens, query_lens)]
+        ids, cached, query = (a.tolist() for a in arrays)
+        n = len(ids)
+        if not (0 < n == len(cached) == len(query) and min(ids) >= 0 and min(cached) >= 0 and min(query) >= 1
+                and len(set(ids)) == n):
+            return cls(ids, cached, query, device)  # raises, naming the argument
         batch = cls.__new__(cls)
-        batch._fill(reqids.tolist(), cached.tolist(), query.tolist(), (cached + query).tolist(), starts.tolist(),
-                    device)
+        batch._fill(ids, cached, query, (arrays[1] + arrays[2]).tolist(), [0, *itertools.accumulate(query)], device)
         return batch
 
     def _fill(self, reqids: list[int], cached_lens: list[int], query_lens: list[int], seq_lens: list[int],
@@ -104,7 +103,7 @@ class AttentionBatch:
         self.query_starts = query_starts
         self.device = device if isinstance(device, torch.device) else torch.device(device)
         self._tensors: dict[str, torch.Tensor] = {}
-        self._mapped_checks: dict[tuple, list[Any]] = {}  # per (k view, v view, caller): see check_mapped
+        self._mapped_checks: dict[tuple, Any] = {}  # per (k view, v view, caller), and per (manager, origin, caller)
         self._plans: dict[Any, Any] = {}  # per (kernel, case key): see plan
 
     @property
@@ -175,11 +174,12 @@ class AttentionBatch:
         tokens mapped (rows past that are unmapped: a read would fault). Other
         tensors are bounded by their shape, which the kernels check.
 
-        Checked on every call (one call into the core for the whole batch,
-        a few microseconds), so a request freed between two layers is caught
-        too; which manager and rows a view maps to is worked out once per view.
+        Checked on every call, so a request freed between two layers is caught
+        too; the core is asked again only when a slice lost pages or a reqid
+        was freed since the last check passed, and the views of every layer
+        of one cache share one check.
         """
-        key = (k_cache.data_ptr(), k_cache.stride(), v_cache.data_ptr(), v_cache.stride(), what)
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), what)
         checks = self._mapped_checks.get(key)
         if checks is None:
             checks = self._mapped_checks[key] = self._plan_mapped_checks(k_cache, v_cache, what)
@@ -187,14 +187,17 @@ class AttentionBatch:
             check()
 
     def _plan_mapped_checks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> list[Any]:
-        checks, origins = [], []
+        checks = []
         for cache in (k_cache, v_cache):
             manager = manager_of(cache) if cache.dim() == 4 else None  # a bad rank: the kernel's check names it
             if manager is None:
                 continue
-            origin, check = manager.mapped_check(cache, self.reqids, self.seq_lens, what)
-            if (manager, origin) not in origins:  # V at K's place in its own buffer: the same slots and tokens
-                origins.append((manager, origin))
+            shared = (id(manager), manager.view_origin(cache, what), what)  # also checks the view's strides
+            check = self._mapped_checks.get(shared)
+            if check is None:
+                check = self._mapped_checks[shared] = manager.mapped_check(cache, self.reqids, self.seq_lens,
+                                                                           what)[1]
+            if check not in checks:  # V at K's place in its own buffer: the same slots and tokens
                 checks.append(check)
         return checks
 
