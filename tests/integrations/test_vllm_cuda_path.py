@@ -5,9 +5,13 @@ vLLM picks for the GPU, before the flash-attn package, with the failure at
 start-up when neither loads), the kernel over vLLM's build (one
 ``flash_attn_varlen_func`` call per layer over the vattn cache) against a
 reference paged kernel that follows that function's documented contract, on
-a real vattn cache of the host backend, and the stream the worker's manager
-fences on. A GPU run of the same path has not
-happened: these tests fix the choices and the indexing, not the kernel.
+a real vattn cache of the host backend, the stream the worker's manager
+fences on, and CUDA graphs as far as they run without a GPU: the builder's
+plans at fixed addresses across forwards, padding that touches only the
+padding slice, a capture build that maps nothing inside a stream capture on
+the fake driver (tests/backends/fake_cuda), the support level per device. A
+GPU run of the same path has not happened: these tests fix the choices and
+the indexing, not the kernel.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ import pytest
 import torch
 
 import vattn
+from backends.cuda_framework import Capture, Framework
 from kernels.kernel_references import vllm_varlen
 from vattn.integrations import vllm as plugin
 from vattn.integrations.block_mapper import BlockMapper
+from vattn.integrations.vllm import attention as vllm_attention
 from vattn.integrations.vllm import configuration
 from vattn.integrations.vllm import worker_cache as vllm_cache
-from vattn.kernels import KERNELS, AttentionBatch, sdpa_dense
+from vattn.kernels import KERNELS, AttentionBatch, AttentionCase, sdpa_dense
 
 CALLS: list = []  # (q, fa_version) of every call of the fake build
 
@@ -152,10 +158,6 @@ def test_the_workers_manager_fences_on_vllms_stream(monkeypatch):
 
 # ---- CUDA graphs: persistent plans, padding, capture builds -------------------------------------------------
 
-from backends.cuda_framework import Capture, Framework  # noqa: E402
-from vattn.integrations.vllm import attention as vllm_attention  # noqa: E402
-from vattn.kernels import AttentionCase  # noqa: E402
-
 CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901
 
 
@@ -205,7 +207,8 @@ class VllmInputs:
         self.query_start_loc.copy_(self.query_start_loc_cpu)
         self.seq_lens.copy_(self.seq_lens_cpu)
         return types.SimpleNamespace(
-            query_start_loc=self.query_start_loc[:num_reqs + 1], query_start_loc_cpu=self.query_start_loc_cpu[:num_reqs + 1],
+            query_start_loc=self.query_start_loc[:num_reqs + 1],
+            query_start_loc_cpu=self.query_start_loc_cpu[:num_reqs + 1],
             seq_lens=self.seq_lens[:num_reqs], seq_lens_cpu_upper_bound=self.seq_lens_cpu[:num_reqs], num_reqs=num_reqs,
             num_actual_tokens=num_tokens, max_query_len=max(query_lens),
             max_seq_len=self.max_model_len if capture else max(seq_lens))
