@@ -267,6 +267,32 @@ def test_untested_vllm_version_is_refused():
     assert "refused" not in proc.stdout and "hooked: True" in proc.stdout, proc.stderr[-2000:]
 
 
+CUDA_GRAPH_SUPPORT = r"""
+import types, torch
+from vllm.v1.attention.backend import AttentionCGSupport
+from vattn.integrations.vllm import attention, configuration
+builder = attention.backend_class().get_builder_cls()
+spec = types.SimpleNamespace(head_size=64, dtype=torch.bfloat16)
+print("cpu", builder.get_cudagraph_support(None, spec).name)
+configuration.platform_device = lambda: "cuda"  # what a CUDA build of vLLM reports
+print("cuda", builder.get_cudagraph_support(None, spec).name)
+print("cuda-fp32", builder.get_cudagraph_support(None, types.SimpleNamespace(head_size=64, dtype=torch.float32)).name)
+assert isinstance(builder.get_cudagraph_support(None, spec), AttentionCGSupport)
+"""
+
+
+@needs_vllm
+def test_the_builder_declares_cuda_graphs_where_vattn_serves_flash_attention():
+    """vLLM asks the builder class (``get_cudagraph_support``) before any
+    cache exists: on vLLM-CPU, vattn's host kernel, NEVER; on CUDA,
+    FlashAttention, uniform single-token decodes; fp32 on CUDA, which no
+    batched kernel serves, NEVER."""
+    proc = subprocess.run([vllm_python(), "-c", CUDA_GRAPH_SUPPORT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("cpu ", "cuda"))]
+    assert lines == ["cpu NEVER", "cuda UNIFORM_SINGLE_TOKEN_DECODE", "cuda-fp32 NEVER"], proc.stdout
+
+
 def test_plugin_is_inert_without_the_switch(monkeypatch):
     """register() returns before importing vLLM when VATTN_VLLM is unset."""
     monkeypatch.delenv("VATTN_VLLM", raising=False)

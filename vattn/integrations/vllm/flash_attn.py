@@ -48,6 +48,8 @@ class VllmFlashAttentionKernel(FlashAttentionKernel):
     def varlen(self, module: Any, plan: FlashAttentionPlan, q: torch.Tensor, k_pages: torch.Tensor,
                v_pages: torch.Tensor, softmax_scale: float | None, out: torch.Tensor | None) -> torch.Tensor:
         version = {} if self.fa_version is None else {"fa_version": self.fa_version}
+        if plan.num_splits:  # an upper bound fixed for CUDA graphs, as vLLM's FlashAttention backend sets it
+            version["num_splits"] = plan.num_splits
         return module.flash_attn_varlen_func(
             q, k_pages, v_pages, max_seqlen_q=plan.max_seqlen_q, cu_seqlens_q=plan.cu_seqlens_q,
             max_seqlen_k=plan.max_seqlen_k, seqused_k=plan.seqused_k, softmax_scale=softmax_scale, causal=True,

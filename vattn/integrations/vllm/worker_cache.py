@@ -21,6 +21,12 @@ replaces its blocks), whatever row of the persistent batch it sits in;
 wait, still mapped, until the device is done with it. The pages a sliding
 window leaves behind, which vLLM frees, become holes at the front of the
 slice (:class:`vattn.integrations.block_mapper.BlockMapper`).
+
+With a kernel that runs in CUDA graphs (:attr:`vattn.kernels.Kernel.graphs`)
+each group has one more slice, the padding slice, handed to no request: its
+first page maps vLLM's null block (block 0, never a request's) from start-up
+on, so a captured batch's padded tokens write their K/V there and a
+graph-capture batch reads only there, and neither maps anything.
 """
 
 from __future__ import annotations
@@ -69,18 +75,20 @@ finished request's slice keeps its pages until the device is done with
 them, while a new request takes another (virtual address space is cheap)."""
 
 
-def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, num_groups: int = 1) -> dict[str, Any]:
+def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, num_groups: int = 1,
+                    padding_slices: int = 0) -> dict[str, Any]:
     """The :class:`KVCacheManager` arguments for a worker: ``num_layers``
     layers (per group) of vLLM's KV cache spec ``spec``, ``SLICES_PER_ROW``
-    slices per (group, row of the runner's persistent batch), a pool of
-    exactly ``num_blocks`` page ids (one per vLLM block), pages owned by
-    vLLM, fences on vLLM's stream."""
+    slices per (group, row of the runner's persistent batch) plus
+    ``padding_slices`` per group, a pool of exactly ``num_blocks`` page ids
+    (one per vLLM block), pages owned by vLLM, fences on vLLM's stream."""
     layout, page_size = block_mapper.choose_layout(num_layers, spec.num_kv_heads, spec.head_size,
                                                    spec.dtype.itemsize, spec.block_size, granularity(runner.device),
                                                    os.environ.get(LAYOUT_SETTING), setting=LAYOUT_SETTING)
     num_buffers = 2 * num_layers if layout == "per_layer" else 2
     return dict(num_layers=num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size, dtype=spec.dtype,
-                max_batch_size=num_groups * SLICES_PER_ROW * runner.input_batch.max_num_reqs, max_context_len=runner.max_model_len,
+                max_batch_size=num_groups * (SLICES_PER_ROW * runner.input_batch.max_num_reqs + padding_slices),
+                max_context_len=runner.max_model_len,
                 page_size=page_size, physical_memory=num_blocks * page_size * num_buffers, layout=layout,
                 device=str(runner.device), page_allocator="external", background=False, deferred_reclaim=False,
                 eager=False, sync_streams=forward_streams(runner.device))
@@ -114,6 +122,12 @@ class GroupSlices:
     layer_names: list[str]  # vLLM's names, in the group's order: layer j uses buffer pair j
     window: int | None  # tokens a query sees (sliding-window groups), else None
     mapper: BlockMapper  # requests -> the group's reqids, and their blocks mapped into them
+    padding: int | None = None  # the padding slice, in the group's cache views (after the mapper's); None: none
+
+    @property
+    def num_slices(self) -> int:
+        """Slices of the group's cache views: the mapper's and the padding slice."""
+        return self.mapper.slices + (self.padding is not None)
 
 
 SERIES_FORWARDS = 1 << 16
@@ -143,6 +157,7 @@ class WorkerCache:
     behind_windows: collections.deque = dataclasses.field(default_factory=lambda: series())  # bytes of window holes
     map_ns: int = 0  # time spent mapping and unmapping, all forwards
     forwards: int = 0
+    padding_tokens: int = 0  # rows of each padding slice that are mapped (one block); 0: no padding slices
     _warm_up_rows: bool = False  # the last forward had rows without a request
 
     @classmethod
@@ -150,7 +165,8 @@ class WorkerCache:
               case: AttentionCase) -> WorkerCache:
         groups = kv_cache_config.kv_cache_groups
         per_group = max(len(g.layer_names) for g in groups)
-        arguments = cache_arguments(runner, spec, per_group, kv_cache_config.num_blocks, len(groups))
+        pad = 1 if kernel.graphs else 0  # a padding slice per group for CUDA graphs' padded batches
+        arguments = cache_arguments(runner, spec, per_group, kv_cache_config.num_blocks, len(groups), pad)
         manager = KVCacheManager(**arguments)
         if manager.num_page_ids != kv_cache_config.num_blocks:
             manager.cleanup()
@@ -158,17 +174,29 @@ class WorkerCache:
                                f"{kv_cache_config.num_blocks} blocks")
         per = manager.config.max_batch_size // len(groups)
         slices = [GroupSlices(list(g.layer_names), getattr(g.kv_cache_spec, "sliding_window", None),
-                              BlockMapper(manager, spec.block_size, first_reqid=i * per, slices=per,
-                                          window=getattr(g.kv_cache_spec, "sliding_window", None)))
+                              BlockMapper(manager, spec.block_size, first_reqid=i * per, slices=per - pad,
+                                          window=getattr(g.kv_cache_spec, "sliding_window", None)),
+                              padding=per - 1 if pad else None)
                   for i, g in enumerate(groups)]
+        if pad:
+            try:  # at start-up, so that no forward (a graph capture least of all) maps for padding
+                reqids = np.array([i * per + per - 1 for i in range(len(groups))], dtype=np.int64)
+                for reqid in reqids:
+                    manager.alloc_reqid(reqid=int(reqid))
+                zeros = np.zeros(len(reqids), dtype=np.int64)
+                manager.map_pages(reqids, zeros, np.full(len(reqids), block_mapper.NULL_BLOCK_ID, dtype=np.int64),
+                                  np.ones(len(reqids), dtype=np.int64))
+            except BaseException:
+                manager.cleanup()
+                raise
         group_of = {name: i for i, g in enumerate(slices) for name in g.layer_names}
-        return cls(manager, slices, runner, kernel, case, group_of)
+        return cls(manager, slices, runner, kernel, case, group_of, padding_tokens=spec.block_size if pad else 0)
 
     def kv_caches(self) -> dict[str, torch.Tensor]:
         """Each layer's ``[2, S, L, H, D]`` K/V view: its buffer pair, its group's slices."""
         out = {}
         for group in self.groups:
-            own = slice(group.mapper.first_reqid, group.mapper.first_reqid + group.mapper.slices)
+            own = slice(group.mapper.first_reqid, group.mapper.first_reqid + group.num_slices)
             for j, name in enumerate(group.layer_names):
                 out[name] = self.manager.kv_tensor(j)[:, own]
         return out
