@@ -29,9 +29,9 @@ import pytest
 import torch
 
 import vattn
-from vattn.core.manager import MappedCheck
 from vattn.attention import (AttentionBatch, attention, host_attention, host_attention_info, sdpa_attention,
                              write_kv)
+from vattn.core.manager import MappedCheck
 from vattn.kernels import KERNELS
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
