@@ -16,9 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     from .demo import add_arguments
 
     add_arguments(demo)
-    from .budget_cli import add_commands
+    from .budget_cli import _CommandParser, add_commands, join_option_values
 
     add_commands(sub)
+    argv = join_option_values(sys.argv[1:] if argv is None else list(argv))
+    _CommandParser.argv = argv
     args = parser.parse_args(argv)
     if hasattr(args, "run_command"):
         return args.run_command(args)
