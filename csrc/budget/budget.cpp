@@ -301,8 +301,11 @@ bool Budget::refresh_locked(bool force_liveness, bool allow_removed) {
     Entry& e = *segment_.entry(i);
     const uint32_t state = e.state.load(std::memory_order_acquire);
     if (state == kEntryFree) continue;
-    if (state != kEntryLive)
+    if (state != kEntryLive) {
+      const std::string damage = segment_.damage();
+      if (!damage.empty()) throw_unusable(name(), damage);
       budget::throw_corrupt(name(), "member entry " + std::to_string(i) + " has state " + std::to_string(state));
+    }
     if (liveness && !member_alive_locked(i, e, self)) {
       dropped = dropped || e.held_bytes.load() != 0;
       clear_entry(e);  // its process is gone (or runs another program): its share returns now
@@ -325,10 +328,14 @@ Entry& Budget::entry_locked(const BudgetMember& member) {
                       std::to_string(member.owner_pid_) + " (inherited through fork): join the budget in this process");
   Entry& e = *segment_.entry(member.slot_);
   if (member.left_.load() || e.state.load(std::memory_order_acquire) != kEntryLive ||
-      e.generation != member.generation_)
+      e.generation != member.generation_) {
+    // Truncated since the lock was taken: the entry reads as zeros; say that.
+    const std::string damage = segment_.damage();
+    if (!damage.empty()) throw_unusable(name(), damage);
     throw BudgetError(quoted(name()) + ": member '" + member.label_ + "' (pid " + std::to_string(member.owner_pid_) +
                       ") is no longer in the budget: it left, or its entry was dropped (was the budget removed " +
                       "and created again?); join again");
+  }
   return e;
 }
 

@@ -1,8 +1,12 @@
 """Two serving engines in two processes under one budget: the budget fits a
-few requests of one engine, never both engines' peaks. Both finish every
-request with the greedy fp32 tokens they produce alone, the budget's total
-never passes its limit, and the contention shows as refused page creations
-and preemptions (tests/budget/engine_budget_scenario.py is one engine)."""
+few requests of one engine, never both engines' peaks, and its limit is
+lowered below what one request needs twice while they serve. Both finish
+every request with the greedy fp32 tokens they produce alone (none fails),
+the budget's total never passes its limit, and the contention shows as
+refused page creations and preemptions
+(tests/budget/engine_budget_scenario.py is one engine). In one process: a
+limit lowered for a moment, a request larger than the pool, and a waiting
+engine's CPU time."""
 
 from __future__ import annotations
 
@@ -41,9 +45,18 @@ def test_two_engines_in_two_processes_share_one_budget(budget_name):
             p.stdin.write("go\n")
             p.stdin.flush()
         peak = 0
+        start = time.monotonic()
+        lowered = 0
         while any(p.poll() is None for p in engines):
             peak = max(peak, budget.held_bytes)
+            # the limit is a live setting: twice, 2 page ids for 0.5 s (a request needs up to 3), then back
+            since = time.monotonic() - start
+            low = 0.3 <= since % 1.5 < 0.8 and since < 3.0
+            if low != (budget.limit < limit):
+                budget.set_limit(2 * ID_BYTES if low else limit)
+                lowered += low
             time.sleep(0.002)
+        budget.set_limit(limit)
         results = [json.loads(p.stdout.read().strip().splitlines()[-1]) for p in engines]
         assert [p.returncode for p in engines] == [0, 0]
     finally:
@@ -53,7 +66,7 @@ def test_two_engines_in_two_processes_share_one_budget(budget_name):
                 p.wait()
     assert all(r["equal"] for r in results), results
     assert [r["label"] for r in results] == ["engine", "engine"]
-    assert 0 < peak <= limit
+    assert 0 < peak <= limit and lowered >= 1
     assert sum(r["refused"] for r in results) > 0 and sum(r["preemptions"] for r in results) > 0, results
     assert budget.usage().members == ()
 
