@@ -552,6 +552,11 @@ bool BudgetMember::wait_for_memory(double timeout_s) {
   return budget_->wait_for_release(refused_epoch_.load(std::memory_order_acquire), timeout_s);
 }
 
+void BudgetMember::rearm_wait() {
+  refused_epoch_.store(budget_->segment_.header()->release_epoch.load(std::memory_order_acquire),
+                       std::memory_order_release);
+}
+
 void BudgetMember::leave() {
   if (owner_pid_ != static_cast<int32_t>(getpid()))
     throw BudgetError(quoted(budget_->name()) + ": member '" + label_ + "' belongs to process " +

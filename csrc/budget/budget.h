@@ -210,6 +210,10 @@ class BudgetMember {
   // Budget::wait_for_release) or `timeout_s` seconds pass. Returns whether
   // something changed since the refusal. Costs no CPU while it waits.
   bool wait_for_memory(double timeout_s);
+  // Makes the next wait_for_memory wait for what happens from now on: after
+  // a failure that was not the budget's refusal (the device out of memory),
+  // whose own uncharge moved the release count.
+  void rearm_wait();
   // Leaves the budget, returning everything held. Idempotent.
   void leave();
 

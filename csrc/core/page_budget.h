@@ -50,6 +50,9 @@ class PageBudget {
   // After a refused demand charge: blocks until memory may have come free in
   // the budget, or `timeout_s` seconds pass (no CPU spent). Whether it did.
   bool wait_for_memory(double timeout_s) { return member_->wait_for_memory(timeout_s); }
+  // A creation failed for another reason than the budget (out of memory):
+  // the next wait_for_memory waits for what happens after it.
+  void rearm_wait() noexcept { member_->rearm_wait(); }
   // Records the split of what is charged: ids under requests and free ids
   // kept for reuse (clamped to what is charged).
   void report(size_t in_use_ids, size_t free_ids);

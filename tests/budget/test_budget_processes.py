@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from budget_helpers import Child, budget_name, read_prefix, run_in_child  # noqa: F401 (fixture)
+from budget_helpers import Child, budget_name, prepare_thread_exit, read_prefix, run_in_child  # noqa: F401 (fixture)
 
 import vattn
 import vattn._testing as hooks
@@ -263,9 +263,10 @@ def test_a_member_whose_main_thread_exited_keeps_its_share(budget_name):
     while its other threads run: it is alive, and its share must not be handed out."""
     b = vattn.Budget.create(budget_name, 8 * MiB)
     newcomer = b.join("newcomer")
+    prepare_thread_exit()
     child = Child(_main_thread_exits(budget_name, 6 * MiB))
     try:
-        assert child.recv() == "ready"
+        assert child.recv(60) == "ready"
         deadline = time.monotonic() + 5
         while _proc_state(child.pid) != "Z":  # the main thread is gone, the process is not
             assert time.monotonic() < deadline, "the child's main thread did not exit"

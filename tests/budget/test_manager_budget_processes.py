@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from budget_helpers import Child, budget_name, segment_path  # noqa: F401 (fixture)
+from budget_helpers import Child, budget_name, prepare_thread_exit, segment_path  # noqa: F401 (fixture)
 from manager_helpers import B, ID_BYTES, TOKENS_PER_PAGE, make_kv, pages, wait_until
 
 import vattn
@@ -82,8 +82,12 @@ def _stepper(name: str, seed: int, ops: int, limit: int, in_thread: bool = False
             except vattn.BudgetError:  # truncated: the lock-free read says so instead of reading zeros
                 if not broken_ok:
                     raise
-            if in_thread and steps == 5:
+            if in_thread and steps == 5 and not main_may_exit.is_set():
                 main_may_exit.set()
+                deadline = time.monotonic() + 5
+                while _proc_state(os.getpid()) != "Z":  # the rest runs with the main thread gone
+                    assert time.monotonic() < deadline, "the main thread did not exit"
+                    time.sleep(0.001)
         kv.wait_idle()
         main_may_exit.set()
         c.send("done")
@@ -130,6 +134,7 @@ def test_the_limit_holds_across_processes_under_concurrent_steps(budget_name):
     step (its share comes back to them)."""
     limit = 24 * ID_BYTES  # each child could use 64 ids: the budget is what binds
     budget = vattn.Budget.create(budget_name, limit)
+    prepare_thread_exit()
     execs = Child(_exec_after_holding(budget_name, 6))
     assert execs.recv() == "holding"
     children = [Child(_stepper(budget_name, seed, 150, limit, in_thread=seed == 3)) for seed in range(4)]
@@ -138,7 +143,7 @@ def test_the_limit_holds_across_processes_under_concurrent_steps(budget_name):
         for c in children:
             c.send("go")
         execs.send("exec")
-        assert [c.recv() for c in children] == ["done"] * 4
+        assert [c.recv(300) for c in children] == ["done"] * 4
         assert _proc_state(children[3].pid) == "Z"  # its main thread is gone; the process steps on
         # Until the last refused wait expires (1 s) the keepers still give free pages back to it.
         time.sleep(1.1)
