@@ -74,6 +74,16 @@ def test_two_engines_in_two_processes_share_one_budget(budget_name):
 VOCAB = 96
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The model runs in this process with one thread: an OpenMP pool started
+    here would hang the children that later tests fork from it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def model():
     from transformers import LlamaConfig, LlamaForCausalLM
