@@ -129,34 +129,62 @@ def _exec_after_holding(name: str, ids: int):
 
 
 def test_the_limit_holds_across_processes_under_concurrent_steps(budget_name):
-    """Three steppers, a fourth whose main thread exits early (its share stays
-    counted: the process lives), and a member that execs while the others
-    step (its share comes back to them)."""
     limit = 24 * ID_BYTES  # each child could use 64 ids: the budget is what binds
     budget = vattn.Budget.create(budget_name, limit)
-    prepare_thread_exit()
-    execs = Child(_exec_after_holding(budget_name, 6))
-    assert execs.recv() == "holding"
-    children = [Child(_stepper(budget_name, seed, 150, limit, in_thread=seed == 3)) for seed in range(4)]
+    children = [Child(_stepper(budget_name, seed, 150, limit)) for seed in range(3)]
     try:
-        assert [c.recv() for c in children] == ["ready"] * 4
+        assert [c.recv() for c in children] == ["ready"] * 3
         for c in children:
             c.send("go")
-        execs.send("exec")
-        assert [c.recv(300) for c in children] == ["done"] * 4
-        assert _proc_state(children[3].pid) == "Z"  # its main thread is gone; the process steps on
+        assert [c.recv(300) for c in children] == ["done"] * 3
         # Until the last refused wait expires (1 s) the keepers still give free pages back to it.
         time.sleep(1.1)
         for c in children:
             c.send("report")
         results = [json.loads(c.recv()) for c in children]
         assert all(r["violations"] == 0 and r["invariants"] == "" for r in results), results
-        # the model: each member holds exactly the pages its process created; the exec'd one holds nothing
+        # the model: each member holds exactly the pages its process created
         held = {m.label: m.held_bytes for m in budget.usage().members}
         assert held == {r["label"]: r["created"] for r in results} == {r["label"]: r["share"]["held_bytes"]
                                                                        for r in results}
         assert sum(held.values()) == budget.held_bytes <= limit
         assert sum(r["refused"] for r in results) > 0  # the processes did contend
+        for c in children:
+            c.send("exit")
+            assert c.wait() == 0
+        assert budget.usage().members == () and budget.held_bytes == 0
+    finally:
+        for c in children:
+            c.close()
+
+
+def test_members_that_exec_or_lose_their_main_thread_under_concurrent_steps(budget_name):
+    """The stress above with two more members: one whose main thread exits
+    early (its share stays counted: the process lives and steps on), and one
+    that execs while the others step (its share comes back to them)."""
+    limit = 24 * ID_BYTES
+    budget = vattn.Budget.create(budget_name, limit)
+    prepare_thread_exit()
+    execs = Child(_exec_after_holding(budget_name, 6))
+    assert execs.recv(120) == "holding"
+    children = [Child(_stepper(budget_name, seed, 150, limit, in_thread=seed == 3)) for seed in range(4)]
+    try:
+        assert [c.recv(120) for c in children] == ["ready"] * 4
+        for c in children:
+            c.send("go")
+        execs.send("exec")
+        assert [c.recv(300) for c in children] == ["done"] * 4
+        assert _proc_state(children[3].pid) == "Z"  # its main thread is gone; the process steps on
+        time.sleep(1.1)
+        for c in children:
+            c.send("report")
+        results = [json.loads(c.recv(120)) for c in children]
+        assert all(r["violations"] == 0 and r["invariants"] == "" for r in results), results
+        # each member holds exactly the pages its process created; the exec'd one holds nothing
+        held = {m.label: m.held_bytes for m in budget.usage().members}
+        assert held == {r["label"]: r["created"] for r in results} == {r["label"]: r["share"]["held_bytes"]
+                                                                       for r in results}
+        assert sum(held.values()) == budget.held_bytes <= limit
         for c in children:
             c.send("exit")
             assert c.wait() == 0
