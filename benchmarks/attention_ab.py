@@ -399,6 +399,9 @@ def main() -> None:
     p.add_argument("--min-seconds", type=float, default=0.3)
     p.add_argument("--time-budget-s", type=float, default=None, help="stop the grid after this many seconds")
     p.add_argument("--quick", action="store_true", help="tiny grid, for a smoke run")
+    p.add_argument("--compile-only", action="store_true",
+                   help="call every FlashInfer kernel of the grid once, with progress, and measure nothing: its "
+                        "first-use JIT compile (minutes per shape) then happens here, before a timed run")
     args = p.parse_args()
     if args.quick:
         args.decode_ctx, args.decode_batch, args.prefill_ctx, args.prefill_batch = [1024], [1, 4], [512], [1]
@@ -421,6 +424,9 @@ def main() -> None:
         skipped.append("fa2-torch, flash-attn and FlashInfer kernels: CUDA only")
 
     points = grid(args)
+    if args.compile_only:
+        compile_kernels(points, args, shapes, flashinfer_kernels in families)
+        return
     rows = []
     started = time.perf_counter()
     for n, (model, dtype_name, phase, layout, batch, ctx) in enumerate(points, 1):
@@ -462,6 +468,35 @@ def main() -> None:
     for line in skipped:
         print("not measured:", line)
     plot(rows, name, args.blocks)
+
+
+def compile_kernels(points: list[tuple[str, str, str, str, int, int]], args: argparse.Namespace,
+                    shapes: dict[str, tuple[int, int, int]], have_flashinfer: bool) -> None:
+    """Every FlashInfer kernel the grid would time, called once per shape it
+    compiles for (heads, head dim, dtype, phase; batch and context do not
+    change the kernel), printing progress; FlashInfer keeps what it compiled
+    on disk for the timed run."""
+    if not have_flashinfer:
+        print("compile-only: FlashInfer is not importable here; nothing to compile")
+        return
+    todo: dict[tuple, tuple] = {}
+    for model, dtype_name, phase, layout, batch, ctx in points:
+        todo.setdefault((shapes[model], dtype_name, phase), (model, dtype_name, phase, layout, 1, min(ctx, 512)))
+    started = time.perf_counter()
+    for n, (model, dtype_name, phase, layout, batch, ctx) in enumerate(todo.values(), 1):
+        print(f"[compile {n}/{len(todo)}] FlashInfer for {model} {dtype_name} {phase} ...", flush=True)
+        case = Case(phase, layout, batch, ctx, args.layers, args.device, getattr(torch, dtype_name), args.blocks,
+                    shapes[model])
+        try:
+            for name, fn in flashinfer_kernels(case, args.blocks).items():
+                try:
+                    fn()
+                except ValueError as e:  # a shape the kernel refuses: the timed run records it
+                    print(f"  {name}: refused ({e})", flush=True)
+            torch.cuda.synchronize()
+        finally:
+            case.close()
+        print(f"[compile {n}/{len(todo)}] done, {time.perf_counter() - started:.0f} s so far", flush=True)
 
 
 def paged_ratios(times: dict[str, float | None]) -> dict[str, float]:

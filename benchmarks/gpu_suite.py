@@ -10,12 +10,17 @@ Stages, each a subprocess with a time limit, its output in OUTDIR/gpu_suite.log:
 
   build         python setup.py build_ext --inplace (the extension has no
                 device code: it loads libcuda.so.1 at run time, so one build
-                serves every GPU; the GPU found is recorded in the summary)
+                serves every GPU; the GPU found is recorded in the summary);
+                skipped when the built extension is newer than every source,
+                so a machine that built it ahead gives the stages its time
   tests         the CUDA test files: tests/backends/test_cuda_real.py on the
                 host backend, the fake driver and the GPU, the driver rules on
                 the fake driver, the cuda.h check (with the header the machine
                 has), the attention adapters; JUnit XML kept, counts in the summary
   vmm_latency   per-call driver latency per page size, vattn vs raw calls
+  flashinfer_jit  FlashInfer's first-use JIT compile of every kernel
+                attention_ab times, with progress, so that no timed stage
+                compiles (a no-op where FlashInfer is not importable)
   attention_ab  vattn + FlashAttention-2 / FlashInfer vs their paged kernels
   decode_trace  mapping on the critical path of decode iterations (the
                 model forward: per layer the new token's K/V and
@@ -31,6 +36,10 @@ Stages, each a subprocess with a time limit, its output in OUTDIR/gpu_suite.log:
 The stages share a deadline of DEADLINE_S seconds (each gets the smaller of
 its own limit and what is left; the attention grid also has a time budget),
 so the suite ends within 10 minutes; a stage cut short is reported as such.
+The summary (OUTDIR/gpu_suite.json) is written after every stage, so a call
+cut off keeps what its finished stages measured, and a second call with the
+same OUTDIR resumes: stages that finished ok are kept, the others run
+(``--fresh`` runs them all again).
 Every benchmark writes JSON + PNG into OUTDIR (file names carry the GPU);
 OUTDIR/gpu_suite.json holds the machine (GPU, driver, CUDA and torch
 versions), the Python packages the stages saw (transformers, flash-attn,
@@ -136,6 +145,7 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
             ("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", "{out}/tests.xml",
                        *CUDA_TESTS], 240),
             ("vmm_latency", [py, str(BENCH / "vmm_latency.py"), "--backends", "cuda", "--pages", "256"], 120),
+            ("flashinfer_jit", [py, str(BENCH / "attention_ab.py"), "--compile-only"], 240),
             ("attention_ab", [py, str(BENCH / "attention_ab.py"), "--time-budget-s", "170", "--min-seconds", "0.1"],
              300),
             ("decode_trace", [py, str(BENCH / "decode_trace.py"), "--device", "cuda", "--forward", "model", "--graphs",
@@ -152,6 +162,8 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
                    "tests/backends/test_cuda_real.py"], 120),
         ("vmm_latency", [py, str(BENCH / "vmm_latency.py"), "--backends", "host,cuda" if have_fake_cuda else "host",
                          "--pages", "4"], 120),
+        ("flashinfer_jit", [py, str(BENCH / "attention_ab.py"), "--compile-only", "--quick", "--models",
+                            "tiny:4:2:64"], 120),
         ("attention_ab", [py, str(BENCH / "attention_ab.py"), "--quick", "--models", "tiny:4:2:64",
                           "--min-seconds", "0.005", "--layers", "2"], 120),
         ("decode_trace", [py, str(BENCH / "decode_trace.py"), "--device", device, "--forward", "sleep",
@@ -167,6 +179,33 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
         ("host_kernel", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml",
                          "{out}/host_kernel_tests.xml", HOST_KERNEL_TESTS[0], "-k", "nan_reaches"], 120),
     ]
+
+
+def extension_up_to_date() -> bool:
+    """Whether the in-place build (vattn/*.so) is newer than every C++ source and setup.py:
+    a build rewrites the extensions whose sources changed, so the newest one is
+    older than a source edited after the last build."""
+    built = list((ROOT / "vattn").glob("*.so"))
+    if not built:
+        return False
+    sources = [ROOT / "setup.py", *(p for p in (ROOT / "csrc").rglob("*") if p.is_file())]
+    return max(p.stat().st_mtime for p in built) >= max(p.stat().st_mtime for p in sources)
+
+
+def finished_stages(out: Path, dry: bool) -> dict[str, dict]:
+    """The stages an earlier call with this OUTDIR finished ok (from its
+    summary), by name; none when there is no summary or it was of the other
+    kind (dry run or GPU)."""
+    path = out / "gpu_suite.json"
+    if not path.exists():
+        return {}
+    try:
+        earlier = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return {}
+    if earlier.get("dry_run") != dry:
+        return {}
+    return {r["name"]: r for r in earlier.get("stages", []) if r.get("status") == "ok"}
 
 
 def build_fake_driver(out: Path, log) -> Path | None:
@@ -272,6 +311,31 @@ def package_versions(env: dict[str, str]) -> dict:
     return versions
 
 
+def write_summary(out: Path, dry: bool, machine: dict, started: float, results: list[dict], env: dict[str, str],
+                  wheels: list[str], complete: bool) -> dict:
+    """OUTDIR/gpu_suite.json for the stages so far (``complete``: every stage
+    has had its turn); written after each stage, so a call cut off keeps what
+    its finished stages measured and the next call resumes from it."""
+    summary = {
+        "benchmark": "gpu_suite",
+        "dry_run": dry,
+        "complete": complete,
+        "machine": machine,
+        "build": "one build for every GPU: the extension has no device code and loads the driver at run time",
+        "seconds": round(time.perf_counter() - started, 1),
+        "stages": results,
+        "tests": test_counts(out / "tests.xml"),
+        "host_kernel": host_kernel_info(env) if complete else None,
+        "host_kernel_tests": test_counts(out / "host_kernel_tests.xml"),
+        "driver_findings": driver_findings(out),
+        "packages": package_versions(env) if complete else None,
+        "wheels_installed": wheels,
+        "files": sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".png")),
+    }
+    (out / "gpu_suite.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
 def pack(out: Path, archive_dir: Path, slug: str, dry: bool) -> Path:
     """Every result file of the run (ARCHIVED suffixes, not the build or the
     carried wheels) as one gpu_suite_<slug>_<date>[_dryrun].tar.gz in archive_dir."""
@@ -292,6 +356,7 @@ def main() -> int:
     p.add_argument("--wheels", type=Path, default=None,
                    help="a folder of wheels to install for the stages (no network needed), e.g. transformers")
     p.add_argument("--archive", type=Path, default=None, help="where the run's .tar.gz goes (default OUTDIR)")
+    p.add_argument("--fresh", action="store_true", help="run every stage, though an earlier call finished some")
     args = p.parse_args()
     dry = args.dry_run or os.environ.get("VATTN_GPU_SUITE_DRY_RUN", "") not in ("", "0")
     out = args.outdir.resolve()
@@ -319,33 +384,29 @@ def main() -> int:
                 print("gpu_suite: torch sees no CUDA GPU; run with --dry-run for the CPU rehearsal", file=sys.stderr)
                 return 2
         wheels = install_wheels(args.wheels.resolve(), out, env, log) if args.wheels else []
-        results = []
+        machine = json.loads(subprocess.run(
+            [sys.executable, "-c", "import json, harness; print(json.dumps(harness.machine()))"], cwd=BENCH, env=env,
+            capture_output=True, text=True, check=True).stdout)
+        earlier = {} if args.fresh else finished_stages(out, dry)
+        results: list[dict] = []
         for name, cmd, limit in stages(dry, fake is not None):
             left = int(DEADLINE_S - (time.perf_counter() - started))
-            if left < 5:
+            if name in earlier:
+                results.append(dict(earlier[name], resumed=True))
+                print(f"[gpu_suite] {name}: ok in an earlier call, kept", flush=True)
+            elif name == "build" and extension_up_to_date():
+                results.append({"name": name, "command": cmd, "seconds": 0, "returncode": 0, "status": "ok",
+                                "note": "the extension was built ahead and is newer than every source"})
+                print("==== build: up to date, not rebuilt", file=log, flush=True)
+                print("[gpu_suite] build: up to date, not rebuilt", flush=True)
+            elif left < 5:
                 results.append({"name": name, "command": cmd, "seconds": 0, "returncode": None,
                                 "status": f"not run: the suite's {DEADLINE_S} s were spent"})
-                continue
-            results.append(run_stage(name, [c.replace("{out}", str(out)) for c in cmd], min(limit, left), env, log))
-    machine = json.loads(subprocess.run(
-        [sys.executable, "-c", "import json, harness; print(json.dumps(harness.machine()))"], cwd=BENCH, env=env,
-        capture_output=True, text=True, check=True).stdout)
-    summary = {
-        "benchmark": "gpu_suite",
-        "dry_run": dry,
-        "machine": machine,
-        "build": "one build for every GPU: the extension has no device code and loads the driver at run time",
-        "seconds": round(time.perf_counter() - started, 1),
-        "stages": results,
-        "tests": test_counts(out / "tests.xml"),
-        "host_kernel": host_kernel_info(env),
-        "host_kernel_tests": test_counts(out / "host_kernel_tests.xml"),
-        "driver_findings": driver_findings(out),
-        "packages": package_versions(env),
-        "wheels_installed": wheels,
-        "files": sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".png")),
-    }
-    (out / "gpu_suite.json").write_text(json.dumps(summary, indent=2) + "\n")
+            else:
+                results.append(run_stage(name, [c.replace("{out}", str(out)) for c in cmd], min(limit, left), env,
+                                         log))
+            summary = write_summary(out, dry, machine, started, results, env, wheels, complete=False)
+    summary = write_summary(out, dry, machine, started, results, env, wheels, complete=True)
     failed = [r["name"] for r in results if r["status"] != "ok"]
     archive = pack(out, (args.archive or out).resolve(), re.sub(r"[^a-z0-9.-]+", "-", machine_slug(machine)), dry)
     print(f"[gpu_suite] {'dry run ' if dry else ''}done in {summary['seconds']} s; "

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -44,19 +46,59 @@ def probe_wheel(folder: Path) -> Path:
     return path
 
 
+RESUMED = ("build",)  # the stage the first, cut-off call of the dry run finishes
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The dry run in two calls, as on a machine whose first call is cut off:
+    the first is killed once its summary shows RESUMED finished, the second
+    resumes with the same OUTDIR."""
     pytest.importorskip("matplotlib", reason="needs matplotlib: the benchmarks plot with it")
     pytest.importorskip("transformers", reason="needs transformers: the engine benchmark runs a model")
     base = tmp_path_factory.mktemp("gpu_suite")
     out = base / "out"
     wheels = probe_wheel(base / "wheels").parent
     results_before = sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir())
-    proc = subprocess.run(["bash", str(SUITE), str(out), "--wheels", str(wheels), "--archive", str(base / "archive")],
-                          env=suite_env(VATTN_GPU_SUITE_DRY_RUN="1"), capture_output=True, text=True, timeout=480)
+    command = ["bash", str(SUITE), str(out), "--wheels", str(wheels), "--archive", str(base / "archive")]
+    first = subprocess.Popen(command, env=suite_env(VATTN_GPU_SUITE_DRY_RUN="1"), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not set(RESUMED) <= finished(out):
+            assert first.poll() is None, "the first call ended before it was cut off"
+            assert time.monotonic() < deadline, "the first call did not finish its first stages"
+            time.sleep(0.2)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    proc = subprocess.run(command, env=suite_env(VATTN_GPU_SUITE_DRY_RUN="1"), capture_output=True, text=True,
+                          timeout=480)
     assert sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir()) == results_before, \
         "the dry run wrote into benchmarks/results"
     return out, proc
+
+
+def finished(out: Path) -> set[str]:
+    """The stages the summary in ``out`` shows finished ok (none before it is written)."""
+    try:
+        return {r["name"] for r in json.loads((out / "gpu_suite.json").read_text())["stages"] if r["status"] == "ok"}
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return set()
+
+
+def test_a_second_call_resumes_after_the_first(dry_run):
+    """Each stage's result is written as it finishes: the stages the cut-off
+    call finished are kept, the others (the one it was killed in too) run."""
+    out, proc = dry_run
+    summary = json.loads((out / "gpu_suite.json").read_text())
+    assert summary["complete"] is True
+    resumed = [s["name"] for s in summary["stages"] if s.get("resumed")]
+    assert resumed == list(RESUMED), summary["stages"]
+    for name in RESUMED:
+        assert f"[gpu_suite] {name}: ok in an earlier call, kept" in proc.stdout
+    log = (out / "gpu_suite.log").read_text()
+    assert log.count("==== gpu_suite dry run") == 2 and log.count("==== build:") == 1
 
 
 def test_every_stage_runs(dry_run):
@@ -65,8 +107,9 @@ def test_every_stage_runs(dry_run):
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{log[-4000:]}"
     summary = json.loads((out / "gpu_suite.json").read_text())
     assert summary["dry_run"] is True
-    assert [s["name"] for s in summary["stages"]] == ["build", "tests", "vmm_latency", "attention_ab", "decode_trace",
-                                                       "decode_trace_host_model", "prefill", "engine_e2e", "host_kernel"]
+    assert [s["name"] for s in summary["stages"]] == ["build", "tests", "vmm_latency", "flashinfer_jit", "attention_ab",
+                                                       "decode_trace", "decode_trace_host_model", "prefill",
+                                                       "engine_e2e", "host_kernel"]
     assert all(s["status"] == "ok" for s in summary["stages"]), summary["stages"]
     # the GPU tests ran on the host and the fake driver (the GPU variants skipped, with their reason)
     assert summary["tests"]["failed"] == summary["tests"]["errors"] == 0
@@ -158,3 +201,28 @@ def test_without_a_gpu_the_suite_refuses_and_points_to_the_dry_run(tmp_path):
 def test_usage_without_an_output_folder():
     proc = subprocess.run(["bash", str(SUITE)], env=suite_env(), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_the_build_is_skipped_only_while_no_source_is_newer(tmp_path, monkeypatch):
+    """A machine that built the extension ahead gives the stages the build's
+    time; a source edited after that build makes the stage build again."""
+    from conftest import load_benchmark
+
+    suite = load_benchmark("gpu_suite")
+    (tmp_path / "vattn").mkdir()
+    (tmp_path / "csrc" / "core").mkdir(parents=True)
+    source, setup = tmp_path / "csrc" / "core" / "page_table.cpp", tmp_path / "setup.py"
+    old_so, new_so = tmp_path / "vattn" / "_cpu_attn.so", tmp_path / "vattn" / "_C.so"
+    for path in (source, setup, old_so, new_so):
+        path.write_text("")
+    monkeypatch.setattr(suite, "ROOT", tmp_path)
+    os.utime(old_so, (100, 100))  # an extension whose sources did not change since an earlier build
+    os.utime(source, (200, 200))
+    os.utime(setup, (200, 200))
+    os.utime(new_so, (300, 300))
+    assert suite.extension_up_to_date()
+    os.utime(source, (400, 400))
+    assert not suite.extension_up_to_date()
+    new_so.unlink()
+    old_so.unlink()
+    assert not suite.extension_up_to_date()
