@@ -52,6 +52,9 @@ def compiler_accepts(compiler: str, flag: str) -> bool:
     return proc.returncode == 0
 
 
+_COMPILED: dict[tuple, Path] = {}  # (compiler, machine, source, flags) -> an object file built by an earlier test
+
+
 def build(compiler: str, machine: str, out: Path, link: list[str], scalar_unit: Path | None = None) -> Path:
     """The harness and the kernel units, each unit compiled with its own flags
     (``scalar_unit``: a source to build in place of kernel_scalar.cpp)."""
@@ -69,8 +72,15 @@ def build(compiler: str, machine: str, out: Path, link: list[str], scalar_unit: 
 
     def compile_one(job: tuple[Path, Path, list[str]]) -> subprocess.CompletedProcess:
         src, obj, extra = job
-        return subprocess.run([compiler, *common, *extra, "-c", str(src), "-o", str(obj)], capture_output=True,
+        key = (compiler, machine, src, tuple(extra))
+        if key in _COMPILED and _COMPILED[key].is_file():  # the same unit, the same flags: an earlier test's object
+            shutil.copyfile(_COMPILED[key], obj)
+            return subprocess.CompletedProcess([], 0, "", "")
+        proc = subprocess.run([compiler, *common, *extra, "-c", str(src), "-o", str(obj)], capture_output=True,
                               text=True)
+        if proc.returncode == 0:
+            _COMPILED[key] = obj
+        return proc
 
     with ThreadPoolExecutor() as pool:
         for (src, _, _), proc in zip(jobs, pool.map(compile_one, jobs)):
