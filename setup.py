@@ -37,8 +37,8 @@ def headers(*folders: str) -> list[str]:
 ext = Pybind11Extension(
     "vattn._C",
     SOURCES,
-    include_dirs=["csrc", "driver_patch"],  # driver_patch/vattn_uvm_ioctl.h: the patched module's ABI
-    depends=headers("csrc/common", "csrc/backends", "csrc/budget", "csrc/core", "csrc/python", "driver_patch"),
+    include_dirs=["csrc"],
+    depends=headers("csrc/common", "csrc/backends", "csrc/budget", "csrc/core", "csrc/python"),
     cxx_std=17,
     extra_compile_args=["-O2", *WARNINGS],
     libraries=["dl"],  # dlopen of libcuda.so.1 at run time
@@ -62,8 +62,8 @@ TESTING_LIBRARY_SOURCES = [
 testing = Pybind11Extension(
     "vattn._testing",
     [*sources("csrc/testing"), *TESTING_LIBRARY_SOURCES],
-    include_dirs=["csrc", "driver_patch"],
-    depends=headers("csrc/common", "csrc/backends", "csrc/budget", "csrc/core", "csrc/testing", "driver_patch"),
+    include_dirs=["csrc"],
+    depends=headers("csrc/common", "csrc/backends", "csrc/budget", "csrc/core", "csrc/testing"),
     cxx_std=17,
     extra_compile_args=["-O2", *WARNINGS],
     libraries=["dl"],

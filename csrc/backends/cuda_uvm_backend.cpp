@@ -55,8 +55,8 @@
 #include "backends/cuda_driver.h"
 #include "backends/cuda_sync.h"
 #include "common/errors.h"
-#include "uvm_stock_ioctl.h"
-#include "vattn_uvm_ioctl.h"
+#include "backends/uvm_stock_ioctl.h"
+#include "backends/vattn_uvm_ioctl.h"
 
 namespace vattn {
 

@@ -18,7 +18,7 @@
 #include "common/errors.h"
 #include "core/page_manager.h"
 #include "python/budget_bindings.h"
-#include "vattn_uvm_ioctl.h"
+#include "backends/vattn_uvm_ioctl.h"
 
 namespace py = pybind11;
 using namespace vattn;
