@@ -199,14 +199,14 @@ std::vector<uint32_t> to_ids(const std::vector<int64_t>& values, const char* wha
 // waits for the device and the driver). ``api`` and ``values_name`` name the Python call and argument.
 template <class Method>
 auto per_reqid_call(Method method, const char* api, const char* values_name) {
-  return [=](PageManager& pm, py::handle slots_obj, py::handle values_obj) {
-    std::vector<int64_t> slots, values;
-    read_ints(slots_obj, "reqids", slots);
+  return [=](PageManager& pm, py::handle reqids_obj, py::handle values_obj) {
+    std::vector<int64_t> reqids, values;
+    read_ints(reqids_obj, "reqids", reqids);
     read_ints(values_obj, values_name, values);
-    if (values.size() != slots.size())
+    if (values.size() != reqids.size())
       throw std::invalid_argument(std::string(api) + ": reqids and " + values_name + " must have equal lengths");
     py::gil_scoped_release release;
-    (pm.*method)(slots.data(), values.data(), slots.size());
+    (pm.*method)(reqids.data(), values.data(), reqids.size());
   };
 }
 
@@ -402,20 +402,20 @@ PYBIND11_MODULE(_C, m) {
            "A DLPack capsule (1-D uint8) over bytes [offset, offset + nbytes).");
 
   py::class_<PageManager>(m, "PageManager")
-      .def(py::init([](std::shared_ptr<VmmBackend> backend, size_t num_buffers, size_t num_slots,
-                       size_t slot_bytes, size_t bytes_per_token, size_t max_tokens, bool external_ids,
+      .def(py::init([](std::shared_ptr<VmmBackend> backend, size_t num_buffers, size_t num_reqids,
+                       size_t slice_bytes, size_t bytes_per_token, size_t max_tokens, bool external_ids,
                        bool background, bool deferred_reclaim, bool eager, size_t lookahead_tokens,
                        size_t eager_tokens, double reclaim_threshold, size_t max_batch_ids, bool preallocate,
                        std::shared_ptr<BudgetMember> budget, double idle_release_s) {
-             PageManagerConfig c{num_buffers, num_slots, slot_bytes, bytes_per_token, max_tokens, external_ids,
+             PageManagerConfig c{num_buffers, num_reqids, slice_bytes, bytes_per_token, max_tokens, external_ids,
                                  preallocate};
              PolicyConfig p{background,   deferred_reclaim,  eager,          lookahead_tokens,
                             eager_tokens, reclaim_threshold, max_batch_ids};
              py::gil_scoped_release release;  // preallocation creates pages; a budget's lock may be slow
              return new PageManager(std::move(backend), c, p, BudgetLink{std::move(budget), idle_release_s});
            }),
-           py::arg("backend"), py::arg("num_buffers"), py::arg("num_slots"),
-           py::arg("slot_bytes"), py::arg("bytes_per_token"), py::arg("max_tokens"),
+           py::arg("backend"), py::arg("num_buffers"), py::arg("num_reqids"),
+           py::arg("slice_bytes"), py::arg("bytes_per_token"), py::arg("max_tokens"),
            py::arg("external_ids") = false, py::arg("background") = false,
            py::arg("deferred_reclaim") = true, py::arg("eager") = false, py::arg("lookahead_tokens") = 1,
            py::arg("eager_tokens") = 0, py::arg("reclaim_threshold") = 0.1, py::arg("max_batch_ids") = 64,
@@ -424,9 +424,9 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())  // waits for the batch in flight
       .def("wait_idle", &PageManager::wait_idle, py::call_guard<py::gil_scoped_release>(),
            "Block until the background mapper has nothing left to do.")
-      .def("alloc_slot", &PageManager::alloc_slot, py::arg("prompt_tokens") = -1,
-           py::arg("wanted_slot") = -1, py::call_guard<py::gil_scoped_release>())
-      .def("free_slot", &PageManager::free_slot, py::arg("slot"),
+      .def("alloc_reqid", &PageManager::alloc_reqid, py::arg("prompt_tokens") = -1,
+           py::arg("wanted_reqid") = -1, py::call_guard<py::gil_scoped_release>())
+      .def("free_reqid", &PageManager::free_reqid, py::arg("reqid"),
            py::call_guard<py::gil_scoped_release>())
       .def(
           "step",
@@ -482,27 +482,27 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("fork", &PageManager::fork, py::arg("src"), py::arg("num_tokens"),
            py::call_guard<py::gil_scoped_release>())
-      .def("retain_prefix", &PageManager::retain_prefix, py::arg("slot"), py::arg("num_tokens"),
+      .def("retain_prefix", &PageManager::retain_prefix, py::arg("reqid"), py::arg("num_tokens"),
            py::call_guard<py::gil_scoped_release>())
-      .def("attach_prefix", &PageManager::attach_prefix, py::arg("handle"), py::arg("slot"),
+      .def("attach_prefix", &PageManager::attach_prefix, py::arg("handle"), py::arg("reqid"),
            py::call_guard<py::gil_scoped_release>())
       .def("release_prefix", &PageManager::release_prefix, py::arg("handle"),
            py::call_guard<py::gil_scoped_release>())
       .def("prefix_ids", &PageManager::prefix_ids, py::arg("handle"))
       .def(
-          "map_ids",
-          [](PageManager& pm, py::handle slots_obj, py::handle starts_obj, py::handle counts_obj,
+          "map_pages",
+          [](PageManager& pm, py::handle reqids_obj, py::handle starts_obj, py::handle counts_obj,
              py::handle ids_obj) {
-            std::vector<int64_t> slots, starts, counts, raw_ids;
-            read_ints(slots_obj, "reqids", slots);
+            std::vector<int64_t> reqids, starts, counts, raw_ids;
+            read_ints(reqids_obj, "reqids", reqids);
             read_ints(starts_obj, "starts", starts);
             read_ints(counts_obj, "counts", counts);
             read_ints(ids_obj, "page_ids", raw_ids);
-            if (starts.size() != slots.size() || counts.size() != slots.size())
+            if (starts.size() != reqids.size() || counts.size() != reqids.size())
               throw std::invalid_argument("map_pages: reqids, starts and counts must have equal lengths, got " +
-                                          std::to_string(slots.size()) + ", " + std::to_string(starts.size()) +
+                                          std::to_string(reqids.size()) + ", " + std::to_string(starts.size()) +
                                           ", " + std::to_string(counts.size()));
-            std::vector<int64_t> offsets(slots.size() + 1, 0);
+            std::vector<int64_t> offsets(reqids.size() + 1, 0);
             for (size_t i = 0; i < counts.size(); ++i) {
               if (counts[i] < 0)
                 throw std::invalid_argument("map_pages: counts[" + std::to_string(i) + "] must be >= 0, got " +
@@ -512,14 +512,14 @@ PYBIND11_MODULE(_C, m) {
             }
             std::vector<uint32_t> ids = to_ids(raw_ids, "map_pages", "page_ids", pm.num_ids());
             py::gil_scoped_release release;
-            pm.map_ids(slots.data(), starts.data(), offsets.data(), slots.size(), ids.data(), ids.size());
+            pm.map_pages(reqids.data(), starts.data(), offsets.data(), reqids.size(), ids.data(), ids.size());
           },
           py::arg("reqids"), py::arg("starts"), py::arg("counts"), py::arg("page_ids"))
-      .def("truncate", per_reqid_call(&PageManager::truncate, "unmap_pages", "keep"), py::arg("reqids"),
+      .def("unmap_pages", per_reqid_call(&PageManager::unmap_pages, "unmap_pages", "keep"), py::arg("reqids"),
            py::arg("keep"))
-      .def("punch", per_reqid_call(&PageManager::punch, "unmap_pages_below", "first"), py::arg("reqids"),
+      .def("unmap_pages_below", per_reqid_call(&PageManager::unmap_pages_below, "unmap_pages_below", "first"), py::arg("reqids"),
            py::arg("first"))
-      .def("slot_ids", &PageManager::slot_ids, py::arg("slot"))
+      .def("reqid_page_ids", &PageManager::reqid_page_ids, py::arg("reqid"))
       .def(
           "table",
           [](const PageManager& pm) {
@@ -532,18 +532,18 @@ PYBIND11_MODULE(_C, m) {
       .def("check_invariants", &PageManager::check_invariants, py::call_guard<py::gil_scoped_release>())
       .def("close", &PageManager::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &PageManager::closed)
-      .def("mapped_pages", &PageManager::mapped_pages, py::arg("slot"))
-      .def("slot_allocated", &PageManager::slot_allocated, py::arg("slot"))
+      .def("mapped_pages", &PageManager::mapped_pages, py::arg("reqid"))
+      .def("reqid_allocated", &PageManager::reqid_allocated, py::arg("reqid"))
       .def(
           "check_mapped",
-          [](const PageManager& pm, py::handle slots_obj, py::handle tokens_obj, const std::string& what) {
-            std::vector<int64_t> slots, tokens;
-            read_ints(slots_obj, "reqids", slots);
+          [](const PageManager& pm, py::handle reqids_obj, py::handle tokens_obj, const std::string& what) {
+            std::vector<int64_t> reqids, tokens;
+            read_ints(reqids_obj, "reqids", reqids);
             read_ints(tokens_obj, "seq_lens", tokens);
-            if (tokens.size() != slots.size())
+            if (tokens.size() != reqids.size())
               throw std::invalid_argument(what + ": reqids and seq_lens must have equal lengths, got " +
-                                          std::to_string(slots.size()) + " and " + std::to_string(tokens.size()));
-            pm.check_mapped(slots.data(), tokens.data(), slots.size(), what);
+                                          std::to_string(reqids.size()) + " and " + std::to_string(tokens.size()));
+            pm.check_mapped(reqids.data(), tokens.data(), reqids.size(), what);
           },
           py::arg("reqids"), py::arg("seq_lens"), py::arg("what"))
       .def("stats", [](const PageManager& pm) { return stats_dict(pm.stats(), pm.page_size()); })

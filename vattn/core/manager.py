@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -186,7 +187,7 @@ class KVCacheManager(CudaStreams):
         self.backend: BackendSpec = resolve_backend(device_type, index, self.config, page_size, physical_memory,
                                                    backend, external_ids=external)
         self.page_size: int = self.backend.page_size
-        self.slot_bytes: int = self.config.slot_bytes(self.page_size)
+        self.slice_bytes: int = self.config.slice_bytes(self.page_size)  # one reqid's slice of one buffer
         self.page_allocator: str = page_allocator
         self._pid = os.getpid()
         vmm = self.backend.make()
@@ -197,8 +198,8 @@ class KVCacheManager(CudaStreams):
         self._pages = _C.PageManager(
             vmm,
             num_buffers=self.config.num_buffers,
-            num_slots=self.config.max_batch_size,
-            slot_bytes=self.slot_bytes,
+            num_reqids=self.config.max_batch_size,
+            slice_bytes=self.slice_bytes,
             bytes_per_token=self.config.token_bytes_per_buffer,
             max_tokens=self.config.max_context_len,
             external_ids=external,
@@ -210,7 +211,7 @@ class KVCacheManager(CudaStreams):
         self.policy: dict[str, Any] = policy
         memory = self._pages.memory
         self._span = (memory.base, memory.base + memory.nbytes)  # addresses of the cache's tensors
-        self.buffer_bytes: int = self._pages.buffer_bytes  # virtual bytes of one K or V buffer (all slots)
+        self.buffer_bytes: int = self._pages.buffer_bytes  # virtual bytes of one K or V buffer (all reqids)
         _remember_span(self)
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._closing = False  # set first thing in cleanup(): cached views are not handed out after it
@@ -221,6 +222,13 @@ class KVCacheManager(CudaStreams):
         """Page ids in the pool: ids are ``0 .. num_page_ids - 1``; each is one
         physical page of every buffer."""
         return self._pages.num_ids
+
+    @property
+    def slot_bytes(self) -> int:
+        """Deprecated name of :attr:`slice_bytes` (bytes of one reqid's slice of one buffer)."""
+        warnings.warn("KVCacheManager.slot_bytes is deprecated; use slice_bytes (the same bytes)",
+                      DeprecationWarning, stacklevel=2)
+        return self.slice_bytes
 
     @property
     def page_tokens(self) -> int | None:
@@ -292,13 +300,13 @@ class KVCacheManager(CudaStreams):
         raw = torch.from_dlpack(self._pages.memory.dlpack(buffer * nbytes, nbytes))
         elems = raw.view(cfg.dtype)
         row = cfg.num_kv_heads * cfg.head_dim
-        slot_elems = self.slot_bytes // cfg.element_bytes
+        slice_elems = self.slice_bytes // cfg.element_bytes
         if cfg.layout == "per_layer":
             shape = (cfg.max_batch_size, cfg.max_context_len, cfg.num_kv_heads, cfg.head_dim)
-            strides = (slot_elems, row, cfg.head_dim, 1)
+            strides = (slice_elems, row, cfg.head_dim, 1)
         else:
             shape = (cfg.max_batch_size, cfg.max_context_len, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-            strides = (slot_elems, cfg.num_layers * row, row, cfg.head_dim, 1)
+            strides = (slice_elems, cfg.num_layers * row, row, cfg.head_dim, 1)
         return elems.as_strided(shape, strides)
 
     # ---- requests ------------------------------------------------------------
@@ -317,18 +325,18 @@ class KVCacheManager(CudaStreams):
         """
         wanted = -1 if reqid is None else self._reqid(reqid)
         if prompt_len is None:
-            return self._pages.alloc_slot(-1, wanted)
+            return self._pages.alloc_reqid(-1, wanted)
         prompt = _as_int("prompt_len", prompt_len)
         if not 0 <= prompt <= self.config.max_context_len:
             raise ValueError(f"prompt_len must be in [0, {self.config.max_context_len}] (max_context_len), "
                              f"got {prompt_len}")
-        return self._pages.alloc_slot(prompt, wanted)
+        return self._pages.alloc_reqid(prompt, wanted)
 
     def free_reqid(self, reqid: int) -> None:
         """Ends a request. Its pages stay mapped for reuse until memory runs low
         (deferred reclaim); pages it shares stay with the requests and prefix
         handles that still use them."""
-        self._pages.free_slot(self._reqid(reqid))
+        self._pages.free_reqid(self._reqid(reqid))
 
     def step(self, seq_lens: SeqLens) -> bool:
         """Maps pages so every active reqid can hold its length.
@@ -391,7 +399,7 @@ class KVCacheManager(CudaStreams):
         return pages * self.page_size * self.config.num_buffers
 
     def is_allocated(self, reqid: int) -> bool:
-        return self._pages.slot_allocated(self._reqid(reqid))
+        return self._pages.reqid_allocated(self._reqid(reqid))
 
     def check_mapped(self, view: torch.Tensor, reqids: IntArray, seq_lens: IntArray,
                      what: str = "check_mapped") -> None:
@@ -406,7 +414,7 @@ class KVCacheManager(CudaStreams):
             what: the caller's name, which starts the error message.
 
         Raises ``ValueError`` naming the reqid (not allocated; fewer tokens
-        mapped), or when ``view``'s strides are not the cache's (slot and token
+        mapped), or when ``view``'s strides are not the cache's (reqid and token
         strides of :meth:`layer`). One call into the core for the whole batch.
         """
         self.mapped_check(view, reqids, seq_lens, what)[1]()
@@ -415,21 +423,21 @@ class KVCacheManager(CudaStreams):
                      what: str) -> tuple[tuple[int, int], Callable[[], None]]:
         """:meth:`check_mapped` prepared for repeated use (one batch, every
         layer): the view's strides are checked now; returns ``(origin,
-        check)`` where origin is the (slot, token) of the view's row 0 and
+        check)`` where origin is the (reqid, token) of the view's row 0 and
         ``check()`` asks the core each time it is called."""
         cfg = self.config
         size = view.element_size()
         offset = (view.data_ptr() - self._span[0]) % self.buffer_bytes
-        if (view.dim() != 4 or view.stride(0) * size != self.slot_bytes
+        if (view.dim() != 4 or view.stride(0) * size != self.slice_bytes
                 or view.stride(1) * size != cfg.token_bytes_per_buffer):
-            raise ValueError(f"{what}: a view of the vattn cache must have its slot and token strides "
-                             f"({self.slot_bytes} and {cfg.token_bytes_per_buffer} bytes), got shape "
+            raise ValueError(f"{what}: a view of the vattn cache must have its reqid and token strides "
+                             f"({self.slice_bytes} and {cfg.token_bytes_per_buffer} bytes), got shape "
                              f"{tuple(view.shape)} and strides {tuple(view.stride())} (elements of {size} bytes)")
-        first_slot, first_token = offset // self.slot_bytes, offset % self.slot_bytes // cfg.token_bytes_per_buffer
-        # a slice of a layer view starts at another slot / token: shift the indices
-        slots = np.asarray(_int_array("reqids", reqids), dtype=np.int64) + first_slot
+        first_reqid, first_token = offset // self.slice_bytes, offset % self.slice_bytes // cfg.token_bytes_per_buffer
+        # a slice of a layer view starts at another reqid / token: shift the indices
+        rows = np.asarray(_int_array("reqids", reqids), dtype=np.int64) + first_reqid
         tokens = np.asarray(_int_array("seq_lens", seq_lens), dtype=np.int64) + first_token
-        return (first_slot, first_token), functools.partial(self._pages.check_mapped, slots, tokens, what)
+        return (first_reqid, first_token), functools.partial(self._pages.check_mapped, rows, tokens, what)
 
     # ---- shared pages ------------------------------------------------------------
 
@@ -504,13 +512,13 @@ class KVCacheManager(CudaStreams):
         """
         if counts is None:
             counts, page_ids = _page_id_rows(page_ids)
-        self._pages.map_ids(_int_array("reqids", reqids), _int_array("starts", starts),
+        self._pages.map_pages(_int_array("reqids", reqids), _int_array("starts", starts),
                             _int_array("counts", counts), _int_array("page_ids", page_ids))
 
     def unmap_pages(self, reqids: IntArray, keep: IntArray) -> None:
         """Unmaps page positions ``keep[i]`` and beyond of ``reqids[i]`` (free
         or allocated), in one call. Pages still used elsewhere stay there."""
-        self._pages.truncate(_int_array("reqids", reqids), _int_array("keep", keep))
+        self._pages.unmap_pages(_int_array("reqids", reqids), _int_array("keep", keep))
 
     def unmap_pages_below(self, reqids: IntArray, first: IntArray) -> None:
         """Unmaps page positions below ``first[i]`` of ``reqids[i]``, in one
@@ -521,12 +529,12 @@ class KVCacheManager(CudaStreams):
         :meth:`map_pages` may start there. Reading a hole faults: only
         kernels that skip the rows behind the window may read such a slice.
         ``page_allocator="external"`` only."""
-        self._pages.punch(_int_array("reqids", reqids), _int_array("first", first))
+        self._pages.unmap_pages_below(_int_array("reqids", reqids), _int_array("first", first))
 
     def page_ids(self, reqid: int) -> list[int]:
         """The page id mapped at each page position of reqid, in order; -1
         at a hole (:meth:`unmap_pages_below`)."""
-        return [-1 if i == _HOLE else i for i in self._pages.slot_ids(self._reqid(reqid))]
+        return [-1 if i == _HOLE else i for i in self._pages.reqid_page_ids(self._reqid(reqid))]
 
     def _reqid(self, value: object, name: str = "reqid") -> int:
         return _bounded_int(name, value, self.config.max_batch_size)

@@ -84,11 +84,11 @@ class BlockMapper:
                  first_reqid: int = 0, rows: int | None = None, window: int | None = None) -> None:
         if manager.page_allocator != "external":
             raise ValueError("BlockMapper needs a manager with page_allocator='external'")
-        slots = manager.config.max_batch_size
-        rows = slots - first_reqid if rows is None else rows
-        if first_reqid < 0 or rows < 1 or first_reqid + rows > slots:
-            raise ValueError(f"BlockMapper: reqids first_reqid .. first_reqid + rows - 1 must lie in [0, {slots - 1}], "
-                             f"got first_reqid={first_reqid}, rows={rows}")
+        num_reqids = manager.config.max_batch_size
+        rows = num_reqids - first_reqid if rows is None else rows
+        if first_reqid < 0 or rows < 1 or first_reqid + rows > num_reqids:
+            raise ValueError(f"BlockMapper: reqids first_reqid .. first_reqid + rows - 1 must lie in "
+                             f"[0, {num_reqids - 1}], got first_reqid={first_reqid}, rows={rows}")
         self.manager = manager
         self.block_size = block_size  # tokens per block = per page
         self.null_block_id = null_block_id

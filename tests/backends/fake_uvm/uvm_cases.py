@@ -84,7 +84,7 @@ def lens_of(kv, **by_reqid) -> list[int]:
 
 def row_address(kv, buffer: int, reqid: int, token: int) -> int:
     # per_layer: one layer's K or V row per token; all_layers: every layer's, side by side
-    return kv.buffer_address(buffer) + reqid * kv.slot_bytes + token * kv.config.token_bytes_per_buffer
+    return kv.buffer_address(buffer) + reqid * kv.slice_bytes + token * kv.config.token_bytes_per_buffer
 
 
 def write_row(kv, buffer, reqid, token, value) -> None:
@@ -235,8 +235,8 @@ def load_verify_script():
 
 def host_slice(kv, buffer: int, reqid: int) -> torch.Tensor:
     """The slice through host memory (the stand-in's device pointers are host addresses)."""
-    addr = kv.buffer_address(buffer) + reqid * kv.slot_bytes
-    return torch.frombuffer((ctypes.c_uint8 * kv.slot_bytes).from_address(addr), dtype=torch.uint8)
+    addr = kv.buffer_address(buffer) + reqid * kv.slice_bytes
+    return torch.frombuffer((ctypes.c_uint8 * kv.slice_bytes).from_address(addr), dtype=torch.uint8)
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
