@@ -9,16 +9,11 @@
 #include <vector>
 
 #include "backends/backend_registry.h"
-#include "backends/cuda_backend.h"
-#include "backends/cuda_driver.h"
-#include "backends/cuda_uvm_backend.h"
-#include "backends/host_backend.h"
 #include "backends/vmm_backend.h"
 #include "common/dlpack.h"
 #include "common/errors.h"
 #include "core/page_manager.h"
 #include "python/budget_bindings.h"
-#include "backends/vattn_uvm_ioctl.h"
 
 namespace py = pybind11;
 using namespace vattn;
@@ -245,6 +240,47 @@ py::dict stats_dict(const PageStats& s, size_t page_size) {
   return d;
 }
 
+// `o` as a Python int when it is an integer scalar (int, numpy or torch
+// integer scalars), else null: an array's __index__ fails, so arrays go on to
+// be read as sequences.
+py::object scalar_index(PyObject* o) {
+  PyObject* index = PyIndex_Check(o) ? PyNumber_Index(o) : nullptr;
+  if (!index) PyErr_Clear();
+  return py::reinterpret_steal<py::object>(index);
+}
+
+// A probe's keyword arguments as the registry takes them, each by its Python
+// type: bool (before int: True is an int too), float, str, int (a scalar with
+// __index__), or a sequence or 1-D array of ints. Others are refused naming
+// the argument.
+ProbeData probe_args(const std::string& what, const py::kwargs& kwargs) {
+  ProbeData out;
+  for (const auto& [key, value] : kwargs) {
+    const std::string arg = py::cast<std::string>(key), name = what + ": " + arg;
+    PyObject* o = value.ptr();
+    if (PyBool_Check(o)) {
+      out.emplace_back(arg, o == Py_True);
+    } else if (PyFloat_Check(o)) {
+      out.emplace_back(arg, PyFloat_AsDouble(o));
+    } else if (PyUnicode_Check(o)) {
+      out.emplace_back(arg, py::cast<std::string>(value));
+    } else if (py::object index = scalar_index(o)) {
+      int overflow = 0;
+      long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+      if (overflow) throw std::invalid_argument(name + " is beyond int64");
+      out.emplace_back(arg, int64_t{v});
+    } else if (PySequence_Check(o) || PyObject_CheckBuffer(o)) {
+      std::vector<int64_t> ints;
+      read_ints(value, name.c_str(), ints);
+      out.emplace_back(arg, std::move(ints));
+    } else {
+      throw py::type_error(name + " must be a bool, int, float, str or a sequence of ints, got " +
+                           Py_TYPE(o)->tp_name);
+    }
+  }
+  return out;
+}
+
 void register_errors() {
   py::module_ errors = py::module_::import("vattn.common.errors");
   // Strong references kept for the life of the process on purpose: a static
@@ -350,47 +386,36 @@ PYBIND11_MODULE(_C, m) {
       "page_size bytes, a pool of num_pages pages, on device `device_index` of its kind; "
       "driver_path: the driver library, for backends that load one (\"\": their default).");
   m.def("backend_factories", &backend_factory_names, "Names of the C++ backends this build registered.");
-  m.def("host_granularity", &host_granularity);
-  m.def("default_cuda_driver_path", &cu::default_driver_path);
-  m.def("uvm_patch_available", &uvm_patch_available, py::call_guard<py::gil_scoped_release>(),
-        "Whether the nvidia-uvm module at $VATTN_UVM_DEVICE (default /dev/nvidia-uvm) is the patched one.");
   m.def(
-      "uvm_patch_info",
+      "backend_probe",
+      [](const std::string& backend, const std::string& probe, const py::kwargs& kwargs) {
+        ProbeData args = probe_args(backend + "." + probe, kwargs);
+        ProbeData answer;
+        {
+          py::gil_scoped_release release;  // probes call drivers and open devices
+          answer = run_backend_probe(backend, probe, args);
+        }
+        py::dict d;
+        for (const auto& [key, value] : answer) d[py::str(key)] = py::cast(value);
+        return d;
+      },
+      py::arg("backend"), py::arg("probe"),
+      "Probe `probe` of the C++ backend registered as `backend` (backend_registry.h), with its arguments as "
+      "keywords (bool, int, float, str or a list of ints); returns its answer as a dict. backend_probes() "
+      "lists them.");
+  m.def(
+      "backend_probes",
       [] {
-        UvmPatchInfo info;
-        {
-          py::gil_scoped_release release;
-          info = uvm_patch_info();
+        py::dict out;
+        for (const auto& [backend, probes] : backend_probes()) {
+          py::dict each;
+          for (const BackendProbe& p : probes)
+            each[py::str(p.name)] = py::dict(py::arg("doc") = p.doc, py::arg("args") = p.args);
+          out[py::str(backend)] = each;
         }
-        py::dict d;
-        d["available"] = info.available;
-        d["device_path"] = info.device_path;
-        d["abi_version"] = info.abi_version;
-        d["reason"] = info.reason;
-        return d;
+        return out;
       },
-      "What the nvidia-uvm module answers: available, device_path, abi_version, reason.");
-  m.attr("uvm_page_sizes") = py::cast(uvm_page_sizes());
-  m.attr("uvm_abi_version") = static_cast<unsigned>(VATTN_UVM_ABI_VERSION);
-  m.def(
-      "cuda_device_info",
-      [](const std::string& path, int device) {
-        CudaDeviceInfo info;
-        {
-          py::gil_scoped_release release;
-          info = cuda_device_info(path, device);
-        }
-        py::dict d;
-        d["device_count"] = info.device_count;
-        d["driver_version"] = info.driver_version;
-        d["name"] = info.name;
-        d["granularity"] = info.granularity;
-        d["free_bytes"] = info.free_bytes;
-        d["total_bytes"] = info.total_bytes;
-        d["primary_context_active"] = info.primary_context_active;
-        return d;
-      },
-      py::arg("driver_path"), py::arg("device"));
+      "Every C++ backend's probes: {backend: {probe: {doc, args}}}.");
 
   py::class_<CacheMemory, std::shared_ptr<CacheMemory>>(m, "CacheMemory")
       .def_property_readonly("base", &CacheMemory::base)
@@ -558,6 +583,5 @@ PYBIND11_MODULE(_C, m) {
       py::arg("pybind11") = std::to_string(PYBIND11_VERSION_MAJOR) + "." +
                             std::to_string(PYBIND11_VERSION_MINOR) + "." +
                             std::to_string(PYBIND11_VERSION_PATCH),
-      py::arg("dlpack_capsule") = "dltensor (v0.8 ABI)",
-      py::arg("cuda_driver") = "dlopen at run time (" + cu::default_driver_path() + ")");
+      py::arg("dlpack_capsule") = "dltensor (v0.8 ABI)");
 }

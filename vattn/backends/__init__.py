@@ -27,12 +27,13 @@ from .registry import (
 )
 
 # The built-in backends, in this order: the first of a device type is its default.
-from .host import HOST_BUDGET_FRACTION, HOST_DEFAULT_PAGE_SIZE, host_meminfo  # registers "host"
+from .host import HOST_BUDGET_FRACTION, HOST_DEFAULT_PAGE_SIZE, host_granularity, host_meminfo  # registers "host"
 from .cuda import (  # registers "cuda", then "cuda_uvm"
     CUDA_BUDGET_FRACTION,
     CUDA_UVM_DEFAULT_PAGE_SIZE,
     UVM_PAGE_SIZES,
     UVM_PATCH_README,
+    cuda_driver_path,
     cuda_info,
     uvm_patch_available,
     uvm_patch_info,
@@ -52,9 +53,11 @@ __all__ = [
     "UVM_PAGE_SIZES",
     "UVM_PATCH_README",
     "backend_names",
+    "cuda_driver_path",
     "cuda_info",
     "default_backend",
     "get_backend",
+    "host_granularity",
     "host_meminfo",
     "native_factory",
     "parse_device",

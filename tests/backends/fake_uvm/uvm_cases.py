@@ -219,7 +219,7 @@ def test_info_reports_the_patched_module(fake_cuda):
     info = vattn.cli.info.collect()
     uvm_info = info["backends"]["cuda_uvm"]
     assert uvm_info["patched_module"] and uvm_info["available"]
-    assert uvm_info["abi_version"] == _C.uvm_abi_version
+    assert uvm_info["abi_version"] == _C.backend_probe("cuda_uvm", "abi")["abi_version"]
     assert uvm_info["page_sizes"] == PAGE_SIZES
     text = vattn.cli.info.render(info)
     assert "backend cuda_uvm: available (patched nvidia-uvm loaded (ABI 1" in text
