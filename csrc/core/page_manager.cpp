@@ -23,13 +23,8 @@ size_t checked_mul(size_t a, size_t b, const char* what) {
   return out;
 }
 
-PolicyConfig checked_policy(PolicyConfig p, size_t max_tokens) {
-  if (!(p.reclaim_threshold >= 0.0 && p.reclaim_threshold <= 1.0))
-    throw std::invalid_argument("reclaim_threshold must be in [0, 1]");
-  if (p.max_batch_ids == 0) throw std::invalid_argument("max_batch_ids must be positive");
-  // Lengths are tokens of one request: more than max_context_len means nothing.
-  p.lookahead_tokens = std::min(p.lookahead_tokens, max_tokens);
-  p.eager_tokens = std::min(p.eager_tokens, max_tokens);
+const PolicyConfig& checked_policy(const PolicyConfig& p, size_t max_tokens) {
+  validate_policy(p, max_tokens);
   return p;
 }
 

@@ -1,9 +1,76 @@
 #include "core/policy.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <type_traits>
 #include <unordered_map>
 
 namespace vattn {
+
+namespace {
+
+constexpr size_t kMaxCount = UINT32_MAX;  // page ids are uint32
+
+// Which ranges each field type can hold: a knob's entry must pair them so.
+template <class T>
+constexpr bool range_fits(KnobRange range) {
+  if constexpr (std::is_same_v<T, bool>) return range == KnobRange::Bool;
+  if constexpr (std::is_floating_point_v<T>) return range == KnobRange::Fraction;
+  return range == KnobRange::Tokens || range == KnobRange::Count;
+}
+#define VATTN_POLICY_FITS(type, name, value, range, doc) \
+  static_assert(range_fits<type>(KnobRange::range), #name ": its range does not fit its type");
+VATTN_POLICY_KNOBS(VATTN_POLICY_FITS)
+#undef VATTN_POLICY_FITS
+
+template <class T>
+[[noreturn]] void out_of_range(const char* name, KnobRange range, T value, size_t max_tokens) {
+  std::ostringstream got;
+  got << value;
+  throw std::invalid_argument(std::string(name) + " must be in " + knob_range_text(range, max_tokens) + ", got " +
+                              got.str());
+}
+
+}  // namespace
+
+std::string knob_range_text(KnobRange range, size_t max_tokens) {
+  switch (range) {
+    case KnobRange::Bool: return "True or False";
+    case KnobRange::Tokens:
+      return max_tokens == kAnyTokens ? "[0, max_context_len] (tokens)"
+                                      : "[0, " + std::to_string(max_tokens) + "] (max_context_len)";
+    case KnobRange::Fraction: return "[0, 1]";
+    case KnobRange::Count: break;
+  }
+  return "[1, " + std::to_string(kMaxCount) + "]";
+}
+
+void check_knob(const char*, KnobRange, bool, size_t) {}  // every bool is in range
+
+void check_knob(const char* name, KnobRange range, int64_t value, size_t max_tokens) {
+  if (value < 0) out_of_range(name, range, value, max_tokens);
+  check_knob(name, range, static_cast<size_t>(value), max_tokens);
+}
+
+void check_knob(const char* name, KnobRange range, size_t value, size_t max_tokens) {
+  const bool ok = range == KnobRange::Tokens ? value <= max_tokens && value <= static_cast<size_t>(INT64_MAX)
+                                             : range == KnobRange::Count && value >= 1 && value <= kMaxCount;
+  if (!ok) out_of_range(name, range, value, max_tokens);
+}
+
+void check_knob(const char* name, KnobRange range, double value, size_t max_tokens) {
+  const bool ok = range == KnobRange::Fraction && value >= 0.0 && value <= 1.0;  // NaN fails
+  if (!ok) out_of_range(name, range, value, max_tokens);
+}
+
+void validate_policy(const PolicyConfig& policy, size_t max_tokens) {
+#define VATTN_POLICY_CHECK(type, name, value, range, doc) \
+  check_knob(#name, KnobRange::range, policy.name, max_tokens);
+  VATTN_POLICY_KNOBS(VATTN_POLICY_CHECK)
+#undef VATTN_POLICY_CHECK
+}
 
 int64_t best_free_reqid(const PageTable& table, int64_t want_positions) {
   const size_t want = want_positions < 0 ? 0 : static_cast<size_t>(want_positions);

@@ -10,20 +10,42 @@
 #include <utility>
 #include <vector>
 
+#include <string>
+
 #include "core/page_geometry.h"
 #include "core/page_table.h"
+#include "core/policy_knobs.h"
 
 namespace vattn {
 
+// The knobs of core/policy_knobs.h, each with its default and doc there.
 struct PolicyConfig {
-  bool background = false;        // run the mapper thread
-  bool deferred_reclaim = true;   // free_reqid keeps pages; false: unmapped at once
-  bool eager = false;             // mapper pre-maps the reqid alloc_reqid returns next (needs background)
-  size_t lookahead_tokens = 1;    // mapper maps each active reqid this many tokens ahead
-  size_t eager_tokens = 0;        // tokens the next reqid is pre-mapped for
-  double reclaim_threshold = 0.1; // mapper reclaims free reqids' pages below this fraction of the pool free
-  size_t max_batch_ids = 64;      // page ids (positions) per mapper batch: bounds a step's wait
+#define VATTN_POLICY_FIELD(type, name, value, range, doc) type name = value;
+  VATTN_POLICY_KNOBS(VATTN_POLICY_FIELD)
+#undef VATTN_POLICY_FIELD
 };
+
+// A knob's accepted values (core/policy_knobs.h).
+enum class KnobRange { Bool, Tokens, Fraction, Count };
+
+// Token knobs checked without a request length: any count a request could hold.
+constexpr size_t kAnyTokens = SIZE_MAX;
+
+// "[0, 4096] (max_context_len)": what `range` accepts, for error messages and
+// docs. max_tokens bounds Tokens (kAnyTokens: unknown yet, said in words).
+std::string knob_range_text(KnobRange range, size_t max_tokens);
+
+// Throws std::invalid_argument "<name> must be in <range>, got <value>"
+// unless `value` is in `range`. Integers arrive signed (the bindings check
+// before they narrow) or as the field's size_t.
+void check_knob(const char* name, KnobRange range, bool value, size_t max_tokens);
+void check_knob(const char* name, KnobRange range, int64_t value, size_t max_tokens);
+void check_knob(const char* name, KnobRange range, size_t value, size_t max_tokens);
+void check_knob(const char* name, KnobRange range, double value, size_t max_tokens);
+
+// Throws std::invalid_argument naming the first knob outside its range;
+// max_tokens (the requests' max_context_len) bounds the token knobs.
+void validate_policy(const PolicyConfig& policy, size_t max_tokens);
 
 // The free reqid a new request gets, or -1 when none is free. want_positions
 // < 0: the one with the most positions mapped; else the one with the fewest

@@ -14,6 +14,7 @@
 #include "common/errors.h"
 #include "core/page_manager.h"
 #include "python/budget_bindings.h"
+#include "python/policy_bindings.h"
 
 namespace py = pybind11;
 using namespace vattn;
@@ -317,6 +318,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "vattn core: VMM backends and page bookkeeping (no torch dependency)";
   register_errors();
   bind_budget(m);
+  bind_policy(m);
 
   py::class_<VmmBackend, std::shared_ptr<VmmBackend>>(m, "VmmBackend")
       .def_property_readonly("name", &VmmBackend::name)
@@ -429,22 +431,20 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PageManager>(m, "PageManager")
       .def(py::init([](std::shared_ptr<VmmBackend> backend, size_t num_buffers, size_t num_reqids,
                        size_t slice_bytes, size_t bytes_per_token, size_t max_tokens, bool external_ids,
-                       bool background, bool deferred_reclaim, bool eager, size_t lookahead_tokens,
-                       size_t eager_tokens, double reclaim_threshold, size_t max_batch_ids, bool preallocate,
-                       std::shared_ptr<BudgetMember> budget, double idle_release_s) {
+                       const PolicyConfig& policy, bool preallocate, std::shared_ptr<BudgetMember> budget,
+                       double idle_release_s) {
              PageManagerConfig c{num_buffers, num_reqids, slice_bytes, bytes_per_token, max_tokens, external_ids,
                                  preallocate};
-             PolicyConfig p{background,   deferred_reclaim,  eager,          lookahead_tokens,
-                            eager_tokens, reclaim_threshold, max_batch_ids};
              py::gil_scoped_release release;  // preallocation creates pages; a budget's lock may be slow
-             return new PageManager(std::move(backend), c, p, BudgetLink{std::move(budget), idle_release_s});
+             return new PageManager(std::move(backend), c, policy, BudgetLink{std::move(budget), idle_release_s});
            }),
            py::arg("backend"), py::arg("num_buffers"), py::arg("num_reqids"),
            py::arg("slice_bytes"), py::arg("bytes_per_token"), py::arg("max_tokens"),
-           py::arg("external_ids") = false, py::arg("background") = false,
-           py::arg("deferred_reclaim") = true, py::arg("eager") = false, py::arg("lookahead_tokens") = 1,
-           py::arg("eager_tokens") = 0, py::arg("reclaim_threshold") = 0.1, py::arg("max_batch_ids") = 64,
+           py::arg("external_ids") = false, py::arg("policy") = PolicyConfig{},
            py::arg("preallocate") = false, py::arg("budget") = nullptr, py::arg("idle_release_s") = 0.0)
+      .def_property_readonly(
+          "policy", [](const PageManager& pm) { return pm.policy(); },
+          "The policy the manager runs with (a copy: it is fixed at construction).")
       .def("pause_mapper", &PageManager::pause_mapper, py::arg("paused"),
            py::call_guard<py::gil_scoped_release>())  // waits for the batch in flight
       .def("wait_idle", &PageManager::wait_idle, py::call_guard<py::gil_scoped_release>(),

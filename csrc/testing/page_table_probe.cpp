@@ -57,18 +57,6 @@ Orphan make_orphan(const PageTable& t, size_t reqid, size_t pos, uint32_t id, st
   return Orphan{reqid, pos, id, std::move(addrs)};
 }
 
-PolicyConfig policy_of(bool deferred_reclaim, bool eager, size_t lookahead_tokens, size_t eager_tokens,
-                       size_t max_batch_ids) {
-  PolicyConfig p;
-  p.background = true;
-  p.deferred_reclaim = deferred_reclaim;
-  p.eager = eager;
-  p.lookahead_tokens = lookahead_tokens;
-  p.eager_tokens = eager_tokens;
-  p.max_batch_ids = max_batch_ids;
-  return p;
-}
-
 const char* kind_name(MapperPlan::Kind kind) {
   switch (kind) {
     case MapperPlan::Kind::kReclaim: return "reclaim";
@@ -208,22 +196,21 @@ void bind_policy(py::module_& m) {
   m.def(
       "lookahead_positions",
       [](const PageTable& t, size_t reqid, size_t page_size, size_t bytes_per_token, size_t max_tokens,
-         size_t lookahead_tokens) {
+         const PolicyConfig& policy) {
         check_reqid(t, reqid);
-        PolicyConfig p = policy_of(true, false, lookahead_tokens, 0, 64);
-        return lookahead_positions(t, PageGeometry{page_size, bytes_per_token, max_tokens}, p, reqid);
+        validate_policy(policy, max_tokens);
+        return lookahead_positions(t, PageGeometry{page_size, bytes_per_token, max_tokens}, policy, reqid);
       },
       py::arg("table"), py::arg("reqid"), py::arg("page_size"), py::arg("bytes_per_token"), py::arg("max_tokens"),
-      py::arg("lookahead_tokens"));
+      py::arg("policy"));
   m.def(
       "plan_mapper_batch",
-      [](const PageTable& t, size_t page_size, size_t bytes_per_token, size_t max_tokens, bool deferred_reclaim,
-         bool eager, size_t lookahead_tokens, size_t eager_tokens, size_t max_batch_ids, size_t reclaim_floor_ids,
-         size_t creatable_ids, bool speculative) {
-        if (page_size == 0 || bytes_per_token == 0 || max_batch_ids == 0)
-          throw std::invalid_argument("page_size, bytes_per_token and max_batch_ids must be positive");
-        PolicyConfig p = policy_of(deferred_reclaim, eager, lookahead_tokens, eager_tokens, max_batch_ids);
-        MapperPlan plan = plan_mapper_batch(t, PageGeometry{page_size, bytes_per_token, max_tokens}, p,
+      [](const PageTable& t, size_t page_size, size_t bytes_per_token, size_t max_tokens, const PolicyConfig& policy,
+         size_t reclaim_floor_ids, size_t creatable_ids, bool speculative) {
+        if (page_size == 0 || bytes_per_token == 0)
+          throw std::invalid_argument("page_size and bytes_per_token must be positive");
+        validate_policy(policy, max_tokens);
+        MapperPlan plan = plan_mapper_batch(t, PageGeometry{page_size, bytes_per_token, max_tokens}, policy,
                                             reclaim_floor_ids, MapperLimits{creatable_ids, speculative});
         py::dict d;
         d["kind"] = kind_name(plan.kind);
@@ -233,9 +220,8 @@ void bind_policy(py::module_& m) {
         return d;
       },
       py::arg("table"), py::arg("page_size"), py::arg("bytes_per_token"), py::arg("max_tokens"),
-      py::arg("deferred_reclaim") = true, py::arg("eager") = false, py::arg("lookahead_tokens") = 1,
-      py::arg("eager_tokens") = 0, py::arg("max_batch_ids") = 64, py::arg("reclaim_floor_ids") = 0,
-      py::arg("creatable_ids") = SIZE_MAX, py::arg("speculative") = true,
+      py::arg("policy"), py::arg("reclaim_floor_ids") = 0, py::arg("creatable_ids") = SIZE_MAX,
+      py::arg("speculative") = true,
       "The mapper's next batch: {kind: idle | reclaim | grow | create, reclaim: [(reqid, kept)], "
       "grows: [(reqid, positions to add)], create_ids}.");
 }

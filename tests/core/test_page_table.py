@@ -15,6 +15,7 @@ import random
 import pytest
 
 from page_model import PageTableModel, best_fit_reqid
+from vattn import _C
 from vattn import _testing as T
 
 NOT_IN_USE_NOR_POOL = "is neither in use nor in the pool"
@@ -474,8 +475,13 @@ def test_free_ids_are_uncreated_again_and_idle_ids_count_what_no_request_uses():
 GEOMETRY = dict(page_size=4096, bytes_per_token=128, max_tokens=256)  # 32 tokens a page, 8 positions a reqid
 
 
+KNOBS = {knob["name"] for knob in _C.POLICY_KNOBS}
+
+
 def plan(t, **options):
-    return T.plan_mapper_batch(t, **GEOMETRY, **options)
+    """The mapper's plan; options name policy knobs (the core's defaults for the rest) and plan arguments."""
+    policy = _C.PolicyConfig(**{k: v for k, v in options.items() if k in KNOBS})
+    return T.plan_mapper_batch(t, **GEOMETRY, policy=policy, **{k: v for k, v in options.items() if k not in KNOBS})
 
 
 def test_lookahead_positions():
@@ -483,7 +489,7 @@ def test_lookahead_positions():
     t.allocate(0)
     for tokens, lookahead, positions in ((32, 1, 2), (31, 1, 1), (0, 0, 0), (250, 10, 8)):
         t.set_tokens(0, tokens)
-        assert T.lookahead_positions(t, 0, **GEOMETRY, lookahead_tokens=lookahead) == positions
+        assert T.lookahead_positions(t, 0, **GEOMETRY, policy=_C.PolicyConfig(lookahead_tokens=lookahead)) == positions
 
 
 def test_mapper_grows_active_slots_within_the_batch_budget():

@@ -7,7 +7,7 @@ import functools
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,11 +19,11 @@ from vattn.common.argument_checks import as_int as _as_int
 from vattn.common.argument_checks import bounded_int as _bounded_int
 from vattn.common.argument_checks import int_array as _int_array
 from vattn.common.argument_checks import page_id_rows as _page_id_rows
-from vattn.common.argument_checks import policy_args as _policy_args
 from vattn.common.argument_checks import stream_handles as _stream_handles
 from vattn.backends import BackendSpec, parse_device, resolve_backend, torch_device
 from vattn.common.config import KVCacheConfig
 from .cuda_streams import CudaStreams
+from .policy import resolve_policy
 from vattn.common.errors import BackendUnavailable, ForkedError
 from vattn.budget.membership import DEFAULT_IDLE_RELEASE_S as _IDLE_S, default_label, idle_release_seconds, join_budget
 from .prefix_handle import PrefixHandle
@@ -110,6 +110,10 @@ class KVCacheManager(CudaStreams):
             the limit is lowered below what is held. ``None``: never for
             idleness. Default 30.
         budget_label: what ``python -m vattn top`` shows for this manager.
+        policy: any policy knob by name (``vattn.core.policy.KNOBS`` lists
+            them with type, range and doc), e.g. ``{"lookahead_tokens": 16}``;
+            a knob named here overrides the keyword argument of the same
+            name. :attr:`policy` reads back what the core runs with.
 
     Page ids: one page id names one physical page in every buffer (so it
     holds ``page_size`` bytes of each layer's K and V, ``page_tokens``
@@ -160,6 +164,7 @@ class KVCacheManager(CudaStreams):
         budget: Any = None,
         idle_release_s: float | None = _IDLE_S,
         budget_label: str | None = None,
+        policy: Mapping[str, Any] | None = None,
     ) -> None:
         if page_allocator not in PAGE_ALLOCATORS:
             raise ValueError(f"page_allocator must be one of {PAGE_ALLOCATORS}, got {page_allocator!r}")
@@ -177,11 +182,11 @@ class KVCacheManager(CudaStreams):
             max_context_len=max_context_len,
             layout=layout,
         )
-        policy = _policy_args(background, deferred_reclaim, eager, lookahead_tokens, eager_tokens,
-                              reclaim_threshold, self.config.max_context_len)
-        if external:  # the framework maps; nothing runs ahead of it
-            policy.update(background=False, eager=False)
-        policy["max_batch_ids"] = max(1, 1024 // self.config.num_buffers)  # ~1024 pages per mapper batch
+        keywords = dict(background=background, deferred_reclaim=deferred_reclaim, eager=eager,
+                        lookahead_tokens=lookahead_tokens, eager_tokens=eager_tokens,
+                        reclaim_threshold=reclaim_threshold)
+        knobs = resolve_policy(policy, defaults=keywords, max_context_len=self.config.max_context_len,
+                               num_buffers=self.config.num_buffers, external=external)
         device_type, index = parse_device(device)
         self.device = torch_device(device_type, index)
         self.backend: BackendSpec = resolve_backend(device_type, index, self.config, page_size, physical_memory,
@@ -206,9 +211,8 @@ class KVCacheManager(CudaStreams):
             preallocate=preallocate,
             budget=self._budget_member and self._budget_member._member,
             idle_release_s=idle_release,
-            **policy,
+            policy=knobs,
         )
-        self.policy: dict[str, Any] = policy
         memory = self._pages.memory
         self._span = (memory.base, memory.base + memory.nbytes)  # addresses of the cache's tensors
         self.buffer_bytes: int = self._pages.buffer_bytes  # virtual bytes of one K or V buffer (all reqids)
@@ -222,6 +226,13 @@ class KVCacheManager(CudaStreams):
         """Page ids in the pool: ids are ``0 .. num_page_ids - 1``; each is one
         physical page of every buffer."""
         return self._pages.num_ids
+
+    @property
+    def policy(self) -> dict[str, Any]:
+        """The policy knobs the core runs with, by name: what the arguments
+        asked, after the manager's logic between knobs
+        (:func:`vattn.core.policy.resolve_policy`)."""
+        return self._pages.policy.as_dict()
 
     @property
     def slot_bytes(self) -> int:
