@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext, has_flag
-from setuptools import Extension, setup
+from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
 
@@ -46,16 +46,19 @@ def headers(*folders: str) -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for folder in folders for p in (ROOT / folder).glob("*.h"))
 
 
-library = Extension(
+library = Pybind11Extension(  # the modules' compiler flags, without pybind11
     LIBRARY,
     LIBRARY_SOURCES,
+    include_pybind11=False,
     include_dirs=["csrc"],
     depends=headers(*LIBRARY_HEADERS),
-    language="c++",
-    extra_compile_args=["-std=c++17", "-O2", *WARNINGS],
+    cxx_std=17,
+    extra_compile_args=["-O2", *WARNINGS],
     extra_link_args=[f"-Wl,-soname,{LIBRARY_FILE}"],
     libraries=["dl", "pthread"],  # dlopen of libcuda.so.1 at run time; the mapper and keeper threads
 )
+# The library exports what the modules call: default visibility, not the modules' hidden one.
+library.extra_compile_args.remove("-fvisibility=hidden")
 
 
 def on_library(name: str, sources: list[str], folder: str) -> Pybind11Extension:
@@ -163,7 +166,7 @@ class BuildExt(build_ext):
         return filename
 
     def build_extension(self, ext):
-        if ext.name != LIBRARY:  # the modules link the library where this build just made it
+        if "vattn" in ext.libraries:  # the modules link the library where this build just made it
             folder = os.path.dirname(self.get_ext_fullpath(LIBRARY))
             if folder not in ext.library_dirs:
                 ext.library_dirs.append(folder)
