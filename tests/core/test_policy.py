@@ -4,6 +4,7 @@ names its knob and range and changes nothing, and no other file lists them."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -79,8 +80,9 @@ def bad_values(knob: dict, max_context_len: int | None = L) -> list[tuple[object
 def counted_backend():
     """The host backend, counting the backends built: a manager refused before it builds one counts none."""
     host, built = get_backend("host"), []
-    register_backend("host_counted", device="cpu", factory=lambda spec: built.append(spec) or host.factory(
-        spec), defaults=host.defaults, description="the host backend, counting the backends built")
+    register_backend("host_counted", device="cpu",
+                     factory=lambda spec: built.append(spec) or host.factory(dataclasses.replace(spec, name="host")),
+                     defaults=host.defaults, description="the host backend, counting the backends built")
     try:
         yield built
     finally:
