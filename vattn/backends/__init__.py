@@ -2,8 +2,9 @@
 (host, cuda, cuda_uvm), and resolving one for a cache (page size, budget).
 
 To add a backend: one C++ file in ``csrc/backends/`` that implements
-``VmmBackend`` and registers its factory (``VATTN_REGISTER_BACKEND``), and
-one :func:`register_backend` call naming it, its device pattern, defaults and
+``VmmBackend`` and registers its factory and probes (``VATTN_REGISTER_BACKEND``;
+Python asks a probe by name: ``vattn._C.backend_probe(backend, probe, **args)``),
+and one :func:`register_backend` call naming it, its device pattern, defaults and
 description (a module here imported below, or the caller's own code).
 """
 
