@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 KiB, MiB = 1024, 1024 * 1024
 PAGE_SIZES = [64 * KiB, 128 * KiB, 256 * KiB, 2 * MiB]
-# NV_STATUS values of driver_patch/vattn_uvm_ioctl.h, by the names the backend reports
+# NV_STATUS values of csrc/backends/vattn_uvm_ioctl.h, by the names the backend reports
 STATUS = {
     "NV_ERR_ILLEGAL_ACTION": 0x16,
     "NV_ERR_INVALID_ADDRESS": 0x1E,
