@@ -1,11 +1,15 @@
 """Several models on one machine: static KV partitions (stock vLLM) against
 one elastic budget (vLLM + vattn), on the same bursty trace in one run.
 
-    python benchmarks/multi_model.py [--models 2|3] [--rounds 2] [--budget-mib N] [--replot]
+    python benchmarks/multi_model.py [--models 2|3] [--rounds 2] [--budget-mib N] [--dtype auto|bfloat16|float32]
+                                     [--replot]
 
-Each model is a random-weight Llama-style checkpoint of its own width (bf16,
-4 layers, 2 KV heads of 64, so the same KV bytes per token), served by its own vLLM-CPU engine in its own process, all
-engines at once. The trace sends bursts of requests (prompts of 256-1024
+Each model is a random-weight Llama-style checkpoint of its own width (4
+layers, 2 KV heads of 64, so the same KV bytes per token), served by its own
+vLLM-CPU engine in its own process, all engines at once, in ``--dtype``:
+``auto`` (the default) is bfloat16 where the CPU has AVX-512 BF16 or AMX
+(vLLM-CPU's bf16 matmuls need them to be fast; the committed results ran so)
+and float32 elsewhere. The trace sends bursts of requests (prompts of 256-1024
 tokens, 128-256 output tokens, arriving within half a second) to one model
 after the other, every ``--period-s`` seconds; between its bursts a model is
 idle.
@@ -33,7 +37,19 @@ engine; never above B), blocks in use in each engine's scheduler, and the
 engines' resident memory (VmRSS, and RssShmem: vattn's pages are shared
 memory, counted there while a request's row maps them; free pages kept for
 reuse are in no page table, so only the budget's account shows them). Writes
-benchmarks/results/multi_model_<k>models_<machine>.json and .png.
+benchmarks/results/multi_model_<k>models[_fp32]_<machine>.json and .png.
+
+The comparison holds only while the CPU keeps up with the trace: each burst
+served before the next one starts, so that a model is idle between its
+bursts. Where even ``vattn elastic`` (all of B for the busy model) answers a
+burst's last request after the next burst has begun, the engines queue for
+the CPU and the times to first token measure that queue, not KV memory: the
+script then says so, prints no comparison, writes the run to
+``..._overloaded.json`` (not over a result) and exits with status 1; a longer
+``--period-s``, fewer ``--burst-requests`` or float32 may fit the CPU.
+
+SIGTERM or SIGINT (Ctrl-C) stops the engines and removes the budget's
+segment before the script exits (status 128 + the signal's number).
 """
 
 from __future__ import annotations
@@ -42,6 +58,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,7 +67,7 @@ import threading
 import time
 from pathlib import Path
 
-from harness import RESULTS, machine, machine_slug, publish, pyplot, save_plot
+from harness import RESULTS, machine, machine_slug, publish, pyplot, save_plot, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "tests" / "integrations" / "vllm_scenario.py"
@@ -71,8 +88,47 @@ OUTPUT_TOKENS = (128, 256)  # chat-like answers: a request holds its blocks for 
 SAMPLE_S = 0.05  # memory sampling interval
 
 
-def kv_bytes_per_token(layers: int) -> int:
-    return 2 * layers * 2 * 64 * 2  # K and V, 2 KV heads of 64, bf16
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+DTYPE_TAGS = {"bfloat16": "", "float32": "_fp32"}  # in result file names: bf16 keeps the committed names
+
+
+def kv_bytes_per_token(layers: int, dtype: str = "bfloat16") -> int:
+    return 2 * layers * 2 * 64 * DTYPE_BYTES[dtype]  # K and V, 2 KV heads of 64
+
+
+def auto_dtype(isa: list[str]) -> str:
+    """bfloat16 where the CPU (harness.machine()'s ``isa``) has AVX-512 BF16
+    or AMX, whose instructions vLLM-CPU's bf16 matmuls use; float32 elsewhere."""
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(isa) else "float32"
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT arrived: unwinds through every ``finally`` (engines killed, budget removed)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT raise :class:`Stopped` once; a second signal during the clean-up is ignored."""
+
+    def handler(signum: int, frame) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def late_bursts(requests: list[dict], period_s: float) -> list[int]:
+    """The bursts (numbers) whose last answer came after the next burst began
+    (``period_s`` after its own start; every burst starts at 1 + j * period_s)."""
+    last: dict[int, float] = {}
+    for r in requests:
+        last[r["burst"]] = max(last.get(r["burst"], 0.0), r["arrival_s"] + r["finish_s"])
+    return sorted(j for j, t in last.items() if t > 1.0 + (j + 1) * period_s)
 
 
 def make_trace(k: int, bursts: int, burst_requests: int, period_s: float, seed: int) -> list[list[dict]]:
@@ -88,10 +144,10 @@ def make_trace(k: int, bursts: int, burst_requests: int, period_s: float, seed: 
     return trace
 
 
-def burst_peak_bytes(requests: list[dict], layers: int) -> int:
+def burst_peak_bytes(requests: list[dict], layers: int, dtype: str = "bfloat16") -> int:
     """KV bytes of one burst with every request at full length, in whole blocks."""
     blocks = sum(-(-(len(r["prompt"]) + r["max_tokens"]) // BLOCK) for r in requests)
-    return blocks * BLOCK * kv_bytes_per_token(layers)
+    return blocks * BLOCK * kv_bytes_per_token(layers, dtype)
 
 
 def read_rss(pid: int) -> dict[str, int]:
@@ -145,7 +201,7 @@ def run_config(config: str, args: argparse.Namespace, models: list[tuple], trace
     environ = {n: v for n, v in os.environ.items()
                if not n.startswith(("VATTN_VLLM", "VATTN_BUDGET")) and n != "VLLM_CPU_KVCACHE_SPACE"}
     environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    engine = dict(dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=args.burst_requests,
+    engine = dict(dtype=args.dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=args.burst_requests,
                   enable_prefix_caching=True, block_size=BLOCK)
     if config == "vattn elastic":
         budget = vattn.Budget.create(f"multi-model-{os.getpid()}", budget_bytes)
@@ -185,13 +241,14 @@ def run_config(config: str, args: argparse.Namespace, models: list[tuple], trace
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
         if budget is not None:
             budget.remove()
     results = [json.loads(o.read_text()) for o in outs]
     for result, requests, (name, layers, *_) in zip(results, trace, models):
         for served, asked in zip(result["requests"], requests):
             served["burst"] = asked["burst"]
-        pool_bytes = result["num_blocks"] * BLOCK * kv_bytes_per_token(layers)
+        pool_bytes = result["num_blocks"] * BLOCK * kv_bytes_per_token(layers, args.dtype)
         if "kv_cache_memory_bytes" in engine and pool_bytes > engine["kv_cache_memory_bytes"]:
             sys.exit(f"{label}: the engine of {name} has {pool_bytes} bytes of KV blocks, more than its share "
                      f"{engine['kv_cache_memory_bytes']}")
@@ -205,8 +262,10 @@ def run_config(config: str, args: argparse.Namespace, models: list[tuple], trace
         memory["budget_held_bytes_per_model"] = [[s["budget_held"][i] for s in sampler.samples] for i in range(k)]
     for (name, *_), r in zip(models, results):
         ttft = [q["ttft_s"] for q in r["requests"]]
+        late = late_bursts(r["requests"], args.period_s)
         print(f"  {name:12s} TTFT mean {statistics.fmean(ttft):.2f} s, p99 {percentile(ttft, 99):.2f} s, "
-              f"{burst_throughput(r['requests']):.0f} tokens/s per burst, {r['preemptions']} preemptions", flush=True)
+              f"{burst_throughput(r['requests']):.0f} tokens/s per burst, {r['preemptions']} preemptions"
+              + (f", bursts {late} still served when the next burst began" if late else ""), flush=True)
     if budget is not None:
         print(f"  budget held at most {max(memory['budget_held_bytes'], default=0) / MiB:.1f} MiB "
               f"of {budget_bytes / MiB:.1f} MiB", flush=True)
@@ -313,6 +372,27 @@ def plot(payload: dict, name: str) -> None:
 
 
 def main() -> None:
+    stop_on_signals()
+    try:
+        run(sys.argv[1:])
+    except Stopped as e:
+        name = signal.Signals(e.signum).name
+        print(f"multi_model: stopped by {name}: the engines were stopped and the budget removed", file=sys.stderr)
+        sys.exit(128 + e.signum)
+
+
+def overload(models: list[tuple], runs: dict[str, list[dict]], period_s: float) -> dict[str, dict[str, list]]:
+    """Per model, the late bursts of ``vattn elastic`` in each round (:func:`late_bursts`), for the models
+    that had any: even with all of B for the busy model, the CPU did not keep up with the trace."""
+    late = {}
+    for i, (name, *_) in enumerate(models):
+        rounds = [late_bursts(run["engines"][i]["requests"], period_s) for run in runs["vattn elastic"]]
+        if any(rounds):
+            late[name] = rounds
+    return late
+
+
+def run(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--python", default=os.environ.get("VATTN_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python")),
                    help="interpreter of the vLLM environment")
@@ -325,8 +405,10 @@ def main() -> None:
     p.add_argument("--idle-release-s", type=float, default=2.0,
                    help="vattn elastic: seconds without a request after which an engine gives its free pages back")
     p.add_argument("--rounds", type=int, default=2, help="runs of each configuration, in alternating order")
+    p.add_argument("--dtype", choices=("auto", *DTYPE_BYTES), default="auto",
+                   help="the engines' dtype; auto: bfloat16 where the CPU has AVX-512 BF16 or AMX, else float32")
     p.add_argument("--replot", action="store_true", help="redraw the figure from the JSON of an earlier run")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     for what, value, low in (("--bursts", args.bursts, args.models), ("--burst-requests", args.burst_requests, 1),
                              ("--rounds", args.rounds, 1)):
         if value < low:
@@ -334,19 +416,21 @@ def main() -> None:
     if args.period_s <= 0 or args.idle_release_s < 0:
         p.error("--period-s must be > 0 and --idle-release-s >= 0")
     m = machine()
-    name = f"multi_model_{args.models}models_{machine_slug(m)}"
+    if args.dtype == "auto":
+        args.dtype = auto_dtype(m["isa"])
+    name = f"multi_model_{args.models}models{DTYPE_TAGS[args.dtype]}_{machine_slug(m)}"
     if args.replot:
         plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
         return
     models = MODELS[:args.models]
     traces = [make_trace(args.models, args.bursts, args.burst_requests, args.period_s, seed=i)
               for i in range(args.rounds)]
-    peak = max(burst_peak_bytes([r for r in reqs if r["burst"] == j], layers)
+    peak = max(burst_peak_bytes([r for r in reqs if r["burst"] == j], layers, args.dtype)
                for trace in traces for (_, layers, *_), reqs in zip(models, trace)
                for j in {r["burst"] for r in reqs})
     budget_bytes = int(args.budget_mib * MiB) if args.budget_mib else peak
-    print(f"budget B = {budget_bytes / MiB:.1f} MiB (largest burst at full length: {peak / MiB:.1f} MiB); "
-          f"static partitions: {budget_bytes / args.models / MiB:.1f} MiB each", flush=True)
+    print(f"{args.dtype}; budget B = {budget_bytes / MiB:.1f} MiB (largest burst at full length: {peak / MiB:.1f} "
+          f"MiB); static partitions: {budget_bytes / args.models / MiB:.1f} MiB each", flush=True)
     runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -366,13 +450,13 @@ def main() -> None:
     payload = {
         "benchmark": "multi_model", "machine": m, "vllm": "0.32.0 (vllm-cpu)",
         "models": [dict(name=n, layers=layers, hidden=hidden, query_heads=heads, kv_heads=2, head_dim=64,
-                        dtype="bfloat16", kv_bytes_per_token=kv_bytes_per_token(layers))
+                        dtype=args.dtype, kv_bytes_per_token=kv_bytes_per_token(layers, args.dtype))
                    for n, layers, hidden, heads in models],
         "trace": dict(bursts=args.bursts, burst_requests=args.burst_requests, period_s=args.period_s,
                       prompt_tokens=PROMPT_TOKENS, max_tokens=OUTPUT_TOKENS, arrival_spread_s=0.5,
                       order="burst j to model j % k"),
         "budget_bytes": budget_bytes, "largest_burst_peak_bytes": peak,
-        "engine": dict(dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=args.burst_requests,
+        "engine": dict(dtype=args.dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=args.burst_requests,
                        block_size=BLOCK, enable_prefix_caching=True, enforce_eager=True,
                        engine_core="in-process"),
         "configs": {"stock static": f"stock vLLM, kv_cache_memory_bytes = B / {args.models} each",
@@ -387,6 +471,16 @@ def main() -> None:
                                       for r in runs["vattn elastic"]),
         "memory_first_round": first,
     }
+    late = overload(models, runs, args.period_s)
+    if late:
+        payload["overloaded"] = {"late_bursts_vattn_elastic": late, "period_s": args.period_s}
+        path = write_json(f"{name}_overloaded", payload)
+        sys.exit(f"the trace overloads this CPU: with all of B for the busy model (vattn elastic), bursts were "
+                 f"still being served when the next one began ({late}, per model and round, bursts every "
+                 f"{args.period_s} s), so the engines queued for the CPU and the times to first token measure "
+                 f"that queue, not KV memory; no comparison is reported. Try a longer --period-s, fewer "
+                 f"--burst-requests, or --dtype float32 where the CPU lacks AVX-512 BF16 (this run: {args.dtype}). "
+                 f"The run's data: {path}")
     publish(name, payload, plot, summary)
 
 

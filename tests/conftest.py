@@ -101,6 +101,7 @@ def declare_fake_cuda(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("stream_syncs", "stream_records", "stream_completed", "launch"):
         getattr(lib, f"fake_cuda_{name}").argtypes = [ptr]
         getattr(lib, f"fake_cuda_{name}").restype = long_
+    lib.fake_cuda_finish.argtypes = [ptr]
     lib.fake_cuda_device_access.argtypes = [ptr, ull, ctypes.POINTER(ctypes.c_longlong), ull, ull, ctypes.c_int, ptr]
     lib.fake_cuda_set_total_mem.argtypes = [ull]
     lib.fake_cuda_other_process_alloc.argtypes = [ull]

@@ -183,6 +183,7 @@ class CudaBackend final : public VmmBackend {
   void synchronize() override { sync_.synchronize(); }
   uint64_t record_reads() noexcept override { return sync_.record_reads(); }
   void wait_reads(uint64_t ticket) override { sync_.wait_reads(ticket); }
+  bool reads_done(uint64_t ticket) noexcept override { return sync_.reads_done(ticket); }
   void set_sync_streams(const std::vector<uintptr_t>& streams) override { sync_.set_streams(streams); }
   void suspend_driver_calls() override { sync_.suspend(); }
   void resume_driver_calls() override { sync_.resume(); }

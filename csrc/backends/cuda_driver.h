@@ -32,6 +32,7 @@ using CUmemGenericAllocationHandle = unsigned long long;
 constexpr CUresult CUDA_SUCCESS = 0;
 constexpr CUresult CUDA_ERROR_INVALID_VALUE = 1;
 constexpr CUresult CUDA_ERROR_OUT_OF_MEMORY = 2;
+constexpr CUresult CUDA_ERROR_NOT_READY = 600;
 
 constexpr int CU_MEM_ALLOCATION_TYPE_PINNED = 1;
 constexpr int CU_MEM_HANDLE_TYPE_NONE = 0;
@@ -85,6 +86,7 @@ struct CUmemAccessDesc {
   X(cuEventCreate, cuEventCreate, CUresult(CUevent*, unsigned int))                                    \
   X(cuEventRecord, cuEventRecord, CUresult(CUevent, CUstream))                                         \
   X(cuEventSynchronize, cuEventSynchronize, CUresult(CUevent))                                         \
+  X(cuEventQuery, cuEventQuery, CUresult(CUevent))                                                     \
   X(cuEventDestroy, cuEventDestroy_v2, CUresult(CUevent))                                              \
   X(cuMemGetInfo, cuMemGetInfo_v2, CUresult(size_t*, size_t*))                                        \
   X(cuMemGetAllocationGranularity, cuMemGetAllocationGranularity,                                      \

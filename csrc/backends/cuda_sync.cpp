@@ -167,6 +167,32 @@ void CudaSync::wait_reads(uint64_t ticket) {
   done_seq_ = std::max(done_seq_, seq);
 }
 
+bool CudaSync::reads_done(uint64_t ticket) noexcept {
+  if (ticket == VmmBackend::kNoReads) return true;
+  if (ticket == VmmBackend::kReadsNow || forked_ || gate_.suspended()) return false;  // only a wait can tell
+  try {
+    Call call(*this);
+    std::shared_lock<std::shared_mutex> streams(streams_mu_);
+    std::vector<CUevent> events;
+    uint64_t seq = 0;
+    {
+      std::lock_guard<std::mutex> lock(fence_mu_);
+      if (ticket <= done_seq_) return true;
+      if (ticket >= next_seq_ || streams_.empty()) return false;
+      events = fences_[ticket % kFences].events;  // this fence or a later one: see wait_reads
+      seq = fences_[ticket % kFences].seq;
+    }
+    ++fence_queries_;
+    for (CUevent e : events)
+      if (api_.cuEventQuery(e) != CUDA_SUCCESS) return false;  // CUDA_ERROR_NOT_READY, or an error a wait reports
+    std::lock_guard<std::mutex> lock(fence_mu_);
+    done_seq_ = std::max(done_seq_, seq);  // a later wait_reads of it returns at once
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
 void CudaSync::set_streams(const std::vector<uintptr_t>& streams) {
   Call call(*this);
   std::vector<CUstream> unique;
@@ -207,6 +233,7 @@ void CudaSync::add_facts(std::vector<std::pair<std::string, std::string>>& out) 
   out.emplace_back("device_syncs", std::to_string(device_syncs_.load()));
   out.emplace_back("event_waits", std::to_string(event_waits_.load()));
   out.emplace_back("fence_waits_skipped", std::to_string(fence_waits_skipped_.load()));
+  out.emplace_back("fence_queries", std::to_string(fence_queries_.load()));
 }
 
 // The caller holds streams_mu_ (shared) and a Call.

@@ -140,6 +140,7 @@ class CudaSync {
   void synchronize();
   uint64_t record_reads() noexcept;
   void wait_reads(uint64_t ticket);
+  bool reads_done(uint64_t ticket) noexcept;
   void set_streams(const std::vector<uintptr_t>& streams);
   void suspend() { gate_.suspend(); }
   void resume() noexcept { gate_.resume(); }
@@ -176,7 +177,7 @@ class CudaSync {
   std::vector<Fence> fences_;      // kFences slots once streams are named; fence n in slot n % kFences
   uint64_t next_seq_ = 1;          // the next fence's number (0 is kNoReads)
   uint64_t done_seq_ = 0;          // every fence up to this one has finished
-  std::atomic<uint64_t> device_syncs_{0}, event_waits_{0}, fence_waits_skipped_{0};
+  std::atomic<uint64_t> device_syncs_{0}, event_waits_{0}, fence_waits_skipped_{0}, fence_queries_{0};
 };
 
 }  // namespace cu

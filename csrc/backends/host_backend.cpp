@@ -183,6 +183,7 @@ class HostBackend final : public VmmBackend {
   }
 
   void synchronize() override {}  // CPU work is synchronous with the caller
+  bool reads_done(uint64_t) noexcept override { return true; }
 
   void close_pool() noexcept override { pool_.reset(); }
 

@@ -88,6 +88,9 @@ class VmmBackend {
   virtual void wait_reads(uint64_t ticket) {
     if (ticket != kNoReads) synchronize();
   }
+  // Whether the work `ticket` names has finished, without waiting for it
+  // (false when only a wait can tell). Never throws.
+  virtual bool reads_done(uint64_t ticket) noexcept { return ticket == kNoReads; }
   // Releases every physical page and the pool's own handles. Afterwards the
   // backend only frees reservations. Never throws.
   virtual void close_pool() noexcept = 0;

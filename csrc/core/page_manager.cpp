@@ -358,6 +358,30 @@ size_t PageManager::reclaim(size_t max_ids) {
   return got * config_.num_buffers;
 }
 
+std::pair<size_t, size_t> PageManager::reclaim_freed(bool wait) {
+  check_process();
+  Lock lock(sync_->mu);
+  check_open();
+  wait_for_batch(lock);
+  std::vector<ReqidKeep> cuts;
+  size_t pending = 0;
+  for (size_t s = 0; s < config_.num_reqids; ++s) {
+    if (table_.allocated(s) || table_.mapped(s) == 0) continue;
+    if (wait || backend_->reads_done(reqid_reads_[s]))
+      cuts.emplace_back(s, 0);
+    else
+      ++pending;
+  }
+  if (cuts.empty()) return {0, pending};
+  const uint64_t before = table_.counters().page_unmaps;
+  // Fences that passed are known done: the wait below returns without a driver call.
+  unmap_tails_locked(cuts);
+  work_epoch_++;
+  sync_->wake.notify_one();
+  for (auto [s, keep] : cuts) pending += table_.mapped(s) > keep;  // orphans left by a failed unmap
+  return {(table_.counters().page_unmaps - before) / config_.num_buffers, pending};
+}
+
 // ---- lifetime -------------------------------------------------------------------------
 
 void PageManager::close() {

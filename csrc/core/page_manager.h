@@ -145,6 +145,12 @@ class PageManager {
   // Unmaps pages of free reqids (tails first) until up to max_ids page ids went
   // back to the pool, and retries orphans; returns the physical pages freed.
   size_t reclaim(size_t max_ids);
+  // Deferred reclamation of freed reqids, in either mode: unmaps every
+  // position of the free reqids whose read fence has passed (asked without
+  // waiting: no device wait on the caller's thread), or, with `wait`, of
+  // every free reqid (waiting for its readers). Returns the positions
+  // unmapped (per buffer) and the free reqids that still map pages.
+  std::pair<size_t, size_t> reclaim_freed(bool wait);
   // Releases up to max_ids free page ids (the free pool first, then pages of
   // free reqids, unmapped), giving their memory back to the OS or device and
   // to the budget; returns the physical pages released. Pages under

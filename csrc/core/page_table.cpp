@@ -43,6 +43,7 @@ void PageTable::release(size_t reqid) {
   reqid_allocated_[reqid] = 0;
   reqid_tokens_[reqid] = 0;
   stats_.slots_allocated--;
+  stats_.shrinks++;
 }
 
 // ---- reference counts ---------------------------------------------------------------
@@ -200,6 +201,7 @@ void PageTable::cut_tail(size_t reqid, size_t keep, std::vector<Cut>& cuts) {
   if (ids.size() <= keep) return;
   cut_runs(reqid, keep, ids.size(), cuts);
   ids.resize(keep);
+  stats_.shrinks++;
 }
 
 void PageTable::unmap_pages_below(size_t reqid, size_t first, std::vector<Cut>& cuts) {
@@ -207,6 +209,7 @@ void PageTable::unmap_pages_below(size_t reqid, size_t first, std::vector<Cut>& 
   const size_t upto = std::min(first, ids.size());
   cut_runs(reqid, 0, upto, cuts);
   std::fill(ids.begin(), ids.begin() + upto, kHole);
+  if (upto > 0) stats_.shrinks++;
   if (first > ids.size()) ids.resize(first, kHole);
 }
 
@@ -279,6 +282,7 @@ void PageTable::release_all_handles() {
 }
 
 void PageTable::clear() {
+  stats_.shrinks++;
   for (size_t s = 0; s < reqid_page_ids_.size(); ++s) {
     reqid_page_ids_[s].clear();
     reqid_allocated_[s] = 0;

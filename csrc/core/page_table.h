@@ -63,6 +63,9 @@ struct PageStats {
   uint64_t step_wait_ns = 0;     // caller: time steps spent waiting for an in-flight mapper batch
   uint64_t pages_released = 0;   // caller: created pages released again (given back to a budget)
   uint64_t creations_refused = 0;  // caller: page creations a budget refused or the device had no memory for
+  // Times a reqid lost positions or was released: while it stands still, every
+  // check that a batch's rows are mapped still holds (kernels check it per layer).
+  uint64_t shrinks = 0;
 };
 
 // Positions [from, from + ids.size()) of `reqid`, cut from its prefix: their

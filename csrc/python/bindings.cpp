@@ -505,6 +505,7 @@ PYBIND11_MODULE(_C, m) {
              d["free_held_bytes"] = share.free_held_bytes;
              return d;
            })
+      .def("reclaim_freed", &PageManager::reclaim_freed, py::arg("wait"), py::call_guard<py::gil_scoped_release>())
       .def("fork", &PageManager::fork, py::arg("src"), py::arg("num_tokens"),
            py::call_guard<py::gil_scoped_release>())
       .def("retain_prefix", &PageManager::retain_prefix, py::arg("reqid"), py::arg("num_tokens"),
@@ -572,6 +573,11 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("reqids"), py::arg("seq_lens"), py::arg("what"))
       .def("stats", [](const PageManager& pm) { return stats_dict(pm.stats(), pm.page_size()); })
+      // Read once per forward by the vLLM worker: one number, without building the stats dict.
+      .def_property_readonly("bytes_mapped",
+                             [](const PageManager& pm) { return pm.stats().pages_mapped * pm.page_size(); })
+      // Read per layer by the kernels' mapping check: unchanged since a check passed, the check holds.
+      .def_property_readonly("shrinks", [](const PageManager& pm) { return pm.stats().shrinks; })
       .def_property_readonly("page_size", &PageManager::page_size)
       .def_property_readonly("num_ids", &PageManager::num_ids)
       .def_property_readonly("buffer_bytes", &PageManager::buffer_bytes)

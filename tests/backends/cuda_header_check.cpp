@@ -31,6 +31,7 @@ static_assert(sizeof(ours::CUevent) == sizeof(::CUevent), "CUevent is a pointer"
 static_assert(ours::CUDA_SUCCESS == ::CUDA_SUCCESS, "CUDA_SUCCESS");
 static_assert(ours::CUDA_ERROR_INVALID_VALUE == ::CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE");
 static_assert(ours::CUDA_ERROR_OUT_OF_MEMORY == ::CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY");
+static_assert(ours::CUDA_ERROR_NOT_READY == ::CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY");
 static_assert(ours::CU_MEM_ALLOCATION_TYPE_PINNED == ::CU_MEM_ALLOCATION_TYPE_PINNED, "allocation type");
 static_assert(ours::CU_MEM_HANDLE_TYPE_NONE == ::CU_MEM_HANDLE_TYPE_NONE, "handle type");
 static_assert(ours::CU_MEM_LOCATION_TYPE_DEVICE == ::CU_MEM_LOCATION_TYPE_DEVICE, "location type");

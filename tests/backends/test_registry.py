@@ -131,6 +131,7 @@ def test_the_decorator_around_the_cuda_backend_releases_what_a_failed_creation_m
 
 def test_device_patterns_come_from_the_registry():
     assert parse_device("cpu") == ("cpu", 0) and parse_device(torch.device("cuda", 3)) == ("cuda", 3)
+    assert parse_device("cuda") == ("cuda", 0)  # no CUDA in this torch: device 0
     with pytest.raises(ValueError, match=r"device must be 'cpu', 'cuda' or 'cuda:<index>', got 'xpu:1'"):
         parse_device("xpu:1")
     register_backend("host_as_xpu", device="xpu[:i]", defaults=get_backend("host").defaults,
@@ -181,6 +182,15 @@ def test_replace_swaps_an_entry_in_place():
         assert backend_names().count("swap_me") == 1
     finally:
         unregister_backend("swap_me")
+
+
+def test_a_device_without_an_index_is_torchs_current_one(monkeypatch):
+    """``device="cuda"`` is the device torch would use (``torch.cuda.current_device()``), as
+    ``torch.device("cuda")`` is for torch, not ordinal 0."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert parse_device("cuda") == ("cuda", 2) and parse_device(torch.device("cuda")) == ("cuda", 2)
+    assert parse_device("cuda:0") == ("cuda", 0) and parse_device("cpu") == ("cpu", 0)
 
 
 # ---- probes: registered with their backend, answered through one generic binding ----------

@@ -136,7 +136,7 @@ def test_prefix_caching_outputs_and_hits_equal_stock_vllm(runs):
 
 
 @needs_vllm
-def test_the_pool_is_vllms_blocks_and_rows_map_only_what_they_hold(runs):
+def test_the_pool_is_vllms_blocks_and_requests_map_only_what_they_hold_once(runs):
     stock, ours = runs.stock(), runs.vattn()
     (v,) = ours["vattn"]
     assert ours["num_blocks"] == stock["num_blocks"] and ours["block_size"] == stock["block_size"] == 32
@@ -148,7 +148,12 @@ def test_the_pool_is_vllms_blocks_and_rows_map_only_what_they_hold(runs):
     for mapped, tokens in zip(v["bytes_mapped_series"], v["tokens_series"]):
         assert mapped <= MAX_NUM_SEQS * (MAX_MODEL_LEN // 32) * block_bytes
         assert mapped <= -(-tokens // 32) * block_bytes + MAX_NUM_SEQS * block_bytes
-    assert v["slots_allocated"] == MAX_NUM_SEQS  # every row of the persistent batch is a reqid for good
+    assert v["slots_allocated"] == 0  # every request finished and gave its slice back
+    # a request keeps its slice: each block is mapped once into each request that holds it, whatever
+    # vLLM did with its rows; unmapping is only of finished requests' slices, when reused
+    m = v["mapping"]
+    assert m["positions_needed"] > 0 and m["positions_mapped"] <= 1.1 * m["positions_needed"], m
+    assert m["positions_unmapped"] <= m["positions_mapped"], m
     # every layer of every forward went through vattn's host kernel, on its vector path
     host, layers = v["host_attention"], v["num_buffers"] // 2
     assert host["calls"].get(host["isa"], 0) == sum(host["calls"].values()) == layers * len(v["time_s_series"]) > 0
@@ -260,6 +265,32 @@ def test_untested_vllm_version_is_refused():
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, VATTN_VLLM="1", VATTN_VLLM_ALLOW_UNTESTED="1"))
     assert "refused" not in proc.stdout and "hooked: True" in proc.stdout, proc.stderr[-2000:]
+
+
+CUDA_GRAPH_SUPPORT = r"""
+import types, torch
+from vllm.v1.attention.backend import AttentionCGSupport
+from vattn.integrations.vllm import attention, configuration
+builder = attention.backend_class().get_builder_cls()
+spec = types.SimpleNamespace(head_size=64, dtype=torch.bfloat16)
+print("cpu", builder.get_cudagraph_support(None, spec).name)
+configuration.platform_device = lambda: "cuda"  # what a CUDA build of vLLM reports
+print("cuda", builder.get_cudagraph_support(None, spec).name)
+print("cuda-fp32", builder.get_cudagraph_support(None, types.SimpleNamespace(head_size=64, dtype=torch.float32)).name)
+assert isinstance(builder.get_cudagraph_support(None, spec), AttentionCGSupport)
+"""
+
+
+@needs_vllm
+def test_the_builder_declares_cuda_graphs_where_vattn_serves_flash_attention():
+    """vLLM asks the builder class (``get_cudagraph_support``) before any
+    cache exists: on vLLM-CPU, vattn's host kernel, NEVER; on CUDA,
+    FlashAttention, uniform single-token decodes; fp32 on CUDA, which no
+    batched kernel serves, NEVER."""
+    proc = subprocess.run([vllm_python(), "-c", CUDA_GRAPH_SUPPORT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("cpu ", "cuda"))]
+    assert lines == ["cpu NEVER", "cuda UNIFORM_SINGLE_TOKEN_DECODE", "cuda-fp32 NEVER"], proc.stdout
 
 
 def test_plugin_is_inert_without_the_switch(monkeypatch):

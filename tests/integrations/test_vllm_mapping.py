@@ -1,12 +1,16 @@
 """The worker side of the vLLM integration without vLLM: fake block tables
 through BlockMapper onto a real external-page cache, and the start-up checks.
 
-Rows are vLLM's persistent-batch rows (reqids); block ids are page ids. Each
-test writes K/V through one row and reads them back through another, so a
-wrong mapping shows up as wrong rows, not only as wrong bookkeeping.
+Requests are named by keys (vLLM's request ids) and keep one slice each;
+block ids are page ids. Tests write K/V through one request's slice and read
+them back through another, so a wrong mapping shows up as wrong rows, not
+only as wrong bookkeeping.
 """
 
 from __future__ import annotations
+
+import random
+import types
 
 import numpy as np
 import pytest
@@ -15,47 +19,64 @@ import torch
 import vattn
 from conftest import assert_invariants
 from vattn.integrations.vllm import NULL_BLOCK_ID, BlockMapper, check_kernel, choose_layout
+from vattn.integrations.vllm.configuration import fit_block_size
 
 PAGE = 4096
 BLOCK = 16  # tokens per block: fp32, 2 KV heads x 32 = 256 bytes per token per buffer -> 4 KiB pages
-ROWS, MAX_LEN, NUM_BLOCKS = 4, 128, 40
+SLICES, MAX_LEN, NUM_BLOCKS = 6, 128, 40
+
+
+def make_kv(slices: int = SLICES) -> vattn.KVCacheManager:
+    return vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+                                max_batch_size=slices, max_context_len=MAX_LEN, page_size=PAGE,
+                                physical_memory=NUM_BLOCKS * 4 * PAGE, page_allocator="external",
+                                background=False, deferred_reclaim=False, eager=False)
 
 
 @pytest.fixture
 def kv():
-    with vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32,
-                              max_batch_size=ROWS, max_context_len=MAX_LEN, page_size=PAGE,
-                              physical_memory=NUM_BLOCKS * 4 * PAGE, page_allocator="external",
-                              background=False, deferred_reclaim=False, eager=False) as kv:
+    with make_kv() as kv:
         assert kv.page_tokens == BLOCK and kv.num_page_ids == NUM_BLOCKS
         yield kv
 
 
 def table(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """vLLM's CPU block table: int32 [max_num_reqs, max_blocks], zeros past each row's blocks."""
-    out = np.zeros((ROWS, MAX_LEN // BLOCK), dtype=np.int32)
+    out = np.zeros((max(len(rows), 1), MAX_LEN // BLOCK), dtype=np.int32)
     for r, ids in enumerate(rows):
         out[r, :len(ids)] = ids
-    return out, np.array([len(ids) for ids in rows] + [0] * (ROWS - len(rows)), dtype=np.int32)
+    return out, np.array([len(ids) for ids in rows] or [0], dtype=np.int32)
 
 
-def step(mapper: BlockMapper, rows: list[list[int]], seq_lens: list[int]) -> None:
-    mapper.map_rows(*table(rows), np.array(seq_lens))
+def step(mapper: BlockMapper, requests: dict[str, list[int]], seq_lens: list[int],
+         query_lens: list[int] | None = None) -> dict[str, int]:
+    """One forward: the requests in batch order (rows 0..), their block-table
+    rows and lengths. Returns each request's reqid."""
+    keys = list(requests)
+    reqids = mapper.reqids_of(keys)
+    mapper.map(reqids, *table(list(requests.values())), np.array(seq_lens),
+               None if query_lens is None else np.array(query_lens))
+    return dict(zip(keys, reqids.tolist()))
 
 
-def write(kv, row: int, start: int, n: int, value: float) -> None:
+def maps_and_unmaps(kv) -> tuple[int, int]:
+    s = kv.stats()
+    return s["sync_page_maps"] + s["background_page_maps"], s["page_unmaps"]
+
+
+def write(kv, reqid: int, start: int, n: int, value: float) -> None:
     for layer in range(2):
         k, v = kv.layer(layer)
-        k[row, start:start + n] = value + layer
-        v[row, start:start + n] = -(value + layer)
+        k[reqid, start:start + n] = value + layer
+        v[reqid, start:start + n] = -(value + layer)
 
 
-def read(kv, row: int, start: int, n: int) -> list[float]:
+def read(kv, reqid: int, start: int, n: int) -> list[float]:
     """One value per token (K of layer 0), after checking every layer, head and V agree."""
     out = []
     for layer in range(2):
         k, v = kv.layer(layer)
-        rows_k, rows_v = k[row, start:start + n], v[row, start:start + n]
+        rows_k, rows_v = k[reqid, start:start + n], v[reqid, start:start + n]
         assert torch.equal(rows_k, -rows_v)
         assert torch.equal(rows_k, rows_k[:, :1, :1].expand_as(rows_k))
         if layer == 0:
@@ -65,88 +86,194 @@ def read(kv, row: int, start: int, n: int) -> list[float]:
     return out
 
 
-def test_rows_map_exactly_the_blocks_their_lengths_need(kv):
+def test_requests_map_exactly_the_blocks_their_lengths_need(kv):
     mapper = BlockMapper(kv, BLOCK)
-    assert all(kv.is_allocated(r) for r in range(ROWS))
-    step(mapper, [[3, 7, 9], [5]], [33, 16])  # 33 tokens need 3 blocks; 16 need 1
-    assert [kv.page_ids(r) for r in range(ROWS)] == [[3, 7, 9], [5], [], []]
-    step(mapper, [[3, 7, 9, 11], [5, 6]], [40, 17])  # vLLM allocated ahead: only what is read is mapped
-    assert [kv.page_ids(r) for r in range(ROWS)] == [[3, 7, 9], [5, 6], [], []]
+    r = step(mapper, {"a": [3, 7, 9], "b": [5]}, [33, 16])  # 33 tokens need 3 blocks; 16 need 1
+    assert kv.page_ids(r["a"]) == [3, 7, 9] and kv.page_ids(r["b"]) == [5]
+    assert step(mapper, {"a": [3, 7, 9, 11], "b": [5, 6]}, [40, 17]) == r  # vLLM allocated ahead
+    assert kv.page_ids(r["a"]) == [3, 7, 9] and kv.page_ids(r["b"]) == [5, 6]  # only what is read is mapped
     assert kv.stats()["bytes_mapped"] == 5 * kv.config.num_buffers * PAGE
+    assert mapper.positions_needed == 5 and mapper.live_requests == 2
+    assert_invariants(kv)
+
+
+def test_a_decode_step_that_crosses_no_block_maps_nothing(kv, monkeypatch):
+    mapper = BlockMapper(kv, BLOCK)
+    step(mapper, {"a": [3, 7], "b": [5]}, [20, 3])
+    calls = []
+    monkeypatch.setattr(kv, "map_pages", lambda *a, **k: calls.append(a))
+    for n in range(1, 12):  # a: 21..31 tokens, b: 4..14: both within their last block
+        step(mapper, {"a": [3, 7], "b": [5]}, [20 + n, 3 + n], [1, 1])
+    assert calls == []
+
+
+def test_a_request_moved_to_another_row_maps_and_unmaps_nothing(kv):
+    """vLLM condenses its persistent batch: a request in row 2 moves to row
+    0, and two rows swap; the kernel is handed the same reqids, and the only
+    mapping work is the new request's block."""
+    mapper = BlockMapper(kv, BLOCK)
+    r = step(mapper, {"a": [1], "b": [2], "c": [6, 10]}, [5, 9, 20])
+    write(kv, r["c"], 0, 20, 7.0)
+    mapper.release(["a", "b"])  # finished
+    assert step(mapper, {"c": [6, 10]}, [21]) == {"c": r["c"]}
+    assert kv.page_ids(r["a"]) == kv.page_ids(r["b"]) == []  # their slices were unmapped, the device done
+    assert read(kv, r["c"], 0, 20) == [7.0] * 20
+    maps, unmaps = maps_and_unmaps(kv)
+    r2 = step(mapper, {"d": [11], "c": [6, 10]}, [3, 22])  # c in row 1 now, d new in row 0
+    assert r2["c"] == r["c"] and maps_and_unmaps(kv) == (maps + kv.config.num_buffers, unmaps)
+    assert step(mapper, {"c": [6, 10], "d": [11]}, [23, 4]) == r2  # rows swapped
+    assert maps_and_unmaps(kv) == (maps + kv.config.num_buffers, unmaps)
+    assert read(kv, r["c"], 0, 20) == [7.0] * 20
     assert_invariants(kv)
 
 
 def test_prefix_shared_blocks_are_one_page_in_several_slices(kv):
     mapper = BlockMapper(kv, BLOCK)
-    step(mapper, [[8, 2]], [20])
-    write(kv, 0, 0, 20, 1.0)  # the system prompt's K/V, written by the first request
-    step(mapper, [[8, 2], [8, 4], [8, 5]], [21, 17, 30])  # two more requests hit the cached first block
-    assert read(kv, 1, 0, BLOCK) == read(kv, 2, 0, BLOCK) == [1.0] * BLOCK
+    r = step(mapper, {"a": [8, 2]}, [20])
+    write(kv, r["a"], 0, 20, 1.0)  # the system prompt's K/V, written by the first request
+    r = step(mapper, {"a": [8, 2], "b": [8, 4], "c": [8, 5]}, [21, 17, 30])  # b and c hit the cached first block
+    assert read(kv, r["b"], 0, BLOCK) == read(kv, r["c"], 0, BLOCK) == [1.0] * BLOCK
     assert kv.stats()["pages_mapped"] == 4 * kv.config.num_buffers  # 8 once, plus 2, 4, 5
     assert kv.stats()["page_slots_mapped"] == 6 * kv.config.num_buffers
     assert_invariants(kv)
 
 
-def test_a_request_moved_to_another_row_keeps_its_tokens(kv):
-    """vLLM condenses its persistent batch: a request in row 2 moves to row 0."""
-    mapper = BlockMapper(kv, BLOCK)
-    step(mapper, [[1], [2], [6, 10]], [5, 9, 20])
-    write(kv, 2, 0, 20, 7.0)
-    step(mapper, [[6, 10]], [21])  # rows 0 and 1 finished; the request now sits in row 0
-    assert [kv.page_ids(r) for r in range(ROWS)] == [[6, 10], [], [], []]
-    assert read(kv, 0, 0, 20) == [7.0] * 20
+def test_a_released_slice_keeps_its_pages_until_the_device_is_done_and_is_empty_when_reused(kv):
+    """Deferred reclamation: a finished request's pages stay mapped (the
+    device may still read them) until the next forward finds its readers
+    done (on the host at once); slices are handed out oldest-freed first,
+    and a new request never maps into a slice that still holds pages."""
+    mapper = BlockMapper(kv, BLOCK, slices=2)
+    r = step(mapper, {"a": [12, 13]}, [32])
+    mapper.release(["a"])
+    assert kv.page_ids(r["a"]) == [12, 13] and not kv.is_allocated(r["a"])
+    r2 = step(mapper, {"b": [20]}, [10])  # the never-used slice first; a's unmapped meanwhile
+    assert r2["b"] != r["a"] and kv.page_ids(r["a"]) == []
+    r3 = step(mapper, {"b": [20], "c": [14, 15, 16]}, [10, 40])  # now the freed one
+    assert r3["c"] == r["a"] and kv.page_ids(r["a"]) == [14, 15, 16]
+    with pytest.raises(ValueError, match="3 requests hold slices, but the cache has 2 per KV cache group"):
+        mapper.reqids_of(["b", "c", "d"])
+    assert mapper.live_requests == 2
+    mapper.release(["c"])
+    mapper.reqids_of(["b", "d"])  # reused before any forward: emptied first
+    assert kv.page_ids(r["a"]) == []
     assert_invariants(kv)
 
 
 def test_a_freed_block_comes_back_from_the_prefix_cache_with_its_contents(kv):
     mapper = BlockMapper(kv, BLOCK)
-    step(mapper, [[12, 13]], [32])
-    write(kv, 0, 0, 32, 3.0)
-    step(mapper, [], [])  # the request finished: its blocks are free but cached, mapped nowhere
-    assert kv.stats()["page_slots_mapped"] == 0
-    step(mapper, [[20], [14]], [10, 10])  # other blocks pass through the same addresses
-    write(kv, 0, 0, 10, -5.0)
-    write(kv, 1, 0, 10, -6.0)
-    step(mapper, [[20], [12, 13, 15]], [10, 40])  # a new request in row 1 hits both cached blocks
-    assert read(kv, 1, 0, 32) == [3.0] * 32
-    assert read(kv, 0, 0, 10) == [-5.0] * 10
+    r = step(mapper, {"a": [12, 13]}, [32])
+    write(kv, r["a"], 0, 32, 3.0)
+    mapper.release(["a"])  # finished: its blocks are free but cached
+    r = step(mapper, {"b": [20], "c": [14]}, [10, 10])  # other blocks, other slices
+    write(kv, r["b"], 0, 10, -5.0)
+    write(kv, r["c"], 0, 10, -6.0)
+    r = step(mapper, {"b": [20], "d": [12, 13, 15]}, [10, 40])  # a new request hits both cached blocks
+    assert read(kv, r["d"], 0, 32) == [3.0] * 32
+    assert read(kv, r["b"], 0, 10) == [-5.0] * 10
     assert_invariants(kv)
 
 
-def test_a_row_taken_by_a_shorter_request_loses_the_old_tail(kv):
+def test_a_request_resumed_after_a_preemption_gets_a_fresh_slice(kv):
+    """vLLM frees a preempted request's blocks and gives it new ones when it
+    resumes: the worker releases it, and its next forward maps the new blocks
+    into another slice; the old one is reclaimed once the device is done."""
     mapper = BlockMapper(kv, BLOCK)
-    step(mapper, [[30, 31, 32]], [48])
-    step(mapper, [[30]], [3])  # same first block (a prefix hit), shorter request
-    assert kv.page_ids(0) == [30]
-    step(mapper, [[33, 34]], [20])  # another request entirely
-    assert kv.page_ids(0) == [33, 34]
+    r = step(mapper, {"a": [30, 31, 32]}, [48])
+    mapper.release(["a"])
+    before = maps_and_unmaps(kv)
+    r2 = step(mapper, {"a": [33, 34]}, [20])
+    assert r2["a"] != r["a"] and kv.page_ids(r2["a"]) == [33, 34] and kv.page_ids(r["a"]) == []
+    assert maps_and_unmaps(kv) == (before[0] + 2 * kv.config.num_buffers, before[1] + 3 * kv.config.num_buffers)
     assert_invariants(kv)
 
 
-def test_dummy_rows_without_blocks_get_the_null_block(kv):
+def test_warm_up_rows_without_blocks_get_the_null_block_and_real_blocks_replace_it(kv):
     """Warm-up forwards come with lengths but no blocks: they write into
-    vLLM's null block only, never into a block a request may own."""
+    vLLM's null block only, never into a block a request may own; what a
+    request got that way is mapped again from its blocks."""
     mapper = BlockMapper(kv, BLOCK)
-    step(mapper, [[], []], [40, 1])
-    assert [kv.page_ids(r) for r in range(2)] == [[NULL_BLOCK_ID] * 3, [NULL_BLOCK_ID]]
-    write(kv, 0, 0, 40, 9.0)
-    step(mapper, [[4]], [2])  # the first real step maps real blocks over them
-    assert [kv.page_ids(r) for r in range(ROWS)] == [[4], [], [], []]
+    r = step(mapper, {"w0": [], "w1": []}, [40, 1])
+    assert kv.page_ids(r["w0"]) == [NULL_BLOCK_ID] * 3 and kv.page_ids(r["w1"]) == [NULL_BLOCK_ID]
+    write(kv, r["w0"], 0, 40, 9.0)
+    mapper.release_all_but([])
+    r = step(mapper, {"a": [4]}, [2])
+    assert kv.page_ids(r["a"]) == [4]
+    r = step(mapper, {"b": []}, [20])  # a row with too few blocks, then its blocks
+    assert kv.page_ids(r["b"]) == [NULL_BLOCK_ID] * 2
+    step(mapper, {"b": [5, 6]}, [21])
+    assert kv.page_ids(r["b"]) == [5, 6]
     assert_invariants(kv)
 
 
 def test_mapper_errors(kv):
     mapper = BlockMapper(kv, BLOCK)
-    with pytest.raises(ValueError, match=r"5 rows in a forward, but the cache has 4 \(max_num_seqs\)"):
-        mapper.map_rows(np.zeros((5, 8), dtype=np.int32), np.zeros(5, dtype=np.int32), np.ones(5))
     rows, counts = table([[NUM_BLOCKS]])
+    reqids = mapper.reqids_of(["a"])
     with pytest.raises(ValueError, match=r"page_ids\[0\] must be in \[0, 39\]"):
-        mapper.map_rows(rows, counts, np.array([1]))
-    assert kv.page_ids(0) == []  # nothing changed
+        mapper.map(reqids, rows, counts, np.array([1]))
+    assert kv.page_ids(int(reqids[0])) == []  # nothing changed
+    step(mapper, {"a": [4]}, [1])  # and the request maps once its table is right
+    assert kv.page_ids(int(reqids[0])) == [4]
     with vattn.KVCacheManager(num_layers=1, num_kv_heads=1, head_dim=32, max_batch_size=1, max_context_len=64,
                               background=False) as managed:
         with pytest.raises(ValueError, match="page_allocator='external'"):
             BlockMapper(managed, BLOCK)
+    with pytest.raises(ValueError, match=r"reqids first_reqid .. first_reqid \+ slices - 1 must lie in "
+                                         r"\[0, 5\], got first_reqid=3, slices=4"):
+        BlockMapper(kv, BLOCK, first_reqid=3, slices=4)
+
+
+def test_a_vllm_like_trace_maps_each_block_once_into_each_request_that_holds_it():
+    """Random arrivals, growth, finishes, preemptions and batch reorders
+    against a reference model of what every live request must have mapped;
+    every position mapped is one the trace needed (the lower bound), and
+    nothing is unmapped but reused slices' old pages."""
+    rng = random.Random(7)
+    with make_kv(slices=12) as kv:
+        mapper = BlockMapper(kv, BLOCK)
+        free_blocks = list(range(1, NUM_BLOCKS))
+        live: dict[str, tuple[list[int], int]] = {}  # key -> (blocks, tokens)
+        next_key = 0
+        for _ in range(300):
+            if len(live) < 6 and rng.random() < 0.4:  # a new request with a prompt
+                tokens = rng.randint(1, 40)
+                need = -(-tokens // BLOCK)
+                if len(free_blocks) >= need:
+                    live[f"r{next_key}"] = ([free_blocks.pop() for _ in range(need)], tokens)
+                    next_key += 1
+            for key in list(live):
+                blocks, tokens = live[key]
+                event = rng.random()
+                if event < 0.05 or tokens >= MAX_LEN - 1:  # finished
+                    free_blocks += blocks
+                    del live[key]
+                    mapper.release([key])
+                elif event < 0.08:  # preempted and resumed at once with new blocks
+                    free_blocks += blocks
+                    mapper.release([key])
+                    need = -(-tokens // BLOCK)
+                    rng.shuffle(free_blocks)
+                    live[key] = ([free_blocks.pop() for _ in range(need)], tokens)
+                else:  # one more token
+                    if tokens % BLOCK == 0:
+                        if not free_blocks:
+                            continue
+                        blocks = blocks + [free_blocks.pop()]
+                    live[key] = (blocks, tokens + 1)
+            if not live:
+                continue
+            order = list(live)
+            rng.shuffle(order)  # vLLM's rows: any order, changing every forward
+            step(mapper, {k: live[k][0] for k in order}, [live[k][1] for k in order])
+            reqids = mapper.reqids_of(order)
+            for key, reqid in zip(order, reqids.tolist()):
+                blocks, tokens = live[key]
+                assert kv.page_ids(reqid) == blocks[:-(-tokens // BLOCK)], key
+        assert_invariants(kv)
+        maps, _ = maps_and_unmaps(kv)
+        assert maps == mapper.positions_needed * kv.config.num_buffers
+        assert mapper.positions_needed > 100
 
 
 # ---- start-up decisions ------------------------------------------------------------------
@@ -190,20 +317,22 @@ def test_kernel_limits_are_checked_at_start_up(monkeypatch):
 
 
 def test_blocks_a_window_left_behind_become_holes_and_the_window_keeps_its_addresses(kv):
-    """vLLM frees the blocks a sliding window (here 32 tokens) left behind and
-    puts its null block in their places: those positions are unmapped, the
-    window's pages stay where they are."""
-    mapper = BlockMapper(kv, BLOCK)
-    step(mapper, [[3, 4, 5]], [40])
-    write(kv, 0, 16, 24, 2.0)
-    address = kv.layer(0)[0][0, 32].data_ptr()
-    step(mapper, [[NULL_BLOCK_ID, 4, 5]], [41])  # the first block fell out of the window
-    assert kv.page_ids(0) == [-1, 4, 5] and mapper.holes == 1
-    assert read(kv, 0, 16, 24) == [2.0] * 24 and kv.layer(0)[0][0, 32].data_ptr() == address
-    step(mapper, [[NULL_BLOCK_ID, NULL_BLOCK_ID, 5, 6]], [50])  # and the second; a new block at the end
-    assert kv.page_ids(0) == [-1, -1, 5, 6] and kv.stats()["page_slots_mapped"] == 2 * kv.config.num_buffers
-    step(mapper, [[7]], [3])  # another request takes the row: the holes and the old pages go
-    assert kv.page_ids(0) == [7] and mapper.holes == 0
+    """vLLM frees the blocks a sliding window (here 32 tokens) left behind:
+    those positions are unmapped, the window's pages stay where they are."""
+    mapper = BlockMapper(kv, BLOCK, window=32)
+    r = step(mapper, {"a": [3, 4, 5]}, [40], [40])
+    write(kv, r["a"], 16, 24, 2.0)
+    address = kv.layer(0)[0][r["a"], 32].data_ptr()
+    step(mapper, {"a": [3, 4, 5]}, [41], [1])  # query 40 sees 9..40: block 0 still in the window
+    assert kv.page_ids(r["a"]) == [3, 4, 5] and mapper.holes == 0
+    step(mapper, {"a": [3, 4, 5]}, [48], [1])  # query 47 sees 16..47: block 0 fell out of the window
+    assert kv.page_ids(r["a"]) == [-1, 4, 5] and mapper.holes == 1
+    assert read(kv, r["a"], 16, 24) == [2.0] * 24 and kv.layer(0)[0][r["a"], 32].data_ptr() == address
+    step(mapper, {"a": [3, 4, 5, 6, 7]}, [65], [1])  # query 64 sees 33..64: and block 1; new blocks at the end
+    assert kv.page_ids(r["a"]) == [-1, -1, 5, 6, 7] and kv.stats()["page_slots_mapped"] == 3 * kv.config.num_buffers
+    mapper.release(["a"])
+    r2 = step(mapper, {"b": [7]}, [3], [3])  # a new request: no holes of its own
+    assert kv.page_ids(r2["b"]) == [7] and mapper.holes == 0
     assert_invariants(kv)
 
 
@@ -212,15 +341,15 @@ def test_a_window_unmaps_the_blocks_no_query_can_see_though_the_table_still_name
     the worker's block table (and may hand it to another request): the
     mapper works the window out from the forward's earliest query."""
     mapper = BlockMapper(kv, BLOCK, window=32)
-    mapper.map_rows(*table([[3, 4, 5, 6]]), np.array([50]), np.array([50]))  # a prefill: every query from 0
-    assert kv.page_ids(0) == [3, 4, 5, 6] and mapper.holes == 0
-    write(kv, 0, 32, 18, 4.0)
-    mapper.map_rows(*table([[3, 4, 5, 6]]), np.array([51]), np.array([1]))  # query 50 sees 19..50
-    assert kv.page_ids(0) == [-1, 4, 5, 6] and mapper.holes == 1
-    # query 64 sees 33..64, past block 4 too; block 3 went to the request in row 1
-    mapper.map_rows(*table([[3, 4, 5, 6, 7], [3]]), np.array([65, 5]), np.array([1, 5]))
-    assert kv.page_ids(0) == [-1, -1, 5, 6, 7] and kv.page_ids(1) == [3] and mapper.holes == 2
-    assert read(kv, 0, 32, 18) == [4.0] * 18
+    r = step(mapper, {"a": [3, 4, 5, 6]}, [50], [50])  # a prefill: every query from 0
+    assert kv.page_ids(r["a"]) == [3, 4, 5, 6] and mapper.holes == 0
+    write(kv, r["a"], 32, 18, 4.0)
+    step(mapper, {"a": [3, 4, 5, 6]}, [51], [1])  # query 50 sees 19..50
+    assert kv.page_ids(r["a"]) == [-1, 4, 5, 6] and mapper.holes == 1
+    # query 64 sees 33..64, past block 4 too; block 3 went to request b
+    r = step(mapper, {"a": [3, 4, 5, 6, 7], "b": [3]}, [65, 5], [1, 5])
+    assert kv.page_ids(r["a"]) == [-1, -1, 5, 6, 7] and kv.page_ids(r["b"]) == [3] and mapper.holes == 2
+    assert read(kv, r["a"], 32, 18) == [4.0] * 18
     assert_invariants(kv)
 
 
@@ -228,33 +357,30 @@ def test_a_prefix_hit_in_a_windowed_group_maps_only_the_window(kv):
     """A request whose window starts in its third block, found in the prefix
     cache: vLLM hands it null blocks before the window."""
     mapper = BlockMapper(kv, BLOCK)
-    step(mapper, [[], [NULL_BLOCK_ID, NULL_BLOCK_ID, 8, 9]], [1, 60])  # row 0: a dummy row, null only
-    assert kv.page_ids(1) == [-1, -1, 8, 9] and kv.page_ids(0) == [NULL_BLOCK_ID] and mapper.holes == 2
+    r = step(mapper, {"w": [], "a": [NULL_BLOCK_ID, NULL_BLOCK_ID, 8, 9]}, [1, 60])  # w: a warm-up row
+    assert kv.page_ids(r["a"]) == [-1, -1, 8, 9] and kv.page_ids(r["w"]) == [NULL_BLOCK_ID] and mapper.holes == 2
     assert kv.stats()["pages_mapped"] == 3 * kv.config.num_buffers
     assert_invariants(kv)
 
 
 def test_groups_map_their_own_block_tables_into_their_own_slices_from_one_pool():
-    """Two KV cache groups (a sliding-window one and a global one) of 2 rows
-    each on one manager: reqids 0-1 and 2-3. A block id is one physical page
-    whichever group holds it, as vLLM's one block pool hands it out."""
-    with vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=4,
-                              max_context_len=MAX_LEN, page_size=PAGE, physical_memory=NUM_BLOCKS * 4 * PAGE,
-                              page_allocator="external", background=False, deferred_reclaim=False,
-                              eager=False) as kv:
-        local, full = BlockMapper(kv, BLOCK, first_reqid=0, rows=2), BlockMapper(kv, BLOCK, first_reqid=2, rows=2)
-        local.map_rows(*table([[NULL_BLOCK_ID, 11, 12]]), np.array([40]))
-        full.map_rows(*table([[1, 2, 3]]), np.array([40]))
-        assert [kv.page_ids(r) for r in range(4)] == [[-1, 11, 12], [], [1, 2, 3], []]
-        write(kv, 2, 0, 40, 5.0)
-        local.map_rows(*table([]), np.array([], dtype=np.int64))  # the request finished: block 11 freed
-        full.map_rows(*table([[11]]), np.array([10]))  # and handed to the global group
-        assert kv.page_ids(0) == [] and kv.page_ids(2) == [11]
+    """Two KV cache groups (a sliding-window one and a global one) of 3
+    slices each on one manager: reqids 0-2 and 3-5. A block id is one
+    physical page whichever group holds it, as vLLM's one block pool hands it
+    out."""
+    with make_kv() as kv:
+        local, full = BlockMapper(kv, BLOCK, first_reqid=0, slices=3), BlockMapper(kv, BLOCK, first_reqid=3, slices=3)
+        rl = step(local, {"a": [NULL_BLOCK_ID, 11, 12]}, [40])
+        rf = step(full, {"a": [1, 2, 3]}, [40])
+        assert (rl["a"], rf["a"]) == (0, 3)
+        assert kv.page_ids(0) == [-1, 11, 12] and kv.page_ids(3) == [1, 2, 3]
+        write(kv, 3, 0, 40, 5.0)
+        local.release(["a"])  # the request finished: block 11 freed
+        full.release(["a"])
+        rf = step(full, {"b": [11]}, [10])  # and handed to the global group
+        assert rf["b"] == 4 and kv.page_ids(4) == [11]
         assert kv.stats()["pages_created"] == 5 * kv.config.num_buffers  # 1, 2, 3, 11, 12 and nothing else
         assert_invariants(kv)
-        with pytest.raises(ValueError, match=r"reqids first_reqid .. first_reqid \+ rows - 1 must lie in \[0, 3\], "
-                                             r"got first_reqid=3, rows=2"):
-            BlockMapper(kv, BLOCK, first_reqid=3, rows=2)
 
 
 def test_the_worker_caches_per_forward_series_are_bounded():
@@ -266,3 +392,23 @@ def test_the_worker_caches_per_forward_series_are_bounded():
         for i in range(vllm_cache.SERIES_FORWARDS + 3):
             series.append(i)
         assert len(series) == vllm_cache.SERIES_FORWARDS and series[0] == 3
+
+
+def test_a_block_size_vllm_chose_is_raised_to_fill_a_page_and_one_the_user_chose_is_refused():
+    """At configuration time, in the process that configures vLLM: 16-token
+    blocks of an 8B-class model (32 layers, 8 KV heads of 128, bf16) make
+    1 MiB all_layers pages, below CUDA's 2 MiB: vLLM's default becomes 32
+    tokens (all_layers); the user's own 16 is refused, naming the flag."""
+    cache = types.SimpleNamespace(block_size=16, user_specified_block_size=False)
+    assert fit_block_size(cache, 32, 8, 128, 2, 2 << 20, None) == 32 and cache.block_size == 32
+    cache = types.SimpleNamespace(block_size=16, user_specified_block_size=False)
+    assert fit_block_size(cache, 32, 8, 128, 2, 2 << 20, "per_layer") == 1024  # 2 KiB per token and layer
+    cache = types.SimpleNamespace(block_size=128, user_specified_block_size=False)  # fits: unchanged
+    assert fit_block_size(cache, 4, 2, 64, 4, 4096, None) == 128 and cache.block_size == 128
+    cache = types.SimpleNamespace(block_size=16, user_specified_block_size=True)
+    with pytest.raises(ValueError, match=r"block_size=16 makes 32768-byte pages \(per_layer\) or 1048576-byte "
+                                         r"pages \(all_layers\).*multiples of 32 tokens \(all_layers.*--block-size"):
+        fit_block_size(cache, 32, 8, 128, 2, 2 << 20, None)
+    assert cache.block_size == 16
+
+

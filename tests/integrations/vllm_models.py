@@ -58,14 +58,13 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
 def make(name: str, path: str) -> None:
     """Saves architecture ``name``'s tiny random-weight checkpoint (bf16,
     seeded) to ``path``."""
-    import torch
     import transformers
 
+    from vattn.cli.make_model import save_random_weights
+
     config_cls, model_cls, kwargs = ARCHITECTURES[name]
-    torch.manual_seed(0)
     config = getattr(transformers, config_cls)(**{k: v for k, v in kwargs.items() if v is not None or k != "head_dim"})
-    model = getattr(transformers, model_cls)(config)
-    model.to(torch.bfloat16).save_pretrained(path)
+    save_random_weights(config, path, model_cls, "bfloat16", seed=0)
 
 
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=4, block_size=32, enable_prefix_caching=True)

@@ -54,16 +54,13 @@ import time
 
 def make_model(path: str, layers: int = 2, hidden: int = 128, query_heads: int = 4, max_positions: int = 1024) -> None:
     """A small random-weight Llama with GQA (``query_heads`` query heads, 2 KV
-    heads of hidden / query_heads)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    heads of hidden / query_heads), bf16, vocabulary 256 and no tokenizer (the
+    scenarios pass token ids): ``python -m vattn make-model``'s model
+    (vattn/cli/make_model.py), at the tests' sizes."""
+    from vattn.cli.make_model import make_model as make
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=query_heads, num_key_value_heads=2, head_dim=hidden // query_heads,
-        max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2))
-    model.to(torch.bfloat16).save_pretrained(path)
+    make(path, "llama", layers=layers, hidden=hidden, query_heads=query_heads, kv_heads=2,
+         max_positions=max_positions, vocab_size=256, tokenizer=False)
 
 
 def counter(llm, name: str) -> int:
@@ -101,9 +98,9 @@ class UsageRecorder:
 
 PROFILE_PARTS = {  # part of a forward -> (file name ending, function) whose cumulative time it is
     "attention layers (kernel and cache write)": [("backends/cpu_attn.py", "forward"),
-                                                  ("vattn/integrations/vllm/__init__.py", "forward")],
-    "attention metadata": [("backends/cpu_attn.py", "build"), ("vattn/integrations/vllm/__init__.py", "build")],
-    "vattn mapping": [("vattn/integrations/block_mapper.py", "map_rows")],
+                                                  ("vattn/integrations/vllm/attention.py", "forward")],
+    "attention metadata": [("backends/cpu_attn.py", "build"), ("vattn/integrations/vllm/attention.py", "build")],
+    "vattn mapping": [("vattn/integrations/vllm/worker_cache.py", "map_batch")],
     "model runner step (inputs, metadata, forward)": [("v1/worker/gpu_model_runner.py", "execute_model")],
     "model forward (the layers)": [("v1/worker/gpu_model_runner.py", "_model_forward")],
     "scheduler": [("v1/core/sched/scheduler.py", "schedule")],

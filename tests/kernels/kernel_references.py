@@ -20,21 +20,50 @@ import torch
 from vattn.kernels import sdpa_dense
 
 
-def flash_attn_with_kvcache(calls: list, q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
-                            cache_batch_idx=None, softmax_scale=None, causal=False):
-    """The flash-attn package's ``flash_attn_with_kvcache``: appends k / v at
-    ``cache_seqlens`` of rows ``cache_batch_idx``, then attends causally,
-    aligned to the end. Records each call's q."""
-    assert causal and cache_seqlens.dtype == cache_batch_idx.dtype == torch.int32
-    assert q.dim() == 4 and (k is None) == (v is None)
-    calls.append(q)
+def paged_varlen(q, k, v, cu_seqlens_q, key_lens, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
+                 causal, page_multiple: int):
+    """FlashAttention's varlen attention over a paged cache, by its
+    documentation: request b's queries are ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]``,
+    its key j sits in page ``block_table[b, j // page]`` at row ``j % page``,
+    it has ``key_lens[b]`` keys, causal masks align to the end. Reads only
+    those rows (others may be unmapped)."""
+    assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1 and block_table.dim() == 2
+    assert cu_seqlens_q.dtype == torch.int32 and causal
+    assert k.shape[1] % page_multiple == 0, f"pages must be multiples of {page_multiple} tokens"
+    assert max_seqlen_k >= int(key_lens.max()) and max_seqlen_q >= int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     out = torch.empty_like(q)
-    for b in range(q.shape[0]):
-        row, n = int(cache_batch_idx[b]), int(cache_seqlens[b])
-        if k is not None:
-            k_cache[row, n:n + q.shape[1]], v_cache[row, n:n + q.shape[1]] = k[b], v[b]
-            n += q.shape[1]
-        out[b] = sdpa_dense(q[b], k_cache[row, :n], v_cache[row, :n], softmax_scale)
+    page = k.shape[1]
+    for b in range(len(key_lens)):
+        start, end, n = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(key_lens[b])
+        j = torch.arange(n)
+        pages = block_table[b, j // page].long()
+        out[start:end] = sdpa_dense(q[start:end], k[pages, j % page], v[pages, j % page], softmax_scale)
+    return out
+
+
+def package_varlen(calls: list, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+                   causal=False, block_table=None):
+    """The flash-attn package's ``flash_attn_varlen_func`` with a paged
+    cache (``block_table``): pages of multiples of 256 tokens, the keys'
+    lengths as running sums ``cu_seqlens_k``. Records each call's q."""
+    assert cu_seqlens_k.dtype == torch.int32
+    calls.append(q)
+    return paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k[1:] - cu_seqlens_k[:-1], max_seqlen_q, max_seqlen_k,
+                        block_table, softmax_scale, causal, 256)
+
+
+def vllm_varlen(calls: list, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, seqused_k=None,
+                softmax_scale=None, causal=False, block_table=None, out=None, fa_version=2, **_):
+    """vLLM's ``vllm.vllm_flash_attn.flash_attn_varlen_func``: pages of
+    multiples of 16 tokens, the keys' lengths as ``seqused_k``, an ``out``
+    to write into, the FlashAttention version. Records (q, fa_version)."""
+    assert seqused_k.dtype == torch.int32 and cu_seqlens_k is None
+    calls.append((q, fa_version))
+    result = paged_varlen(q, k, v, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
+                          causal, 16)
+    if out is None:
+        return result
+    out.copy_(result)
     return out
 
 
@@ -103,7 +132,7 @@ def install_flash_attn(monkeypatch: pytest.MonkeyPatch) -> list:
 
     calls: list = []
     module = types.ModuleType("flash_attn")
-    module.flash_attn_with_kvcache = lambda *a, **kw: flash_attn_with_kvcache(calls, *a, **kw)
+    module.flash_attn_varlen_func = lambda *a, **kw: package_varlen(calls, *a, **kw)
     monkeypatch.setitem(sys.modules, "flash_attn", module)
     monkeypatch.setattr(FlashAttentionKernel, "devices", ("cuda", "cpu"))
     return calls

@@ -23,6 +23,7 @@ from vattn.attention import (
     sdpa_attention,
     write_kv,
 )
+from vattn.kernels import AttentionCase, select_kernel
 
 NUM_LAYERS = 2
 HEAD_DIM = 64
@@ -271,15 +272,18 @@ def test_flashinfer_batched_matches_reference(layout, heads_q, heads_kv, decode_
         sc.close()
 
 
-# ---- FlashAttention's plan and calls, against a reference flash_attn_with_kvcache on the CPU ----------
+# ---- FlashAttention's plan and calls, against a reference flash_attn_varlen_func on the CPU -----------
+
+FA_PAGE = 262144  # 256 KiB pages: slices of whole 256-token multiples in both layouts, as FlashAttention-2 pages
 
 
 @pytest.fixture
 def reference_flash_attn(monkeypatch):
-    """``flash_attn`` replaced by a float reference of ``flash_attn_with_kvcache``
-    (tests/kernels/kernel_references.py), and the FlashAttention kernel let
-    onto CPU tensors: what the kernel hands the library is checked here, the
-    library itself on a GPU. Records the q of every call."""
+    """``flash_attn`` replaced by a float reference of ``flash_attn_varlen_func``
+    over a paged cache (tests/kernels/kernel_references.py), and the
+    FlashAttention kernel let onto CPU tensors: what the kernel hands the
+    library is checked here, the library itself on a GPU. Records the q of
+    every call."""
     from kernels.kernel_references import install_flash_attn
 
     return install_flash_attn(monkeypatch)
@@ -287,22 +291,23 @@ def reference_flash_attn(monkeypatch):
 
 @pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_flash_attn_builds_index_tensors_once_per_batch(reference_flash_attn, monkeypatch, layout, decode_only):
-    """The plan builds every call's index tensors (one copy to the device:
-    every group's requests are adjacent here); the layers build none. A
-    group of adjacent requests is one call on its rows of q as they are: no
-    gather."""
+def test_flash_attn_is_one_call_per_layer_with_index_tensors_built_once_per_batch(reference_flash_attn, monkeypatch,
+                                                                                   layout, decode_only):
+    """A batch of mixed query lengths (prefill chunks and decodes) is one
+    varlen call per layer, on q as it is; the plan builds every index tensor
+    (one copy to the device for the lengths, one for the new rows); the
+    layers build none."""
     from vattn.kernels import KERNELS
 
     kernel = KERNELS["flash_attn"]
-    sc = Scenario("cpu", layout, torch.float32, 8, 2, page_size=16384, decode_only=decode_only)
+    sc = Scenario("cpu", layout, torch.float32, 8, 2, page_size=FA_PAGE, decode_only=decode_only)
+    assert len(set(sc.batch.query_lens)) == (1 if decode_only else 4)
     built = []
     tensor = torch.tensor
     monkeypatch.setattr(torch, "tensor", lambda *a, **kw: built.append(a) or tensor(*a, **kw))
     try:
         plan = kernel.plan(sc.batch)
-        assert len(built) == 1
-        assert len(plan.groups) == len(set(sc.batch.query_lens))
+        assert len(built) == 2
         built.clear()
         for layer in range(NUM_LAYERS):
             q, k, v = sc.new[layer]
@@ -310,44 +315,35 @@ def test_flash_attn_builds_index_tensors_once_per_batch(reference_flash_attn, mo
             out = kernel.run(plan, q, *sc.kv.layer(layer), k, v)
             sc.check_cache_rows(layer)
             assert_matches(out, sc.reference(layer), torch.float32)
-            for g, q_in in zip(plan.groups, reference_flash_attn):  # q went in as it is: views of its rows
-                assert q_in.data_ptr() == q[g.rows].data_ptr() and q_in.untyped_storage().data_ptr() == \
-                    q.untyped_storage().data_ptr()
+            assert len(reference_flash_attn) == 1 and reference_flash_attn[0] is q
         assert built == [], "a layer built index tensors"
-        assert len(reference_flash_attn) == len(plan.groups)
     finally:
         sc.close()
 
 
-def test_flash_attn_gathers_only_groups_whose_requests_are_apart(reference_flash_attn):
-    """Query lengths 1, 3, 1, 3: each group's requests are apart, so their
-    token rows are gathered (one more copy at plan), and the result is the
-    same."""
+def test_flash_attn_needs_slices_of_whole_pages_and_says_so(reference_flash_attn):
+    """The flash-attn package pages K/V in multiples of 256 tokens: a cache
+    whose slices are not is refused with the reason, and attention() runs
+    SDPA on it instead."""
     from vattn.kernels import KERNELS
 
     kernel = KERNELS["flash_attn"]
-    with vattn.KVCacheManager(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32, max_batch_size=4,
+    with vattn.KVCacheManager(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float16, max_batch_size=2,
                               max_context_len=64, page_size=4096, background=False) as kv:
-        reqids = [kv.alloc_reqid() for _ in range(4)]
-        batch = AttentionBatch(reqids, [5, 0, 7, 2], [1, 3, 1, 3])
-        assert kv.step(batch.seq_lens)
-        plan = kernel.plan(batch)
-        assert [g.rows.tolist() for g in plan.groups] == [[0, 4], [1, 2, 3, 5, 6, 7]]
-        torch.manual_seed(0)
-        q, k, v = torch.randn(8, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16)
-        k_cache, v_cache = kv.layer(0)
-        for r, c in zip(reqids, batch.cached_lens):
-            k_cache[r, :c], v_cache[r, :c] = torch.randn(c, 2, 16), torch.randn(c, 2, 16)
-        expected = sdpa_attention(q, k_cache, v_cache, batch, k=k, v=v)
-        torch.testing.assert_close(kernel.run(plan, q, k_cache, v_cache, k, v), expected)
+        k_cache = kv.layer(0)[0]
+        case = AttentionCase.of(torch.zeros(1, 2, 16, dtype=torch.float16), k_cache)
+        support = kernel.supports(case._replace(device_type="cuda"))
+        assert not support and "reads each slice as one page, which must be a multiple of 256 tokens; this " \
+                               "cache's slices are 64 tokens apart" in support.reason
+        assert select_kernel(case._replace(device_type="cuda"), installed=False) is KERNELS["sdpa"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_flash_attn_adapter_on_the_reference(reference_flash_attn, layout):
     """flash_attn_attention (the function API) over every layer, K/V appended
     by the library, and attending over K/V written before."""
-    check_adapter(flash_attn_attention, "cpu", layout, 8, 2, torch.float32, page_size=16384)
-    sc = Scenario("cpu", layout, torch.float32, 8, 2, page_size=16384)
+    check_adapter(flash_attn_attention, "cpu", layout, 8, 2, torch.float32, page_size=FA_PAGE)
+    sc = Scenario("cpu", layout, torch.float32, 8, 2, page_size=FA_PAGE)
     try:
         q, k, v = sc.new[0]
         write_kv(*sc.kv.layer(0), sc.batch, k, v)

@@ -31,6 +31,7 @@ import torch
 import vattn
 from vattn.attention import (AttentionBatch, attention, host_attention, host_attention_info, sdpa_attention,
                              write_kv)
+from vattn.core.manager import MappedCheck
 from vattn.kernels import KERNELS
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -172,7 +173,7 @@ def test_long_decodes_split_and_merge(isa: str) -> None:
         check(out, lse, reference(case.q, case.keys, case.values, batch, 1 / math.sqrt(128)),
               f"{isa} {dtype} {heads_q}/{heads_kv}")
     if host_attention_info()["threads"] > 1:
-        _, groups = KERNELS["host"].plan_for(batch).native.num_items(group_size=8, heads_kv=1)
+        _, groups = batch.plan(KERNELS["host"]).native.num_items(group_size=8, heads_kv=1)
         assert groups > 0, "a 4096-token MQA decode should be split across threads"
 
 
@@ -280,7 +281,7 @@ def test_nan_in_a_split_that_sees_one_key(isa: str) -> None:
     split = False
     for cached in range(256, 4097, 64):
         batch = AttentionBatch([0], [cached], [8])
-        split = split or KERNELS["host"].plan_for(batch).native.num_items(group_size=4, heads_kv=1, head_dim=64)[1] > 0
+        split = split or batch.plan(KERNELS["host"]).native.num_items(group_size=4, heads_kv=1, head_dim=64)[1] > 0
         case = DenseCase(batch, 4, 1, 64, torch.float32, max_len=cached + 8, seed=1)
         case.k[0, 0, 7] = float("nan")  # every query of the chunk sees its first new key
         out = host_attention(case.q, case.k_cache, case.v_cache, batch, k=case.k, v=case.v, isa=isa)
@@ -294,10 +295,10 @@ def test_a_call_too_small_to_share_stays_on_one_thread() -> None:
     few microseconds of work saves: a small decode is one item (no head or
     key split), a long one is cut for every thread of the pool."""
     small = AttentionBatch([0], [127], [1])
-    assert KERNELS["host"].plan_for(small).native.num_items(group_size=4, heads_kv=2, head_dim=64) == (1, 0)
+    assert small.plan(KERNELS["host"]).native.num_items(group_size=4, heads_kv=2, head_dim=64) == (1, 0)
     if host_attention_info()["threads"] > 1:
         long = AttentionBatch([0], [4095], [1])
-        items, groups = KERNELS["host"].plan_for(long).native.num_items(group_size=4, heads_kv=2, head_dim=64)
+        items, groups = long.plan(KERNELS["host"]).native.num_items(group_size=4, heads_kv=2, head_dim=64)
         assert items >= host_attention_info()["threads"] and groups > 0, (items, groups)
 
 
@@ -552,7 +553,7 @@ def test_every_call_is_checked_and_views_keep_their_slots(mapped_cache) -> None:
     batch = AttentionBatch([0], [t - 1], [1])
     host_attention(q, k_cache, v_cache, batch)
     kv.free_reqid(0)  # unmapped at once (no deferred reclaim): the same batch must not read it now
-    with pytest.raises(ValueError, match="host_attention: reqid 0 is not allocated"):
+    with pytest.raises(ValueError, match="vattn.s host kernel: reqid 0 is not allocated"):
         host_attention(q, k_cache, v_cache, batch)
     # a slice of the cache: its row 0 is reqid 1 (allocated, nothing mapped) and row 1 token 0 is token 1
     with pytest.raises(ValueError, match="reqid 1 would read 1 tokens but has 0 mapped"):
@@ -563,6 +564,43 @@ def test_every_call_is_checked_and_views_keep_their_slots(mapped_cache) -> None:
         host_attention(q, k_cache[:, 1:], v_cache[:, 1:], AttentionBatch([0], [t - 1], [1]))
     with pytest.raises(ValueError, match="a view of the vattn cache must have its reqid and token strides"):
         host_attention(q, k_cache[::2], v_cache[::2], AttentionBatch([0], [0], [1]))
+
+
+def test_the_core_is_asked_again_only_after_a_slice_shrinks(mapped_cache) -> None:
+    """A batch's mapping check runs per layer; it asks the core once, then
+    again only when a slice lost positions or a reqid was freed (growth keeps
+    every check valid)."""
+    kv, t = mapped_cache
+
+    class CountingPages:
+        def __init__(self, pages) -> None:
+            self.pages, self.asked = pages, 0
+
+        @property
+        def shrinks(self) -> int:
+            return self.pages.shrinks
+
+        def check_mapped(self, *args) -> None:
+            self.asked += 1
+            self.pages.check_mapped(*args)
+
+    pages = CountingPages(kv._pages)
+    check = MappedCheck(pages, [0], [t], (0, 0), "probe")
+    for _ in range(4):  # four layers
+        check()
+    assert pages.asked == 1
+    assert kv.step([2 * t, 5, 0, 0])  # slices grow: still valid
+    check()
+    assert pages.asked == 1
+    kv.free_reqid(1)  # a shrink elsewhere: asked again, and still true
+    check()
+    check()
+    assert pages.asked == 2
+    kv.free_reqid(0)
+    with pytest.raises(ValueError, match="probe: reqid 0 is not allocated"):
+        check()
+    with pytest.raises(ValueError, match="probe: reqid 0 is not allocated"):  # a failed check is not cached
+        check()
 
 
 def test_a_cache_at_a_closed_caches_addresses_is_checked_as_itself() -> None:

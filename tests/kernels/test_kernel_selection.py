@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import sys
+import weakref
 
 import pytest
 import torch
@@ -98,16 +99,29 @@ def test_attention_falls_back_to_sdpa_past_the_host_kernels_head_dim():
 
 def test_a_batch_is_planned_once_and_its_plans_go_with_it():
     batch = AttentionBatch([0, 2], [5, 0], [1, 3])
-    plan = HOST.plan_for(batch)
-    assert HOST.plan_for(batch) is plan and plan.batch == batch
+    plan = batch.plan(HOST)
+    assert batch.plan(HOST) is plan and plan.batch == batch
     assert plan.native.num_tokens == 4 and plan.native.num_requests == 2
     other = AttentionBatch([1], [0], [1])
-    assert HOST.plan_for(other) is not plan and HOST.plan_for(batch) is plan  # kept per batch, not only the last
-    assert not hasattr(batch, "host_plan")  # the plan is the kernel's, not the batch's
-    planned = len(HOST._plans)
-    del batch, plan  # nothing else holds the batch: it goes, and its plans with it
+    assert other.plan(HOST) is not plan and batch.plan(HOST) is plan  # kept per batch, not only the last
+    assert batch.plan(SDPA) is not plan  # one per kernel
+    gone = weakref.ref(batch)
+    del batch  # the plans do not keep their batch alive: it goes when its caller drops it
     gc.collect()
-    assert len(HOST._plans) == planned - 1
+    assert gone() is None
+
+
+def test_the_function_api_runs_the_kernel_on_the_plan_its_batch_keeps(monkeypatch):
+    """attention() is one run of the selected kernel on the batch's plan: the
+    plan is made by the first layer and reused by the others."""
+    batch = AttentionBatch([0], [3], [1])
+    made = []
+    monkeypatch.setattr(HOST, "plan", lambda b, case=None, plan=HOST.plan: made.append(b) or plan(b, case))
+    k_cache = torch.randn(1, 8, 1, 32)
+    v_cache = torch.randn(1, 8, 1, 32)
+    for _ in range(3):  # three layers
+        attention(torch.randn(1, 2, 32), k_cache, v_cache, batch)
+    assert made == [batch]
 
 
 def test_plans_belong_to_their_kernel():

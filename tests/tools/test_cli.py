@@ -56,3 +56,13 @@ def test_ci_runs_the_readme_test_command():
     assert match, "README must show the test command after <!-- test-command -->"
     ci_lines = [l for l in (ROOT / ".ci" / "run").read_text().splitlines() if l and not l.startswith("#")]
     assert match.group(1).strip() in [l.strip() for l in ci_lines if not l.startswith("set ")]
+
+
+def test_version_prints_the_package_version():
+    import importlib.metadata
+
+    import vattn
+
+    out = run_cli("--version").strip()
+    assert out == f"vattn {vattn.__version__}"
+    assert vattn.__version__ == importlib.metadata.version("vattn")  # the installed distribution's, pyproject's

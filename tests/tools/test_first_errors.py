@@ -100,3 +100,27 @@ def test_install_without_torch_warns_to_install_torch_first(tmp_path):
     environ = dict(os.environ, PYTHONPATH=str(tmp_path / "pip-build-env-x" / "site"), PYTHONNOUSERSITE="1")
     warning = setup.torch_missing_warning(str(bare / "bin" / "python"), environ)
     assert warning and "torch is not installed" in warning and "install torch first (see README)" in warning
+
+
+def test_running_from_the_directory_holding_the_checkout_says_why(tmp_path):
+    # a clone is a folder named vattn; Python started next to it finds that folder before the editable
+    # install's finder (the current directory comes first on sys.path) and imports it as an empty namespace
+    # package: `import vattn` succeeds and `vattn.KVCacheManager` is an AttributeError far from the cause,
+    # and `python -m vattn` runs the checkout's top __main__.py, which says why
+    (tmp_path / "vattn").symlink_to(ROOT, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def python(*args: str, cwd: Path = tmp_path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+
+    shadowed = python("-c", "import vattn; print(vattn.__file__, list(vattn.__path__))")
+    assert shadowed.returncode == 0 and shadowed.stdout.split()[0] == "None"  # what README's Quick start warns of
+    proc = python("-m", "vattn", "demo", "--quick")
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("python -m vattn: Python found") and "the root of a vattn checkout" in last
+    assert str(tmp_path) in last and str(ROOT / "vattn") in last and "another directory" in last
+    elsewhere = tmp_path / "elsewhere"  # one directory away, the installed package imports as usual
+    elsewhere.mkdir()
+    ok = python("-m", "vattn", "--version", cwd=elsewhere)
+    assert ok.returncode == 0 and ok.stdout.startswith("vattn "), ok.stderr

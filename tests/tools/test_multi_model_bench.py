@@ -51,3 +51,82 @@ def test_throughput_is_per_burst_from_first_arrival_to_last_answer():
     assert multi_model.percentile([3.0, 1.0, 2.0], 99) == 3.0
     assert multi_model.percentile([float(i) for i in range(100)], 99) == 99.0
     assert multi_model.percentile([float(i) for i in range(200)], 50) == 100.0
+
+
+def test_a_burst_is_late_when_its_last_answer_comes_after_the_next_burst_began():
+    requests = [dict(burst=0, arrival_s=1.2, finish_s=5.0),  # answered at 6.2 < 7.0: in time
+                dict(burst=1, arrival_s=7.1, finish_s=6.0),  # 13.1 > 13.0: burst 2 began at 13.0
+                dict(burst=1, arrival_s=7.4, finish_s=1.0),
+                dict(burst=2, arrival_s=13.0, finish_s=5.9)]  # 18.9 < 19.0
+    assert multi_model.late_bursts(requests, period_s=6.0) == [1]
+    assert multi_model.late_bursts(requests, period_s=7.0) == []
+
+
+def test_the_dtype_follows_the_cpus_bf16_instructions():
+    assert multi_model.auto_dtype(["avx2", "avx512f", "avx512_bf16"]) == "bfloat16"
+    assert multi_model.auto_dtype(["avx2", "avx512f", "amx_bf16"]) == "bfloat16"
+    assert multi_model.auto_dtype(["avx2", "avx512f"]) == "float32"  # AVX-512 without BF16
+    assert multi_model.auto_dtype(["avx2"]) == "float32"
+    assert multi_model.kv_bytes_per_token(4, "float32") == 2 * multi_model.kv_bytes_per_token(4, "bfloat16")
+
+
+# Stands in for the vLLM environment's python: make-model does nothing; `serve` of a static configuration
+# answers every request at once; `serve` under a budget (vattn elastic) records its pid and sleeps.
+FAKE_ENGINE = """#!{python}
+import json, os, sys, time
+if sys.argv[2] == "make-model":
+    sys.exit(0)
+spec, out = json.load(open(sys.argv[4])), sys.argv[5]
+if os.environ.get("VATTN_BUDGET"):
+    open(os.path.join({pids!r}, str(os.getpid())), "w").close()
+    time.sleep(600)
+requests = [dict(arrival_s=r["arrival_s"], ttft_s=0.1, finish_s=0.5, generated_tokens=r["max_tokens"], outputs=[])
+            for r in spec["requests"]]
+json.dump(dict(start_unix=time.time(), requests=requests, preemptions=0, usage_series=[[0.0, 0]],
+               usage_block_bytes=1, num_blocks=1, vattn=None), open(out, "w"))
+"""
+
+
+def test_sigterm_stops_the_engines_and_removes_the_budget(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import BENCHMARKS
+
+    import vattn.budget
+
+    pids = tmp_path / "engines"
+    pids.mkdir()
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_ENGINE.format(python=sys.executable, pids=str(pids)))
+    fake.chmod(0o755)
+    proc = subprocess.Popen([sys.executable, str(BENCHMARKS / "multi_model.py"), "--python", str(fake), "--bursts",
+                             "2", "--burst-requests", "1", "--rounds", "1", "--dtype", "float32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    budget = f"multi-model-{proc.pid}"
+    try:
+        deadline = time.monotonic() + 120
+        while len(os.listdir(pids)) < 2 or budget not in vattn.budget.names():  # both elastic engines serve
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        engines = [int(pid) for pid in os.listdir(pids)]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        assert "stopped by SIGTERM: the engines were stopped and the budget removed" in err
+        assert budget not in vattn.budget.names()
+        for pid in engines:  # killed and reaped by the benchmark: gone
+            assert not os.path.exists(f"/proc/{pid}"), pid
+    finally:  # whatever a failure left behind
+        proc.kill()
+        proc.wait()
+        for pid in os.listdir(pids):
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if budget in vattn.budget.names():
+            vattn.budget.remove(budget)

@@ -219,8 +219,10 @@ def _device_types() -> dict[str, bool]:
 
 
 def parse_device(device: str | torch.device) -> tuple[str, int]:
-    """``"cpu"`` / ``"cpu:0"`` -> ("cpu", 0); ``"cuda"`` / ``"cuda:i"`` -> ("cuda", i):
-    the device type and index, for every device type a backend serves.
+    """``"cpu"`` / ``"cpu:0"`` -> ("cpu", 0); ``"cuda:i"`` -> ("cuda", i);
+    ``"cuda"`` -> ("cuda", torch's current CUDA device), as torch reads a
+    device without an index: the device type and index, for every device
+    type a backend serves.
 
     Accepts the strings and ``torch.device`` objects torch accepts for these.
     """
@@ -232,7 +234,11 @@ def parse_device(device: str | torch.device) -> tuple[str, int]:
         choices = [f"'{t}{alt}'" for t, indexed in types.items() for alt in (("", ":<index>") if indexed else ("",))]
         listed = choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"
         raise ValueError(f"device must be {listed}, got {device!r}")
-    device_type, index = match.group(1), int(match.group(2) or 0)
+    device_type = match.group(1)
+    if match.group(2) is not None:
+        index = int(match.group(2))
+    else:  # torch's current device of an indexed type
+        index = current_index(device_type) if types[device_type] else 0
     if not types[device_type]:
         if index != 0:
             raise ValueError(f"the {default_backend(device_type).name} backend has one device, '{device_type}' "
@@ -241,6 +247,20 @@ def parse_device(device: str | torch.device) -> tuple[str, int]:
     if index > MAX_DEVICE_INDEX:
         raise ValueError(f"device index must be in [0, {MAX_DEVICE_INDEX}], got {index}")
     return device_type, index
+
+
+def current_index(device_type: str) -> int:
+    """The device of ``device_type`` torch uses when none is named (its
+    current device: ``torch.cuda.current_device()``), or 0 where torch has
+    no such devices."""
+    try:
+        module = torch.get_device_module(device_type)
+    except (AttributeError, RuntimeError, ValueError):
+        return 0
+    if not (hasattr(module, "current_device") and getattr(module, "is_available", lambda: False)()):
+        return 0
+    index = module.current_device()
+    return index if isinstance(index, int) else 0
 
 
 def torch_device(device_type: str, index: int) -> torch.device:

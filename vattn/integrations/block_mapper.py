@@ -1,16 +1,21 @@
 """What any framework with its own block manager needs to run on vattn:
-blocks as pages, rows as slices.
+blocks as pages, requests as slices.
 
 A framework that allocates KV blocks itself (vLLM, SGLang) keeps doing so;
 vattn makes one block one page of every K/V buffer (:func:`choose_layout`)
-and keeps each batch row's blocks mapped at their positions in the row's
-contiguous slice (:class:`BlockMapper`), so attention kernels read
-``k[row, :seq_len]`` and never a block table. Needs no framework import.
+and keeps each request's blocks mapped at their positions in the request's
+own contiguous slice (:class:`BlockMapper`), so attention kernels read
+``k[reqid, :seq_len]`` and never a block table. A request keeps its slice
+for its whole life, whatever row of the framework's batch it sits in: when
+the framework compacts or reorders its batch, nothing is mapped or
+unmapped. Needs no framework import.
 """
 
 from __future__ import annotations
 
+import collections
 import math
+from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -44,28 +49,49 @@ def choose_layout(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes
         page = block_size * token_bytes[name]
         if page % granularity == 0:
             return name, page
-    fits = ", ".join(f"multiples of {granularity // math.gcd(granularity, token_bytes[n])} tokens ({n}: "
-                     f"{token_bytes[n]} bytes per token)" for n in candidates)
     raise ValueError(
         f"vattn: one block must be one vattn page of every K/V buffer, but block_size={block_size} makes "
         + " or ".join(f"{block_size * token_bytes[n]}-byte pages ({n})" for n in candidates)
-        + f", not a multiple of the backend's {granularity}-byte granularity; block sizes that fit: {fits}"
+        + f", not a multiple of the backend's {granularity}-byte granularity; block sizes that fit: "
+        + fitting_block_sizes(token_bytes, candidates, granularity)
     )
 
 
-class BlockMapper:
-    """Keeps each row's blocks mapped at their positions in the row's slice.
+def fitting_block_sizes(token_bytes: dict[str, int], layouts: Sequence[str], granularity: int) -> str:
+    """The smallest block size (tokens) whose pages fill the granularity, per layout, for messages."""
+    return ", ".join(f"multiples of {smallest_block_size(token_bytes[n], granularity)} tokens ({n}: "
+                     f"{token_bytes[n]} bytes per token)" for n in layouts)
 
-    Reqids ``first_reqid .. first_reqid + rows - 1`` are allocated for good:
-    row ``r`` of the framework's persistent batch is reqid ``first_reqid +
-    r`` (several block tables, e.g. vLLM's KV cache groups, each get a range
-    of one manager's reqids). :meth:`map_rows` runs once per forward: row
-    ``r`` gets ``ceil(seq_lens[r] / block_size)`` blocks of its block-table
-    row at positions ``0..``; every position past that, in every row, is
-    unmapped (rows of finished or moved requests, a previous occupant's
-    tail). Block ids are page ids, so a block shared by prefix caching is one
-    physical page mapped into several slices, and a row that changes hands
-    just gets the new ids.
+
+def smallest_block_size(token_bytes: int, granularity: int) -> int:
+    """The fewest tokens whose bytes (``token_bytes`` per token) are a whole
+    number of ``granularity``-byte pages."""
+    return granularity // math.gcd(granularity, token_bytes)
+
+
+class BlockMapper:
+    """Keeps each request's blocks mapped at their positions in the request's slice.
+
+    The mapper owns reqids ``first_reqid .. first_reqid + slices - 1`` of the
+    manager (several block tables, e.g. vLLM's KV cache groups, each get a
+    range of one manager's reqids). A request, named by any hashable key
+    (vLLM's request id), gets one of them when it is first seen
+    (:meth:`reqids_of`) and keeps it until :meth:`release`; the kernels are
+    handed each batch row's reqid. :meth:`map` runs once per forward and
+    only grows slices: request ``i`` gets ``ceil(seq_lens[i] / block_size)``
+    blocks of its block-table row at positions ``0..``, of which it maps the
+    ones not mapped yet. So a decode step that crosses no block boundary maps
+    nothing, and a request that moves to another row of the framework's
+    batch maps nothing either. Block ids are page ids: a block shared by
+    prefix caching is one physical page mapped into several slices.
+
+    A released request's slice keeps its pages mapped (deferred reclamation:
+    the device may still read them); it goes back to the pool and is handed
+    to a new request only once it is empty, or emptied then. Slices are
+    handed out oldest-freed first, so with more slices than batch rows
+    (``slices``) the fence of a freed slice has long passed when it is
+    reused. A framework that replaces the blocks of a living request (vLLM
+    after a preemption) releases it and gets a fresh slice.
 
     Sliding windows (``window``, tokens a query sees, itself included): the
     blocks whose tokens no query of this forward or a later one can see lie
@@ -73,79 +99,190 @@ class BlockMapper:
     requests without telling the worker's block table, or puts its null
     block there when a prefix-cache hit starts past them). Their positions
     become holes (:meth:`KVCacheManager.unmap_pages_below`): the window's
-    pages stay at their addresses, the slice stays contiguous, and nothing
-    behind the window is mapped. Invariant after ``map_rows``: row ``r < n``
-    maps exactly ``block_table[r, first[r]:need[r]]`` at those positions
-    (``first[r]``: the first block the window reaches, or the first that is
-    not the null block), holes before, and rows ``>= n`` map nothing.
+    pages stay at their addresses, the slice stays contiguous. Invariant
+    after ``map``: request ``i`` maps ``block_table[i, first:need]`` at those
+    positions (``first``: the first block the window reaches, or the first
+    that is not the null block), holes before.
+
+    Blocks a row does not have (``num_blocks[i] < need``: a framework's
+    warm-up rows) are mapped to the null block, which is never handed to a
+    request, so dummy writes cannot touch a real block; they are mapped
+    again from the table at the next forward.
     """
 
     def __init__(self, manager: KVCacheManager, block_size: int, null_block_id: int = NULL_BLOCK_ID,
-                 first_reqid: int = 0, rows: int | None = None, window: int | None = None) -> None:
+                 first_reqid: int = 0, slices: int | None = None, window: int | None = None) -> None:
         if manager.page_allocator != "external":
             raise ValueError("BlockMapper needs a manager with page_allocator='external'")
-        num_reqids = manager.config.max_batch_size
-        rows = num_reqids - first_reqid if rows is None else rows
-        if first_reqid < 0 or rows < 1 or first_reqid + rows > num_reqids:
-            raise ValueError(f"BlockMapper: reqids first_reqid .. first_reqid + rows - 1 must lie in "
-                             f"[0, {num_reqids - 1}], got first_reqid={first_reqid}, rows={rows}")
+        reqids = manager.config.max_batch_size
+        slices = reqids - first_reqid if slices is None else slices
+        if first_reqid < 0 or slices < 1 or first_reqid + slices > reqids:
+            raise ValueError(f"BlockMapper: reqids first_reqid .. first_reqid + slices - 1 must lie in "
+                             f"[0, {reqids - 1}], got first_reqid={first_reqid}, slices={slices}")
         self.manager = manager
         self.block_size = block_size  # tokens per block = per page
         self.null_block_id = null_block_id
         self.window = window or None  # tokens a query sees (sliding window), None: every token
-        self.rows = rows
-        self.holes = 0  # positions left unmapped behind windows by the last map_rows, all rows
-        self._all_rows = np.arange(first_reqid, first_reqid + rows, dtype=np.int64)  # reqid of each row
-        for reqid in self._all_rows:
-            manager.alloc_reqid(reqid=int(reqid))
+        self.first_reqid = first_reqid
+        self.slices = slices
+        self._slice_of: dict[Hashable, int] = {}  # request key -> slice index (reqid - first_reqid)
+        self._free = collections.deque(range(slices))  # oldest freed first
+        self._mapped = np.zeros(slices, dtype=np.int64)  # positions known mapped from the table (holes included)
+        self._holes = np.zeros(slices, dtype=np.int64)  # positions below which the slice is holes
+        self._last_keys: list[Hashable] | None = None
+        self._released = 0  # free slices that may still map pages (of every mapper on the manager)
+        self._last_reqids = np.zeros(0, dtype=np.int64)
+        self.positions_needed = 0  # lower bound: (request, position) pairs a forward needed mapped, all requests
+        self.forwards_mapping = 0  # forwards that mapped anything
+
+    # ---- requests and their slices -----------------------------------------------------------
 
     @property
-    def reqids(self) -> np.ndarray:
-        """The reqid of each row (``int64``, one per row)."""
-        return self._all_rows
+    def holes(self) -> int:
+        """Positions of the live requests' slices that are holes behind a window."""
+        live = np.fromiter(self._slice_of.values(), dtype=np.int64, count=len(self._slice_of))
+        return int(self._holes[live].sum()) if len(live) else 0
 
-    def map_rows(self, block_table: np.ndarray, num_blocks: np.ndarray, seq_lens: np.ndarray,
-                 query_lens: np.ndarray | None = None) -> None:
-        """Maps rows ``0 .. n - 1`` for this forward (``n = len(seq_lens)``).
+    @property
+    def live_requests(self) -> int:
+        return len(self._slice_of)
+
+    def reqids_of(self, keys: Sequence[Hashable]) -> np.ndarray:
+        """The reqid of each request of a forward (``int64``, one per key, in
+        order); a key seen for the first time gets a slice. The same list of
+        keys as the last call costs one list comparison."""
+        if keys == self._last_keys:
+            return self._last_reqids
+        slice_of = self._slice_of
+        new = [key for key in dict.fromkeys(keys) if key not in slice_of]
+        if len(new) > len(self._free):
+            raise ValueError(f"vattn: {len(slice_of) + len(new)} requests hold slices, but the cache has "
+                             f"{self.slices} per KV cache group")
+        if new:
+            self._assign(new)
+        reqids = np.fromiter((slice_of[key] for key in keys), dtype=np.int64, count=len(keys))
+        reqids += self.first_reqid
+        self._last_keys, self._last_reqids = list(keys), reqids
+        return reqids
+
+    def _assign(self, keys: list[Hashable]) -> None:
+        slices = [self._free.popleft() for _ in keys]
+        reqids = np.asarray(slices, dtype=np.int64) + self.first_reqid
+        try:
+            for reqid in reqids:
+                self.manager.alloc_reqid(reqid=int(reqid))
+            # a reused slice may still map its last request's pages: unmapped now (a no-op when empty)
+            self.manager.unmap_pages(reqids, np.zeros(len(reqids), dtype=np.int64))
+        except BaseException:
+            for reqid in reqids:
+                if self.manager.is_allocated(int(reqid)):
+                    self.manager.free_reqid(int(reqid))
+            self._free.extendleft(reversed(slices))
+            raise
+        for key, s in zip(keys, slices):
+            self._slice_of[key] = s
+        self._mapped[slices] = 0
+        self._holes[slices] = 0
+
+    def release(self, keys: Iterable[Hashable]) -> None:
+        """The requests ended, or the framework replaced their blocks: their
+        slices go back to the pool with their pages still mapped (reclaimed
+        when the device is done with them, or when the slice is reused).
+        Unknown keys are ignored (a request the forwards never saw)."""
+        released = []
+        for key in keys:
+            s = self._slice_of.pop(key, None)
+            if s is not None:
+                released.append(s)
+        if not released:
+            return
+        for s in released:
+            self.manager.free_reqid(self.first_reqid + s)
+        self._free.extend(released)
+        self._released += len(released)
+        self._last_keys = None
+
+    def reclaim_free(self, wait: bool = True) -> None:
+        """Unmaps the free slices' pages (of every mapper on the manager):
+        with ``wait``, all of them, after the device is done with them, so
+        that the blocks they held can give their memory back (a budget's
+        :meth:`KVCacheManager.release_pages`); without, only those the device
+        is done with, without waiting (what :meth:`map` does)."""
+        self._released = self.manager.reclaim_freed(wait)[1]  # tried again at the next forward
+
+    @property
+    def all_reqids(self) -> np.ndarray:
+        """Every reqid of the mapper's range, live or free."""
+        return np.arange(self.first_reqid, self.first_reqid + self.slices, dtype=np.int64)
+
+    def release_all_but(self, keys: Iterable[Hashable]) -> None:
+        """Releases every request but ``keys`` (warm-up rows after warm-up)."""
+        keep = set(keys)
+        self.release([key for key in list(self._slice_of) if key not in keep])
+
+    # ---- the forward's mapping ---------------------------------------------------------------
+
+    def map(self, reqids: np.ndarray, block_table: np.ndarray, num_blocks: np.ndarray, seq_lens: np.ndarray,
+            query_lens: np.ndarray | None = None) -> None:
+        """Maps what this forward's requests need and is not mapped yet.
 
         Args:
-            block_table: ``[>= n, max_blocks]`` int block ids per row (the
-                framework's CPU block table; entries past ``num_blocks[r]``
-                are ignored).
+            reqids: ``[n]`` the requests' reqids (:meth:`reqids_of`).
+            block_table: ``[>= n, max_blocks]`` int block ids, row ``i`` for
+                request ``i`` (the framework's CPU block table; entries past
+                ``num_blocks[i]`` are ignored).
             num_blocks: ``[>= n]`` blocks the framework allocated to each row.
-            seq_lens: ``[n]`` tokens each row attends over after this forward
-                (cached + new).
-            query_lens: ``[n]`` new tokens of each row in this forward; with a
-                window, the first of them is the earliest query, which sets
-                where the window starts. None: windows are not applied.
-
-        A row needing more blocks than it was allocated is a dummy (warm-up)
-        row with no blocks: its positions get the null block, which is never
-        handed to a request, so dummy writes cannot touch a real block.
+            seq_lens: ``[n]`` tokens each request attends over after this
+                forward (cached + new).
+            query_lens: ``[n]`` new tokens of each request in this forward;
+                with a window, the first of them is the earliest query, which
+                sets where the window starts. None: windows are not applied.
         """
+        if self._released:  # finished requests' slices: unmapped once the device is done with them
+            self.reclaim_free(wait=False)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
         n = len(seq_lens)
-        if n > self.rows:
-            raise ValueError(f"vattn: {n} rows in a forward, but the cache has {self.rows} (max_num_seqs)")
-        need = -(-seq_lens // self.block_size)
-        keep = np.zeros(self.rows, dtype=np.int64)
-        keep[:n] = need
-        self.manager.unmap_pages(self._all_rows, keep)
-        self.holes = 0
         if n == 0:
             return
-        width = int(need.max())
+        s = reqids - self.first_reqid
+        need = -(-seq_lens // self.block_size)
+        mapped = self._mapped[s]
+        if self.window and query_lens is not None:
+            self._advance_windows(reqids, s, need, seq_lens, query_lens, mapped)
+            mapped = self._mapped[s]
+        grow = need > mapped
+        if not grow.any():
+            return
+        rows = np.flatnonzero(grow)
+        g_need, g_start, g_s = need[rows], mapped[rows], s[rows]
+        width = int(g_need.max())
         cols = np.arange(width)
-        ids = np.where(cols < np.asarray(num_blocks[:n])[:, None], block_table[:n, :width], self.null_block_id)
-        used = cols < need[:, None]
-        real = used & (ids != self.null_block_id)
-        first = np.where(real.any(axis=1), real.argmax(axis=1), 0)  # positions before it: behind a window
-        if self.window and query_lens is not None:  # the earliest query sees tokens from lo on
-            lo = np.maximum(seq_lens - np.asarray(query_lens, dtype=np.int64) - self.window + 1, 0)
-            first = np.maximum(first, np.minimum(lo // self.block_size, need - 1))
-        behind = first > 0
-        self.holes = int(first.sum())
-        if behind.any():
-            self.manager.unmap_pages_below(self._all_rows[:n][behind], first[behind])
-        self.manager.map_pages(self._all_rows[:n], first, ids[used & (cols >= first[:, None])].astype(np.int64),
-                               need - first)
+        have = np.asarray(num_blocks)[rows]
+        ids = np.where(cols < have[:, None], block_table[rows, :width], self.null_block_id)
+        fresh = g_start == 0  # a request's first mapping: blocks before its first real one are holes
+        if fresh.any():
+            real = (cols < g_need[:, None]) & (ids != self.null_block_id)
+            first = np.where(real.any(axis=1), real.argmax(axis=1), 0)
+            behind = fresh & (first > 0)
+            if behind.any():
+                self.manager.unmap_pages_below(reqids[rows][behind], first[behind])
+                self._holes[g_s[behind]] = first[behind]
+                g_start = np.where(behind, first, g_start)
+        take = (cols >= g_start[:, None]) & (cols < g_need[:, None])
+        self.manager.map_pages(reqids[rows], g_start, ids[take].astype(np.int64, copy=False), g_need - g_start)
+        self.positions_needed += int((g_need - g_start).sum())
+        self.forwards_mapping += 1
+        # positions that got the null block for want of a block are mapped from the table next time
+        self._mapped[g_s] = np.maximum(g_start, np.minimum(g_need, have))
+
+    def _advance_windows(self, reqids: np.ndarray, s: np.ndarray, need: np.ndarray, seq_lens: np.ndarray,
+                         query_lens: np.ndarray, mapped: np.ndarray) -> None:
+        """Positions no query of this forward or a later one can see become holes."""
+        lo = np.maximum(seq_lens - np.asarray(query_lens, dtype=np.int64) - self.window + 1, 0)
+        first = np.minimum(lo // self.block_size, need - 1)  # the earliest query's first visible block
+        passed = first > self._holes[s]
+        if not passed.any():
+            return
+        self.manager.unmap_pages_below(reqids[passed], first[passed])
+        self._holes[s[passed]] = first[passed]
+        self._mapped[s[passed]] = np.maximum(mapped[passed], first[passed])

@@ -16,8 +16,9 @@ Modules:
 - ``host``: vattn's own kernel (``vattn._cpu_attn``, ``csrc/cpu_attn``),
   :class:`HostKernel`; its limits are read from the extension.
 - ``sdpa``: torch SDPA per request, :class:`SdpaKernel` (the reference).
-- ``flash_attn``: FlashAttention-2's ``flash_attn_with_kvcache`` (the
-  ``flash-attn`` package), :class:`FlashAttentionKernel`.
+- ``flash_attn``: FlashAttention's ``flash_attn_varlen_func``, one call per
+  layer for the batch (the ``flash-attn`` package, or vLLM's build),
+  :class:`FlashAttentionKernel`.
 - ``flashinfer``: FlashInfer's batched paged kernels and its single prefill,
   :class:`FlashInferKernel`, :class:`FlashInferSinglePrefillKernel`.
 - ``page_view``: the cache as a paged cache whose page table is plain
@@ -27,7 +28,8 @@ Modules:
 
 FlashAttention and FlashInfer are imported on first use; without them, or
 without a CUDA tensor, their kernels raise :class:`vattn.BackendUnavailable`.
-:mod:`vattn.attention` keeps the function-per-kernel API on top of these.
+- ``functions``: the function-per-kernel API on top of these, which
+  :mod:`vattn.attention` exports.
 """
 
 from .batch import AttentionBatch, write_kv

@@ -9,12 +9,18 @@ layer's ``[B_max, L, H_kv, D]`` views (:meth:`vattn.KVCacheManager.layer`).
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from vattn.core.tensor_owners import manager_of
+
+if TYPE_CHECKING:
+    from .protocol import AttentionCase, Kernel, KernelPlan
 
 
 class AttentionBatch:
@@ -22,8 +28,9 @@ class AttentionBatch:
 
     Built once per iteration (it validates and precomputes the index tensors)
     and passed to every layer's attention call. What a kernel prepares from
-    it belongs to that kernel's plan (:meth:`vattn.kernels.Kernel.plan`), not
-    to the batch.
+    it is that kernel's plan (:meth:`vattn.kernels.Kernel.plan`); the batch
+    keeps the plans made for it (:meth:`plan`), so a caller that hands every
+    layer the batch plans it once per kernel and lives as long as the batch.
 
     Args:
         reqids: cache rows (vattn reqids) of the requests in this forward, in
@@ -39,7 +46,7 @@ class AttentionBatch:
     """
 
     __slots__ = ("reqids", "cached_lens", "query_lens", "seq_lens", "query_starts", "device", "_tensors",
-                 "_mapped_checks", "__weakref__")
+                 "_mapped_checks", "_plans", "__weakref__")
 
     def __init__(
         self,
@@ -64,17 +71,40 @@ class AttentionBatch:
             raise ValueError(f"cached_lens must be >= 0, got {cached_lens}")
         if min(query_lens) < 1:
             raise ValueError(f"query_lens must be >= 1, got {query_lens}")
-        self.reqids = reqids
-        self.cached_lens = cached_lens
-        self.query_lens = query_lens
-        self.seq_lens = [c + q for c, q in zip(cached_lens, query_lens)]
+        seq_lens = [c + q for c, q in zip(cached_lens, query_lens)]
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
-        self.query_starts = starts
-        self.device = torch.device(device)
+        self._fill(reqids, cached_lens, query_lens, seq_lens, starts, device)
+
+    @classmethod
+    def of_arrays(cls, reqids: np.ndarray, cached_lens: np.ndarray, query_lens: np.ndarray,
+                  device: str | torch.device = "cpu") -> AttentionBatch:
+        """The batch of a framework's per-forward integer arrays (numpy,
+        ``[n]`` each), checked by array operations rather than per request
+        in Python: the integrations' path, once per forward. Same checks
+        and errors as the constructor."""
+        arrays = [np.asarray(a, dtype=np.int64) for a in (reqids, cached_lens, query_lens)]
+        ids, cached, query = (a.tolist() for a in arrays)
+        n = len(ids)
+        if not (0 < n == len(cached) == len(query) and min(ids) >= 0 and min(cached) >= 0 and min(query) >= 1
+                and len(set(ids)) == n):
+            return cls(ids, cached, query, device)  # raises, naming the argument
+        batch = cls.__new__(cls)
+        batch._fill(ids, cached, query, (arrays[1] + arrays[2]).tolist(), [0, *itertools.accumulate(query)], device)
+        return batch
+
+    def _fill(self, reqids: list[int], cached_lens: list[int], query_lens: list[int], seq_lens: list[int],
+              query_starts: list[int], device: str | torch.device) -> None:
+        self.reqids = reqids
+        self.cached_lens = cached_lens
+        self.query_lens = query_lens
+        self.seq_lens = seq_lens
+        self.query_starts = query_starts
+        self.device = device if isinstance(device, torch.device) else torch.device(device)
         self._tensors: dict[str, torch.Tensor] = {}
-        self._mapped_checks: dict[tuple, list[Any]] = {}  # per (k view, v view, caller): see check_mapped
+        self._mapped_checks: dict[tuple, Any] = {}  # per (k view, v view, caller), and per (manager, origin, caller)
+        self._plans: dict[Any, Any] = {}  # per (kernel, case key): see plan
 
     @property
     def num_tokens(self) -> int:
@@ -90,8 +120,10 @@ class AttentionBatch:
         """A per-batch index tensor on ``device``, built once per batch.
 
         ``name`` is one of ``reqids``, ``cached_lens``, ``seq_lens``,
-        ``query_starts`` (length B+1), ``token_reqids`` and ``token_positions``
-        (length T: each new token's reqid and position in its request).
+        ``query_starts`` and ``key_starts`` (length B+1: running sums of
+        ``query_lens`` and of ``seq_lens``), ``token_reqids`` and
+        ``token_positions`` (length T: each new token's reqid and position in
+        its request).
         """
         return self.tensors((name,), dtype)[0]
 
@@ -113,9 +145,27 @@ class AttentionBatch:
             return [r for r, q in zip(self.reqids, self.query_lens) for _ in range(q)]
         if name == "token_positions":
             return [p for c, s in zip(self.cached_lens, self.seq_lens) for p in range(c, s)]
+        if name == "key_starts":
+            starts = [0]
+            for n in self.seq_lens:
+                starts.append(starts[-1] + n)
+            return starts
         if name in ("reqids", "cached_lens", "seq_lens", "query_starts"):
             return getattr(self, name)
         raise ValueError(f"unknown batch tensor {name!r}")
+
+    def plan(self, kernel: Kernel, case: AttentionCase | None = None) -> KernelPlan:
+        """``kernel.plan(self, case)``, made once per kernel (and per case,
+        for kernels whose plan depends on it: ``plans_per_case``) and kept
+        with the batch: callers that hand every layer the batch (the
+        :mod:`vattn.attention` functions) plan it once."""
+        key = (kernel, case) if kernel.plans_per_case else kernel
+        plan = self._plans.get(key)
+        if plan is None:  # two threads may both plan: each gets a valid plan, one is kept
+            plan = kernel.plan(self, case)
+            plan.batch = weakref.proxy(self)  # kept by the batch: the plan must not keep the batch alive
+            self._plans[key] = plan
+        return plan
 
     def check_mapped(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
         """Raises ``ValueError`` (starting with ``what``) unless every request
@@ -124,11 +174,12 @@ class AttentionBatch:
         tokens mapped (rows past that are unmapped: a read would fault). Other
         tensors are bounded by their shape, which the kernels check.
 
-        Checked on every call (one call into the core for the whole batch,
-        a few microseconds), so a request freed between two layers is caught
-        too; which manager and rows a view maps to is worked out once per view.
+        Checked on every call, so a request freed between two layers is caught
+        too; the core is asked again only when a slice lost pages or a reqid
+        was freed since the last check passed, and the views of every layer
+        of one cache share one check.
         """
-        key = (k_cache.data_ptr(), k_cache.stride(), v_cache.data_ptr(), v_cache.stride(), what)
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), what)
         checks = self._mapped_checks.get(key)
         if checks is None:
             checks = self._mapped_checks[key] = self._plan_mapped_checks(k_cache, v_cache, what)
@@ -136,26 +187,24 @@ class AttentionBatch:
             check()
 
     def _plan_mapped_checks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> list[Any]:
-        checks, origins = [], []
+        checks = []
         for cache in (k_cache, v_cache):
             manager = manager_of(cache) if cache.dim() == 4 else None  # a bad rank: the kernel's check names it
             if manager is None:
                 continue
-            origin, check = manager.mapped_check(cache, self.reqids, self.seq_lens, what)
-            if (manager, origin) not in origins:  # V at K's place in its own buffer: the same slots and tokens
-                origins.append((manager, origin))
+            shared = (id(manager), manager.view_origin(cache, what), what)  # also checks the view's strides
+            check = self._mapped_checks.get(shared)
+            if check is None:
+                check = self._mapped_checks[shared] = manager.mapped_check(cache, self.reqids, self.seq_lens,
+                                                                           what)[1]
+            if check not in checks:  # V at K's place in its own buffer: the same slots and tokens
                 checks.append(check)
         return checks
 
     def check_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Raises unless both caches are ``[B_max, L, H, D]`` and hold every
         request (shapes only; :meth:`check_mapped` checks the memory)."""
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if cache.dim() != 4:
-                raise ValueError(f"{name} must be [max_batch_size, max_context_len, heads, head_dim], "
-                                 f"got shape {tuple(cache.shape)}")
-        if k_cache.shape != v_cache.shape:
-            raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
+        check_cache_shapes(k_cache, v_cache)
         slots, max_len = k_cache.shape[:2]
         if max(self.reqids) >= slots:
             raise ValueError(f"reqids must be in [0, {slots - 1}] for this cache, got {max(self.reqids)}")
@@ -176,7 +225,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
     token; nothing else of the cache is touched.
     """
     batch.check_cache(k_cache, v_cache)
-    check_new_kv(k_cache, batch, k, v)
+    check_new_kv(k_cache, batch.num_tokens, k, v)
     batch.check_mapped(k_cache, v_cache, "write_kv")
     write_rows(k_cache, v_cache, batch, k, v)
 
@@ -196,30 +245,49 @@ def token_rows(batch: AttentionBatch) -> list[torch.Tensor]:
     return batch.tensors(("token_reqids", "token_positions"), torch.long)
 
 
-def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-                 k: torch.Tensor | None, v: torch.Tensor | None, what: str) -> None:
+def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch | None,
+                 k: torch.Tensor | None, v: torch.Tensor | None, what: str, num_tokens: int | None = None) -> None:
     """Shapes of the caches, the queries and the new K/V (when either is
     given), then the mapping of every request's rows; ``what`` (the caller)
-    starts a mapping error's message."""
-    batch.check_cache(k_cache, v_cache)
-    check_query(q, k_cache, batch)
+    starts a mapping error's message. ``num_tokens``: the rows of ``q``,
+    ``k`` and ``v`` when a plan pads them past the batch's tokens (default:
+    the batch's). ``batch`` None: a plan of padding only, which reads what its
+    maker mapped for it; only shapes are checked."""
+    if batch is not None:
+        batch.check_cache(k_cache, v_cache)
+    else:
+        check_cache_shapes(k_cache, v_cache)
+    tokens = batch.num_tokens if num_tokens is None else num_tokens
+    check_query(q, k_cache, tokens)
     if k is not None or v is not None:
-        check_new_kv(k_cache, batch, k, v)
-    batch.check_mapped(k_cache, v_cache, what)
+        check_new_kv(k_cache, tokens, k, v)
+    if batch is not None:
+        batch.check_mapped(k_cache, v_cache, what)
 
 
-def check_query(q: torch.Tensor, k_cache: torch.Tensor, batch: AttentionBatch) -> None:
+def check_cache_shapes(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Raises unless both caches are ``[B_max, L, H, D]`` of one shape."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 4:
+            raise ValueError(f"{name} must be [max_batch_size, max_context_len, heads, head_dim], "
+                             f"got shape {tuple(cache.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
+
+
+def check_query(q: torch.Tensor, k_cache: torch.Tensor, num_tokens: int) -> None:
+    """Raises unless ``q`` is ``[num_tokens, H_q, D]`` with ``H_q`` a multiple of the cache's heads."""
     heads_kv, head_dim = k_cache.shape[2:]
-    if q.dim() != 3 or q.shape[0] != batch.num_tokens or q.shape[2] != head_dim:
-        raise ValueError(f"q must be [{batch.num_tokens}, num_qo_heads, {head_dim}] "
+    if q.dim() != 3 or q.shape[0] != num_tokens or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [{num_tokens}, num_qo_heads, {head_dim}] "
                          f"(tokens, heads, head_dim), got {tuple(q.shape)}")
     if q.shape[1] % heads_kv:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of the cache's KV heads ({heads_kv})")
 
 
-def check_new_kv(k_cache: torch.Tensor, batch: AttentionBatch, k: torch.Tensor | None,
-                 v: torch.Tensor | None) -> None:
-    want = (batch.num_tokens, *k_cache.shape[2:])
+def check_new_kv(k_cache: torch.Tensor, num_tokens: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+    """Raises unless ``k`` and ``v`` are ``[num_tokens, H_kv, D]``."""
+    want = (num_tokens, *k_cache.shape[2:])
     for name, t in (("k", k), ("v", v)):
         if t is None or tuple(t.shape) != want:
             got = None if t is None else tuple(t.shape)

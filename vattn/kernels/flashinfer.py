@@ -180,13 +180,13 @@ class FlashInferKernel(_FlashInfer):
         case's), None or equal to it."""
         if not isinstance(plan, FlashInferPlan):
             raise TypeError(f"plan must be FlashInferKernel.plan's, got {type(plan).__name__}")
-        self.require_device("FlashInferAttention.run", q=q, k_cache=k_cache)
+        self.require_device(self.name, q=q, k_cache=k_cache)
         self.check_options(sliding_window, logits_soft_cap)
         if softmax_scale is not None and softmax_scale != plan.case.softmax_scale:
             raise ValueError(f"{self.name} fixes softmax_scale when it plans: planned {plan.case.softmax_scale}, "
                              f"run with {softmax_scale}")
         batch = plan.batch
-        check_inputs(q, k_cache, v_cache, batch, k, v, "FlashInferAttention.run")
+        check_inputs(q, k_cache, v_cache, batch, k, v, self.name)
         paged = self._paged_caches(plan, k_cache, v_cache)
         if k is not None or v is not None:
             write_rows(k_cache, v_cache, batch, k, v)
@@ -234,10 +234,10 @@ class FlashInferSinglePrefillKernel(_FlashInfer):
             softmax_scale: float | None = None, sliding_window: int | None = None,
             logits_soft_cap: float | None = None) -> torch.Tensor:
         flashinfer = self.module()
-        self.require_device("flashinfer_single_prefill", q=q, k_cache=k_cache)
+        self.require_device(self.name, q=q, k_cache=k_cache)
         self.check_options(sliding_window, logits_soft_cap)
         batch = plan.batch
-        check_inputs(q, k_cache, v_cache, batch, k, v, "flashinfer_single_prefill")
+        check_inputs(q, k_cache, v_cache, batch, k, v, self.name)
         if k is not None or v is not None:
             write_rows(k_cache, v_cache, batch, k, v)
         if out is None:

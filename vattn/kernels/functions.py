@@ -2,9 +2,10 @@
 
 The kernels themselves, their limits and the rule that picks one live in
 :mod:`vattn.kernels` (a module per kernel, one protocol); this module keeps
-the function-per-kernel API on top of them. Every function takes the batch
-and plans it once per batch (the plan is kept while the batch lives), so a
-forward hands each layer the same :class:`AttentionBatch`::
+the function-per-kernel API on top of them: each function is one
+:meth:`Kernel.run` on the plan the batch keeps for that kernel
+(:meth:`AttentionBatch.plan`, made by the first layer), so a forward hands
+each layer the same :class:`AttentionBatch`::
 
     batch = AttentionBatch(reqids=[3, 0], cached_lens=[17, 0], query_lens=[1, 5])
     for i in range(num_layers):
@@ -72,8 +73,8 @@ def attention(
     (raises ``ValueError`` naming each candidate's limit when none serves
     them). Shapes as :func:`host_attention`."""
     case = AttentionCase.of(q, k_cache, softmax_scale, sliding_window, logits_soft_cap)
-    kernel = select_kernel(case)
-    return kernel.run(kernel.plan_for(batch, case), q, k_cache, v_cache, k, v, softmax_scale=softmax_scale,
+    kernel = select_kernel(case)  # cached per case
+    return kernel.run(batch.plan(kernel, case), q, k_cache, v_cache, k, v, softmax_scale=softmax_scale,
                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
 
@@ -152,7 +153,7 @@ def host_attention(
         batch = AttentionBatch(reqids=[3, 0], cached_lens=[17, 0], query_lens=[1, 5])
         out = host_attention(q, *kv.layer(i), batch, k=k_new, v=v_new)
     """
-    return HOST.run(HOST.plan_for(batch), q, k_cache, v_cache, k, v, out, softmax_scale, sliding_window,
+    return HOST.run(batch.plan(HOST), q, k_cache, v_cache, k, v, out, softmax_scale, sliding_window,
                     logits_soft_cap, return_lse, isa)
 
 
@@ -190,7 +191,7 @@ def sdpa_attention(
     Each request is one SDPA call on ``k_cache[r, :seq_len]`` (a view), so no
     request is padded to the longest one.
     """
-    return SDPA.run(SDPA.plan_for(batch), q, k_cache, v_cache, k, v, softmax_scale=softmax_scale)
+    return SDPA.run(batch.plan(SDPA), q, k_cache, v_cache, k, v, softmax_scale=softmax_scale)
 
 
 def flash_attn_attention(
@@ -202,20 +203,20 @@ def flash_attn_attention(
     v: torch.Tensor | None = None,
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
-    """FlashAttention-2 ``flash_attn_with_kvcache`` on the whole cache
-    (:class:`vattn.kernels.FlashAttentionKernel`).
+    """FlashAttention-2 on the whole cache, one ``flash_attn_varlen_func``
+    call for the batch (:class:`vattn.kernels.FlashAttentionKernel`).
 
-    ``cache_batch_idx`` selects the reqids and ``cache_seqlens`` their lengths,
-    so the kernel reads each request's rows in place; new ``k``/``v`` are
-    appended in place by the kernel. Requests with equal ``query_lens`` share
-    one call (a decode batch is one call); the index tensors are built once
-    per batch. Shapes as :func:`sdpa_attention`; CUDA tensors, fp16/bf16,
-    ``head_dim`` a multiple of 8 (otherwise FlashAttention pads, i.e. copies,
-    the whole cache).
+    Each request's slice is one page of a paged view (the block table is the
+    reqids as a column), ``seq_lens`` its keys, so the kernel reads each
+    request's rows in place, whatever its query length; new ``k``/``v`` are
+    written first by one indexed store each. The index tensors are built
+    once per batch. Shapes as :func:`sdpa_attention`; CUDA tensors,
+    fp16/bf16, ``head_dim`` a multiple of 8 (otherwise FlashAttention pads,
+    i.e. copies, the whole cache), slices a multiple of 256 tokens apart.
     """
     FLASH_ATTN.module()  # not installed: BackendUnavailable before the plan is built on the device
     FLASH_ATTN.require_device("flash_attn_attention", q=q, k_cache=k_cache)
-    return FLASH_ATTN.run(FLASH_ATTN.plan_for(batch), q, k_cache, v_cache, k, v, softmax_scale=softmax_scale)
+    return FLASH_ATTN.run(batch.plan(FLASH_ATTN), q, k_cache, v_cache, k, v, softmax_scale=softmax_scale)
 
 
 def flashinfer_single_prefill(
@@ -229,8 +230,8 @@ def flashinfer_single_prefill(
 ) -> torch.Tensor:
     """FlashInfer ``single_prefill_with_kv_cache`` per request on
     ``k_cache[r, :seq_len]`` (NHD views). Shapes as :func:`sdpa_attention`."""
-    kernel = FLASHINFER_SINGLE
-    return kernel.run(kernel.plan_for(batch), q, k_cache, v_cache, k, v, softmax_scale=softmax_scale)
+    return FLASHINFER_SINGLE.run(batch.plan(FLASHINFER_SINGLE), q, k_cache, v_cache, k, v,
+                                 softmax_scale=softmax_scale)
 
 
 class FlashInferAttention:

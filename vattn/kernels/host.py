@@ -94,12 +94,12 @@ class HostKernel(Kernel):
             for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                             ("out", out)):
                 if t is not None and not t.is_cpu:
-                    raise ValueError(f"host_attention needs CPU tensors, got {name} on {t.device}")
+                    raise ValueError(f"{self.name} needs CPU tensors, got {name} on {t.device}")
         if not isinstance(plan, HostPlan):
             raise TypeError(f"plan must be the host kernel's plan (HostKernel.plan), got {type(plan).__name__}")
         if out is None:
             out = torch.empty_like(q)
-        plan.batch.check_mapped(k_cache, v_cache, "host_attention")
+        plan.batch.check_mapped(k_cache, v_cache, self.name)
         lse = torch.empty(q.shape[:2], dtype=torch.float32) if return_lse else None
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         native().attention(

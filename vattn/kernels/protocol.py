@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import abc
 import importlib
-import weakref
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -99,7 +98,10 @@ class Kernel(abc.ABC):
     Subclasses state their limits as class attributes (or properties, where
     the limit lives in compiled code) and implement :meth:`plan` and
     :meth:`run`. Kernels hold no per-forward state: one instance serves
-    every batch, from any thread.
+    every batch, from any thread; a forward's plan is held by whoever runs
+    the forward (vLLM's metadata, the engine) or by the batch itself
+    (:meth:`AttentionBatch.plan`, for the function API). Errors a kernel
+    raises name the kernel (``name``), whoever called it.
     """
 
     name: ClassVar[str]  # for people: messages, logs, stats
@@ -114,14 +116,10 @@ class Kernel(abc.ABC):
     batched: ClassVar[bool] = False
     # The plan depends on the case (shapes, dtypes, options), not on the batch alone.
     plans_per_case: ClassVar[bool] = False
-
-    def __init__(self) -> None:
-        # Plans made by plan_for, per batch, dropped with the batch: nothing here holds a batch (its plans
-        # see it through a weak proxy), so the batch's caller decides how long it and its plans live. The
-        # last one asked for is also kept apart, as one tuple (weakref to the batch, key, plan) that threads
-        # replace whole: every layer of a forward asks for the same one.
-        self._plans: weakref.WeakKeyDictionary[AttentionBatch, dict[Any, KernelPlan]] = weakref.WeakKeyDictionary()
-        self._last: tuple[Any, Any, KernelPlan | None] = (lambda: None, None, None)
+    # The kernel can plan into persistent buffers (``plan_into``) and its run reads only the plan's
+    # tensors, waits for nothing on the host and allocates only through torch: a forward can be
+    # captured in a CUDA graph and replayed after the next plan is written into the same buffers.
+    graphs: ClassVar[bool] = False
 
     # ---- limits ------------------------------------------------------------------------
 
@@ -206,27 +204,6 @@ class Kernel(abc.ABC):
         nothing else; for views of a vattn cache every reqid is checked to
         be allocated with that many tokens mapped before anything is read.
         """
-
-    def plan_for(self, batch: AttentionBatch, case: AttentionCase | None = None) -> KernelPlan:
-        """:meth:`plan`, made once per batch (and per case, for
-        ``plans_per_case`` kernels) and kept while the batch lives: for callers
-        that hand every layer the batch rather than a plan. The plan refers
-        to the batch weakly (``plan.batch`` is a ``weakref.proxy``), so it
-        serves only while the caller keeps the batch."""
-        key = case if self.plans_per_case else None
-        last_batch, last_key, plan = self._last
-        if last_batch() is batch and last_key == key:
-            return plan  # type: ignore[return-value]
-        plans = self._plans.get(batch)
-        if plans is None:
-            plans = self._plans[batch] = {}
-        plan = plans.get(key)
-        if plan is None:  # two threads may both plan: each gets a valid plan, one is kept
-            plan = self.plan(batch, case)
-            plan.batch = weakref.proxy(batch)  # the memo must not keep its own key alive
-            plans[key] = plan
-        self._last = (weakref.ref(batch), key, plan)
-        return plan
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -29,7 +29,7 @@ class SdpaKernel(Kernel):
             logits_soft_cap: float | None = None) -> torch.Tensor:
         self.check_options(sliding_window, logits_soft_cap)
         batch = plan.batch
-        check_inputs(q, k_cache, v_cache, batch, k, v, "sdpa_attention")
+        check_inputs(q, k_cache, v_cache, batch, k, v, self.name)
         if k is not None or v is not None:
             write_rows(k_cache, v_cache, batch, k, v)
         if out is None:

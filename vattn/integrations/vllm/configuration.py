@@ -6,6 +6,8 @@ serve."""
 from __future__ import annotations
 
 import functools
+import logging
+import math
 import os
 from typing import Any
 
@@ -16,6 +18,7 @@ from vattn.kernels import AttentionCase, Kernel, NoKernel, select_kernel
 from vattn.kernels.flash_attn import FlashAttentionKernel
 
 from . import budget as vllm_budget
+from .flash_attn import VllmFlashAttentionKernel
 from .worker_cache import LAYOUT_SETTING, granularity
 
 SWITCH = "VATTN_VLLM"
@@ -42,23 +45,24 @@ def serving_kernel(case: AttentionCase) -> Kernel:
         raise ValueError(f"vattn: {e}; unset {SWITCH} for this model") from None
 
 
-# vLLM's own build of FlashAttention-2 (vLLM does not ship the flash-attn package), through
-# vattn.integrations.vllm.flash_attn; the flash-attn package is the fallback
-VLLM_FLASH_ATTN = FlashAttentionKernel("vattn.integrations.vllm.flash_attn",
-                                       "vLLM's bundled FlashAttention (vllm.vllm_flash_attn, in vLLM's CUDA builds)")
+# vLLM's own build of FlashAttention (vLLM does not ship the flash-attn package); the flash-attn
+# package is the fallback
+VLLM_FLASH_ATTN = VllmFlashAttentionKernel()
 
 
-def loaded_kernel(kernel: Kernel) -> Kernel:
+def loaded_kernel(kernel: Kernel, head_size: int | None = None) -> Kernel:
     """The kernel a worker runs in place of ``kernel`` (a
-    :func:`_serving_kernel` choice), checked to load here, at start-up: for
-    FlashAttention vLLM's bundled build first, the flash-attn package second.
-    Raises RuntimeError naming why each candidate does not load."""
+    :func:`serving_kernel` choice), checked to load here, at start-up: for
+    FlashAttention vLLM's bundled build first (at the version vLLM runs on
+    this GPU: :meth:`VllmFlashAttentionKernel.for_this_gpu`), the flash-attn
+    package second. Raises RuntimeError naming why each candidate does not
+    load."""
     candidates = (VLLM_FLASH_ATTN, kernel) if isinstance(kernel, FlashAttentionKernel) else (kernel,)
     reasons = []
     for candidate in candidates:
         ok, reason = candidate.available()
         if ok:
-            return candidate
+            return candidate.for_this_gpu(head_size) if candidate is VLLM_FLASH_ATTN else candidate
         reasons.append(reason)
     raise RuntimeError(f"vattn: no attention kernel loads in this vLLM worker: {'; '.join(reasons)}; "
                        f"install one, or unset {SWITCH}")
@@ -87,9 +91,7 @@ def configure(vllm_config: Any) -> None:
         raise ValueError(f"vattn's vLLM integration stores K/V in the model dtype; kv_cache_dtype="
                          f"{cache.cache_dtype!r} is not supported")
     vllm_budget.check_config(vllm_config)
-    from vllm.platforms import current_platform
-
-    device = "cpu" if current_platform.is_cpu() else "cuda"
+    device = platform_device()
     if model.use_mla:
         raise ValueError("vattn's vLLM integration does not serve multi-head latent attention (DeepSeek-V2/V3 "
                          "keep one latent vector per token, read by vLLM's MLA kernels through its block table); "
@@ -98,14 +100,14 @@ def configure(vllm_config: Any) -> None:
     window = getattr(hf, "sliding_window", None) if not model.is_hybrid else None
     check_kernel(model.get_head_size(), device, sliding_window=window,
                  logits_soft_cap=getattr(hf, "attn_logit_softcapping", None))
-    # the CUDA granularity is known in the worker, which checks it there, as it checks models whose
-    # sliding-window and global layers form several KV cache groups (a page holds one group's layers)
-    if device == "cpu" and not window:
+    # Models whose sliding-window and global layers form several KV cache groups are checked in the
+    # worker, which knows the groups (a page holds one group's layers); a single group is fitted here.
+    if not window:
         parallel = vllm_config.parallel_config
-        choose_layout(model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
-                      model.dtype.itemsize, cache.block_size, granularity(torch.device("cpu")),
-                      os.environ.get(LAYOUT_SETTING))
-    else:
+        fit_block_size(cache, model.get_num_layers(parallel), model.get_num_kv_heads(parallel),
+                       model.get_head_size(), model.dtype.itemsize, config_granularity(device),
+                       os.environ.get(LAYOUT_SETTING))
+    if device != "cpu" or window:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
         attention = vllm_config.attention_config
@@ -115,3 +117,49 @@ def configure(vllm_config: Any) -> None:
         attention.backend = AttentionBackendEnum.CUSTOM
 
 
+def platform_device() -> str:
+    """The device type vLLM's platform runs the model on, as vattn serves it: ``cpu`` or ``cuda``."""
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+CUDA_GRANULARITY = 2 << 20
+"""Bytes: the CUDA driver's VMM granularity on current NVIDIA GPUs. The
+configuring process (an API server, the engine core) never initialises CUDA
+itself; the worker checks its device's real granularity again."""
+
+
+def config_granularity(device: str) -> int:
+    """Bytes a page must be a multiple of on ``device``, as known before the worker starts."""
+    return granularity(torch.device("cpu")) if device == "cpu" else CUDA_GRANULARITY
+
+
+def fit_block_size(cache: Any, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                   page_granularity: int, layout: str | None) -> int:
+    """vLLM's block size for vattn, set on ``cache`` (vLLM's cache config):
+    one block must be one page of every buffer, a multiple of
+    ``page_granularity`` bytes. A block size vLLM chose itself that is too
+    small becomes the smallest multiple of it that fills the page in
+    ``layout`` (or in whichever layout needs the smaller one), and the
+    change is logged; one the user chose is refused here, at start-up,
+    naming the flag. Returns the block size."""
+    block = cache.block_size
+    try:
+        choose_layout(num_layers, num_kv_heads, head_dim, dtype_bytes, block, page_granularity, layout)
+        return block
+    except ValueError as refusal:
+        if cache.user_specified_block_size:
+            raise ValueError(f"{refusal}; pass one of them as --block-size (LLM(block_size=...)), or unset "
+                             f"{SWITCH}") from None
+    per_layer = num_kv_heads * head_dim * dtype_bytes
+    token_bytes = {"per_layer": per_layer, "all_layers": per_layer * num_layers}
+    fits = {name: math.lcm(block, block_mapper.smallest_block_size(token_bytes[name], page_granularity))
+            for name in ([layout] if layout else block_mapper.LAYOUTS)}
+    chosen = min(fits, key=lambda name: (fits[name], name != "per_layer"))
+    logging.getLogger("vllm.vattn").info(  # under vLLM's logger, so vLLM's handlers show it
+        "vattn: block_size %d makes pages below the %d-byte granularity; using block_size %d (%s layout: "
+        "one block is one %d-byte page of every K/V buffer). Pass --block-size to choose another multiple.",
+        block, page_granularity, fits[chosen], chosen, fits[chosen] * token_bytes[chosen])
+    cache.block_size = fits[chosen]
+    return fits[chosen]

@@ -9,7 +9,7 @@ from typing import Any
 from . import budget as vllm_budget
 from .attention import BACKEND_PATH
 from .configuration import configure
-from .worker import initialize_kv_cache_tensors, worker_stats
+from .worker import initialize_kv_cache_tensors, update_states, worker_stats
 
 _hooks_installed = False
 
@@ -41,6 +41,7 @@ def install_hooks() -> None:
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     GPUModelRunner.initialize_kv_cache_tensors = initialize_kv_cache_tensors
+    GPUModelRunner._update_states = update_states(GPUModelRunner._update_states)
     GPUModelRunner._zero_block_ids = _skip_zeroing
     if current_platform.is_cpu():
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner

@@ -4,15 +4,17 @@ metadata builders that map into them, and ``vattn_stats``."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from vattn.kernels import AttentionCase
 from vattn.kernels import host as host_kernel
+from vattn.kernels.flash_attn import FlashAttentionKernel
 
 from . import budget as vllm_budget
-from .configuration import VLLM_FLASH_ATTN, loaded_kernel, serving_kernel
+from .configuration import loaded_kernel, serving_kernel
 from .worker_cache import WorkerCache, check_groups
 
 RUNNER_ATTRIBUTE = "vattn_cache"  # the model runner holds its WorkerCache here
@@ -32,11 +34,17 @@ def initialize_kv_cache_tensors(runner: Any, kv_cache_config: Any, kernel_block_
         raise ValueError("vattn's vLLM integration does not support KV sharing across layers")
     case = AttentionCase(runner.device.type, spec.head_size, spec.dtype, spec.dtype,
                          num_kv_heads=spec.num_kv_heads, max_context_len=runner.max_model_len)
-    kernel = loaded_kernel(serving_kernel(case))  # fails here, at engine construction, if it cannot load
+    # fails here, at engine construction, if it cannot load
+    kernel = loaded_kernel(serving_kernel(case), spec.head_size)
     cache = WorkerCache.build(runner, kv_cache_config, spec, kernel, case)
     manager = cache.manager
-    if kernel is VLLM_FLASH_ATTN:
-        kernel.module().slot_tokens(manager.layer(0)[0])  # its page-size rule, at start-up
+    if isinstance(kernel, FlashAttentionKernel):
+        k = manager.layer(0)[0]
+        try:
+            kernel.slice_tokens(k.stride(0), k.stride(1))  # its page-size rule, at start-up
+        except ValueError:
+            manager.cleanup()
+            raise
     setattr(runner, RUNNER_ATTRIBUTE, cache)
     for groups in runner.attn_groups:
         for group in groups:
@@ -66,3 +74,23 @@ def worker_stats(worker: Any) -> dict[str, Any] | None:
         return None
     host = host_kernel.info() if cache.manager.device.type == "cpu" else None
     return dict(cache.stats(), host_attention=host)
+
+
+def update_states(stock: Any) -> Any:
+    """Wraps ``GPUModelRunner._update_states``: after vLLM updates its
+    persistent batch from the scheduler's output, the requests that finished
+    and those resumed after a preemption (their blocks are new) give their
+    slices back; a resumed request gets a fresh one at its next forward."""
+
+    @functools.wraps(stock)
+    def _update_states(runner: Any, scheduler_output: Any) -> Any:
+        out = stock(runner, scheduler_output)
+        cache = getattr(runner, RUNNER_ATTRIBUTE, None)
+        if cache is not None:
+            ended = scheduler_output.finished_req_ids
+            resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids
+            if ended or resumed:
+                cache.release([*ended, *resumed])
+        return out
+
+    return _update_states

@@ -9,14 +9,24 @@ held by one group at a time), so the pool holds ``num_blocks`` blocks of one
 group's layers.
 
 vattn does the same with one :class:`vattn.KVCacheManager`: its layers are
-the layers of one group (``layers_per_group``), its reqids ``G x R`` (group
-``g``, persistent-batch row ``r``: reqid ``g * R + r``) and its pool the
-``num_blocks`` page ids. Layer ``j`` of group ``g`` reads and writes buffer
-pair ``j`` through its group's slices, so every (group, row) is one
-contiguous slice, each group maps into slices of its own, and one physical
-page pool serves them all, as vLLM's one block pool does. The pages a
-sliding window leaves behind, which vLLM frees, become holes at the front of
-the slice (:class:`vattn.integrations.block_mapper.BlockMapper`).
+the layers of one group (``layers_per_group``), its reqids ``G x S`` (group
+``g``, slice ``i``: reqid ``g * S + i``) and its pool the ``num_blocks`` page
+ids. Layer ``j`` of group ``g`` reads and writes buffer pair ``j`` through
+its group's slices, so every (group, request) is one contiguous slice, each
+group maps into slices of its own, and one physical page pool serves them
+all, as vLLM's one block pool does. A request keeps its slices from the
+first forward that sees it until it finishes (or is preempted, which
+replaces its blocks), whatever row of the persistent batch it sits in;
+``S`` is twice the batch's rows, so that a finished request's slice can
+wait, still mapped, until the device is done with it. The pages a sliding
+window leaves behind, which vLLM frees, become holes at the front of the
+slice (:class:`vattn.integrations.block_mapper.BlockMapper`).
+
+With a kernel that runs in CUDA graphs (:attr:`vattn.kernels.Kernel.graphs`)
+each group has one more slice, the padding slice, handed to no request: its
+first page maps vLLM's null block (block 0, never a request's) from start-up
+on, so a captured batch's padded tokens write their K/V there and a
+graph-capture batch reads only there, and neither maps anything.
 """
 
 from __future__ import annotations
@@ -58,18 +68,26 @@ def forward_streams(device: torch.device) -> list[Any] | None:
     return [current_stream()]
 
 
-def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, num_groups: int = 1) -> dict[str, Any]:
+SLICES_PER_ROW = 2
+"""Slices per row of the persistent batch, in each KV cache group: a
+finished request's slice keeps its pages until the device is done with
+them, while a new request takes another (virtual address space is cheap)."""
+
+
+def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, num_groups: int = 1,
+                    padding_slices: int = 0) -> dict[str, Any]:
     """The :class:`KVCacheManager` arguments for a worker: ``num_layers``
-    layers (per group) of vLLM's KV cache spec ``spec``, one slice per
-    (group, row of the runner's persistent batch), a pool of exactly
-    ``num_blocks`` page ids (one per vLLM block), pages owned by vLLM, fences
-    on vLLM's stream."""
+    layers (per group) of vLLM's KV cache spec ``spec``, ``SLICES_PER_ROW``
+    slices per (group, row of the runner's persistent batch) plus
+    ``padding_slices`` per group, a pool of exactly ``num_blocks`` page ids
+    (one per vLLM block), pages owned by vLLM, fences on vLLM's stream."""
     layout, page_size = block_mapper.choose_layout(num_layers, spec.num_kv_heads, spec.head_size,
                                                    spec.dtype.itemsize, spec.block_size, granularity(runner.device),
                                                    os.environ.get(LAYOUT_SETTING), setting=LAYOUT_SETTING)
     num_buffers = 2 * num_layers if layout == "per_layer" else 2
     return dict(num_layers=num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size, dtype=spec.dtype,
-                max_batch_size=num_groups * runner.input_batch.max_num_reqs, max_context_len=runner.max_model_len,
+                max_batch_size=num_groups * (SLICES_PER_ROW * runner.input_batch.max_num_reqs + padding_slices),
+                max_context_len=runner.max_model_len,
                 page_size=page_size, physical_memory=num_blocks * page_size * num_buffers, layout=layout,
                 device=str(runner.device), page_allocator="external", background=False, deferred_reclaim=False,
                 eager=False, sync_streams=forward_streams(runner.device))
@@ -102,11 +120,19 @@ class GroupSlices:
 
     layer_names: list[str]  # vLLM's names, in the group's order: layer j uses buffer pair j
     window: int | None  # tokens a query sees (sliding-window groups), else None
-    mapper: BlockMapper  # rows of the persistent batch -> the group's reqids
+    mapper: BlockMapper  # requests -> the group's reqids, and their blocks mapped into them
+    padding: int | None = None  # the padding slice, in the group's cache views (after the mapper's); None: none
+
+    @property
+    def num_slices(self) -> int:
+        """Slices of the group's cache views: the mapper's and the padding slice."""
+        return self.mapper.slices + (self.padding is not None)
 
 
 SERIES_FORWARDS = 1 << 16
 """Forwards the per-forward series of ``vattn_stats`` keep (the latest ones)."""
+
+WARM_UP = "vattn:warm-up-row"  # the key of a row vLLM's warm-up forwards fill without a request
 
 
 def series() -> collections.deque:
@@ -119,7 +145,7 @@ class WorkerCache:
 
     manager: KVCacheManager
     groups: list[GroupSlices]
-    runner: Any  # vLLM's model runner: its input batch holds the CPU block tables
+    runner: Any  # vLLM's model runner: its input batch holds the requests' rows and CPU block tables
     kernel: Kernel  # the attention kernel
     case: AttentionCase  # what the kernel plans each forward with: the cache's device, shapes and dtype
     group_of: dict[str, int] = dataclasses.field(default_factory=dict)  # layer name -> group index
@@ -129,54 +155,108 @@ class WorkerCache:
     tokens: collections.deque = dataclasses.field(default_factory=lambda: series())  # attended tokens
     behind_windows: collections.deque = dataclasses.field(default_factory=lambda: series())  # bytes of window holes
     map_ns: int = 0  # time spent mapping and unmapping, all forwards
+    forwards: int = 0
+    padding_tokens: int = 0  # rows of each padding slice that are mapped (one block); 0: no padding slices
+    _warm_up_rows: bool = False  # the last forward had rows without a request
 
     @classmethod
     def build(cls, runner: Any, kv_cache_config: Any, spec: Any, kernel: Kernel,
               case: AttentionCase) -> WorkerCache:
         groups = kv_cache_config.kv_cache_groups
         per_group = max(len(g.layer_names) for g in groups)
-        arguments = cache_arguments(runner, spec, per_group, kv_cache_config.num_blocks, len(groups))
+        pad = 1 if kernel.graphs else 0  # a padding slice per group for CUDA graphs' padded batches
+        arguments = cache_arguments(runner, spec, per_group, kv_cache_config.num_blocks, len(groups), pad)
         manager = KVCacheManager(**arguments)
         if manager.num_page_ids != kv_cache_config.num_blocks:
             manager.cleanup()
             raise RuntimeError(f"vattn: the page pool holds {manager.num_page_ids} ids for vLLM's "
                                f"{kv_cache_config.num_blocks} blocks")
-        rows = runner.input_batch.max_num_reqs
+        per = manager.config.max_batch_size // len(groups)
         slices = [GroupSlices(list(g.layer_names), getattr(g.kv_cache_spec, "sliding_window", None),
-                              BlockMapper(manager, spec.block_size, first_reqid=i * rows, rows=rows,
-                                          window=getattr(g.kv_cache_spec, "sliding_window", None)))
+                              BlockMapper(manager, spec.block_size, first_reqid=i * per, slices=per - pad,
+                                          window=getattr(g.kv_cache_spec, "sliding_window", None)),
+                              padding=per - 1 if pad else None)
                   for i, g in enumerate(groups)]
+        if pad:
+            try:  # at start-up, so that no forward (a graph capture least of all) maps for padding
+                reqids = np.array([i * per + per - 1 for i in range(len(groups))], dtype=np.int64)
+                for reqid in reqids:
+                    manager.alloc_reqid(reqid=int(reqid))
+                zeros = np.zeros(len(reqids), dtype=np.int64)
+                manager.map_pages(reqids, zeros, np.full(len(reqids), block_mapper.NULL_BLOCK_ID, dtype=np.int64),
+                                  np.ones(len(reqids), dtype=np.int64))
+            except BaseException:
+                manager.cleanup()
+                raise
         group_of = {name: i for i, g in enumerate(slices) for name in g.layer_names}
-        return cls(manager, slices, runner, kernel, case, group_of)
+        return cls(manager, slices, runner, kernel, case, group_of, padding_tokens=spec.block_size if pad else 0)
 
     def kv_caches(self) -> dict[str, torch.Tensor]:
-        """Each layer's ``[2, R, L, H, D]`` K/V view: its buffer pair, its group's slices."""
+        """Each layer's ``[2, S, L, H, D]`` K/V view: its buffer pair, its group's slices."""
         out = {}
-        for i, group in enumerate(self.groups):
-            rows = slice(i * group.mapper.rows, (i + 1) * group.mapper.rows)
+        for group in self.groups:
+            own = slice(group.mapper.first_reqid, group.mapper.first_reqid + group.num_slices)
             for j, name in enumerate(group.layer_names):
-                out[name] = self.manager.kv_tensor(j)[:, rows]
+                out[name] = self.manager.kv_tensor(j)[:, own]
         return out
 
-    def map_batch(self, group: int, seq_lens: np.ndarray, query_lens: np.ndarray) -> None:
-        """Maps group ``group``'s rows for this forward (its block table, its
-        window); the forward is recorded once the last group is mapped."""
-        table = self.runner.input_batch.block_table[group]
+    def request_keys(self, num_rows: int) -> list[Any]:
+        """The request in each of the forward's first ``num_rows`` rows;
+        rows vLLM fills without a request (warm-up forwards) get a key of
+        their own per row, released at the next forward with requests only."""
+        req_ids = self.runner.input_batch.req_ids
+        keys = req_ids[:num_rows]
+        if len(keys) < num_rows or None in keys:
+            keys = [(WARM_UP, row) if key is None else key for row, key in
+                    enumerate(keys + [None] * (num_rows - len(keys)))]
+            self._warm_up_rows = True
+        elif self._warm_up_rows:
+            for group in self.groups:
+                group.mapper.release_all_but(keys + list(req_ids[num_rows:]))
+            self._warm_up_rows = False
+        return keys
+
+    def map_batch(self, group: int, seq_lens: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
+        """Maps group ``group``'s requests for this forward (its block table,
+        its window); returns their slices in the group's cache views (the
+        reqids its kernel reads). The forward is recorded once the last group
+        is mapped."""
+        mapper = self.groups[group].mapper
         start = time.perf_counter_ns()
-        vllm_budget.map_rows(self.groups[group].mapper, table.block_table.np, table.num_blocks_per_row, seq_lens,
-                             query_lens)
+        reqids = mapper.reqids_of(self.request_keys(len(seq_lens)))
+        table = self.runner.input_batch.block_table[group]
+        vllm_budget.map_rows(mapper, reqids, table.block_table.np, table.num_blocks_per_row, seq_lens, query_lens)
         self.map_ns += time.perf_counter_ns() - start
         if group == len(self.groups) - 1:
+            self.forwards += 1
             self.time_s.append(time.monotonic())
-            self.bytes_mapped.append(self.manager.stats()["bytes_mapped"])
+            self.bytes_mapped.append(self.manager.bytes_mapped)
             self.tokens.append(int(seq_lens.sum()))
-            page_id_bytes = self.manager.config.num_buffers * self.manager.page_size  # a position, every buffer
-            self.behind_windows.append(sum(g.mapper.holes for g in self.groups) * page_id_bytes)
+            if any(g.window for g in self.groups):
+                page_id_bytes = self.manager.config.num_buffers * self.manager.page_size  # a position, every buffer
+                self.behind_windows.append(sum(g.mapper.holes for g in self.groups) * page_id_bytes)
+        return reqids - mapper.first_reqid
+
+    def release(self, req_ids: Any) -> None:
+        """vLLM's requests that finished, or whose blocks vLLM replaced
+        (resumed after a preemption): their slices go back to the pool."""
+        for group in self.groups:
+            group.mapper.release(req_ids)
 
     def stats(self) -> dict[str, Any]:
-        """The cache's stats, its groups, and the per-forward series (the last SERIES_FORWARDS forwards)."""
-        return dict(self.manager.stats(), layout=self.manager.config.layout, kernel=self.kernel.name,
-                    map_ns=self.map_ns, time_s_series=list(self.time_s), bytes_mapped_series=list(self.bytes_mapped),
+        """The cache's stats, its groups, the mapping's work against its
+        lower bound, and the per-forward series (the last SERIES_FORWARDS
+        forwards)."""
+        stats = self.manager.stats()
+        buffers = self.manager.config.num_buffers
+        mapping = dict(positions_mapped=(stats["sync_page_maps"] + stats["background_page_maps"]) // buffers,
+                       positions_unmapped=stats["page_unmaps"] // buffers,
+                       positions_needed=sum(g.mapper.positions_needed for g in self.groups),
+                       forwards=self.forwards,
+                       forwards_mapping=sum(g.mapper.forwards_mapping for g in self.groups),
+                       live_requests=max(g.mapper.live_requests for g in self.groups))
+        return dict(stats, layout=self.manager.config.layout, kernel=self.kernel.name, map_ns=self.map_ns,
+                    mapping=mapping, time_s_series=list(self.time_s), bytes_mapped_series=list(self.bytes_mapped),
                     tokens_series=list(self.tokens), bytes_behind_windows_series=list(self.behind_windows),
                     groups=[dict(layers=len(g.layer_names), window=g.window) for g in self.groups],
                     budget_share=self.manager.budget_share(), block_pool_budget=vllm_budget.stats())

@@ -1,0 +1,40 @@
+"""benchmarks/vllm_serving.py's --dtype: bf16 runs are set up and named as
+the committed results were, float32 runs get files of their own (the engines
+themselves run in the benchmark, not here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BENCHMARKS, load_benchmark
+
+vllm_serving = load_benchmark("vllm_serving")
+RESULTS = BENCHMARKS / "results"
+
+
+@pytest.mark.parametrize("suite,name", [("short", "vllm_serving_cpu-2core"),
+                                        ("long", "vllm_serving_long_cpu-2core")])
+def test_bf16_is_set_up_and_named_as_the_committed_results(suite, name):
+    assert vllm_serving.result_name("serving", suite, "bfloat16", "cpu-2core") == name
+    committed = json.loads((RESULTS / f"{name}.json").read_text())
+    model, engine = vllm_serving.suite_setup(vllm_serving.SUITES[suite], "bfloat16")
+    assert model == committed["model"]
+    assert {k: committed["engine"][k] for k in engine} == engine  # the run adds block_size, num_blocks, ...
+    assert vllm_serving.result_name("profile", suite, "bfloat16", "cpu-2core") == f"vllm_serving_{suite}_profile_cpu-2core"
+
+
+def test_float32_runs_in_float32_and_writes_files_of_its_own():
+    model, engine = vllm_serving.suite_setup(vllm_serving.SUITES["long"], "float32")
+    assert engine["dtype"] == "float32" and model.endswith(", fp32")
+    assert vllm_serving.SUITES["long"]["engine"].get("dtype") is None  # the suite itself names no dtype
+    names = {vllm_serving.result_name(kind, suite, "float32", "cpu-2core")
+             for kind in ("serving", "profile") for suite in ("short", "long")}
+    assert names == {"vllm_serving_fp32_cpu-2core", "vllm_serving_long_fp32_cpu-2core",
+                     "vllm_serving_short_fp32_profile_cpu-2core", "vllm_serving_long_fp32_profile_cpu-2core"}
+    bad = subprocess.run([sys.executable, str(BENCHMARKS / "vllm_serving.py"), "--dtype", "float16"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "invalid choice: 'float16'" in bad.stderr
