@@ -243,7 +243,7 @@ def run_config(config: str, args: argparse.Namespace, models: list[tuple], trace
                 p.kill()
                 p.wait()
         if budget is not None:
-            budget.remove()
+            budget.remove(force=True)  # the engines were ended: whatever is left goes
     results = [json.loads(o.read_text()) for o in outs]
     for result, requests, (name, layers, *_) in zip(results, trace, models):
         for served, asked in zip(result["requests"], requests):

@@ -1,21 +1,20 @@
 #include "budget/budget.h"
 
-#include <pthread.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <mutex>
+#include <set>
 #include <stdexcept>
-
-// pthread_mutex_clocklock (glibc 2.30+) waits on CLOCK_MONOTONIC.
-#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
-#define VATTN_HAVE_CLOCKLOCK 1
-#else
-#define VATTN_HAVE_CLOCKLOCK 0
-#endif
+#include <thread>
 
 namespace vattn {
 
@@ -79,58 +78,72 @@ uint64_t needed_bytes(uint64_t held, uint64_t others_waiting, uint64_t limit) {
   return demand > limit ? demand - limit : 0;
 }
 
+[[noreturn]] void throw_unusable(const std::string& name, const std::string& why) {
+  throw BudgetCorrupt(quoted(name) + " (" + budget::path_of(name) + ") cannot be used: " + why + ". This process " +
+                    "keeps the memory it holds; stop the processes using the budget, remove it with `python -m " +
+                    "vattn budget rm " + name + "` and create it again");
+}
+
+[[noreturn]] void throw_removed(const std::string& name) {
+  throw BudgetError(quoted(name) + " was removed (`python -m vattn budget rm --force " + name + "`) while this " +
+                    "process used it: it grants nothing more; create it again to share memory again");
+}
+
+long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
+  static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "a futex is a plain 32-bit word");
+  // Not FUTEX_PRIVATE_FLAG: the word is shared with other processes.
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
+}
+
 }  // namespace
 
-// Holds the budget's robust, process-shared mutex for one operation.
+// Holds the budget's lock for one operation. The lock is an open-file-
+// description write lock on byte kLockByte of the segment's file: the kernel
+// keeps it, so no byte of the segment (which every process of the user can
+// write) can wedge or abort a locker, as crafted bytes of a pthread mutex in
+// the segment could (a robust + priority-inheritance kind with a dead owner
+// trips a glibc assertion); a holder's death releases it whatever its pid
+// namespace. A description is shared by the threads of a process, so a
+// per-mapping mutex orders them first. The kernel has no timed wait for it:
+// the lock is polled with a pause that grows to 1 ms (operations hold it for
+// microseconds), up to lock_timeout_s. Whether a holder died inside is told by
+// LockState::dirty, set while held: 1 when taken means the previous holder
+// never finished, and the next operation checks every member at once.
 class Budget::Locked {
  public:
-  explicit Locked(Budget& b) : header_(b.segment_.header()), mutex_(&b.segment_.header()->mutex) {
-    // A bounded wait: a stopped or stuck holder gives an error, not a hang.
-#if VATTN_HAVE_CLOCKLOCK
-    constexpr clockid_t kClock = CLOCK_MONOTONIC;  // immune to wall-clock steps
-#else
-    constexpr clockid_t kClock = CLOCK_REALTIME;   // what pthread_mutex_timedlock measures
-#endif
-    timespec deadline;
-    clock_gettime(kClock, &deadline);
-    const int64_t ns = deadline.tv_nsec + b.lock_timeout_ns_ % 1000000000;
-    deadline.tv_sec += static_cast<time_t>(b.lock_timeout_ns_ / 1000000000 + ns / 1000000000);
-    deadline.tv_nsec = static_cast<long>(ns % 1000000000);
-#if VATTN_HAVE_CLOCKLOCK
-    int rc = pthread_mutex_clocklock(mutex_, kClock, &deadline);
-#else
-    int rc = pthread_mutex_timedlock(mutex_, &deadline);
-#endif
-    if (rc == ETIMEDOUT) {
-      const int32_t holder = header_->lock_holder_pid.load();
-      throw BudgetError(quoted(b.name()) + ": its lock has been held for over " + seconds_text(b.lock_timeout_s()) +
-                        " s by pid " + std::to_string(holder) + " (a stopped or stuck process?); operations hold it " +
-                        "for microseconds: resume or end that process");
-    }
-    if (rc == EOWNERDEAD) {
-      owner_died_ = true;
-      // A holder died inside an operation. Everything the lock guards is
-      // rebuilt from the entries by refresh_locked(), which every operation
-      // runs next (and which drops the dead holder's entry), so the state can
-      // be declared consistent at once.
-      rc = pthread_mutex_consistent(mutex_);
-      if (rc != 0) {
-        pthread_mutex_unlock(mutex_);
-        throw BudgetError(quoted(b.name()) + ": pthread_mutex_consistent failed: " + std::strerror(rc));
+  explicit Locked(Budget& b) : segment_(b.segment_), header_(b.segment_.header()) {
+    if (!segment_.usable_in_this_process())
+      throw BudgetError(quoted(b.name()) + ": this process was forked from the one that opened it, and the " +
+                        "budget's file could not be opened again here (is /proc mounted?): attach it again");
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(b.lock_timeout_ns_);
+    mutex_ = &segment_.process_mutex();
+    if (!mutex_->try_lock_until(deadline)) timed_out(b);
+    try {
+      auto pause = std::chrono::microseconds(20);
+      while (!segment_.try_lock_byte(budget::kLockByte)) {
+        const auto now = std::chrono::steady_clock::now();
+        if (now >= deadline) timed_out(b);
+        std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(pause, deadline - now));
+        pause = std::min(pause * 2, std::chrono::microseconds(1000));
       }
-    } else if (rc == ENOTRECOVERABLE) {
-      throw BudgetError(quoted(b.name()) + ": its lock is unrecoverable (a holder died and the next one did not " +
-                        "repair it): stop the processes using it, remove it with `python -m vattn budget rm " +
-                        b.name() + "` and create it again");
-    } else if (rc != 0) {
-      throw BudgetError(quoted(b.name()) + ": pthread_mutex_lock failed: " + std::strerror(rc) + " (errno " +
-                        std::to_string(rc) + ")");
+      file_locked_ = true;
+      const std::string damage = segment_.damage();
+      if (!damage.empty()) throw_unusable(b.name(), damage);
+      const uint32_t dirty = header_->lock.dirty.load();
+      if (dirty > 1)
+        budget::throw_corrupt(b.name(), "the lock's state word is " + std::to_string(dirty) + ", expected 0 or 1");
+      owner_died_ = dirty == 1;
+      header_->lock.dirty.store(1);
+      header_->lock.holder_pid.store(static_cast<int32_t>(getpid()));
+    } catch (...) {
+      unlock();
+      throw;
     }
-    header_->lock_holder_pid.store(static_cast<int32_t>(getpid()));
   }
   ~Locked() {
-    header_->lock_holder_pid.store(0);
-    pthread_mutex_unlock(mutex_);
+    header_->lock.holder_pid.store(0);
+    header_->lock.dirty.store(0);
+    unlock();
   }
   Locked(const Locked&) = delete;
   Locked& operator=(const Locked&) = delete;
@@ -139,8 +152,23 @@ class Budget::Locked {
   bool owner_died() const { return owner_died_; }
 
  private:
+  [[noreturn]] void timed_out(Budget& b) {
+    const int32_t holder = header_->lock.holder_pid.load();
+    throw BudgetError(quoted(b.name()) + ": its lock has been held for over " + seconds_text(b.lock_timeout_s()) +
+                      " s by pid " + std::to_string(holder) + " (a stopped or stuck process?); operations hold it " +
+                      "for microseconds: resume or end that process");
+  }
+  void unlock() noexcept {
+    if (file_locked_) segment_.unlock_byte(budget::kLockByte);
+    file_locked_ = false;
+    if (mutex_) mutex_->unlock();
+    mutex_ = nullptr;
+  }
+
+  const budget::Segment& segment_;
   budget::Header* header_;
-  pthread_mutex_t* mutex_;
+  std::timed_mutex* mutex_ = nullptr;
+  bool file_locked_ = false;
   bool owner_died_ = false;
 };
 
@@ -159,31 +187,128 @@ std::shared_ptr<Budget> Budget::attach(const std::string& name, double lock_time
   return std::shared_ptr<Budget>(new Budget(budget::Segment::open(name), lock_timeout_s));
 }
 
-void Budget::remove(const std::string& name) { budget::Segment::remove(name); }
+size_t Budget::remove(const std::string& name, bool force) {
+  budget::check_name(name);
+  std::shared_ptr<Budget> budget;
+  try {
+    budget = attach(name);
+  } catch (const BudgetError&) {
+    // Missing: unlink says so. Unreadable (corrupt, another version or
+    // user, already marked removed): nobody can use it, so it goes as it is.
+    budget::Segment::unlink(name);
+    return 0;
+  }
+  try {
+    return budget->mark_removed(force);
+  } catch (const BudgetCorrupt&) {
+    budget::Segment::unlink(name);  // damaged under its members: its counts mean nothing
+    return 0;
+  }
+}
+
+size_t Budget::mark_removed(bool force) {
+  Locked lock(*this);
+  refresh_locked(true, true);
+  std::set<int32_t> pids;
+  size_t members = 0;
+  for (uint32_t i = 0; i < segment_.max_members(); ++i) {
+    const Entry& e = *segment_.entry(i);
+    if (e.state.load(std::memory_order_acquire) != kEntryLive) continue;
+    ++members;
+    pids.insert(e.pid);
+  }
+  if (members && !force) {
+    std::string list;
+    for (int32_t pid : pids) list += (list.empty() ? "" : ", ") + std::to_string(pid);
+    throw BudgetError(quoted(name()) + " has " + std::to_string(members) + " live member" +
+                      (members == 1 ? "" : "s") + " (pid " + list + "): removed now, they would go on charging " +
+                      "a budget nobody else sees. Stop them first, or remove it anyway with `python -m vattn " +
+                      "budget rm --force " + name() + "` (vattn.budget.remove(name, force=True)): its members " +
+                      "are then refused new memory, with this reason");
+  }
+  // Marked first, so no member draws from it once it is gone from /dev/shm.
+  segment_.header()->removed.store(1, std::memory_order_release);
+  bump_epoch_locked();  // waiters wake up and learn it
+  budget::Segment::unlink(name());
+  return members;
+}
 
 std::vector<std::string> Budget::names() { return budget::Segment::list(); }
+
+std::vector<std::string> Budget::remove_leftovers() { return budget::Segment::remove_leftovers(); }
+
+std::string Budget::unusable_reason() const noexcept {
+  try {
+    std::string damage = segment_.damage();
+    if (!damage.empty()) return damage;
+    if (segment_.header()->removed.load(std::memory_order_acquire)) return "it was removed";
+    return "";
+  } catch (...) {
+    return "its state cannot be read";
+  }
+}
+
+void Budget::check_intact() const {
+  const std::string damage = segment_.damage();
+  if (!damage.empty()) throw_unusable(name(), damage);
+}
+
+bool Budget::wait_for_release(uint32_t seen, double timeout_s) {
+  if (!(timeout_s >= 0 && timeout_s <= 3600))
+    throw std::invalid_argument("timeout_s must be in [0, 3600] seconds, got " + seconds_text(timeout_s));
+  if (!segment_.damage().empty()) return true;  // nothing to wait for: the next operation says why
+  Header* h = segment_.header();
+  if (h->release_epoch.load(std::memory_order_acquire) != seen) return true;
+  timespec rel;
+  rel.tv_sec = static_cast<time_t>(timeout_s);
+  rel.tv_nsec = static_cast<long>((timeout_s - static_cast<double>(rel.tv_sec)) * 1e9);
+  h->epoch_waiters.fetch_add(1);
+  futex(&h->release_epoch, FUTEX_WAIT, seen, &rel);  // returns at once if the count moved meanwhile
+  h->epoch_waiters.fetch_sub(1);
+  return h->release_epoch.load(std::memory_order_acquire) != seen;
+}
+
+void Budget::bump_epoch_locked() {
+  Header* h = segment_.header();
+  h->release_epoch.fetch_add(1, std::memory_order_release);
+  if (h->epoch_waiters.load(std::memory_order_acquire)) futex(&h->release_epoch, FUTEX_WAKE, INT_MAX, nullptr);
+}
 
 const budget::ProcessIdentity& Budget::self_locked() {
   if (self_.pid != static_cast<int32_t>(getpid())) self_ = budget::current_process();
   return self_;
 }
 
-bool Budget::refresh_locked(bool force_liveness) {
+bool Budget::member_alive_locked(uint32_t slot, const Entry& e, const budget::ProcessIdentity& self) {
+  // The entry's file lock goes with the last descriptor of the member's
+  // description: at exit, and at exec (close-on-exec), where pid and start
+  // time stay the same although the old program's pages are gone.
+  if (segment_.byte_locked_elsewhere(budget::member_byte(slot)) == 0) return false;
+  return budget::is_alive({e.pid, e.start_ticks, e.pid_namespace}, self);
+}
+
+bool Budget::refresh_locked(bool force_liveness, bool allow_removed) {
   Header* h = segment_.header();
+  if (!allow_removed && h->removed.load(std::memory_order_acquire)) throw_removed(name());
   const budget::ProcessIdentity& self = self_locked();
   const uint64_t now = budget::monotonic_ns();
   const uint64_t last = h->last_sweep_ns.load();
   const bool liveness = force_liveness || now < last || now - last >= kLivenessIntervalNs;
   uint64_t held = 0;
   uint64_t waiting = 0;
+  bool dropped = false;
   for (uint32_t i = 0; i < segment_.max_members(); ++i) {
     Entry& e = *segment_.entry(i);
     const uint32_t state = e.state.load(std::memory_order_acquire);
     if (state == kEntryFree) continue;
-    if (state != kEntryLive)
+    if (state != kEntryLive) {
+      const std::string damage = segment_.damage();
+      if (!damage.empty()) throw_unusable(name(), damage);
       budget::throw_corrupt(name(), "member entry " + std::to_string(i) + " has state " + std::to_string(state));
-    if (liveness && !budget::is_alive({e.pid, e.start_ticks, e.pid_namespace}, self)) {
-      clear_entry(e);  // its process is gone: its share returns now
+    }
+    if (liveness && !member_alive_locked(i, e, self)) {
+      dropped = dropped || e.held_bytes.load() != 0;
+      clear_entry(e);  // its process is gone (or runs another program): its share returns now
       continue;
     }
     if (e.waiting_bytes.load() && now - e.wait_renewed_ns > kWaitExpiryNs) e.waiting_bytes.store(0);
@@ -193,6 +318,7 @@ bool Budget::refresh_locked(bool force_liveness) {
   h->held_bytes.store(held, std::memory_order_release);
   h->waiting_bytes.store(waiting, std::memory_order_release);
   if (liveness) h->last_sweep_ns.store(now, std::memory_order_release);
+  if (dropped) bump_epoch_locked();
   return liveness;
 }
 
@@ -202,10 +328,14 @@ Entry& Budget::entry_locked(const BudgetMember& member) {
                       std::to_string(member.owner_pid_) + " (inherited through fork): join the budget in this process");
   Entry& e = *segment_.entry(member.slot_);
   if (member.left_.load() || e.state.load(std::memory_order_acquire) != kEntryLive ||
-      e.generation != member.generation_)
+      e.generation != member.generation_) {
+    // Truncated since the lock was taken: the entry reads as zeros; say that.
+    const std::string damage = segment_.damage();
+    if (!damage.empty()) throw_unusable(name(), damage);
     throw BudgetError(quoted(name()) + ": member '" + member.label_ + "' (pid " + std::to_string(member.owner_pid_) +
                       ") is no longer in the budget: it left, or its entry was dropped (was the budget removed " +
                       "and created again?); join again");
+  }
   return e;
 }
 
@@ -213,15 +343,16 @@ void Budget::set_limit(uint64_t limit_bytes) {
   Locked lock(*this);
   refresh_locked(lock.owner_died());
   segment_.header()->limit_bytes.store(limit_bytes, std::memory_order_release);
+  bump_epoch_locked();
 }
 
 BudgetUsage Budget::usage() {
   BudgetUsage u;
   u.name = name();
-  u.device = device();
   u.max_members = max_members();
   Locked lock(*this);
   refresh_locked(true);  // a snapshot shows no dead member
+  u.device = device();
   const Header* h = segment_.header();
   const uint64_t now = budget::monotonic_ns();
   u.limit_bytes = h->limit_bytes.load();
@@ -235,6 +366,9 @@ BudgetUsage Budget::usage() {
     m.id = e.generation;
     m.pid = e.pid;
     m.label.assign(e.label, strnlen(e.label, sizeof(e.label)));
+    for (char c : m.label)  // what leaves here becomes text (Python str, JSON): only what join allows
+      if (c < ' ' || c > '~')
+        budget::throw_corrupt(name(), "member entry " + std::to_string(i) + "'s label is not printable ASCII text");
     m.held_bytes = e.held_bytes.load();
     m.in_use_bytes = e.in_use_bytes.load();
     m.free_held_bytes = e.free_held_bytes.load();
@@ -259,6 +393,10 @@ std::shared_ptr<BudgetMember> Budget::join(const std::string& label) {
   for (uint32_t i = 0; i < segment_.max_members(); ++i) {
     Entry& e = *segment_.entry(i);
     if (e.state.load(std::memory_order_acquire) != kEntryFree) continue;
+    // The entry's liveness lock: held by this process's description until the
+    // member leaves, the process exits or execs. Held elsewhere: a process
+    // whose entry was dropped still has it open; take another entry.
+    if (!segment_.try_lock_byte(budget::member_byte(i))) continue;
     clear_entry(e);
     const budget::ProcessIdentity& self = self_locked();
     e.pid = self.pid;
@@ -294,6 +432,8 @@ bool Budget::try_grant(const BudgetMember& member, uint64_t bytes, bool record_w
     h->waiting_bytes.store(h->waiting_bytes.load() - had_waiting, std::memory_order_release);
     return true;
   }
+  // What wait_for_memory() waits to see move: anything after this refusal.
+  member.refused_epoch_.store(h->release_epoch.load(std::memory_order_acquire), std::memory_order_release);
   if (!record_wait) return false;
   const uint64_t now = budget::monotonic_ns();
   if (!had_waiting) e.wait_since_ns = now;
@@ -305,7 +445,7 @@ bool Budget::try_grant(const BudgetMember& member, uint64_t bytes, bool record_w
 
 void Budget::release(const BudgetMember& member, uint64_t bytes) {
   Locked lock(*this);
-  refresh_locked(lock.owner_died());
+  refresh_locked(lock.owner_died(), true);  // giving back to a removed budget is no error
   Entry& e = entry_locked(member);
   const uint64_t held = e.held_bytes.load();
   if (bytes > held)
@@ -325,6 +465,7 @@ void Budget::release(const BudgetMember& member, uint64_t bytes) {
   }
   Header* h = segment_.header();
   h->held_bytes.store(h->held_bytes.load() - bytes, std::memory_order_release);
+  if (bytes) bump_epoch_locked();
 }
 
 void Budget::report(const BudgetMember& member, uint64_t in_use_bytes, uint64_t free_held_bytes) {
@@ -344,6 +485,7 @@ void Budget::report(const BudgetMember& member, uint64_t in_use_bytes, uint64_t 
 uint64_t Budget::pressure(const BudgetMember& member) {
   const Header* h = segment_.header();
   const Entry& own = *segment_.entry(member.slot_);
+  if (h->removed.load(std::memory_order_acquire)) throw_removed(name());
   // Lock-free first: the header's sums are current after every grant and
   // release, so no pressure seen here means none to act on. A positive value
   // is recomputed under the lock (dead members and expired waits dropped).
@@ -360,7 +502,7 @@ uint64_t Budget::pressure(const BudgetMember& member) {
 
 void Budget::clear_wait(const BudgetMember& member) {
   Locked lock(*this);
-  refresh_locked(lock.owner_died());
+  refresh_locked(lock.owner_died(), true);
   Entry& e = entry_locked(member);
   Header* h = segment_.header();
   h->waiting_bytes.store(h->waiting_bytes.load() - e.waiting_bytes.load(), std::memory_order_release);
@@ -370,14 +512,17 @@ void Budget::clear_wait(const BudgetMember& member) {
 void Budget::leave(const BudgetMember& member) noexcept {
   try {
     Locked lock(*this);
-    refresh_locked(lock.owner_died());
+    refresh_locked(lock.owner_died(), true);
     Entry& e = *segment_.entry(member.slot_);
     if (e.state.load(std::memory_order_acquire) == kEntryLive && e.generation == member.generation_) {
+      const bool held = e.held_bytes.load() != 0;
       clear_entry(e);
-      refresh_locked(false);  // the header's sums without it
+      segment_.unlock_byte(budget::member_byte(member.slot_));
+      refresh_locked(false, true);  // the header's sums without it
+      if (held) bump_epoch_locked();
     }
   } catch (...) {
-    // A corrupt or unrecoverable segment: nothing to give back to.
+    // A corrupt or truncated segment: nothing to give back to.
   }
 }
 
@@ -402,6 +547,15 @@ bool BudgetMember::contended() const {
          h->held_bytes.load(std::memory_order_acquire) > h->limit_bytes.load(std::memory_order_acquire);
 }
 void BudgetMember::clear_wait() { budget_->clear_wait(*this); }
+
+bool BudgetMember::wait_for_memory(double timeout_s) {
+  return budget_->wait_for_release(refused_epoch_.load(std::memory_order_acquire), timeout_s);
+}
+
+void BudgetMember::rearm_wait() {
+  refused_epoch_.store(budget_->segment_.header()->release_epoch.load(std::memory_order_acquire),
+                       std::memory_order_release);
+}
 
 void BudgetMember::leave() {
   if (owner_pid_ != static_cast<int32_t>(getpid()))

@@ -1,8 +1,9 @@
 // A machine-wide memory budget shared by KV cache managers in any number of
 // processes: one limit in bytes for one device ("cpu" or a GPU by UUID), and
 // one member per manager holding a share of it. The state lives in a POSIX
-// shared-memory segment (segment.h) guarded by a robust, process-shared
-// mutex; no Python, no GIL: a page manager's mapper thread calls it directly.
+// shared-memory segment (segment.h) guarded by a file lock the kernel holds
+// (see Locked in budget.cpp); no Python, no GIL: a page manager's mapper
+// thread calls it directly.
 //
 // Protocol of a member (a page manager):
 //
@@ -17,15 +18,24 @@
 //   * the sum of the live members' held bytes never exceeds the limit at the
 //     moment of any grant, across all processes (a lowered limit may sit below
 //     the sum until members release; no grant succeeds until it fits again);
-//   * a member whose process died (SIGKILL included) is dropped, and its share
-//     returned, by the next operation of anyone that needs it: liveness (each
-//     member's pid and process start time, process_identity.h) is checked
-//     before any grant is refused, by join and usage, and by any operation
-//     kLivenessIntervalSeconds after the last check; a holder that dies inside
-//     the lock is reported by the robust mutex and checked at once;
+//   * a member whose process died (SIGKILL included) or exec'd another
+//     program is dropped, and its share returned, by the next operation of
+//     anyone that needs it. A member is alive while (1) its process holds the
+//     file lock on its entry's first byte, taken at join through a
+//     close-on-exec descriptor: exec and death release it, a main thread
+//     that exits while other threads run does not; and (2) its pid, with the
+//     process start time, names a process with a thread that has not exited
+//     (process_identity.h). Liveness is checked before any grant is refused,
+//     by join and usage, and by any operation kLivenessIntervalSeconds after
+//     the last check; after a holder died inside the lock, at once;
 //   * a refused grant is recorded as this member waiting for bytes, which
 //     other members see as pressure; a wait not renewed by another refusal
-//     within kWaitExpirySeconds stops counting (the asker gave up).
+//     within kWaitExpirySeconds stops counting (the asker gave up); a refused
+//     member can block (wait_for_memory) until memory is released, the limit
+//     changes or a member leaves, instead of asking again and again;
+//   * a segment truncated or overwritten under its members, or removed by
+//     force, is reported as a BudgetError by every operation that needs it
+//     (never a crash); giving back (release, leave) stays quiet.
 // Every operation is thread-safe within a process and across processes.
 #pragma once
 
@@ -91,11 +101,28 @@ class Budget : public std::enable_shared_from_this<Budget> {
   // microseconds, so a longer wait means a stopped or stuck holder.
   static std::shared_ptr<Budget> attach(const std::string& name,
                                         double lock_timeout_s = kDefaultLockTimeoutSeconds);
-  // Removes budget `name` from /dev/shm. Processes that have it mapped keep
-  // using their copy; new attachers no longer find it.
-  static void remove(const std::string& name);
+  // Removes budget `name` from /dev/shm; returns how many live members it had.
+  // While it has live members, BudgetError unless `force`: they would go on
+  // charging a segment nobody else sees. With `force` the segment is first
+  // marked removed, so its members' operations raise BudgetError (saying so)
+  // instead of drawing from it. A segment that cannot be read (corrupt,
+  // another version, another user's) is unlinked as it is.
+  static size_t remove(const std::string& name, bool force = false);
   // Names of the budgets on this machine.
   static std::vector<std::string> names();
+  // Removes what creators killed half-way left (budget::Segment::remove_leftovers).
+  static std::vector<std::string> remove_leftovers();
+
+  // Empty while the budget can be used; otherwise why not (its segment was
+  // truncated or overwritten, or it was removed by force). Never throws.
+  std::string unusable_reason() const noexcept;
+  // Throws BudgetError when the segment was truncated or overwritten.
+  void check_intact() const;
+  // Blocks until something that may let a refused grant fit happens (a
+  // release, a member leaving or dropped, a limit change, a removal) after
+  // the budget's release count was `seen`, or `timeout_s` seconds pass.
+  // Returns whether the count moved. A futex in the segment: no CPU spent.
+  bool wait_for_release(uint32_t seen, double timeout_s);
 
   const std::string& name() const { return segment_.name(); }
   std::string device() const { return segment_.header()->device; }
@@ -130,7 +157,10 @@ class Budget : public std::enable_shared_from_this<Budget> {
   // header's sums and, when forced or kLivenessIntervalSeconds have passed
   // since anyone's last check, drops the members whose process is gone.
   // Returns whether it checked liveness.
-  bool refresh_locked(bool force_liveness);
+  bool refresh_locked(bool force_liveness, bool allow_removed = false);
+  bool member_alive_locked(uint32_t slot, const budget::Entry& e, const budget::ProcessIdentity& self);
+  void bump_epoch_locked();
+  size_t mark_removed(bool force);
   const budget::ProcessIdentity& self_locked();
   budget::Entry& entry_locked(const BudgetMember& member);
 
@@ -176,6 +206,14 @@ class BudgetMember {
   bool contended() const;
   // This member no longer waits (its caller gave up on the refused grant).
   void clear_wait();
+  // After a refused try_grant: blocks until memory may have come free (see
+  // Budget::wait_for_release) or `timeout_s` seconds pass. Returns whether
+  // something changed since the refusal. Costs no CPU while it waits.
+  bool wait_for_memory(double timeout_s);
+  // Makes the next wait_for_memory wait for what happens from now on: after
+  // a failure that was not the budget's refusal (the device out of memory),
+  // whose own uncharge moved the release count.
+  void rearm_wait();
   // Leaves the budget, returning everything held. Idempotent.
   void leave();
 
@@ -195,6 +233,7 @@ class BudgetMember {
   int32_t owner_pid_;
   std::string label_;
   std::atomic<bool> left_{false};
+  mutable std::atomic<uint32_t> refused_epoch_{0};  // the budget's release count at the last refusal
 };
 
 }  // namespace vattn

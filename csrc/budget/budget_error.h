@@ -13,4 +13,11 @@ class BudgetError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The segment itself is damaged (corrupt, truncated, overwritten): nothing in
+// it can be trusted, so `budget rm` unlinks it without counting members.
+class BudgetCorrupt : public BudgetError {
+ public:
+  using BudgetError::BudgetError;
+};
+
 }  // namespace vattn

@@ -1,5 +1,6 @@
 #include "budget/process_identity.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -53,6 +54,43 @@ StatResult read_process_stat(pid_t pid, uint64_t* start_ticks, bool* exited) {
   return StatResult::kRead;
 }
 
+namespace {
+
+// The state letter of /proc/PID/task/TID/stat, or 0 when unreadable.
+char thread_state(pid_t pid, const char* tid) {
+  char path[96];
+  std::snprintf(path, sizeof(path), "/proc/%d/task/%s/stat", static_cast<int>(pid), tid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  char buf[512];
+  ssize_t n = read(fd, buf, sizeof(buf) - 1);
+  close(fd);
+  if (n <= 0) return 0;
+  buf[n] = '\0';
+  const char* p = std::strrchr(buf, ')');
+  return p && p[1] == ' ' ? p[2] : 0;
+}
+
+}  // namespace
+
+bool has_live_thread(pid_t pid) {
+  char path[48];
+  std::snprintf(path, sizeof(path), "/proc/%d/task", static_cast<int>(pid));
+  DIR* dir = opendir(path);
+  if (!dir) return false;
+  bool live = false;
+  while (dirent* e = readdir(dir)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    const char state = thread_state(pid, e->d_name);
+    if (state != 0 && state != 'Z' && state != 'X') {
+      live = true;
+      break;
+    }
+  }
+  closedir(dir);
+  return live;
+}
+
 ProcessIdentity current_process() {
   ProcessIdentity self;
   self.pid = static_cast<int32_t>(getpid());
@@ -75,8 +113,11 @@ bool is_alive(const ProcessIdentity& who, const ProcessIdentity& self) {
     case StatResult::kUnreadable: return true;
     case StatResult::kRead: break;
   }
-  if (exited) return false;  // killed, not yet reaped by its parent: its memory is gone
-  return start == who.start_ticks;
+  if (start != who.start_ticks) return false;  // the pid was reused
+  // 'Z' for the thread-group leader means either the whole process died (not
+  // reaped yet: its memory is gone) or only its main thread did, while other
+  // threads run on with the process's memory: then it is alive.
+  return !exited || has_live_thread(who.pid);
 }
 
 }  // namespace budget

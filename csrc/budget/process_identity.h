@@ -25,6 +25,11 @@ enum class StatResult { kRead, kMissing, kUnreadable };
 // a zombie or dead ('Z' / 'X'), from /proc/PID/stat. kMissing: no such entry.
 StatResult read_process_stat(pid_t pid, uint64_t* start_ticks, bool* exited);
 
+// Whether any thread of process `pid` has not exited: a process whose main
+// thread ended (pthread_exit) shows as a zombie in /proc/PID/stat while its
+// other threads run on and hold its memory.
+bool has_live_thread(pid_t pid);
+
 // Whether the process `who` still runs. A process of another pid namespace
 // cannot be checked by pid and counts as alive (its share returns through the
 // robust lock if it dies holding it, or when the budget is removed). Without a

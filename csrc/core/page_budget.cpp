@@ -54,6 +54,7 @@ size_t PageBudget::pressure_ids() {
 }
 
 size_t PageBudget::grantable_ids() const {
+  if (!unusable_reason().empty()) return 0;
   return static_cast<size_t>(member_->budget()->available_bytes() / id_bytes_);
 }
 

@@ -41,8 +41,18 @@ class PageBudget {
   size_t pressure_ids();
   // Lock-free: whether anyone waits or the total is above the limit.
   bool contended() const { return member_->contended(); }
-  // Lock-free: ids a charge could get now (stale by the time it is used).
+  // Lock-free: ids a charge could get now (stale by the time it is used);
+  // 0 when the budget cannot be used.
   size_t grantable_ids() const;
+  // Empty while the budget can be used; otherwise why not (truncated,
+  // overwritten, removed by force). The keeper stops drawing from it then.
+  std::string unusable_reason() const noexcept { return member_->budget()->unusable_reason(); }
+  // After a refused demand charge: blocks until memory may have come free in
+  // the budget, or `timeout_s` seconds pass (no CPU spent). Whether it did.
+  bool wait_for_memory(double timeout_s) { return member_->wait_for_memory(timeout_s); }
+  // A creation failed for another reason than the budget (out of memory):
+  // the next wait_for_memory waits for what happens after it.
+  void rearm_wait() noexcept { member_->rearm_wait(); }
   // Records the split of what is charged: ids under requests and free ids
   // kept for reuse (clamped to what is charged).
   void report(size_t in_use_ids, size_t free_ids);

@@ -167,6 +167,11 @@ class PageManager {
   std::vector<uint32_t> release_external(const uint32_t* ids, size_t n);
   // The budget share now (an empty name without a budget).
   BudgetShare budget_share() const;
+  // In a budget, after a step refused for want of the budget's memory: blocks
+  // (no CPU) until memory may have come free there (another member released
+  // pages, left or died, the limit changed) or `timeout_s` seconds pass.
+  // Returns whether it did; false at once without a budget.
+  bool wait_for_budget(double timeout_s);
 
   // ---- shared pages ----
   // A new reqid whose first num_tokens tokens are src's: whole pages shared,

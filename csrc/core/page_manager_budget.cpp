@@ -138,6 +138,15 @@ BudgetShare PageManager::budget_share_locked() const {
   return share;
 }
 
+bool PageManager::wait_for_budget(double timeout_s) {
+  check_process();
+  if (!(timeout_s >= 0 && timeout_s <= 3600))
+    throw std::invalid_argument("wait_for_budget: timeout_s must be in [0, 3600] seconds, got " +
+                                std::to_string(timeout_s));
+  if (!budget_) return false;
+  return budget_->wait_for_memory(timeout_s);  // the budget's futex: neither mu nor the budget's lock is held
+}
+
 // ---- the keeper -------------------------------------------------------------------------
 
 void PageManager::keeper_loop() {
@@ -149,8 +158,10 @@ void PageManager::keeper_loop() {
       keeper_tick(lock);
     } catch (...) {
       // A driver error while releasing (the pages stay, retried later) or a
-      // budget that cannot be used: the next step raises it.
-      if (!mapper_error_) mapper_error_ = std::current_exception();
+      // budget that cannot be used: the next step raises it. Not when the
+      // budget became unusable meanwhile (truncated, removed): the manager
+      // works on with what it holds, and a step that needs new pages says why.
+      if (!mapper_error_ && budget_->unusable_reason().empty()) mapper_error_ = std::current_exception();
     }
   }
 }
@@ -160,6 +171,12 @@ void PageManager::keeper_tick(Lock& lock) {
   size_t want = 0;
   std::exception_ptr error;
   lock.unlock();
+  // A budget truncated, overwritten or removed by force is not drawn from
+  // nor given to any more: no pressure, no idle release, no reports.
+  if (!budget_->unusable_reason().empty()) {
+    lock.lock();
+    return;
+  }
   try {
     if (!config_.preallocate && !config_.external_ids) want = budget_->pressure_ids();
   } catch (...) {

@@ -30,7 +30,10 @@ void PageManager::create_ids(const std::vector<uint32_t>& ids, bool demand) {
   try {
     backend_->create_pages(pages.data(), pages.size());  // all or nothing
   } catch (const OutOfMemory& e) {
-    if (budget_) budget_->uncharge(ids.size());
+    if (budget_) {
+      budget_->uncharge(ids.size());
+      budget_->rearm_wait();  // a wait after this must not end at once on the uncharge just made
+    }
     throw refused(std::string("the ") + (backend_->dl_device().device_type == kDLCPU ? "host" : "device") +
                   " has no memory left for them (" + e.what() + ")");
   } catch (...) {

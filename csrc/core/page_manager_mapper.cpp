@@ -61,8 +61,16 @@ void PageManager::commit_batch(Batch& batch, size_t done, std::exception_ptr err
       stats.creations_refused++;
       refused_epoch_ = work_epoch_;
     } catch (...) {
-      stats.mapper_errors++;
-      mapper_error_ = error;
+      if (budget_ && !budget_->unusable_reason().empty()) {
+        // The budget was removed or damaged under the manager: speculative
+        // pages are simply not made (as when refused); a step that needs
+        // pages raises the reason itself.
+        stats.creations_refused++;
+        refused_epoch_ = work_epoch_;
+      } else {
+        stats.mapper_errors++;
+        mapper_error_ = error;
+      }
     }
   }
   if (!batch.cuts.empty()) {

@@ -491,6 +491,9 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("page_ids"),
           "External ids: release the pages of the given created, unreferenced ids; returns the ids released.")
+      .def("wait_for_budget", &PageManager::wait_for_budget, py::arg("timeout_s"),
+           py::call_guard<py::gil_scoped_release>(),
+           "After a step the budget refused: block until memory may have come free there, or timeout_s.")
       .def("budget_share",
            [](const PageManager& pm) {
              BudgetShare share;

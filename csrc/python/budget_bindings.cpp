@@ -1,7 +1,7 @@
 // Every call that takes the budget's lock releases the GIL: the lock is shared
-// with other processes, and a holder may be slow (or dead, until the robust
-// mutex hands the lock on), so waiting for it must not stall this process's
-// other Python threads.
+// with other processes, and a holder may be slow (or stopped, until the lock
+// timeout), so waiting for it must not stall this process's other Python
+// threads.
 #include "python/budget_bindings.h"
 
 #include <pybind11/stl.h>
@@ -70,15 +70,17 @@ void bind_budget(py::module_& m) {
                   py::arg("lock_timeout_s") = Budget::kDefaultLockTimeoutSeconds, release_gil())
       .def_static("attach", &Budget::attach, py::arg("name"),
                   py::arg("lock_timeout_s") = Budget::kDefaultLockTimeoutSeconds, release_gil())
-      .def_static("remove", &Budget::remove, py::arg("name"), release_gil())
+      .def_static("remove", &Budget::remove, py::arg("name"), py::arg("force") = false, release_gil())
       .def_static("names", &Budget::names, release_gil())
+      .def_static("remove_leftovers", &Budget::remove_leftovers, release_gil())
       .def_property_readonly("name", &Budget::name)
       .def_property_readonly("device", &Budget::device)
       .def_property_readonly("max_members", &Budget::max_members)
       .def_property_readonly("lock_timeout_s", &Budget::lock_timeout_s)
-      .def_property_readonly("limit_bytes", &Budget::limit_bytes)
-      .def_property_readonly("held_bytes", &Budget::held_bytes)
-      .def_property_readonly("available_bytes", &Budget::available_bytes)
+      // Lock-free reads; a truncated segment reads as zeros, so say so instead.
+      .def_property_readonly("limit_bytes", [](const Budget& b) { return b.check_intact(), b.limit_bytes(); })
+      .def_property_readonly("held_bytes", [](const Budget& b) { return b.check_intact(), b.held_bytes(); })
+      .def_property_readonly("available_bytes", [](const Budget& b) { return b.check_intact(), b.available_bytes(); })
       .def("set_limit", &Budget::set_limit, py::arg("limit_bytes"), release_gil())
       .def("usage",
            [](Budget& b) {
@@ -97,6 +99,7 @@ void bind_budget(py::module_& m) {
       .def("report", &BudgetMember::report, py::arg("in_use_bytes"), py::arg("free_held_bytes"), release_gil())
       .def("pressure", &BudgetMember::pressure, release_gil())
       .def("clear_wait", &BudgetMember::clear_wait, release_gil())
+      .def("wait_for_memory", &BudgetMember::wait_for_memory, py::arg("timeout_s"), release_gil())
       .def("leave", &BudgetMember::leave, release_gil())
       .def_property_readonly("held_bytes", &BudgetMember::held_bytes)
       .def_property_readonly("id", &BudgetMember::id)

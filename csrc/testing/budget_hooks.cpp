@@ -1,9 +1,11 @@
 // Test hooks for the budget layer (tests/budget): act on a budget segment
 // behind the accounting's back, to reproduce what only a crash or a foreign
-// process would do: hold the lock and die, leave the lock unrecoverable, or
-// write an entry for a process that is not what its pid says.
-#include <pthread.h>
+// process would do: hold the lock and die, or write an entry for a process
+// that is not what its pid says.
 #include <unistd.h>
+
+#include <chrono>
+#include <thread>
 
 #include <cerrno>
 #include <cstring>
@@ -30,33 +32,37 @@ budget::Segment& open_segment(const std::string& name) {
   return *it->second;
 }
 
-// Locks budget `name`'s mutex raw. Returns pthread_mutex_lock's code (0,
-// EOWNERDEAD, ENOTRECOVERABLE); with make_consistent, EOWNERDEAD is repaired.
-int lock_raw(const std::string& name, bool make_consistent) {
-  budget::Header* h = open_segment(name).header();
-  int rc = pthread_mutex_lock(&h->mutex);
-  if (rc == EOWNERDEAD && make_consistent) pthread_mutex_consistent(&h->mutex);
-  if (rc == 0 || rc == EOWNERDEAD) h->lock_holder_pid.store(static_cast<int32_t>(getpid()));  // as Budget does
-  return rc;
+// Takes budget `name`'s lock as an operation does (the file lock, the state
+// word) and keeps it until budget_unlock_raw or this process dies. Returns 0.
+int lock_raw(const std::string& name) {
+  budget::Segment& s = open_segment(name);
+  s.process_mutex().lock();
+  while (!s.try_lock_byte(budget::kLockByte)) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  s.header()->lock.dirty.store(1);
+  s.header()->lock.holder_pid.store(static_cast<int32_t>(getpid()));  // as Budget does
+  return 0;
 }
 
 int unlock_raw(const std::string& name) {
-  budget::Header* h = open_segment(name).header();
-  h->lock_holder_pid.store(0);
-  return pthread_mutex_unlock(&h->mutex);
+  budget::Segment& s = open_segment(name);
+  s.header()->lock.holder_pid.store(0);
+  s.header()->lock.dirty.store(0);
+  s.unlock_byte(budget::kLockByte);
+  s.process_mutex().unlock();
+  return 0;
 }
 
 // Writes a live member entry for (pid, start_ticks) holding held_bytes, as a
-// process of this pid namespace would. Returns its slot.
+// process of this pid namespace would; the entry's liveness lock is taken by
+// this process (held until it exits), so only the pid decides. Returns its slot.
 uint32_t add_entry(const std::string& name, int32_t pid, uint64_t start_ticks, const std::string& label,
                    uint64_t held_bytes) {
   budget::Segment& s = open_segment(name);
-  int rc = lock_raw(name, true);
-  if (rc != 0 && rc != EOWNERDEAD) throw BudgetError("budget_add_entry: lock failed: " + std::string(strerror(rc)));
+  lock_raw(name);
   const budget::ProcessIdentity self = budget::current_process();
   for (uint32_t i = 0; i < s.max_members(); ++i) {
     budget::Entry& e = *s.entry(i);
-    if (e.state.load() != budget::kEntryFree) continue;
+    if (e.state.load() != budget::kEntryFree || !s.try_lock_byte(budget::member_byte(i))) continue;
     e.pid = pid;
     e.start_ticks = start_ticks;
     e.pid_namespace = self.pid_namespace;
@@ -87,10 +93,8 @@ uint64_t start_ticks(int32_t pid) {
 }  // namespace
 
 void bind_budget_hooks(py::module_& m) {
-  m.def("budget_lock_raw", &lock_raw, py::arg("name"), py::arg("make_consistent") = true,
-        py::call_guard<py::gil_scoped_release>(),
-        "Locks budget `name`'s mutex and keeps it (until budget_unlock_raw or the process dies); returns the "
-        "pthread_mutex_lock code.");
+  m.def("budget_lock_raw", &lock_raw, py::arg("name"), py::call_guard<py::gil_scoped_release>(),
+        "Takes budget `name`'s lock and keeps it (until budget_unlock_raw or the process dies); returns 0.");
   m.def("budget_unlock_raw", &unlock_raw, py::arg("name"));
   m.def("budget_add_entry", &add_entry, py::arg("name"), py::arg("pid"), py::arg("start_ticks"), py::arg("label"),
         py::arg("held_bytes"), py::call_guard<py::gil_scoped_release>(),

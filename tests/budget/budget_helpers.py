@@ -30,7 +30,7 @@ def budget_name():
     name = f"t{os.getpid()}-{next(_counter)}"
     yield name
     try:
-        vbudget.remove(name)
+        vbudget.remove(name, force=True)  # members a failed test's traceback keeps alive must not keep it
     except vattn.BudgetError:
         pass  # the test removed it
 
@@ -87,7 +87,14 @@ class Child:
         self._out.write(line + "\n")
         self._out.flush()
 
-    def recv(self) -> str:
+    def recv(self, timeout_s: float | None = None) -> str:
+        """The next line; AssertionError when none comes within ``timeout_s``
+        seconds (None: wait as long as it takes)."""
+        if timeout_s is not None:
+            import select
+
+            if not select.select([self._in], [], [], timeout_s)[0]:
+                raise AssertionError(f"process {self.pid} said nothing for {timeout_s} s")
         line = self._in.readline()
         if not line:
             raise EOFError("the other process closed its pipe (it died or failed: see its traceback above)")
@@ -136,3 +143,54 @@ def run_in_child(fn: Callable[[], Any], timeout_s: float) -> str:
         return child.recv() if ready else "timeout"
     finally:
         child.close()
+
+
+_thread_exit_ready = False
+
+
+FRESH_PROCESS = "VATTN_TEST_FRESH_PROCESS"
+
+
+def run_in_fresh_process(request: pytest.FixtureRequest, timeout_s: float = 900) -> bool:
+    """For tests whose children are forked from the test process: a process
+    with other threads (the suite's earlier tests leave OpenMP pools and
+    mapper threads behind) may be forked while one of them holds a lock the
+    child then needs. Outside a fresh process this runs the test alone in a
+    new interpreter (one thread when it forks) and returns True, having
+    asserted that it passed; inside it returns False (run the test here)."""
+    import subprocess
+    import sys
+
+    if os.environ.get(FRESH_PROCESS) == "1":
+        return False
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+                          cwd=root, env=dict(os.environ, **{FRESH_PROCESS: "1"}), capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    return True
+
+
+def prepare_thread_exit() -> None:
+    """Lets a child forked after this call end its main thread with
+    pthread_exit: glibc loads libgcc_s (under the loader's lock) at a
+    process's first thread exit by unwinding; done once here, the children
+    inherit it loaded, and cannot block on a lock another thread of this
+    process held at fork time."""
+    global _thread_exit_ready
+    if _thread_exit_ready:
+        return
+    import ctypes
+    import threading
+
+    import time
+
+    # Never joined: a thread that leaves by pthread_exit skips Python's own
+    # end of thread, so join() would wait forever; its task entry going is the end.
+    t = threading.Thread(target=lambda: ctypes.CDLL(None).pthread_exit(None), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while t.native_id is None or os.path.exists(f"/proc/self/task/{t.native_id}"):
+        assert time.monotonic() < deadline, "a thread did not end by pthread_exit"
+        time.sleep(0.001)
+    _thread_exit_ready = True

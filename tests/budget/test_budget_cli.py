@@ -37,9 +37,9 @@ def test_create_then_top_json_and_rm_in_subprocesses(budget_name, capsys):
     assert snap["processes"] == [{"pid": os.getpid(), "managers": ["engine:test"], "held_bytes": GiB,
                                   "in_use_bytes": GiB // 4, "free_held_bytes": GiB // 2, "waiting_bytes": 0}]
     assert [(x["label"], x["in_use_bytes"]) for x in snap["members"]] == [("engine:test", GiB // 4)]
+    m.leave()
     proc = cli("budget", "rm", budget_name)
     assert proc.returncode == 0, proc.stderr
-    assert "1 member(s) in 1 process(es) keep using it" in proc.stdout
     assert budget_name not in vattn.budget.names()
 
 
@@ -133,3 +133,36 @@ def test_top_and_ls_show_every_budget_and_survive_a_corrupt_one(budget_name, cap
         assert main(["budget", "rm", budget_name]) == 0  # a corrupt budget is removed all the same
     finally:
         vattn.budget.remove(budget_name + "-ok")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["create", "{n}", "--limit", "1e9999999"], "size '1e9999999' must be in [1, 2**64 - 1] bytes"),
+    (["set", "{n}", "--limit", "1e999999GiB"], "size '1e999999GiB' must be in [0, 2**64 - 1] bytes"),
+    (["create", "{n}", "--limit", "-1GiB"], "size '-1GiB' must be in [1, 2**64 - 1] bytes"),
+    (["set", "{n}", "--limit", "-5"], "size '-5' must be in [0, 2**64 - 1] bytes"),
+    (["create", "{n}", "--size", "1GiB"], "unrecognized arguments: --size 1GiB"),
+    (["create", "{n}", "--limit", "0"], "a budget of 0 bytes grants nothing"),
+])
+def test_bad_sizes_and_arguments_say_what_is_wrong(budget_name, capsys, args, says):
+    """Each ends in one line naming the argument and what it accepts, never a traceback."""
+    with pytest.raises(SystemExit) as info:
+        main(["budget", *[a.format(n=budget_name) for a in args]])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "--limit" in err, err
+    assert budget_name not in vattn.budget.names()
+
+
+def test_rm_refuses_a_budget_in_use_unless_forced(budget_name, capsys):
+    b = vattn.Budget.create(budget_name, GiB)
+    m = b.join("engine:live")
+    assert m.try_grant(GiB // 2)
+    assert main(["budget", "rm", budget_name]) == 1
+    err = capsys.readouterr().err
+    assert f"budget '{budget_name}' has 1 live member" in err and "--force" in err
+    assert budget_name in vattn.budget.names() and m.try_grant(1)
+    assert main(["budget", "rm", "--force", budget_name]) == 0
+    assert "1 member(s) in 1 process(es) were told it is gone" in capsys.readouterr().out
+    assert budget_name not in vattn.budget.names()
+    with pytest.raises(vattn.BudgetError, match="was removed"):
+        m.try_grant(1)

@@ -1,8 +1,12 @@
 """Two serving engines in two processes under one budget: the budget fits a
-few requests of one engine, never both engines' peaks. Both finish every
-request with the greedy fp32 tokens they produce alone, the budget's total
-never passes its limit, and the contention shows as refused page creations
-and preemptions (tests/budget/engine_budget_scenario.py is one engine)."""
+few requests of one engine, never both engines' peaks, and its limit is
+lowered below what one request needs twice while they serve. Both finish
+every request with the greedy fp32 tokens they produce alone (none fails),
+the budget's total never passes its limit, and the contention shows as
+refused page creations and preemptions
+(tests/budget/engine_budget_scenario.py is one engine). In one process: a
+limit lowered for a moment, a request larger than the pool, and a waiting
+engine's CPU time."""
 
 from __future__ import annotations
 
@@ -10,10 +14,12 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from budget_helpers import budget_name  # noqa: F401 (fixture)
 
 import vattn
@@ -39,9 +45,18 @@ def test_two_engines_in_two_processes_share_one_budget(budget_name):
             p.stdin.write("go\n")
             p.stdin.flush()
         peak = 0
+        start = time.monotonic()
+        lowered = 0
         while any(p.poll() is None for p in engines):
             peak = max(peak, budget.held_bytes)
+            # the limit is a live setting: twice, 2 page ids for 0.5 s (a request needs up to 3), then back
+            since = time.monotonic() - start
+            low = 0.3 <= since % 1.5 < 0.8 and since < 3.0
+            if low != (budget.limit < limit):
+                budget.set_limit(2 * ID_BYTES if low else limit)
+                lowered += low
             time.sleep(0.002)
+        budget.set_limit(limit)
         results = [json.loads(p.stdout.read().strip().splitlines()[-1]) for p in engines]
         assert [p.returncode for p in engines] == [0, 0]
     finally:
@@ -51,6 +66,119 @@ def test_two_engines_in_two_processes_share_one_budget(budget_name):
                 p.wait()
     assert all(r["equal"] for r in results), results
     assert [r["label"] for r in results] == ["engine", "engine"]
-    assert 0 < peak <= limit
+    assert 0 < peak <= limit and lowered >= 1
     assert sum(r["refused"] for r in results) > 0 and sum(r["preemptions"] for r in results) > 0, results
     assert budget.usage().members == ()
+
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The model runs in this process with one thread: an OpenMP pool started
+    here would hang the children that later tests fork from it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (int(k),), generator=g).tolist() for k in torch.randint(30, 60, (n,), generator=g)]
+
+
+OPTIONS = dict(max_batch_size=4, max_context_len=128, page_size=4096)
+
+
+def test_a_limit_lowered_for_a_moment_loses_no_request(budget_name, model):
+    """The limit is a live setting: lowered below what a running request needs
+    for a moment and restored, the requests wait (preempted, requeued)
+    instead of failing."""
+    from vattn.engine import Engine
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, VOCAB, (40,), generator=g).tolist() for _ in range(2)]  # 2 page ids each...
+    with Engine(model, budget=False, **OPTIONS) as alone:
+        expected = alone.generate(prompts, max_new_tokens=60)  # ...and a third at 64 tokens
+    budget = vattn.Budget.create(budget_name, 8 * ID_BYTES)
+    # no mapper running ahead: the third page is asked for when the tokens reach it
+    with Engine(model, budget=budget_name, idle_release_s=0.2, background=False, **OPTIONS) as engine:
+        def lower() -> None:
+            while engine.iteration < 3:
+                time.sleep(0.001)
+            budget.set_limit(ID_BYTES)  # less than either request holds
+            deadline = time.monotonic() + 5
+            while engine.iteration < 30 and time.monotonic() < deadline:  # past the third page's first token
+                time.sleep(0.001)
+            time.sleep(0.3)
+            budget.set_limit(8 * ID_BYTES)
+
+        lowering = threading.Thread(target=lower)
+        lowering.start()
+        try:
+            got = engine.generate(prompts, max_new_tokens=60)
+        finally:
+            lowering.join()
+        assert got == expected
+        assert engine.stats()["creations_refused"] > 0  # the lowered limit was felt
+
+
+def test_a_request_larger_than_the_pool_fails_alone_and_the_batch_is_kept(budget_name, model):
+    from vattn.engine import Engine, GenerateError
+
+    vattn.Budget.create(budget_name, 64 * ID_BYTES)
+    prompts = _prompts(3, 2)
+    with Engine(model, budget=False, **OPTIONS) as alone:
+        expected = alone.generate(prompts, max_new_tokens=8)
+    big = [2 + i % 90 for i in range(98)]  # 4 page ids: more than the pool's 3
+    with Engine(model, budget=budget_name, physical_memory=3 * ID_BYTES, **OPTIONS) as engine:
+        with pytest.raises(GenerateError, match="request 1 failed: needs .* more than the physical pool") as info:
+            engine.generate([prompts[0], big, prompts[1], prompts[2]], max_new_tokens=8)
+        outputs = info.value.outputs
+        assert [outputs[i] for i in (0, 2, 3)] == expected and outputs[1] is None
+        assert [out.request_id for out in info.value.failed] == [1]
+
+
+def test_a_waiting_engine_blocks_instead_of_spinning(budget_name, model):
+    """Waiting 2 s for another member's memory costs almost no CPU: the wait
+    blocks on the budget (woken when memory is released or the limit raised)
+    instead of asking again and again. A bound on CPU time and on refused
+    page creations, generous on both sides: a spinning wait took ~70% of a
+    core and tens of thousands of refusals."""
+    from vattn.engine import Engine
+
+    budget = vattn.Budget.create(budget_name, 8 * ID_BYTES)
+    prompt = _prompts(1, 3)
+    with Engine(model, budget=budget_name, idle_release_s=0.05, **OPTIONS) as engine:
+        expected = engine.generate(prompt, max_new_tokens=4)  # warm: the model's first run costs most
+        deadline = time.monotonic() + 5
+        while budget.held_bytes:  # the engine gives its free pages back: it must ask for new ones
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        hog = budget.join("hog")
+        assert hog.try_grant(8 * ID_BYTES)
+        releaser = threading.Timer(2.0, hog.leave)
+        refused = engine.stats()["creations_refused"]
+        releaser.start()
+        t0, cpu0 = time.monotonic(), time.process_time()
+        try:
+            got = engine.generate(prompt, max_new_tokens=4)
+        finally:
+            releaser.join()
+        cpu, wall = time.process_time() - cpu0, time.monotonic() - t0
+        assert got == expected and wall >= 1.9
+        assert cpu < 0.6, f"{cpu:.2f} s of CPU for a {wall:.2f} s wait"
+        assert engine.stats()["creations_refused"] - refused < 200

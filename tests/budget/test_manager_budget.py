@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import os
 import threading
 import time
 
@@ -249,7 +250,10 @@ def test_joining_by_name_object_or_environment(budget_name, monkeypatch):
     with make_kv(budget=False) as kv:  # opted out
         assert kv.budget is None and kv.budget_share() is None
     monkeypatch.setenv("VATTN_BUDGET", budget_name + "-missing")
-    with pytest.raises(vattn.BudgetError, match="no budget '.*-missing'"):
+    with pytest.raises(vattn.BudgetError, match=rf"environment variable VATTN_BUDGET={budget_name}-missing: no budget '.*-missing'"):
+        make_kv(budget=None)
+    monkeypatch.setenv("VATTN_BUDGET", "bad/name")
+    with pytest.raises(ValueError, match="environment variable VATTN_BUDGET=bad/name: budget name 'bad/name' is invalid"):
         make_kv(budget=None)
     monkeypatch.delenv("VATTN_BUDGET")
     with make_kv(budget=None) as kv:
@@ -316,3 +320,59 @@ def test_the_cuda_path_against_the_fake_driver(budget_name, fake_cuda):
     assert_invariants(kv)
     kv.cleanup()
     assert budget.held_bytes == 0 and fake_cuda.fake_cuda_live_handles() == handles
+
+
+def _budget_gone_while_in_use(budget_name: str, budget_device: str, gone: str, **shape) -> None:
+    """A manager holding pages under a request while its budget is removed
+    (`rm --force`) or its segment truncated: it keeps working on what it
+    holds, refuses new pages with a BudgetError naming why, its keeper stops
+    drawing from the budget (no error from a step that needs nothing new),
+    and cleanup gives everything back. Runs in a child: a truncated segment
+    once killed the process with SIGBUS."""
+    from budget_helpers import segment_path
+
+    budget = vattn.Budget.create(budget_name, 128 * MiB, device=budget_device)
+    kv = vattn.KVCacheManager(budget=budget_name, idle_release_s=0.05, **shape)
+    a, b = kv.alloc_reqid(), kv.alloc_reqid()
+    tokens = kv.page_tokens
+    lens = [0] * kv.config.max_batch_size
+    lens[a], lens[b] = 2 * tokens, tokens
+    assert kv.step(lens)
+    kv.free_reqid(b)  # a free page the keeper would give back to a live budget
+    lens[b] = 0
+    kv.wait_idle()  # the mapper's pages ahead of need are made
+    held = kv.budget_share()["held_bytes"]
+    if gone == "removed":
+        vattn.budget.remove(budget_name, force=True)
+        why = "was removed"
+    else:
+        os.truncate(segment_path(budget_name), 0)
+        why = "truncated"
+    time.sleep(0.2)  # ten keeper ticks on a budget that is gone
+    lens[a] = 2 * tokens - 1  # within what it holds
+    assert kv.step(lens)
+    assert kv.step(lens)
+    before = kv.page_ids(a)
+    lens[a] = 12 * tokens  # more pages than it holds: refused with the reason
+    with pytest.raises(vattn.BudgetError, match=rf"'{budget_name}'.*{why}"):
+        kv.step(lens)
+    with pytest.raises(vattn.BudgetError, match=why):
+        budget.usage()
+    assert kv.page_ids(a) == before  # the refused step changed nothing
+    assert kv.stats()["bytes_created"] == held  # the keeper released nothing into a budget that is gone
+    assert_invariants(kv)
+    kv.cleanup()
+
+
+@pytest.mark.parametrize("gone", ["removed", "truncated"])
+def test_a_budget_removed_or_truncated_under_a_manager_on_the_host(budget_name, gone):
+    shape = dict(num_layers=1, num_kv_heads=1, head_dim=64, dtype=torch.float32, max_batch_size=4,
+                 max_context_len=4096, page_size=64 << 10, physical_memory=64 * ID_BYTES)
+    assert run_in_child(lambda: _budget_gone_while_in_use(budget_name, "cpu", gone, **shape), 60) == "ok"
+
+
+@pytest.mark.parametrize("gone", ["removed", "truncated"])
+def test_a_budget_removed_or_truncated_under_a_manager_on_the_fake_cuda_driver(budget_name, fake_cuda, gone):
+    shape = dict(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=2,
+                 max_context_len=32768, device="cuda", physical_memory=64 * MiB)
+    assert run_in_child(lambda: _budget_gone_while_in_use(budget_name, "cuda:0", gone, **shape), 60) == "ok"

@@ -7,15 +7,17 @@ VATTN_BUDGET joins without code."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from budget_helpers import Child, budget_name  # noqa: F401 (fixture)
+from budget_helpers import Child, budget_name, prepare_thread_exit, run_in_fresh_process, segment_path  # noqa: F401
 from manager_helpers import B, ID_BYTES, TOKENS_PER_PAGE, make_kv, pages, wait_until
 
 import vattn
@@ -23,19 +25,30 @@ import vattn
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _stepper(name: str, seed: int, ops: int, limit: int):
+def _stepper(name: str, seed: int, ops: int, limit: int, in_thread: bool = False, broken_ok: bool = False):
     """A child's body: random admissions, growth and preemptions (as an
     engine does) in its own manager, mapper on; checks that no request loses
-    a page and that the budget's total never passes the limit."""
+    a page and that the budget's total never passes the limit.
 
-    def body(c: Child) -> None:
+    ``in_thread``: the work runs in a second thread and the main thread exits
+    (pthread_exit) once the manager holds pages: the process lives on.
+    ``broken_ok``: half-way it waits for the parent to truncate the segment;
+    a BudgetError saying so counts as a refusal (the manager works on with
+    what it holds)."""
+
+    def run(c: Child) -> None:
         budget = vattn.Budget.attach(name)
         kv = make_kv(budget=name, idle_release_s=None, budget_label=f"stepper-{seed}")
         rng = random.Random(seed)
         live: dict[int, int] = {}  # reqid -> tokens stepped
         steps = refused = violations = 0
+        c.send("ready")
         c.recv()  # start together
-        for _ in range(ops):
+        broken = 0
+        for op in range(ops):
+            if broken_ok and op == ops // 2:
+                c.send("midway")  # the parent truncates the segment now
+                c.recv()
             x = rng.random()
             if x < 0.2 and len(live) < B:
                 live[kv.alloc_reqid()] = 0
@@ -48,7 +61,14 @@ def _stepper(name: str, seed: int, ops: int, limit: int):
                 lens = [target.get(r, 0) for r in range(B)]
                 before = {r: kv.page_ids(r) for r in live}
                 steps += 1
-                if kv.step(lens):
+                try:
+                    stepped = kv.step(lens)
+                except vattn.BudgetError as e:
+                    if not broken_ok or "cannot be used" not in str(e):
+                        raise
+                    broken += 1
+                    stepped = False
+                if stepped:
                     live = target
                     violations += sum(kv.mapped_tokens(r) < n for r, n in live.items())
                 else:
@@ -57,16 +77,53 @@ def _stepper(name: str, seed: int, ops: int, limit: int):
                     r = max(live)  # preempt the most recent
                     kv.free_reqid(r)
                     del live[r]
-            violations += budget.held_bytes > limit
+            try:
+                violations += budget.held_bytes > limit
+            except vattn.BudgetError:  # truncated: the lock-free read says so instead of reading zeros
+                if not broken_ok:
+                    raise
+            if in_thread and steps == 5 and not main_may_exit.is_set():
+                main_may_exit.set()
+                deadline = time.monotonic() + 5
+                while _proc_state(os.getpid()) != "Z":  # the rest runs with the main thread gone
+                    assert time.monotonic() < deadline, "the main thread did not exit"
+                    time.sleep(0.001)
         kv.wait_idle()
+        main_may_exit.set()
         c.send("done")
         c.recv()  # the others are done too and no wait is left: nothing moves any more
         kv.wait_idle()
         c.send(json.dumps({"label": f"stepper-{seed}", "share": kv.budget_share(), "steps": steps,
                            "created": kv.stats()["bytes_created"], "refused": refused, "violations": violations,
-                           "invariants": kv._pages.check_invariants()}))
+                           "invariants": kv._pages.check_invariants(), "broken": broken}))
         c.recv()  # keep the pages until the parent has looked
         kv.cleanup()
+
+    main_may_exit = threading.Event()
+
+    def body(c: Child) -> None:
+        if not in_thread:
+            return run(c)
+        threading.Thread(target=run, args=(c,)).start()
+        main_may_exit.wait()
+        ctypes.CDLL(None).pthread_exit(None)  # the process goes on in the stepping thread
+
+    return body
+
+
+def _exec_after_holding(name: str, ids: int):
+    """A child's body: a manager holding ``ids`` page ids under a request; on
+    "go" the process execs another program (same pid and start time, its
+    pages gone with the old image)."""
+
+    def body(c: Child) -> None:
+        kv = make_kv(budget=name, idle_release_s=None, background=False, eager=False, budget_label="execs")
+        a = kv.alloc_reqid()
+        while not kv.step(pages(a, ids * TOKENS_PER_PAGE)):
+            kv.wait_for_budget(0.1)
+        c.send("holding")
+        c.recv()
+        os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)"])
 
     return body
 
@@ -76,9 +133,10 @@ def test_the_limit_holds_across_processes_under_concurrent_steps(budget_name):
     budget = vattn.Budget.create(budget_name, limit)
     children = [Child(_stepper(budget_name, seed, 150, limit)) for seed in range(3)]
     try:
+        assert [c.recv() for c in children] == ["ready"] * 3
         for c in children:
             c.send("go")
-        assert [c.recv() for c in children] == ["done"] * 3
+        assert [c.recv(300) for c in children] == ["done"] * 3
         # Until the last refused wait expires (1 s) the keepers still give free pages back to it.
         time.sleep(1.1)
         for c in children:
@@ -98,6 +156,80 @@ def test_the_limit_holds_across_processes_under_concurrent_steps(budget_name):
     finally:
         for c in children:
             c.close()
+
+
+def test_members_that_exec_or_lose_their_main_thread_under_concurrent_steps(budget_name, request):
+    """The stress above with two more members: one whose main thread exits
+    early (its share stays counted: the process lives and steps on), and one
+    that execs while the others step (its share comes back to them). Forks
+    from a fresh interpreter: a child that ends its main thread must not
+    inherit a lock another thread of the suite's process held."""
+    if run_in_fresh_process(request):
+        return
+    limit = 24 * ID_BYTES
+    budget = vattn.Budget.create(budget_name, limit)
+    prepare_thread_exit()
+    execs = Child(_exec_after_holding(budget_name, 6))
+    assert execs.recv(120) == "holding"
+    children = [Child(_stepper(budget_name, seed, 150, limit, in_thread=seed == 3)) for seed in range(4)]
+    try:
+        assert [c.recv(120) for c in children] == ["ready"] * 4
+        for c in children:
+            c.send("go")
+        execs.send("exec")
+        assert [c.recv(300) for c in children] == ["done"] * 4
+        assert _proc_state(children[3].pid) == "Z"  # its main thread is gone; the process steps on
+        time.sleep(1.1)
+        for c in children:
+            c.send("report")
+        results = [json.loads(c.recv(120)) for c in children]
+        assert all(r["violations"] == 0 and r["invariants"] == "" for r in results), results
+        # each member holds exactly the pages its process created; the exec'd one holds nothing
+        held = {m.label: m.held_bytes for m in budget.usage().members}
+        assert held == {r["label"]: r["created"] for r in results} == {r["label"]: r["share"]["held_bytes"]
+                                                                       for r in results}
+        assert sum(held.values()) == budget.held_bytes <= limit
+        for c in children:
+            c.send("exit")
+            assert c.wait() == 0
+        assert budget.usage().members == () and budget.held_bytes == 0
+    finally:
+        for c in [*children, execs]:
+            c.close()
+
+
+def test_a_segment_truncated_under_stepping_members_kills_nobody(budget_name):
+    """The segment's file is truncated while three processes step: none dies
+    (SIGBUS), each reports the budget unusable when it needs new pages and
+    works on with what it holds."""
+    limit = 24 * ID_BYTES
+    vattn.Budget.create(budget_name, limit)
+    children = [Child(_stepper(budget_name, seed, 600, limit, broken_ok=True)) for seed in range(3)]
+    try:
+        assert [c.recv() for c in children] == ["ready"] * 3
+        for c in children:
+            c.send("go")
+        assert [c.recv() for c in children] == ["midway"] * 3  # every one holds pages and steps on
+        os.truncate(segment_path(budget_name), 0)
+        for c in children:
+            c.send("go on")
+        assert [c.recv() for c in children] == ["done"] * 3
+        for c in children:
+            c.send("report")
+        results = [json.loads(c.recv()) for c in children]
+        assert all(r["violations"] == 0 and r["invariants"] == "" for r in results), results
+        assert sum(r["broken"] for r in results) > 0  # they did meet it
+        for c in children:
+            c.send("exit")
+            assert c.wait() == 0
+    finally:
+        for c in children:
+            c.close()
+
+
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def _holder(name: str, in_use_ids: int, free_ids: int = 0):

@@ -43,6 +43,7 @@ __all__ = [
     "BudgetError",
     "names",
     "remove",
+    "remove_leftovers",
     "resolve_device",
 ]
 
@@ -126,11 +127,11 @@ class BudgetUsage:
         return d
 
 
-def _check_bytes(value: Any, what: str) -> int:
+def _check_bytes(value: Any, what: str, minimum: int = 0, why: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int of bytes, got {type(value).__name__}")
-    if not 0 <= value <= MAX_BYTES:
-        raise ValueError(f"{what} must be in [0, 2**64 - 1] bytes, got {value}")
+    if not minimum <= value <= MAX_BYTES:
+        raise ValueError(f"{what} must be in [{minimum}, 2**64 - 1] bytes, got {value}{why}")
     return value
 
 
@@ -256,6 +257,18 @@ class BudgetMember:
         """This member no longer waits (its caller gave up on the refused grant)."""
         self._member.clear_wait()
 
+    def wait_for_memory(self, timeout_s: float) -> bool:
+        """After a refused :meth:`try_grant`: blocks until memory may have come
+        free in the budget (a member released or left, the limit changed) or
+        ``timeout_s`` seconds (0-3600) pass; True when something changed. Costs
+        no CPU while it waits (a futex in the segment). Ask again within a
+        second for the wait to keep counting as pressure on the others."""
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+            raise TypeError(f"timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
+        if not 0 <= timeout_s <= 3600:
+            raise ValueError(f"timeout_s must be in [0, 3600] seconds, got {timeout_s}")
+        return self._member.wait_for_memory(float(timeout_s))
+
     def leave(self) -> None:
         """Leaves the budget, giving back everything it holds. Idempotent."""
         self._member.leave()
@@ -292,11 +305,14 @@ class Budget:
         :func:`resolve_device`), with room for ``max_members`` members.
 
         ``name``: 1-64 characters of A-Z a-z 0-9 . _ - (ValueError otherwise).
+        ``limit_bytes``: at least 1 (a budget of 0 bytes grants nothing; a
+        live budget's limit may be set to 0 with :meth:`set_limit`).
         ``lock_timeout_s``: see :meth:`attach`.
-        Raises BudgetError if a budget of that name exists.
+        Raises BudgetError if a budget of that name exists. Removes what
+        creators killed half-way left behind (:func:`remove_leftovers`).
         """
         _check_str(name, "name")
-        _check_bytes(limit_bytes, "limit_bytes")
+        _check_bytes(limit_bytes, "limit_bytes", 1, ": a budget of 0 bytes grants nothing")
         if isinstance(max_members, bool) or not isinstance(max_members, int):
             raise TypeError(f"max_members must be an int, got {type(max_members).__name__}")
         if not 1 <= max_members <= MAX_MEMBERS_CAP:
@@ -307,7 +323,9 @@ class Budget:
     @classmethod
     def attach(cls, name: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> Budget:
         """Opens the existing budget ``name``. Raises BudgetError when there is
-        none, or it is corrupt or of another format version.
+        none, or it is corrupt or of another format version, or its segment is
+        owned by another user or open to other users (mode wider than 0600:
+        whoever can write it can take every member's memory away).
 
         Operations hold the budget's lock for microseconds; one that waits
         more than ``lock_timeout_s`` seconds for it raises BudgetError naming
@@ -326,7 +344,8 @@ class Budget:
 
     @property
     def limit(self) -> int:
-        """The limit in bytes (read without the lock)."""
+        """The limit in bytes (read without the lock). BudgetError once the
+        segment was truncated or overwritten under this process."""
         return self._b.limit_bytes
 
     @property
@@ -360,19 +379,37 @@ class Budget:
         shown by ``top``). Raises BudgetError when the member table is full."""
         return BudgetMember(self._b.join(_check_str(label, "label")))
 
-    def remove(self) -> None:
-        """Removes this budget from the machine. Processes that use it keep
-        their copy until they exit; new ones no longer find it."""
-        remove(self.name)
+    def remove(self, force: bool = False) -> int:
+        """Removes this budget from the machine (see :func:`remove`); returns
+        how many live members it had."""
+        return remove(self.name, force)
 
     def __repr__(self) -> str:
         return f"Budget(name={self.name!r}, device={self.device!r}, limit={self.limit})"
 
 
-def remove(name: str) -> None:
-    """Removes budget ``name`` (``python -m vattn budget rm NAME``); works on a
-    corrupt one too. Raises BudgetError when there is none."""
-    _C.Budget.remove(_check_str(name, "name"))
+def remove(name: str, force: bool = False) -> int:
+    """Removes budget ``name`` (``python -m vattn budget rm NAME``); returns
+    how many live members it had. Works on a corrupt one too.
+
+    Raises BudgetError when there is none, and (changing nothing) while it
+    has live members unless ``force``: they would go on charging a segment
+    nobody else sees. With ``force`` the budget is first marked removed, so
+    its members are refused new memory with a BudgetError saying so (a KV
+    cache manager keeps what it holds, its ``step`` raises when it needs new
+    pages), then it is unlinked.
+    """
+    if not isinstance(force, bool):
+        raise TypeError(f"force must be a bool, got {type(force).__name__}")
+    return _C.Budget.remove(_check_str(name, "name"), force)
+
+
+def remove_leftovers() -> list[str]:
+    """Removes the staging files of budget creators that died half-way
+    (killed during :meth:`Budget.create`), only those whose creator is gone;
+    returns their file names in /dev/shm. ``python -m vattn budget ls`` and
+    :meth:`Budget.create` call it."""
+    return list(_C.Budget.remove_leftovers())
 
 
 def names() -> list[str]:

@@ -6,10 +6,16 @@ import argparse
 import json
 import sys
 
-from .budget import DEFAULT_MAX_MEMBERS, Budget, names, remove
-from .top import run_top
 from vattn.common.errors import BudgetError, VAttnError
 from vattn.common.sizes import format_bytes, parse_size
+
+from .budget import DEFAULT_MAX_MEMBERS, Budget, names, remove, remove_leftovers
+from .top import run_top
+
+# Options whose value may start with '-' (argparse takes "--limit -1GiB" for
+# two options and says only "expected one argument"; joined as
+# "--limit=-1GiB" the value reaches the size check, which names the range).
+_VALUE_OPTIONS = ("--limit",)
 
 
 def _size(text: str) -> int:
@@ -17,6 +23,56 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _limit(text: str) -> int:
+    """A new budget's limit: 1 byte or more."""
+    try:
+        return parse_size(text, minimum=1)
+    except ValueError as e:
+        zero = False
+        try:
+            zero = parse_size(text) == 0
+        except ValueError:
+            pass
+        raise argparse.ArgumentTypeError(f"{e}: a budget of 0 bytes grants nothing" if zero else str(e)) from None
+
+
+def join_option_values(argv: list[str]) -> list[str]:
+    """``argv`` with each ``--limit VALUE`` whose value starts with '-' joined
+    into ``--limit=VALUE``, so a negative size gets its own error message."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in _VALUE_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and argv[i + 1][1:2].isdigit():
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser whose errors also name the options it does not
+    know: argparse reports a missing required option first and stays silent
+    about a mistyped one (``--size 1GiB`` for ``--limit 1GiB``)."""
+
+    argv: list[str] = []  # the command line being parsed, set by vattn.__main__.main
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        unknown = []
+        words = _CommandParser.argv
+        for i, word in enumerate(words):
+            option = word.split("=", 1)[0]
+            if option.startswith("--") and option not in self._option_string_actions:
+                value = words[i + 1] if "=" not in word and i + 1 < len(words) and \
+                    not words[i + 1].startswith("-") else None
+                unknown.append(word if value is None else f"{word} {value}")
+        if unknown and "unrecognized arguments" not in message:
+            message = f"{message}; unrecognized arguments: {' '.join(unknown)}"
+        super().error(message)
 
 
 def _positive(kind: type):
@@ -32,20 +88,22 @@ def _positive(kind: type):
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Registers the `budget` and `top` subcommands on ``sub``."""
     budget = sub.add_parser("budget", help="create, resize, remove or list machine-wide memory budgets")
-    actions = budget.add_subparsers(dest="budget_command", required=True)
+    actions = budget.add_subparsers(dest="budget_command", required=True, parser_class=_CommandParser)
     create = actions.add_parser("create", help="create a budget")
     create.add_argument("name", help="1-64 characters of A-Z a-z 0-9 . _ -")
-    create.add_argument("--limit", type=_size, required=True,
-                        help="bytes: 4GiB, 512MiB, 4G (= 4 GiB), 2e9, 1.5GB ...")
+    create.add_argument("--limit", type=_limit, required=True,
+                        help="bytes, at least 1: 4GiB, 512MiB, 4G (= 4 GiB), 2e9, 1.5GB ...")
     create.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, or a GPU UUID (GPU-...)")
     create.add_argument("--max-members", type=int, default=DEFAULT_MAX_MEMBERS,
                         help=f"managers it has room for (default {DEFAULT_MAX_MEMBERS})")
     change = actions.add_parser("set", help="change a budget's limit, live")
     change.add_argument("name")
     change.add_argument("--limit", type=_size, required=True, help="bytes: 2GiB, 512MiB, 2e9 ...")
-    rm = actions.add_parser("rm", help="remove a budget (also a corrupt one)")
+    rm = actions.add_parser("rm", help="remove a budget (also a corrupt one); refused while processes use it")
     rm.add_argument("name")
-    ls = actions.add_parser("ls", help="list the budgets on this machine")
+    rm.add_argument("--force", action="store_true",
+                    help="remove it although processes use it: they are refused new memory from it from then on")
+    ls = actions.add_parser("ls", help="list the budgets on this machine (and remove what killed creators left)")
     ls.add_argument("--json", action="store_true", help="print as JSON")
     budget.set_defaults(run_command=run_budget)
 
@@ -87,20 +145,21 @@ def _set(args: argparse.Namespace) -> int:
 
 
 def _rm(args: argparse.Namespace) -> int:
-    note = ""
+    processes = 0
     try:
-        u = Budget.attach(args.name).usage()
-        if u.members:
-            note = (f"; {len(u.members)} member(s) in {len(u.processes)} process(es) keep using it until they "
-                    f"exit, new processes no longer find it")
+        processes = len(Budget.attach(args.name).usage().processes)
     except BudgetError:
         pass  # missing (remove says so) or corrupt (removed all the same)
-    remove(args.name)
+    members = remove(args.name, args.force)
+    note = (f"; {members} member(s) in {processes} process(es) were told it is gone: they are refused new memory "
+            f"from it and keep what they hold") if members else ""
     print(f"removed budget {args.name}{note}")
     return 0
 
 
 def _ls(args: argparse.Namespace) -> int:
+    for leftover in remove_leftovers():  # on stderr: --json keeps stdout to the listing
+        print(f"removed {leftover}: the staging file of a budget creator that died half-way", file=sys.stderr)
     rows = []
     for name in names():
         try:

@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 
-from .budget import Budget, BudgetMember, resolve_device
 from vattn.common.config import KVCacheConfig
+from vattn.common.errors import BudgetError
+
+from .budget import Budget, BudgetMember, resolve_device
 
 ENV_VAR = "VATTN_BUDGET"
 # Seconds without a step after which a manager in a budget gives its free
@@ -54,9 +56,14 @@ def join_budget(budget: Any, device: torch.device, label: str) -> tuple[Budget |
         name = os.environ.get(ENV_VAR, "").strip()
         if not name:
             return None, None
-        budget, source = name, f"{ENV_VAR}={name}"
+        budget, source = name, f"environment variable {ENV_VAR}={name}"
     if isinstance(budget, str):
-        budget = Budget.attach(budget)
+        try:
+            budget = Budget.attach(budget)
+        except (BudgetError, ValueError) as e:
+            if source == "budget":
+                raise
+            raise type(e)(f"{source}: {e}") from None  # the user set no argument: name what they did set
     elif not isinstance(budget, Budget):
         raise TypeError(f"budget must be a vattn.Budget, a budget's name, None or False, "
                         f"got {type(budget).__name__}")
@@ -69,14 +76,11 @@ def join_budget(budget: Any, device: torch.device, label: str) -> tuple[Budget |
 
 def fits_alone(manager: Any, tokens: int) -> bool:
     """Whether one request of ``tokens`` tokens could ever be mapped in
-    ``manager``: its pages fit the physical pool and, in a budget, the
-    budget's limit. A request that fits waits when ``step`` refuses it (others
-    hold the memory now); one that does not can never run."""
-    positions = manager.config.pages_for(tokens, manager.page_size)  # page ids, one per position
-    if positions > manager.num_page_ids:
-        return False
-    budget = manager.budget
-    return budget is None or positions * manager.page_size * manager.config.num_buffers <= budget.limit
+    ``manager``: its pages fit the manager's physical pool. A budget's limit
+    does not decide it: the limit is a live setting (lowered for a moment,
+    raised again), so in a budget a request that fits the pool waits when
+    ``step`` refuses it; one that does not fit the pool can never run."""
+    return manager.config.pages_for(tokens, manager.page_size) <= manager.num_page_ids  # page ids, one a position
 
 
 def release_external_pages(manager: Any, page_ids: Any) -> list[int]:

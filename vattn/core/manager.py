@@ -435,6 +435,19 @@ class KVCacheManager(CudaStreams):
         share = self._pages.budget_share()
         return share if share["budget"] else None
 
+    def wait_for_budget(self, timeout_s: float) -> bool:
+        """After a :meth:`step` that returned False in a budget: blocks, using
+        no CPU, until memory may have come free in the budget (another member
+        gave pages back, left or died, the limit changed) or ``timeout_s``
+        seconds (0-3600) pass. Returns whether something changed; False at
+        once outside a budget. Step again within a second so the refusal keeps
+        counting as a wait the other members give memory back for."""
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+            raise TypeError(f"timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
+        if not 0 <= timeout_s <= 3600:
+            raise ValueError(f"timeout_s must be in [0, 3600] seconds, got {timeout_s}")
+        return self._pages.wait_for_budget(float(timeout_s))
+
     def mapped_tokens(self, reqid: int) -> int:
         """Tokens reqid can hold with its pages mapped now (per buffer)."""
         pages = self._pages.mapped_pages(self._reqid(reqid))

@@ -50,7 +50,13 @@ consistent:
 * A request that fails ``kv_retries`` + 1 iterations in a row (default 3 + 1)
   finishes with ``finish_reason="error"`` and ``error`` naming the last
   exception, and so do its completions not forked yet; its reqid is freed.
-  ``generate`` raises ``RuntimeError`` for it.
+  ``generate`` raises :class:`GenerateError` (a ``RuntimeError``) for it,
+  after every other request ran to the end, with their outputs.
+* In a budget, a request the budget refuses waits, whatever the limit is now
+  (a limit is a live setting); only one larger than the cache's own pool
+  fails. When nothing can run for want of the budget's memory, ``step``
+  blocks on the budget (up to ``BUDGET_WAIT_S``, using no CPU) until memory
+  may have come free.
 * Pages that a failed unmap left behind are reclaimed before any request is
   preempted or refused as too large for the pool.
 * ``step`` does not raise for these errors (``stats()["kv_errors"]`` counts
@@ -96,7 +102,28 @@ from .requests import Request, RequestOutput, check_count, check_prompt, check_s
 from .sampling import generators, sample
 from .scheduler import Scheduler
 
-__all__ = ["Engine", "RequestOutput"]
+__all__ = ["Engine", "GenerateError", "RequestOutput"]
+
+# Seconds a step blocks on the budget when nothing can run for want of its
+# memory: short of the budget's 1 s wait expiry, so the waiting request is
+# asked for again (and keeps counting as a wait others give memory back for).
+BUDGET_WAIT_S = 0.25
+
+
+class GenerateError(RuntimeError):
+    """Some requests of :meth:`Engine.generate` failed; the others ran to the end.
+
+    Attributes:
+        outputs: per prompt, what ``generate`` would have returned for it
+            (its tokens, or with ``n > 1`` its completions), None for a
+            prompt whose request failed.
+        failed: the :class:`RequestOutput` of every failed request and completion.
+    """
+
+    def __init__(self, message: str, outputs: list[Any], failed: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+        self.failed = failed
 
 
 class Engine:
@@ -260,8 +287,9 @@ class Engine:
 
         ``max_new_tokens`` is one count for all or one per prompt; with
         sampling, completion ``j`` of prompt ``i`` uses seed ``seed + i * n + j``.
-        Every prompt is checked before any is queued. Raises RuntimeError when
-        a request finished with an error (the others still ran to the end).
+        Every prompt is checked before any is queued. Raises
+        :class:`GenerateError` (a RuntimeError) when a request finished with an
+        error: the others still ran to the end, and its ``outputs`` has theirs.
         """
         self._check_open()
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
@@ -296,11 +324,15 @@ class Engine:
                 if out.request_id in mine:  # not a request queued by add_request
                     results[out.request_id, out.sample_index] = out
         failed = [out for out in results.values() if out.error]
-        if failed:
-            raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
+        bad = {out.request_id for out in failed}
         if n == 1:
-            return [results[i, 0].output for i in ids]
-        return [[results[i, j].output for j in range(n)] for i in ids]
+            outputs = [None if i in bad else results[i, 0].output for i in ids]
+        else:
+            outputs = [None if i in bad else [results[i, j].output for j in range(n)] for i in ids]
+        if failed:
+            failed.sort(key=lambda out: (out.request_id, out.sample_index))
+            raise GenerateError(f"request {failed[0].request_id} failed: {failed[0].error}", outputs, failed)
+        return outputs
 
     # ---- one iteration ---------------------------------------------------------
 
@@ -312,7 +344,9 @@ class Engine:
         iteration's requests are retried in the next one or finish with an
         error (module docstring). Other exceptions (the model's) escape before
         any token is drawn, every request waiting or running as a whole; the
-        outputs the iteration had already decided come with the next step."""
+        outputs the iteration had already decided come with the next step.
+        When nothing could run because the budget refused the memory, it
+        blocks up to ``BUDGET_WAIT_S`` seconds for the budget first."""
         self._check_open()
         finished, self._undelivered = self._undelivered, []
         batch: list[tuple[Request, int]] = []
@@ -330,6 +364,8 @@ class Engine:
         else:
             if batch:
                 self._advance(batch, logits, finished)
+            elif self.scheduler.budget_wait and not finished:
+                self.kv.wait_for_budget(BUDGET_WAIT_S)  # not another refusal at once: wait for memory to move
         self.iteration += 1
         self._record(batch)
         return finished

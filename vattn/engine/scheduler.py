@@ -40,6 +40,12 @@ class Scheduler:
 
     ``kv_retries``: iterations in a row a request may be retried after the KV
     cache raised in them; one more failure finishes it with an error.
+
+    In a budget, a request refused alone that fits the cache's own pool waits
+    at the head of the queue however low the budget's limit is now (a limit
+    is a live setting); :attr:`budget_wait` then tells the engine to block on
+    the budget before the next iteration. Only a request larger than the pool
+    fails, and alone.
     """
 
     def __init__(self, kv: KVCacheManager, prefix_cache: PrefixCache | None, prefill_chunk_size: int | None,
@@ -53,6 +59,7 @@ class Scheduler:
         self.preemptions = 0
         self.kv_errors = 0  # KV-cache exceptions met (and recovered from)
         self.last_kv_error: str | None = None
+        self.budget_wait = False  # the last schedule ran nothing: a lone request waits for the budget
         self._admitted: set[int] = set()  # ids of the requests admitted in this iteration
         self._attached: set[PrefixHandle] = set()  # the cached prefixes they attached
 
@@ -75,6 +82,7 @@ class Scheduler:
         Raises what ``kv.step`` raises, with every request where it was: the
         engine then calls :meth:`failed`."""
         self._admitted, self._attached = set(), set()
+        self.budget_wait = False
         self._admit(finished)
         while self.running:
             lens = [0] * self.kv.config.max_batch_size
@@ -96,12 +104,14 @@ class Scheduler:
             victim = self.running.pop()  # the most recently admitted
             need = lens[victim.reqid]
             self._free(victim)
-            # Alone and refused although it fits: in a budget, another process
-            # holds the memory now; it waits at the head of the queue (others
-            # give memory back when they see it wait). Otherwise it can never run.
+            # Alone and refused although it fits the pool: in a budget, other
+            # processes hold the memory now or the limit is low for a while; it
+            # waits at the head of the queue (others give memory back when they
+            # see it wait). Otherwise it can never run.
             if not self.running and (self.kv.budget is None or not fits_alone(self.kv, need)):
                 finished.extend(victim.failed(self._refusal(need)))
                 break
+            self.budget_wait = not self.running
             if id(victim) not in self._admitted:  # its computed tokens are lost: recompute later
                 victim.preemptions += 1
                 self.preemptions += 1
@@ -114,10 +124,8 @@ class Scheduler:
         if fits_alone(self.kv, need):
             return (f"needs {need} tokens of KV cache, whose pages could not be created "
                     f"(the device or host is out of memory)")
-        budget = self.kv.budget
         return (f"needs {need} tokens of KV cache, more than the physical pool holds "
-                f"({self.kv.stats()['bytes_total']} bytes)"
-                + (f" or budget '{budget.name}' allows ({budget.limit} bytes)" if budget is not None else ""))
+                f"({self.kv.stats()['bytes_total']} bytes)")
 
     def _admit(self, finished: list[RequestOutput]) -> None:
         """Moves waiting requests to the batch while reqids are free. A request

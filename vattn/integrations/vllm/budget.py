@@ -210,7 +210,13 @@ class BudgetedBlockPool:
         ids = [b.block_id for b in candidates]
         released = set(self.manager.release_pages(ids))
         if len(released) < len(ids) and unmap_rows:
-            for mapper in self.mappers:  # finished requests' slices still map their last blocks
+            # Slices of requests that are not running (finished or preempted; the worker hears of it
+            # only at the next forward, which may never come when the engine goes idle) still map
+            # their last blocks: released here, then unmapped once the device is done with them.
+            # No forward in flight reads them: it serves running requests only.
+            running = [request.request_id for request in self.scheduler.running]
+            for mapper in self.mappers:
+                mapper.release_all_but(running)
                 mapper.reclaim_free()
             self.counters["rows_unmapped_for_release"] += 1
             released |= set(self.manager.release_pages([i for i in ids if i not in released]))
