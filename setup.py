@@ -1,4 +1,5 @@
-"""Builds vattn._C and vattn._cpu_attn. Needs a C++17 compiler and pybind11; not torch, not CUDA."""
+"""Builds vattn._C, vattn._testing (over the library vattn/libvattn.so) and vattn._cpu_attn. Needs a
+C++17 compiler and pybind11; not torch, not CUDA."""
 
 import os
 import platform
@@ -18,12 +19,23 @@ def sources(folder: str) -> list[str]:
 
 
 # csrc/ is layered: common/ (errors, DLPack) <- backends/ (one VMM backend per
-# file, each registering its own factory, and what they share) <- core/ (page
-# bookkeeping and the mapper) <- python/ (the bindings). A new backend is a
-# new file in csrc/backends/: every file there is compiled. budget/ (the
-# machine-wide memory budget in shared memory) uses common/ only.
-SOURCES = [*sources("csrc/backends"), *sources("csrc/budget"), *sources("csrc/core"), "csrc/python/bindings.cpp",
-           "csrc/python/budget_bindings.cpp"]
+# file, each registering its factory and probes, and what they share) <- core/
+# (page bookkeeping and the mapper) <- python/ (the bindings) and testing/ (the
+# test hooks). budget/ (the machine-wide memory budget in shared memory) uses
+# common/ only. A new backend is a new file in csrc/backends/: every file there
+# is compiled.
+#
+# Every source below the bindings is compiled once, into one shared library,
+# vattn/libvattn.so, that both extension modules link (found beside them:
+# rpath $ORIGIN). So a process holds one copy of the library's state, the
+# backend registry above all: a backend vattn._testing registers is one that
+# vattn._C builds and probes, and the test hooks drive the library's own page
+# table, policy and host backend, not copies of them. The library holds no
+# Python code; only the modules bind it.
+LIBRARY = "vattn.libvattn"
+LIBRARY_FILE = "libvattn.so"
+LIBRARY_SOURCES = [*sources("csrc/backends"), *sources("csrc/budget"), *sources("csrc/core")]
+LIBRARY_HEADERS = ("csrc/common", "csrc/backends", "csrc/budget", "csrc/core")
 
 WARNINGS = ["-Wall", "-Wextra", "-Wno-missing-field-initializers"]
 
@@ -34,40 +46,39 @@ def headers(*folders: str) -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for folder in folders for p in (ROOT / folder).glob("*.h"))
 
 
-ext = Pybind11Extension(
-    "vattn._C",
-    SOURCES,
-    include_dirs=["csrc", "driver_patch"],  # driver_patch/vattn_uvm_ioctl.h: the patched module's ABI
-    depends=headers("csrc/common", "csrc/backends", "csrc/budget", "csrc/core", "csrc/python", "driver_patch"),
+library = Pybind11Extension(  # the modules' compiler flags, without pybind11
+    LIBRARY,
+    LIBRARY_SOURCES,
+    include_pybind11=False,
+    include_dirs=["csrc"],
+    depends=headers(*LIBRARY_HEADERS),
     cxx_std=17,
     extra_compile_args=["-O2", *WARNINGS],
-    libraries=["dl"],  # dlopen of libcuda.so.1 at run time
+    extra_link_args=[f"-Wl,-soname,{LIBRARY_FILE}"],
+    libraries=["dl", "pthread"],  # dlopen of libcuda.so.1 at run time; the mapper and keeper threads
 )
+# The library exports what the modules call: default visibility, not the modules' hidden one.
+library.extra_compile_args.remove("-fvisibility=hidden")
 
+
+def on_library(name: str, sources: list[str], folder: str) -> Pybind11Extension:
+    """An extension module of the bindings in ``folder`` over the library."""
+    return Pybind11Extension(
+        name,
+        sources,
+        include_dirs=["csrc"],
+        depends=headers(*LIBRARY_HEADERS, folder),
+        cxx_std=17,
+        extra_compile_args=["-O2", *WARNINGS],
+        libraries=["vattn"],  # -lvattn: libvattn.so
+        extra_link_args=["-Wl,-rpath,$ORIGIN"],  # libvattn.so lies beside the module, wherever it is installed
+    )
+
+
+ext = on_library("vattn._C", sources("csrc/python"), "csrc/python")
 # vattn._testing: test hooks and benchmark probes, out of the production module.
-# Every file of csrc/testing is one part of it; it also compiles the library
-# sources its parts drive directly: the driver shim for the raw CUDA probes,
-# the host backend (with the registry it registers in), which the fault
-# injection builds with its own system calls (host_backend.h), the budget's
-# segment for its hooks, and the page table and the policy for their probes.
-TESTING_LIBRARY_SOURCES = [
-    "csrc/backends/backend_registry.cpp",
-    "csrc/backends/cuda_driver.cpp",
-    "csrc/backends/host_backend.cpp",
-    "csrc/budget/process_identity.cpp",
-    "csrc/budget/segment.cpp",
-    "csrc/core/page_table.cpp",
-    "csrc/core/policy.cpp",
-]
-testing = Pybind11Extension(
-    "vattn._testing",
-    [*sources("csrc/testing"), *TESTING_LIBRARY_SOURCES],
-    include_dirs=["csrc", "driver_patch"],
-    depends=headers("csrc/common", "csrc/backends", "csrc/budget", "csrc/core", "csrc/testing", "driver_patch"),
-    cxx_std=17,
-    extra_compile_args=["-O2", *WARNINGS],
-    libraries=["dl"],
-)
+# Every file of csrc/testing is one part of it; it compiles no library source.
+testing = on_library("vattn._testing", sources("csrc/testing"), "csrc/testing")
 
 # The host attention kernels: one unit per ISA, each compiled with its own
 # target flags; the module picks one at run time from the CPU's features.
@@ -144,7 +155,22 @@ def torch_missing_warning(python: str, environ: dict[str, str]) -> str | None:
 
 
 class BuildExt(build_ext):
-    """pybind11's build_ext, plus each kernel unit's own ISA flags."""
+    """pybind11's build_ext, plus the library the modules link and each kernel
+    unit's own ISA flags."""
+
+    def get_ext_filename(self, fullname: str) -> str:
+        # The library is no module: a plain shared object's name, beside the modules.
+        filename = super().get_ext_filename(fullname)
+        if fullname.split(".")[-1] == LIBRARY.split(".")[-1]:
+            return os.path.join(os.path.dirname(filename), LIBRARY_FILE)
+        return filename
+
+    def build_extension(self, ext):
+        if "vattn" in ext.libraries:  # the modules link the library where this build just made it
+            folder = os.path.dirname(self.get_ext_fullpath(LIBRARY))
+            if folder not in ext.library_dirs:
+                ext.library_dirs.append(folder)
+        super().build_extension(ext)
 
     def build_extensions(self):
         compile_one = self.compiler._compile
@@ -166,7 +192,7 @@ class BuildExt(build_ext):
 if __name__ == "__main__":  # pip and `python setup.py` run it as __main__; tests import isa_flags
     # one compiler per CPU (VATTN_BUILD_JOBS=N to choose): sixteen units, each a few seconds
     with ParallelCompile("VATTN_BUILD_JOBS"):
-        setup(ext_modules=[ext, testing, cpu_attn], cmdclass={"build_ext": BuildExt})
+        setup(ext_modules=[library, ext, testing, cpu_attn], cmdclass={"build_ext": BuildExt})  # the library first
     # once per install (pip runs this file for metadata too), last, where a verbose install's output ends
     builds = {"build", "build_ext", "bdist_wheel", "editable_wheel", "install", "develop"}
     warning = torch_missing_warning(sys.executable, dict(os.environ)) if builds & set(sys.argv[1:]) else None

@@ -150,7 +150,7 @@ def sdpa_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.
 def cache_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     """A ``[B, L, H, D]`` cache view (a layer of either layout) as the token
     rows of every slot, ``[B * S, H, D]``, and S: request r's rows start at
-    row ``r * S``. A slot is whole pages (KVCacheManager.slot_bytes), so S =
+    row ``r * S``. A slice is whole pages (KVCacheManager.slice_bytes), so S =
     slot stride / token stride >= L, and the slot stride is in general not
     L rows: ``view(-1, H, D)`` fails there. Raises ValueError where a slot is
     not a whole number of token rows (an all_layers page that ends inside a

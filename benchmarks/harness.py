@@ -67,12 +67,12 @@ def cuda_driver() -> dict[str, Any] | None:
     """The CUDA driver vattn's cuda backend would load: library, driver API
     version, the device it reports and the kernel module version
     (nvidia-smi); None where no driver loads."""
-    from vattn import _C
+    from vattn.backends import cuda_driver_path, cuda_info
     from vattn.common.errors import VAttnError
 
-    path = _C.default_cuda_driver_path()
+    path = cuda_driver_path()
     try:
-        info = _C.cuda_device_info(path, 0)
+        info = cuda_info(0, path)
     except VAttnError:
         return None
     version = info["driver_version"]

@@ -37,6 +37,7 @@ import time
 from harness import machine, machine_slug, pyplot, save_plot, summarize, write_json
 
 from vattn import _C, _testing
+from vattn.backends import cuda_driver_path, cuda_info
 from vattn.common.errors import VAttnError
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
@@ -46,7 +47,7 @@ HOST_PAGE_SIZES = [64 * KiB, 256 * KiB, 2 * MiB]
 def page_sizes(backend_name: str, not_measured: list[str]) -> list[int]:
     if backend_name == "host":
         return HOST_PAGE_SIZES
-    g = _C.cuda_device_info(_C.default_cuda_driver_path(), 0)["granularity"]
+    g = cuda_info(0)["granularity"]
     sizes = [g, 3 * g, 4 * g]
     if g <= 64 * KiB:
         sizes.insert(0, 64 * KiB)
@@ -62,7 +63,7 @@ def timed(fn) -> float:
 
 
 def measure(backend_name: str, page_size: int, pages: int) -> dict:
-    backend = _C.make_backend(backend_name, 0, page_size, pages, _C.default_cuda_driver_path())
+    backend = _C.make_backend(backend_name, 0, page_size, pages, cuda_driver_path())
     out: dict = {"backend": backend_name, "page_size": page_size, "pages": pages, "ops": {}}
     ops = out["ops"]
 
@@ -110,7 +111,7 @@ def measure(backend_name: str, page_size: int, pages: int) -> dict:
     else:
         out["facts"] = dict(backend.facts)
         del backend  # its pages go before the raw run creates as many again
-        raw = [_testing.raw_cuda_seconds(_C.default_cuda_driver_path(), 0, page_size, pages) for _ in range(3)]
+        raw = [_testing.raw_cuda_seconds(cuda_driver_path(), 0, page_size, pages) for _ in range(3)]
         create, raw_map, raw_unmap, release = (summarize([r[i] for r in raw]) for i in range(4))
         out["floor"] = {"raw_cuda_create": create, "raw_cuda_map_set_access": raw_map,
                         "raw_cuda_unmap": raw_unmap, "raw_cuda_release": release}
@@ -122,7 +123,7 @@ def measure(backend_name: str, page_size: int, pages: int) -> dict:
 def available_backends() -> list[str]:
     names = ["host"]
     try:
-        _C.cuda_device_info(_C.default_cuda_driver_path(), 0)
+        cuda_info(0)
         names.append("cuda")
     except VAttnError as e:
         print(f"cuda backend skipped: {e}")

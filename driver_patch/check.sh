@@ -16,7 +16,7 @@
 # JOBS            parallel compile jobs (default: nproc).
 #
 # Steps, each fatal on failure: the series' copy of vattn_uvm_ioctl.h equals
-# driver_patch/vattn_uvm_ioctl.h; the header compiles as C11 and C++11 (its
+# csrc/backends/vattn_uvm_ioctl.h; the header compiles as C11 and C++11 (its
 # size and offset asserts); uvm_stock_ioctl.h (the stock ioctls the backend
 # declares by hand) agrees with the module's uvm_ioctl.h; every patch applies
 # with no fuzz; nvidia-uvm.ko compiles (only nvidia-uvm: the nvidia module's
@@ -28,6 +28,8 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
+# The ABI headers live with the backend that includes them; this folder holds the patches.
+ABI_DIR=$(cd "$HERE/../csrc/backends" && pwd)
 EXPECTED_TAG=580.142
 
 fail() { echo "check.sh: FAIL: $*" >&2; exit 1; }
@@ -62,20 +64,20 @@ step "kernel headers: $KERNEL_HEADERS (sources $KERNEL_SOURCES, Linux ${kernel_v
 
 # ---- the ABI header --------------------------------------------------------
 
-step "vattn_uvm_ioctl.h: the series carries driver_patch/vattn_uvm_ioctl.h verbatim"
+step "vattn_uvm_ioctl.h: the series carries csrc/backends/vattn_uvm_ioctl.h verbatim"
 header_patch=$(ls "$HERE"/0001-*.patch)
 awk '/^\+\+\+ /{on=1; next} on && /^\+/{print substr($0, 2)} on && /^-- $/{exit}' "$header_patch" |
-  cmp -s - "$HERE/vattn_uvm_ioctl.h" || fail "$header_patch does not add driver_patch/vattn_uvm_ioctl.h verbatim"
+  cmp -s - "$ABI_DIR/vattn_uvm_ioctl.h" || fail "$header_patch does not add csrc/backends/vattn_uvm_ioctl.h verbatim"
 
 step "vattn_uvm_ioctl.h compiles as C11 and C++11 (size and offset asserts)"
 tmp_hdr=$(mktemp -d)
 printf '#include "vattn_uvm_ioctl.h"\nint main(void) { return VATTN_UVM_QUERY == 0; }\n' > "$tmp_hdr/t.c"
 cp "$tmp_hdr/t.c" "$tmp_hdr/t.cpp"
-"${CC:-cc}" -std=c11 -Wall -Wextra -Werror -pedantic -I"$HERE" -c "$tmp_hdr/t.c" -o "$tmp_hdr/t.o" || fail "header does not compile as C11"
-"${CXX:-c++}" -std=c++11 -Wall -Wextra -Werror -pedantic -I"$HERE" -c "$tmp_hdr/t.cpp" -o "$tmp_hdr/t.o" || fail "header does not compile as C++11"
+"${CC:-cc}" -std=c11 -Wall -Wextra -Werror -pedantic -I"$ABI_DIR" -c "$tmp_hdr/t.c" -o "$tmp_hdr/t.o" || fail "header does not compile as C11"
+"${CXX:-c++}" -std=c++11 -Wall -Wextra -Werror -pedantic -I"$ABI_DIR" -c "$tmp_hdr/t.cpp" -o "$tmp_hdr/t.o" || fail "header does not compile as C++11"
 
 step "uvm_stock_ioctl.h matches the module's own stock ioctl numbers and layouts"
-"${CC:-cc}" -std=gnu11 -Wall -Werror -I"$SRC_DIR/kernel-open/nvidia-uvm" -I"$SRC_DIR/kernel-open/common/inc" -I"$HERE" \
+"${CC:-cc}" -std=gnu11 -Wall -Werror -I"$SRC_DIR/kernel-open/nvidia-uvm" -I"$SRC_DIR/kernel-open/common/inc" -I"$ABI_DIR" \
   -c "$HERE/stock_abi_check.c" -o "$tmp_hdr/stock.o" || fail "uvm_stock_ioctl.h disagrees with $SRC_DIR's uvm_ioctl.h"
 rm -rf "$tmp_hdr"
 

@@ -6,8 +6,7 @@
 // Context scope, read fences and the graph-capture gate: cuda_sync.h, shared
 // with the cuda_uvm backend. Every entry point that may throw opens a
 // CudaSync::Call (gate, then our context); releases and teardown a QuietCall.
-#include "backends/cuda_backend.h"
-
+#include <climits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -310,24 +309,26 @@ std::shared_ptr<VmmBackend> make_cuda_backend(const BackendParams& p) {
   return std::make_shared<CudaBackend>(api, p.device_index, p.page_size, p.num_pages);
 }
 
-}  // namespace
-
-VATTN_REGISTER_BACKEND(cuda, make_cuda_backend);
-
-CudaDeviceInfo cuda_device_info(const std::string& driver_path, int device) {
-  const DriverApi& api = load_driver(driver_path);
+// Device facts the Python layer needs before it builds a backend.
+ProbeData probe_device_info(const ProbeData& args) {
+  const std::string path = probe_arg<std::string>(args, "cuda.device_info", "driver_path", "");
+  const int64_t index = probe_arg<int64_t>(args, "cuda.device_info", "device", 0);
+  if (index < 0 || index > INT_MAX)
+    throw std::invalid_argument("cuda.device_info: device must be in [0, " + std::to_string(INT_MAX) + "], got " +
+                                std::to_string(index));
+  const DriverApi& api = load_driver(path.empty() ? default_driver_path() : path);
+  const int device = static_cast<int>(index);
   check_device_exists(api, device);
-  CudaDeviceInfo info;
   auto check = [&](const char* call, CUresult rc) {
     if (rc != CUDA_SUCCESS) throw DriverError(call, error_name(api, rc));
   };
-  check("cuDeviceGetCount", api.cuDeviceGetCount(&info.device_count));
-  check("cuDriverGetVersion", api.cuDriverGetVersion(&info.driver_version));
+  int device_count = 0, driver_version = 0;
+  check("cuDeviceGetCount", api.cuDeviceGetCount(&device_count));
+  check("cuDriverGetVersion", api.cuDriverGetVersion(&driver_version));
   CUdevice dev = 0;
   check("cuDeviceGet", api.cuDeviceGet(&dev, device));
   char name[256] = {0};
   check("cuDeviceGetName", api.cuDeviceGetName(name, sizeof(name) - 1, dev));
-  info.name = name;
   // Granularity and free memory need a context. The primary context is
   // retained only for these two queries: a framework's reference keeps it
   // alive; if nobody held one, the retain created it and the release destroys
@@ -336,9 +337,9 @@ CudaDeviceInfo cuda_device_info(const std::string& driver_path, int device) {
   unsigned int flags = 0;
   int active = 0;
   check("cuDevicePrimaryCtxGetState", api.cuDevicePrimaryCtxGetState(dev, &flags, &active));
-  info.primary_context_active = active != 0;
   CUcontext ctx = nullptr;
   check("cuDevicePrimaryCtxRetain", api.cuDevicePrimaryCtxRetain(&ctx, dev));
+  size_t granularity = 0, free_bytes = 0, total_bytes = 0;
   CUresult rc = CUDA_SUCCESS;
   const char* call = "cuMemGetAllocationGranularity";
   {
@@ -351,16 +352,35 @@ CudaDeviceInfo cuda_device_info(const std::string& driver_path, int device) {
       prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
       prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
       prop.location.id = dev;
-      rc = api.cuMemGetAllocationGranularity(&info.granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+      rc = api.cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
       if (rc == CUDA_SUCCESS) {
         call = "cuMemGetInfo";
-        rc = api.cuMemGetInfo(&info.free_bytes, &info.total_bytes);
+        rc = api.cuMemGetInfo(&free_bytes, &total_bytes);
       }
     }
   }
   api.cuDevicePrimaryCtxRelease(dev);
   check(call, rc);
-  return info;
+  return {{"device_count", int64_t{device_count}},
+          {"driver_version", int64_t{driver_version}},
+          {"name", std::string(name)},
+          {"granularity", static_cast<int64_t>(granularity)},
+          {"free_bytes", static_cast<int64_t>(free_bytes)},
+          {"total_bytes", static_cast<int64_t>(total_bytes)},
+          {"primary_context_active", active != 0}};  // before the query: someone held the primary context
 }
+
+ProbeData probe_driver_path(const ProbeData&) { return {{"driver_path", default_driver_path()}}; }
+
+}  // namespace
+
+VATTN_REGISTER_BACKEND(
+    cuda, make_cuda_backend,
+    {"device_info", probe_device_info,
+     "device_count, driver_version, name, granularity (bytes), free_bytes, total_bytes, primary_context_active of "
+     "CUDA device `device` (default 0) through the driver library `driver_path` (default: driver_path's)",
+     {"driver_path", "device"}},
+    {"driver_path", probe_driver_path,
+     "driver_path: the CUDA driver library loaded at run time ($VATTN_CUDA_DRIVER_LIB, else libcuda.so.1)", {}});
 
 }  // namespace vattn

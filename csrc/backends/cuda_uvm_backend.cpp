@@ -55,8 +55,8 @@
 #include "backends/cuda_driver.h"
 #include "backends/cuda_sync.h"
 #include "common/errors.h"
-#include "uvm_stock_ioctl.h"
-#include "vattn_uvm_ioctl.h"
+#include "backends/uvm_stock_ioctl.h"
+#include "backends/vattn_uvm_ioctl.h"
 
 namespace vattn {
 
@@ -524,8 +524,6 @@ UvmPatchInfo uvm_patch_info() {
   return info;
 }
 
-bool uvm_patch_available() { return uvm_patch_info().available; }
-
 namespace {
 
 std::shared_ptr<VmmBackend> make_cuda_uvm_backend(const BackendParams& p) {
@@ -540,8 +538,28 @@ std::shared_ptr<VmmBackend> make_cuda_uvm_backend(const BackendParams& p) {
   return std::make_shared<CudaUvmBackend>(api, p.device_index, p.page_size, p.num_pages);
 }
 
+ProbeData probe_patch_info(const ProbeData&) {
+  UvmPatchInfo info = uvm_patch_info();
+  return {{"available", info.available},
+          {"device_path", info.device_path},
+          {"abi_version", int64_t{info.abi_version}},
+          {"reason", info.reason}};
+}
+
+ProbeData probe_abi(const ProbeData&) {
+  std::vector<int64_t> sizes(uvm_page_sizes().begin(), uvm_page_sizes().end());
+  return {{"abi_version", int64_t{VATTN_UVM_ABI_VERSION}}, {"page_sizes", sizes}};
+}
+
 }  // namespace
 
-VATTN_REGISTER_BACKEND(cuda_uvm, make_cuda_uvm_backend);
+VATTN_REGISTER_BACKEND(
+    cuda_uvm, make_cuda_uvm_backend,
+    {"patch_info", probe_patch_info,
+     "what the nvidia-uvm module at $VATTN_UVM_DEVICE (default /dev/nvidia-uvm) answers: available (the patched "
+     "module, our ABI), device_path, abi_version (the module's; 0 when it did not answer), reason (why not); "
+     "needs no GPU context",
+     {}},
+    {"abi", probe_abi, "what this build speaks: abi_version, page_sizes (bytes) of the patched module", {}});
 
 }  // namespace vattn

@@ -1,8 +1,9 @@
 // The cuda_uvm backend: CUDA device memory in pages of 64 KiB, 128 KiB,
 // 256 KiB or 2 MiB, from the nvidia-uvm module patched by driver_patch/
 // (the stock driver maps 2 MiB at least). See cuda_uvm_backend.cpp. The
-// backend itself is built through the registry (backend_registry.h, name
-// "cuda_uvm"); this header holds what the Python layer asks first.
+// backend and its probes are reached through the registry
+// (backend_registry.h, name "cuda_uvm"); this header declares what they
+// answer from, for cuda_uvm_backend.cpp alone.
 #pragma once
 
 #include <cstddef>
@@ -28,7 +29,6 @@ struct UvmPatchInfo {
   std::string reason;        // why not available
 };
 UvmPatchInfo uvm_patch_info();
-bool uvm_patch_available();
 
 // NV_STATUS as text: "NV_ERR_NO_MEMORY (0x51)".
 std::string uvm_status_name(uint32_t status);

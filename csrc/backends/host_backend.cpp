@@ -267,8 +267,14 @@ namespace {
 std::shared_ptr<VmmBackend> make_host_from_params(const BackendParams& p) {
   return make_host_backend(p.page_size, p.num_pages);
 }
+
+ProbeData probe_granularity(const ProbeData&) {
+  return {{"granularity", static_cast<int64_t>(host_granularity())}};
+}
 }  // namespace
 
-VATTN_REGISTER_BACKEND(host, make_host_from_params);
+VATTN_REGISTER_BACKEND(host, make_host_from_params,
+                       {"granularity", probe_granularity,
+                        "granularity: the OS page size in bytes; host page sizes are its multiples", {}});
 
 }  // namespace vattn

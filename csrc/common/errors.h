@@ -37,7 +37,7 @@ class BackendUnavailable : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// alloc_reqid found every slot in use.
+// alloc_reqid found every reqid in use.
 class OutOfSlots : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;

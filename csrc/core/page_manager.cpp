@@ -1,4 +1,4 @@
-// PageManager: construction and lifetime, slots, step, reclaim and the
+// PageManager: construction and lifetime, reqids, step, reclaim and the
 // queries. The sharing operations, the driver work and the background mapper
 // are in page_manager_sharing.cpp, page_manager_driver.cpp and
 // page_manager_mapper.cpp.
@@ -23,13 +23,8 @@ size_t checked_mul(size_t a, size_t b, const char* what) {
   return out;
 }
 
-PolicyConfig checked_policy(PolicyConfig p, size_t max_tokens) {
-  if (!(p.reclaim_threshold >= 0.0 && p.reclaim_threshold <= 1.0))
-    throw std::invalid_argument("reclaim_threshold must be in [0, 1]");
-  if (p.max_batch_ids == 0) throw std::invalid_argument("max_batch_ids must be positive");
-  // Lengths are tokens of one request: more than max_context_len means nothing.
-  p.lookahead_tokens = std::min(p.lookahead_tokens, max_tokens);
-  p.eager_tokens = std::min(p.eager_tokens, max_tokens);
+const PolicyConfig& checked_policy(const PolicyConfig& p, size_t max_tokens) {
+  validate_policy(p, max_tokens);
   return p;
 }
 
@@ -38,20 +33,20 @@ PolicyConfig checked_policy(PolicyConfig p, size_t max_tokens) {
 size_t checked_num_ids(const VmmBackend& backend, const PageManagerConfig& config, uint32_t no_id) {
   const size_t nb = config.num_buffers, page_size = backend.page_size();
   const size_t num_ids = nb ? backend.num_pages() / nb : 0;
-  if (nb == 0 || config.num_slots == 0 || config.bytes_per_token == 0 || config.max_tokens == 0)
-    throw std::invalid_argument("PageManager: num_buffers, num_slots, bytes_per_token and "
+  if (nb == 0 || config.num_reqids == 0 || config.bytes_per_token == 0 || config.max_tokens == 0)
+    throw std::invalid_argument("PageManager: num_buffers, num_reqids, bytes_per_token and "
                                 "max_tokens must all be positive");
   if (config.max_tokens > static_cast<size_t>(INT64_MAX))
     throw std::invalid_argument("max_context_len must be below 2^63");
   size_t token_bytes = checked_mul(config.max_tokens, config.bytes_per_token, "max_context_len x token bytes");
-  if (config.slot_bytes == 0 || config.slot_bytes % page_size != 0 || config.slot_bytes < token_bytes)
-    throw std::invalid_argument("PageManager: slot_bytes must be a multiple of page_size "
+  if (config.slice_bytes == 0 || config.slice_bytes % page_size != 0 || config.slice_bytes < token_bytes)
+    throw std::invalid_argument("PageManager: slice_bytes must be a multiple of page_size "
                                 "covering max_tokens * bytes_per_token");
   if (num_ids == 0)
     throw std::invalid_argument("the physical pool must hold at least one page per buffer (" +
                                 std::to_string(nb) + " pages)");
   if (num_ids >= no_id) throw std::invalid_argument("the physical pool holds too many pages");
-  checked_mul(checked_mul(nb, config.num_slots, "buffers x slots"), config.slot_bytes, "reservation size");
+  checked_mul(checked_mul(nb, config.num_reqids, "buffers x reqids"), config.slice_bytes, "reservation size");
   return num_ids;
 }
 
@@ -81,17 +76,17 @@ PageManager::PageManager(std::shared_ptr<VmmBackend> backend, const PageManagerC
       generation_(fork_generation()),
       sync_(std::make_unique<Sync>()),
       idle_release_ns_(checked_idle_release_ns(budget.idle_release_s)),
-      table_(config.num_slots, config.num_buffers, num_ids_, config.external_ids) {
+      table_(config.num_reqids, config.num_buffers, num_ids_, config.external_ids) {
   memory_ = std::make_shared<CacheMemory>(backend_, config_.num_buffers * buffer_bytes());
   base_ = memory_->base();
-  slot_reads_.assign(config_.num_slots, VmmBackend::kNoReads);
+  reqid_reads_.assign(config_.num_reqids, VmmBackend::kNoReads);
   if (budget.member) {
     budget_ = std::make_shared<PageBudget>(budget.member, static_cast<uint64_t>(page_size_) * config_.num_buffers);
     // The share ends with the pages: at teardown, which a tensor view may delay past close().
     memory_->on_teardown([b = budget_] { b->leave(); });
   }
   if (config_.preallocate) preallocate();  // before any thread: a failure destroys nothing running
-  work_epoch_ = 1;  // the mapper starts with work: the eager slot
+  work_epoch_ = 1;  // the mapper starts with work: the eager reqid
   last_step_ns_ = steady_ns();
   if (policy_.background && !config_.external_ids)
     sync_->mapper = std::thread(&PageManager::mapper_loop, this);
@@ -128,16 +123,16 @@ void PageManager::check_usable() const {
   check_open();
 }
 
-void PageManager::check_slot(int64_t slot, const char* what) const {
-  if (slot < 0 || slot >= static_cast<int64_t>(config_.num_slots))
+void PageManager::check_reqid(int64_t reqid, const char* what) const {
+  if (reqid < 0 || reqid >= static_cast<int64_t>(config_.num_reqids))
     throw std::invalid_argument(std::string(what) + ": reqid must be in " +
-                                range_text(0, config_.num_slots - 1) + ", got " + std::to_string(slot));
+                                range_text(0, config_.num_reqids - 1) + ", got " + std::to_string(reqid));
 }
 
-void PageManager::check_allocated(int64_t slot, const char* what) const {
-  check_slot(slot, what);
-  if (!table_.allocated(slot))
-    throw std::invalid_argument(std::string(what) + ": reqid " + std::to_string(slot) +
+void PageManager::check_allocated(int64_t reqid, const char* what) const {
+  check_reqid(reqid, what);
+  if (!table_.allocated(reqid))
+    throw std::invalid_argument(std::string(what) + ": reqid " + std::to_string(reqid) +
                                 " is not allocated (freed, or never returned by alloc_reqid)");
 }
 
@@ -146,39 +141,39 @@ void PageManager::wait_for_batch(Lock& lock) {
   check_open();  // cleanup() may have run while this thread waited
 }
 
-// ---- slots --------------------------------------------------------------------------
+// ---- reqids --------------------------------------------------------------------------
 
-int64_t PageManager::alloc_slot(int64_t prompt_tokens, int64_t wanted_slot) {
+int64_t PageManager::alloc_reqid(int64_t prompt_tokens, int64_t wanted_reqid) {
   check_process();
   Lock lock(sync_->mu);
   check_open();
   if (prompt_tokens > static_cast<int64_t>(config_.max_tokens))
     throw std::invalid_argument("alloc_reqid: prompt_len must be in " + range_text(0, config_.max_tokens) +
                                 ", got " + std::to_string(prompt_tokens));
-  int64_t slot = -1;
-  if (wanted_slot >= 0) {  // the caller owns slot numbering (a framework's block id)
-    check_slot(wanted_slot, "alloc_reqid");
+  int64_t reqid = -1;
+  if (wanted_reqid >= 0) {  // the caller owns reqid numbering (a framework's block id)
+    check_reqid(wanted_reqid, "alloc_reqid");
     auto check_free = [&] {
-      if (table_.allocated(wanted_slot))
-        throw std::invalid_argument("alloc_reqid: reqid " + std::to_string(wanted_slot) + " is already allocated");
+      if (table_.allocated(wanted_reqid))
+        throw std::invalid_argument("alloc_reqid: reqid " + std::to_string(wanted_reqid) + " is already allocated");
     };
     check_free();
-    // An eager batch may be landing on this slot: let it, then trim it.
+    // An eager batch may be landing on this reqid: let it, then trim it.
     if (inflight_) {
       wait_for_batch(lock);
       check_free();
     }
-    slot = wanted_slot;
-    // Such a caller counts pages by its own lengths: the slot must not bring
+    reqid = wanted_reqid;
+    // Such a caller counts pages by its own lengths: the reqid must not bring
     // more pages than the request's first tokens need.
     if (!config_.external_ids)
-      trim_for_new_request_locked(slot, geometry_.positions_for_tokens(std::max<int64_t>(prompt_tokens, 0)));
+      trim_for_new_request_locked(reqid, geometry_.positions_for_tokens(std::max<int64_t>(prompt_tokens, 0)));
   } else {
     const int64_t want = prompt_tokens < 0 ? -1 : static_cast<int64_t>(geometry_.positions_for_tokens(prompt_tokens));
     while (true) {
-      slot = best_free_slot(table_, want);
-      if (slot < 0 || config_.external_ids) break;
-      const size_t s = static_cast<size_t>(slot);
+      reqid = best_free_reqid(table_, want);
+      if (reqid < 0 || config_.external_ids) break;
+      const size_t s = static_cast<size_t>(reqid);
       if (table_.first_shared(s) >= table_.mapped(s) && table_.orphans_of(s) == 0) break;
       if (inflight_) {
         wait_for_batch(lock);
@@ -187,30 +182,30 @@ int64_t PageManager::alloc_slot(int64_t prompt_tokens, int64_t wanted_slot) {
       trim_for_new_request_locked(s, table_.mapped(s));
       break;
     }
-    if (slot < 0)
-      throw OutOfSlots("alloc_reqid: all " + std::to_string(config_.num_slots) +
+    if (reqid < 0)
+      throw OutOfSlots("alloc_reqid: all " + std::to_string(config_.num_reqids) +
                        " reqids are in use (max_batch_size); free one with free_reqid");
   }
-  table_.allocate(static_cast<size_t>(slot));
+  table_.allocate(static_cast<size_t>(reqid));
   work_epoch_++;  // the eager target moved on
   sync_->wake.notify_one();
-  return slot;
+  return reqid;
 }
 
-void PageManager::free_slot(int64_t slot) {
+void PageManager::free_reqid(int64_t reqid) {
   check_process();
   Lock lock(sync_->mu);
   check_open();
-  check_allocated(slot, "free_reqid");
-  const size_t s = static_cast<size_t>(slot);
+  check_allocated(reqid, "free_reqid");
+  const size_t s = static_cast<size_t>(reqid);
   table_.release(s);
   // Every kernel that reads this request's pages has been queued by now.
-  slot_reads_[s] = backend_->record_reads();
+  reqid_reads_[s] = backend_->record_reads();
   work_epoch_++;
   sync_->wake.notify_one();
   if (policy_.deferred_reclaim || config_.external_ids || table_.mapped(s) == 0) return;
   // The request is over whatever happens below; a failed unmap leaves pages
-  // mapped in the free slot (or as orphans) to be retried.
+  // mapped in the free reqid (or as orphans) to be retried.
   wait_for_batch(lock);
   if (!table_.allocated(s)) unmap_tails_locked({{s, 0}});
 }
@@ -224,8 +219,8 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
   if (config_.external_ids)
     throw std::invalid_argument("step: this manager's page ids are owned by the caller "
                                 "(page_allocator='external'); map them with map_pages");
-  if (count != config_.num_slots)
-    throw std::invalid_argument("step: seq_lens must have max_batch_size = " + std::to_string(config_.num_slots) +
+  if (count != config_.num_reqids)
+    throw std::invalid_argument("step: seq_lens must have max_batch_size = " + std::to_string(config_.num_reqids) +
                                 " entries, got " + std::to_string(count));
   if (budget_) {
     last_step_ns_ = steady_ns();
@@ -239,7 +234,7 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
   // (releasing the mutex) between computing and using it.
   thread_local std::vector<size_t> need;
   need.resize(count);
-  size_t deficit = 0;  // page ids (positions) to map, all slots together
+  size_t deficit = 0;  // page ids (positions) to map, all reqids together
   while (true) {
     // Validated after every wait too: another thread may have freed a reqid.
     deficit = 0;
@@ -304,7 +299,7 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
       break;
     } catch (const OutOfPages&) {
       // No page can be created now (the budget refused, the device is out of
-      // memory) and nothing changed. Pages cached in free slots stand in for
+      // memory) and nothing changed. Pages cached in free reqids stand in for
       // new ones, once; then the pool is full, as when it has no page left.
       if (!reclaimed_for_creation && reclaim_locked(to_create.size(), -1) > 0) {
         reclaimed_for_creation = true;
@@ -316,7 +311,7 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
   }
   // The mapper is woken only when this step gave it work: the pool changed
   // (pages mapped here: reserve, eager and reclaim floor may need attention) or
-  // some slot's lookahead now reaches past its mapping. A decode step inside a
+  // some reqid's lookahead now reaches past its mapping. A decode step inside a
   // page does neither, and skips the wake-up.
   bool mapper_work = deficit > 0;
   for (size_t s = 0; s < count; ++s) {
@@ -368,11 +363,11 @@ std::pair<size_t, size_t> PageManager::reclaim_freed(bool wait) {
   Lock lock(sync_->mu);
   check_open();
   wait_for_batch(lock);
-  std::vector<SlotKeep> cuts;
+  std::vector<ReqidKeep> cuts;
   size_t pending = 0;
-  for (size_t s = 0; s < config_.num_slots; ++s) {
+  for (size_t s = 0; s < config_.num_reqids; ++s) {
     if (table_.allocated(s) || table_.mapped(s) == 0) continue;
-    if (wait || backend_->reads_done(slot_reads_[s]))
+    if (wait || backend_->reads_done(reqid_reads_[s]))
       cuts.emplace_back(s, 0);
     else
       ++pending;
@@ -404,7 +399,7 @@ void PageManager::close() {
   Lock lock(sync_->mu);
   table_.release_all_handles();
   std::vector<uintptr_t> mapped;
-  for (size_t s = 0; s < config_.num_slots; ++s)
+  for (size_t s = 0; s < config_.num_reqids; ++s)
     for (size_t b = 0; b < config_.num_buffers; ++b)
       for (size_t p = 0; p < table_.mapped(s); ++p)
         if (table_.ids(s)[p] != PageTable::kHole) mapped.push_back(address(b, s, p));
@@ -427,32 +422,32 @@ bool PageManager::closed() const {
   return !memory_;
 }
 
-size_t PageManager::mapped_pages(int64_t slot) const {
+size_t PageManager::mapped_pages(int64_t reqid) const {
   check_process();
   Lock lock(sync_->mu);
   check_open();
-  check_slot(slot, "mapped_pages");
-  return table_.mapped(static_cast<size_t>(slot));
+  check_reqid(reqid, "mapped_pages");
+  return table_.mapped(static_cast<size_t>(reqid));
 }
 
-bool PageManager::slot_allocated(int64_t slot) const {
+bool PageManager::reqid_allocated(int64_t reqid) const {
   check_process();
   Lock lock(sync_->mu);
   check_open();
-  check_slot(slot, "is_allocated");
-  return table_.allocated(static_cast<size_t>(slot));
+  check_reqid(reqid, "is_allocated");
+  return table_.allocated(static_cast<size_t>(reqid));
 }
 
-void PageManager::check_mapped(const int64_t* slots, const int64_t* tokens, size_t count,
+void PageManager::check_mapped(const int64_t* reqids, const int64_t* tokens, size_t count,
                                const std::string& what) const {
   check_process();
   Lock lock(sync_->mu);
   check_open();
   for (size_t i = 0; i < count; ++i) {
-    check_allocated(slots[i], what.c_str());
-    const int64_t mapped = geometry_.tokens_in_positions(table_.mapped(static_cast<size_t>(slots[i])));
+    check_allocated(reqids[i], what.c_str());
+    const int64_t mapped = geometry_.tokens_in_positions(table_.mapped(static_cast<size_t>(reqids[i])));
     if (tokens[i] < 0 || tokens[i] > mapped)
-      throw std::invalid_argument(what + ": reqid " + std::to_string(slots[i]) + " would read " +
+      throw std::invalid_argument(what + ": reqid " + std::to_string(reqids[i]) + " would read " +
                                   std::to_string(tokens[i]) + " tokens but has " + std::to_string(mapped) +
                                   " mapped (step() it to at least " + std::to_string(tokens[i]) +
                                   " tokens before attending)");
@@ -471,7 +466,7 @@ std::vector<TableEntry> PageManager::table() const {
   Lock lock(sync_->mu);
   check_open();
   std::vector<TableEntry> out;
-  for (size_t s = 0; s < config_.num_slots; ++s)
+  for (size_t s = 0; s < config_.num_reqids; ++s)
     for (size_t b = 0; b < config_.num_buffers; ++b)
       for (size_t p = 0; p < table_.mapped(s); ++p)
         if (table_.ids(s)[p] != PageTable::kHole)

@@ -1,13 +1,13 @@
 // The page manager of one KV cache: the lock, the background mapper thread
 // and every driver call, over a page table (core/page_table.h) that records
-// and a policy (core/policy.h) that decides. Knows slots and pages only; the
+// and a policy (core/policy.h) that decides. Knows reqids and pages only; the
 // Python manager above it knows layers, dtypes and tensors. docs/design.md
 // describes the layers, the address layout, sharing and the failure contract.
 //
 // Address layout. One reservation holds every buffer:
 //
-//   base + b * buffer_bytes + s * slot_bytes + p * page_size
-//          ^ buffer b         ^ slot s         ^ page position p of that slot
+//   base + b * buffer_bytes + r * slice_bytes + p * page_size
+//          ^ buffer b         ^ reqid r's slice  ^ page position p of that slice
 //
 // Page id r is physical page b * num_ids + r of the backend's pool in buffer
 // b, so consecutive ids are consecutive pages of one buffer and the host can
@@ -15,7 +15,7 @@
 //
 // Failures. Backends report how far a map or unmap got, so the table always
 // describes exactly what is mapped; what could not be unmapped is kept as an
-// orphan, retried before anything is mapped into its slot, by reclaim and at
+// orphan, retried before anything is mapped into its reqid, by reclaim and at
 // close.
 //
 // Locking discipline
@@ -27,16 +27,16 @@
 // the batch is "in flight" (inflight_ is true):
 //   * Its fresh pages were taken out of the pool under mu, so no other thread
 //     can map them: a page is never handed out twice.
-//   * Its target addresses lie past the committed prefix of their slots, and a
-//     reclaim batch's positions were already cut from their slot's prefix. Any
+//   * Its target addresses lie past the committed prefix of their reqids, and a
+//     reclaim batch's positions were already cut from their reqid's prefix. Any
 //     call that would map or unmap addresses first waits on batch_done until
 //     inflight_ is false, so no two threads touch one address; after the wait
 //     it checks again that the manager is open and the input still valid.
-//   * The mapper only unmaps pages of free (unallocated) slots, after the
-//     device finished the reads queued before each slot was freed (a read
-//     fence recorded by free_slot, see VmmBackend::record_reads), so a page
+//   * The mapper only unmaps pages of free (unallocated) reqids, after the
+//     device finished the reads queued before each reqid was freed (a read
+//     fence recorded by free_reqid, see VmmBackend::record_reads), so a page
 //     in use is never unmapped. Callers' unmaps wait the same way; pages of
-//     an allocated slot wait for all work queued so far.
+//     an allocated reqid wait for all work queued so far.
 //   * A failed batch is rolled back at commit (fresh pages back to the pool,
 //     what could not be undone kept as orphans) and its error is kept until
 //     the next step() raises it: no page is lost and no error is dropped.
@@ -53,14 +53,14 @@
 // page_budget.h): every page creation is charged first, every release
 // uncharged after. One path says "no pages can be created now": create_ids
 // throws OutOfPages when the budget refuses or the device (host) is out of
-// memory, and step() returns false for it, fork() and map_ids() raise it, the
+// memory, and step() returns false for it, fork() and map_pages() raise it, the
 // mapper stops creating until new work comes. A keeper thread (only with a
 // budget) gives free pages back: all of them after idle_release_s without a
 // step, and as many as others wait for or a lowered limit asks.
 //
-// The member functions live in five files: page_manager.cpp (lifetime, slots,
-// step, queries), page_manager_sharing.cpp (fork, prefix handles, map_ids,
-// truncate), page_manager_driver.cpp (create, map and unmap on the caller's
+// The member functions live in five files: page_manager.cpp (lifetime, reqids,
+// step, queries), page_manager_sharing.cpp (fork, prefix handles, map_pages,
+// unmap_pages), page_manager_driver.cpp (create, map and unmap on the caller's
 // thread), page_manager_mapper.cpp (the background mapper) and
 // page_manager_budget.cpp (preallocation, giving pages back, the keeper).
 #pragma once
@@ -87,8 +87,8 @@ namespace vattn {
 
 struct PageManagerConfig {
   size_t num_buffers = 0;      // K and V buffers: 2 * layers (per_layer) or 2 (all_layers)
-  size_t num_slots = 0;        // max concurrent requests (B)
-  size_t slot_bytes = 0;       // bytes per slot per buffer, a multiple of page_size (S_req)
+  size_t num_reqids = 0;        // max concurrent requests (B)
+  size_t slice_bytes = 0;       // bytes per reqid per buffer, a multiple of page_size (S_req)
   size_t bytes_per_token = 0;  // bytes one token takes in one buffer (S_tok)
   size_t max_tokens = 0;       // max context length in tokens (L)
   bool external_ids = false;   // page ids are owned by the caller (core/page_table.h)
@@ -125,24 +125,24 @@ class PageManager {
   PageManager(const PageManager&) = delete;
   PageManager& operator=(const PageManager&) = delete;
 
-  // Returns a free slot: the one whose mapped pages fit best (most pages when
+  // Returns a free reqid: the one whose mapped pages fit best (most pages when
   // prompt_tokens < 0; else the smallest that covers prompt_tokens, else the
-  // largest), or wanted_slot when >= 0, after unmapping its pages beyond
-  // prompt_tokens. Positions from the first page shared with another slot or a
-  // handle on are unmapped before the slot is handed out (its new request
+  // largest), or wanted_reqid when >= 0, after unmapping its pages beyond
+  // prompt_tokens. Positions from the first page shared with another reqid or a
+  // handle on are unmapped before the reqid is handed out (its new request
   // writes there). Throws OutOfSlots when none is free.
-  int64_t alloc_slot(int64_t prompt_tokens, int64_t wanted_slot = -1);
-  // Marks a slot free. Its pages stay mapped (deferred_reclaim) or are
+  int64_t alloc_reqid(int64_t prompt_tokens, int64_t wanted_reqid = -1);
+  // Marks a reqid free. Its pages stay mapped (deferred_reclaim) or are
   // unmapped now; a DriverError then means some stay mapped, retried later.
-  void free_slot(int64_t slot);
-  // Maps pages so every allocated slot s holds seq_lens[s] tokens. Returns
-  // false, changing no active slot, when the pool cannot supply the pages even
-  // after unmapping pages of free slots, or the pages cannot be created now
+  void free_reqid(int64_t reqid);
+  // Maps pages so every allocated reqid s holds seq_lens[s] tokens. Returns
+  // false, changing no active reqid, when the pool cannot supply the pages even
+  // after unmapping pages of free reqids, or the pages cannot be created now
   // (the budget refuses them, the device is out of memory). Throws std::invalid_argument on bad
   // input (nothing changed), DriverError on driver failure (no new mapping
   // kept), and a mapper error held since the last step.
   bool step(const int64_t* seq_lens, size_t count);
-  // Unmaps pages of free slots (tails first) until up to max_ids page ids went
+  // Unmaps pages of free reqids (tails first) until up to max_ids page ids went
   // back to the pool, and retries orphans; returns the physical pages freed.
   size_t reclaim(size_t max_ids);
   // Deferred reclamation of freed reqids, in either mode: unmaps every
@@ -152,15 +152,15 @@ class PageManager {
   // unmapped (per buffer) and the free reqids that still map pages.
   std::pair<size_t, size_t> reclaim_freed(bool wait);
   // Releases up to max_ids free page ids (the free pool first, then pages of
-  // free slots, unmapped), giving their memory back to the OS or device and
+  // free reqids, unmapped), giving their memory back to the OS or device and
   // to the budget; returns the physical pages released. Pages under
   // requests and prefix handles stay. Throws std::invalid_argument with
   // external ids (their pages keep their contents).
   size_t release_free(size_t max_ids);
   // External ids only: releases the pages of those of ids[0, n) that are
-  // created and that no slot position, orphan or hold references, giving
+  // created and that no reqid position, orphan or hold references, giving
   // their memory back to the OS or device and to the budget; a later
-  // map_ids creates (and charges) them again, their contents gone. Returns
+  // map_pages creates (and charges) them again, their contents gone. Returns
   // the ids released; referenced or uncreated ids are left as they are.
   // Throws std::invalid_argument for a managed manager or an id out of range
   // (nothing released).
@@ -174,36 +174,36 @@ class PageManager {
   bool wait_for_budget(double timeout_s);
 
   // ---- shared pages ----
-  // A new slot whose first num_tokens tokens are src's: whole pages shared,
+  // A new reqid whose first num_tokens tokens are src's: whole pages shared,
   // the rest copied into fresh pages. Throws OutOfSlots / OutOfPages with
-  // nothing changed when no slot or page is left.
+  // nothing changed when no reqid or page is left.
   int64_t fork(int64_t src, int64_t num_tokens);
   // References the whole pages holding src's first num_tokens tokens (rounded
   // down to a page boundary that is also a token boundary). Returns (handle
   // id, tokens covered).
-  std::pair<uint64_t, int64_t> retain_prefix(int64_t slot, int64_t num_tokens);
-  // Maps a handle's pages at positions 0.. of an allocated slot that holds no
+  std::pair<uint64_t, int64_t> retain_prefix(int64_t reqid, int64_t num_tokens);
+  // Maps a handle's pages at positions 0.. of an allocated reqid that holds no
   // tokens yet; returns the tokens now present.
-  int64_t attach_prefix(uint64_t handle, int64_t slot);
+  int64_t attach_prefix(uint64_t handle, int64_t reqid);
   void release_prefix(uint64_t handle);
   std::vector<uint32_t> prefix_ids(uint64_t handle) const;
   // The page-table primitive. For each i: page ids ids[offsets[i] ..
-  // offsets[i+1]) go to positions starts[i].. of slots[i]; starts[i] may not
-  // pass the slot's mapped prefix. Positions that already hold the same id are
-  // left alone; from the first one that differs, the slot's old mapping is
+  // offsets[i+1]) go to positions starts[i].. of reqids[i]; starts[i] may not
+  // pass the reqid's mapped prefix. Positions that already hold the same id are
+  // left alone; from the first one that differs, the reqid's old mapping is
   // unmapped and the new ids are mapped. Managed ids must already be
   // referenced; their new references are taken before the old positions are
-  // cut, so an id may move within a slot or between slots (a swap). External
+  // cut, so an id may move within a reqid or between reqids (a swap). External
   // ids are any in [0, num_ids).
-  void map_ids(const int64_t* slots, const int64_t* starts, const int64_t* offsets, size_t count,
+  void map_pages(const int64_t* reqids, const int64_t* starts, const int64_t* offsets, size_t count,
                const uint32_t* ids, size_t num_ids_given);
-  // For each i: unmaps positions from keep[i] on of slots[i].
-  void truncate(const int64_t* slots, const int64_t* keep, size_t count);
-  // For each i: positions [0, first[i]) of slots[i] become holes (unmapped,
-  // addresses kept; a shorter prefix grows to first[i] with holes), so map_ids
+  // For each i: unmaps positions from keep[i] on of reqids[i].
+  void unmap_pages(const int64_t* reqids, const int64_t* keep, size_t count);
+  // For each i: positions [0, first[i]) of reqids[i] become holes (unmapped,
+  // addresses kept; a shorter prefix grows to first[i] with holes), so map_pages
   // may start at first[i]. External ids only: a sliding window's front.
-  void punch(const int64_t* slots, const int64_t* first, size_t count);
-  std::vector<uint32_t> slot_ids(int64_t slot) const;
+  void unmap_pages_below(const int64_t* reqids, const int64_t* first, size_t count);
+  std::vector<uint32_t> reqid_page_ids(int64_t reqid) const;
 
   // Stops the mapper, releases prefix handles, hands every mapping to the
   // cache memory (unmapped when the last tensor view goes, now if none) and
@@ -220,37 +220,37 @@ class PageManager {
   void check_usable() const;
 
   bool closed() const;
-  size_t mapped_pages(int64_t slot) const;  // positions (pages per buffer) mapped in slot
-  bool slot_allocated(int64_t slot) const;
+  size_t mapped_pages(int64_t reqid) const;  // positions (pages per buffer) mapped in reqid
+  bool reqid_allocated(int64_t reqid) const;
   // Throws std::invalid_argument (message prefixed with `what`) unless every
-  // slots[i] is allocated and has at least tokens[i] tokens mapped in every
+  // reqids[i] is allocated and has at least tokens[i] tokens mapped in every
   // buffer: what an attention kernel checks before it reads rows [0,
   // tokens[i]) of each request. One lock for the whole batch.
-  void check_mapped(const int64_t* slots, const int64_t* tokens, size_t count, const std::string& what) const;
+  void check_mapped(const int64_t* reqids, const int64_t* tokens, size_t count, const std::string& what) const;
   PageStats stats() const;
   // Every mapping the table holds, orphans included.
   std::vector<TableEntry> table() const;
   // Waits for the mapper's batch, then checks every bookkeeping invariant
   // (reference counts against the table, each id in exactly one place: a
-  // slot, a handle, the pool, the uncreated list; the counters). Returns the
+  // reqid, a handle, the pool, the uncreated list; the counters). Returns the
   // first violation, or "" (tests).
   std::string check_invariants();
   const PageManagerConfig& config() const { return config_; }
   const PolicyConfig& policy() const { return policy_; }
   size_t page_size() const { return page_size_; }
   size_t num_ids() const { return num_ids_; }
-  size_t buffer_bytes() const { return config_.num_slots * config_.slot_bytes; }
+  size_t buffer_bytes() const { return config_.num_reqids * config_.slice_bytes; }
   std::shared_ptr<CacheMemory> memory() const;
   VmmBackend& backend() const { return *backend_; }
 
  private:
   using Lock = std::unique_lock<std::mutex>;
   static constexpr uint32_t kNoId = UINT32_MAX;
-  using SlotKeep = std::pair<size_t, size_t>;  // (slot, positions kept)
+  using ReqidKeep = std::pair<size_t, size_t>;  // (reqid, positions kept)
 
-  // Positions [from, from + ids.size()) of `slot` get `ids`.
+  // Positions [from, from + ids.size()) of `reqid` get `ids`.
   struct MapJob {
-    size_t slot;
+    size_t reqid;
     size_t from;
     std::vector<uint32_t> ids;
     size_t fresh = 0;  // the last `fresh` ids came out of the pool for this job
@@ -292,10 +292,10 @@ class PageManager {
   }
   [[noreturn]] static void throw_forked();
   void check_open() const;     // caller holds mu
-  void check_slot(int64_t slot, const char* what) const;
-  void check_allocated(int64_t slot, const char* what) const;
-  uintptr_t address(size_t buffer, size_t slot, size_t pos) const {
-    return base_ + buffer * buffer_bytes() + slot * config_.slot_bytes + pos * page_size_;
+  void check_reqid(int64_t reqid, const char* what) const;
+  void check_allocated(int64_t reqid, const char* what) const;
+  uintptr_t address(size_t buffer, size_t reqid, size_t pos) const {
+    return base_ + buffer * buffer_bytes() + reqid * config_.slice_bytes + pos * page_size_;
   }
   uint32_t physical(size_t buffer, uint32_t id) const {
     return static_cast<uint32_t>(buffer * num_ids_ + id);
@@ -322,26 +322,26 @@ class PageManager {
   // Drops the references of positions whose every address is among the first
   // `done` of `addrs`; the rest become orphans.
   void finish_unmap(std::vector<Cut>& cuts, const std::vector<uintptr_t>& addrs, size_t done);
-  // The read fence to wait for before unmapping pages of these slots: the one
-  // recorded when a free slot was freed, "now" for an allocated slot.
-  uint64_t reads_of(size_t slot) const;
-  // Waits for the slots' reads, then unmaps the cut positions on this thread.
+  // The read fence to wait for before unmapping pages of these reqids: the one
+  // recorded when a free reqid was freed, "now" for an allocated reqid.
+  uint64_t reads_of(size_t reqid) const;
+  // Waits for the reqids' reads, then unmaps the cut positions on this thread.
   // A failed wait changes nothing; a failed unmap leaves orphans. Throws.
-  void unmap_tails_locked(const std::vector<SlotKeep>& slot_keep);
+  void unmap_tails_locked(const std::vector<ReqidKeep>& reqid_keep);
   // Unmaps positions cut from the table (their reads waited for); a failed
   // unmap leaves orphans. Throws.
   void unmap_cuts_locked(std::vector<Cut>& cuts);
-  // Retries unmapping orphans (of `slot`, or all when slot < 0). Throws the
+  // Retries unmapping orphans (of `reqid`, or all when reqid < 0). Throws the
   // first failure after trying all.
-  void settle_orphans_locked(int64_t slot);
-  // Unmaps free slots' tails (never keep_slot) until up to `want` ids went
+  void settle_orphans_locked(int64_t reqid);
+  // Unmaps free reqids' tails (never keep_reqid) until up to `want` ids went
   // back to the pool; returns how many did.
-  size_t reclaim_locked(size_t want, int64_t keep_slot);
-  void trim_for_new_request_locked(size_t slot, size_t keep);
+  size_t reclaim_locked(size_t want, int64_t keep_reqid);
+  void trim_for_new_request_locked(size_t reqid, size_t keep);
 
   // ---- the budget (page_manager_budget.cpp) ----
   void preallocate();  // constructor: every page created, into the pool
-  // Releases up to `want` free ids, reclaiming free slots' pages for more;
+  // Releases up to `want` free ids, reclaiming free reqids' pages for more;
   // returns the ids released. Waits for the mapper's batch.
   size_t shed_locked(Lock& lock, size_t want);
   bool has_idle_pages_locked() const;
@@ -373,7 +373,7 @@ class PageManager {
   PageTable table_;
   std::shared_ptr<CacheMemory> memory_;  // null once closed
   uintptr_t base_ = 0;
-  std::vector<uint64_t> slot_reads_;  // read fence recorded when each slot was last freed
+  std::vector<uint64_t> reqid_reads_;  // read fence recorded when each reqid was last freed
   bool inflight_ = false;             // a mapper batch is between plan and commit
   bool stop_ = false;                 // mapper must exit
   bool paused_ = false;               // mapper starts no batch (pause_mapper)

@@ -81,7 +81,7 @@ size_t PageManager::shed_locked(Lock& lock, size_t want) {
   release_ids(ids);
   size_t released = ids.size();
   if (released < want && !config_.external_ids) {
-    // The deferred-reclaim cache and the eager slot: unmapped (after their
+    // The deferred-reclaim cache and the eager reqid: unmapped (after their
     // read fences), then released like the rest.
     std::exception_ptr error;
     try {
@@ -99,7 +99,7 @@ size_t PageManager::shed_locked(Lock& lock, size_t want) {
 
 bool PageManager::has_idle_pages_locked() const {
   if (!table_.free_ids().empty()) return true;
-  for (size_t s = 0; s < config_.num_slots; ++s)
+  for (size_t s = 0; s < config_.num_reqids; ++s)
     if (!table_.allocated(s) && table_.mapped(s) > 0) return true;
   return false;
 }

@@ -55,14 +55,14 @@ void PageManager::release_ids(const std::vector<uint32_t>& ids) {
 // ---- mapping ----------------------------------------------------------------------------
 
 std::vector<PageMapping> PageManager::mappings_for(const std::vector<MapJob>& jobs) const {
-  // Job by job, buffer-major: each buffer's new positions of a slot are one
+  // Job by job, buffer-major: each buffer's new positions of a reqid are one
   // address run, and fresh ids are consecutive along it, so the host merges
   // the mappings and CUDA grants access once per run.
   std::vector<PageMapping> out;
   for (const MapJob& job : jobs)
     for (size_t b = 0; b < config_.num_buffers; ++b)
       for (size_t i = 0; i < job.ids.size(); ++i)
-        out.push_back(PageMapping{address(b, job.slot, job.from + i), physical(b, job.ids[i])});
+        out.push_back(PageMapping{address(b, job.reqid, job.from + i), physical(b, job.ids[i])});
   return out;
 }
 
@@ -74,12 +74,12 @@ void PageManager::finish_map(std::vector<MapJob>& jobs, const std::vector<PageMa
   for (MapJob& job : jobs) {
     const size_t n_ids = job.ids.size(), n = n_ids * nb;
     if (at + n <= done) {
-      table_.append(job.slot, job.ids);
+      table_.append(job.reqid, job.ids);
       (background ? stats.background_page_maps : stats.sync_page_maps) += n;
     } else {
       size_t mapped_here = done > at ? done - at : 0;
       if (mapped_here > 0) {
-        // Undo this job's mapped part so the slot's prefix stays exact; what
+        // Undo this job's mapped part so the reqid's prefix stays exact; what
         // cannot be undone is kept as orphans.
         std::vector<uintptr_t> addrs;
         for (size_t e = 0; e < mapped_here; ++e) addrs.push_back(mappings[at + e].addr);
@@ -94,7 +94,7 @@ void PageManager::finish_map(std::vector<MapJob>& jobs, const std::vector<PageMa
           size_t i = e % n_ids;
           auto it = std::find_if(kept.begin(), kept.end(), [&](const Orphan& o) { return o.pos == job.from + i; });
           if (it == kept.end()) {
-            kept.push_back(Orphan{job.slot, job.from + i, job.ids[i], {}});
+            kept.push_back(Orphan{job.reqid, job.from + i, job.ids[i], {}});
             it = kept.end() - 1;
           }
           it->addrs.push_back(addrs[e]);
@@ -135,7 +135,7 @@ std::vector<uintptr_t> PageManager::addresses_of(const std::vector<Cut>& cuts) c
   std::vector<uintptr_t> out;
   for (const Cut& cut : cuts)
     for (size_t b = 0; b < config_.num_buffers; ++b)
-      for (size_t i = 0; i < cut.ids.size(); ++i) out.push_back(address(b, cut.slot, cut.from + i));
+      for (size_t i = 0; i < cut.ids.size(); ++i) out.push_back(address(b, cut.reqid, cut.from + i));
   return out;
 }
 
@@ -152,31 +152,31 @@ void PageManager::finish_unmap(std::vector<Cut>& cuts, const std::vector<uintptr
       if (still.empty()) {
         table_.drop_map_ref(cut.ids[i]);
       } else {  // the position's mapping reference moves to the orphan
-        table_.keep_orphan(Orphan{cut.slot, cut.from + i, cut.ids[i], std::move(still)});
+        table_.keep_orphan(Orphan{cut.reqid, cut.from + i, cut.ids[i], std::move(still)});
       }
     }
     at += n_ids * nb;
   }
 }
 
-uint64_t PageManager::reads_of(size_t slot) const {
-  return table_.allocated(slot) ? VmmBackend::kReadsNow : slot_reads_[slot];
+uint64_t PageManager::reads_of(size_t reqid) const {
+  return table_.allocated(reqid) ? VmmBackend::kReadsNow : reqid_reads_[reqid];
 }
 
-void PageManager::unmap_tails_locked(const std::vector<SlotKeep>& slot_keep) {
+void PageManager::unmap_tails_locked(const std::vector<ReqidKeep>& reqid_keep) {
   bool any = false;
   uint64_t reads = VmmBackend::kNoReads;  // fences are ordered: the latest covers the others
-  for (auto [slot, keep] : slot_keep) {
-    if (table_.mapped(slot) <= keep) continue;
+  for (auto [reqid, keep] : reqid_keep) {
+    if (table_.mapped(reqid) <= keep) continue;
     any = true;
-    reads = std::max(reads, reads_of(slot));
+    reads = std::max(reads, reads_of(reqid));
   }
   if (!any) return;
   // A finished request's kernels may still read these pages. If this fails,
   // nothing has changed yet.
   backend_->wait_reads(reads);
   std::vector<Cut> cuts;
-  for (auto [slot, keep] : slot_keep) table_.cut_tail(slot, keep, cuts);
+  for (auto [reqid, keep] : reqid_keep) table_.cut_tail(reqid, keep, cuts);
   unmap_cuts_locked(cuts);
 }
 
@@ -193,9 +193,9 @@ void PageManager::unmap_cuts_locked(std::vector<Cut>& cuts) {
   if (error) std::rethrow_exception(error);
 }
 
-void PageManager::settle_orphans_locked(int64_t slot) {
+void PageManager::settle_orphans_locked(int64_t reqid) {
   const std::vector<Orphan>& orphans = table_.orphans();
-  auto matches = [&](const Orphan& o) { return slot < 0 || o.slot == static_cast<size_t>(slot); };
+  auto matches = [&](const Orphan& o) { return reqid < 0 || o.reqid == static_cast<size_t>(reqid); };
   if (std::none_of(orphans.begin(), orphans.end(), matches)) return;
   backend_->synchronize();
   std::exception_ptr first_error;
@@ -218,8 +218,8 @@ void PageManager::settle_orphans_locked(int64_t slot) {
 
 // ---- reclaiming ---------------------------------------------------------------------------
 
-size_t PageManager::reclaim_locked(size_t want, int64_t keep_slot) {
-  ReclaimPlan plan = plan_reclaim(table_, want, keep_slot, SIZE_MAX);
+size_t PageManager::reclaim_locked(size_t want, int64_t keep_reqid) {
+  ReclaimPlan plan = plan_reclaim(table_, want, keep_reqid, SIZE_MAX);
   const size_t before = table_.available();
   std::exception_ptr error;
   try {
@@ -233,12 +233,12 @@ size_t PageManager::reclaim_locked(size_t want, int64_t keep_slot) {
   return got;
 }
 
-void PageManager::trim_for_new_request_locked(size_t slot, size_t keep) {
+void PageManager::trim_for_new_request_locked(size_t reqid, size_t keep) {
   // A new request writes every position it uses: a page shared with another
-  // slot or a handle must not be among them.
-  keep = std::min(keep, table_.first_shared(slot));
-  if (table_.orphans_of(slot)) settle_orphans_locked(static_cast<int64_t>(slot));
-  unmap_tails_locked({{slot, keep}});
+  // reqid or a handle must not be among them.
+  keep = std::min(keep, table_.first_shared(reqid));
+  if (table_.orphans_of(reqid)) settle_orphans_locked(static_cast<int64_t>(reqid));
+  unmap_tails_locked({{reqid, keep}});
 }
 
 }  // namespace vattn

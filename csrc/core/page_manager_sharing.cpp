@@ -1,5 +1,5 @@
 // PageManager: shared pages. fork, prefix handles, and the page-table
-// primitive (map_ids / truncate / punch) that puts given ids at given
+// primitive (map_pages / unmap_pages / unmap_pages_below) that puts given ids at given
 // positions.
 #include <algorithm>
 #include <stdexcept>
@@ -30,9 +30,9 @@ int64_t PageManager::fork(int64_t src, int64_t num_tokens) {
   const size_t shared = geometry_.shareable_positions(num_tokens);
   const size_t total = geometry_.positions_for_tokens(num_tokens);
   const size_t fresh = total - shared;
-  const int64_t dst = emptiest_free_slot(table_);
+  const int64_t dst = emptiest_free_reqid(table_);
   if (dst < 0)
-    throw OutOfSlots("fork: all " + std::to_string(config_.num_slots) +
+    throw OutOfSlots("fork: all " + std::to_string(config_.num_reqids) +
                      " reqids are in use (max_batch_size); free one with free_reqid");
   const size_t d = static_cast<size_t>(dst);
   size_t own = 0;  // ids only dst references: truncating it frees them
@@ -77,43 +77,43 @@ int64_t PageManager::fork(int64_t src, int64_t num_tokens) {
   return dst;
 }
 
-std::pair<uint64_t, int64_t> PageManager::retain_prefix(int64_t slot, int64_t num_tokens) {
+std::pair<uint64_t, int64_t> PageManager::retain_prefix(int64_t reqid, int64_t num_tokens) {
   check_process();
   Lock lock(sync_->mu);
   check_open();
   if (config_.external_ids)
     throw std::invalid_argument("retain_prefix: this manager's page ids are owned by the caller "
                                 "(page_allocator='external')");
-  check_allocated(slot, "retain_prefix");
-  const std::vector<uint32_t>& slot_ids = table_.ids(static_cast<size_t>(slot));
-  int64_t mapped = geometry_.tokens_in_positions(slot_ids.size());
+  check_allocated(reqid, "retain_prefix");
+  const std::vector<uint32_t>& reqid_page_ids = table_.ids(static_cast<size_t>(reqid));
+  int64_t mapped = geometry_.tokens_in_positions(reqid_page_ids.size());
   if (num_tokens < 0 || num_tokens > mapped)
     throw std::invalid_argument("retain_prefix: num_tokens must be in " + range_text(0, mapped) +
-                                " (tokens mapped for reqid " + std::to_string(slot) + "), got " +
+                                " (tokens mapped for reqid " + std::to_string(reqid) + "), got " +
                                 std::to_string(num_tokens));
   const size_t shared = geometry_.shareable_positions(num_tokens);
-  uint64_t handle = table_.retain(std::vector<uint32_t>(slot_ids.begin(), slot_ids.begin() + shared));
+  uint64_t handle = table_.retain(std::vector<uint32_t>(reqid_page_ids.begin(), reqid_page_ids.begin() + shared));
   return {handle, geometry_.tokens_in_positions(shared)};
 }
 
-int64_t PageManager::attach_prefix(uint64_t handle, int64_t slot) {
+int64_t PageManager::attach_prefix(uint64_t handle, int64_t reqid) {
   check_process();
   Lock lock(sync_->mu);
   check_open();
   auto validate = [&] {
     if (!table_.handle_ids(handle)) throw std::invalid_argument("attach_prefix: the prefix handle was released");
-    check_allocated(slot, "attach_prefix");
-    if (table_.tokens(static_cast<size_t>(slot)) > 0)
-      throw std::invalid_argument("attach_prefix: reqid " + std::to_string(slot) + " already holds " +
-                                  std::to_string(table_.tokens(static_cast<size_t>(slot))) +
+    check_allocated(reqid, "attach_prefix");
+    if (table_.tokens(static_cast<size_t>(reqid)) > 0)
+      throw std::invalid_argument("attach_prefix: reqid " + std::to_string(reqid) + " already holds " +
+                                  std::to_string(table_.tokens(static_cast<size_t>(reqid))) +
                                   " tokens; attach to a freshly allocated reqid");
   };
   validate();
   wait_for_batch(lock);
   validate();
   const std::vector<uint32_t> ids = *table_.handle_ids(handle);
-  const size_t s = static_cast<size_t>(slot);
-  if (table_.orphans_of(s)) settle_orphans_locked(slot);
+  const size_t s = static_cast<size_t>(reqid);
+  if (table_.orphans_of(s)) settle_orphans_locked(reqid);
   size_t same = 0;
   while (same < std::min(table_.mapped(s), ids.size()) && table_.ids(s)[same] == ids[same]) ++same;
   unmap_tails_locked({{s, same}});
@@ -141,31 +141,31 @@ std::vector<uint32_t> PageManager::prefix_ids(uint64_t handle) const {
   return *ids;
 }
 
-void PageManager::map_ids(const int64_t* slots, const int64_t* starts, const int64_t* offsets, size_t count,
+void PageManager::map_pages(const int64_t* reqids, const int64_t* starts, const int64_t* offsets, size_t count,
                           const uint32_t* ids, size_t num_ids_given) {
   check_process();
   Lock lock(sync_->mu);
   check_open();
-  const size_t slot_positions = config_.slot_bytes / page_size_;
+  const size_t slice_positions = config_.slice_bytes / page_size_;
   auto validate = [&] {
     if (offsets[0] != 0 || static_cast<size_t>(offsets[count]) != num_ids_given)
       throw std::invalid_argument("map_pages: counts must add up to len(page_ids) = " +
                                   std::to_string(num_ids_given));
-    std::vector<uint8_t> seen(config_.num_slots, 0);
+    std::vector<uint8_t> seen(config_.num_reqids, 0);
     for (size_t i = 0; i < count; ++i) {
-      check_allocated(slots[i], "map_pages");
-      if (seen[slots[i]]++)
-        throw std::invalid_argument("map_pages: reqid " + std::to_string(slots[i]) + " appears twice");
+      check_allocated(reqids[i], "map_pages");
+      if (seen[reqids[i]]++)
+        throw std::invalid_argument("map_pages: reqid " + std::to_string(reqids[i]) + " appears twice");
       int64_t n = offsets[i + 1] - offsets[i];
-      int64_t mapped = static_cast<int64_t>(table_.mapped(static_cast<size_t>(slots[i])));
+      int64_t mapped = static_cast<int64_t>(table_.mapped(static_cast<size_t>(reqids[i])));
       if (n < 0) throw std::invalid_argument("map_pages: counts must be >= 0");
       if (starts[i] < 0 || starts[i] > mapped)
         throw std::invalid_argument("map_pages: starts[" + std::to_string(i) + "] must be in " +
                                     range_text(0, mapped) + " (positions mapped for reqid " +
-                                    std::to_string(slots[i]) + "), got " + std::to_string(starts[i]));
-      if (static_cast<size_t>(starts[i] + n) > slot_positions)
-        throw std::invalid_argument("map_pages: reqid " + std::to_string(slots[i]) + " has " +
-                                    std::to_string(slot_positions) + " page positions; starts[" +
+                                    std::to_string(reqids[i]) + "), got " + std::to_string(starts[i]));
+      if (static_cast<size_t>(starts[i] + n) > slice_positions)
+        throw std::invalid_argument("map_pages: reqid " + std::to_string(reqids[i]) + " has " +
+                                    std::to_string(slice_positions) + " page positions; starts[" +
                                     std::to_string(i) + "] + count = " + std::to_string(starts[i] + n));
     }
     for (size_t k = 0; k < num_ids_given; ++k) {
@@ -191,7 +191,7 @@ void PageManager::map_ids(const int64_t* slots, const int64_t* starts, const int
     }
   }
   // Managed ids: the new positions' references are pinned before any old
-  // position is cut, so an id that moves (within a slot, or a swap between
+  // position is cut, so an id that moves (within a reqid, or a swap between
   // two) never drops to zero references and into the free pool while mapped.
   std::vector<uint32_t> pinned;
   if (!config_.external_ids) pinned.assign(ids, ids + num_ids_given);
@@ -200,16 +200,16 @@ void PageManager::map_ids(const int64_t* slots, const int64_t* starts, const int
     for (uint32_t id : pinned) table_.drop_hold(id);
   };
   try {
-    std::vector<SlotKeep> cuts;
+    std::vector<ReqidKeep> cuts;
     std::vector<MapJob> jobs;
     for (size_t i = 0; i < count; ++i) {
-      const size_t s = static_cast<size_t>(slots[i]), start = static_cast<size_t>(starts[i]);
+      const size_t s = static_cast<size_t>(reqids[i]), start = static_cast<size_t>(starts[i]);
       const size_t n = static_cast<size_t>(offsets[i + 1] - offsets[i]);
       const uint32_t* row = ids + offsets[i];
       size_t same = 0;
       while (same < n && start + same < table_.mapped(s) && table_.ids(s)[start + same] == row[same]) ++same;
       if (same == n) continue;
-      if (table_.orphans_of(s)) settle_orphans_locked(slots[i]);
+      if (table_.orphans_of(s)) settle_orphans_locked(reqids[i]);
       cuts.emplace_back(s, start + same);
       jobs.push_back(MapJob{s, start + same, std::vector<uint32_t>(row + same, row + n), 0});
     }
@@ -223,17 +223,17 @@ void PageManager::map_ids(const int64_t* slots, const int64_t* starts, const int
   unpin();
 }
 
-void PageManager::truncate(const int64_t* slots, const int64_t* keep, size_t count) {
+void PageManager::unmap_pages(const int64_t* reqids, const int64_t* keep, size_t count) {
   check_process();
   Lock lock(sync_->mu);
   check_open();
   for (size_t i = 0; i < count; ++i) {
-    check_slot(slots[i], "unmap_pages");
+    check_reqid(reqids[i], "unmap_pages");
     if (keep[i] < 0) throw std::invalid_argument("unmap_pages: keep must be >= 0, got " + std::to_string(keep[i]));
   }
   wait_for_batch(lock);
-  std::vector<SlotKeep> cuts;
-  for (size_t i = 0; i < count; ++i) cuts.emplace_back(static_cast<size_t>(slots[i]), static_cast<size_t>(keep[i]));
+  std::vector<ReqidKeep> cuts;
+  for (size_t i = 0; i < count; ++i) cuts.emplace_back(static_cast<size_t>(reqids[i]), static_cast<size_t>(keep[i]));
   for (auto [s, k] : cuts)
     if (table_.orphans_of(s)) settle_orphans_locked(static_cast<int64_t>(s));
   unmap_tails_locked(cuts);
@@ -241,41 +241,41 @@ void PageManager::truncate(const int64_t* slots, const int64_t* keep, size_t cou
   sync_->wake.notify_one();
 }
 
-void PageManager::punch(const int64_t* slots, const int64_t* first, size_t count) {
+void PageManager::unmap_pages_below(const int64_t* reqids, const int64_t* first, size_t count) {
   check_process();
   Lock lock(sync_->mu);
   check_open();
   if (!config_.external_ids)
     throw std::invalid_argument("unmap_pages_below: only a manager whose page ids the caller owns "
                                 "(page_allocator='external') leaves holes in a slice");
-  const int64_t slot_positions = static_cast<int64_t>(config_.slot_bytes / page_size_);
+  const int64_t slice_positions = static_cast<int64_t>(config_.slice_bytes / page_size_);
   for (size_t i = 0; i < count; ++i) {
-    check_slot(slots[i], "unmap_pages_below");
-    if (first[i] < 0 || first[i] > slot_positions)
-      throw std::invalid_argument("unmap_pages_below: first must be in " + range_text(0, slot_positions) +
+    check_reqid(reqids[i], "unmap_pages_below");
+    if (first[i] < 0 || first[i] > slice_positions)
+      throw std::invalid_argument("unmap_pages_below: first must be in " + range_text(0, slice_positions) +
                                   " (page positions per reqid), got " + std::to_string(first[i]));
   }
   wait_for_batch(lock);
   uint64_t reads = VmmBackend::kNoReads;
   for (size_t i = 0; i < count; ++i) {
-    const size_t s = static_cast<size_t>(slots[i]);
-    if (table_.orphans_of(s)) settle_orphans_locked(slots[i]);
+    const size_t s = static_cast<size_t>(reqids[i]);
+    if (table_.orphans_of(s)) settle_orphans_locked(reqids[i]);
     if (table_.maps_below(s, static_cast<size_t>(first[i]))) reads = std::max(reads, reads_of(s));
   }
   backend_->wait_reads(reads);  // the pages behind a window may still be read by queued work
   std::vector<Cut> cuts;
-  for (size_t i = 0; i < count; ++i) table_.punch(static_cast<size_t>(slots[i]), static_cast<size_t>(first[i]), cuts);
+  for (size_t i = 0; i < count; ++i) table_.unmap_pages_below(static_cast<size_t>(reqids[i]), static_cast<size_t>(first[i]), cuts);
   unmap_cuts_locked(cuts);
   work_epoch_++;
   sync_->wake.notify_one();
 }
 
-std::vector<uint32_t> PageManager::slot_ids(int64_t slot) const {
+std::vector<uint32_t> PageManager::reqid_page_ids(int64_t reqid) const {
   check_process();
   Lock lock(sync_->mu);
   check_open();
-  check_slot(slot, "page_ids");
-  return table_.ids(static_cast<size_t>(slot));
+  check_reqid(reqid, "page_ids");
+  return table_.ids(static_cast<size_t>(reqid));
 }
 
 }  // namespace vattn

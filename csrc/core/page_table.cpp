@@ -6,12 +6,12 @@
 
 namespace vattn {
 
-PageTable::PageTable(size_t num_slots, size_t num_buffers, size_t num_ids, bool external_ids)
+PageTable::PageTable(size_t num_reqids, size_t num_buffers, size_t num_ids, bool external_ids)
     : num_buffers_(num_buffers), external_ids_(external_ids) {
-  slot_ids_.resize(num_slots);
-  slot_allocated_.assign(num_slots, 0);
-  slot_tokens_.assign(num_slots, 0);
-  slot_orphans_.assign(num_slots, 0);
+  reqid_page_ids_.resize(num_reqids);
+  reqid_allocated_.assign(num_reqids, 0);
+  reqid_tokens_.assign(num_reqids, 0);
+  reqid_orphans_.assign(num_reqids, 0);
   id_maps_.assign(num_ids, 0);
   id_holds_.assign(num_ids, 0);
   id_created_.assign(num_ids, 0);
@@ -24,24 +24,24 @@ PageTable::PageTable(size_t num_slots, size_t num_buffers, size_t num_ids, bool 
   stats_.pages_free_low = stats_.pages_total;
 }
 
-// ---- slots ------------------------------------------------------------------------------
+// ---- reqids ------------------------------------------------------------------------------
 
-size_t PageTable::first_shared(size_t slot) const {
-  const auto& ids = slot_ids_[slot];
+size_t PageTable::first_shared(size_t reqid) const {
+  const auto& ids = reqid_page_ids_[reqid];
   for (size_t p = 0; p < ids.size(); ++p)
     if (ids[p] != kHole && refs(ids[p]) > 1) return p;
   return ids.size();
 }
 
-void PageTable::allocate(size_t slot) {
-  slot_allocated_[slot] = 1;
-  slot_tokens_[slot] = 0;
+void PageTable::allocate(size_t reqid) {
+  reqid_allocated_[reqid] = 1;
+  reqid_tokens_[reqid] = 0;
   stats_.slots_allocated++;
 }
 
-void PageTable::release(size_t slot) {
-  slot_allocated_[slot] = 0;
-  slot_tokens_[slot] = 0;
+void PageTable::release(size_t reqid) {
+  reqid_allocated_[reqid] = 0;
+  reqid_tokens_[reqid] = 0;
   stats_.slots_allocated--;
   stats_.shrinks++;
 }
@@ -152,12 +152,12 @@ std::vector<uint32_t> PageTable::uncreate_unreferenced(const uint32_t* ids, size
 
 size_t PageTable::idle_ids() const {
   size_t idle = free_ids_.size();
-  std::vector<uint32_t> free_slot_maps(num_ids(), 0);
-  for (size_t s = 0; s < slot_ids_.size(); ++s)
-    if (!slot_allocated_[s])
-      for (uint32_t id : slot_ids_[s]) free_slot_maps[id]++;
-  for (size_t id = 0; id < free_slot_maps.size(); ++id)
-    idle += free_slot_maps[id] > 0 && free_slot_maps[id] == id_maps_[id] && id_holds_[id] == 0;
+  std::vector<uint32_t> free_reqid_maps(num_ids(), 0);
+  for (size_t s = 0; s < reqid_page_ids_.size(); ++s)
+    if (!reqid_allocated_[s])
+      for (uint32_t id : reqid_page_ids_[s]) free_reqid_maps[id]++;
+  for (size_t id = 0; id < free_reqid_maps.size(); ++id)
+    idle += free_reqid_maps[id] > 0 && free_reqid_maps[id] == id_maps_[id] && id_holds_[id] == 0;
   return idle;
 }
 
@@ -174,16 +174,16 @@ std::vector<uint32_t> PageTable::uncreated_among(const uint32_t* ids, size_t cou
 
 // ---- positions --------------------------------------------------------------------------
 
-void PageTable::append(size_t slot, const std::vector<uint32_t>& ids) {
+void PageTable::append(size_t reqid, const std::vector<uint32_t>& ids) {
   for (uint32_t id : ids) {
-    slot_ids_[slot].push_back(id);
+    reqid_page_ids_[reqid].push_back(id);
     add_map_ref(id);
   }
   stats_.page_slots_mapped += ids.size() * num_buffers_;
 }
 
-void PageTable::cut_runs(size_t slot, size_t from, size_t to, std::vector<Cut>& cuts) const {
-  const auto& ids = slot_ids_[slot];
+void PageTable::cut_runs(size_t reqid, size_t from, size_t to, std::vector<Cut>& cuts) const {
+  const auto& ids = reqid_page_ids_[reqid];
   for (size_t p = from; p < to;) {
     if (ids[p] == kHole) {
       ++p;
@@ -191,30 +191,30 @@ void PageTable::cut_runs(size_t slot, size_t from, size_t to, std::vector<Cut>& 
     }
     size_t end = p;
     while (end < to && ids[end] != kHole) ++end;
-    cuts.push_back(Cut{slot, p, std::vector<uint32_t>(ids.begin() + p, ids.begin() + end)});
+    cuts.push_back(Cut{reqid, p, std::vector<uint32_t>(ids.begin() + p, ids.begin() + end)});
     p = end;
   }
 }
 
-void PageTable::cut_tail(size_t slot, size_t keep, std::vector<Cut>& cuts) {
-  auto& ids = slot_ids_[slot];
+void PageTable::cut_tail(size_t reqid, size_t keep, std::vector<Cut>& cuts) {
+  auto& ids = reqid_page_ids_[reqid];
   if (ids.size() <= keep) return;
-  cut_runs(slot, keep, ids.size(), cuts);
+  cut_runs(reqid, keep, ids.size(), cuts);
   ids.resize(keep);
   stats_.shrinks++;
 }
 
-void PageTable::punch(size_t slot, size_t first, std::vector<Cut>& cuts) {
-  auto& ids = slot_ids_[slot];
+void PageTable::unmap_pages_below(size_t reqid, size_t first, std::vector<Cut>& cuts) {
+  auto& ids = reqid_page_ids_[reqid];
   const size_t upto = std::min(first, ids.size());
-  cut_runs(slot, 0, upto, cuts);
+  cut_runs(reqid, 0, upto, cuts);
   std::fill(ids.begin(), ids.begin() + upto, kHole);
   if (upto > 0) stats_.shrinks++;
   if (first > ids.size()) ids.resize(first, kHole);
 }
 
-bool PageTable::maps_below(size_t slot, size_t first) const {
-  const auto& ids = slot_ids_[slot];
+bool PageTable::maps_below(size_t reqid, size_t first) const {
+  const auto& ids = reqid_page_ids_[reqid];
   const size_t upto = std::min(first, ids.size());
   return std::any_of(ids.begin(), ids.begin() + upto, [](uint32_t id) { return id != kHole; });
 }
@@ -226,7 +226,7 @@ void PageTable::count_unmapped(size_t addrs) {
 
 void PageTable::keep_orphan(Orphan orphan) {
   stats_.pages_orphaned += orphan.addrs.size();
-  slot_orphans_[orphan.slot]++;
+  reqid_orphans_[orphan.reqid]++;
   orphans_.push_back(std::move(orphan));
 }
 
@@ -234,7 +234,7 @@ void PageTable::add_orphan(Orphan orphan) {
   add_map_ref(orphan.id);
   stats_.page_slots_mapped += orphan.addrs.size();
   stats_.pages_orphaned += orphan.addrs.size();
-  slot_orphans_[orphan.slot]++;
+  reqid_orphans_[orphan.reqid]++;
   orphans_.push_back(std::move(orphan));
 }
 
@@ -245,7 +245,7 @@ bool PageTable::settle_orphan(size_t k, size_t done) {
   stats_.pages_orphaned -= done;
   if (!o.addrs.empty()) return false;
   uint32_t id = o.id;
-  slot_orphans_[o.slot]--;
+  reqid_orphans_[o.reqid]--;
   orphans_.erase(orphans_.begin() + k);
   drop_map_ref(id);
   return true;
@@ -283,11 +283,11 @@ void PageTable::release_all_handles() {
 
 void PageTable::clear() {
   stats_.shrinks++;
-  for (size_t s = 0; s < slot_ids_.size(); ++s) {
-    slot_ids_[s].clear();
-    slot_allocated_[s] = 0;
-    slot_tokens_[s] = 0;
-    slot_orphans_[s] = 0;
+  for (size_t s = 0; s < reqid_page_ids_.size(); ++s) {
+    reqid_page_ids_[s].clear();
+    reqid_allocated_[s] = 0;
+    reqid_tokens_[s] = 0;
+    reqid_orphans_[s] = 0;
   }
   orphans_.clear();
   free_ids_.clear();
@@ -300,7 +300,7 @@ void PageTable::clear() {
 PageStats PageTable::stats() const {
   PageStats out = stats_;
   out.tokens_active = 0;
-  for (int64_t tokens : slot_tokens_) out.tokens_active += static_cast<size_t>(tokens);
+  for (int64_t tokens : reqid_tokens_) out.tokens_active += static_cast<size_t>(tokens);
   return out;
 }
 
@@ -309,30 +309,30 @@ PageStats PageTable::stats() const {
 std::string PageTable::check_invariants() const {
   const size_t nb = num_buffers_, n_ids = num_ids();
   std::vector<uint32_t> maps(n_ids, 0), holds(n_ids, 0), pooled(n_ids, 0);
-  size_t slots_mapped = 0, allocated = 0;
-  for (size_t s = 0; s < slot_ids_.size(); ++s) {
-    allocated += slot_allocated_[s];
-    for (uint32_t id : slot_ids_[s]) {
+  size_t mappings = 0, allocated = 0;
+  for (size_t s = 0; s < reqid_page_ids_.size(); ++s) {
+    allocated += reqid_allocated_[s];
+    for (uint32_t id : reqid_page_ids_[s]) {
       if (id == kHole) {
-        if (!external_ids_) return "slot " + std::to_string(s) + " has a hole, but its ids are managed";
+        if (!external_ids_) return "reqid " + std::to_string(s) + " has a hole, but its ids are managed";
         continue;
       }
-      if (id >= n_ids) return "slot " + std::to_string(s) + " holds id " + std::to_string(id) + " out of range";
-      if (!id_created_[id]) return "slot " + std::to_string(s) + " maps uncreated id " + std::to_string(id);
+      if (id >= n_ids) return "reqid " + std::to_string(s) + " holds id " + std::to_string(id) + " out of range";
+      if (!id_created_[id]) return "reqid " + std::to_string(s) + " maps uncreated id " + std::to_string(id);
       maps[id]++;
-      slots_mapped += nb;
+      mappings += nb;
     }
   }
   size_t orphaned = 0;
-  std::vector<uint32_t> per_slot(slot_ids_.size(), 0);
+  std::vector<uint32_t> per_reqid(reqid_page_ids_.size(), 0);
   for (const Orphan& o : orphans_) {
     if (o.addrs.empty()) return "an orphan without addresses";
     maps[o.id]++;
-    per_slot[o.slot]++;
+    per_reqid[o.reqid]++;
     orphaned += o.addrs.size();
-    slots_mapped += o.addrs.size();
+    mappings += o.addrs.size();
   }
-  if (per_slot != slot_orphans_) return "orphan counts per slot disagree";
+  if (per_reqid != reqid_orphans_) return "orphan counts per reqid disagree";
   for (auto& [h, ids] : handles_)
     for (uint32_t id : ids) holds[id]++;
   for (uint32_t id : free_ids_) {
@@ -358,7 +358,7 @@ std::string PageTable::check_invariants() const {
   const PageStats& st = stats_;
   if (st.pages_mapped != mapped * nb) return "pages_mapped counter is off";
   if (st.pages_in_use != in_use * nb) return "pages_in_use counter is off";
-  if (st.page_slots_mapped != slots_mapped) return "page_slots_mapped counter is off";
+  if (st.page_slots_mapped != mappings) return "page_slots_mapped counter is off";
   if (st.pages_orphaned != orphaned) return "pages_orphaned counter is off";
   if (st.pages_created != created * nb) return "pages_created counter is off";
   if (st.slots_allocated != allocated) return "slots_allocated counter is off";

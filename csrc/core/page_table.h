@@ -1,16 +1,18 @@
 // The page table of one KV cache: which page id sits at each position of each
-// slot, how many references each id has, which ids are free, and the counters.
+// reqid, how many references each id has, which ids are free, and the counters.
 // It records what the caller did; it decides nothing (core/policy.h does), it
 // calls no driver and takes no lock (core/page_manager.h does both).
 //
-// Page ids. Ids 0..num_ids-1 each name one physical page per buffer. A slot
-// (request id) maps a prefix of positions [0, n), the same id at a position in
-// every buffer. With external ids the front of a prefix may be holes (punch):
-// positions that map nothing and hold no reference, so a sliding window's
-// slice gives back the pages behind the window and keeps its addresses. An id's reference count is its mappings (positions of slots,
-// and orphans) plus the prefix handles holding it; an id is in exactly one of:
-// referenced, the free pool (created, unreferenced), the uncreated list, or in
-// flight (claimed by the caller, not yet appended or given back).
+// Page ids. Ids 0..num_ids-1 each name one physical page per buffer. A reqid
+// (request id) maps a prefix of positions [0, n) of its slice, the same id at
+// a position in every buffer. With external ids the front of a prefix may be
+// holes (unmap_pages_below): positions that map nothing and hold no
+// reference, so a sliding window's slice gives back the pages behind the
+// window and keeps its addresses. An id's reference count is its mappings
+// (positions of reqids, and orphans) plus the prefix handles holding it; an
+// id is in exactly one of: referenced, the free pool (created, unreferenced),
+// the uncreated list, or in flight (claimed by the caller, not yet appended or
+// given back).
 //
 // Two ways to own page ids:
 //   * managed: the table hands out ids from its pool (claim) and takes them
@@ -19,7 +21,7 @@
 //     whose last reference goes stays the caller's.
 //
 // Orphans. A position whose addresses could not all be unmapped stays
-// referenced as an orphan (slot, position, id, the addresses still mapped)
+// referenced as an orphan (reqid, position, id, the addresses still mapped)
 // until a retry unmaps them: its id is never handed out twice.
 #pragma once
 
@@ -37,21 +39,21 @@ namespace vattn {
 struct PageStats {
   size_t pages_total = 0;        // pool capacity
   size_t pages_created = 0;      // physical pages committed now
-  size_t pages_mapped = 0;       // distinct pages mapped in at least one slot
+  size_t pages_mapped = 0;       // distinct pages mapped in at least one reqid
   size_t pages_in_use = 0;       // distinct pages referenced (mapped, or held by a prefix handle)
-  size_t page_slots_mapped = 0;  // page-sized mappings (a shared page counts once per slot)
+  size_t page_slots_mapped = 0;  // page-sized mappings (a shared page counts once per reqid)
   size_t pages_mapped_peak = 0;
   size_t pages_free_low = 0;     // low-water mark of pages not in use
   size_t pages_orphaned = 0;     // pages kept mapped after a failed unmap, retried later
   size_t slots_allocated = 0;
-  size_t tokens_active = 0;      // sum of allocated slots' last stepped lengths
+  size_t tokens_active = 0;      // sum of allocated reqids' last stepped lengths
   size_t prefix_handles = 0;     // live prefix handles
   uint64_t step_calls = 0;       // caller
   uint64_t failed_steps = 0;     // caller: steps that returned false (not enough pages)
   uint64_t sync_page_maps = 0;   // caller: pages mapped on the caller's thread (step, fork, map_pages)
   uint64_t background_page_maps = 0;  // caller
   uint64_t page_unmaps = 0;
-  uint64_t reclaimed_pages = 0;  // caller: pages returned to the pool from free slots (any path)
+  uint64_t reclaimed_pages = 0;  // caller: pages returned to the pool from free reqids (any path)
   uint64_t background_reclaimed_pages = 0;  // caller
   uint64_t forks = 0;            // caller
   uint64_t pages_copied = 0;     // caller: fork's copies of partial pages
@@ -61,22 +63,22 @@ struct PageStats {
   uint64_t step_wait_ns = 0;     // caller: time steps spent waiting for an in-flight mapper batch
   uint64_t pages_released = 0;   // caller: created pages released again (given back to a budget)
   uint64_t creations_refused = 0;  // caller: page creations a budget refused or the device had no memory for
-  // Times a slot lost positions or was released: while it stands still, every
+  // Times a reqid lost positions or was released: while it stands still, every
   // check that a batch's rows are mapped still holds (kernels check it per layer).
   uint64_t shrinks = 0;
 };
 
-// Positions [from, from + ids.size()) of `slot`, cut from its prefix: their
+// Positions [from, from + ids.size()) of `reqid`, cut from its prefix: their
 // mapping references stay until the caller reports them unmapped.
 struct Cut {
-  size_t slot;
+  size_t reqid;
   size_t from;
   std::vector<uint32_t> ids;
 };
 
-// A position of `slot` whose addresses `addrs` are still mapped.
+// A position of `reqid` whose addresses `addrs` are still mapped.
 struct Orphan {
-  size_t slot;
+  size_t reqid;
   size_t pos;
   uint32_t id;
   std::vector<uintptr_t> addrs;
@@ -86,31 +88,31 @@ class PageTable {
  public:
   static constexpr uint32_t kHole = UINT32_MAX;  // a position of a prefix that maps nothing
 
-  // Every slot free and empty; managed ids all uncreated, handed out smallest first.
-  PageTable(size_t num_slots, size_t num_buffers, size_t num_ids, bool external_ids);
+  // Every reqid free and empty; managed ids all uncreated, handed out smallest first.
+  PageTable(size_t num_reqids, size_t num_buffers, size_t num_ids, bool external_ids);
 
-  size_t num_slots() const { return slot_ids_.size(); }
+  size_t num_reqids() const { return reqid_page_ids_.size(); }
   size_t num_buffers() const { return num_buffers_; }
   size_t num_ids() const { return id_maps_.size(); }
   bool external_ids() const { return external_ids_; }
 
-  // ---- slots ----
-  const std::vector<uint32_t>& ids(size_t slot) const { return slot_ids_[slot]; }
-  size_t mapped(size_t slot) const { return slot_ids_[slot].size(); }  // positions in the prefix, holes included
-  bool allocated(size_t slot) const { return slot_allocated_[slot] != 0; }
-  int64_t tokens(size_t slot) const { return slot_tokens_[slot]; }  // last stepped length
-  size_t orphans_of(size_t slot) const { return slot_orphans_[slot]; }
-  // The first position whose id has another reference (a slot's position or
-  // a handle): from there on, the slot does not own its pages alone.
-  size_t first_shared(size_t slot) const;
-  // Marks a free slot allocated with 0 tokens.
-  void allocate(size_t slot);
-  // Marks an allocated slot free with 0 tokens. Its positions stay
+  // ---- reqids ----
+  const std::vector<uint32_t>& ids(size_t reqid) const { return reqid_page_ids_[reqid]; }
+  size_t mapped(size_t reqid) const { return reqid_page_ids_[reqid].size(); }  // positions in the prefix, holes included
+  bool allocated(size_t reqid) const { return reqid_allocated_[reqid] != 0; }
+  int64_t tokens(size_t reqid) const { return reqid_tokens_[reqid]; }  // last stepped length
+  size_t orphans_of(size_t reqid) const { return reqid_orphans_[reqid]; }
+  // The first position whose id has another reference (a reqid's position or
+  // a handle): from there on, the reqid does not own its pages alone.
+  size_t first_shared(size_t reqid) const;
+  // Marks a free reqid allocated with 0 tokens.
+  void allocate(size_t reqid);
+  // Marks an allocated reqid free with 0 tokens. Its positions stay
   // (deferred reclaim).
-  void release(size_t slot);
-  // Inline and nothing else: step() sets every active slot's length on its
+  void release(size_t reqid);
+  // Inline and nothing else: step() sets every active reqid's length on its
   // fast path (tokens_active is summed when stats() is read).
-  void set_tokens(size_t slot, int64_t tokens) { slot_tokens_[slot] = tokens; }
+  void set_tokens(size_t reqid, int64_t tokens) { reqid_tokens_[reqid] = tokens; }
 
   // ---- reference counts ----
   uint32_t maps(uint32_t id) const { return id_maps_[id]; }    // positions and orphans
@@ -144,26 +146,26 @@ class PageTable {
   // (no position, orphan or hold) are uncreated again, each once; returns
   // them (their physical pages are to be released by the caller).
   std::vector<uint32_t> uncreate_unreferenced(const uint32_t* ids, size_t count);
-  // Created ids that no allocated slot, prefix handle or orphan references:
-  // the free pool and the ids only free slots map (deferred reclaim, eager
-  // pages). What a budget counts as free-held. O(num_ids + free slots' positions).
+  // Created ids that no allocated reqid, prefix handle or orphan references:
+  // the free pool and the ids only free reqids map (deferred reclaim, eager
+  // pages). What a budget counts as free-held. O(num_ids + free reqids' positions).
   size_t idle_ids() const;
   // The distinct ids among ids[0, count) not created yet, in first-seen order.
   std::vector<uint32_t> uncreated_among(const uint32_t* ids, size_t count);
 
   // ---- positions ----
-  // Positions mapped(slot).. of `slot` now hold `ids` (each gets a mapping reference).
-  void append(size_t slot, const std::vector<uint32_t>& ids);
-  // Cuts positions [keep, mapped) of `slot` out of its prefix into `cuts`
+  // Positions mapped(reqid).. of `reqid` now hold `ids` (each gets a mapping reference).
+  void append(size_t reqid, const std::vector<uint32_t>& ids);
+  // Cuts positions [keep, mapped) of `reqid` out of its prefix into `cuts`
   // (nothing when keep >= mapped; one cut per run between holes); their
   // references stay until reported.
-  void cut_tail(size_t slot, size_t keep, std::vector<Cut>& cuts);
-  // Positions [0, first) of `slot` become holes: their ids go into `cuts`
+  void cut_tail(size_t reqid, size_t keep, std::vector<Cut>& cuts);
+  // Positions [0, first) of `reqid` become holes: their ids go into `cuts`
   // (references stay until reported), and a prefix shorter than `first`
   // grows to it with holes. External ids only.
-  void punch(size_t slot, size_t first, std::vector<Cut>& cuts);
-  // Whether positions [0, first) of `slot` hold any page.
-  bool maps_below(size_t slot, size_t first) const;
+  void unmap_pages_below(size_t reqid, size_t first, std::vector<Cut>& cuts);
+  // Whether positions [0, first) of `reqid` hold any page.
+  bool maps_below(size_t reqid, size_t first) const;
   // `addrs` page-sized mappings went away (the unmap counters).
   void count_unmapped(size_t addrs);
   // Drops one mapping reference of `id` (a cut position fully unmapped).
@@ -188,13 +190,13 @@ class PageTable {
   const std::vector<uint32_t>* handle_ids(uint64_t handle) const;
   void release_all_handles();
 
-  // Forgets every slot, orphan and pooled id and zeroes the occupancy
+  // Forgets every reqid, orphan and pooled id and zeroes the occupancy
   // counters: the manager closed (it listed what was mapped first) and uses
   // the table no more.
   void clear();
 
-  // The counters now; tokens_active is the sum of the slots' tokens (a free
-  // slot holds 0).
+  // The counters now; tokens_active is the sum of the reqids' tokens (a free
+  // reqid holds 0).
   PageStats stats() const;
   // The counters the caller bumps (the event counters).
   PageStats& counters() { return stats_; }
@@ -208,17 +210,17 @@ class PageTable {
  private:
   void add_map_ref(uint32_t id);
   void release_if_unreferenced(uint32_t id);
-  // Runs of ids (holes skipped) among positions [from, to) of `slot`, as cuts.
-  void cut_runs(size_t slot, size_t from, size_t to, std::vector<Cut>& cuts) const;
+  // Runs of ids (holes skipped) among positions [from, to) of `reqid`, as cuts.
+  void cut_runs(size_t reqid, size_t from, size_t to, std::vector<Cut>& cuts) const;
   void note_in_use();
 
   const size_t num_buffers_;
   const bool external_ids_;
-  std::vector<std::vector<uint32_t>> slot_ids_;  // page id at each mapped position of each slot
-  std::vector<uint8_t> slot_allocated_;
-  std::vector<int64_t> slot_tokens_;  // last stepped length per slot
-  std::vector<uint32_t> slot_orphans_;  // orphans per slot
-  std::vector<uint32_t> id_maps_;     // mappings of each page id (slot positions and orphans)
+  std::vector<std::vector<uint32_t>> reqid_page_ids_;  // page id at each mapped position of each reqid
+  std::vector<uint8_t> reqid_allocated_;
+  std::vector<int64_t> reqid_tokens_;  // last stepped length per reqid
+  std::vector<uint32_t> reqid_orphans_;  // orphans per reqid
+  std::vector<uint32_t> id_maps_;     // mappings of each page id (reqid positions and orphans)
   std::vector<uint32_t> id_holds_;    // prefix-handle references of each page id
   std::vector<uint8_t> id_created_;
   std::vector<uint32_t> free_ids_;    // created, unreferenced ids (managed)

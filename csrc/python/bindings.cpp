@@ -9,16 +9,12 @@
 #include <vector>
 
 #include "backends/backend_registry.h"
-#include "backends/cuda_backend.h"
-#include "backends/cuda_driver.h"
-#include "backends/cuda_uvm_backend.h"
-#include "backends/host_backend.h"
 #include "backends/vmm_backend.h"
 #include "common/dlpack.h"
 #include "common/errors.h"
 #include "core/page_manager.h"
 #include "python/budget_bindings.h"
-#include "vattn_uvm_ioctl.h"
+#include "python/policy_bindings.h"
 
 namespace py = pybind11;
 using namespace vattn;
@@ -199,14 +195,14 @@ std::vector<uint32_t> to_ids(const std::vector<int64_t>& values, const char* wha
 // waits for the device and the driver). ``api`` and ``values_name`` name the Python call and argument.
 template <class Method>
 auto per_reqid_call(Method method, const char* api, const char* values_name) {
-  return [=](PageManager& pm, py::handle slots_obj, py::handle values_obj) {
-    std::vector<int64_t> slots, values;
-    read_ints(slots_obj, "reqids", slots);
+  return [=](PageManager& pm, py::handle reqids_obj, py::handle values_obj) {
+    std::vector<int64_t> reqids, values;
+    read_ints(reqids_obj, "reqids", reqids);
     read_ints(values_obj, values_name, values);
-    if (values.size() != slots.size())
+    if (values.size() != reqids.size())
       throw std::invalid_argument(std::string(api) + ": reqids and " + values_name + " must have equal lengths");
     py::gil_scoped_release release;
-    (pm.*method)(slots.data(), values.data(), slots.size());
+    (pm.*method)(reqids.data(), values.data(), reqids.size());
   };
 }
 
@@ -245,6 +241,47 @@ py::dict stats_dict(const PageStats& s, size_t page_size) {
   return d;
 }
 
+// `o` as a Python int when it is an integer scalar (int, numpy or torch
+// integer scalars), else null: an array's __index__ fails, so arrays go on to
+// be read as sequences.
+py::object scalar_index(PyObject* o) {
+  PyObject* index = PyIndex_Check(o) ? PyNumber_Index(o) : nullptr;
+  if (!index) PyErr_Clear();
+  return py::reinterpret_steal<py::object>(index);
+}
+
+// A probe's keyword arguments as the registry takes them, each by its Python
+// type: bool (before int: True is an int too), float, str, int (a scalar with
+// __index__), or a sequence or 1-D array of ints. Others are refused naming
+// the argument.
+ProbeData probe_args(const std::string& what, const py::kwargs& kwargs) {
+  ProbeData out;
+  for (const auto& [key, value] : kwargs) {
+    const std::string arg = py::cast<std::string>(key), name = what + ": " + arg;
+    PyObject* o = value.ptr();
+    if (PyBool_Check(o)) {
+      out.emplace_back(arg, o == Py_True);
+    } else if (PyFloat_Check(o)) {
+      out.emplace_back(arg, PyFloat_AsDouble(o));
+    } else if (PyUnicode_Check(o)) {
+      out.emplace_back(arg, py::cast<std::string>(value));
+    } else if (py::object index = scalar_index(o)) {
+      int overflow = 0;
+      long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+      if (overflow) throw std::invalid_argument(name + " is beyond int64");
+      out.emplace_back(arg, int64_t{v});
+    } else if (PySequence_Check(o) || PyObject_CheckBuffer(o)) {
+      std::vector<int64_t> ints;
+      read_ints(value, name.c_str(), ints);
+      out.emplace_back(arg, std::move(ints));
+    } else {
+      throw py::type_error(name + " must be a bool, int, float, str or a sequence of ints, got " +
+                           Py_TYPE(o)->tp_name);
+    }
+  }
+  return out;
+}
+
 void register_errors() {
   py::module_ errors = py::module_::import("vattn.common.errors");
   // Strong references kept for the life of the process on purpose: a static
@@ -281,6 +318,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "vattn core: VMM backends and page bookkeeping (no torch dependency)";
   register_errors();
   bind_budget(m);
+  bind_policy(m);
 
   py::class_<VmmBackend, std::shared_ptr<VmmBackend>>(m, "VmmBackend")
       .def_property_readonly("name", &VmmBackend::name)
@@ -350,47 +388,36 @@ PYBIND11_MODULE(_C, m) {
       "page_size bytes, a pool of num_pages pages, on device `device_index` of its kind; "
       "driver_path: the driver library, for backends that load one (\"\": their default).");
   m.def("backend_factories", &backend_factory_names, "Names of the C++ backends this build registered.");
-  m.def("host_granularity", &host_granularity);
-  m.def("default_cuda_driver_path", &cu::default_driver_path);
-  m.def("uvm_patch_available", &uvm_patch_available, py::call_guard<py::gil_scoped_release>(),
-        "Whether the nvidia-uvm module at $VATTN_UVM_DEVICE (default /dev/nvidia-uvm) is the patched one.");
   m.def(
-      "uvm_patch_info",
+      "backend_probe",
+      [](const std::string& backend, const std::string& probe, const py::kwargs& kwargs) {
+        ProbeData args = probe_args(backend + "." + probe, kwargs);
+        ProbeData answer;
+        {
+          py::gil_scoped_release release;  // probes call drivers and open devices
+          answer = run_backend_probe(backend, probe, args);
+        }
+        py::dict d;
+        for (const auto& [key, value] : answer) d[py::str(key)] = py::cast(value);
+        return d;
+      },
+      py::arg("backend"), py::arg("probe"),
+      "Probe `probe` of the C++ backend registered as `backend` (backend_registry.h), with its arguments as "
+      "keywords (bool, int, float, str or a list of ints); returns its answer as a dict. backend_probes() "
+      "lists them.");
+  m.def(
+      "backend_probes",
       [] {
-        UvmPatchInfo info;
-        {
-          py::gil_scoped_release release;
-          info = uvm_patch_info();
+        py::dict out;
+        for (const auto& [backend, probes] : backend_probes()) {
+          py::dict each;
+          for (const BackendProbe& p : probes)
+            each[py::str(p.name)] = py::dict(py::arg("doc") = p.doc, py::arg("args") = p.args);
+          out[py::str(backend)] = each;
         }
-        py::dict d;
-        d["available"] = info.available;
-        d["device_path"] = info.device_path;
-        d["abi_version"] = info.abi_version;
-        d["reason"] = info.reason;
-        return d;
+        return out;
       },
-      "What the nvidia-uvm module answers: available, device_path, abi_version, reason.");
-  m.attr("uvm_page_sizes") = py::cast(uvm_page_sizes());
-  m.attr("uvm_abi_version") = static_cast<unsigned>(VATTN_UVM_ABI_VERSION);
-  m.def(
-      "cuda_device_info",
-      [](const std::string& path, int device) {
-        CudaDeviceInfo info;
-        {
-          py::gil_scoped_release release;
-          info = cuda_device_info(path, device);
-        }
-        py::dict d;
-        d["device_count"] = info.device_count;
-        d["driver_version"] = info.driver_version;
-        d["name"] = info.name;
-        d["granularity"] = info.granularity;
-        d["free_bytes"] = info.free_bytes;
-        d["total_bytes"] = info.total_bytes;
-        d["primary_context_active"] = info.primary_context_active;
-        return d;
-      },
-      py::arg("driver_path"), py::arg("device"));
+      "Every C++ backend's probes: {backend: {probe: {doc, args}}}.");
 
   py::class_<CacheMemory, std::shared_ptr<CacheMemory>>(m, "CacheMemory")
       .def_property_readonly("base", &CacheMemory::base)
@@ -402,31 +429,29 @@ PYBIND11_MODULE(_C, m) {
            "A DLPack capsule (1-D uint8) over bytes [offset, offset + nbytes).");
 
   py::class_<PageManager>(m, "PageManager")
-      .def(py::init([](std::shared_ptr<VmmBackend> backend, size_t num_buffers, size_t num_slots,
-                       size_t slot_bytes, size_t bytes_per_token, size_t max_tokens, bool external_ids,
-                       bool background, bool deferred_reclaim, bool eager, size_t lookahead_tokens,
-                       size_t eager_tokens, double reclaim_threshold, size_t max_batch_ids, bool preallocate,
-                       std::shared_ptr<BudgetMember> budget, double idle_release_s) {
-             PageManagerConfig c{num_buffers, num_slots, slot_bytes, bytes_per_token, max_tokens, external_ids,
+      .def(py::init([](std::shared_ptr<VmmBackend> backend, size_t num_buffers, size_t num_reqids,
+                       size_t slice_bytes, size_t bytes_per_token, size_t max_tokens, bool external_ids,
+                       const PolicyConfig& policy, bool preallocate, std::shared_ptr<BudgetMember> budget,
+                       double idle_release_s) {
+             PageManagerConfig c{num_buffers, num_reqids, slice_bytes, bytes_per_token, max_tokens, external_ids,
                                  preallocate};
-             PolicyConfig p{background,   deferred_reclaim,  eager,          lookahead_tokens,
-                            eager_tokens, reclaim_threshold, max_batch_ids};
              py::gil_scoped_release release;  // preallocation creates pages; a budget's lock may be slow
-             return new PageManager(std::move(backend), c, p, BudgetLink{std::move(budget), idle_release_s});
+             return new PageManager(std::move(backend), c, policy, BudgetLink{std::move(budget), idle_release_s});
            }),
-           py::arg("backend"), py::arg("num_buffers"), py::arg("num_slots"),
-           py::arg("slot_bytes"), py::arg("bytes_per_token"), py::arg("max_tokens"),
-           py::arg("external_ids") = false, py::arg("background") = false,
-           py::arg("deferred_reclaim") = true, py::arg("eager") = false, py::arg("lookahead_tokens") = 1,
-           py::arg("eager_tokens") = 0, py::arg("reclaim_threshold") = 0.1, py::arg("max_batch_ids") = 64,
+           py::arg("backend"), py::arg("num_buffers"), py::arg("num_reqids"),
+           py::arg("slice_bytes"), py::arg("bytes_per_token"), py::arg("max_tokens"),
+           py::arg("external_ids") = false, py::arg("policy") = PolicyConfig{},
            py::arg("preallocate") = false, py::arg("budget") = nullptr, py::arg("idle_release_s") = 0.0)
+      .def_property_readonly(
+          "policy", [](const PageManager& pm) { return pm.policy(); },
+          "The policy the manager runs with (a copy: it is fixed at construction).")
       .def("pause_mapper", &PageManager::pause_mapper, py::arg("paused"),
            py::call_guard<py::gil_scoped_release>())  // waits for the batch in flight
       .def("wait_idle", &PageManager::wait_idle, py::call_guard<py::gil_scoped_release>(),
            "Block until the background mapper has nothing left to do.")
-      .def("alloc_slot", &PageManager::alloc_slot, py::arg("prompt_tokens") = -1,
-           py::arg("wanted_slot") = -1, py::call_guard<py::gil_scoped_release>())
-      .def("free_slot", &PageManager::free_slot, py::arg("slot"),
+      .def("alloc_reqid", &PageManager::alloc_reqid, py::arg("prompt_tokens") = -1,
+           py::arg("wanted_reqid") = -1, py::call_guard<py::gil_scoped_release>())
+      .def("free_reqid", &PageManager::free_reqid, py::arg("reqid"),
            py::call_guard<py::gil_scoped_release>())
       .def(
           "step",
@@ -486,27 +511,27 @@ PYBIND11_MODULE(_C, m) {
       .def("reclaim_freed", &PageManager::reclaim_freed, py::arg("wait"), py::call_guard<py::gil_scoped_release>())
       .def("fork", &PageManager::fork, py::arg("src"), py::arg("num_tokens"),
            py::call_guard<py::gil_scoped_release>())
-      .def("retain_prefix", &PageManager::retain_prefix, py::arg("slot"), py::arg("num_tokens"),
+      .def("retain_prefix", &PageManager::retain_prefix, py::arg("reqid"), py::arg("num_tokens"),
            py::call_guard<py::gil_scoped_release>())
-      .def("attach_prefix", &PageManager::attach_prefix, py::arg("handle"), py::arg("slot"),
+      .def("attach_prefix", &PageManager::attach_prefix, py::arg("handle"), py::arg("reqid"),
            py::call_guard<py::gil_scoped_release>())
       .def("release_prefix", &PageManager::release_prefix, py::arg("handle"),
            py::call_guard<py::gil_scoped_release>())
       .def("prefix_ids", &PageManager::prefix_ids, py::arg("handle"))
       .def(
-          "map_ids",
-          [](PageManager& pm, py::handle slots_obj, py::handle starts_obj, py::handle counts_obj,
+          "map_pages",
+          [](PageManager& pm, py::handle reqids_obj, py::handle starts_obj, py::handle counts_obj,
              py::handle ids_obj) {
-            std::vector<int64_t> slots, starts, counts, raw_ids;
-            read_ints(slots_obj, "reqids", slots);
+            std::vector<int64_t> reqids, starts, counts, raw_ids;
+            read_ints(reqids_obj, "reqids", reqids);
             read_ints(starts_obj, "starts", starts);
             read_ints(counts_obj, "counts", counts);
             read_ints(ids_obj, "page_ids", raw_ids);
-            if (starts.size() != slots.size() || counts.size() != slots.size())
+            if (starts.size() != reqids.size() || counts.size() != reqids.size())
               throw std::invalid_argument("map_pages: reqids, starts and counts must have equal lengths, got " +
-                                          std::to_string(slots.size()) + ", " + std::to_string(starts.size()) +
+                                          std::to_string(reqids.size()) + ", " + std::to_string(starts.size()) +
                                           ", " + std::to_string(counts.size()));
-            std::vector<int64_t> offsets(slots.size() + 1, 0);
+            std::vector<int64_t> offsets(reqids.size() + 1, 0);
             for (size_t i = 0; i < counts.size(); ++i) {
               if (counts[i] < 0)
                 throw std::invalid_argument("map_pages: counts[" + std::to_string(i) + "] must be >= 0, got " +
@@ -516,14 +541,14 @@ PYBIND11_MODULE(_C, m) {
             }
             std::vector<uint32_t> ids = to_ids(raw_ids, "map_pages", "page_ids", pm.num_ids());
             py::gil_scoped_release release;
-            pm.map_ids(slots.data(), starts.data(), offsets.data(), slots.size(), ids.data(), ids.size());
+            pm.map_pages(reqids.data(), starts.data(), offsets.data(), reqids.size(), ids.data(), ids.size());
           },
           py::arg("reqids"), py::arg("starts"), py::arg("counts"), py::arg("page_ids"))
-      .def("truncate", per_reqid_call(&PageManager::truncate, "unmap_pages", "keep"), py::arg("reqids"),
+      .def("unmap_pages", per_reqid_call(&PageManager::unmap_pages, "unmap_pages", "keep"), py::arg("reqids"),
            py::arg("keep"))
-      .def("punch", per_reqid_call(&PageManager::punch, "unmap_pages_below", "first"), py::arg("reqids"),
+      .def("unmap_pages_below", per_reqid_call(&PageManager::unmap_pages_below, "unmap_pages_below", "first"), py::arg("reqids"),
            py::arg("first"))
-      .def("slot_ids", &PageManager::slot_ids, py::arg("slot"))
+      .def("reqid_page_ids", &PageManager::reqid_page_ids, py::arg("reqid"))
       .def(
           "table",
           [](const PageManager& pm) {
@@ -536,18 +561,18 @@ PYBIND11_MODULE(_C, m) {
       .def("check_invariants", &PageManager::check_invariants, py::call_guard<py::gil_scoped_release>())
       .def("close", &PageManager::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &PageManager::closed)
-      .def("mapped_pages", &PageManager::mapped_pages, py::arg("slot"))
-      .def("slot_allocated", &PageManager::slot_allocated, py::arg("slot"))
+      .def("mapped_pages", &PageManager::mapped_pages, py::arg("reqid"))
+      .def("reqid_allocated", &PageManager::reqid_allocated, py::arg("reqid"))
       .def(
           "check_mapped",
-          [](const PageManager& pm, py::handle slots_obj, py::handle tokens_obj, const std::string& what) {
-            std::vector<int64_t> slots, tokens;
-            read_ints(slots_obj, "reqids", slots);
+          [](const PageManager& pm, py::handle reqids_obj, py::handle tokens_obj, const std::string& what) {
+            std::vector<int64_t> reqids, tokens;
+            read_ints(reqids_obj, "reqids", reqids);
             read_ints(tokens_obj, "seq_lens", tokens);
-            if (tokens.size() != slots.size())
+            if (tokens.size() != reqids.size())
               throw std::invalid_argument(what + ": reqids and seq_lens must have equal lengths, got " +
-                                          std::to_string(slots.size()) + " and " + std::to_string(tokens.size()));
-            pm.check_mapped(slots.data(), tokens.data(), slots.size(), what);
+                                          std::to_string(reqids.size()) + " and " + std::to_string(tokens.size()));
+            pm.check_mapped(reqids.data(), tokens.data(), reqids.size(), what);
           },
           py::arg("reqids"), py::arg("seq_lens"), py::arg("what"))
       .def("stats", [](const PageManager& pm) { return stats_dict(pm.stats(), pm.page_size()); })
@@ -567,6 +592,5 @@ PYBIND11_MODULE(_C, m) {
       py::arg("pybind11") = std::to_string(PYBIND11_VERSION_MAJOR) + "." +
                             std::to_string(PYBIND11_VERSION_MINOR) + "." +
                             std::to_string(PYBIND11_VERSION_PATCH),
-      py::arg("dlpack_capsule") = "dltensor (v0.8 ABI)",
-      py::arg("cuda_driver") = "dlopen at run time (" + cu::default_driver_path() + ")");
+      py::arg("dlpack_capsule") = "dltensor (v0.8 ABI)");
 }

@@ -17,10 +17,10 @@ namespace vattn {
 
 namespace {
 
-void check_slot(const PageTable& t, size_t slot) {
-  if (slot >= t.num_slots())
-    throw std::invalid_argument("slot must be in [0, " + std::to_string(t.num_slots() - 1) + "], got " +
-                                std::to_string(slot));
+void check_reqid(const PageTable& t, size_t reqid) {
+  if (reqid >= t.num_reqids())
+    throw std::invalid_argument("reqid must be in [0, " + std::to_string(t.num_reqids() - 1) + "], got " +
+                                std::to_string(reqid));
 }
 
 void check_id(const PageTable& t, uint32_t id) {
@@ -50,23 +50,11 @@ py::dict stats_dict(const PageStats& s) {
   return d;
 }
 
-Orphan make_orphan(const PageTable& t, size_t slot, size_t pos, uint32_t id, std::vector<uintptr_t> addrs) {
-  check_slot(t, slot);
+Orphan make_orphan(const PageTable& t, size_t reqid, size_t pos, uint32_t id, std::vector<uintptr_t> addrs) {
+  check_reqid(t, reqid);
   check_id(t, id);
   if (addrs.empty()) throw std::invalid_argument("an orphan holds at least one address");
-  return Orphan{slot, pos, id, std::move(addrs)};
-}
-
-PolicyConfig policy_of(bool deferred_reclaim, bool eager, size_t lookahead_tokens, size_t eager_tokens,
-                       size_t max_batch_ids) {
-  PolicyConfig p;
-  p.background = true;
-  p.deferred_reclaim = deferred_reclaim;
-  p.eager = eager;
-  p.lookahead_tokens = lookahead_tokens;
-  p.eager_tokens = eager_tokens;
-  p.max_batch_ids = max_batch_ids;
-  return p;
+  return Orphan{reqid, pos, id, std::move(addrs)};
 }
 
 const char* kind_name(MapperPlan::Kind kind) {
@@ -81,36 +69,36 @@ const char* kind_name(MapperPlan::Kind kind) {
 
 void bind_table(py::module_& m) {
   py::class_<PageTable>(m, "PageTable", "core/page_table.h, single-threaded, no backend.")
-      .def(py::init<size_t, size_t, size_t, bool>(), py::arg("num_slots"), py::arg("num_buffers"),
+      .def(py::init<size_t, size_t, size_t, bool>(), py::arg("num_reqids"), py::arg("num_buffers"),
            py::arg("num_ids"), py::arg("external_ids") = false)
-      .def_property_readonly("num_slots", &PageTable::num_slots)
+      .def_property_readonly("num_reqids", &PageTable::num_reqids)
       .def_property_readonly("num_buffers", &PageTable::num_buffers)
       .def_property_readonly("num_ids", &PageTable::num_ids)
       .def_property_readonly("external_ids", &PageTable::external_ids)
-      .def("ids", [](const PageTable& t, size_t s) { check_slot(t, s); return t.ids(s); }, py::arg("slot"))
-      .def("mapped", [](const PageTable& t, size_t s) { check_slot(t, s); return t.mapped(s); }, py::arg("slot"))
-      .def("allocated", [](const PageTable& t, size_t s) { check_slot(t, s); return t.allocated(s); },
-           py::arg("slot"))
-      .def("tokens", [](const PageTable& t, size_t s) { check_slot(t, s); return t.tokens(s); }, py::arg("slot"))
-      .def("orphans_of", [](const PageTable& t, size_t s) { check_slot(t, s); return t.orphans_of(s); },
-           py::arg("slot"))
-      .def("first_shared", [](const PageTable& t, size_t s) { check_slot(t, s); return t.first_shared(s); },
-           py::arg("slot"))
+      .def("ids", [](const PageTable& t, size_t s) { check_reqid(t, s); return t.ids(s); }, py::arg("reqid"))
+      .def("mapped", [](const PageTable& t, size_t s) { check_reqid(t, s); return t.mapped(s); }, py::arg("reqid"))
+      .def("allocated", [](const PageTable& t, size_t s) { check_reqid(t, s); return t.allocated(s); },
+           py::arg("reqid"))
+      .def("tokens", [](const PageTable& t, size_t s) { check_reqid(t, s); return t.tokens(s); }, py::arg("reqid"))
+      .def("orphans_of", [](const PageTable& t, size_t s) { check_reqid(t, s); return t.orphans_of(s); },
+           py::arg("reqid"))
+      .def("first_shared", [](const PageTable& t, size_t s) { check_reqid(t, s); return t.first_shared(s); },
+           py::arg("reqid"))
       .def("allocate", [](PageTable& t, size_t s) {
-             check_slot(t, s);
-             if (t.allocated(s)) throw std::invalid_argument("slot is allocated");
+             check_reqid(t, s);
+             if (t.allocated(s)) throw std::invalid_argument("reqid is allocated");
              t.allocate(s);
-           }, py::arg("slot"))
+           }, py::arg("reqid"))
       .def("release", [](PageTable& t, size_t s) {
-             check_slot(t, s);
-             if (!t.allocated(s)) throw std::invalid_argument("slot is free");
+             check_reqid(t, s);
+             if (!t.allocated(s)) throw std::invalid_argument("reqid is free");
              t.release(s);
-           }, py::arg("slot"))
+           }, py::arg("reqid"))
       .def("set_tokens", [](PageTable& t, size_t s, int64_t tokens) {
-             check_slot(t, s);
-             if (!t.allocated(s) || tokens < 0) throw std::invalid_argument("tokens go to an allocated slot, >= 0");
+             check_reqid(t, s);
+             if (!t.allocated(s) || tokens < 0) throw std::invalid_argument("tokens go to an allocated reqid, >= 0");
              t.set_tokens(s, tokens);
-           }, py::arg("slot"), py::arg("tokens"))
+           }, py::arg("reqid"), py::arg("tokens"))
       .def("maps", [](const PageTable& t, uint32_t id) { check_id(t, id); return t.maps(id); }, py::arg("id"))
       .def("holds", [](const PageTable& t, uint32_t id) { check_id(t, id); return t.holds(id); }, py::arg("id"))
       .def("refs", [](const PageTable& t, uint32_t id) { check_id(t, id); return t.refs(id); }, py::arg("id"))
@@ -141,22 +129,22 @@ void bind_table(py::module_& m) {
            }, py::arg("ids"))
       .def("uncreate_free", &PageTable::uncreate_free, py::arg("count"),
            "Up to count free ids, freed longest ago first, become uncreated; returns them.")
-      .def("idle_ids", &PageTable::idle_ids, "Created ids no allocated slot, handle or orphan references.")
+      .def("idle_ids", &PageTable::idle_ids, "Created ids no allocated reqid, handle or orphan references.")
       .def("uncreated_among", [](PageTable& t, const std::vector<uint32_t>& ids) {
              check_ids(t, ids);
              return t.uncreated_among(ids.data(), ids.size());
            }, py::arg("ids"))
       .def("append", [](PageTable& t, size_t s, const std::vector<uint32_t>& ids) {
-             check_slot(t, s);
+             check_reqid(t, s);
              check_ids(t, ids);
              t.append(s, ids);
-           }, py::arg("slot"), py::arg("ids"))
+           }, py::arg("reqid"), py::arg("ids"))
       .def("cut_tail", [](PageTable& t, size_t s, size_t keep) {
-             check_slot(t, s);
+             check_reqid(t, s);
              std::vector<Cut> cuts;
              t.cut_tail(s, keep, cuts);
              return cuts.empty() ? std::vector<uint32_t>{} : cuts[0].ids;
-           }, py::arg("slot"), py::arg("keep"), "The ids cut from positions keep.. (their references stay).")
+           }, py::arg("reqid"), py::arg("keep"), "The ids cut from positions keep.. (their references stay).")
       .def("count_unmapped", &PageTable::count_unmapped, py::arg("addrs"))
       .def("drop_map_ref", [](PageTable& t, uint32_t id) {
              check_id(t, id);
@@ -165,15 +153,15 @@ void bind_table(py::module_& m) {
            }, py::arg("id"))
       .def("keep_orphan", [](PageTable& t, size_t s, size_t pos, uint32_t id, std::vector<uintptr_t> addrs) {
              t.keep_orphan(make_orphan(t, s, pos, id, std::move(addrs)));
-           }, py::arg("slot"), py::arg("pos"), py::arg("id"), py::arg("addrs"))
+           }, py::arg("reqid"), py::arg("pos"), py::arg("id"), py::arg("addrs"))
       .def("add_orphan", [](PageTable& t, size_t s, size_t pos, uint32_t id, std::vector<uintptr_t> addrs) {
              t.add_orphan(make_orphan(t, s, pos, id, std::move(addrs)));
-           }, py::arg("slot"), py::arg("pos"), py::arg("id"), py::arg("addrs"))
+           }, py::arg("reqid"), py::arg("pos"), py::arg("id"), py::arg("addrs"))
       .def_property_readonly("orphans", [](const PageTable& t) {
              std::vector<std::tuple<size_t, size_t, uint32_t, std::vector<uintptr_t>>> out;
-             for (const Orphan& o : t.orphans()) out.emplace_back(o.slot, o.pos, o.id, o.addrs);
+             for (const Orphan& o : t.orphans()) out.emplace_back(o.reqid, o.pos, o.id, o.addrs);
              return out;
-           }, "[(slot, position, id, addresses still mapped), ...]")
+           }, "[(reqid, position, id, addresses still mapped), ...]")
       .def("settle_orphan", [](PageTable& t, size_t k, size_t done) {
              if (k >= t.orphans().size() || done > t.orphans()[k].addrs.size())
                throw std::invalid_argument("settle_orphan: no such orphan, or more addresses than it has");
@@ -195,35 +183,34 @@ void bind_table(py::module_& m) {
 }
 
 void bind_policy(py::module_& m) {
-  m.def("best_free_slot", &best_free_slot, py::arg("table"), py::arg("want_positions"));
-  m.def("emptiest_free_slot", &emptiest_free_slot, py::arg("table"));
+  m.def("best_free_reqid", &best_free_reqid, py::arg("table"), py::arg("want_positions"));
+  m.def("emptiest_free_reqid", &emptiest_free_reqid, py::arg("table"));
   m.def(
       "plan_reclaim",
-      [](const PageTable& t, size_t want_ids, int64_t keep_slot, size_t max_positions) {
-        ReclaimPlan plan = plan_reclaim(t, want_ids, keep_slot, max_positions);
+      [](const PageTable& t, size_t want_ids, int64_t keep_reqid, size_t max_positions) {
+        ReclaimPlan plan = plan_reclaim(t, want_ids, keep_reqid, max_positions);
         return std::make_pair(plan.cuts, plan.freed_ids);
       },
-      py::arg("table"), py::arg("want_ids"), py::arg("keep_slot") = -1, py::arg("max_positions") = SIZE_MAX,
-      "Returns ([(slot, positions kept), ...], ids freed).");
+      py::arg("table"), py::arg("want_ids"), py::arg("keep_reqid") = -1, py::arg("max_positions") = SIZE_MAX,
+      "Returns ([(reqid, positions kept), ...], ids freed).");
   m.def(
       "lookahead_positions",
-      [](const PageTable& t, size_t slot, size_t page_size, size_t bytes_per_token, size_t max_tokens,
-         size_t lookahead_tokens) {
-        check_slot(t, slot);
-        PolicyConfig p = policy_of(true, false, lookahead_tokens, 0, 64);
-        return lookahead_positions(t, PageGeometry{page_size, bytes_per_token, max_tokens}, p, slot);
+      [](const PageTable& t, size_t reqid, size_t page_size, size_t bytes_per_token, size_t max_tokens,
+         const PolicyConfig& policy) {
+        check_reqid(t, reqid);
+        validate_policy(policy, max_tokens);
+        return lookahead_positions(t, PageGeometry{page_size, bytes_per_token, max_tokens}, policy, reqid);
       },
-      py::arg("table"), py::arg("slot"), py::arg("page_size"), py::arg("bytes_per_token"), py::arg("max_tokens"),
-      py::arg("lookahead_tokens"));
+      py::arg("table"), py::arg("reqid"), py::arg("page_size"), py::arg("bytes_per_token"), py::arg("max_tokens"),
+      py::arg("policy"));
   m.def(
       "plan_mapper_batch",
-      [](const PageTable& t, size_t page_size, size_t bytes_per_token, size_t max_tokens, bool deferred_reclaim,
-         bool eager, size_t lookahead_tokens, size_t eager_tokens, size_t max_batch_ids, size_t reclaim_floor_ids,
-         size_t creatable_ids, bool speculative) {
-        if (page_size == 0 || bytes_per_token == 0 || max_batch_ids == 0)
-          throw std::invalid_argument("page_size, bytes_per_token and max_batch_ids must be positive");
-        PolicyConfig p = policy_of(deferred_reclaim, eager, lookahead_tokens, eager_tokens, max_batch_ids);
-        MapperPlan plan = plan_mapper_batch(t, PageGeometry{page_size, bytes_per_token, max_tokens}, p,
+      [](const PageTable& t, size_t page_size, size_t bytes_per_token, size_t max_tokens, const PolicyConfig& policy,
+         size_t reclaim_floor_ids, size_t creatable_ids, bool speculative) {
+        if (page_size == 0 || bytes_per_token == 0)
+          throw std::invalid_argument("page_size and bytes_per_token must be positive");
+        validate_policy(policy, max_tokens);
+        MapperPlan plan = plan_mapper_batch(t, PageGeometry{page_size, bytes_per_token, max_tokens}, policy,
                                             reclaim_floor_ids, MapperLimits{creatable_ids, speculative});
         py::dict d;
         d["kind"] = kind_name(plan.kind);
@@ -233,11 +220,10 @@ void bind_policy(py::module_& m) {
         return d;
       },
       py::arg("table"), py::arg("page_size"), py::arg("bytes_per_token"), py::arg("max_tokens"),
-      py::arg("deferred_reclaim") = true, py::arg("eager") = false, py::arg("lookahead_tokens") = 1,
-      py::arg("eager_tokens") = 0, py::arg("max_batch_ids") = 64, py::arg("reclaim_floor_ids") = 0,
-      py::arg("creatable_ids") = SIZE_MAX, py::arg("speculative") = true,
-      "The mapper's next batch: {kind: idle | reclaim | grow | create, reclaim: [(slot, kept)], "
-      "grows: [(slot, positions to add)], create_ids}.");
+      py::arg("policy"), py::arg("reclaim_floor_ids") = 0, py::arg("creatable_ids") = SIZE_MAX,
+      py::arg("speculative") = true,
+      "The mapper's next batch: {kind: idle | reclaim | grow | create, reclaim: [(reqid, kept)], "
+      "grows: [(reqid, positions to add)], create_ids}.");
 }
 
 }  // namespace

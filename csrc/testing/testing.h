@@ -1,6 +1,7 @@
 // vattn._testing: test hooks and benchmark probes, kept out of the production
 // extension vattn._C. Each file of csrc/testing binds its part of the module
-// with one bind_* function, called from module.cpp.
+// with one bind_* function, called from module.cpp; registered_backend.cpp
+// registers a backend in the library's registry instead.
 #pragma once
 
 #include <pybind11/pybind11.h>

@@ -172,7 +172,7 @@ class FakeCudaDevice(Device):
         cfg = kv.config
         row = cfg.num_kv_heads * cfg.head_dim * cfg.element_bytes
         buffer, column = (2 * layer + kind, 0) if cfg.layout == "per_layer" else (kind, layer * row)
-        return kv.buffer_address(buffer) + reqid * kv.slot_bytes + token * cfg.token_bytes_per_buffer + column
+        return kv.buffer_address(buffer) + reqid * kv.slice_bytes + token * cfg.token_bytes_per_buffer + column
 
     def _rows(self, kv, layer, kind, reqid, start, n, buf, write: bool, stream=None) -> None:
         """Rows [start, start + n) to or from buf, one access per contiguous run."""

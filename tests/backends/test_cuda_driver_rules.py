@@ -46,7 +46,7 @@ def lens_with(n: int, *reqids: int, batch: int = 4) -> list[int]:
 
 
 def row_address(kv, buffer: int, reqid: int, token: int) -> int:
-    return kv.buffer_address(buffer) + reqid * kv.slot_bytes + token * kv.config.token_bytes_per_buffer
+    return kv.buffer_address(buffer) + reqid * kv.slice_bytes + token * kv.config.token_bytes_per_buffer
 
 
 def table_matches_driver(kv, lib) -> None:
@@ -56,8 +56,8 @@ def table_matches_driver(kv, lib) -> None:
     for r in range(kv.config.max_batch_size):
         n = kv._pages.mapped_pages(r)
         for b in range(kv.config.num_buffers):
-            base = kv.buffer_address(b) + r * kv.slot_bytes
-            for p in range(kv.slot_bytes // kv.page_size):
+            base = kv.buffer_address(b) + r * kv.slice_bytes
+            for p in range(kv.slice_bytes // kv.page_size):
                 addr = base + p * kv.page_size
                 mapped = lib.fake_cuda_handle_at(addr) != 0
                 assert mapped == (addr in table), f"reqid {r} buffer {b} page {p}: driver {mapped}, table {not mapped}"
@@ -445,7 +445,7 @@ def test_sync_streams_are_checked_when_named(fake_cuda, framework):
 def pages_accessible(kv, lib, reqid: int, tokens: int) -> bool:
     """Every page the first `tokens` rows of reqid need is mapped with access, in every buffer."""
     pages = -(-tokens * kv.config.token_bytes_per_buffer // kv.page_size)
-    return all(lib.fake_cuda_accessible(kv.buffer_address(b) + reqid * kv.slot_bytes + p * kv.page_size)
+    return all(lib.fake_cuda_accessible(kv.buffer_address(b) + reqid * kv.slice_bytes + p * kv.page_size)
                for b in range(kv.config.num_buffers) for p in range(pages))
 
 

@@ -30,7 +30,7 @@ def make(**overrides) -> vattn.KVCacheManager:
 
 
 def row_address(kv, buffer: int, reqid: int, token: int) -> int:
-    return kv.buffer_address(buffer) + reqid * kv.slot_bytes + token * kv.config.token_bytes_per_buffer
+    return kv.buffer_address(buffer) + reqid * kv.slice_bytes + token * kv.config.token_bytes_per_buffer
 
 
 def write_row(lib, kv, buffer: int, reqid: int, token: int, value: int) -> None:
@@ -215,8 +215,8 @@ def test_fork_maps_one_allocation_at_several_addresses(fake_cuda, layout):
         for buf in range(kv.config.num_buffers):
             base = kv.buffer_address(buf)
             for pos in range(3):
-                here = fake_cuda.fake_cuda_handle_at(base + child * kv.slot_bytes + pos * page_size)
-                there = fake_cuda.fake_cuda_handle_at(base + src * kv.slot_bytes + pos * page_size)
+                here = fake_cuda.fake_cuda_handle_at(base + child * kv.slice_bytes + pos * page_size)
+                there = fake_cuda.fake_cuda_handle_at(base + src * kv.slice_bytes + pos * page_size)
                 assert here != 0 and (here == there) == (pos < 2)
             for t in (0, tokens, 2 * tokens + 9):
                 assert read_row(fake_cuda, kv, buf, child, t) == bytes([0x30 + buf + t % 7]) * row

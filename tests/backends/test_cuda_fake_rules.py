@@ -140,7 +140,7 @@ def test_a_poisoned_context_fails_vattn_and_a_fresh_one_works(fake_cuda, fw):
                               max_context_len=4096, device="cuda", physical_memory=16 * MiB, background=False)
     r = kv.alloc_reqid()
     assert kv.step([100, 0] if r == 0 else [0, 100])
-    beyond = kv.buffer_address(0) + r * kv.slot_bytes + kv.page_size  # the request's unmapped second page
+    beyond = kv.buffer_address(0) + r * kv.slice_bytes + kv.page_size  # the request's unmapped second page
     assert fw.access(None, beyond, buf(), write=False) == CUDA_ERROR_ILLEGAL_ADDRESS
     with pytest.raises(vattn.DriverError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
         kv.step([3000, 0] if r == 0 else [0, 3000])
@@ -182,7 +182,7 @@ def test_vattn_reclaim_waits_for_the_named_stream_and_faults_without_it(fake_cud
     with vattn.KVCacheManager(**args) as kv:
         r = kv.alloc_reqid()
         assert kv.step([1000 if i == r else 0 for i in range(2)])
-        assert fw.access(named, kv.buffer_address(0) + r * kv.slot_bytes, buf(1024), write=False) == 0
+        assert fw.access(named, kv.buffer_address(0) + r * kv.slice_bytes, buf(1024), write=False) == 0
         kv.free_reqid(r)
         assert kv.reclaim() == 2
         assert not fake_cuda.fake_cuda_context_poisoned(None)
@@ -190,7 +190,7 @@ def test_vattn_reclaim_waits_for_the_named_stream_and_faults_without_it(fake_cud
     kv = vattn.KVCacheManager(**args)
     r = kv.alloc_reqid()
     assert kv.step([1000 if i == r else 0 for i in range(2)])
-    assert fw.access(other, kv.buffer_address(0) + r * kv.slot_bytes, buf(1024), write=False) == 0
+    assert fw.access(other, kv.buffer_address(0) + r * kv.slice_bytes, buf(1024), write=False) == 0
     kv.free_reqid(r)
     try:
         kv.reclaim()  # the K page's unmap faults the read; a later call in the reclaim may see it
@@ -457,6 +457,6 @@ def test_driver_calls_take_the_latency_asked_for(fake_cuda, fw, drv):
             assert kv.step([n, n + 7] if a == 0 else [n + 7, n])
             for r, m in ((a, n), (b, n + 7)):
                 for buffer in range(kv.config.num_buffers):
-                    last = kv.buffer_address(buffer) + r * kv.slot_bytes + (m - 1) * kv.config.token_bytes_per_buffer
+                    last = kv.buffer_address(buffer) + r * kv.slice_bytes + (m - 1) * kv.config.token_bytes_per_buffer
                     assert fw.access(None, last, buf(1024), write=False) == 0
         assert kv.stats()["mapper_errors"] == 0

@@ -28,6 +28,7 @@ from conftest import c_compiler
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+ABI_DIR = ROOT / "csrc" / "backends"  # the nvidia-uvm ABI headers live with the backend that includes them
 KiB, MiB = 1024, 1024 * 1024
 
 # Every struct and field the stand-in decodes, printed from the header itself.
@@ -100,7 +101,7 @@ def test_header_structs_match_what_the_stand_in_decodes(fake_uvm_lib, tmp_path):
     src = tmp_path / "probe.c"
     src.write_text(LAYOUT_PROBE)
     exe = tmp_path / "probe"
-    subprocess.run([c_compiler(), "-std=c11", "-Wall", "-Werror", f"-I{ROOT / 'driver_patch'}", str(src), "-o",
+    subprocess.run([c_compiler(), "-std=c11", "-Wall", "-Werror", f"-I{ABI_DIR}", str(src), "-o",
                     str(exe)], check=True)
     lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines()
     lib = ctypes.CDLL(str(fake_uvm_lib))  # loaded, not preloaded: its ioctl interposes nothing here
@@ -130,9 +131,21 @@ def test_header_structs_match_what_the_stand_in_decodes(fake_uvm_lib, tmp_path):
 
 def test_header_constants_reach_python():
     assert vattn.backends.UVM_PAGE_SIZES == (64 * KiB, 128 * KiB, 256 * KiB, 2 * MiB)
-    text = (ROOT / "driver_patch" / "vattn_uvm_ioctl.h").read_text()
+    text = (ABI_DIR / "vattn_uvm_ioctl.h").read_text()
     version = int(re.search(r"#define VATTN_UVM_ABI_VERSION (\d+)u", text).group(1))
-    assert vattn._C.uvm_abi_version == version
+    assert vattn.backends.cuda.UVM_ABI["abi_version"] == version
+
+
+def test_the_patch_series_carries_the_header_verbatim():
+    """Patch 0001 adds the ABI header to the module tree: its copy must be the
+    header the backend compiles, byte for byte (check.sh checks the same)."""
+    patch = next((ROOT / "driver_patch").glob("0001-*.patch")).read_text()
+    hunk = patch.split("+++ b/kernel-open/nvidia-uvm/vattn_uvm_ioctl.h\n", 1)[1].partition("\n-- \n")[0]
+    range_line, *lines = hunk.splitlines()
+    header = (ABI_DIR / "vattn_uvm_ioctl.h").read_text()
+    assert "".join(line[1:] + "\n" for line in lines if line.startswith("+")) == header
+    assert range_line == f"@@ -0,0 +1,{len(header.splitlines())} @@"
+    assert not (ROOT / "driver_patch" / "vattn_uvm_ioctl.h").exists()  # one copy: the backend's
 
 
 # ---- a stock driver: small pages are refused, never rounded up ----------------------

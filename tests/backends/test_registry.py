@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import importlib.util
 import json
+import os
+import re
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -186,3 +191,75 @@ def test_a_device_without_an_index_is_torchs_current_one(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     assert parse_device("cuda") == ("cuda", 2) and parse_device(torch.device("cuda")) == ("cuda", 2)
     assert parse_device("cuda:0") == ("cuda", 0) and parse_device("cpu") == ("cpu", 0)
+
+
+# ---- probes: registered with their backend, answered through one generic binding ----------
+
+
+ROOT = Path(__file__).resolve().parents[2]
+BINDINGS = ROOT / "csrc" / "python" / "bindings.cpp"
+
+
+def test_each_backend_registers_its_probes_with_itself():
+    probes = _C.backend_probes()
+    assert {name: sorted(p) for name, p in probes.items() if name in ("host", "cuda", "cuda_uvm")} == {
+        "host": ["granularity"], "cuda": ["device_info", "driver_path"], "cuda_uvm": ["abi", "patch_info"]}
+    assert probes["cuda"]["device_info"]["args"] == ["driver_path", "device"]
+    assert all(p["doc"] for backend in probes.values() for p in backend.values())
+    assert _C.backend_probe("host", "granularity") == {"granularity": os.sysconf("SC_PAGE_SIZE")}
+    assert vattn.backends.host_granularity() == os.sysconf("SC_PAGE_SIZE")
+    abi = _C.backend_probe("cuda_uvm", "abi")
+    assert abi["page_sizes"] == [64 * 1024, 128 * 1024, 256 * 1024, 2 << 20] and abi["abi_version"] >= 1
+    assert _C.backend_probe("cuda", "driver_path")["driver_path"] == vattn.backends.cuda_driver_path()
+
+
+def test_a_probe_refuses_what_it_does_not_take():
+    with pytest.raises(ValueError, match=r"no C\+\+ backend is registered as 'rocm' \(registered: cuda, "):
+        _C.backend_probe("rocm", "granularity")
+    with pytest.raises(ValueError, match=r"backend 'host' has no probe 'device_info' \(its probes: granularity\)"):
+        _C.backend_probe("host", "device_info")
+    with pytest.raises(ValueError, match=r"host.granularity takes no argument 'device' \(its arguments: none\)"):
+        _C.backend_probe("host", "granularity", device=0)
+    with pytest.raises(ValueError, match=r"cuda.device_info: device must be an int"):
+        _C.backend_probe("cuda", "device_info", device="0")
+    with pytest.raises(ValueError, match=r"cuda.device_info: device must be in \[0, 2147483647\], got -1"):
+        _C.backend_probe("cuda", "device_info", device=-1)
+    with pytest.raises(TypeError, match=r"cuda.device_info: device must be a bool, int, float, str or a sequence"):
+        _C.backend_probe("cuda", "device_info", device=None)
+
+
+def test_a_backend_and_its_probes_are_one_file_even_outside_the_library():
+    """vattn._testing registers testing_host (csrc/testing/registered_backend.cpp):
+    the bindings build it and answer its probe although no line of them names it,
+    and it is in the one registry of the process, the one vattn._C lists."""
+    assert "testing_host" in _C.backend_factories() and "echo" in _C.backend_probes()["testing_host"]
+    backend = _C.make_backend("testing_host", 0, PAGE, 4)
+    assert (backend.name, backend.page_size, backend.num_pages) == ("host", PAGE, 4)
+    args = dict(flag=True, count=-3, ratio=0.5, text="x", values=[1, 2, 2**40])
+    assert _C.backend_probe("testing_host", "echo", **args) == {**args, "registered_by": "vattn._testing"}
+    assert _C.backend_probe("testing_host", "echo", values=np.arange(3)) == {"values": [0, 1, 2],
+                                                                            "registered_by": "vattn._testing"}
+    with pytest.raises(ValueError, match=r"testing_host.echo: count is beyond int64"):
+        _C.backend_probe("testing_host", "echo", count=2**63)
+    source = BINDINGS.read_text()
+    assert "testing_host" not in source and "echo" not in source
+    # the bindings include no backend and name none: every backend is reached through the registry
+    includes = re.findall(r'#include "backends/(\w+)\.h"', source)
+    assert sorted(includes) == ["backend_registry", "vmm_backend"]
+    assert not re.search(r"\b(host|cuda|cuda_uvm|uvm)_\w+\(|\bcu::", source)
+
+
+def test_the_test_module_links_the_library_instead_of_copying_it():
+    """One library per process: vattn._C and vattn._testing compile only their
+    bindings and link libvattn.so, which the process maps once."""
+    spec = importlib.util.spec_from_file_location("vattn_setup", ROOT / "setup.py")
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)
+    assert not hasattr(setup, "TESTING_LIBRARY_SOURCES")
+    assert all(s.startswith("csrc/testing/") for s in setup.testing.sources)
+    assert all(s.startswith("csrc/python/") for s in setup.ext.sources)
+    assert {"vattn"} <= set(setup.testing.libraries) and {"vattn"} <= set(setup.ext.libraries)
+    assert all(not s.startswith(("csrc/python/", "csrc/testing/")) for s in setup.library.sources)
+    with open("/proc/self/maps") as maps:
+        libraries = {line.split()[-1] for line in maps if line.rstrip().endswith("/libvattn.so")}
+    assert len(libraries) == 1 and Path(next(iter(libraries))).parent == Path(vattn.__file__).parent

@@ -1,9 +1,9 @@
 """A pure-Python model of the page bookkeeping, for randomized comparison.
 
-It states the contract in the simplest terms: a slot's mapping is a prefix of
+It states the contract in the simplest terms: a reqid's mapping is a prefix of
 `mapped[s]` pages per buffer; step succeeds iff the missing pages fit in what is
-neither free-of-charge nor held by an active slot; freed slots keep pages until
-a step needs them (smallest slots first, tail pages first).
+neither free-of-charge nor held by an active reqid; freed reqids keep pages until
+a step needs them (smallest reqids first, tail pages first).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 
 
-def best_fit_slot(mapped: list[int], allocated: list[bool], want_pages: int | None) -> int | None:
-    """The free slot a new request gets: the most pages mapped (want_pages
+def best_fit_reqid(mapped: list[int], allocated: list[bool], want_pages: int | None) -> int | None:
+    """The free reqid a new request gets: the most pages mapped (want_pages
     None), else the fewest that cover want_pages, else the most; ties to the
-    lowest slot. None when every slot is allocated."""
+    lowest reqid. None when every reqid is allocated."""
     free = [s for s, a in enumerate(allocated) if not a]
     if not free:
         return None
@@ -26,20 +26,20 @@ def best_fit_slot(mapped: list[int], allocated: list[bool], want_pages: int | No
 
 
 def reclaim_victims(mapped: list[int], allocated: list[bool], keep: int | None = None) -> list[int]:
-    """Free slots whose pages may be reclaimed, in order: smallest first (the
-    largest are what best_fit_slot hands out next), never ``keep``."""
+    """Free reqids whose pages may be reclaimed, in order: smallest first (the
+    largest are what best_fit_reqid hands out next), never ``keep``."""
     return sorted((s for s in range(len(mapped)) if not allocated[s] and mapped[s] and s != keep),
                   key=lambda s: (mapped[s], s))
 
 
 class PageModel:
-    def __init__(self, num_slots: int, num_buffers: int, num_pages: int, token_bytes: int, page_size: int):
+    def __init__(self, num_reqids: int, num_buffers: int, num_pages: int, token_bytes: int, page_size: int):
         self.num_buffers = num_buffers
         self.num_pages = num_pages
         self.token_bytes = token_bytes
         self.page_size = page_size
-        self.mapped = [0] * num_slots  # pages per buffer
-        self.allocated = [False] * num_slots
+        self.mapped = [0] * num_reqids  # pages per buffer
+        self.allocated = [False] * num_reqids
 
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens * self.token_bytes / self.page_size)
@@ -48,14 +48,14 @@ class PageModel:
         return sum(self.mapped) * self.num_buffers
 
     def alloc(self, prompt_len: int | None) -> int | None:
-        best = best_fit_slot(self.mapped, self.allocated, None if prompt_len is None else self.pages_for(prompt_len))
+        best = best_fit_reqid(self.mapped, self.allocated, None if prompt_len is None else self.pages_for(prompt_len))
         if best is not None:
             self.allocated[best] = True
         return best
 
-    def free(self, slot: int) -> None:
-        assert self.allocated[slot]
-        self.allocated[slot] = False
+    def free(self, reqid: int) -> None:
+        assert self.allocated[reqid]
+        self.allocated[reqid] = False
 
     def step(self, lens: list[int]) -> bool:
         need = [self.pages_for(n) for n in lens]
@@ -80,22 +80,22 @@ class PageModel:
 class PageTableModel:
     """The page table's contract (csrc/core/page_table.h) in the simplest terms.
 
-    State is what a reader would draw: each slot's list of ids, the orphans,
+    State is what a reader would draw: each reqid's list of ids, the orphans,
     the handles (and pins), the free stack and the uncreated list. Mapping
     references and the occupancy counters are derived from that state, not
     counted along the way. Every operation is one the page manager performs
     (a map job landing, a tail unmapped, an orphan retried, ...).
     """
 
-    def __init__(self, num_slots: int, num_buffers: int, num_ids: int, external: bool = False):
+    def __init__(self, num_reqids: int, num_buffers: int, num_ids: int, external: bool = False):
         self.num_buffers, self.num_ids, self.external = num_buffers, num_ids, external
-        self.slots: list[list[int]] = [[] for _ in range(num_slots)]
-        self.allocated = [False] * num_slots
-        self.tokens = [0] * num_slots
+        self.reqids: list[list[int]] = [[] for _ in range(num_reqids)]
+        self.allocated = [False] * num_reqids
+        self.tokens = [0] * num_reqids
         self.free: list[int] = []  # the back is handed out next
         self.uncreated: list[int] = [] if external else list(range(num_ids - 1, -1, -1))  # back: smallest
         self.created: set[int] = set()
-        self.orphans: list[tuple[int, int, int, list[int]]] = []  # (slot, position, id, addresses still mapped)
+        self.orphans: list[tuple[int, int, int, list[int]]] = []  # (reqid, position, id, addresses still mapped)
         self.handles: dict[int, list[int]] = {}
         self.next_handle = 1
         self.pins: list[int] = []  # holds outside any handle
@@ -106,7 +106,7 @@ class PageTableModel:
 
     # ---- derived -------------------------------------------------------------------
     def maps(self, page_id: int) -> int:
-        return (sum(ids.count(page_id) for ids in self.slots) + sum(o[2] == page_id for o in self.orphans)
+        return (sum(ids.count(page_id) for ids in self.reqids) + sum(o[2] == page_id for o in self.orphans)
                 + self.cut.count(page_id))
 
     def holds(self, page_id: int) -> int:
@@ -124,7 +124,7 @@ class PageTableModel:
         return {"pages_total": self.pages_total, "pages_created": nb * len(self.created),
                 "pages_mapped": nb * sum(self.maps(i) > 0 for i in range(self.num_ids)),
                 "pages_in_use": nb * len(self.in_use()),
-                "page_slots_mapped": nb * sum(map(len, self.slots)) + orphaned,
+                "page_slots_mapped": nb * sum(map(len, self.reqids)) + orphaned,
                 "pages_mapped_peak": self.peak_mapped, "pages_free_low": self.low_free,
                 "pages_orphaned": orphaned, "slots_allocated": sum(self.allocated),
                 "tokens_active": sum(self.tokens), "prefix_handles": len(self.handles),
@@ -139,15 +139,15 @@ class PageTableModel:
         if not self.refs(page_id) and not self.external:
             self.free.append(page_id)
 
-    # ---- slots ---------------------------------------------------------------------
-    def allocate(self, slot: int) -> None:
-        self.allocated[slot], self.tokens[slot] = True, 0
+    # ---- reqids ---------------------------------------------------------------------
+    def allocate(self, reqid: int) -> None:
+        self.allocated[reqid], self.tokens[reqid] = True, 0
 
-    def release(self, slot: int) -> None:
-        self.allocated[slot], self.tokens[slot] = False, 0
+    def release(self, reqid: int) -> None:
+        self.allocated[reqid], self.tokens[reqid] = False, 0
 
-    def set_tokens(self, slot: int, tokens: int) -> None:
-        self.tokens[slot] = tokens
+    def set_tokens(self, reqid: int, tokens: int) -> None:
+        self.tokens[reqid] = tokens
 
     # ---- the pool ------------------------------------------------------------------
     def claim(self, count: int) -> tuple[list[int], list[int]]:
@@ -175,34 +175,34 @@ class PageTableModel:
         self.uncreated.sort(reverse=True)
 
     # ---- positions -----------------------------------------------------------------
-    def append(self, slot: int, ids: list[int]) -> None:
+    def append(self, reqid: int, ids: list[int]) -> None:
         for i in ids:
-            self.slots[slot].append(i)
+            self.reqids[reqid].append(i)
             self._note()
 
-    def unmap_tail(self, slot: int, keep: int, still: list[list[int]]) -> None:
-        """Positions keep.. of slot are unmapped; still[k] lists the addresses
+    def unmap_tail(self, reqid: int, keep: int, still: list[list[int]]) -> None:
+        """Positions keep.. of reqid are unmapped; still[k] lists the addresses
         of position keep + k that stayed mapped (an orphan when not empty)."""
-        cut = self.slots[slot][keep:]
-        del self.slots[slot][keep:]
+        cut = self.reqids[reqid][keep:]
+        del self.reqids[reqid][keep:]
         self.cut += cut
         for k, page_id in enumerate(cut):
             self.cut.remove(page_id)
             self.page_unmaps += self.num_buffers - len(still[k])
             if still[k]:
-                self.orphans.append((slot, keep + k, page_id, list(still[k])))
+                self.orphans.append((reqid, keep + k, page_id, list(still[k])))
             else:
                 self._gone(page_id)
 
-    def add_orphan(self, slot: int, pos: int, page_id: int, addrs: list[int]) -> None:
-        self.orphans.append((slot, pos, page_id, list(addrs)))
+    def add_orphan(self, reqid: int, pos: int, page_id: int, addrs: list[int]) -> None:
+        self.orphans.append((reqid, pos, page_id, list(addrs)))
         self._note()
 
     def settle_orphan(self, k: int, done: int) -> bool:
-        slot, pos, page_id, addrs = self.orphans[k]
+        reqid, pos, page_id, addrs = self.orphans[k]
         self.page_unmaps += done
         if done < len(addrs):
-            self.orphans[k] = (slot, pos, page_id, addrs[done:])
+            self.orphans[k] = (reqid, pos, page_id, addrs[done:])
             return False
         del self.orphans[k]
         self._gone(page_id)
@@ -237,11 +237,11 @@ class PageTableModel:
     # ---- the policy's reclaim plan, restated -----------------------------------------
     def plan_reclaim(self, want: int, keep: int | None = None,
                      max_positions: int | None = None) -> tuple[list[tuple[int, int]], int]:
-        """Free slots' tails to cut so that up to ``want`` ids lose their last
+        """Free reqids' tails to cut so that up to ``want`` ids lose their last
         reference: victims in reclaim_victims order, each cut from its tail."""
         if self.external:
             return [], 0
-        mapped = [len(ids) for ids in self.slots]
+        mapped = [len(ids) for ids in self.reqids]
         limit = math.inf if max_positions is None else max_positions
         cuts: dict[int, int] = {}
         plan, freed, positions = [], 0, 0
@@ -251,7 +251,7 @@ class PageTableModel:
             kept = mapped[s]
             while kept and freed < want and positions < limit:
                 kept -= 1
-                page_id = self.slots[s][kept]
+                page_id = self.reqids[s][kept]
                 cuts[page_id] = cuts.get(page_id, 0) + 1
                 freed += cuts[page_id] == self.maps(page_id) and not self.holds(page_id)
                 positions += 1

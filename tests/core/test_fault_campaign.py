@@ -491,7 +491,7 @@ class _HostViews:
             raw = (ctypes.c_byte * nbytes).from_address(kv.buffer_address(buf))
             t = torch.frombuffer(raw, dtype=torch.uint8).view(cfg.dtype)
             row = cfg.num_kv_heads * cfg.head_dim
-            slot = kv.slot_bytes // cfg.element_bytes
+            slot = kv.slice_bytes // cfg.element_bytes
             if cfg.layout == "per_layer":
                 out.append(t.as_strided((B, L, cfg.num_kv_heads, cfg.head_dim), (slot, row, cfg.head_dim, 1)))
             else:

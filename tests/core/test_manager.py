@@ -112,8 +112,10 @@ def test_tensor_shapes_and_strides():
         k, v = kv.layer(1)
         assert k.shape == v.shape == (4, 512, 2, 32)
         assert k.stride(-1) == 1 and k.stride(2) == 32 and k.stride(1) == 64
-        assert k.stride(0) * 4 == kv.slot_bytes
+        assert k.stride(0) * 4 == kv.slice_bytes
         assert k.data_ptr() == kv.buffer_address(2) and v.data_ptr() == kv.buffer_address(3)
+        with pytest.warns(DeprecationWarning, match="slot_bytes is deprecated; use slice_bytes"):
+            assert kv.slot_bytes == kv.slice_bytes  # the old name of a reqid's slice, kept for callers
     with make(layout="all_layers") as kv:
         k, v = kv.layer(1)
         assert k.shape == (4, 512, 2, 32)
@@ -421,5 +423,5 @@ def test_stats_memory_figures():
         assert s["bytes_used"] == 100 * cfg.token_bytes
         assert s["bytes_mapped"] == s["pages_mapped"] * 4 * KiB >= s["bytes_used"]
         assert s["bytes_static"] == 4 * 512 * cfg.token_bytes
-        assert s["bytes_reserved"] == cfg.num_buffers * 4 * kv.slot_bytes
+        assert s["bytes_reserved"] == cfg.num_buffers * 4 * kv.slice_bytes
         assert s["pages_free"] == s["pages_total"] - s["pages_mapped"]

@@ -265,7 +265,7 @@ def test_external_pool_is_sized_by_physical_memory_not_by_the_slices(layout):
     cache): the external pool holds every id physical_memory pays for, here 5x
     what the two slices can map at once."""
     with make(layout, max_batch_size=2, page_allocator="external", background=False, eager=False) as kv:
-        positions = kv.slot_bytes // PAGE  # per slice
+        positions = kv.slice_bytes // PAGE  # per slice
         assert kv.num_page_ids == 2 * positions  # the default budget is still capped
     with make(layout, pool_ids=10 * positions, max_batch_size=2, page_allocator="external", background=False,
               eager=False) as kv:

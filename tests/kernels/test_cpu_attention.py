@@ -562,7 +562,7 @@ def test_every_call_is_checked_and_views_keep_their_slots(mapped_cache) -> None:
     assert kv.step([t, 0, 0, 0])
     with pytest.raises(ValueError, match=rf"reqid 0 would read {t + 1} tokens but has {t} mapped"):
         host_attention(q, k_cache[:, 1:], v_cache[:, 1:], AttentionBatch([0], [t - 1], [1]))
-    with pytest.raises(ValueError, match="a view of the vattn cache must have its slot and token strides"):
+    with pytest.raises(ValueError, match="a view of the vattn cache must have its reqid and token strides"):
         host_attention(q, k_cache[::2], v_cache[::2], AttentionBatch([0], [0], [1]))
 
 

@@ -64,7 +64,7 @@ def test_the_paged_view_is_the_cache(layout):
         for r, n in enumerate(lens):
             k[r, :n] = torch.arange(n * 16, dtype=torch.float32).view(n, 2, 8) + 1000 * r
         g = page_geometry(k.stride(0), k.stride(1), kv.page_tokens)
-        assert g.page_tokens == kv.page_tokens and g.pages_per_slot * kv.page_size == kv.slot_bytes
+        assert g.page_tokens == kv.page_tokens and g.pages_per_slot * kv.page_size == kv.slice_bytes
         pool = paged_view(k, g)
         for r, n in enumerate(lens):
             for t in range(n):

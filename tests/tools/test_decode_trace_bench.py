@@ -32,7 +32,7 @@ def decode_trace_cache(layout: str, layers: int = 2, batch: int = 3) -> vattn.KV
 @pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
 def test_cache_rows_puts_every_request_at_its_slot(layout):
     with decode_trace_cache(layout) as kv:
-        assert kv.slot_bytes != kv.config.max_context_len * kv.config.token_bytes_per_buffer
+        assert kv.slice_bytes != kv.config.max_context_len * kv.config.token_bytes_per_buffer
         for r in range(3):
             kv.alloc_reqid()
         assert kv.step([1500, 1200, 2063])
@@ -42,7 +42,7 @@ def test_cache_rows_puts_every_request_at_its_slot(layout):
         for r, n in enumerate((1500, 1200, 2063)):
             k[r, :n] = torch.randn(n, KV_HEADS, HEAD_DIM).half()
         rows, per_slot = cache_rows(k)
-        assert per_slot == kv.slot_bytes // kv.config.token_bytes_per_buffer > kv.config.max_context_len
+        assert per_slot == kv.slice_bytes // kv.config.token_bytes_per_buffer > kv.config.max_context_len
         for r, n in enumerate((1500, 1200, 2063)):
             assert torch.equal(rows[r * per_slot:r * per_slot + n], k[r, :n])
 

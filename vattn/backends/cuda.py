@@ -17,26 +17,34 @@ KiB = 1024
 GiB = 1024**3
 
 CUDA_BUDGET_FRACTION = 0.9  # of free device memory, when physical_memory is None
-UVM_PAGE_SIZES: tuple[int, ...] = tuple(_C.uvm_page_sizes)  # bytes: 64 KiB, 128 KiB, 256 KiB, 2 MiB
+# What this build speaks to the patched module: its ABI version and page sizes
+# (bytes: 64 KiB, 128 KiB, 256 KiB, 2 MiB), from the header the backend compiles.
+UVM_ABI: dict[str, Any] = _C.backend_probe("cuda_uvm", "abi")
+UVM_PAGE_SIZES: tuple[int, ...] = tuple(UVM_ABI["page_sizes"])
 CUDA_UVM_DEFAULT_PAGE_SIZE = 64 * KiB  # the smallest: least memory mapped but unused
 UVM_PATCH_README = "driver_patch/README.md"
 
 
+def cuda_driver_path() -> str:
+    """The CUDA driver library vattn loads at run time ($VATTN_CUDA_DRIVER_LIB, else libcuda.so.1)."""
+    return _C.backend_probe("cuda", "driver_path")["driver_path"]
+
+
 def cuda_info(device_index: int, driver_path: str | None = None) -> dict[str, Any]:
     """Device name, granularity and memory; raises BackendUnavailable without a GPU."""
-    return _C.cuda_device_info(driver_path or _C.default_cuda_driver_path(), device_index)
+    return _C.backend_probe("cuda", "device_info", driver_path=driver_path or "", device=device_index)
 
 
 def uvm_patch_info() -> dict[str, Any]:
     """Whether the loaded nvidia-uvm is the patched one (driver_patch/): keys
     available, device_path ($VATTN_UVM_DEVICE or /dev/nvidia-uvm), abi_version,
     reason. Needs no GPU context."""
-    return _C.uvm_patch_info()
+    return _C.backend_probe("cuda_uvm", "patch_info")
 
 
 def uvm_patch_available() -> bool:
     """True when the nvidia-uvm module answers the small-page ioctls."""
-    return _C.uvm_patch_available()
+    return uvm_patch_info()["available"]
 
 
 # ---- defaults and the choice between the two ----------------------------------------
@@ -45,7 +53,7 @@ def uvm_patch_available() -> bool:
 def _device_defaults(wanted: str | None, device_index: int, page_size: int | None) -> BackendDefaults:
     """Defaults on the device for the backend ``wanted`` ("cuda", "cuda_uvm",
     or None: whichever serves ``page_size``, named in ``handover``)."""
-    driver_path = _C.default_cuda_driver_path()
+    driver_path = cuda_driver_path()
     info = cuda_info(device_index, driver_path)
     granularity = info["granularity"]
     budget = int(info["free_bytes"] * CUDA_BUDGET_FRACTION)
@@ -106,7 +114,7 @@ def cuda_uvm_defaults(device_index: int, page_size: int | None, automatic: bool)
 
 def cuda_info_facts(earlier: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
     """The driver library and version, and each device's granularity and memory."""
-    driver = _C.default_cuda_driver_path()
+    driver = cuda_driver_path()
     try:
         first = cuda_info(0, driver)
         devices = [first] + [cuda_info(i, driver) for i in range(1, first["device_count"])]

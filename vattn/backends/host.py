@@ -19,6 +19,11 @@ HOST_DEFAULT_PAGE_SIZE = 256 * KiB
 HOST_BUDGET_FRACTION = 0.5  # of MemAvailable, when physical_memory is None
 
 
+def host_granularity() -> int:
+    """Bytes host page sizes are multiples of: the OS page size (the host backend's probe)."""
+    return _C.backend_probe("host", "granularity")["granularity"]
+
+
 def host_meminfo() -> dict[str, int]:
     """/proc/meminfo in bytes."""
     out: dict[str, int] = {}
@@ -34,7 +39,7 @@ def host_meminfo() -> dict[str, int]:
 def host_defaults(device_index: int, page_size: int | None, automatic: bool) -> BackendDefaults:
     """The OS page size as granularity, 256 KiB pages, half of MemAvailable;
     reservations are bounded by RLIMIT_AS (ulimit -v) where that is lower."""
-    granularity = _C.host_granularity()
+    granularity = host_granularity()
     limit, why = MAX_RESERVATION_BYTES, "the address space vattn reserves at most"
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]
     if soft != resource.RLIM_INFINITY and soft < limit:
@@ -56,7 +61,7 @@ def host_info(earlier: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
             max_map_count: int | None = int(f.read())
     except OSError:
         max_map_count = None
-    granularity = _C.host_granularity()
+    granularity = host_granularity()
     return {
         "available": True,
         "granularity": granularity,

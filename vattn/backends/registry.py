@@ -2,8 +2,9 @@
 needs to know the backends (device strings, argument checks, defaults,
 ``python -m vattn info``).
 
-A backend is one C++ file in ``csrc/backends/`` that registers its factory by
-name (``VATTN_REGISTER_BACKEND``, built by :func:`native_factory`), plus one
+A backend is one C++ file in ``csrc/backends/`` that registers its factory
+and its probes by name (``VATTN_REGISTER_BACKEND``; built by
+:func:`native_factory`, probed with ``vattn._C.backend_probe``), plus one
 :func:`register_backend` call here or in the caller's own code. The first
 backend registered for a device type is that device's default.
 """

@@ -13,7 +13,7 @@ def pool_pages(config: KVCacheConfig, page_size: int, budget: int, capped: bool 
     ids); uncapped for external page ids, which a framework may keep alive
     unmapped (a prefix cache holds more blocks than its running requests map)."""
     if capped:
-        budget = min(budget, config.num_buffers * config.max_batch_size * config.slot_bytes(page_size))
+        budget = min(budget, config.num_buffers * config.max_batch_size * config.slice_bytes(page_size))
     return budget // page_size
 
 
@@ -91,7 +91,7 @@ def _check_reservation(defaults: BackendDefaults, config: KVCacheConfig, page_si
     reserved; the message names the bytes and the arguments to lower."""
     need = config.reservation_bytes(page_size)
     if need > defaults.max_reservation:
-        per_request = config.num_buffers * config.slot_bytes(page_size)
+        per_request = config.num_buffers * config.slice_bytes(page_size)
         raise ValueError(
             f"the cache needs {need} bytes of virtual address space ({config.max_batch_size} reqids x "
             f"{per_request} bytes each: {config.num_buffers} buffers x max_context_len {config.max_context_len} "

@@ -152,7 +152,7 @@ def _check_str(value: Any, what: str) -> str:
 def _cuda_uuid(index: int) -> str:
     """The UUID of CUDA device ``index`` ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"),
     asked of the driver library vattn uses (VATTN_CUDA_DRIVER_LIB or libcuda.so.1)."""
-    path = _C.default_cuda_driver_path()
+    path = _C.backend_probe("cuda", "driver_path")["driver_path"]
     try:
         lib = ctypes.CDLL(path)
     except OSError as e:

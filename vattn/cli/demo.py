@@ -6,7 +6,7 @@ instead. A synthetic trace of requests with varied prompt and output lengths
 arrives over time; :class:`vattn.engine.Engine` serves it and the
 demo reports throughput, time to first token, and the KV memory vattn mapped
 over time against what a static max-length reservation (Orca-style: every
-request slot holds ``max_context_len`` tokens) would hold for the same trace.
+reqid holds ``max_context_len`` tokens) would hold for the same trace.
 Needs transformers (``pip install -e ".[transformers]"``).
 """
 
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = engine.kv.config
         print(f"vattn demo: continuous batching of {described} on the CPU")
         print(f"KV cache: {cfg.layout}, pages of {engine.kv.page_size // 1024} KiB, physical pool "
-              f"{engine.kv.stats()['bytes_total'] / MiB:.1f} MiB, {cfg.max_batch_size} request slots x "
+              f"{engine.kv.stats()['bytes_total'] / MiB:.1f} MiB, {cfg.max_batch_size} reqids x "
               f"{cfg.max_context_len} tokens")
         prompts = [len(p) for _, p, _ in trace]
         outs = [m for _, _, m in trace]
@@ -203,8 +203,8 @@ def report(engine: Any, results: dict, trace: list, t0: float) -> None:
           f"p90 {ttft[int(0.9 * (len(ttft) - 1))]:.2f} s")
     print(f"KV memory: peak mapped {peak / MiB:.1f} MiB, mean {statistics.fmean(mapped) / MiB:.1f} MiB; a static "
           f"max-length reservation needs {static / MiB:.0f} MiB for the same {engine.kv.config.max_batch_size} "
-          f"slots. Running requests' tokens needed at most {max(h['bytes_needed'] for h in history) / MiB:.1f} MiB "
-          f"of pages; the rest stayed mapped for reuse (finished requests' pages, the pre-mapped next slot), "
+          f"reqids. Running requests' tokens needed at most {max(h['bytes_needed'] for h in history) / MiB:.1f} MiB "
+          f"of pages; the rest stayed mapped for reuse (finished requests' pages, the pre-mapped next reqid), "
           f"to be unmapped only when free pages run low")
     print(f"fragmentation: {100 * statistics.fmean(waste):.0f}% of the pages running requests needed held no "
           f"token on average (the partly filled last page of each request)")

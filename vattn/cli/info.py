@@ -9,7 +9,7 @@ import torch
 
 from vattn import _C
 from vattn.common.version import VERSION as __version__
-from vattn.backends import registered_backends
+from vattn.backends import cuda_driver_path, registered_backends
 
 
 def collect() -> dict[str, Any]:
@@ -26,7 +26,7 @@ def collect() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_cuda": torch.cuda.is_available(),
-        "build": dict(_C.build_info),
+        "build": {**_C.build_info, "cuda_driver": f"dlopen at run time ({cuda_driver_path()})"},
         "backends": backends,
         "host_attention": host_attention_info(),
     }

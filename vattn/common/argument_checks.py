@@ -1,6 +1,7 @@
 """Checks and conversions of the public API's arguments: ints, int arrays,
-page-id rows, CUDA stream handles and the mapper's policy. Each raises
-``TypeError`` / ``ValueError`` naming the argument and the accepted range."""
+page-id rows and CUDA stream handles (the policy knobs are checked where
+they are described: vattn/core/policy.py). Each raises ``TypeError`` /
+``ValueError`` naming the argument and the accepted range."""
 
 from __future__ import annotations
 
@@ -88,26 +89,3 @@ def stream_handles(streams: Any) -> list[int]:
                              "default stream (0)")
         handles.append(handle)
     return handles
-
-
-def policy_args(background: bool, deferred_reclaim: bool, eager: bool, lookahead_tokens: int,
-                eager_tokens: int | None, reclaim_threshold: float, max_context_len: int) -> dict[str, Any]:
-    """The mapper policy's keyword arguments for the core's PageManager, checked
-    (tokens in ``[0, max_context_len]``, ``reclaim_threshold`` in [0, 1]);
-    ``eager_tokens`` None becomes ``min(max_context_len, 1024)``."""
-    for name, flag in (("background", background), ("deferred_reclaim", deferred_reclaim), ("eager", eager)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if eager_tokens is None:
-        eager_tokens = min(max_context_len, 1024)
-    for name, tokens in (("lookahead_tokens", lookahead_tokens), ("eager_tokens", eager_tokens)):
-        if not 0 <= as_int(name, tokens) <= max_context_len:
-            raise ValueError(f"{name} must be in [0, {max_context_len}] (max_context_len), got {tokens}")
-    lookahead_tokens, eager_tokens = int(lookahead_tokens), int(eager_tokens)
-    if isinstance(reclaim_threshold, bool) or not isinstance(reclaim_threshold, (int, float)):
-        raise TypeError(f"reclaim_threshold must be a number, got {type(reclaim_threshold).__name__}")
-    if not 0.0 <= reclaim_threshold <= 1.0:  # NaN fails too
-        raise ValueError(f"reclaim_threshold must be in [0, 1], got {reclaim_threshold}")
-    return dict(background=background, deferred_reclaim=deferred_reclaim, eager=eager and background,
-                lookahead_tokens=lookahead_tokens, eager_tokens=eager_tokens,
-                reclaim_threshold=float(reclaim_threshold))

@@ -84,9 +84,9 @@ class KVCacheConfig:
 
     def reservation_bytes(self, page_size: int) -> int:
         """Virtual bytes the cache reserves: every buffer's slice of every reqid."""
-        return self.num_buffers * self.max_batch_size * self.slot_bytes(page_size)
+        return self.num_buffers * self.max_batch_size * self.slice_bytes(page_size)
 
-    def slot_bytes(self, page_size: int) -> int:
+    def slice_bytes(self, page_size: int) -> int:
         """Bytes of one reqid's slice of one buffer (S_req), a multiple of page_size."""
         return round_up(self.max_context_len * self.token_bytes_per_buffer, page_size)
 

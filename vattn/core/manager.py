@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import atexit
-import functools
 import os
+import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,11 +18,11 @@ from vattn.common.argument_checks import as_int as _as_int
 from vattn.common.argument_checks import bounded_int as _bounded_int
 from vattn.common.argument_checks import int_array as _int_array
 from vattn.common.argument_checks import page_id_rows as _page_id_rows
-from vattn.common.argument_checks import policy_args as _policy_args
 from vattn.common.argument_checks import stream_handles as _stream_handles
 from vattn.backends import BackendSpec, parse_device, resolve_backend, torch_device
 from vattn.common.config import KVCacheConfig
 from .cuda_streams import CudaStreams
+from .policy import resolve_policy
 from vattn.common.errors import BackendUnavailable, ForkedError
 from vattn.budget.membership import DEFAULT_IDLE_RELEASE_S as _IDLE_S, default_label, idle_release_seconds, join_budget
 from .prefix_handle import PrefixHandle
@@ -42,24 +42,24 @@ class MappedCheck:
     again only when the core's count of shrinks (positions cut from a slice,
     reqids freed) moved since the last check passed."""
 
-    __slots__ = ("pages", "slots", "tokens", "what", "verified")
+    __slots__ = ("pages", "reqids", "tokens", "what", "verified")
 
     def __init__(self, pages: Any, reqids: IntArray, seq_lens: IntArray, origin: tuple[int, int], what: str) -> None:
         self.pages, self.what, self.verified = pages, what, -1
-        self.slots, self.tokens = self.rows(reqids, seq_lens, origin)
+        self.reqids, self.tokens = self.rows(reqids, seq_lens, origin)
 
     @staticmethod
     def rows(reqids: IntArray, seq_lens: IntArray, origin: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-        """The core's slots and token counts of ``view[reqids[i], :seq_lens[i]]`` for a view whose row
-        0 is ``origin``: a slice of a layer view starts at another slot / token."""
-        slots = np.asarray(_int_array("reqids", reqids), dtype=np.int64) + origin[0]
+        """The core's reqids and token counts of ``view[reqids[i], :seq_lens[i]]`` for a view whose
+        row 0 is ``origin``: a slice of a layer view starts at another reqid / token."""
+        rows = np.asarray(_int_array("reqids", reqids), dtype=np.int64) + origin[0]
         tokens = np.asarray(_int_array("seq_lens", seq_lens), dtype=np.int64) + origin[1]
-        return slots, tokens
+        return rows, tokens
 
     def __call__(self) -> None:
         shrinks = self.pages.shrinks  # read first: a shrink during the check makes the next call ask again
         if shrinks != self.verified:
-            self.pages.check_mapped(self.slots, self.tokens, self.what)
+            self.pages.check_mapped(self.reqids, self.tokens, self.what)
             self.verified = shrinks
 
 
@@ -136,6 +136,10 @@ class KVCacheManager(CudaStreams):
             the limit is lowered below what is held. ``None``: never for
             idleness. Default 30.
         budget_label: what ``python -m vattn top`` shows for this manager.
+        policy: any policy knob by name (``vattn.core.policy.KNOBS`` lists
+            them with type, range and doc), e.g. ``{"lookahead_tokens": 16}``;
+            a knob named here overrides the keyword argument of the same
+            name. :attr:`policy` reads back what the core runs with.
 
     Page ids: one page id names one physical page in every buffer (so it
     holds ``page_size`` bytes of each layer's K and V, ``page_tokens``
@@ -186,6 +190,7 @@ class KVCacheManager(CudaStreams):
         budget: Any = None,
         idle_release_s: float | None = _IDLE_S,
         budget_label: str | None = None,
+        policy: Mapping[str, Any] | None = None,
     ) -> None:
         if page_allocator not in PAGE_ALLOCATORS:
             raise ValueError(f"page_allocator must be one of {PAGE_ALLOCATORS}, got {page_allocator!r}")
@@ -203,17 +208,17 @@ class KVCacheManager(CudaStreams):
             max_context_len=max_context_len,
             layout=layout,
         )
-        policy = _policy_args(background, deferred_reclaim, eager, lookahead_tokens, eager_tokens,
-                              reclaim_threshold, self.config.max_context_len)
-        if external:  # the framework maps; nothing runs ahead of it
-            policy.update(background=False, eager=False)
-        policy["max_batch_ids"] = max(1, 1024 // self.config.num_buffers)  # ~1024 pages per mapper batch
+        keywords = dict(background=background, deferred_reclaim=deferred_reclaim, eager=eager,
+                        lookahead_tokens=lookahead_tokens, eager_tokens=eager_tokens,
+                        reclaim_threshold=reclaim_threshold)
+        knobs = resolve_policy(policy, defaults=keywords, max_context_len=self.config.max_context_len,
+                               num_buffers=self.config.num_buffers, external=external)
         device_type, index = parse_device(device)
         self.device = torch_device(device_type, index)
         self.backend: BackendSpec = resolve_backend(device_type, index, self.config, page_size, physical_memory,
                                                    backend, external_ids=external)
         self.page_size: int = self.backend.page_size
-        self.slot_bytes: int = self.config.slot_bytes(self.page_size)
+        self.slice_bytes: int = self.config.slice_bytes(self.page_size)  # one reqid's slice of one buffer
         self.page_allocator: str = page_allocator
         self._pid = os.getpid()
         vmm = self.backend.make()
@@ -224,20 +229,19 @@ class KVCacheManager(CudaStreams):
         self._pages = _C.PageManager(
             vmm,
             num_buffers=self.config.num_buffers,
-            num_slots=self.config.max_batch_size,
-            slot_bytes=self.slot_bytes,
+            num_reqids=self.config.max_batch_size,
+            slice_bytes=self.slice_bytes,
             bytes_per_token=self.config.token_bytes_per_buffer,
             max_tokens=self.config.max_context_len,
             external_ids=external,
             preallocate=preallocate,
             budget=self._budget_member and self._budget_member._member,
             idle_release_s=idle_release,
-            **policy,
+            policy=knobs,
         )
-        self.policy: dict[str, Any] = policy
         memory = self._pages.memory
         self._span = (memory.base, memory.base + memory.nbytes)  # addresses of the cache's tensors
-        self.buffer_bytes: int = self._pages.buffer_bytes  # virtual bytes of one K or V buffer (all slots)
+        self.buffer_bytes: int = self._pages.buffer_bytes  # virtual bytes of one K or V buffer (all reqids)
         _remember_span(self)
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._closing = False  # set first thing in cleanup(): cached views are not handed out after it
@@ -248,6 +252,20 @@ class KVCacheManager(CudaStreams):
         """Page ids in the pool: ids are ``0 .. num_page_ids - 1``; each is one
         physical page of every buffer."""
         return self._pages.num_ids
+
+    @property
+    def policy(self) -> dict[str, Any]:
+        """The policy knobs the core runs with, by name: what the arguments
+        asked, after the manager's logic between knobs
+        (:func:`vattn.core.policy.resolve_policy`)."""
+        return self._pages.policy.as_dict()
+
+    @property
+    def slot_bytes(self) -> int:
+        """Deprecated name of :attr:`slice_bytes` (bytes of one reqid's slice of one buffer)."""
+        warnings.warn("KVCacheManager.slot_bytes is deprecated; use slice_bytes (the same bytes)",
+                      DeprecationWarning, stacklevel=2)
+        return self.slice_bytes
 
     @property
     def page_tokens(self) -> int | None:
@@ -319,13 +337,13 @@ class KVCacheManager(CudaStreams):
         raw = torch.from_dlpack(self._pages.memory.dlpack(buffer * nbytes, nbytes))
         elems = raw.view(cfg.dtype)
         row = cfg.num_kv_heads * cfg.head_dim
-        slot_elems = self.slot_bytes // cfg.element_bytes
+        slice_elems = self.slice_bytes // cfg.element_bytes
         if cfg.layout == "per_layer":
             shape = (cfg.max_batch_size, cfg.max_context_len, cfg.num_kv_heads, cfg.head_dim)
-            strides = (slot_elems, row, cfg.head_dim, 1)
+            strides = (slice_elems, row, cfg.head_dim, 1)
         else:
             shape = (cfg.max_batch_size, cfg.max_context_len, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-            strides = (slot_elems, cfg.num_layers * row, row, cfg.head_dim, 1)
+            strides = (slice_elems, cfg.num_layers * row, row, cfg.head_dim, 1)
         return elems.as_strided(shape, strides)
 
     # ---- requests ------------------------------------------------------------
@@ -344,18 +362,18 @@ class KVCacheManager(CudaStreams):
         """
         wanted = -1 if reqid is None else self._reqid(reqid)
         if prompt_len is None:
-            return self._pages.alloc_slot(-1, wanted)
+            return self._pages.alloc_reqid(-1, wanted)
         prompt = _as_int("prompt_len", prompt_len)
         if not 0 <= prompt <= self.config.max_context_len:
             raise ValueError(f"prompt_len must be in [0, {self.config.max_context_len}] (max_context_len), "
                              f"got {prompt_len}")
-        return self._pages.alloc_slot(prompt, wanted)
+        return self._pages.alloc_reqid(prompt, wanted)
 
     def free_reqid(self, reqid: int) -> None:
         """Ends a request. Its pages stay mapped for reuse until memory runs low
         (deferred reclaim); pages it shares stay with the requests and prefix
         handles that still use them."""
-        self._pages.free_slot(self._reqid(reqid))
+        self._pages.free_reqid(self._reqid(reqid))
 
     def step(self, seq_lens: SeqLens) -> bool:
         """Maps pages so every active reqid can hold its length.
@@ -442,7 +460,7 @@ class KVCacheManager(CudaStreams):
         return pages * self.page_size * self.config.num_buffers
 
     def is_allocated(self, reqid: int) -> bool:
-        return self._pages.slot_allocated(self._reqid(reqid))
+        return self._pages.reqid_allocated(self._reqid(reqid))
 
     def check_mapped(self, view: torch.Tensor, reqids: IntArray, seq_lens: IntArray,
                      what: str = "check_mapped") -> None:
@@ -457,29 +475,29 @@ class KVCacheManager(CudaStreams):
             what: the caller's name, which starts the error message.
 
         Raises ``ValueError`` naming the reqid (not allocated; fewer tokens
-        mapped), or when ``view``'s strides are not the cache's (slot and token
+        mapped), or when ``view``'s strides are not the cache's (reqid and token
         strides of :meth:`layer`). One call into the core for the whole batch.
         """
         self._pages.check_mapped(*MappedCheck.rows(reqids, seq_lens, self.view_origin(view, what)), what)
 
     def view_origin(self, view: torch.Tensor, what: str) -> tuple[int, int]:
-        """The (slot, token) of a cache view's row 0, after checking that its
-        slot and token strides are the cache's (``ValueError`` starting with
+        """The (reqid, token) of a cache view's row 0, after checking that its
+        reqid and token strides are the cache's (``ValueError`` starting with
         ``what`` otherwise). Views of every layer share their origin."""
         token_bytes = self.config.token_bytes_per_buffer
         size = view.element_size()
         offset = (view.data_ptr() - self._span[0]) % self.buffer_bytes
-        if (view.dim() != 4 or view.stride(0) * size != self.slot_bytes or view.stride(1) * size != token_bytes):
-            raise ValueError(f"{what}: a view of the vattn cache must have its slot and token strides "
-                             f"({self.slot_bytes} and {token_bytes} bytes), got shape "
+        if (view.dim() != 4 or view.stride(0) * size != self.slice_bytes or view.stride(1) * size != token_bytes):
+            raise ValueError(f"{what}: a view of the vattn cache must have its reqid and token strides "
+                             f"({self.slice_bytes} and {token_bytes} bytes), got shape "
                              f"{tuple(view.shape)} and strides {tuple(view.stride())} (elements of {size} bytes)")
-        return offset // self.slot_bytes, offset % self.slot_bytes // token_bytes
+        return offset // self.slice_bytes, offset % self.slice_bytes // token_bytes
 
     def mapped_check(self, view: torch.Tensor, reqids: IntArray, seq_lens: IntArray,
                      what: str) -> tuple[tuple[int, int], Callable[[], None]]:
         """:meth:`check_mapped` prepared for repeated use (one batch, every
         layer): the view's strides are checked now; returns ``(origin,
-        check)`` where origin is the (slot, token) of the view's row 0 and
+        check)`` where origin is the (reqid, token) of the view's row 0 and
         ``check()`` raises as :meth:`check_mapped` would. It asks the core
         only when a slice lost pages or a reqid was freed since it last
         passed (a counter the core keeps), so a check per layer costs one
@@ -560,13 +578,13 @@ class KVCacheManager(CudaStreams):
         """
         if counts is None:
             counts, page_ids = _page_id_rows(page_ids)
-        self._pages.map_ids(_int_array("reqids", reqids), _int_array("starts", starts),
+        self._pages.map_pages(_int_array("reqids", reqids), _int_array("starts", starts),
                             _int_array("counts", counts), _int_array("page_ids", page_ids))
 
     def unmap_pages(self, reqids: IntArray, keep: IntArray) -> None:
         """Unmaps page positions ``keep[i]`` and beyond of ``reqids[i]`` (free
         or allocated), in one call. Pages still used elsewhere stay there."""
-        self._pages.truncate(_int_array("reqids", reqids), _int_array("keep", keep))
+        self._pages.unmap_pages(_int_array("reqids", reqids), _int_array("keep", keep))
 
     def unmap_pages_below(self, reqids: IntArray, first: IntArray) -> None:
         """Unmaps page positions below ``first[i]`` of ``reqids[i]``, in one
@@ -577,12 +595,12 @@ class KVCacheManager(CudaStreams):
         :meth:`map_pages` may start there. Reading a hole faults: only
         kernels that skip the rows behind the window may read such a slice.
         ``page_allocator="external"`` only."""
-        self._pages.punch(_int_array("reqids", reqids), _int_array("first", first))
+        self._pages.unmap_pages_below(_int_array("reqids", reqids), _int_array("first", first))
 
     def page_ids(self, reqid: int) -> list[int]:
         """The page id mapped at each page position of reqid, in order; -1
         at a hole (:meth:`unmap_pages_below`)."""
-        return [-1 if i == _HOLE else i for i in self._pages.slot_ids(self._reqid(reqid))]
+        return [-1 if i == _HOLE else i for i in self._pages.reqid_page_ids(self._reqid(reqid))]
 
     def _reqid(self, value: object, name: str = "reqid") -> int:
         return _bounded_int(name, value, self.config.max_batch_size)

@@ -1,7 +1,7 @@
 """Which open :class:`vattn.KVCacheManager` holds a tensor's memory.
 
 Every open manager registers the address span of its reservation here (the
-K/V buffers, all slots); :func:`manager_of` maps a tensor back to its manager,
+K/V buffers, all reqids); :func:`manager_of` maps a tensor back to its manager,
 so a kernel handed a cache view can ask that manager which rows are mapped
 before it reads them.
 """

@@ -239,7 +239,7 @@ CUresult cuDeviceGetUuid(CUuuid* uuid, CUdevice d) { return cuDeviceGetUuid_v2(u
  * the GPU without its GPU VA space, =none nothing. FAKE_CUDA_UVM_EXTERNAL=1
  * makes every reservation an external range of that VA space, as a driver
  * that manages its reservations through UVM would. Argument layouts: the
- * stock ones (driver_patch/uvm_stock_ioctl.h). */
+ * stock ones (csrc/backends/uvm_stock_ioctl.h). */
 static int uvm_fd = -1;
 static int uvm_registered[64];
 

@@ -7,7 +7,7 @@
  * VA. Every other descriptor goes to the real ioctl.
  *
  * The argument layouts are written down here by byte offset, on purpose not
- * taken from driver_patch/vattn_uvm_ioctl.h: tests compare this table with
+ * taken from csrc/backends/vattn_uvm_ioctl.h: tests compare this table with
  * the header (fake_uvm_field), so a header change the module would not see
  * the same way fails a test.
  *

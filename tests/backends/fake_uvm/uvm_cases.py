@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 KiB, MiB = 1024, 1024 * 1024
 PAGE_SIZES = [64 * KiB, 128 * KiB, 256 * KiB, 2 * MiB]
-# NV_STATUS values of driver_patch/vattn_uvm_ioctl.h, by the names the backend reports
+# NV_STATUS values of csrc/backends/vattn_uvm_ioctl.h, by the names the backend reports
 STATUS = {
     "NV_ERR_ILLEGAL_ACTION": 0x16,
     "NV_ERR_INVALID_ADDRESS": 0x1E,
@@ -84,7 +84,7 @@ def lens_of(kv, **by_reqid) -> list[int]:
 
 def row_address(kv, buffer: int, reqid: int, token: int) -> int:
     # per_layer: one layer's K or V row per token; all_layers: every layer's, side by side
-    return kv.buffer_address(buffer) + reqid * kv.slot_bytes + token * kv.config.token_bytes_per_buffer
+    return kv.buffer_address(buffer) + reqid * kv.slice_bytes + token * kv.config.token_bytes_per_buffer
 
 
 def write_row(kv, buffer, reqid, token, value) -> None:
@@ -219,7 +219,7 @@ def test_info_reports_the_patched_module(fake_cuda):
     info = vattn.cli.info.collect()
     uvm_info = info["backends"]["cuda_uvm"]
     assert uvm_info["patched_module"] and uvm_info["available"]
-    assert uvm_info["abi_version"] == _C.uvm_abi_version
+    assert uvm_info["abi_version"] == _C.backend_probe("cuda_uvm", "abi")["abi_version"]
     assert uvm_info["page_sizes"] == PAGE_SIZES
     text = vattn.cli.info.render(info)
     assert "backend cuda_uvm: available (patched nvidia-uvm loaded (ABI 1" in text
@@ -235,8 +235,8 @@ def load_verify_script():
 
 def host_slice(kv, buffer: int, reqid: int) -> torch.Tensor:
     """The slice through host memory (the stand-in's device pointers are host addresses)."""
-    addr = kv.buffer_address(buffer) + reqid * kv.slot_bytes
-    return torch.frombuffer((ctypes.c_uint8 * kv.slot_bytes).from_address(addr), dtype=torch.uint8)
+    addr = kv.buffer_address(buffer) + reqid * kv.slice_bytes
+    return torch.frombuffer((ctypes.c_uint8 * kv.slice_bytes).from_address(addr), dtype=torch.uint8)
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)

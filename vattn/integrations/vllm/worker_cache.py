@@ -51,10 +51,9 @@ LAYOUT_SETTING = "VATTN_VLLM_LAYOUT"
 
 def granularity(device: torch.device) -> int:
     """Bytes a vattn page must be a multiple of on ``device``'s backend."""
-    from vattn import _C
-    from vattn.backends import cuda_info
+    from vattn.backends import cuda_info, host_granularity
 
-    return _C.host_granularity() if device.type == "cpu" else cuda_info(device.index or 0)["granularity"]
+    return host_granularity() if device.type == "cpu" else cuda_info(device.index or 0)["granularity"]
 
 
 def forward_streams(device: torch.device) -> list[Any] | None:

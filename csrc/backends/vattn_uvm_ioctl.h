@@ -3,9 +3,9 @@
  * vattn_uvm_ioctl.h: the small-page ioctls that driver_patch/ adds to
  * NVIDIA's nvidia-uvm module (open-gpu-kernel-modules 580.142).
  *
- * One source of truth: this file is copied verbatim into the module tree by
- * the first patch of the series (into kernel-open/nvidia-uvm/) and is
- * included as it is by vattn's C++ backend (csrc/backends/cuda_uvm_backend.cpp).
+ * One source of truth: this file lives with vattn's C++ backend that
+ * includes it (csrc/backends/cuda_uvm_backend.cpp) and is copied verbatim into
+ * the module tree by the first patch of the series (kernel-open/nvidia-uvm/).
  * It compiles as kernel C (gnu11), user C (C11 and later) and C++ (C++11 and
  * later); every struct has fixed-width fields, explicit padding, and size and
  * offset asserts, so 32-bit and 64-bit callers and the kernel agree.
