@@ -17,6 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.skipif(os.environ.get("VATTN_LONG_TESTS") != "1",
+                    reason="long test: set VATTN_LONG_TESTS=1 (two builds of the host kernel)")
 def test_two_builds_side_by_side(tmp_path):
     if shutil.which("g++") is None:
         pytest.skip("needs a C++ compiler: no g++ to build the two kernels")
