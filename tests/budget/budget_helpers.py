@@ -164,7 +164,8 @@ def run_in_fresh_process(request: pytest.FixtureRequest, timeout_s: float = 900)
     if os.environ.get(FRESH_PROCESS) == "1":
         return False
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           request.node.nodeid],
                           cwd=root, env=dict(os.environ, **{FRESH_PROCESS: "1"}), capture_output=True, text=True,
                           timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
