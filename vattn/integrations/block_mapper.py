@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import math
+import threading
 from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
@@ -130,6 +131,9 @@ class BlockMapper:
         self._mapped = np.zeros(slices, dtype=np.int64)  # positions known mapped from the table (holes included)
         self._holes = np.zeros(slices, dtype=np.int64)  # positions below which the slice is holes
         self._last_keys: list[Hashable] | None = None
+        # the forward's thread assigns slices; a budget's keeper may release those of requests that
+        # are not running (vattn.integrations.vllm.budget) from its own
+        self._lock = threading.Lock()
         self._released = 0  # free slices that may still map pages (of every mapper on the manager)
         self._last_reqids = np.zeros(0, dtype=np.int64)
         self.positions_needed = 0  # lower bound: (request, position) pairs a forward needed mapped, all requests
@@ -153,17 +157,18 @@ class BlockMapper:
         keys as the last call costs one list comparison."""
         if keys == self._last_keys:
             return self._last_reqids
-        slice_of = self._slice_of
-        new = [key for key in dict.fromkeys(keys) if key not in slice_of]
-        if len(new) > len(self._free):
-            raise ValueError(f"vattn: {len(slice_of) + len(new)} requests hold slices, but the cache has "
-                             f"{self.slices} per KV cache group")
-        if new:
-            self._assign(new)
-        reqids = np.fromiter((slice_of[key] for key in keys), dtype=np.int64, count=len(keys))
-        reqids += self.first_reqid
-        self._last_keys, self._last_reqids = list(keys), reqids
-        return reqids
+        with self._lock:
+            slice_of = self._slice_of
+            new = [key for key in dict.fromkeys(keys) if key not in slice_of]
+            if len(new) > len(self._free):
+                raise ValueError(f"vattn: {len(slice_of) + len(new)} requests hold slices, but the cache has "
+                                 f"{self.slices} per KV cache group")
+            if new:
+                self._assign(new)
+            reqids = np.fromiter((slice_of[key] for key in keys), dtype=np.int64, count=len(keys))
+            reqids += self.first_reqid
+            self._last_keys, self._last_reqids = list(keys), reqids
+            return reqids
 
     def _assign(self, keys: list[Hashable]) -> None:
         slices = [self._free.popleft() for _ in keys]
@@ -189,18 +194,19 @@ class BlockMapper:
         slices go back to the pool with their pages still mapped (reclaimed
         when the device is done with them, or when the slice is reused).
         Unknown keys are ignored (a request the forwards never saw)."""
-        released = []
-        for key in keys:
-            s = self._slice_of.pop(key, None)
-            if s is not None:
-                released.append(s)
-        if not released:
-            return
-        for s in released:
-            self.manager.free_reqid(self.first_reqid + s)
-        self._free.extend(released)
-        self._released += len(released)
-        self._last_keys = None
+        with self._lock:
+            released = []
+            for key in keys:
+                s = self._slice_of.pop(key, None)
+                if s is not None:
+                    released.append(s)
+            if not released:
+                return
+            for s in released:
+                self.manager.free_reqid(self.first_reqid + s)
+            self._free.extend(released)
+            self._released += len(released)
+            self._last_keys = None
 
     def reclaim_free(self, wait: bool = True) -> None:
         """Unmaps the free slices' pages (of every mapper on the manager):
@@ -208,7 +214,11 @@ class BlockMapper:
         that the blocks they held can give their memory back (a budget's
         :meth:`KVCacheManager.release_pages`); without, only those the device
         is done with, without waiting (what :meth:`map` does)."""
-        self._released = self.manager.reclaim_freed(wait)[1]  # tried again at the next forward
+        with self._lock:
+            before = self._released
+        pending = self.manager.reclaim_freed(wait)[1]  # tried again at the next forward
+        with self._lock:  # slices released meanwhile count too (at worst one reclaim too many)
+            self._released += pending - before
 
     @property
     def all_reqids(self) -> np.ndarray:
@@ -220,15 +230,18 @@ class BlockMapper:
         that a slice still maps: a preempted request's, or behind a sliding window not yet
         unmapped); each gets a fresh slice, mapped again from its block table, when next seen.
         Returns how many requests."""
-        holding = [key for key, s in self._slice_of.items()
-                   if not page_ids.isdisjoint(self.manager.page_ids(self.first_reqid + s))]
+        with self._lock:
+            holding = [key for key, s in self._slice_of.items()
+                       if not page_ids.isdisjoint(self.manager.page_ids(self.first_reqid + s))]
         self.release(holding)
         return len(holding)
 
     def release_all_but(self, keys: Iterable[Hashable]) -> None:
         """Releases every request but ``keys`` (warm-up rows after warm-up)."""
         keep = set(keys)
-        self.release([key for key in list(self._slice_of) if key not in keep])
+        with self._lock:
+            gone = [key for key in self._slice_of if key not in keep]
+        self.release(gone)
 
     # ---- the forward's mapping ---------------------------------------------------------------
 
