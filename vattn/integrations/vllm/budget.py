@@ -485,14 +485,18 @@ def install() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 
-    stock_init = EngineCore.__init__
+    # EngineCore.__init__ loads vLLM's plugins itself (this hook, in an engine-core process of its own), so
+    # wrapping __init__ comes too late there: this is the first method it calls once its scheduler exists
+    stock_scheduler_ready = EngineCore._initialize_effective_attention_block_size
 
-    @functools.wraps(stock_init)
-    def __init__(engine: Any, *args: Any, **kwargs: Any) -> None:
-        stock_init(engine, *args, **kwargs)
-        attach(engine)
+    @functools.wraps(stock_scheduler_ready)
+    def scheduler_ready(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        out = stock_scheduler_ready(engine, *args, **kwargs)
+        if getattr(engine.scheduler, "_vattn_budget", None) is None:
+            attach(engine)
+        return out
 
-    EngineCore.__init__ = __init__
+    EngineCore._initialize_effective_attention_block_size = scheduler_ready
     EngineCore.vattn_budget_stats = lambda engine: (
         engine.scheduler._vattn_budget.stats() if getattr(engine.scheduler, "_vattn_budget", None) else None)
     stock_sleep = EngineCore.sleep
