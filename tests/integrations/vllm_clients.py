@@ -8,7 +8,8 @@ comes with vLLM):
 SPEC: ``prompts`` (texts), ``max_tokens``, ``concurrency`` (clients at once),
 ``rounds`` (how many times the prompts are sent). Every prompt is sent as a
 plain completion, a streamed completion and a completion with ``n=2``, greedy
-(temperature 0), ``ignore_eos`` so every answer has ``max_tokens`` tokens.
+(temperature 0; ``n=2``: top-k 1, as vLLM refuses ``n > 1`` at temperature 0),
+``ignore_eos`` so every answer has ``max_tokens`` tokens.
 OUT: per kind, the texts in prompt order (each round's; ``n=2``: both
 choices), the errors (any failed request), and the seconds the run took.
 """
@@ -36,7 +37,9 @@ def run(base_url: str, model: str, spec: dict) -> dict:
         return ["".join(parts)]
 
     def two(prompt: str) -> list[str]:
-        choices = client.completions.create(prompt=prompt, n=2, **greedy).choices
+        # vLLM refuses n > 1 with temperature 0; top_k=1 samples the greedy token all the same
+        sampled = dict(greedy, temperature=1.0, extra_body=dict(greedy["extra_body"], top_k=1))
+        choices = client.completions.create(prompt=prompt, n=2, **sampled).choices
         return [c.text for c in sorted(choices, key=lambda c: c.index)]
 
     kinds = {"plain": plain, "stream": streamed, "n2": two}
