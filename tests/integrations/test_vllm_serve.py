@@ -217,8 +217,8 @@ def test_two_api_servers_one_tensor_parallel_share_a_budget_through_a_lowered_li
             labels = sorted(m.label for m in budget.usage().members)
             assert labels == ["vllm tiny-llama rank 0", "vllm tiny-llama-tp ranks 0-1 tp2"]
             sampler = Sampler(budget)
-            runs = [clients(one, "tiny-llama", tmp_path, "one", rounds=3),
-                    clients(tp, "tiny-llama-tp", tmp_path, "tp", rounds=3)]
+            runs = [clients(one, "tiny-llama", tmp_path, "one", rounds=8),
+                    clients(tp, "tiny-llama-tp", tmp_path, "tp", rounds=8)]
             wait_until(lambda: budget.held_bytes > half, 120, "the servers never held half the limit")
             lowered = time.monotonic()
             set_limit(budget.name, half)
