@@ -2,7 +2,7 @@
 one elastic budget (vLLM + vattn), on the same bursty trace in one run.
 
     python benchmarks/multi_model.py [--models 2|3] [--rounds 2] [--budget-mib N] [--dtype auto|bfloat16|float32]
-                                     [--replot]
+                                     [--serve [--tp2]] [--replot]
 
 Each model is a random-weight Llama-style checkpoint of its own width (4
 layers, 2 KV heads of 64, so the same KV bytes per token), served by its own
@@ -48,6 +48,17 @@ script then says so, prints no comparison, writes the run to
 ``..._overloaded.json`` (not over a result) and exits with status 1; a longer
 ``--period-s``, fewer ``--burst-requests`` or float32 may fit the CPU.
 
+``--serve``: the engines are OpenAI-compatible API servers
+(``python -m vllm.entrypoints.openai.api_server``) in vLLM's default process
+layout (API server, engine-core process, worker process per rank), and the
+trace arrives over HTTP: each request a streamed completion of its prompt's
+token ids, time to first token measured at the client from the request's
+arrival to its first streamed token; preemptions from the servers'
+``/metrics``; memory as the servers' process groups' resident memory and,
+under the budget, each engine core's account. ``--tp2``: the first model's
+server runs tensor parallel 2 (a worker process per rank, one CPU each).
+Writes ``..._serve[_tp2]_<machine>.json`` and .png.
+
 SIGTERM or SIGINT (Ctrl-C) stops the engines and removes the budget's
 segment before the script exits (status 128 + the signal's number).
 """
@@ -65,6 +76,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 from harness import RESULTS, machine, machine_slug, publish, pyplot, save_plot, write_json
@@ -272,6 +284,201 @@ def run_config(config: str, args: argparse.Namespace, models: list[tuple], trace
     return {"engines": results, "memory": memory}
 
 
+
+# ---- --serve: API servers in vLLM's default layout, the trace over HTTP ----------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_rss(pgid: int) -> dict[str, int]:
+    """VmRSS and RssShmem added up over the processes of process group ``pgid`` (a server and the engine and
+    worker processes it started)."""
+    total = {"VmRSS": 0, "RssShmem": 0}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+        except (OSError, IndexError, ValueError):
+            continue
+        for key, value in read_rss(int(entry)).items():
+            if key in total:
+                total[key] += value
+    return total
+
+
+class ServeSampler(threading.Thread):
+    """Every SAMPLE_S: each server's process group's resident memory and, for a budget, what each engine core
+    (a member labelled ``vllm NAME ...``) holds."""
+
+    def __init__(self, pgids: list[int], names: list[str], budget_name: str | None) -> None:
+        super().__init__(daemon=True)
+        self.pgids, self.names, self.budget, self.stop = pgids, names, None, threading.Event()
+        if budget_name:
+            import vattn
+
+            self.budget = vattn.Budget.attach(budget_name)
+        self.samples: list[dict] = []
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            sample = {"unix": time.time(), "rss": [group_rss(g) for g in self.pgids]}
+            if self.budget is not None:
+                members = self.budget.usage().members
+                sample["budget_held"] = [sum(m.held_bytes for m in members if m.label.split(" ")[1:2] == [n])
+                                         for n in self.names]
+            self.samples.append(sample)
+            time.sleep(SAMPLE_S)
+
+
+def metric(port: int, name: str) -> float:
+    """A counter of the server's Prometheus ``/metrics`` (its samples added up)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    names = (name, f"{name}_total")  # prometheus_client names a counter's samples ..._total
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.split("{", 1)[0].split(" ", 1)[0] in names)
+
+
+def stream_request(port: int, model: str, request: dict, t0: float, out: dict) -> None:
+    """Sends ``request`` at its arrival (``t0`` + arrival_s, monotonic) as a streamed completion; records the
+    time to its first streamed token and to its last, from its arrival."""
+    arrival = t0 + request["arrival_s"]
+    time.sleep(max(0.0, arrival - time.monotonic()))
+    body = dict(model=model, prompt=request["prompt"], max_tokens=request["max_tokens"], temperature=0,
+                ignore_eos=True, stream=True, stream_options=dict(include_usage=True))
+    http = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                  headers={"Content-Type": "application/json"})
+    first, generated = None, 0
+    with urllib.request.urlopen(http, timeout=1800) as answer:
+        for line in answer:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and first is None:
+                first = time.monotonic()
+            if chunk.get("usage"):
+                generated = chunk["usage"]["completion_tokens"]
+    done = time.monotonic()
+    out.update(arrival_s=request["arrival_s"], ttft_s=first - arrival, finish_s=done - arrival,
+               generated_tokens=generated)
+
+
+def run_config_serve(config: str, args: argparse.Namespace, models: list[tuple], trace: list[list[dict]],
+                     budget_bytes: int, tmp: Path, label: str) -> dict:
+    """Starts one API server per model, all at once, replays the trace over HTTP, and returns their results."""
+    import vattn
+
+    print(f"[{time.strftime('%H:%M:%S')}] {label}: {len(models)} API servers ...", flush=True)
+    k = len(models)
+    budget = None
+    environ = {n: v for n, v in os.environ.items() if not n.startswith(("VATTN_VLLM", "VATTN_BUDGET"))
+               and n not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    common = ["--dtype", args.dtype, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs",
+              str(args.burst_requests), "--block-size", str(BLOCK), "--enable-prefix-caching", "--enforce-eager"]
+    if config == "vattn elastic":
+        budget = vattn.Budget.create(f"multi-model-{os.getpid()}", budget_bytes)
+        environ.update(VATTN_BUDGET=budget.name, VATTN_VLLM_IDLE_RELEASE_S=str(args.idle_release_s),
+                       VLLM_CPU_KVCACHE_SPACE="1")
+    else:
+        common += ["--kv-cache-memory-bytes", str(budget_bytes // k)]
+    if config.startswith("vattn"):
+        environ["VATTN_VLLM"] = "1"
+    cpus = sorted(os.sched_getaffinity(0))
+    procs, ports, logs = [], [], []
+    try:
+        for i, (name, *_) in enumerate(models):
+            ports.append(free_port())
+            argv = [args.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp / name),
+                    "--served-model-name", name, "--host", "127.0.0.1", "--port", str(ports[-1]), *common]
+            env = dict(environ)
+            if args.tp2 and i == 0:
+                argv += ["--tensor-parallel-size", "2"]
+                env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cpus[0]}|{cpus[1 % len(cpus)]}"
+            logs.append(open(tmp / f"{label}-{name}.log".replace(" ", "-"), "w"))
+            procs.append(subprocess.Popen(argv, stdout=logs[-1], stderr=subprocess.STDOUT, env=env, cwd=tmp,
+                                          start_new_session=True))
+        deadline = time.monotonic() + 900
+        for p, port, log in zip(procs, ports, logs):
+            while True:
+                if p.poll() is not None:
+                    sys.exit(f"{label}: a server exited at start-up:\n{Path(log.name).read_text()[-4000:]}")
+                if time.monotonic() > deadline:
+                    sys.exit(f"{label}: a server did not start in 900 s:\n{Path(log.name).read_text()[-4000:]}")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                        break
+                except OSError:
+                    time.sleep(1)
+        for (name, *_), port in zip(models, ports):  # warm-up, as the in-process engines
+            for prompt in ([7] * 256, [9] * 300):
+                stream_request(port, name, dict(arrival_s=0.0, prompt=prompt, max_tokens=4), time.monotonic(), {})
+        preempted = [metric(port, "vllm:num_preemptions") for port in ports]
+        sampler = ServeSampler([p.pid for p in procs], [name for name, *_ in models], budget.name if budget else None)
+        sampler.start()
+        t0 = time.monotonic() + 1.0
+        start_unix = time.time() + 1.0
+        results = [[{} for _ in requests] for requests in trace]
+        threads = [threading.Thread(target=stream_request, args=(port, name, request, t0, out))
+                   for (name, *_), port, requests, outs in zip(models, ports, trace, results)
+                   for request, out in zip(requests, outs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        sampler.stop.set()
+        sampler.join()
+        preempted = [metric(port, "vllm:num_preemptions") - before for port, before in zip(ports, preempted)]
+        if any(not out for outs in results for out in outs):
+            sys.exit(f"{label}: requests failed")
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for log in logs:
+            log.close()
+        if budget is not None:
+            budget.remove(force=True)
+    engines = []
+    for outs, requests, n in zip(results, trace, preempted):
+        for served, asked in zip(outs, requests):
+            served["burst"] = asked["burst"]
+        engines.append(dict(requests=outs, preemptions=int(n), start_unix=start_unix))
+    memory = {"t_s": [round(s["unix"] - start_unix, 3) for s in sampler.samples],
+              "rss_bytes": [sum(r["VmRSS"] for r in s["rss"]) for s in sampler.samples],
+              "rss_shmem_bytes": [sum(r["RssShmem"] for r in s["rss"]) for s in sampler.samples]}
+    if budget is not None:
+        memory["budget_held_bytes"] = [sum(s["budget_held"]) for s in sampler.samples]
+        memory["budget_held_bytes_per_model"] = [[s["budget_held"][i] for s in sampler.samples] for i in range(k)]
+    for (name, *_), e in zip(models, engines):
+        ttft = [q["ttft_s"] for q in e["requests"]]
+        late = late_bursts(e["requests"], args.period_s)
+        print(f"  {name:12s} TTFT mean {statistics.fmean(ttft):.2f} s, p99 {percentile(ttft, 99):.2f} s, "
+              f"{burst_throughput(e['requests']):.0f} tokens/s per burst, {e['preemptions']} preemptions"
+              + (f", bursts {late} still served when the next burst began" if late else ""), flush=True)
+    if budget is not None:
+        print(f"  budget held at most {max(memory['budget_held_bytes'], default=0) / MiB:.1f} MiB "
+              f"of {budget_bytes / MiB:.1f} MiB", flush=True)
+    return {"engines": engines, "memory": memory}
+
 def blocks_in_use(engines: list[dict]) -> dict[str, list]:
     """The engines' schedulers' blocks in use, added up, in bytes, at every step of any engine."""
     events = sorted((t, j, blocks * e["usage_block_bytes"]) for j, e in enumerate(engines)
@@ -342,8 +549,9 @@ def plot(payload: dict, name: str) -> None:
     ax.plot(e["t_s"], [b / MiB for b in e["rss_shmem_bytes"]], lw=0.8,
             label="elastic: RssShmem (pages mapped)")
     s = mem["stock static"]
-    ax.step(s["blocks_in_use_t_s"], [b / MiB for b in s["blocks_in_use_bytes"]], where="post", lw=0.8,
-            label="stock static: blocks in use")
+    if "blocks_in_use_t_s" in s:  # the in-process engines' schedulers (not known over HTTP: --serve)
+        ax.step(s["blocks_in_use_t_s"], [b / MiB for b in s["blocks_in_use_bytes"]], where="post", lw=0.8,
+                label="stock static: blocks in use")
     ax.axhline(budget, color="k", ls="--", lw=1, label=f"B = {budget:.0f} MiB")
     ax.set_xlim(left=-1)
     ax.set_ylim(0, budget * 1.8)  # room for the legend above the curves
@@ -366,8 +574,10 @@ def plot(payload: dict, name: str) -> None:
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.legend(fontsize=8)
+    served = ", API servers over HTTP" + (" (first with tensor parallel 2)" if payload.get("tp2") else "") \
+        if payload.get("serve") else ""
     fig.suptitle(f"{len(names)} models on one {payload['machine']['cores']}-core machine, total KV B = "
-                 f"{budget:.0f} MiB, vLLM-CPU {payload['vllm']}")
+                 f"{budget:.0f} MiB, vLLM-CPU {payload['vllm']}{served}")
     save_plot(fig, name)
 
 
@@ -407,6 +617,9 @@ def run(argv: list[str]) -> None:
     p.add_argument("--rounds", type=int, default=2, help="runs of each configuration, in alternating order")
     p.add_argument("--dtype", choices=("auto", *DTYPE_BYTES), default="auto",
                    help="the engines' dtype; auto: bfloat16 where the CPU has AVX-512 BF16 or AMX, else float32")
+    p.add_argument("--serve", action="store_true",
+                   help="API servers in vLLM's default layout, the trace over HTTP, TTFT from the first streamed token")
+    p.add_argument("--tp2", action="store_true", help="--serve: the first model's server with tensor parallel 2")
     p.add_argument("--replot", action="store_true", help="redraw the figure from the JSON of an earlier run")
     args = p.parse_args(argv)
     for what, value, low in (("--bursts", args.bursts, args.models), ("--burst-requests", args.burst_requests, 1),
@@ -418,7 +631,10 @@ def run(argv: list[str]) -> None:
     m = machine()
     if args.dtype == "auto":
         args.dtype = auto_dtype(m["isa"])
-    name = f"multi_model_{args.models}models{DTYPE_TAGS[args.dtype]}_{machine_slug(m)}"
+    if args.tp2 and not args.serve:
+        p.error("--tp2 needs --serve")
+    served = ("_serve" + ("_tp2" if args.tp2 else "")) if args.serve else ""
+    name = f"multi_model_{args.models}models{DTYPE_TAGS[args.dtype]}{served}_{machine_slug(m)}"
     if args.replot:
         plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
         return
@@ -435,16 +651,24 @@ def run(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for model_name, layers, hidden, heads in models:
-            subprocess.run([args.python, str(SCENARIO), "make-model", str(tmp / model_name), str(layers),
-                            str(hidden), str(heads), str(MAX_MODEL_LEN)], check=True, capture_output=True)
+            if args.serve:  # with a tokenizer: the API server needs one
+                subprocess.run([args.python, "-m", "vattn", "make-model", str(tmp / model_name), "--layers",
+                                str(layers), "--hidden", str(hidden), "--query-heads", str(heads), "--max-positions",
+                                str(MAX_MODEL_LEN)], check=True, capture_output=True,
+                               env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            else:
+                subprocess.run([args.python, str(SCENARIO), "make-model", str(tmp / model_name), str(layers),
+                                str(hidden), str(heads), str(MAX_MODEL_LEN)], check=True, capture_output=True)
         for i in range(args.rounds):
             order = CONFIGS if i % 2 == 0 else tuple(reversed(CONFIGS))
             for config in order:
-                runs[config].append(run_config(config, args, models, traces[i], budget_bytes, tmp,
-                                               f"{config} (round {i + 1})"))
+                runner = run_config_serve if args.serve else run_config
+                runs[config].append(runner(config, args, models, traces[i], budget_bytes, tmp,
+                                           f"{config} (round {i + 1})"))
     for config in CONFIGS:
         for run in runs[config]:
-            run["memory"].update(blocks_in_use(run["engines"]))
+            if not args.serve:
+                run["memory"].update(blocks_in_use(run["engines"]))
     summary = summarize(models, runs)
     first = {c: runs[c][0]["memory"] for c in CONFIGS}
     payload = {
@@ -458,7 +682,11 @@ def run(argv: list[str]) -> None:
         "budget_bytes": budget_bytes, "largest_burst_peak_bytes": peak,
         "engine": dict(dtype=args.dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=args.burst_requests,
                        block_size=BLOCK, enable_prefix_caching=True, enforce_eager=True,
-                       engine_core="in-process"),
+                       engine_core=("own process: vLLM's default layout (API server, engine core, worker per "
+                                    "rank)" if args.serve else "in-process")),
+        "serve": args.serve, "tp2": args.tp2,
+        "ttft": ("client side: from the request's arrival to its first streamed token (HTTP)" if args.serve
+                 else "from the request's arrival to its first token, in the engine's process"),
         "configs": {"stock static": f"stock vLLM, kv_cache_memory_bytes = B / {args.models} each",
                     "vattn static": f"vLLM + vattn, kv_cache_memory_bytes = B / {args.models} each",
                     "vattn elastic": f"vLLM + vattn, one budget of B (VATTN_BUDGET), virtual pools of 1 GiB, "

@@ -26,6 +26,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIO = ROOT / "tests" / "integrations" / "vllm_scenario.py"
+# The vLLM environment has vattn installed in editable mode from wherever it was built; its subprocesses
+# here (every vLLM test imports this module) must import this checkout's vattn, a worktree's say.
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                         if p and p != str(ROOT))])
 
 
 def vllm_python() -> str | None:

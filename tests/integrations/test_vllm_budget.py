@@ -1,9 +1,11 @@
 """vLLM engines under one machine-wide budget (vattn/integrations/vllm/budget.py).
 
 Two engines in two processes share a budget that fits one engine's peak but not
-both: each must produce stock vLLM's fp32 greedy tokens, nothing may fail in the
-model runner (the scheduler waits or preempts), the budget's total never passes
-its limit, and an idle engine, or one put to sleep(), gives its pages back."""
+both, one with its worker in the engine-core process, one in vLLM's default
+layout (engine-core process, worker process): each must produce stock vLLM's
+fp32 greedy tokens, nothing may fail in the model runner (the scheduler waits
+or preempts), the budget's total never passes its limit, and an idle engine,
+or one put to sleep(), gives its pages back."""
 
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ def test_two_engines_share_a_budget_with_stock_tokens_preempting_instead_of_fail
     subprocess.run([vllm_python(), str(SCENARIO), "make-model", str(model)], check=True, capture_output=True,
                    timeout=300)
     budget = vattn.Budget.create(f"vllm-{os.getpid()}", LIMIT_BLOCKS * BLOCK_BYTES)
-    env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(VLLM_CPU_KVCACHE_SPACE="1")
+    layouts = {1: dict(VLLM_ENABLE_V1_MULTIPROCESSING="0"), 2: {}}  # engine 2: vLLM's default layout
     try:
         barrier = tmp_path / "barrier"
         barrier.mkdir()
@@ -67,14 +70,15 @@ def test_two_engines_share_a_budget_with_stock_tokens_preempting_instead_of_fail
                                             barrier=dict(dir=str(barrier), parties=2))))
             outs.append(tmp_path / f"budget-{seed}.json")
             procs.append(threading.Thread(target=lambda s=spec, o=outs[-1]: procs_done.append(run_scenario(
-                model, s, o, tmp_path, True, VATTN_BUDGET=budget.name, VATTN_VLLM_IDLE_RELEASE_S="1", **env))))
+                model, s, o, tmp_path, True, VATTN_BUDGET=budget.name, VATTN_VLLM_IDLE_RELEASE_S="1", **env,
+                **layouts[seed]))))
         procs_done: list[subprocess.CompletedProcess] = []
         held_peak = held_peak_while(budget, procs)
         for proc in procs_done:
             assert proc.returncode == 0, proc.stderr[-4000:]
         stock_spec = tmp_path / "stock.spec.json"
         stock_spec.write_text(json.dumps(dict(engine=ENGINE, phases=engine_phases(1) + engine_phases(2))))
-        stock = run_scenario(model, stock_spec, tmp_path / "stock.json", tmp_path, False, **env)
+        stock = run_scenario(model, stock_spec, tmp_path / "stock.json", tmp_path, False, **env, **layouts[1])
         assert stock.returncode == 0, stock.stderr[-4000:]
         stock_out = json.loads((tmp_path / "stock.json").read_text())["phases"]
         preemptions = 0
@@ -84,16 +88,19 @@ def test_two_engines_share_a_budget_with_stock_tokens_preempting_instead_of_fail
                 assert phase["outputs"] == stock_out[name]["outputs"], name
                 preemptions += phase["preemptions"]
             (v,) = result["vattn"]
-            pool = v["block_pool_budget"]
-            assert v["budget"] == budget.name and pool["block_bytes"] == BLOCK_BYTES
+            pool = result["budget"]  # the engine core's membership, in whichever process it runs
+            assert pool["budget"] == budget.name and pool["block_bytes"] == BLOCK_BYTES and pool["world_size"] == 1
+            assert pool["label"] == "vllm model rank 0"
             assert v["bytes_created"] <= LIMIT_BLOCKS * BLOCK_BYTES
-            print(f"engine {seed}: {pool}")  # map_retries: forwards that waited for pages another process took
-            # idle or asleep: every free block's pages went back (the null padding block may stay)
-            (idle,) = result["vattn_idle" if seed == 1 else "vattn_asleep"]
-            assert idle["block_pool_budget"]["sleeps"] == (seed == 2)
-            assert idle["bytes_created"] <= BLOCK_BYTES, idle["block_pool_budget"]
-            assert idle["budget_share"]["held_bytes"] == idle["bytes_created"]
-            assert idle["block_pool_budget"]["blocks_released"] > 0
+            print(f"engine {seed}: {pool}")
+            # idle or asleep: every free block's pages went back (the null padding block may stay), in the
+            # worker and in the budget
+            asleep = "idle" if seed == 1 else "asleep"
+            (idle,), idle_pool = result[f"vattn_{asleep}"], result[f"budget_{asleep}"]
+            assert idle_pool["sleeps"] == (seed == 2)
+            assert idle["bytes_created"] <= BLOCK_BYTES, idle_pool
+            assert idle_pool["held_bytes"] <= BLOCK_BYTES, idle_pool
+            assert idle_pool["blocks_released"] > 0
         assert preemptions > 0  # the budget, not the pools (1 GiB each), bounded the engines
         assert 0 < held_peak <= LIMIT_BLOCKS * BLOCK_BYTES
     finally:
@@ -139,27 +146,94 @@ def test_a_hybrid_model_under_a_budget_serves_stock_tokens(arch, limit_blocks, t
     assert 0 < held_peak <= limit_blocks * block_bytes
     assert max(blocks for _, blocks in ours["usage_series"]) <= limit_blocks
     assert sum(p["preemptions"] for p in ours["phases"].values()) + \
-        v["block_pool_budget"]["waits_recorded"] > 0  # the budget, not the 1 GiB pool, bounded the engine
+        ours["budget"]["waits_recorded"] > 0  # the budget, not the 1 GiB pool, bounded the engine
     (idle,) = ours["vattn_idle"]
-    assert idle["bytes_created"] <= block_bytes and idle["block_pool_budget"]["blocks_released"] > 0
+    assert idle["bytes_created"] <= block_bytes and ours["budget_idle"]["blocks_released"] > 0
+    assert ours["budget_idle"]["held_bytes"] <= block_bytes
 
 
-def test_a_budget_needs_the_worker_in_the_engine_core_process(monkeypatch):
+def test_a_budget_works_with_vllms_own_executors_and_synchronous_scheduling(monkeypatch):
     from types import SimpleNamespace
 
     from vattn.integrations.vllm import budget as vllm_budget
 
-    def config(backend: str, world: int = 1) -> SimpleNamespace:
+    def config(backend: str | None, world: int = 1, async_scheduling: bool = False) -> SimpleNamespace:
         return SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend, world_size=world),
-                               scheduler_config=SimpleNamespace(async_scheduling=False))
+                               scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
 
+    from vattn.integrations.vllm import configuration
+
+    device = "cpu"
+    monkeypatch.setattr(configuration, "platform_device", lambda: device)
     monkeypatch.delenv("VATTN_BUDGET", raising=False)
-    vllm_budget.check_config(config("mp"))  # no budget: anything goes
+    vllm_budget.check_config(config("ray", 2))  # no budget: anything goes
     monkeypatch.setenv("VATTN_BUDGET", "kv")
-    vllm_budget.check_config(config("uni"))
-    for bad in (config("mp"), config("uni", 2)):
-        with pytest.raises(ValueError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
-            vllm_budget.check_config(bad)
+    for fine in (config("uni"), config("mp"), config(None), config("mp", 2), config("mp", 4)):  # CPU ranks
+        vllm_budget.check_config(fine)
+    device = "cuda"
+    vllm_budget.check_config(config("mp"))
+    with pytest.raises(ValueError, match="2 GPUs"):  # one budget governs one device
+        vllm_budget.check_config(config("mp", 2))
+    with pytest.raises(ValueError, match="not 'ray'"):
+        vllm_budget.check_config(config("ray", 2))
+    with pytest.raises(ValueError, match="async_scheduling"):
+        vllm_budget.check_config(config("mp", async_scheduling=True))
     monkeypatch.setenv("VATTN_VLLM_IDLE_RELEASE_S", "soon")
     with pytest.raises(ValueError, match="VATTN_VLLM_IDLE_RELEASE_S"):
         vllm_budget.idle_release_setting()
+
+
+def test_a_members_label_names_the_served_model_and_its_ranks():
+    from vattn.integrations.vllm.budget import LABEL_CHARACTERS, member_label
+
+    assert member_label(["llama-8b"], 1, 1) == "vllm llama-8b rank 0"
+    assert member_label("/models/llama-8b/", 2, 1) == "vllm llama-8b ranks 0-1 tp2"
+    assert member_label("m", 2, 2) == "vllm m ranks 0-3 tp2 pp2"
+    long = member_label("x" * 100, 2, 1)
+    assert len(long) == LABEL_CHARACTERS and long.endswith("~ ranks 0-1 tp2")
+    assert member_label("caf\u00e9\n", 1, 1) == "vllm caf?? rank 0"
+
+
+@needs_vllm
+@pytest.mark.skipif(os.environ.get("VATTN_LONG_TESTS") != "1",
+                    reason="long test: set VATTN_LONG_TESTS=1 (two compiled pipeline-parallel vLLM start-ups)")
+def test_pipeline_parallel_2_under_a_budget_serves_stock_tokens(tmp_path):
+    """Two pipeline stages, a worker process each (vLLM's multiprocessing executor): the engine core charges a
+    block as both stages' pages together, below stock's peak; stock's tokens, the limit held, idle pages back.
+    Compilation on: vLLM-CPU runs pipeline parallel only so (tests/integrations/test_vllm_pipeline.py)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs: each rank of vllm-cpu binds its threads to CPUs of its own")
+    model = tmp_path / "llama"
+    subprocess.run([vllm_python(), str(SCENARIO), "make-arch", str(model), "llama"], check=True, capture_output=True,
+                   timeout=300)
+    engine = dict(MODEL_ENGINE, pipeline_parallel_size=2, enforce_eager=False, distributed_executor_backend="mp")
+    env = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}")
+    stock_spec = tmp_path / "stock.spec.json"
+    stock_spec.write_text(json.dumps(dict(engine=engine, phases=model_phases())))
+    proc = run_scenario(model, stock_spec, tmp_path / "stock.json", tmp_path, False, **env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    stock = json.loads((tmp_path / "stock.json").read_text())
+    limit_blocks = 14  # the longest request's 7 blocks twice; 4 requests of up to 7 blocks need more
+    budget = vattn.Budget.create(f"vllm-pp-{os.getpid()}", limit_blocks * stock["block_bytes"])
+    try:
+        spec = tmp_path / "vattn.spec.json"
+        spec.write_text(json.dumps(dict(engine=engine, phases=model_phases(), idle_s=2.0)))
+        done: list[subprocess.CompletedProcess] = []
+        work = threading.Thread(target=lambda: done.append(run_scenario(
+            model, spec, tmp_path / "vattn.json", tmp_path, True, VATTN_BUDGET=budget.name,
+            VATTN_VLLM_IDLE_RELEASE_S="1", **env)))
+        held_peak = held_peak_while(budget, [work])
+        assert done[0].returncode == 0, done[0].stderr[-4000:]
+    finally:
+        budget.remove(force=True)
+    ours = json.loads((tmp_path / "vattn.json").read_text())
+    for name, phase in stock["phases"].items():
+        assert ours["phases"][name]["outputs"] == phase["outputs"], name
+    pool = ours["budget"]
+    assert pool["world_size"] == 2 and pool["label"] == "vllm llama ranks 0-1 pp2"
+    assert pool["block_bytes"] == stock["block_bytes"]  # both stages' layers together
+    assert 0 < held_peak <= limit_blocks * stock["block_bytes"]
+    assert sum(p["preemptions"] for p in ours["phases"].values()) + pool["waits_recorded"] > 0
+    assert ours["budget_idle"]["held_bytes"] <= stock["block_bytes"]
+    assert sum(v["bytes_created"] for v in ours["vattn"]) <= stock["block_bytes"]

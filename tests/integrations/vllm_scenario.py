@@ -152,6 +152,15 @@ def make_llm(model: str, engine: dict):
                                    **engine))
 
 
+def budget_stats(llm):
+    """The engine core's budget counters (vattn/integrations/vllm/budget.py), wherever it runs; None
+    outside a budget."""
+    client = llm.llm_engine.engine_core
+    if hasattr(client, "call_utility"):
+        return client.call_utility("vattn_budget_stats")
+    return client.engine_core.vattn_budget_stats()
+
+
 def greedy(max_tokens: int):
     """Sampling parameters of every scenario request: greedy, exactly ``max_tokens`` tokens."""
     from vllm import SamplingParams
@@ -201,11 +210,14 @@ def run(model: str, spec: dict) -> dict:
         }
     if spec.get("sleep"):
         llm.sleep()
+        time.sleep(spec.get("sleep_settle_s", 0.5))  # the engine core's release runs as its next step
         result["vattn_asleep"] = llm.collective_rpc("vattn_stats")
+        result["budget_asleep"] = budget_stats(llm)
         llm.wake_up()
     if spec.get("idle_s"):
         time.sleep(spec["idle_s"])
         result["vattn_idle"] = llm.collective_rpc("vattn_stats")
+        result["budget_idle"] = budget_stats(llm)
     config = llm.llm_engine.vllm_config
     model_config = config.model_config
     head_dim = model_config.get_head_size()
@@ -223,6 +235,7 @@ def run(model: str, spec: dict) -> dict:
         usage_block_bytes=recorder.block_bytes if recorder else None,
         attention_backend=attention_backend(config, head_dim),
         vattn=llm.collective_rpc("vattn_stats") if os.environ.get("VATTN_VLLM") == "1" else None,
+        budget=budget_stats(llm) if os.environ.get("VATTN_BUDGET") else None,
     )
     return result
 

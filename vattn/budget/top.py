@@ -12,7 +12,8 @@ from vattn.common.errors import BudgetError
 from vattn.common.sizes import format_bytes
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: redraw in place on a terminal
-COLUMNS = f"{'PID':>8}  {'LABEL':<32} {'IN USE':>11} {'FREE-HELD':>11} {'HELD':>11} {'SHARE':>7}  WAITING"
+LABEL_WIDTH = 42  # a vLLM engine's label (40 characters: served model name and ranks) and its indent
+COLUMNS = f"{'PID':>8}  {'LABEL':<{LABEL_WIDTH}} {'IN USE':>11} {'FREE-HELD':>11} {'HELD':>11} {'SHARE':>7}  WAITING"
 
 
 def snapshot(budget_names: list[str] | None) -> tuple[list[BudgetUsage], list[dict[str, str]]]:
@@ -54,12 +55,12 @@ def render_budget(u: BudgetUsage) -> list[str]:
         by_pid.setdefault(m.pid, []).append(m)
     for p in u.processes:
         managers = f"process ({len(p.managers)} manager{'s' if len(p.managers) != 1 else ''})"
-        lines.append(f"{p.pid:>8}  {managers:<32} {format_bytes(p.in_use_bytes):>11} "
+        lines.append(f"{p.pid:>8}  {managers:<{LABEL_WIDTH}} {format_bytes(p.in_use_bytes):>11} "
                      f"{format_bytes(p.free_held_bytes):>11} {format_bytes(p.held_bytes):>11} "
                      f"{_share(p.held_bytes, u.limit_bytes):>7}  {_waiting(p.waiting_bytes)}")
         for m in by_pid[p.pid]:
-            label = ("  " + m.label)[:32]
-            lines.append(f"{'':>8}  {label:<32} {format_bytes(m.in_use_bytes):>11} "
+            label = ("  " + m.label)[:LABEL_WIDTH]
+            lines.append(f"{'':>8}  {label:<{LABEL_WIDTH}} {format_bytes(m.in_use_bytes):>11} "
                          f"{format_bytes(m.free_held_bytes):>11} {format_bytes(m.held_bytes):>11} "
                          f"{_share(m.held_bytes, u.limit_bytes):>7}  {_waiting(m.waiting_bytes, m.waiting_seconds)}")
     if not u.members:

@@ -225,6 +225,17 @@ class BlockMapper:
         """Every reqid of the mapper's range, live or free."""
         return np.arange(self.first_reqid, self.first_reqid + self.slices, dtype=np.int64)
 
+    def release_holding(self, page_ids: set[int]) -> int:
+        """Releases the requests whose slices map any of ``page_ids`` (blocks the framework freed
+        that a slice still maps: a preempted request's, or behind a sliding window not yet
+        unmapped); each gets a fresh slice, mapped again from its block table, when next seen.
+        Returns how many requests."""
+        with self._lock:
+            holding = [key for key, s in self._slice_of.items()
+                       if not page_ids.isdisjoint(self.manager.page_ids(self.first_reqid + s))]
+        self.release(holding)
+        return len(holding)
+
     def release_all_but(self, keys: Iterable[Hashable]) -> None:
         """Releases every request but ``keys`` (warm-up rows after warm-up)."""
         keep = set(keys)

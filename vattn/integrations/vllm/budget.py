@@ -1,58 +1,70 @@
-"""vLLM's block pool under a machine-wide budget (docs/vllm.md, docs/elastic.md).
+"""vLLM's block pool under a machine-wide budget (docs/vllm.md "Under a budget", docs/elastic.md).
 
-With ``VATTN_BUDGET`` set, the worker's vattn cache joins the budget like any
-manager, and vLLM's ``num_blocks`` is the virtual size of its pool: the
-physical pages of a block exist from the forward that first maps it until
-they are given back here. vLLM's scheduler decides admission and preemption
-by ``BlockPool.get_num_free_blocks()``; on the engine's pool that becomes
+With ``VATTN_BUDGET`` set, the **engine core** (the process of vLLM's
+scheduler) is the budget's member, whatever the process layout: the worker
+in the engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or workers
+of their own (vLLM-CPU's default multiprocessing executor, tensor and
+pipeline parallel ranks). The workers' caches are no members: they create a
+block's pages when a forward first maps it, with no budget check, and give
+them back when the scheduler says so. vLLM's ``num_blocks`` is only the
+virtual size of the pool.
 
-    free blocks that have pages + min(free blocks without pages, ids the budget can grant now)
-
-so the scheduler waits or preempts when the budget is short, as for a full
-pool, instead of the model runner failing. ``get_new_blocks`` hands out
-vLLM's blocks in vLLM's order; when that takes more blocks without pages than
-the budget grants, the pages of other free blocks are given back first; the
-bytes of the blocks it hands out are held in the budget until the forward
-creates their pages (so another process cannot take them in between); a
-refused allocation records a wait in the budget, so other processes give
-memory back.
-
-Giving back. A block vLLM freed (reference count 0) keeps its pages and
-contents for vLLM's prefix cache. They are given back (``release_pages``):
-free blocks that serve no cached prefix first, then cached ones in vLLM's
-eviction order, each dropped from vLLM's cached-block map first so no later
-prefix hit can reach a block whose contents are gone; by ``get_new_blocks``
-as above, by a keeper thread when another member of the budget waits or the
-limit was lowered, and, for all free blocks, after ``VATTN_VLLM_IDLE_RELEASE_S``
-seconds (default 30) without a request.
+- **Charging.** A block's bytes are the sum, over every rank, of the pages
+  one block id holds there (each worker reports its own at start-up). The
+  scheduler charges them when ``get_new_blocks`` hands out a block without
+  pages, before any worker can create them; inside ``allocate_slots`` the
+  bytes the request may take are granted first (``headroom``), so the free
+  count the scheduler decides with is backed by a grant and a forward never
+  finds its memory taken by another process.
+- **What the scheduler sees.** ``BlockPool.get_num_free_blocks()`` is the free
+  blocks with pages plus as many free blocks without pages as the budget can
+  grant, less the blocks owed when the limit was lowered below what the
+  members hold: vLLM waits or preempts, as for a full pool.
+- **Giving back.** The scheduler picks free blocks (those serving no cached
+  prefix first, then cached ones in vLLM's eviction order, each dropped from
+  vLLM's cached-block map first) and their ids ride on the next
+  ``SchedulerOutput`` (attribute ``vattn_release``; vLLM pickles the object to
+  worker processes, instance attributes included). Every worker unmaps freed
+  slices and releases those pages in ``_update_states``, before its forward
+  maps anything. The bytes are uncharged when ``update_from_output`` gets
+  that step's output: vLLM returns it from one rank only, after a forward
+  every rank took part in (tensor-parallel collectives, pipeline stages
+  sending on); a step without a forward is confirmed by a no-op call on
+  every rank. Blocks handed out in the same step as a release take over the
+  released blocks' charge: every rank releases before it creates.
+- **When.** When ``get_new_blocks`` hands out more blocks without pages than
+  the budget grants, when another member waits or the limit is lowered (a
+  keeper thread polls the budget every 50 ms), and for every free block
+  after ``VATTN_VLLM_IDLE_RELEASE_S`` seconds (default 30) without a request.
+  An idle engine core is woken through its input queue to run one step that
+  carries the release; with the engine core in the caller's process
+  (``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the worker in it
+  too, the keeper releases directly.
 
 Threads: the scheduler's block operations (``schedule``, ``update_from_output``,
-``finish_requests``, ``reset_prefix_cache``) and the keeper take one lock. A
-row's mapping is only dropped (so its blocks can go) while no forward can be
-in flight: inside ``schedule`` (vLLM's CPU build schedules synchronously;
-asynchronous scheduling is refused), or when the scheduler holds no request.
-
-Needs the worker in the engine-core process (one worker, and on vLLM-CPU
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``: its multiprocessing executor puts the
-worker in a process of its own); otherwise the engine refuses to start.
+``finish_requests``, ``reset_prefix_cache``) and the keeper take one lock.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from vattn.common.errors import OutOfPages
-from vattn.budget.membership import DEFAULT_IDLE_RELEASE_S, ENV_VAR, idle_release_seconds
+from vattn.budget.membership import DEFAULT_IDLE_RELEASE_S, ENV_VAR, idle_release_seconds, join_budget
 
 IDLE_SETTING = "VATTN_VLLM_IDLE_RELEASE_S"
 KEEPER_INTERVAL_S = 0.05  # how often the keeper looks at the budget (a lock-free read when nothing is asked)
-MAP_RETRY_S = 5.0  # how long a forward waits for pages the budget refused before it fails
+GRANT_WAIT_S = 5.0  # how long a hand-out the budget still refuses waits for other members to give back
+START_WAIT_S = 30.0  # how long start-up waits for the null block's bytes
+RELEASE_ATTRIBUTE = "vattn_release"  # on a SchedulerOutput: block ids whose pages every worker gives back
+UNCHARGE_ATTRIBUTE = "vattn_uncharge"  # on the engine core's SchedulerOutput: bytes to uncharge at its output
+LABEL_CHARACTERS = 40  # what `python -m vattn top` shows of a label
 
 
 def idle_release_setting() -> float:
@@ -67,35 +79,67 @@ def idle_release_setting() -> float:
     return idle_release_seconds(value)
 
 
-class BudgetedBlockPool:
-    """The budget's view of one vLLM ``BlockPool`` whose block ids are the page ids of ``cache``'s manager."""
+def member_label(served_model_name: Any, tensor_parallel: int, pipeline_parallel: int) -> str:
+    """What ``python -m vattn top`` shows for an engine: its served model name and its ranks,
+    e.g. ``vllm llama-8b rank 0`` or ``vllm llama-8b ranks 0-3 tp2 pp2``."""
+    if isinstance(served_model_name, (list, tuple)):
+        served_model_name = served_model_name[0] if served_model_name else ""
+    name = os.path.basename(str(served_model_name).rstrip("/")) or "model"
+    world = tensor_parallel * pipeline_parallel
+    ranks = " rank 0" if world == 1 else f" ranks 0-{world - 1}"
+    ranks += (f" tp{tensor_parallel}" if tensor_parallel > 1 else "") + (
+        f" pp{pipeline_parallel}" if pipeline_parallel > 1 else "")
+    name = "".join(c if " " <= c <= "~" else "?" for c in name)  # a label is printable ASCII
+    room = LABEL_CHARACTERS - len("vllm ") - len(ranks)
+    if len(name) > room:
+        name = name[: room - 1] + "~"
+    return f"vllm {name}{ranks}"
 
-    def __init__(self, scheduler: Any, cache: Any, idle_release_s: float) -> None:
+
+class BudgetedBlockPool:
+    """The budget's view of one vLLM scheduler's ``BlockPool``; the engine core's membership.
+
+    ``block_bytes``: the pages one block id holds on every rank together.
+    ``confirm``: called (in the engine core's thread) before uncharging the
+    release of a step without a forward, when several ranks ran it; returns
+    once every rank has processed the step. ``wake``: makes an idle engine
+    core run a step (None: none can be woken). ``local_cache``: the worker's
+    cache when it is in this process (None otherwise).
+    """
+
+    def __init__(self, scheduler: Any, member: Any, budget: Any, block_bytes: int, world_size: int,
+                 idle_release_s: float, confirm: Callable[[], None] | None = None,
+                 wake: Callable[[], None] | None = None, local_cache: Any = None) -> None:
         self.scheduler = scheduler
-        self.pool = scheduler.kv_cache_manager.block_pool
-        self.manager = cache.manager
-        self.mappers = [g.mapper for g in cache.groups]  # one per KV cache group, all on the manager's one pool
-        self.block_size = self.mappers[0].block_size
-        self.reqids = np.concatenate([m.all_reqids for m in self.mappers])  # every group's slices
-        self.member = self.manager._budget_member
-        self.budget = self.manager.budget
-        self.id_bytes = self.manager.page_size * self.manager.config.num_buffers  # bytes of one block's pages
+        self.kv_manager = scheduler.kv_cache_manager
+        self.pool = self.kv_manager.block_pool
+        self.member = member
+        self.budget = budget
+        self.block_bytes = block_bytes
+        self.world_size = world_size
         self.idle_release_s = idle_release_s
-        if self.pool.num_gpu_blocks != self.manager.num_page_ids:
-            raise RuntimeError(f"vattn: vLLM's block pool has {self.pool.num_gpu_blocks} blocks, the cache "
-                               f"{self.manager.num_page_ids} page ids")
-        # blocks whose pages exist or are promised (handed out, created by the next forward); the null block
-        # counts as such (it may be mapped for padding rows) and is never free
+        self.confirm = confirm
+        self.wake = wake
+        self.local_cache = local_cache
+        self.block_size = scheduler.block_size
+        self.num_groups = len(scheduler.kv_cache_config.kv_cache_groups)
+        # blocks charged in the budget (pages exist in the workers, or may from the next forward on); the
+        # null block counts as such (warm-up and padding rows map it) and is never free
         self.with_pages = np.zeros(self.pool.num_gpu_blocks, dtype=bool)
         self.with_pages[self.pool.null_block.block_id] = True
         self.num_with_pages = 1
+        self.pending: list[int] = []  # block ids the next SchedulerOutput tells the workers to release
+        self.credit = 0  # of the pending blocks, those whose charge no block handed out took over yet
+        self.in_flight = 0  # blocks released by outputs not back yet, still charged
+        self.headroom = 0  # blocks granted ahead of one allocate_slots call
+        self.steps_in_flight = 0
         self.lock = threading.RLock()
         self.last_active = time.monotonic()
         self.idle_released = False
+        self.last_report = (-1, -1)
         self.counters = dict(blocks_released=0, cached_blocks_dropped=0, budget_limited_allocations=0,
-                             waits_recorded=0, rows_unmapped_for_release=0, map_retries=0,
-                             reservations_refused=0, sleeps=0)
-        self.reserved_bytes = 0  # held in the budget for blocks handed out, until the forward creates them
+                             waits_recorded=0, releases_sent=0, releases_confirmed=0, direct_releases=0,
+                             grant_waits=0, sleeps=0)
         self._stock_get_new_blocks = self.pool.get_new_blocks
         self.pool.get_num_free_blocks = self.num_free_blocks  # instance attributes: this pool only
         self.pool.get_new_blocks = self.get_new_blocks
@@ -110,26 +154,49 @@ class BudgetedBlockPool:
                 self.pool.get_num_free_blocks = self.num_free_blocks
 
         self.pool.reset_prefix_cache = reset_prefix_cache
-        kv_manager = scheduler.kv_cache_manager
-        stock_allocate = kv_manager.allocate_slots
+        stock_allocate = self.kv_manager.allocate_slots
 
         @functools.wraps(stock_allocate)
         def allocate_slots(request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
-            blocks = stock_allocate(request, num_new_tokens, *args, **kwargs)
-            if blocks is None:
-                self._note_refusal(num_new_tokens)
-            return blocks
+            with self.lock:
+                self.headroom_cap = self._blocks_wanted(request, num_new_tokens, args, kwargs)
+                try:
+                    blocks = stock_allocate(request, num_new_tokens, *args, **kwargs)
+                finally:
+                    self.headroom_cap = 0
+                    self._return_headroom()
+                if blocks is None:
+                    self._note_refusal(num_new_tokens)
+                return blocks
 
-        kv_manager.allocate_slots = allocate_slots
+        self.headroom_cap = 0
+        self.kv_manager.allocate_slots = allocate_slots
+        self._charge_null_block()
         self.keeper = threading.Thread(target=self._keeper_loop, name="vattn-vllm-budget", daemon=True)
+        self.closed = False
         self.keeper.start()
 
     # ---- what the scheduler sees ----------------------------------------------------------
 
-    def _grantable_ids(self) -> int:
-        """Block ids the budget could grant now, less those promised but not created yet."""
-        promised = max(0, self.num_with_pages - self.member.held_bytes // self.id_bytes)
-        return max(0, self.budget.available_bytes // self.id_bytes - promised)
+    def _charge_null_block(self) -> None:
+        deadline = time.monotonic() + START_WAIT_S
+        while not self.member.try_grant(self.block_bytes):
+            if time.monotonic() >= deadline:
+                self.member.leave()
+                raise RuntimeError(
+                    f"vattn: budget '{self.budget.name}' has {self.budget.available_bytes} bytes free, and this "
+                    f"engine needs {self.block_bytes} bytes (one block on every rank) to start; raise its limit "
+                    f"(python -m vattn budget set {self.budget.name} --limit ...) or unset {ENV_VAR}")
+            self.member.wait_for_memory(1.0)
+
+    def _excess_blocks(self) -> int:
+        """Blocks the members hold above a lowered limit (0 within it)."""
+        excess = self.budget.held_bytes - self.budget.limit
+        return -(-excess // self.block_bytes) if excess > 0 else 0
+
+    def _transferable(self, excess: int) -> int:
+        """Pending blocks whose charge a block handed out now may take over: not those owed to a lowered limit."""
+        return max(0, self.credit - excess)
 
     def _free_split(self) -> tuple[int, int]:
         """(free blocks with pages, free blocks without). Every block in use has pages."""
@@ -139,42 +206,82 @@ class BudgetedBlockPool:
         return with_pages, free - with_pages
 
     def num_free_blocks(self) -> int:
-        """``BlockPool.get_num_free_blocks`` under the budget: blocks vLLM can really get now."""
+        """``BlockPool.get_num_free_blocks`` under the budget: blocks vLLM can really get now. Inside
+        ``allocate_slots`` the bytes of the blocks the request may take are granted first."""
         with_pages, without = self._free_split()
-        return with_pages + min(without, self._grantable_ids())
+        excess = self._excess_blocks()
+        transferable = self._transferable(excess)
+        if self.headroom_cap and not excess:
+            want = min(without, self.headroom_cap) - transferable - self.headroom
+            grant = min(want, self.budget.available_bytes // self.block_bytes)
+            if grant > 0 and self.member.try_grant(grant * self.block_bytes, record_wait=False):
+                self.headroom += grant
+        owed = max(0, excess - self.credit - self.in_flight)  # what releases under way do not cover yet
+        grantable = self.budget.available_bytes // self.block_bytes + transferable + self.headroom
+        return max(0, with_pages + min(without, grantable) - owed)
+
+    def _blocks_wanted(self, request: Any, num_new_tokens: int, args: tuple, kwargs: dict) -> int:
+        """At most how many blocks ``allocate_slots`` may hand out for ``request`` (every KV cache group)."""
+        named = dict(zip(("num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens",
+                          "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens",
+                          "full_sequence_must_fit"), args))
+        named.update(kwargs)
+        tokens = (request.num_computed_tokens + named.get("num_new_computed_tokens", 0) + num_new_tokens
+                  + named.get("num_lookahead_tokens", 0) + named.get("num_external_computed_tokens", 0))
+        if named.get("full_sequence_must_fit"):
+            tokens = max(tokens, request.num_tokens)
+        managers = self.kv_manager.coordinator.single_type_managers
+        held = min(len(m.req_to_blocks.get(request.request_id, ())) for m in managers)
+        return max(0, -(-tokens // self.block_size) - held) * self.num_groups
+
+    def _return_headroom(self) -> None:
+        if self.headroom:
+            self.member.release(self.headroom * self.block_bytes)
+            self.headroom = 0
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
         with self.lock:
-            grantable = self._grantable_ids()
             blocks = self._stock_get_new_blocks(num_blocks)  # checks num_free_blocks()
             fresh = [b.block_id for b in blocks if not self.with_pages[b.block_id]]
-            if len(fresh) > grantable:
+            need = len(fresh)
+            if need:
+                need = self._cover(need)
+            if need:
                 # the pool's order handed out blocks without pages: other free blocks' pages make room
                 self.counters["budget_limited_allocations"] += 1
-                self.release(len(fresh) - grantable, unmap_rows=True)
+                self.release(need)
+                need = self._cover(need)
+            deadline = time.monotonic() + GRANT_WAIT_S
+            while need and not self.member.try_grant(need * self.block_bytes):
+                # another process took the bytes since the scheduler counted them: it is asked (a wait
+                # recorded) to give memory back; no worker creates these pages before they are charged
+                self.counters["grant_waits"] += 1
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"vattn: vLLM's scheduler handed out {need} blocks whose {need * self.block_bytes} bytes "
+                        f"budget '{self.budget.name}' no longer grants: another process took them after the "
+                        f"scheduler counted them and gave nothing back within {GRANT_WAIT_S} s")
+                self.member.wait_for_memory(0.2)
             self.with_pages[fresh] = True
             self.num_with_pages += len(fresh)
-            # Hold their bytes in the budget until the forward creates the pages, so no other process
-            # takes them in between; a refusal (it took them already) is left to the forward's retry.
-            if fresh and self.member.try_grant(len(fresh) * self.id_bytes):
-                self.reserved_bytes += len(fresh) * self.id_bytes
-            elif fresh:
-                self.counters["reservations_refused"] += 1
             return blocks
 
-    def end_reservation(self) -> None:
-        """Right before the forward creates the pages of the blocks handed out since the last one."""
-        with self.lock:
-            if self.reserved_bytes:
-                self.member.release(self.reserved_bytes)
-                self.reserved_bytes = 0
+    def _cover(self, need: int) -> int:
+        """Charges ``need`` blocks handed out from pending releases' charge and the headroom; returns how
+        many are still to be granted."""
+        take = min(need, self._transferable(self._excess_blocks()))
+        self.credit -= take
+        need -= take
+        take = min(need, self.headroom)
+        self.headroom -= take
+        return need - take
 
     def _note_refusal(self, num_new_tokens: int) -> None:
         """A refused allocation that stock vLLM would have granted waits on the budget: other members
         see it as pressure and give memory back."""
         if self.pool.free_block_queue.num_free_blocks <= self.num_free_blocks():
             return  # the pool itself is full: nothing the budget could change
-        want = max(1, -(-num_new_tokens // self.block_size)) * self.id_bytes
+        want = max(1, -(-num_new_tokens // self.block_size)) * self.block_bytes
         if self.member.try_grant(want):  # the memory came free meanwhile: not needed as a grant
             self.member.release(want)
         else:
@@ -194,83 +301,163 @@ class BudgetedBlockPool:
             block = block.next_free_block
         return plain + cached
 
-    def release(self, max_blocks: int | None, unmap_rows: bool) -> int:
-        """Gives back the pages of up to ``max_blocks`` free blocks (all when None); caller holds the lock.
-        ``unmap_rows``: the slices of finished requests, which still map their last blocks until they
-        are reused, are unmapped first (after the device is done with them)."""
+    def release(self, max_blocks: int | None) -> int:
+        """Decides to give back the pages of up to ``max_blocks`` free blocks (all when None): out of
+        vLLM's prefix cache now, released by every worker before its next forward, uncharged once that
+        step's output is back. Caller holds the lock. Returns how many."""
         candidates = self._free_blocks_with_pages()
         if max_blocks is not None:
-            candidates = candidates[:max_blocks]
-        if not candidates:
-            return 0
+            candidates = candidates[:max(0, max_blocks)]
         for block in candidates:
             # out of vLLM's prefix cache before the contents go
             if block.block_hash is not None and self.pool._maybe_evict_cached_block(block):
                 self.counters["cached_blocks_dropped"] += 1
         ids = [b.block_id for b in candidates]
-        released = set(self.manager.release_pages(ids))
-        if len(released) < len(ids) and unmap_rows:
-            # Slices of requests that are not running (finished or preempted; the worker hears of it
-            # only at the next forward, which may never come when the engine goes idle) still map
-            # their last blocks: released here, then unmapped once the device is done with them.
-            # No forward in flight reads them: it serves running requests only.
-            running = [request.request_id for request in self.scheduler.running]
-            for mapper in self.mappers:
-                mapper.release_all_but(running)
-                mapper.reclaim_free()
-            self.counters["rows_unmapped_for_release"] += 1
-            released |= set(self.manager.release_pages([i for i in ids if i not in released]))
-        # what stays is mapped in a row; a block neither released nor mapped was never created
-        # (handed out, freed before any forward): it had nothing to give back
-        mapped = self._mapped_ids() if len(released) < len(ids) else set()
-        gone = [i for i in ids if i not in mapped]
-        self.with_pages[gone] = False
-        self.num_with_pages -= len(gone)
-        self.counters["blocks_released"] += len(released)
-        return len(released)
+        self.with_pages[ids] = False
+        self.num_with_pages -= len(ids)
+        self.pending.extend(ids)
+        self.credit += len(ids)
+        self.counters["blocks_released"] += len(ids)
+        return len(ids)
 
-    def _mapped_ids(self) -> set[int]:
-        return {i for r in self.reqids.tolist() for i in self.manager.page_ids(r) if i >= 0}  # -1: a hole
+    def attach_release(self, scheduler_output: Any) -> None:
+        """In ``schedule``: the pending releases ride on this step's output."""
+        self.steps_in_flight += 1
+        self._return_headroom()
+        if not self.pending:
+            return
+        setattr(scheduler_output, RELEASE_ATTRIBUTE, self.pending)
+        setattr(scheduler_output, UNCHARGE_ATTRIBUTE, self.credit)
+        self.in_flight += self.credit
+        self.pending, self.credit = [], 0
+        self.counters["releases_sent"] += 1
+
+    def confirm_release(self, scheduler_output: Any) -> None:
+        """In ``update_from_output``: the step's output is back, so every rank released its blocks."""
+        self.steps_in_flight = max(0, self.steps_in_flight - 1)
+        blocks = getattr(scheduler_output, UNCHARGE_ATTRIBUTE, 0)
+        if not getattr(scheduler_output, RELEASE_ATTRIBUTE, None):
+            return
+        if self.world_size > 1 and not scheduler_output.total_num_scheduled_tokens and self.confirm:
+            self.confirm()  # no forward: no collective proved that every rank processed the step
+        if blocks:
+            self.member.release(blocks * self.block_bytes)
+            self.in_flight -= blocks
+        self.counters["releases_confirmed"] += 1
+
+    def _release_here(self) -> None:
+        """The worker's cache is in this process and no step is under way: release and uncharge now."""
+        ids, blocks = self.pending, self.credit
+        self.pending, self.credit = [], 0
+        release_blocks(self.local_cache, ids)
+        if blocks:
+            self.member.release(blocks * self.block_bytes)
+        self.counters["direct_releases"] += 1
+
+    def kick(self) -> None:
+        """Pending releases on an engine that may be idle: get them carried out. Caller holds the lock."""
+        if not self.pending:
+            return
+        if self.wake is not None:
+            self.wake()
+        elif self.local_cache is not None and not self.steps_in_flight and not self._busy():
+            self._release_here()
+        # otherwise the next step carries them (an engine core stepped by its caller)
+
+    def has_pending(self) -> bool:
+        return bool(self.pending)
+
+    def _busy(self) -> bool:
+        return bool(self.scheduler.running) or bool(len(self.scheduler.waiting))
 
     def _keeper_loop(self) -> None:
-        while not self.manager.closed:  # the cache closes when the engine shuts down
+        while not self.closed:
             time.sleep(KEEPER_INTERVAL_S)
             try:
                 self._keeper_tick()
-            except Exception as e:  # noqa: BLE001 - a closed cache at shutdown; anything else is logged
-                if self.manager.closed:
+            except Exception as e:  # noqa: BLE001 - a budget removed under us, shutdown; logged
+                if self.closed:
                     return
                 from vllm.logger import init_logger
 
                 init_logger("vllm.vattn").warning("vattn: giving KV pages back failed: %s", e)
+                time.sleep(1.0)
 
     def _keeper_tick(self) -> None:
         want = self.member.pressure()
         idle = not self.idle_released and time.monotonic() - self.last_active >= self.idle_release_s
-        if not want and not idle:
-            return
         with self.lock:
-            busy = bool(self.scheduler.running) or bool(len(self.scheduler.waiting))
-            if busy:
-                self.last_active = time.monotonic()
-                self.idle_released = False
-            if idle and not busy:
-                self.end_reservation()  # no forward follows: what get_new_blocks held goes back too
-                self.release(None, unmap_rows=True)
-                self.idle_released = True
-            elif want:
-                self.release(-(-want // self.id_bytes), unmap_rows=True)
+            if want or idle:
+                busy = self._busy()
+                if busy:
+                    self.note_activity()
+                if idle and not busy:
+                    self.release(None)
+                    self.idle_released = True
+                elif want:
+                    blocks = -(-want // self.block_bytes) - self.credit - self.in_flight
+                    if blocks > 0:
+                        self.release(blocks)
+                self.kick()
+            self._report()
+
+    def _report(self) -> None:
+        """Tells the budget the split of what this engine holds (``python -m vattn top``)."""
+        with_pages, _ = self._free_split()
+        in_use = self.pool.num_gpu_blocks - 1 - self.pool.free_block_queue.num_free_blocks
+        split = (in_use * self.block_bytes, with_pages * self.block_bytes)
+        if split != self.last_report and sum(split) <= self.member.held_bytes:
+            self.member.report(*split)
+            self.last_report = split
 
     def note_activity(self) -> None:
-        if self.scheduler.running or len(self.scheduler.waiting):
+        if self._busy():
             self.last_active = time.monotonic()
             self.idle_released = False
 
+    def release_all(self) -> None:
+        """Every free block's pages go back (the engine was put to sleep)."""
+        with self.lock:
+            self.release(None)
+            self.counters["sleeps"] += 1
+            self.kick()
+
+    def close(self) -> None:
+        self.closed = True
+        self.member.leave()
+
     def stats(self) -> dict[str, Any]:
-        with_pages, without = self._free_split()
-        return dict(self.counters, blocks_with_pages=int(self.num_with_pages), free_blocks_with_pages=with_pages,
-                    free_blocks_without_pages=without, block_bytes=self.id_bytes,
-                    idle_release_s=self.idle_release_s)
+        with self.lock:
+            with_pages, without = self._free_split()
+            return dict(self.counters, blocks_with_pages=int(self.num_with_pages), free_blocks_with_pages=with_pages,
+                        free_blocks_without_pages=without, block_bytes=self.block_bytes,
+                        held_bytes=self.member.held_bytes, budget=self.budget.name, label=self.member.label,
+                        world_size=self.world_size, idle_release_s=self.idle_release_s)
+
+
+# ---- the worker's side ------------------------------------------------------------------------
+
+
+def release_blocks(cache: Any, ids: list[int]) -> int:
+    """In a worker, before its forward: gives back the pages of block ids the scheduler freed and
+    decided to release. Finished requests' slices still map their last blocks (deferred
+    reclamation): they are unmapped first. A slice that still maps one of them (a preempted
+    request's, which vLLM resumes with new blocks; a block behind a sliding window not unmapped
+    yet) is given up: its request gets a fresh slice, mapped again from its block table, at its next
+    forward. Returns how many ids were mapped nowhere at the end (released, or never created)."""
+    manager = cache.manager
+    ids = [int(i) for i in ids]
+    for group in cache.groups:
+        group.mapper.reclaim_free(wait=True)
+    released = set(manager.release_pages(ids))
+    rest = {i for i in ids if i not in released}
+    if rest:
+        for group in cache.groups:
+            group.mapper.release_holding(rest)
+        for group in cache.groups:
+            group.mapper.reclaim_free(wait=True)
+        manager.release_pages(sorted(rest))
+    return len(ids)
 
 
 # ---- hooks --------------------------------------------------------------------------------
@@ -293,107 +480,166 @@ def _locked(method: Any) -> Any:
 
 
 def install() -> None:
-    """Wraps vLLM's ``Scheduler`` so an engine whose worker cache is in a budget gets the budget's view."""
+    """Hooks vLLM's engine core and scheduler: an engine core under ``VATTN_BUDGET`` joins the budget
+    and gives its scheduler the budget's view of the block pool."""
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
 
-    stock_init = Scheduler.__init__
+    # EngineCore.__init__ loads vLLM's plugins itself (this hook, in an engine-core process of its own), so
+    # wrapping __init__ comes too late there: this is the first method it calls once its scheduler exists
+    stock_scheduler_ready = EngineCore._initialize_effective_attention_block_size
 
-    @functools.wraps(stock_init)
-    def __init__(scheduler: Any, *args: Any, **kwargs: Any) -> None:
-        stock_init(scheduler, *args, **kwargs)
-        attach(scheduler)
+    @functools.wraps(stock_scheduler_ready)
+    def scheduler_ready(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        out = stock_scheduler_ready(engine, *args, **kwargs)
+        if getattr(engine.scheduler, "_vattn_budget", None) is None:
+            attach(engine)
+        return out
 
-    Scheduler.__init__ = __init__
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        from vllm.v1.worker.cpu_worker import CPUWorker
-
-        _install_sleep(CPUWorker)
-    for name in ("schedule", "update_from_output", "finish_requests", "reset_prefix_cache"):
-        setattr(Scheduler, name, _locked(getattr(Scheduler, name)))
-
-
-def _install_sleep(worker_cls: Any) -> None:
-    """vLLM-CPU's ``sleep()`` pauses the scheduler (aborting its requests by default), resets the
-    prefix cache and then only logs that the CPU worker does not sleep. Under a budget the free
-    blocks' pages go back at that point; ``wake_up()`` needs nothing: pages are created again by
-    the forwards that map them."""
-    stock_sleep = worker_cls.sleep
+    EngineCore._initialize_effective_attention_block_size = scheduler_ready
+    EngineCore.vattn_budget_stats = lambda engine: (
+        engine.scheduler._vattn_budget.stats() if getattr(engine.scheduler, "_vattn_budget", None) else None)
+    stock_sleep = EngineCore.sleep
 
     @functools.wraps(stock_sleep)
-    def sleep(worker: Any, level: int = 1) -> None:
-        stock_sleep(worker, level)
-        pool = _pool
+    def sleep(engine: Any, level: int = 1, *args: Any, **kwargs: Any) -> Any:
+        out = stock_sleep(engine, level, *args, **kwargs)
+        pool = getattr(engine.scheduler, "_vattn_budget", None)
         if pool is not None and level >= 1:
-            with pool.lock:
-                busy = bool(pool.scheduler.running) or bool(len(pool.scheduler.waiting))
-                pool.release(None, unmap_rows=True)
-                pool.counters["sleeps"] += 1
+            pool.release_all()  # vLLM-CPU keeps the cache through sleep(); under a budget its pages go back
+        return out
 
-    worker_cls.sleep = sleep
+    EngineCore.sleep = sleep
+    stock_shutdown = EngineCore.shutdown
+
+    @functools.wraps(stock_shutdown)
+    def shutdown(engine: Any) -> None:
+        pool = getattr(getattr(engine, "scheduler", None), "_vattn_budget", None)
+        try:
+            stock_shutdown(engine)
+        finally:
+            if pool is not None:
+                pool.close()
+
+    EngineCore.shutdown = shutdown
+    for name in ("schedule", "update_from_output", "finish_requests", "reset_prefix_cache"):
+        setattr(Scheduler, name, _locked(getattr(Scheduler, name)))
+    stock_schedule = Scheduler.schedule
+
+    @functools.wraps(stock_schedule)
+    def schedule(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        pool = getattr(scheduler, "_vattn_budget", None)
+        if pool is None:
+            return stock_schedule(scheduler, *args, **kwargs)
+        with pool.lock:
+            out = stock_schedule(scheduler, *args, **kwargs)
+            pool.attach_release(out)
+            return out
+
+    Scheduler.schedule = schedule
+    stock_update = Scheduler.update_from_output
+
+    @functools.wraps(stock_update)
+    def update_from_output(scheduler: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        pool = getattr(scheduler, "_vattn_budget", None)
+        if pool is None:
+            return stock_update(scheduler, scheduler_output, *args, **kwargs)
+        with pool.lock:
+            out = stock_update(scheduler, scheduler_output, *args, **kwargs)
+            pool.confirm_release(scheduler_output)
+            return out
+
+    Scheduler.update_from_output = update_from_output
+    stock_has_requests = Scheduler.has_requests
+
+    @functools.wraps(stock_has_requests)
+    def has_requests(scheduler: Any) -> bool:
+        pool = getattr(scheduler, "_vattn_budget", None)
+        return stock_has_requests(scheduler) or (pool is not None and pool.has_pending())
+
+    Scheduler.has_requests = has_requests
 
 
 def check_config(vllm_config: Any) -> None:
-    """At start-up, in every process: with ``VATTN_BUDGET`` the worker must run in the engine-core
-    process, where the scheduler counts its pages."""
+    """At start-up, in every process: what a budget needs of vLLM's configuration."""
     if not os.environ.get(ENV_VAR, "").strip():
         return
-    backend = vllm_config.parallel_config.distributed_executor_backend
-    if backend != "uni" or vllm_config.parallel_config.world_size != 1:
-        raise ValueError(f"vattn: {ENV_VAR} with vLLM needs the worker in the engine-core process, where the "
-                         f"scheduler counts the blocks the budget can grant: one worker (tensor_parallel_size=1) "
-                         f"and, on vLLM-CPU, VLLM_ENABLE_V1_MULTIPROCESSING=0 (its multiprocessing executor runs "
-                         f"the worker in a process of its own); executor here: {backend!r}. Or unset {ENV_VAR}")
+    parallel = vllm_config.parallel_config
+    if parallel.distributed_executor_backend not in ("uni", "mp", None):
+        raise ValueError(f"vattn: {ENV_VAR} with vLLM works with its own executors (uni, mp), not "
+                         f"{parallel.distributed_executor_backend!r}; or unset {ENV_VAR}")
     if getattr(vllm_config.scheduler_config, "async_scheduling", False):
         raise ValueError(f"vattn: {ENV_VAR} with vLLM needs synchronous scheduling; drop async_scheduling")
+    from .configuration import platform_device
+
+    if platform_device() != "cpu" and parallel.world_size > 1:
+        raise ValueError(f"vattn: {ENV_VAR} governs one device; with {parallel.world_size} GPUs (tensor or "
+                         f"pipeline parallel) the ranks' pages lie on several; unset {ENV_VAR}")
 
 
-_offered: Any = None  # the cache of the worker in this process, until its scheduler takes it
+_offered: Any = None  # the worker cache built in this process, if any (the worker in the engine-core process)
 
 
 def offer(cache: Any) -> None:
-    """The worker, when it built ``cache`` (a ``WorkerCache``): a scheduler in
-    this process (the worker runs in the engine-core process under a budget,
-    :func:`check_config`) takes it when vLLM constructs it, right after."""
+    """The worker, when it built ``cache`` (a ``WorkerCache``): an engine core in this process
+    releases through it directly when no step can carry the release."""
     global _offered
     _offered = cache
 
 
-def attach(scheduler: Any) -> None:
-    """Gives ``scheduler`` the budget's view of its block pool when this
-    process's worker cache is in a budget."""
+def block_bytes(cache: Any) -> int:
+    """The bytes one block id holds in this worker: a page of every K and V buffer."""
+    return cache.manager.page_size * cache.manager.config.num_buffers
+
+
+def attach(engine: Any) -> None:
+    """Gives ``engine``'s scheduler the budget's view of its block pool, when ``VATTN_BUDGET`` is set
+    and the workers serve on vattn: the engine core joins the budget for every rank."""
     global _pool
-    cache = _offered
-    if cache is None or cache.manager.budget is None:
+    if not os.environ.get(ENV_VAR, "").strip():
         return
-    scheduler._vattn_budget = _pool = BudgetedBlockPool(scheduler, cache, idle_release_setting())
+    executor = engine.model_executor
+    sizes = executor.collective_rpc("vattn_block_bytes")
+    if not sizes or any(s is None for s in sizes):
+        return  # a worker without vattn's cache
+    config = engine.vllm_config
+    parallel = config.parallel_config
+    label = member_label(config.model_config.served_model_name, parallel.tensor_parallel_size,
+                         parallel.pipeline_parallel_size)
+    import torch
+
+    from .configuration import platform_device
+
+    budget, member = join_budget(None, torch.device(platform_device()), label)
+    if budget is None:
+        return
+    queue = getattr(engine, "input_queue", None)
+    wake = None
+    if queue is not None:
+        from vllm.v1.engine import EngineCoreRequestType
+
+        def wake() -> None:
+            queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+    world = len(sizes)
+    scheduler = engine.scheduler
+    scheduler._vattn_budget = _pool = BudgetedBlockPool(
+        scheduler, member, budget, int(sum(sizes)), world, idle_release_setting(),
+        confirm=lambda: executor.collective_rpc(_processed), wake=wake,
+        local_cache=_offered if world == 1 else None)
 
 
-def map_rows(mapper: Any, reqids: np.ndarray, table: np.ndarray, num_blocks: np.ndarray, seq_lens: np.ndarray,
-             query_lens: np.ndarray | None = None) -> None:
-    """The forward's mapping. Under a budget the scheduler only handed out blocks the budget could
-    grant, but another process may take the memory in between: a refused creation records a wait
-    (others give pages back) and is retried for up to ``MAP_RETRY_S`` seconds, then fails with a
-    message saying what happened."""
-    deadline = time.monotonic() + MAP_RETRY_S
-    if _pool is not None:
-        _pool.end_reservation()
-    while True:
-        try:
-            mapper.map(reqids, table, num_blocks, seq_lens, query_lens)
-            return
-        except OutOfPages as e:
-            if mapper.manager.budget is None or time.monotonic() >= deadline:
-                raise RuntimeError(
-                    f"vattn: the pages of the blocks vLLM's scheduler allocated for this forward cannot be "
-                    f"created ({e}); with a budget, another process took the memory after the scheduler "
-                    f"counted it and did not give it back within {MAP_RETRY_S} s") from e
-            if _pool is not None:
-                _pool.counters["map_retries"] += 1
-            time.sleep(0.02)
+def _processed(worker: Any) -> None:
+    """A no-op every rank runs in order after the steps sent before it (a barrier for ``confirm``)."""
+
+
+def worker_release(cache: Any, scheduler_output: Any) -> None:
+    """In the worker's ``_update_states``, after finished requests gave their slices back."""
+    ids = getattr(scheduler_output, RELEASE_ATTRIBUTE, None)
+    if ids:
+        release_blocks(cache, ids)
 
 
 def stats() -> dict[str, Any] | None:
-    """The block pool's budget counters for ``vattn_stats`` (None outside a budget)."""
+    """The engine core's budget counters for ``vattn_stats`` when it runs in this process (None otherwise)."""
     return _pool.stats() if _pool is not None else None

@@ -9,7 +9,7 @@ from typing import Any
 from . import budget as vllm_budget
 from .attention import BACKEND_PATH
 from .configuration import configure
-from .worker import initialize_kv_cache_tensors, update_states, worker_stats
+from .worker import initialize_kv_cache_tensors, update_states, worker_block_bytes, worker_stats
 
 _hooks_installed = False
 
@@ -48,4 +48,5 @@ def install_hooks() -> None:
 
         CPUModelRunner._zero_block_ids = _skip_zeroing
     Worker.vattn_stats = worker_stats
-    vllm_budget.install()  # VATTN_BUDGET: the scheduler counts the blocks the budget can grant
+    Worker.vattn_block_bytes = worker_block_bytes
+    vllm_budget.install()  # VATTN_BUDGET: the engine core joins it and its scheduler counts what it grants

@@ -76,11 +76,20 @@ def worker_stats(worker: Any) -> dict[str, Any] | None:
     return dict(cache.stats(), host_attention=host)
 
 
+def worker_block_bytes(worker: Any) -> int | None:
+    """``collective_rpc("vattn_block_bytes")``: the bytes one block id holds in this worker (a page of
+    every K and V buffer of its layers and heads); None without vattn. The engine core adds up every
+    rank's to charge a block to a budget."""
+    cache = getattr(worker.model_runner, RUNNER_ATTRIBUTE, None)
+    return None if cache is None else vllm_budget.block_bytes(cache)
+
+
 def update_states(stock: Any) -> Any:
     """Wraps ``GPUModelRunner._update_states``: after vLLM updates its
     persistent batch from the scheduler's output, the requests that finished
     and those resumed after a preemption (their blocks are new) give their
-    slices back; a resumed request gets a fresh one at its next forward."""
+    slices back; a resumed request gets a fresh one at its next forward. Under a budget, the blocks
+    the scheduler released give their pages back here, before the forward maps anything."""
 
     @functools.wraps(stock)
     def _update_states(runner: Any, scheduler_output: Any) -> Any:
@@ -91,6 +100,7 @@ def update_states(stock: Any) -> Any:
             resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids
             if ended or resumed:
                 cache.release([*ended, *resumed])
+            vllm_budget.worker_release(cache, scheduler_output)  # before this step's forward maps anything
         return out
 
     return _update_states

@@ -90,7 +90,10 @@ def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, nu
                 max_context_len=runner.max_model_len,
                 page_size=page_size, physical_memory=num_blocks * page_size * num_buffers, layout=layout,
                 device=str(runner.device), page_allocator="external", background=False, deferred_reclaim=False,
-                eager=False, sync_streams=forward_streams(runner.device))
+                eager=False, sync_streams=forward_streams(runner.device),
+                # under VATTN_BUDGET the engine core is the member and charges every rank's pages before a
+                # forward creates them (integrations/vllm/budget.py): a worker's cache never asks the budget
+                budget=False)
 
 
 def check_groups(kv_cache_config: Any, kernel_block_sizes: Any) -> Any:
@@ -225,7 +228,7 @@ class WorkerCache:
         start = time.perf_counter_ns()
         reqids = mapper.reqids_of(self.request_keys(len(seq_lens)))
         table = self.runner.input_batch.block_table[group]
-        vllm_budget.map_rows(mapper, reqids, table.block_table.np, table.num_blocks_per_row, seq_lens, query_lens)
+        mapper.map(reqids, table.block_table.np, table.num_blocks_per_row, seq_lens, query_lens)
         self.map_ns += time.perf_counter_ns() - start
         if group == len(self.groups) - 1:
             self.forwards += 1
@@ -259,4 +262,4 @@ class WorkerCache:
                     mapping=mapping, time_s_series=list(self.time_s), bytes_mapped_series=list(self.bytes_mapped),
                     tokens_series=list(self.tokens), bytes_behind_windows_series=list(self.behind_windows),
                     groups=[dict(layers=len(g.layer_names), window=g.window) for g in self.groups],
-                    budget_share=self.manager.budget_share(), block_pool_budget=vllm_budget.stats())
+                    block_pool_budget=vllm_budget.stats())

@@ -1,0 +1,69 @@
+"""OpenAI clients against a vLLM API server, for tests/integrations/test_vllm_serve.py.
+
+Runs under the interpreter of the vLLM environment (the ``openai`` package
+comes with vLLM):
+
+    python tests/integrations/vllm_clients.py BASE_URL MODEL SPEC.json OUT.json
+
+SPEC: ``prompts`` (texts), ``max_tokens``, ``concurrency`` (clients at once),
+``rounds`` (how many times the prompts are sent). Every prompt is sent as a
+plain completion, a streamed completion and a completion with ``n=2``, greedy
+(temperature 0; ``n=2``: top-k 1, as vLLM refuses ``n > 1`` at temperature 0),
+``ignore_eos`` so every answer has ``max_tokens`` tokens.
+OUT: per kind, the texts in prompt order (each round's; ``n=2``: both
+choices), the errors (any failed request), and the seconds the run took.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+
+def run(base_url: str, model: str, spec: dict) -> dict:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
+    greedy = dict(model=model, max_tokens=spec["max_tokens"], temperature=0, extra_body={"ignore_eos": True})
+
+    def plain(prompt: str) -> list[str]:
+        return [client.completions.create(prompt=prompt, **greedy).choices[0].text]
+
+    def streamed(prompt: str) -> list[str]:
+        parts = [chunk.choices[0].text for chunk in client.completions.create(prompt=prompt, stream=True, **greedy)
+                 if chunk.choices]
+        return ["".join(parts)]
+
+    def two(prompt: str) -> list[str]:
+        # vLLM refuses n > 1 with temperature 0; top_k=1 samples the greedy token all the same
+        sampled = dict(greedy, temperature=1.0, extra_body=dict(greedy["extra_body"], top_k=1))
+        choices = client.completions.create(prompt=prompt, n=2, **sampled).choices
+        return [c.text for c in sorted(choices, key=lambda c: c.index)]
+
+    kinds = {"plain": plain, "stream": streamed, "n2": two}
+    jobs = [(kind, r, i, p) for r in range(spec.get("rounds", 1)) for i, p in enumerate(spec["prompts"])
+            for kind in kinds]
+    out: dict = {kind: {} for kind in kinds}
+    errors: list[str] = []
+
+    def one(job: tuple) -> None:
+        kind, r, i, prompt = job
+        try:
+            out[kind][f"{r}:{i}"] = kinds[kind](prompt)
+        except Exception as e:  # noqa: BLE001 - every failure is reported, none may happen
+            errors.append(f"{kind} {r}:{i}: {type(e).__name__}: {e}")
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(spec.get("concurrency", 4)) as pool:
+        list(pool.map(one, jobs))
+    return {"texts": out, "errors": errors, "seconds": time.monotonic() - start}
+
+
+if __name__ == "__main__":
+    url, name, spec_path, out_path = sys.argv[1:]
+    with open(spec_path) as f:
+        result = run(url, name, json.load(f))
+    with open(out_path, "w") as f:
+        json.dump(result, f)
