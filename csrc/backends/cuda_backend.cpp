@@ -6,6 +6,7 @@
 // Context scope, read fences and the graph-capture gate: cuda_sync.h, shared
 // with the cuda_uvm backend. Every entry point that may throw opens a
 // CudaSync::Call (gate, then our context); releases and teardown a QuietCall.
+#include <algorithm>
 #include <climits>
 #include <memory>
 #include <string>
@@ -87,21 +88,34 @@ class CudaBackend final : public VmmBackend {
 
   void create_pages(const uint32_t* ids, size_t count) override {
     CudaSync::Call call(sync_);
+    std::vector<uint32_t> made;  // the pages this call created (not those kept after a failed release)
     for (size_t i = 0; i < count; ++i) {
+      if (handles_[ids[i]]) continue;  // its cuMemRelease failed: the memory is still ours
       CUresult rc = api_.cuMemCreate(&handles_[ids[i]], page_size_, &prop_, 0);
       if (rc != CUDA_SUCCESS) {
         handles_[ids[i]] = 0;
-        release_handles(ids, i);
+        release_handles(made.data(), made.size(), nullptr);
         if (rc == CUDA_ERROR_OUT_OF_MEMORY) throw OutOfMemory("cuMemCreate", error_name(api_, rc));
         throw DriverError("cuMemCreate", error_name(api_, rc));
       }
+      made.push_back(ids[i]);
     }
   }
 
-  void release_pages(const uint32_t* ids, size_t count) noexcept override {
-    if (forked_) return;
+  size_t release_pages(const uint32_t* ids, size_t count, uint8_t* failed = nullptr) noexcept override {
+    if (failed) std::fill(failed, failed + count, uint8_t{0});
+    if (forked_) return 0;  // the parent's pages: nothing of ours to give back
     CudaSync::QuietCall call(sync_);
-    if (call.ok()) release_handles(ids, count);
+    if (!call.ok()) {  // no context: nothing was released
+      size_t kept = 0;
+      for (size_t i = 0; i < count; ++i)
+        if (handles_[ids[i]]) {
+          ++kept;
+          if (failed) failed[i] = 1;
+        }
+      return kept;
+    }
+    return release_handles(ids, count, failed);
   }
 
   void map(const PageMapping* mappings, size_t count, size_t* done) override {
@@ -264,11 +278,21 @@ class CudaBackend final : public VmmBackend {
     if (base && api_.cuMemAddressFree(base, 2 * g) != CUDA_SUCCESS) unmap_probe_ += " (the probe's range leaked)";
   }
 
-  void release_handles(const uint32_t* ids, size_t count) noexcept {
+  // A handle whose cuMemRelease fails is kept (the memory is still allocated):
+  // create_pages reuses it, close_pool and the destructor try again.
+  size_t release_handles(const uint32_t* ids, size_t count, uint8_t* failed) noexcept {
+    size_t kept = 0;
     for (size_t i = 0; i < count; ++i) {
-      if (handles_[ids[i]]) api_.cuMemRelease(handles_[ids[i]]);
-      handles_[ids[i]] = 0;
+      CUmemGenericAllocationHandle& h = handles_[ids[i]];
+      if (!h) continue;
+      if (api_.cuMemRelease(h) == CUDA_SUCCESS) {
+        h = 0;
+      } else {
+        ++kept;
+        if (failed) failed[i] = 1;
+      }
     }
+    return kept;
   }
 
   // Undoes the cuMemMap of pages [run_start, end) of an unfinished run and

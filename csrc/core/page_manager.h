@@ -66,6 +66,7 @@
 #pragma once
 
 #include <chrono>
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -309,7 +310,11 @@ class PageManager {
   // a caller needs them now (a refusal is recorded as a wait, and counted:
   // the caller holds mu). The mapper calls it without mu and demand false.
   void create_ids(const std::vector<uint32_t>& ids, bool demand);
-  void release_ids(const std::vector<uint32_t>& ids);  // backend release, then uncharge
+  // Backend release, then uncharge the ids whose pages all went back. An id
+  // with a page whose release failed stays uncreated in the table (its
+  // contents count as gone) but charged: its pages still hold memory, which
+  // the next create_ids of it reuses without a second charge.
+  void release_ids(const std::vector<uint32_t>& ids);
   std::vector<PageMapping> mappings_for(const std::vector<MapJob>& jobs) const;
   // Commits the jobs covered by the first `done` mappings, undoes the rest
   // (orphaning what cannot be undone), returns fresh ids to the pool.
@@ -385,6 +390,13 @@ class PageManager {
   uint64_t last_step_ns_ = 0;         // steady clock of the last step (budget only)
   bool idle_released_ = false;        // idle past idle_release_s: free pages go back, no speculative ones until a step
   std::vector<uint64_t> reported_;    // what the keeper last reported (a signature of the state)
+  size_t capture_pauses_ = 0;         // CUDA graph captures in progress (pause_for_capture)
+
+  // Ids with a page whose release failed (still charged, still holding
+  // memory); read by create_ids on the mapper thread without mu, written under
+  // mu or by create_ids for its own in-flight ids: one id is never both.
+  std::unique_ptr<std::atomic<uint8_t>[]> unreleased_;
+  std::atomic<size_t> unreleased_ids_{0};
 };
 
 }  // namespace vattn

@@ -237,6 +237,8 @@ py::dict stats_dict(const PageStats& s, size_t page_size) {
   d["step_wait_us"] = static_cast<double>(s.step_wait_ns) / 1e3;
   d["pages_free_low"] = s.pages_free_low;
   d["pages_released"] = s.pages_released;
+  d["pages_release_failed"] = s.pages_release_failed;
+  d["pages_unreleased"] = s.pages_unreleased;
   d["creations_refused"] = s.creations_refused;
   return d;
 }
@@ -331,8 +333,15 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("create_pages", on_page_range(&VmmBackend::create_pages), py::arg("first"),
            py::arg("count"), "Create pages [first, first + count).")
-      .def("release_pages", on_page_range(&VmmBackend::release_pages), py::arg("first"),
-           py::arg("count"), "Release pages [first, first + count).")
+      .def(
+          "release_pages",
+          [](VmmBackend& b, uint32_t first, uint32_t count) {
+            auto ids = page_range(b, first, count);
+            py::gil_scoped_release release;
+            return b.release_pages(ids.data(), ids.size());
+          },
+          py::arg("first"), py::arg("count"),
+          "Release pages [first, first + count); returns how many kept their memory (the release failed).")
       .def(
           "map",
           [](VmmBackend& b, const std::vector<std::pair<uintptr_t, uint32_t>>& pairs) {

@@ -417,7 +417,9 @@ class KVCacheManager(CudaStreams):
     def release_free_memory(self, max_bytes: int | None = None) -> int:
         """Gives free physical memory back to the OS or device (and to the budget): up to ``max_bytes``
         bytes (all when None) of the free pool, then of freed reqids' and eager pages (unmapped first).
-        Pages under requests or prefix handles stay. Returns the bytes released. What ``idle_release_s``
+        Pages under requests or prefix handles stay. Returns the bytes released (taken out of the pool: a
+        page whose release the driver or the OS refused is among them, and counted in
+        ``stats()["pages_release_failed"]``; it stays charged to the budget). What ``idle_release_s``
         does on its own in a budget; not for ``page_allocator="external"`` (ValueError; see release_pages)."""
         limit = 2**63 - 1 if max_bytes is None else _as_int("max_bytes", max_bytes)
         if not 0 <= limit < 2**63:
