@@ -201,6 +201,8 @@ class CudaBackend final : public VmmBackend {
   void set_sync_streams(const std::vector<uintptr_t>& streams) override { sync_.set_streams(streams); }
   void suspend_driver_calls() override { sync_.suspend(); }
   void resume_driver_calls() override { sync_.resume(); }
+  void capture_begin() override { sync_.capture_begin(); }
+  void capture_end() noexcept override { sync_.capture_end(); }
 
   std::vector<std::pair<std::string, std::string>> facts() const override {
     std::vector<std::pair<std::string, std::string>> out = {

@@ -37,6 +37,11 @@ PrimaryContext::~PrimaryContext() {
 
 void DriverGate::enter(bool may_throw) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (may_throw && captures_ > 0 && !suspended_)
+    throw DriverError("CUDA graph capture",
+                      "a CUDA graph is being captured in this process (torch.cuda.CUDAGraph.capture_begin); "
+                      "vattn calls that reach the CUDA driver fail until capture_end: map what the capture "
+                      "reads before it (step first)");
   if (suspended_ && may_throw) {
     if (owner_ == std::this_thread::get_id())
       throw DriverError("graph_capture",
@@ -58,7 +63,19 @@ void DriverGate::leave() noexcept {
 
 bool DriverGate::suspended() {
   std::lock_guard<std::mutex> lock(mu_);
-  return suspended_;
+  return closed_locked();
+}
+
+void DriverGate::capture_begin() {
+  std::unique_lock<std::mutex> lock(mu_);
+  ++captures_;
+  idle_.wait(lock, [&] { return active_ == 0; });
+}
+
+void DriverGate::capture_end() noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (captures_ > 0) --captures_;
+  idle_.notify_all();
 }
 
 void DriverGate::suspend() {

@@ -118,6 +118,12 @@ class VmmBackend {
   // cuda_sync.h.
   virtual void suspend_driver_calls() {}
   virtual void resume_driver_calls() {}
+  // A CUDA graph capture began (or ended) somewhere in this process, outside
+  // graph_capture() (vattn's hook on torch.cuda.CUDAGraph): the same gate as
+  // suspend_driver_calls, counted, so captures may nest and overlap
+  // graph_capture(). Begin waits for the calls under way.
+  virtual void capture_begin() {}
+  virtual void capture_end() noexcept {}
   // What the backend learned about its driver at run time, as (name, value)
   // pairs, for diagnostics and benchmark records.
   virtual std::vector<std::pair<std::string, std::string>> facts() const { return {}; }

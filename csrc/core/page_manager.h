@@ -217,6 +217,12 @@ class PageManager {
   // starting another until pause_mapper(false) (a CUDA graph capture); throws
   // std::logic_error when already paused.
   void pause_mapper(bool paused);
+  // A CUDA graph capture in this process began (true) or ended (false):
+  // counted, so captures may nest and overlap graph_capture(). While any is
+  // in progress neither the mapper nor the keeper starts driver work (their
+  // work waits, it does not fail); beginning waits for the mapper's batch in
+  // flight and the keeper's release under way.
+  void pause_for_capture(bool begin);
   // Throws ForkedError / ClosedError unless the manager can act.
   void check_usable() const;
 
@@ -302,6 +308,9 @@ class PageManager {
     return static_cast<uint32_t>(buffer * num_ids_ + id);
   }
   void wait_for_batch(Lock& lock);  // then check_open()
+  // Neither the mapper nor the keeper may start driver work (caller holds mu):
+  // graph_capture(), or a CUDA graph capture anywhere in the process.
+  bool background_paused() const { return paused_ || capture_pauses_ > 0; }
 
   // ---- driver work on the caller's thread (caller holds mu) ----
   // Creates the pages of `ids` in every buffer, charged to the budget first.

@@ -375,6 +375,10 @@ PYBIND11_MODULE(_C, m) {
       // Blocks until the other threads' driver calls under way are done.
       .def("suspend_driver_calls", &VmmBackend::suspend_driver_calls, py::call_guard<py::gil_scoped_release>())
       .def("resume_driver_calls", &VmmBackend::resume_driver_calls)
+      .def("capture_begin", &VmmBackend::capture_begin, py::call_guard<py::gil_scoped_release>(),
+           "A CUDA graph capture began in this process: calls that reach the driver fail until "
+           "capture_end (counted). Waits for the calls under way.")
+      .def("capture_end", &VmmBackend::capture_end)
       .def_property_readonly(
           "facts",
           [](const VmmBackend& b) {
@@ -456,6 +460,10 @@ PYBIND11_MODULE(_C, m) {
           "The policy the manager runs with (a copy: it is fixed at construction).")
       .def("pause_mapper", &PageManager::pause_mapper, py::arg("paused"),
            py::call_guard<py::gil_scoped_release>())  // waits for the batch in flight
+      .def("pause_for_capture", &PageManager::pause_for_capture, py::arg("begin"),
+           py::call_guard<py::gil_scoped_release>(),
+           "A CUDA graph capture in this process began (True; waits for the batch in flight) or ended "
+           "(False): counted; meanwhile the mapper and the keeper start no driver work.")
       .def("wait_idle", &PageManager::wait_idle, py::call_guard<py::gil_scoped_release>(),
            "Block until the background mapper has nothing left to do.")
       .def("alloc_reqid", &PageManager::alloc_reqid, py::arg("prompt_tokens") = -1,

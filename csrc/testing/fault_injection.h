@@ -85,6 +85,8 @@ class FaultInjectingBackend final : public VmmBackend {
   void set_sync_streams(const std::vector<uintptr_t>& streams) override { inner_->set_sync_streams(streams); }
   void suspend_driver_calls() override { inner_->suspend_driver_calls(); }
   void resume_driver_calls() override { inner_->resume_driver_calls(); }
+  void capture_begin() override { inner_->capture_begin(); }
+  void capture_end() noexcept override { inner_->capture_end(); }
   std::vector<std::pair<std::string, std::string>> facts() const override { return inner_->facts(); }
   void detach_after_fork(uintptr_t base, size_t bytes) noexcept override { inner_->detach_after_fork(base, bytes); }
 

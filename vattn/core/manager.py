@@ -21,7 +21,7 @@ from vattn.common.argument_checks import page_id_rows as _page_id_rows
 from vattn.common.argument_checks import stream_handles as _stream_handles
 from vattn.backends import BackendSpec, parse_device, resolve_backend, torch_device
 from vattn.common.config import KVCacheConfig
-from .cuda_streams import CudaStreams
+from .cuda_streams import CudaStreams, watch_captures
 from .policy import resolve_policy
 from vattn.common.errors import BackendUnavailable, ForkedError
 from vattn.budget.membership import DEFAULT_IDLE_RELEASE_S as _IDLE_S, default_label, idle_release_seconds, join_budget
@@ -246,6 +246,8 @@ class KVCacheManager(CudaStreams):
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._closing = False  # set first thing in cleanup(): cached views are not handed out after it
         _live_managers.add(self)
+        if self.device.type == "cuda":
+            watch_captures(self)  # background driver work waits during any CUDA graph capture
 
     @property
     def num_page_ids(self) -> int:
