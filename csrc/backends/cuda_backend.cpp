@@ -356,10 +356,14 @@ ProbeData probe_device_info(const ProbeData& args) {
   char name[256] = {0};
   check("cuDeviceGetName", api.cuDeviceGetName(name, sizeof(name) - 1, dev));
   // Granularity and free memory need a context. The primary context is
-  // retained only for these two queries: a framework's reference keeps it
-  // alive; if nobody held one, the retain created it and the release destroys
-  // that same context again (the only one vattn may destroy). The caller's
-  // context stack is restored before the release.
+  // retained for these two queries: a framework's reference keeps it alive
+  // and ours is released after them. If nobody held one, the retain created
+  // it: with keep_context the reference is parked for the next backend on
+  // this device (park_primary_context: one context for "info, then a
+  // manager"), otherwise released, which destroys that same context again
+  // (the only one vattn may destroy). Either way the caller's context stack
+  // is restored: no context is left current on this thread.
+  const bool keep = probe_arg<bool>(args, "cuda.device_info", "keep_context", false);
   unsigned int flags = 0;
   int active = 0;
   check("cuDevicePrimaryCtxGetState", api.cuDevicePrimaryCtxGetState(dev, &flags, &active));
@@ -385,7 +389,11 @@ ProbeData probe_device_info(const ProbeData& args) {
       }
     }
   }
-  api.cuDevicePrimaryCtxRelease(dev);
+  const bool parked = keep && active == 0 && rc == CUDA_SUCCESS;
+  if (parked)
+    park_primary_context(api, dev);
+  else
+    api.cuDevicePrimaryCtxRelease(dev);
   check(call, rc);
   return {{"device_count", int64_t{device_count}},
           {"driver_version", int64_t{driver_version}},
@@ -393,7 +401,22 @@ ProbeData probe_device_info(const ProbeData& args) {
           {"granularity", static_cast<int64_t>(granularity)},
           {"free_bytes", static_cast<int64_t>(free_bytes)},
           {"total_bytes", static_cast<int64_t>(total_bytes)},
-          {"primary_context_active", active != 0}};  // before the query: someone held the primary context
+          {"primary_context_active", active != 0},  // before the query: someone held the primary context
+          {"context_kept", parked}};
+}
+
+// Gives back the reference device_info(keep_context=True) parked, when no
+// backend on that device took it over.
+ProbeData probe_release_context(const ProbeData& args) {
+  const std::string path = probe_arg<std::string>(args, "cuda.release_context", "driver_path", "");
+  const int64_t index = probe_arg<int64_t>(args, "cuda.release_context", "device", 0);
+  if (index < 0 || index > INT_MAX)
+    throw std::invalid_argument("cuda.release_context: device must be in [0, " + std::to_string(INT_MAX) +
+                                "], got " + std::to_string(index));
+  const DriverApi& api = load_driver(path.empty() ? default_driver_path() : path);
+  CUdevice dev = 0;
+  if (api.cuDeviceGet(&dev, static_cast<int>(index)) != CUDA_SUCCESS) return {{"released", false}};
+  return {{"released", release_parked_context(api, dev)}};
 }
 
 ProbeData probe_driver_path(const ProbeData&) { return {{"driver_path", default_driver_path()}}; }
@@ -404,7 +427,13 @@ VATTN_REGISTER_BACKEND(
     cuda, make_cuda_backend,
     {"device_info", probe_device_info,
      "device_count, driver_version, name, granularity (bytes), free_bytes, total_bytes, primary_context_active of "
-     "CUDA device `device` (default 0) through the driver library `driver_path` (default: driver_path's)",
+     "CUDA device `device` (default 0) through the driver library `driver_path` (default: driver_path's); "
+     "keep_context: a primary context this query created is kept (context_kept) for the next backend made on "
+     "the device, or until release_context, instead of being destroyed again",
+     {"driver_path", "device", "keep_context"}},
+    {"release_context", probe_release_context,
+     "released: whether a reference that device_info(keep_context=True) kept for device `device` was given "
+     "back (no backend took it over)",
      {"driver_path", "device"}},
     {"driver_path", probe_driver_path,
      "driver_path: the CUDA driver library loaded at run time ($VATTN_CUDA_DRIVER_LIB, else libcuda.so.1)", {}});

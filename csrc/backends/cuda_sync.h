@@ -57,6 +57,18 @@ namespace cu {
 // Throws BackendUnavailable unless `device` is one of the devices the driver sees.
 void check_device_exists(const DriverApi& api, int device);
 
+// The device info probe's reference to a primary context that its retain
+// created (nobody held one): parked here, instead of destroying the context
+// again, for the next CUDA backend on that device, so that "device info, then
+// a manager" creates one context. The backend retains its own reference (the
+// parked one keeps the context alive, so that creates nothing) and then
+// drops the parked one. At most one parked reference per device; a reference
+// parked in a parent process is never released in a fork() child.
+// park: keeps the caller's reference (releases it when one is parked already).
+void park_primary_context(const DriverApi& api, CUdevice dev) noexcept;
+// Releases the parked reference of `dev`, if any; whether there was one.
+bool release_parked_context(const DriverApi& api, CUdevice dev) noexcept;
+
 // A reference to `device`'s primary context for the owner's life.
 class PrimaryContext {
  public:

@@ -4,10 +4,11 @@ tests/budget/test_release_failures.py):
 
 - no manager's background threads call the driver while a framework captures
   a CUDA graph through torch.cuda.CUDAGraph, outside graph_capture();
-"""
+- device info, then a manager, creates the primary context once."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from conftest import assert_invariants
 
 import vattn
+from vattn.backends import cuda as cuda_backends
 
 MiB = 1024 * 1024
 CUDA_ERROR_INVALID_VALUE = 1
@@ -89,3 +91,58 @@ def test_framework_capture_nests_with_graph_capture(fake_cuda, monkeypatch):
             kv.step(lens)
         g.capture_end()
         assert kv.step(lens)  # both gates open again
+
+
+# ---- 3. device info, then a manager: one primary context -----------------------------
+
+
+def test_device_info_then_manager_creates_one_context(fake_cuda):
+    if fake_cuda.fake_cuda_primary_refs() != 0:
+        pytest.skip("an earlier test left the primary context held")
+    creations = fake_cuda.fake_cuda_primary_creations()
+    kv = vattn.KVCacheManager(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=2,
+                              max_context_len=8192, device="cuda", physical_memory=32 * MiB)
+    try:
+        assert fake_cuda.fake_cuda_primary_creations() == creations + 1
+        assert fake_cuda.fake_cuda_primary_refs() == 1  # the backend's own, the info's went
+        assert fake_cuda.fake_cuda_threads_left_with_context() == 0
+    finally:
+        kv.cleanup()
+        del kv
+    import gc
+
+    gc.collect()
+    assert fake_cuda.fake_cuda_primary_refs() == 0
+
+
+def test_kept_context_goes_back_when_no_backend_follows(fake_cuda):
+    creations = fake_cuda.fake_cuda_primary_creations()
+    info = cuda_backends.cuda_info(0, keep_context=True)
+    assert info["context_kept"]
+    assert fake_cuda.fake_cuda_primary_refs() == 1
+    assert cuda_backends.release_cuda_context(0)
+    assert fake_cuda.fake_cuda_primary_refs() == 0 and not cuda_backends.release_cuda_context(0)
+    # A resolution that fails after the query gives the reference back too.
+    with pytest.raises(ValueError):
+        vattn.KVCacheManager(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=2,
+                             max_context_len=8192, device="cuda", physical_memory=32 * MiB, page_size=3 * MiB)
+    assert fake_cuda.fake_cuda_primary_refs() == 0
+    assert fake_cuda.fake_cuda_primary_creations() == creations + 2
+    # Without keep_context the query leaves nothing behind.
+    cuda_backends.cuda_info(0)
+    assert fake_cuda.fake_cuda_primary_refs() == 0
+
+
+def test_device_info_leaves_no_context_current(fake_cuda):
+    seen = {}
+
+    def query():
+        cuda_backends.cuda_info(0, keep_context=True)
+        cuda_backends.release_cuda_context(0)
+        seen["done"] = True
+
+    before = fake_cuda.fake_cuda_threads_left_with_context()
+    t = threading.Thread(target=query)
+    t.start()
+    t.join()
+    assert seen["done"] and fake_cuda.fake_cuda_threads_left_with_context() == before
