@@ -98,7 +98,7 @@ def test_framework_capture_nests_with_graph_capture(fake_cuda, monkeypatch):
 
 def test_device_info_then_manager_creates_one_context(fake_cuda):
     if fake_cuda.fake_cuda_primary_refs() != 0:
-        pytest.skip("an earlier test left the primary context held")
+        pytest.skip("needs an unheld primary context: an earlier test left it held")
     creations = fake_cuda.fake_cuda_primary_creations()
     kv = vattn.KVCacheManager(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=2,
                               max_context_len=8192, device="cuda", physical_memory=32 * MiB)
