@@ -85,7 +85,7 @@ def declare_fake_cuda(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.fake_cuda_fail.argtypes = [ctypes.c_char_p, long_, long_, ctypes.c_int]
     lib.fake_cuda_set_latency.argtypes = [ctypes.c_char_p, long_]
     for name in ("live_handles", "live_mappings", "live_reservations", "sync_calls", "primary_refs",
-                 "unmap_calls", "primary_creations", "live_events", "threads_left_with_context", "faults"):
+                 "unmap_calls", "primary_creations", "live_events", "threads_left_with_context", "faults", "calls"):
         getattr(lib, f"fake_cuda_{name}").restype = long_
     lib.fake_cuda_accessible.argtypes = [ull]
     lib.fake_cuda_handle_at.argtypes = [ull]

@@ -6,6 +6,7 @@
 // Context scope, read fences and the graph-capture gate: cuda_sync.h, shared
 // with the cuda_uvm backend. Every entry point that may throw opens a
 // CudaSync::Call (gate, then our context); releases and teardown a QuietCall.
+#include <algorithm>
 #include <climits>
 #include <memory>
 #include <string>
@@ -87,21 +88,34 @@ class CudaBackend final : public VmmBackend {
 
   void create_pages(const uint32_t* ids, size_t count) override {
     CudaSync::Call call(sync_);
+    std::vector<uint32_t> made;  // the pages this call created (not those kept after a failed release)
     for (size_t i = 0; i < count; ++i) {
+      if (handles_[ids[i]]) continue;  // its cuMemRelease failed: the memory is still ours
       CUresult rc = api_.cuMemCreate(&handles_[ids[i]], page_size_, &prop_, 0);
       if (rc != CUDA_SUCCESS) {
         handles_[ids[i]] = 0;
-        release_handles(ids, i);
+        release_handles(made.data(), made.size(), nullptr);
         if (rc == CUDA_ERROR_OUT_OF_MEMORY) throw OutOfMemory("cuMemCreate", error_name(api_, rc));
         throw DriverError("cuMemCreate", error_name(api_, rc));
       }
+      made.push_back(ids[i]);
     }
   }
 
-  void release_pages(const uint32_t* ids, size_t count) noexcept override {
-    if (forked_) return;
+  size_t release_pages(const uint32_t* ids, size_t count, uint8_t* failed = nullptr) noexcept override {
+    if (failed) std::fill(failed, failed + count, uint8_t{0});
+    if (forked_) return 0;  // the parent's pages: nothing of ours to give back
     CudaSync::QuietCall call(sync_);
-    if (call.ok()) release_handles(ids, count);
+    if (!call.ok()) {  // no context: nothing was released
+      size_t kept = 0;
+      for (size_t i = 0; i < count; ++i)
+        if (handles_[ids[i]]) {
+          ++kept;
+          if (failed) failed[i] = 1;
+        }
+      return kept;
+    }
+    return release_handles(ids, count, failed);
   }
 
   void map(const PageMapping* mappings, size_t count, size_t* done) override {
@@ -187,6 +201,8 @@ class CudaBackend final : public VmmBackend {
   void set_sync_streams(const std::vector<uintptr_t>& streams) override { sync_.set_streams(streams); }
   void suspend_driver_calls() override { sync_.suspend(); }
   void resume_driver_calls() override { sync_.resume(); }
+  void capture_begin() override { sync_.capture_begin(); }
+  void capture_end() noexcept override { sync_.capture_end(); }
 
   std::vector<std::pair<std::string, std::string>> facts() const override {
     std::vector<std::pair<std::string, std::string>> out = {
@@ -264,11 +280,21 @@ class CudaBackend final : public VmmBackend {
     if (base && api_.cuMemAddressFree(base, 2 * g) != CUDA_SUCCESS) unmap_probe_ += " (the probe's range leaked)";
   }
 
-  void release_handles(const uint32_t* ids, size_t count) noexcept {
+  // A handle whose cuMemRelease fails is kept (the memory is still allocated):
+  // create_pages reuses it, close_pool and the destructor try again.
+  size_t release_handles(const uint32_t* ids, size_t count, uint8_t* failed) noexcept {
+    size_t kept = 0;
     for (size_t i = 0; i < count; ++i) {
-      if (handles_[ids[i]]) api_.cuMemRelease(handles_[ids[i]]);
-      handles_[ids[i]] = 0;
+      CUmemGenericAllocationHandle& h = handles_[ids[i]];
+      if (!h) continue;
+      if (api_.cuMemRelease(h) == CUDA_SUCCESS) {
+        h = 0;
+      } else {
+        ++kept;
+        if (failed) failed[i] = 1;
+      }
     }
+    return kept;
   }
 
   // Undoes the cuMemMap of pages [run_start, end) of an unfinished run and
@@ -330,10 +356,14 @@ ProbeData probe_device_info(const ProbeData& args) {
   char name[256] = {0};
   check("cuDeviceGetName", api.cuDeviceGetName(name, sizeof(name) - 1, dev));
   // Granularity and free memory need a context. The primary context is
-  // retained only for these two queries: a framework's reference keeps it
-  // alive; if nobody held one, the retain created it and the release destroys
-  // that same context again (the only one vattn may destroy). The caller's
-  // context stack is restored before the release.
+  // retained for these two queries: a framework's reference keeps it alive
+  // and ours is released after them. If nobody held one, the retain created
+  // it: with keep_context the reference is parked for the next backend on
+  // this device (park_primary_context: one context for "info, then a
+  // manager"), otherwise released, which destroys that same context again
+  // (the only one vattn may destroy). Either way the caller's context stack
+  // is restored: no context is left current on this thread.
+  const bool keep = probe_arg<bool>(args, "cuda.device_info", "keep_context", false);
   unsigned int flags = 0;
   int active = 0;
   check("cuDevicePrimaryCtxGetState", api.cuDevicePrimaryCtxGetState(dev, &flags, &active));
@@ -359,7 +389,11 @@ ProbeData probe_device_info(const ProbeData& args) {
       }
     }
   }
-  api.cuDevicePrimaryCtxRelease(dev);
+  const bool parked = keep && active == 0 && rc == CUDA_SUCCESS;
+  if (parked)
+    park_primary_context(api, dev);
+  else
+    api.cuDevicePrimaryCtxRelease(dev);
   check(call, rc);
   return {{"device_count", int64_t{device_count}},
           {"driver_version", int64_t{driver_version}},
@@ -367,7 +401,22 @@ ProbeData probe_device_info(const ProbeData& args) {
           {"granularity", static_cast<int64_t>(granularity)},
           {"free_bytes", static_cast<int64_t>(free_bytes)},
           {"total_bytes", static_cast<int64_t>(total_bytes)},
-          {"primary_context_active", active != 0}};  // before the query: someone held the primary context
+          {"primary_context_active", active != 0},  // before the query: someone held the primary context
+          {"context_kept", parked}};
+}
+
+// Gives back the reference device_info(keep_context=True) parked, when no
+// backend on that device took it over.
+ProbeData probe_release_context(const ProbeData& args) {
+  const std::string path = probe_arg<std::string>(args, "cuda.release_context", "driver_path", "");
+  const int64_t index = probe_arg<int64_t>(args, "cuda.release_context", "device", 0);
+  if (index < 0 || index > INT_MAX)
+    throw std::invalid_argument("cuda.release_context: device must be in [0, " + std::to_string(INT_MAX) +
+                                "], got " + std::to_string(index));
+  const DriverApi& api = load_driver(path.empty() ? default_driver_path() : path);
+  CUdevice dev = 0;
+  if (api.cuDeviceGet(&dev, static_cast<int>(index)) != CUDA_SUCCESS) return {{"released", false}};
+  return {{"released", release_parked_context(api, dev)}};
 }
 
 ProbeData probe_driver_path(const ProbeData&) { return {{"driver_path", default_driver_path()}}; }
@@ -378,7 +427,13 @@ VATTN_REGISTER_BACKEND(
     cuda, make_cuda_backend,
     {"device_info", probe_device_info,
      "device_count, driver_version, name, granularity (bytes), free_bytes, total_bytes, primary_context_active of "
-     "CUDA device `device` (default 0) through the driver library `driver_path` (default: driver_path's)",
+     "CUDA device `device` (default 0) through the driver library `driver_path` (default: driver_path's); "
+     "keep_context: a primary context this query created is kept (context_kept) for the next backend made on "
+     "the device, or until release_context, instead of being destroyed again",
+     {"driver_path", "device", "keep_context"}},
+    {"release_context", probe_release_context,
+     "released: whether a reference that device_info(keep_context=True) kept for device `device` was given "
+     "back (no backend took it over)",
      {"driver_path", "device"}},
     {"driver_path", probe_driver_path,
      "driver_path: the CUDA driver library loaded at run time ($VATTN_CUDA_DRIVER_LIB, else libcuda.so.1)", {}});

@@ -18,6 +18,61 @@ void check_device_exists(const DriverApi& api, int device) {
                              std::to_string(count) + " device(s) visible)");
 }
 
+// ---- parked references ------------------------------------------------------------
+
+namespace {
+
+struct Parked {
+  const DriverApi* api;
+  CUdevice dev;
+  uint64_t generation;  // fork_generation() when parked
+};
+std::mutex parked_mu;
+std::vector<Parked> parked;
+
+}  // namespace
+
+void park_primary_context(const DriverApi& api, CUdevice dev) noexcept {
+  {
+    std::lock_guard<std::mutex> lock(parked_mu);
+    bool mine = false;
+    for (auto it = parked.begin(); it != parked.end();) {
+      if (it->api == &api && it->dev == dev) {
+        if (it->generation == fork_generation()) mine = true;
+        if (it->generation != fork_generation()) {
+          it = parked.erase(it);  // the parent's: forgotten, never released here
+          continue;
+        }
+      }
+      ++it;
+    }
+    if (!mine) {
+      try {
+        parked.push_back(Parked{&api, dev, fork_generation()});
+        return;
+      } catch (...) {
+        // no memory for the entry: release below
+      }
+    }
+  }
+  api.cuDevicePrimaryCtxRelease(dev);  // one is parked already: the context stays alive by it
+}
+
+bool release_parked_context(const DriverApi& api, CUdevice dev) noexcept {
+  bool release = false;
+  {
+    std::lock_guard<std::mutex> lock(parked_mu);
+    for (auto it = parked.begin(); it != parked.end(); ++it)
+      if (it->api == &api && it->dev == dev) {
+        release = it->generation == fork_generation();
+        parked.erase(it);
+        break;
+      }
+  }
+  if (release) api.cuDevicePrimaryCtxRelease(dev);
+  return release;
+}
+
 // ---- PrimaryContext --------------------------------------------------------------
 
 PrimaryContext::PrimaryContext(const DriverApi& api, int device) : api_(api) {
@@ -25,6 +80,7 @@ PrimaryContext::PrimaryContext(const DriverApi& api, int device) : api_(api) {
   if (rc != CUDA_SUCCESS) throw DriverError("cuDeviceGet", error_name(api_, rc));
   rc = api_.cuDevicePrimaryCtxRetain(&ctx_, dev_);
   if (rc != CUDA_SUCCESS) throw DriverError("cuDevicePrimaryCtxRetain", error_name(api_, rc));
+  release_parked_context(api_, dev_);  // ours keeps the context now
 }
 
 PrimaryContext::~PrimaryContext() {
@@ -37,6 +93,11 @@ PrimaryContext::~PrimaryContext() {
 
 void DriverGate::enter(bool may_throw) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (may_throw && captures_ > 0 && !suspended_)
+    throw DriverError("CUDA graph capture",
+                      "a CUDA graph is being captured in this process (torch.cuda.CUDAGraph.capture_begin); "
+                      "vattn calls that reach the CUDA driver fail until capture_end: map what the capture "
+                      "reads before it (step first)");
   if (suspended_ && may_throw) {
     if (owner_ == std::this_thread::get_id())
       throw DriverError("graph_capture",
@@ -58,7 +119,19 @@ void DriverGate::leave() noexcept {
 
 bool DriverGate::suspended() {
   std::lock_guard<std::mutex> lock(mu_);
-  return suspended_;
+  return closed_locked();
+}
+
+void DriverGate::capture_begin() {
+  std::unique_lock<std::mutex> lock(mu_);
+  ++captures_;
+  idle_.wait(lock, [&] { return active_ == 0; });
+}
+
+void DriverGate::capture_end() noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (captures_ > 0) --captures_;
+  idle_.notify_all();
 }
 
 void DriverGate::suspend() {

@@ -29,7 +29,11 @@
 //   first) makes every entry point that maps, unmaps, creates or waits throw
 //   DriverError until resume(), on every thread: a call never blocks there,
 //   since its caller may hold the page manager's lock the capturing thread
-//   needs. Releases and teardown still go through (QuietCall).
+//   needs. Releases and teardown still go through (QuietCall). A capture
+//   that a framework begins outside graph_capture() closes the same gate
+//   (capture_begin/capture_end, counted: vattn's hook on
+//   torch.cuda.CUDAGraph, which also keeps the page manager's background
+//   threads from starting driver work meanwhile).
 #pragma once
 
 #include <atomic>
@@ -52,6 +56,18 @@ namespace cu {
 
 // Throws BackendUnavailable unless `device` is one of the devices the driver sees.
 void check_device_exists(const DriverApi& api, int device);
+
+// The device info probe's reference to a primary context that its retain
+// created (nobody held one): parked here, instead of destroying the context
+// again, for the next CUDA backend on that device, so that "device info, then
+// a manager" creates one context. The backend retains its own reference (the
+// parked one keeps the context alive, so that creates nothing) and then
+// drops the parked one. At most one parked reference per device; a reference
+// parked in a parent process is never released in a fork() child.
+// park: keeps the caller's reference (releases it when one is parked already).
+void park_primary_context(const DriverApi& api, CUdevice dev) noexcept;
+// Releases the parked reference of `dev`, if any; whether there was one.
+bool release_parked_context(const DriverApi& api, CUdevice dev) noexcept;
 
 // A reference to `device`'s primary context for the owner's life.
 class PrimaryContext {
@@ -84,11 +100,18 @@ class DriverGate {
   // Waits for the calls under way to finish; later ones fail until resume().
   void suspend();
   void resume() noexcept;
+  // A capture outside suspend()/resume() (a framework's, seen by vattn's
+  // hook): counted, may nest and overlap a suspend(). Begin waits for the
+  // calls under way.
+  void capture_begin();
+  void capture_end() noexcept;
 
  private:
+  bool closed_locked() const { return suspended_ || captures_ > 0; }
   std::mutex mu_;
   std::condition_variable idle_;
   bool suspended_ = false;
+  size_t captures_ = 0;
   std::thread::id owner_;
   size_t active_ = 0;
 };
@@ -144,6 +167,8 @@ class CudaSync {
   void set_streams(const std::vector<uintptr_t>& streams);
   void suspend() { gate_.suspend(); }
   void resume() noexcept { gate_.resume(); }
+  void capture_begin() { gate_.capture_begin(); }
+  void capture_end() noexcept { gate_.capture_end(); }
 
   // (name, value) pairs: how waits are done and how often (for facts()).
   void add_facts(std::vector<std::pair<std::string, std::string>>& out) const;

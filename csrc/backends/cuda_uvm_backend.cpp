@@ -270,14 +270,16 @@ class CudaUvmBackend final : public VmmBackend {
   void create_pages(const uint32_t* ids, size_t count) override {
     check_open();
     CudaSync::Call call(sync_, CudaSync::Scope::kGateOnly);
+    std::vector<uint32_t> made;  // the pages this call created (not those kept after a failed release)
     for (size_t i = 0; i < count; ++i) {
+      if (handles_[ids[i]]) continue;  // its release failed: the memory is still ours
       VATTN_UVM_CREATE_PARAMS p{};
       std::memcpy(p.gpuUuid, uuid_, sizeof(p.gpuUuid));
       p.pageSize = page_size_;
       int rc = uvm_ioctl(fd_, VATTN_UVM_CREATE, &p);
       if (rc != 0 || p.rmStatus != VATTN_UVM_STATUS_OK || p.handle == 0) {
         int err = errno;
-        release_pages(ids, i);
+        for (uint32_t id : made) release_handle(handles_[id]);
         if (rc != 0) throw_errno("ioctl(VATTN_UVM_CREATE)", err);
         if (p.rmStatus == VATTN_UVM_STATUS_OK) throw DriverError("VATTN_UVM_CREATE", "the module returned handle 0");
         if (p.rmStatus == VATTN_UVM_STATUS_NO_MEMORY)
@@ -285,13 +287,21 @@ class CudaUvmBackend final : public VmmBackend {
         throw DriverError("VATTN_UVM_CREATE", uvm_status_name(p.rmStatus));
       }
       handles_[ids[i]] = p.handle;
+      made.push_back(ids[i]);
     }
   }
 
-  void release_pages(const uint32_t* ids, size_t count) noexcept override {
-    if (forked_ || fd_ < 0) return;
+  size_t release_pages(const uint32_t* ids, size_t count, uint8_t* failed = nullptr) noexcept override {
+    if (failed) std::fill(failed, failed + count, uint8_t{0});
+    if (forked_ || fd_ < 0) return 0;  // the parent's pages, or the descriptor (and its pages) gone
     CudaSync::QuietCall call(sync_, CudaSync::Scope::kGateOnly);
-    for (size_t i = 0; i < count; ++i) release_handle(handles_[ids[i]]);
+    size_t kept = 0;
+    for (size_t i = 0; i < count; ++i)
+      if (!release_handle(handles_[ids[i]])) {
+        ++kept;
+        if (failed) failed[i] = 1;
+      }
+    return kept;
   }
 
   void map(const PageMapping* mappings, size_t count, size_t* done) override {
@@ -353,6 +363,8 @@ class CudaUvmBackend final : public VmmBackend {
   void set_sync_streams(const std::vector<uintptr_t>& streams) override { sync_.set_streams(streams); }
   void suspend_driver_calls() override { sync_.suspend(); }
   void resume_driver_calls() override { sync_.resume(); }
+  void capture_begin() override { sync_.capture_begin(); }
+  void capture_end() noexcept override { sync_.capture_end(); }
 
   std::vector<std::pair<std::string, std::string>> facts() const override {
     std::vector<std::pair<std::string, std::string>> out;
@@ -419,12 +431,15 @@ class CudaUvmBackend final : public VmmBackend {
     return (bytes + g - 1) / g * g;
   }
 
-  void release_handle(uint64_t& handle) noexcept {
-    if (!handle) return;
+  // False when the module refused: the handle is kept (its memory is still
+  // allocated), for create_pages to reuse and close_pool to try again.
+  bool release_handle(uint64_t& handle) noexcept {
+    if (!handle) return true;
     VATTN_UVM_RELEASE_PARAMS p{};
     p.handle = handle;
-    uvm_ioctl(fd_, VATTN_UVM_RELEASE, &p);
+    if (uvm_ioctl(fd_, VATTN_UVM_RELEASE, &p) != 0 || p.rmStatus != VATTN_UVM_STATUS_OK) return false;
     handle = 0;
+    return true;
   }
 
   // Our duplicate keeps the CUDA driver's VA space alive; once the pool is

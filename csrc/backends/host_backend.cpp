@@ -17,6 +17,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -133,11 +134,20 @@ class HostBackend final : public VmmBackend {
     }
   }
 
-  void release_pages(const uint32_t* ids, size_t count) noexcept override {
-    if (!pool_ || pool_->fd() < 0) return;
-    for (size_t i = 0; i < count; ++i)
-      fallocate(pool_->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset(ids[i]),
-                static_cast<off_t>(page_size_));
+  size_t release_pages(const uint32_t* ids, size_t count, uint8_t* failed = nullptr) noexcept override {
+    if (failed) std::fill(failed, failed + count, uint8_t{0});
+    if (!pool_ || pool_->fd() < 0) return 0;  // the pool is gone, and its memory with it
+    size_t kept = 0;
+    for (size_t i = 0; i < count; ++i) {
+      // A page whose hole punch fails keeps its memory; a later fallocate of
+      // it (create_pages) finds it committed already.
+      if (fallocate(pool_->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset(ids[i]),
+                    static_cast<off_t>(page_size_)) != 0) {
+        ++kept;
+        if (failed) failed[i] = 1;
+      }
+    }
+    return kept;
   }
 
   void map(const PageMapping* mappings, size_t count, size_t* done) override {

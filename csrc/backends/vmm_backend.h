@@ -52,12 +52,18 @@ class VmmBackend {
   // Returns false when the range could not be freed. Never throws.
   virtual bool free_reservation(uintptr_t base, size_t bytes) noexcept = 0;
 
-  // Creates (commits) the physical pages `ids`. On failure the pages created
-  // by this call are released again, then it throws.
+  // Creates (commits) the physical pages `ids`; a page still held after a
+  // failed release is kept as it is. On failure the pages created by this
+  // call are released again, then it throws.
   virtual void create_pages(const uint32_t* ids, size_t count) = 0;
   // Releases created physical pages (mappings that remain keep the memory
-  // until they go). Never throws.
-  virtual void release_pages(const uint32_t* ids, size_t count) noexcept = 0;
+  // until they go). Returns how many pages' memory did not go back (the
+  // driver or the OS refused the release: host, the hole punch; CUDA,
+  // cuMemRelease; cuda_uvm, VATTN_UVM_RELEASE); with `failed` not null,
+  // failed[i] is 1 for each such page and 0 for the others. A page whose
+  // release failed is still created: a later create_pages of it keeps that
+  // memory (no second allocation), and close_pool tries again. Never throws.
+  virtual size_t release_pages(const uint32_t* ids, size_t count, uint8_t* failed = nullptr) noexcept = 0;
 
   // Maps each page at its address (unmapped before), readable and writable, in
   // order. Sets *done to the number of leading entries now mapped: count on
@@ -112,6 +118,12 @@ class VmmBackend {
   // cuda_sync.h.
   virtual void suspend_driver_calls() {}
   virtual void resume_driver_calls() {}
+  // A CUDA graph capture began (or ended) somewhere in this process, outside
+  // graph_capture() (vattn's hook on torch.cuda.CUDAGraph): the same gate as
+  // suspend_driver_calls, counted, so captures may nest and overlap
+  // graph_capture(). Begin waits for the calls under way.
+  virtual void capture_begin() {}
+  virtual void capture_end() noexcept {}
   // What the backend learned about its driver at run time, as (name, value)
   // pairs, for diagnostics and benchmark records.
   virtual std::vector<std::pair<std::string, std::string>> facts() const { return {}; }

@@ -80,6 +80,8 @@ PageManager::PageManager(std::shared_ptr<VmmBackend> backend, const PageManagerC
   memory_ = std::make_shared<CacheMemory>(backend_, config_.num_buffers * buffer_bytes());
   base_ = memory_->base();
   reqid_reads_.assign(config_.num_reqids, VmmBackend::kNoReads);
+  unreleased_.reset(new std::atomic<uint8_t>[num_ids_]);
+  for (size_t id = 0; id < num_ids_; ++id) unreleased_[id].store(0, std::memory_order_relaxed);
   if (budget.member) {
     budget_ = std::make_shared<PageBudget>(budget.member, static_cast<uint64_t>(page_size_) * config_.num_buffers);
     // The share ends with the pages: at teardown, which a tensor view may delay past close().
@@ -458,7 +460,9 @@ PageStats PageManager::stats() const {
   check_process();
   Lock lock(sync_->mu);
   check_open();
-  return table_.stats();
+  PageStats out = table_.stats();
+  out.pages_unreleased = unreleased_ids_.load() * config_.num_buffers;
+  return out;
 }
 
 std::vector<TableEntry> PageManager::table() const {
@@ -486,9 +490,11 @@ std::string PageManager::check_invariants() {
   sync_->batch_done.wait(lock, [&] { return !inflight_; });
   std::string problem = table_.check_invariants();
   const size_t created_ids = table_.stats().pages_created / config_.num_buffers;
-  if (problem.empty() && budget_ && budget_->charged_ids() != created_ids)
+  const size_t unreleased = unreleased_ids_.load();  // uncreated in the table, their memory still held
+  if (problem.empty() && budget_ && budget_->charged_ids() != created_ids + unreleased)
     problem = "the budget is charged for " + std::to_string(budget_->charged_ids()) + " page ids, " +
-              std::to_string(created_ids) + " are created";
+              std::to_string(created_ids) + " are created and " + std::to_string(unreleased) +
+              " kept after a failed release";
   return problem;
 }
 

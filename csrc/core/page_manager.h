@@ -66,6 +66,7 @@
 #pragma once
 
 #include <chrono>
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -216,6 +217,12 @@ class PageManager {
   // starting another until pause_mapper(false) (a CUDA graph capture); throws
   // std::logic_error when already paused.
   void pause_mapper(bool paused);
+  // A CUDA graph capture in this process began (true) or ended (false):
+  // counted, so captures may nest and overlap graph_capture(). While any is
+  // in progress neither the mapper nor the keeper starts driver work (their
+  // work waits, it does not fail); beginning waits for the mapper's batch in
+  // flight and the keeper's release under way.
+  void pause_for_capture(bool begin);
   // Throws ForkedError / ClosedError unless the manager can act.
   void check_usable() const;
 
@@ -301,6 +308,9 @@ class PageManager {
     return static_cast<uint32_t>(buffer * num_ids_ + id);
   }
   void wait_for_batch(Lock& lock);  // then check_open()
+  // Neither the mapper nor the keeper may start driver work (caller holds mu):
+  // graph_capture(), or a CUDA graph capture anywhere in the process.
+  bool background_paused() const { return paused_ || capture_pauses_ > 0; }
 
   // ---- driver work on the caller's thread (caller holds mu) ----
   // Creates the pages of `ids` in every buffer, charged to the budget first.
@@ -309,7 +319,11 @@ class PageManager {
   // a caller needs them now (a refusal is recorded as a wait, and counted:
   // the caller holds mu). The mapper calls it without mu and demand false.
   void create_ids(const std::vector<uint32_t>& ids, bool demand);
-  void release_ids(const std::vector<uint32_t>& ids);  // backend release, then uncharge
+  // Backend release, then uncharge the ids whose pages all went back. An id
+  // with a page whose release failed stays uncreated in the table (its
+  // contents count as gone) but charged: its pages still hold memory, which
+  // the next create_ids of it reuses without a second charge.
+  void release_ids(const std::vector<uint32_t>& ids);
   std::vector<PageMapping> mappings_for(const std::vector<MapJob>& jobs) const;
   // Commits the jobs covered by the first `done` mappings, undoes the rest
   // (orphaning what cannot be undone), returns fresh ids to the pool.
@@ -385,6 +399,13 @@ class PageManager {
   uint64_t last_step_ns_ = 0;         // steady clock of the last step (budget only)
   bool idle_released_ = false;        // idle past idle_release_s: free pages go back, no speculative ones until a step
   std::vector<uint64_t> reported_;    // what the keeper last reported (a signature of the state)
+  size_t capture_pauses_ = 0;         // CUDA graph captures in progress (pause_for_capture)
+
+  // Ids with a page whose release failed (still charged, still holding
+  // memory); read by create_ids on the mapper thread without mu, written under
+  // mu or by create_ids for its own in-flight ids: one id is never both.
+  std::unique_ptr<std::atomic<uint8_t>[]> unreleased_;
+  std::atomic<size_t> unreleased_ids_{0};
 };
 
 }  // namespace vattn

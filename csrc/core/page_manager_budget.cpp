@@ -190,8 +190,9 @@ void PageManager::keeper_tick(Lock& lock) {
     idle_released_ = true;  // until the next step: no speculative pages
     want = SIZE_MAX;        // pages freed later in the idle spell go too
   }
-  // While a CUDA graph is captured nothing may reach the driver.
-  if (want > 0 && !paused_ && has_idle_pages_locked() && shed_locked(lock, want) > 0) {
+  // While a CUDA graph is captured nothing may reach the driver: the release
+  // waits for the next tick after the capture.
+  if (want > 0 && !background_paused() && has_idle_pages_locked() && shed_locked(lock, want) > 0) {
     work_epoch_++;
     sync_->wake.notify_one();
   }

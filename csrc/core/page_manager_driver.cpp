@@ -20,36 +20,64 @@ void PageManager::create_ids(const std::vector<uint32_t>& ids, bool demand) {
     return OutOfPages("cannot create " + std::to_string(ids.size() * nb) + " page(s) of " +
                       std::to_string(page_size_) + " bytes now: " + why);
   };
-  if (budget_ && !budget_->charge(ids.size(), demand))
+  // Ids whose release failed are still charged (their pages still hold
+  // memory, which the backend reuses): only the others are charged now.
+  size_t kept = 0;
+  for (uint32_t id : ids) kept += unreleased_[id].load(std::memory_order_acquire) != 0;
+  const size_t charge = ids.size() - kept;
+  if (budget_ && charge > 0 && !budget_->charge(charge, demand))
     throw refused("the " + budget_->describe() + " cannot grant " +
-                  std::to_string(ids.size() * budget_->id_bytes()) + " more bytes");
+                  std::to_string(charge * budget_->id_bytes()) + " more bytes");
   std::vector<uint32_t> pages;
   pages.reserve(ids.size() * nb);
   for (size_t b = 0; b < nb; ++b)
     for (uint32_t id : ids) pages.push_back(physical(b, id));
   try {
-    backend_->create_pages(pages.data(), pages.size());  // all or nothing
+    backend_->create_pages(pages.data(), pages.size());  // all or nothing (kept pages stay kept)
   } catch (const OutOfMemory& e) {
-    if (budget_) {
-      budget_->uncharge(ids.size());
+    if (budget_ && charge > 0) {
+      budget_->uncharge(charge);
       budget_->rearm_wait();  // a wait after this must not end at once on the uncharge just made
     }
     throw refused(std::string("the ") + (backend_->dl_device().device_type == kDLCPU ? "host" : "device") +
                   " has no memory left for them (" + e.what() + ")");
   } catch (...) {
-    if (budget_) budget_->uncharge(ids.size());
+    if (budget_ && charge > 0) budget_->uncharge(charge);
     throw;
+  }
+  if (kept > 0) {
+    for (uint32_t id : ids) unreleased_[id].store(0, std::memory_order_release);
+    unreleased_ids_ -= kept;
   }
 }
 
 void PageManager::release_ids(const std::vector<uint32_t>& ids) {
+  if (ids.empty()) return;
+  const size_t nb = config_.num_buffers;
   std::vector<uint32_t> pages;
-  pages.reserve(ids.size() * config_.num_buffers);
-  for (size_t b = 0; b < config_.num_buffers; ++b)
+  pages.reserve(ids.size() * nb);
+  for (size_t b = 0; b < nb; ++b)
     for (uint32_t id : ids) pages.push_back(physical(b, id));
-  backend_->release_pages(pages.data(), pages.size());  // never throws; the memory is the OS's (device's) again
-  if (budget_) budget_->uncharge(ids.size());
-  table_.counters().pages_released += pages.size();
+  std::vector<uint8_t> failed(pages.size(), 0);
+  const size_t refused = backend_->release_pages(pages.data(), pages.size(), failed.data());  // never throws
+  PageStats& stats = table_.counters();
+  stats.pages_released += pages.size() - refused;
+  stats.pages_release_failed += refused;
+  // The budget counts memory: an id is uncharged only when every one of its
+  // pages went back. The others stay charged and marked; the table has them
+  // uncreated either way (what they held is gone for the cache).
+  size_t gone = ids.size();
+  if (refused > 0) {
+    for (size_t k = 0; k < ids.size(); ++k) {
+      bool held = false;
+      for (size_t b = 0; b < nb; ++b) held = held || failed[b * ids.size() + k];
+      if (held && !unreleased_[ids[k]].exchange(1, std::memory_order_acq_rel)) {
+        ++unreleased_ids_;
+        --gone;
+      }
+    }
+  }
+  if (budget_ && gone > 0) budget_->uncharge(gone);
 }
 
 // ---- mapping ----------------------------------------------------------------------------

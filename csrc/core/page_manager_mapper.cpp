@@ -98,12 +98,12 @@ void PageManager::mapper_loop() {
   while (true) {
     mapper_idle_ = true;
     sync_->batch_done.notify_all();
-    sync_->wake.wait(lock, [&] { return stop_ || (!paused_ && work_epoch_ != mapper_seen_epoch_); });
+    sync_->wake.wait(lock, [&] { return stop_ || (!background_paused() && work_epoch_ != mapper_seen_epoch_); });
     if (stop_) break;
     mapper_idle_ = false;
     mapper_seen_epoch_ = work_epoch_;
     table_.counters().mapper_wakeups++;
-    while (!stop_ && !mapper_error_ && !paused_) {
+    while (!stop_ && !mapper_error_ && !background_paused()) {
       Batch batch = plan_batch();
       if (batch.empty()) break;
       inflight_ = true;
@@ -130,7 +130,7 @@ void PageManager::wait_idle() {
   Lock lock(sync_->mu);
   if (!policy_.background) return;
   sync_->batch_done.wait(lock, [&] {
-    return stop_ || (!inflight_ && (paused_ || (mapper_idle_ && mapper_seen_epoch_ == work_epoch_)));
+    return stop_ || (!inflight_ && (background_paused() || (mapper_idle_ && mapper_seen_epoch_ == work_epoch_)));
   });
 }
 
@@ -145,6 +145,22 @@ void PageManager::pause_mapper(bool paused) {
   } else {
     work_epoch_++;  // plan again: work may have come, or been cut short, while paused
     sync_->wake.notify_one();
+  }
+}
+
+void PageManager::pause_for_capture(bool begin) {
+  check_process();
+  Lock lock(sync_->mu);
+  if (begin) {
+    ++capture_pauses_;
+    // The keeper's releases run under mu, so holding it here means none is
+    // under way; the mapper's batch runs without mu: wait for it to land.
+    sync_->batch_done.wait(lock, [&] { return !inflight_; });
+  } else if (capture_pauses_ > 0) {
+    if (--capture_pauses_ == 0) {
+      work_epoch_++;  // the work deferred during the capture
+      sync_->wake.notify_one();
+    }
   }
 }
 

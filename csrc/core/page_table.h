@@ -62,6 +62,10 @@ struct PageStats {
   uint64_t mapper_errors = 0;    // caller
   uint64_t step_wait_ns = 0;     // caller: time steps spent waiting for an in-flight mapper batch
   uint64_t pages_released = 0;   // caller: created pages released again (given back to a budget)
+  uint64_t pages_release_failed = 0;  // caller: releases the driver or OS refused (the memory stayed)
+  // caller: pages whose release failed, still held: their ids stay uncreated in
+  // the table and charged to the budget until created again (which reuses them)
+  size_t pages_unreleased = 0;
   uint64_t creations_refused = 0;  // caller: page creations a budget refused or the device had no memory for
   // Times a reqid lost positions or was released: while it stands still, every
   // check that a batch's rows are mapped still holds (kernels check it per layer).

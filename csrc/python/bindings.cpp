@@ -237,6 +237,8 @@ py::dict stats_dict(const PageStats& s, size_t page_size) {
   d["step_wait_us"] = static_cast<double>(s.step_wait_ns) / 1e3;
   d["pages_free_low"] = s.pages_free_low;
   d["pages_released"] = s.pages_released;
+  d["pages_release_failed"] = s.pages_release_failed;
+  d["pages_unreleased"] = s.pages_unreleased;
   d["creations_refused"] = s.creations_refused;
   return d;
 }
@@ -331,8 +333,15 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("create_pages", on_page_range(&VmmBackend::create_pages), py::arg("first"),
            py::arg("count"), "Create pages [first, first + count).")
-      .def("release_pages", on_page_range(&VmmBackend::release_pages), py::arg("first"),
-           py::arg("count"), "Release pages [first, first + count).")
+      .def(
+          "release_pages",
+          [](VmmBackend& b, uint32_t first, uint32_t count) {
+            auto ids = page_range(b, first, count);
+            py::gil_scoped_release release;
+            return b.release_pages(ids.data(), ids.size());
+          },
+          py::arg("first"), py::arg("count"),
+          "Release pages [first, first + count); returns how many kept their memory (the release failed).")
       .def(
           "map",
           [](VmmBackend& b, const std::vector<std::pair<uintptr_t, uint32_t>>& pairs) {
@@ -366,6 +375,10 @@ PYBIND11_MODULE(_C, m) {
       // Blocks until the other threads' driver calls under way are done.
       .def("suspend_driver_calls", &VmmBackend::suspend_driver_calls, py::call_guard<py::gil_scoped_release>())
       .def("resume_driver_calls", &VmmBackend::resume_driver_calls)
+      .def("capture_begin", &VmmBackend::capture_begin, py::call_guard<py::gil_scoped_release>(),
+           "A CUDA graph capture began in this process: calls that reach the driver fail until "
+           "capture_end (counted). Waits for the calls under way.")
+      .def("capture_end", &VmmBackend::capture_end)
       .def_property_readonly(
           "facts",
           [](const VmmBackend& b) {
@@ -447,6 +460,10 @@ PYBIND11_MODULE(_C, m) {
           "The policy the manager runs with (a copy: it is fixed at construction).")
       .def("pause_mapper", &PageManager::pause_mapper, py::arg("paused"),
            py::call_guard<py::gil_scoped_release>())  // waits for the batch in flight
+      .def("pause_for_capture", &PageManager::pause_for_capture, py::arg("begin"),
+           py::call_guard<py::gil_scoped_release>(),
+           "A CUDA graph capture in this process began (True; waits for the batch in flight) or ended "
+           "(False): counted; meanwhile the mapper and the keeper start no driver work.")
       .def("wait_idle", &PageManager::wait_idle, py::call_guard<py::gil_scoped_release>(),
            "Block until the background mapper has nothing left to do.")
       .def("alloc_reqid", &PageManager::alloc_reqid, py::arg("prompt_tokens") = -1,

@@ -16,7 +16,8 @@ namespace vattn {
 
 const std::vector<std::string>& FaultPlan::calls() {
   static const std::vector<std::string> names = {
-      "reserve", "free_reservation", "create_pages", "map", "unmap", "copy", "synchronize", "wait_reads",
+      "reserve", "free_reservation", "create_pages", "release_pages", "map", "unmap", "copy", "synchronize",
+      "wait_reads",
       "memfd_create", "ftruncate", "mmap_unmap", "fallocate"};
   return names;
 }
@@ -91,6 +92,19 @@ void FaultInjectingBackend::create_pages(const uint32_t* ids, size_t count) {
       throw;
     }
   }
+}
+
+size_t FaultInjectingBackend::release_pages(const uint32_t* ids, size_t count, uint8_t* failed) noexcept {
+  // One page per call: a page whose injected failure comes keeps its memory
+  // in the inner backend, as after a failed hole punch (created there still).
+  size_t kept = 0;
+  for (size_t i = 0; i < count; ++i) {
+    int err = 0;
+    bool refused = plan_->fails("release_pages", &err) || inner_->release_pages(ids + i, 1) != 0;
+    if (failed) failed[i] = refused ? 1 : 0;
+    kept += refused;
+  }
+  return kept;
 }
 
 void FaultInjectingBackend::map(const PageMapping* mappings, size_t count, size_t* done) {

@@ -5,7 +5,8 @@
 //   granularity of the host backend's own system calls: one page of
 //   create_pages (one fallocate), one run of map (consecutive addresses
 //   backed by consecutive pages: one mmap) or of unmap (consecutive
-//   addresses), so a failure part-way through a batch leaves exactly the
+//   addresses), one page of release_pages (one hole punch: the page keeps
+//   its memory), so a failure part-way through a batch leaves exactly the
 //   pages before it mapped, as the host backend's own failure would.
 // - FaultyHostCalls fails the system calls inside one host operation that
 //   the host backend recovers from itself (host_backend.h: creating the pool,
@@ -73,7 +74,7 @@ class FaultInjectingBackend final : public VmmBackend {
   uintptr_t reserve(size_t bytes) override;
   bool free_reservation(uintptr_t base, size_t bytes) noexcept override;
   void create_pages(const uint32_t* ids, size_t count) override;
-  void release_pages(const uint32_t* ids, size_t count) noexcept override { inner_->release_pages(ids, count); }
+  size_t release_pages(const uint32_t* ids, size_t count, uint8_t* failed = nullptr) noexcept override;
   void map(const PageMapping* mappings, size_t count, size_t* done) override;
   void unmap(const uintptr_t* addrs, size_t count, size_t* done) override;
   void copy(uintptr_t dst, uintptr_t src, size_t bytes) override;
@@ -84,6 +85,8 @@ class FaultInjectingBackend final : public VmmBackend {
   void set_sync_streams(const std::vector<uintptr_t>& streams) override { inner_->set_sync_streams(streams); }
   void suspend_driver_calls() override { inner_->suspend_driver_calls(); }
   void resume_driver_calls() override { inner_->resume_driver_calls(); }
+  void capture_begin() override { inner_->capture_begin(); }
+  void capture_end() noexcept override { inner_->capture_end(); }
   std::vector<std::pair<std::string, std::string>> facts() const override { return inner_->facts(); }
   void detach_after_fork(uintptr_t base, size_t bytes) noexcept override { inner_->detach_after_fork(base, bytes); }
 

@@ -203,8 +203,9 @@ BINDINGS = ROOT / "csrc" / "python" / "bindings.cpp"
 def test_each_backend_registers_its_probes_with_itself():
     probes = _C.backend_probes()
     assert {name: sorted(p) for name, p in probes.items() if name in ("host", "cuda", "cuda_uvm")} == {
-        "host": ["granularity"], "cuda": ["device_info", "driver_path"], "cuda_uvm": ["abi", "patch_info"]}
-    assert probes["cuda"]["device_info"]["args"] == ["driver_path", "device"]
+        "host": ["granularity"], "cuda": ["device_info", "driver_path", "release_context"],
+        "cuda_uvm": ["abi", "patch_info"]}
+    assert probes["cuda"]["device_info"]["args"] == ["driver_path", "device", "keep_context"]
     assert all(p["doc"] for backend in probes.values() for p in backend.values())
     assert _C.backend_probe("host", "granularity") == {"granularity": os.sysconf("SC_PAGE_SIZE")}
     assert vattn.backends.host_granularity() == os.sysconf("SC_PAGE_SIZE")

@@ -30,9 +30,35 @@ def cuda_driver_path() -> str:
     return _C.backend_probe("cuda", "driver_path")["driver_path"]
 
 
-def cuda_info(device_index: int, driver_path: str | None = None) -> dict[str, Any]:
-    """Device name, granularity and memory; raises BackendUnavailable without a GPU."""
-    return _C.backend_probe("cuda", "device_info", driver_path=driver_path or "", device=device_index)
+def cuda_info(device_index: int, driver_path: str | None = None, keep_context: bool = False) -> dict[str, Any]:
+    """Device name, granularity and memory; raises BackendUnavailable without a GPU.
+
+    The queries need the device's primary context; no context is left current
+    on the calling thread afterwards. If someone holds the primary context
+    (torch, once it has initialised CUDA) the query only borrows it. If nobody
+    does, the query creates it, and then:
+
+    - ``keep_context=False`` (the default): destroys it again before
+      returning; nothing is left behind.
+    - ``keep_context=True``: keeps its reference (``context_kept`` in the
+      answer) for the next cuda or cuda_uvm backend made on this device in this
+      process, which takes it over, so that "device info, then a manager"
+      creates one context, not two. Whoever asks for this must build that
+      backend or give the reference back with :func:`release_cuda_context`;
+      otherwise the context lives until the process ends. Resolving a backend
+      for a manager does this (its defaults carry the release, which
+      ``resolve_backend`` calls when it fails and ``BackendSpec.make`` after
+      building).
+    """
+    return _C.backend_probe("cuda", "device_info", driver_path=driver_path or "", device=device_index,
+                            keep_context=keep_context)
+
+
+def release_cuda_context(device_index: int, driver_path: str | None = None) -> bool:
+    """Gives back the primary context reference that ``cuda_info(keep_context=True)``
+    kept for ``device_index`` when no backend took it over (destroying the
+    context if nobody else holds it). Whether there was one."""
+    return _C.backend_probe("cuda", "release_context", driver_path=driver_path or "", device=device_index)["released"]
 
 
 def uvm_patch_info() -> dict[str, Any]:
@@ -54,15 +80,26 @@ def _device_defaults(wanted: str | None, device_index: int, page_size: int | Non
     """Defaults on the device for the backend ``wanted`` ("cuda", "cuda_uvm",
     or None: whichever serves ``page_size``, named in ``handover``)."""
     driver_path = cuda_driver_path()
-    info = cuda_info(device_index, driver_path)
-    granularity = info["granularity"]
-    budget = int(info["free_bytes"] * CUDA_BUDGET_FRACTION)
-    chosen = _choose(wanted, page_size, granularity)
+    # A context this query creates is kept for the backend built next (one
+    # context, not two); it goes back if no backend follows.
+    info = cuda_info(device_index, driver_path, keep_context=True)
+
+    def release() -> None:
+        release_cuda_context(device_index, driver_path)
+
+    try:
+        granularity = info["granularity"]
+        budget = int(info["free_bytes"] * CUDA_BUDGET_FRACTION)
+        chosen = _choose(wanted, page_size, granularity)
+    except BaseException:
+        release()
+        raise
     if chosen == "cuda_uvm":
         return BackendDefaults(granularity=UVM_PAGE_SIZES[0], page_size=CUDA_UVM_DEFAULT_PAGE_SIZE, budget=budget,
                                page_sizes=UVM_PAGE_SIZES, driver_path=driver_path,
-                               handover="cuda_uvm" if wanted is None else None)
-    return BackendDefaults(granularity=granularity, page_size=granularity, budget=budget, driver_path=driver_path)
+                               handover="cuda_uvm" if wanted is None else None, release=release)
+    return BackendDefaults(granularity=granularity, page_size=granularity, budget=budget, driver_path=driver_path,
+                           release=release)
 
 
 def _choose(wanted: str | None, page_size: int | None, granularity: int) -> str:

@@ -37,10 +37,17 @@ class BackendSpec:
     page_size: int  # bytes per physical page
     num_pages: int  # physical pool capacity in pages
     driver_path: str | None = None  # the driver library the backend loads, if any
+    # What the defaults' query kept for this backend (BackendDefaults.release):
+    # given back once make() has built it, or failed to.
+    release: Callable[[], None] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def make(self) -> Any:
         """The C++ ``VmmBackend`` (a ``vattn._C.VmmBackend``) from the registry's factory."""
-        return get_backend(self.name).factory(self)
+        try:
+            return get_backend(self.name).factory(self)
+        finally:
+            if self.release is not None:
+                self.release()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +62,10 @@ class BackendDefaults:
     max_reservation_why: str = "the address space vattn reserves at most"  # names the limit in errors
     driver_path: str | None = None  # the driver library the factory loads, if any
     handover: str | None = None  # automatic choice only: another backend of the device serves this page size
+    # Gives back what the query kept for the backend built next (a CUDA primary
+    # context); called by resolve_backend when it fails after the query, and by
+    # the factory after the build. None: nothing kept.
+    release: Callable[[], None] | None = None
 
 
 # (device_index, page_size or None, automatic) -> defaults. ``automatic``: the

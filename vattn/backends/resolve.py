@@ -3,6 +3,8 @@ checked against what the registered backend offers on the device."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from vattn.common.config import KVCacheConfig
 from .registry import MAX_RESERVATION_BYTES, BackendDefaults, BackendSpec, backend_names, default_backend, get_backend
 
@@ -46,6 +48,18 @@ def resolve_backend(
         raise TypeError(f"page_size must be an int number of bytes or None, got {type(page_size).__name__}")
     page_size = None if page_size is None else int(page_size)
     defaults = entry.defaults(device_index, page_size, backend is None)
+    try:
+        return _resolve_with(defaults, entry, backend, device_index, config, page_size, physical_memory,
+                             external_ids)
+    except BaseException:
+        if defaults.release is not None:  # no backend follows: what the query kept goes back
+            defaults.release()
+        raise
+
+
+def _resolve_with(defaults: BackendDefaults, entry: Any, backend: str | None, device_index: int,
+                  config: KVCacheConfig, page_size: int | None, physical_memory: int | None,
+                  external_ids: bool) -> BackendSpec:
     if backend is None and defaults.handover is not None:
         entry = get_backend(defaults.handover)
 
@@ -83,6 +97,7 @@ def resolve_backend(
         page_size=page_size,
         num_pages=pool_pages(config, page_size, budget, capped=not external_ids or physical_memory is None),
         driver_path=defaults.driver_path,
+        release=defaults.release,
     )
 
 

@@ -5,10 +5,117 @@ fences before unmapping) and CUDA graph capture. A mixin of
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from vattn.common.argument_checks import stream_handles as _stream_handles
+
+# ---- CUDA graph captures anywhere in the process ---------------------------------
+#
+# A framework captures graphs with torch.cuda.CUDAGraph (torch.cuda.graph, vLLM,
+# ...) without telling vattn. While any capture is in progress no manager's
+# background threads (the mapper, the budget keeper) may start driver work:
+# in the default capture mode the driver refuses such calls from every thread,
+# and a synchronization would invalidate the capture. So the first manager on
+# a CUDA device wraps CUDAGraph.capture_begin / capture_end: a capture that
+# begins waits for every manager's batch in flight, then closes each one's
+# driver gate (calls that would reach the driver raise, as inside
+# graph_capture(); background work waits), and the end opens them again.
+
+_capture_lock = threading.Lock()
+_capture_depth = 0  # captures in progress (the wrappers' count)
+_capture_managers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _capture_targets() -> list[Any]:
+    return [m for m in list(_capture_managers) if not m._pages.closed]
+
+
+def _captures_begin() -> None:
+    global _capture_depth
+    with _capture_lock:
+        _capture_depth += 1
+        for manager in _capture_targets():
+            try:
+                _pause_for_capture(manager)
+            except Exception:
+                if not manager._pages.closed:  # closed meanwhile: nothing of it runs any more
+                    raise
+
+
+def _captures_end() -> None:
+    global _capture_depth
+    with _capture_lock:
+        if _capture_depth == 0:
+            return
+        _capture_depth -= 1
+        for manager in _capture_targets():
+            _resume_after_capture(manager)
+
+
+def _pause_for_capture(manager: Any) -> None:
+    pages = manager._pages
+    pages.pause_for_capture(True)  # waits for the mapper's batch in flight
+    try:
+        pages.memory.backend.capture_begin()  # waits for the driver calls under way
+    except BaseException:
+        pages.pause_for_capture(False)
+        raise
+
+
+def _resume_after_capture(manager: Any) -> None:
+    pages = manager._pages
+    with contextlib.suppress(Exception):  # a manager closed meanwhile has nothing to resume
+        pages.memory.backend.capture_end()
+    with contextlib.suppress(Exception):
+        pages.pause_for_capture(False)
+
+
+def _wrap_capture(graph_class: type) -> None:
+    """Wraps ``capture_begin`` / ``capture_end`` of ``graph_class`` once."""
+    begin, end = graph_class.capture_begin, graph_class.capture_end
+    if getattr(begin, "_vattn_capture_hook", False):
+        return
+
+    def capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _captures_begin()
+        try:
+            return begin(self, *args, **kwargs)
+        except BaseException:
+            _captures_end()
+            raise
+
+    def capture_end(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return end(self, *args, **kwargs)
+        finally:
+            _captures_end()
+
+    for wrapper, original in ((capture_begin, begin), (capture_end, end)):
+        wrapper.__name__, wrapper.__qualname__ = original.__name__, original.__qualname__
+        wrapper.__doc__ = original.__doc__
+        wrapper._vattn_capture_hook = True  # type: ignore[attr-defined]
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    graph_class.capture_begin = capture_begin  # type: ignore[method-assign]
+    graph_class.capture_end = capture_end  # type: ignore[method-assign]
+
+
+def watch_captures(manager: Any) -> None:
+    """Makes ``manager`` (on a CUDA device) pause its background driver work
+    during every CUDA graph capture in the process (torch.cuda.CUDAGraph's),
+    installing the hook on first use; paused at once while a capture is in
+    progress."""
+    import torch
+
+    graph_class = getattr(torch.cuda, "CUDAGraph", None)
+    if graph_class is not None and hasattr(graph_class, "capture_begin") and hasattr(graph_class, "capture_end"):
+        _wrap_capture(graph_class)
+    with _capture_lock:
+        _capture_managers.add(manager)
+        for _ in range(_capture_depth):
+            _pause_for_capture(manager)
 
 
 class CudaStreams:
@@ -87,6 +194,15 @@ class CudaStreams:
 
         On the host backend it only pauses the mapper. Not reentrant
         (``RuntimeError``).
+
+        A capture begun through ``torch.cuda.CUDAGraph`` (``torch.cuda.graph``,
+        vLLM's captures) outside this block is seen by vattn's hook on
+        ``capture_begin`` / ``capture_end`` and gets the same treatment for
+        every manager on a CUDA device: the mapper's batch in flight lands
+        first, the mapper and the budget keeper start no driver work until
+        ``capture_end`` (their work waits), and calls that would reach the
+        driver raise ``DriverError``. Captures by other means (raw
+        ``cudaStreamBeginCapture``) need this block.
 
         Example::
 

@@ -21,7 +21,7 @@ from vattn.common.argument_checks import page_id_rows as _page_id_rows
 from vattn.common.argument_checks import stream_handles as _stream_handles
 from vattn.backends import BackendSpec, parse_device, resolve_backend, torch_device
 from vattn.common.config import KVCacheConfig
-from .cuda_streams import CudaStreams
+from .cuda_streams import CudaStreams, watch_captures
 from .policy import resolve_policy
 from vattn.common.errors import BackendUnavailable, ForkedError
 from vattn.budget.membership import DEFAULT_IDLE_RELEASE_S as _IDLE_S, default_label, idle_release_seconds, join_budget
@@ -246,6 +246,8 @@ class KVCacheManager(CudaStreams):
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._closing = False  # set first thing in cleanup(): cached views are not handed out after it
         _live_managers.add(self)
+        if self.device.type == "cuda":
+            watch_captures(self)  # background driver work waits during any CUDA graph capture
 
     @property
     def num_page_ids(self) -> int:
@@ -417,7 +419,9 @@ class KVCacheManager(CudaStreams):
     def release_free_memory(self, max_bytes: int | None = None) -> int:
         """Gives free physical memory back to the OS or device (and to the budget): up to ``max_bytes``
         bytes (all when None) of the free pool, then of freed reqids' and eager pages (unmapped first).
-        Pages under requests or prefix handles stay. Returns the bytes released. What ``idle_release_s``
+        Pages under requests or prefix handles stay. Returns the bytes released (taken out of the pool: a
+        page whose release the driver or the OS refused is among them, and counted in
+        ``stats()["pages_release_failed"]``; it stays charged to the budget). What ``idle_release_s``
         does on its own in a budget; not for ``page_allocator="external"`` (ValueError; see release_pages)."""
         limit = 2**63 - 1 if max_bytes is None else _as_int("max_bytes", max_bytes)
         if not 0 <= limit < 2**63:

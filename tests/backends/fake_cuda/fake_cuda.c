@@ -96,9 +96,11 @@ static char fail_name[64];
 static long fail_skip = 0, fail_times = 0;
 static CUresult fail_result = 0;
 
+static long injectable_calls = 0;  /* every call that passes INJECT: a driver-work counter for tests */
 int fc_should_fail(const char* name, CUresult* rc) {
   int fail = 0;
   pthread_mutex_lock(&fc_mu);
+  injectable_calls++;
   if (fail_times != 0 && strcmp(name, fail_name) == 0) {
     if (fail_skip > 0) {
       fail_skip--;
@@ -172,6 +174,12 @@ void fake_cuda_set_latency(const char* name, long us) {
 }
 long fake_cuda_primary_refs(void) { return primary_refs[0]; }
 long fake_cuda_primary_creations(void) { return primary_creations; }
+long fake_cuda_calls(void) {
+  pthread_mutex_lock(&fc_mu);
+  long n = injectable_calls;
+  pthread_mutex_unlock(&fc_mu);
+  return n;
+}
 long fake_cuda_threads_left_with_context(void) { return threads_left_with_context; }
 
 /* A context of the caller's own (what cuCtxCreate makes, not made current). */

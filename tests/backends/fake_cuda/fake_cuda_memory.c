@@ -291,6 +291,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const CU
 
 CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
   NEED_CONTEXT();
+  INJECT("cuMemRelease");  /* a failed release keeps the allocation */
   CUresult unsafe = fc_capture_forbids_unsafe_call();
   if (unsafe != CUDA_SUCCESS) return unsafe;
   pthread_mutex_lock(&fc_mu);
