@@ -266,22 +266,28 @@ def run_config(config: str, args: argparse.Namespace, models: list[tuple], trace
                      f"{engine['kv_cache_memory_bytes']}")
         result["pool_bytes"] = pool_bytes
     start = min(r["start_unix"] for r in results)
-    memory = {"t_s": [round(s["unix"] - start, 3) for s in sampler.samples],
-              "rss_bytes": [sum(r.get("VmRSS", 0) for r in s["rss"]) for s in sampler.samples],
-              "rss_shmem_bytes": [sum(r.get("RssShmem", 0) for r in s["rss"]) for s in sampler.samples]}
-    if budget is not None:
-        memory["budget_held_bytes"] = [sum(s["budget_held"]) for s in sampler.samples]
-        memory["budget_held_bytes_per_model"] = [[s["budget_held"][i] for s in sampler.samples] for i in range(k)]
-    for (name, *_), r in zip(models, results):
-        ttft = [q["ttft_s"] for q in r["requests"]]
-        late = late_bursts(r["requests"], args.period_s)
+    return run_outcome(models, results, sampler.samples, start, budget is not None, budget_bytes, args.period_s)
+
+
+def run_outcome(models: list[tuple], engines: list[dict], samples: list[dict], start_unix: float, budgeted: bool,
+                budget_bytes: int, period_s: float) -> dict:
+    """One configuration's engines and memory series (from the sampler's ``samples``), its lines printed."""
+    memory = {"t_s": [round(s["unix"] - start_unix, 3) for s in samples],
+              "rss_bytes": [sum(r.get("VmRSS", 0) for r in s["rss"]) for s in samples],
+              "rss_shmem_bytes": [sum(r.get("RssShmem", 0) for r in s["rss"]) for s in samples]}
+    if budgeted:
+        memory["budget_held_bytes"] = [sum(s["budget_held"]) for s in samples]
+        memory["budget_held_bytes_per_model"] = [[s["budget_held"][i] for s in samples] for i in range(len(models))]
+    for (name, *_), e in zip(models, engines):
+        ttft = [q["ttft_s"] for q in e["requests"]]
+        late = late_bursts(e["requests"], period_s)
         print(f"  {name:12s} TTFT mean {statistics.fmean(ttft):.2f} s, p99 {percentile(ttft, 99):.2f} s, "
-              f"{burst_throughput(r['requests']):.0f} tokens/s per burst, {r['preemptions']} preemptions"
+              f"{burst_throughput(e['requests']):.0f} tokens/s per burst, {e['preemptions']} preemptions"
               + (f", bursts {late} still served when the next burst began" if late else ""), flush=True)
-    if budget is not None:
+    if budgeted:
         print(f"  budget held at most {max(memory['budget_held_bytes'], default=0) / MiB:.1f} MiB "
               f"of {budget_bytes / MiB:.1f} MiB", flush=True)
-    return {"engines": results, "memory": memory}
+    return {"engines": engines, "memory": memory}
 
 
 
@@ -462,22 +468,7 @@ def run_config_serve(config: str, args: argparse.Namespace, models: list[tuple],
         for served, asked in zip(outs, requests):
             served["burst"] = asked["burst"]
         engines.append(dict(requests=outs, preemptions=int(n), start_unix=start_unix))
-    memory = {"t_s": [round(s["unix"] - start_unix, 3) for s in sampler.samples],
-              "rss_bytes": [sum(r["VmRSS"] for r in s["rss"]) for s in sampler.samples],
-              "rss_shmem_bytes": [sum(r["RssShmem"] for r in s["rss"]) for s in sampler.samples]}
-    if budget is not None:
-        memory["budget_held_bytes"] = [sum(s["budget_held"]) for s in sampler.samples]
-        memory["budget_held_bytes_per_model"] = [[s["budget_held"][i] for s in sampler.samples] for i in range(k)]
-    for (name, *_), e in zip(models, engines):
-        ttft = [q["ttft_s"] for q in e["requests"]]
-        late = late_bursts(e["requests"], args.period_s)
-        print(f"  {name:12s} TTFT mean {statistics.fmean(ttft):.2f} s, p99 {percentile(ttft, 99):.2f} s, "
-              f"{burst_throughput(e['requests']):.0f} tokens/s per burst, {e['preemptions']} preemptions"
-              + (f", bursts {late} still served when the next burst began" if late else ""), flush=True)
-    if budget is not None:
-        print(f"  budget held at most {max(memory['budget_held_bytes'], default=0) / MiB:.1f} MiB "
-              f"of {budget_bytes / MiB:.1f} MiB", flush=True)
-    return {"engines": engines, "memory": memory}
+    return run_outcome(models, engines, sampler.samples, start_unix, budget is not None, budget_bytes, args.period_s)
 
 def blocks_in_use(engines: list[dict]) -> dict[str, list]:
     """The engines' schedulers' blocks in use, added up, in bytes, at every step of any engine."""

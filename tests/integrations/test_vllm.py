@@ -277,11 +277,11 @@ def test_untested_vllm_version_is_refused():
 CUDA_GRAPH_SUPPORT = r"""
 import types, torch
 from vllm.v1.attention.backend import AttentionCGSupport
-from vattn.integrations.vllm import attention, configuration
+from vattn.integrations.vllm import attention, runtime
 builder = attention.backend_class().get_builder_cls()
 spec = types.SimpleNamespace(head_size=64, dtype=torch.bfloat16)
 print("cpu", builder.get_cudagraph_support(None, spec).name)
-configuration.platform_device = lambda: "cuda"  # what a CUDA build of vLLM reports
+runtime.platform_device = lambda: "cuda"  # what a CUDA build of vLLM reports
 print("cuda", builder.get_cudagraph_support(None, spec).name)
 print("cuda-fp32", builder.get_cudagraph_support(None, types.SimpleNamespace(head_size=64, dtype=torch.float32)).name)
 assert isinstance(builder.get_cudagraph_support(None, spec), AttentionCGSupport)

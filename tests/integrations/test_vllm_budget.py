@@ -15,6 +15,7 @@ import random
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -107,6 +108,17 @@ def test_two_engines_share_a_budget_with_stock_tokens_preempting_instead_of_fail
         budget.remove(force=True)  # teardown: a member still exiting must not keep the budget
 
 
+def serve_under_budget(model: Path, spec: Path, out: Path, cwd: Path, budget: vattn.Budget, **env: str) -> int:
+    """Runs the scenario ``spec`` with vattn under ``budget`` (idle pages back after 1 s) while sampling
+    the budget; returns the most it held, in bytes."""
+    done: list[subprocess.CompletedProcess] = []
+    work = threading.Thread(target=lambda: done.append(run_scenario(
+        model, spec, out, cwd, True, VATTN_BUDGET=budget.name, VATTN_VLLM_IDLE_RELEASE_S="1", **env)))
+    held_peak = held_peak_while(budget, [work])
+    assert done[0].returncode == 0, done[0].stderr[-4000:]
+    return held_peak
+
+
 @needs_vllm
 @pytest.mark.parametrize("arch,limit_blocks", [
     pytest.param("gemma2", 16, id="gemma2"),
@@ -129,12 +141,7 @@ def test_a_hybrid_model_under_a_budget_serves_stock_tokens(arch, limit_blocks, t
     try:
         spec = tmp_path / "vattn.spec.json"
         spec.write_text(json.dumps(dict(engine=MODEL_ENGINE, phases=model_phases(), record_usage=True, idle_s=2.0)))
-        done: list[subprocess.CompletedProcess] = []
-        work = threading.Thread(target=lambda: done.append(run_scenario(
-            model, spec, tmp_path / "vattn.json", tmp_path, True, VATTN_BUDGET=budget.name,
-            VATTN_VLLM_IDLE_RELEASE_S="1", **env)))
-        held_peak = held_peak_while(budget, [work])
-        assert done[0].returncode == 0, done[0].stderr[-4000:]
+        held_peak = serve_under_budget(model, spec, tmp_path / "vattn.json", tmp_path, budget, **env)
     finally:
         budget.remove(force=True)  # teardown: a member still exiting must not keep the budget
     ours = json.loads((tmp_path / "vattn.json").read_text())
@@ -161,10 +168,10 @@ def test_a_budget_works_with_vllms_own_executors_and_synchronous_scheduling(monk
         return SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend, world_size=world),
                                scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
 
-    from vattn.integrations.vllm import configuration
+    from vattn.integrations.vllm import runtime
 
     device = "cpu"
-    monkeypatch.setattr(configuration, "platform_device", lambda: device)
+    monkeypatch.setattr(runtime, "platform_device", lambda: device)
     monkeypatch.delenv("VATTN_BUDGET", raising=False)
     vllm_budget.check_config(config("ray", 2))  # no budget: anything goes
     monkeypatch.setenv("VATTN_BUDGET", "kv")
@@ -219,12 +226,7 @@ def test_pipeline_parallel_2_under_a_budget_serves_stock_tokens(tmp_path):
     try:
         spec = tmp_path / "vattn.spec.json"
         spec.write_text(json.dumps(dict(engine=engine, phases=model_phases(), idle_s=2.0)))
-        done: list[subprocess.CompletedProcess] = []
-        work = threading.Thread(target=lambda: done.append(run_scenario(
-            model, spec, tmp_path / "vattn.json", tmp_path, True, VATTN_BUDGET=budget.name,
-            VATTN_VLLM_IDLE_RELEASE_S="1", **env)))
-        held_peak = held_peak_while(budget, [work])
-        assert done[0].returncode == 0, done[0].stderr[-4000:]
+        held_peak = serve_under_budget(model, spec, tmp_path / "vattn.json", tmp_path, budget, **env)
     finally:
         budget.remove(force=True)
     ours = json.loads((tmp_path / "vattn.json").read_text())

@@ -143,7 +143,7 @@ def wait_until(check, timeout_s: float, what: str):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     if vllm_python() is None:
-        pytest.skip("needs the vLLM environment (.venv-vllm or VATTN_VLLM_PYTHON)")
+        pytest.skip("needs the vLLM environment: neither .venv-vllm nor VATTN_VLLM_PYTHON exists")
     path = tmp_path_factory.mktemp("served") / "tiny-llama"
     subprocess.run([vllm_python(), "-m", "vattn", "make-model", str(path), "--dtype", "float32"], check=True,
                    capture_output=True, timeout=300, env=server_env(False))

@@ -23,7 +23,7 @@ import torch
 from vattn.kernels import AttentionBatch, AttentionCase, FlashAttentionKernel, Kernel, KernelPlan
 from vattn.kernels.flash_attn import FlashAttentionBuffers
 
-from . import configuration
+from . import configuration, runtime
 from .configuration import SWITCH, check_kernel
 from .flash_attn import VllmFlashAttentionKernel
 from .worker_cache import WorkerCache
@@ -154,7 +154,7 @@ def _builder_cls() -> type:
         @classmethod
         def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> Any:
             # asked before the cache exists: from the kernel vattn serves on this platform
-            return AttentionCGSupport[cudagraph_support(configuration.platform_device(), kv_cache_spec.head_size,
+            return AttentionCGSupport[cudagraph_support(runtime.platform_device(), kv_cache_spec.head_size,
                                                         kv_cache_spec.dtype)]
 
         def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: Any) -> None:

@@ -56,6 +56,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import runtime
 from vattn.budget.membership import DEFAULT_IDLE_RELEASE_S, ENV_VAR, idle_release_seconds, join_budget
 
 IDLE_SETTING = "VATTN_VLLM_IDLE_RELEASE_S"
@@ -570,9 +571,7 @@ def check_config(vllm_config: Any) -> None:
                          f"{parallel.distributed_executor_backend!r}; or unset {ENV_VAR}")
     if getattr(vllm_config.scheduler_config, "async_scheduling", False):
         raise ValueError(f"vattn: {ENV_VAR} with vLLM needs synchronous scheduling; drop async_scheduling")
-    from .configuration import platform_device
-
-    if platform_device() != "cpu" and parallel.world_size > 1:
+    if runtime.platform_device() != "cpu" and parallel.world_size > 1:
         raise ValueError(f"vattn: {ENV_VAR} governs one device; with {parallel.world_size} GPUs (tensor or "
                          f"pipeline parallel) the ranks' pages lie on several; unset {ENV_VAR}")
 
@@ -608,9 +607,7 @@ def attach(engine: Any) -> None:
                          parallel.pipeline_parallel_size)
     import torch
 
-    from .configuration import platform_device
-
-    budget, member = join_budget(None, torch.device(platform_device()), label)
+    budget, member = join_budget(None, torch.device(runtime.platform_device()), label)
     if budget is None:
         return
     queue = getattr(engine, "input_queue", None)

@@ -18,6 +18,7 @@ from vattn.kernels import AttentionCase, Kernel, NoKernel, select_kernel
 from vattn.kernels.flash_attn import FlashAttentionKernel
 
 from . import budget as vllm_budget
+from . import runtime
 from .flash_attn import VllmFlashAttentionKernel
 from .worker_cache import LAYOUT_SETTING, granularity
 
@@ -91,7 +92,7 @@ def configure(vllm_config: Any) -> None:
         raise ValueError(f"vattn's vLLM integration stores K/V in the model dtype; kv_cache_dtype="
                          f"{cache.cache_dtype!r} is not supported")
     vllm_budget.check_config(vllm_config)
-    device = platform_device()
+    device = runtime.platform_device()
     if model.use_mla:
         raise ValueError("vattn's vLLM integration does not serve multi-head latent attention (DeepSeek-V2/V3 "
                          "keep one latent vector per token, read by vLLM's MLA kernels through its block table); "
@@ -115,13 +116,6 @@ def configure(vllm_config: Any) -> None:
             raise ValueError(f"vattn serves attention itself; drop attention backend {attention.backend.name} "
                              f"or unset {SWITCH}")
         attention.backend = AttentionBackendEnum.CUSTOM
-
-
-def platform_device() -> str:
-    """The device type vLLM's platform runs the model on, as vattn serves it: ``cpu`` or ``cuda``."""
-    from vllm.platforms import current_platform
-
-    return "cpu" if current_platform.is_cpu() else "cuda"
 
 
 CUDA_GRANULARITY = 2 << 20
