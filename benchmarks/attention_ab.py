@@ -63,6 +63,7 @@ from harness import machine, machine_slug, pyplot, save_plot, write_json
 
 import vattn
 from vattn.attention import AttentionBatch, FlashInferAttention, flash_attn_attention, sdpa_attention, sdpa_dense
+from vattn.kernels import cache_rows
 
 # (query heads, KV heads, head dim) of one GPU's share of each model
 MODELS = {
@@ -147,23 +148,6 @@ def sdpa_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.
     return fns
 
 
-def cache_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A ``[B, L, H, D]`` cache view (a layer of either layout) as the token
-    rows of every slot, ``[B * S, H, D]``, and S: request r's rows start at
-    row ``r * S``. A slice is whole pages (KVCacheManager.slice_bytes), so S =
-    slot stride / token stride >= L, and the slot stride is in general not
-    L rows: ``view(-1, H, D)`` fails there. Raises ValueError where a slot is
-    not a whole number of token rows (an all_layers page that ends inside a
-    token's row of all layers): no varlen layout reads such a cache."""
-    slot, row = cache.stride(0), cache.stride(1)
-    if slot % row:
-        raise ValueError(f"a slot of {slot} elements is not a whole number of {row}-element token rows, so the "
-                         "cache has no [rows, H, D] view for varlen kernels")
-    rows_per_slot = slot // row
-    flat = cache.as_strided((cache.shape[0] * rows_per_slot, *cache.shape[2:]), (row, *cache.stride()[2:]))
-    return flat, rows_per_slot
-
-
 def torch_flash_op() -> tuple[Any, set[str]]:
     """torch's FlashAttention-2 forward op and the keyword arguments it takes."""
     op = torch.ops.aten._flash_attention_forward
@@ -177,15 +161,14 @@ def fa2_torch_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], t
     if "seqused_k" not in args:
         raise RuntimeError("this torch's _flash_attention_forward has no seqused_k")
     b = case.batch
-    if list(b.reqids) != sorted(b.reqids):
-        raise ValueError("fa2-torch reads request i's keys at reqid * S: reqids must ascend")
     dev = case.device
     i32 = dict(dtype=torch.int32, device=dev)
     cu_q = torch.tensor(b.query_starts, **i32)
     lens = torch.tensor(b.seq_lens, **i32)
     max_q, max_k = max(b.query_lens), max(b.seq_lens)
     (k_rows, rows_per_slot), (v_rows, _) = cache_rows(case.k_cache), cache_rows(case.v_cache)
-    starts = torch.tensor([r * rows_per_slot for r in b.reqids] + [(b.reqids[-1] + 1) * rows_per_slot], **i32)
+    # request i's keys from row reqid * S; with seqused_k the op reads no other entry (vattn.kernels.torch_flash)
+    starts = torch.tensor([r * rows_per_slot for r in b.reqids] + [k_rows.shape[0]], **i32)
     fns = {"fa2-torch": lambda: op(case.q, k_rows, v_rows, cu_q, starts, max_q, max_k, 0.0, True, False,
                                    seqused_k=lens)[0]}
     if "block_table" in args:
@@ -344,19 +327,25 @@ def measure(case: Case, families: list[Callable[[Case, list[int]], dict[str, Cal
 
 
 def grid(args: argparse.Namespace) -> list[tuple[str, str, str, str, int, int]]:
-    """(model, dtype, phase, layout, batch, ctx): every model in the first
-    dtype first (a time budget then cuts the rest)."""
+    """(model, dtype, phase, layout, batch, ctx), in the order a time budget
+    cuts least: per dtype and layout, the models' decode and prefill lists
+    taken in turn, one point of each per round, the most tokens first. So a
+    run cut short has measured prefill and decode of every model at their
+    largest sizes before it measures any list's smaller ones."""
     points = []
     for dtype in args.dtypes:
-        for model in args.models:
-            for phase, ctxs, batches, budget in (("decode", args.decode_ctx, args.decode_batch, args.decode_tokens),
-                                                 ("prefill", args.prefill_ctx, args.prefill_batch,
-                                                  args.prefill_tokens)):
-                for layout in args.layouts:
-                    for ctx in ctxs:
-                        for batch in batches:
-                            if batch * ctx <= budget:
-                                points.append((model, dtype, phase, layout, batch, ctx))
+        for layout in args.layouts:
+            lists = []
+            for model in args.models:
+                for phase, ctxs, batches, budget in (("decode", args.decode_ctx, args.decode_batch,
+                                                      args.decode_tokens),
+                                                     ("prefill", args.prefill_ctx, args.prefill_batch,
+                                                      args.prefill_tokens)):
+                    sizes = sorted(((batch, ctx) for ctx in ctxs for batch in batches if batch * ctx <= budget),
+                                   key=lambda size: (-size[0] * size[1], -size[1]))
+                    lists.append([(model, dtype, phase, layout, batch, ctx) for batch, ctx in sizes])
+            for round_points in itertools.zip_longest(*lists):
+                points.extend(p for p in round_points if p is not None)
     return points
 
 

@@ -25,7 +25,7 @@ path), then the forward:
                    fixed). The kernels read the cache as rows of every slot:
                    a slot is whole pages, so it holds at least
                    max_context_len rows and request r starts at row r * S,
-                   S = slot bytes / row stride (``attention_ab.cache_rows``).
+                   S = slot bytes / row stride (``vattn.kernels.cache_rows``).
 
 Mapping modes: ``sync`` (no background mapper: every page on the critical
 path), ``mapper`` (the background mapper maps one token ahead while the
@@ -50,10 +50,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from attention_ab import cache_rows
 from harness import machine, machine_slug, pyplot, save_plot, write_json
 
 import vattn
+from vattn.kernels import cache_rows
 
 KiB, MiB = 1024, 1024 * 1024
 LAYERS, KV_HEADS, HEAD_DIM, PROMPT = 32, 8, 128, 1000

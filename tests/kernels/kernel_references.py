@@ -67,6 +67,34 @@ def vllm_varlen(calls: list, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, 
     return out
 
 
+def torch_flash_forward(calls: list, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                        is_causal, return_debug_mask, *, scale=None, seqused_k=None, **_):
+    """torch's ``aten._flash_attention_forward`` in its varlen form, by its
+    source (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp,
+    ``mha_varlen_fwd``): ``[rows, H, D]`` tensors with a unit last stride,
+    int32 ``cu_seqlens_q`` / ``cu_seqlens_k`` of ``n + 1`` and ``seqused_k`` of
+    ``n``; with ``seqused_k`` request b's keys are rows ``cu_seqlens_k[b] ..
+    cu_seqlens_k[b] + seqused_k[b] - 1`` (the next entry is not read, so the
+    starts need not ascend). Reads only those rows. Records (q, starts) of
+    each call; returns the op's tuple."""
+    n = seqused_k.numel()
+    for t in (cu_seqlens_q, cu_seqlens_k, seqused_k):
+        assert t.dtype == torch.int32 and t.is_contiguous() and t.dim() == 1
+    assert cu_seqlens_q.numel() == n + 1 and cu_seqlens_k.numel() == n + 1
+    assert q.dim() == k.dim() == v.dim() == 3 and all(t.stride(-1) == 1 for t in (q, k, v))
+    assert dropout_p == 0.0 and is_causal and not return_debug_mask
+    assert q.shape[1] % k.shape[1] == 0 and k.shape == v.shape
+    assert max_seqlen_k >= int(seqused_k.max()) and max_seqlen_q >= int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    calls.append((q, cu_seqlens_k))
+    out = torch.empty_like(q)
+    for b in range(n):
+        start, end, first, keys = (int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(cu_seqlens_k[b]),
+                                   int(seqused_k[b]))
+        assert 0 <= first and first + keys <= k.shape[0]
+        out[start:end] = sdpa_dense(q[start:end], k[first:first + keys], v[first:first + keys], scale)
+    return out, None, None, None, None
+
+
 UINT32_MASK = (1 << 32) - 1
 
 
@@ -150,3 +178,15 @@ def install_flashinfer(monkeypatch: pytest.MonkeyPatch) -> list:
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setattr(FlashInferKernel, "devices", ("cuda", "cpu"))
     return log
+
+
+def install_torch_flash(monkeypatch: pytest.MonkeyPatch) -> list:
+    """torch's FlashAttention-2 op replaced by :func:`torch_flash_forward`,
+    and the kernel let onto CPU tensors; returns the list of (q, key starts)
+    of each call."""
+    from vattn.kernels import TorchFlashKernel
+
+    calls: list = []
+    monkeypatch.setattr(TorchFlashKernel, "op", lambda self: lambda *a, **kw: torch_flash_forward(calls, *a, **kw))
+    monkeypatch.setattr(TorchFlashKernel, "devices", ("cuda", "cpu"))
+    return calls

@@ -232,9 +232,21 @@ GPU_DTYPES = [torch.float16, torch.bfloat16]
 
 FA_REASON = _module_reason("flash_attn", "FlashAttention-2")
 FI_REASON = _module_reason("flashinfer", "FlashInfer")
+
+
+def torch_flash_attention(q, k_cache, v_cache, batch, k=None, v=None):
+    """torch's own FlashAttention-2 kernel as an adapter function."""
+    from vattn.kernels import KERNELS
+
+    kernel = KERNELS["torch_flash"]
+    return kernel.run(batch.plan(kernel), q, k_cache, v_cache, k, v)
+
+
 GPU_ADAPTERS = [
     pytest.param(sdpa_attention, id="sdpa", marks=pytest.mark.skipif(_cuda_reason() is not None,
                                                                       reason=str(_cuda_reason()))),
+    pytest.param(torch_flash_attention, id="torch_flash",
+                 marks=pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason()))),
     pytest.param(flash_attn_attention, id="flash_attn",
                  marks=pytest.mark.skipif(FA_REASON is not None, reason=str(FA_REASON))),
     pytest.param(flashinfer_single_prefill, id="flashinfer_single",
@@ -324,7 +336,7 @@ def test_flash_attn_is_one_call_per_layer_with_index_tensors_built_once_per_batc
 def test_flash_attn_needs_slices_of_whole_pages_and_says_so(reference_flash_attn):
     """The flash-attn package pages K/V in multiples of 256 tokens: a cache
     whose slices are not is refused with the reason, and attention() runs
-    SDPA on it instead."""
+    the next kernel on it, torch's own FlashAttention-2."""
     from vattn.kernels import KERNELS
 
     kernel = KERNELS["flash_attn"]
@@ -335,7 +347,7 @@ def test_flash_attn_needs_slices_of_whole_pages_and_says_so(reference_flash_attn
         support = kernel.supports(case._replace(device_type="cuda"))
         assert not support and "reads each slice as one page, which must be a multiple of 256 tokens; this " \
                                "cache's slices are 64 tokens apart" in support.reason
-        assert select_kernel(case._replace(device_type="cuda"), installed=False) is KERNELS["sdpa"]
+        assert select_kernel(case._replace(device_type="cuda"), installed=False) is KERNELS["torch_flash"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -352,3 +364,123 @@ def test_flash_attn_adapter_on_the_reference(reference_flash_attn, layout):
     finally:
         sc.close()
 
+
+
+# ---- torch's own FlashAttention-2, against a reference of its op on the CPU ---------------------------
+
+
+@pytest.fixture
+def reference_torch_flash(monkeypatch):
+    """torch's ``_flash_attention_forward`` replaced by a float reference
+    of its varlen contract (tests/kernels/kernel_references.py), and the
+    kernel let onto CPU tensors. Records (q, key starts) of every call."""
+    from kernels.kernel_references import install_torch_flash
+
+    return install_torch_flash(monkeypatch)
+
+
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
+@pytest.mark.parametrize("heads_q,heads_kv", HEADS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_torch_flash_is_one_call_per_layer_on_the_caches_rows(reference_torch_flash, layout, heads_q, heads_kv,
+                                                              decode_only):
+    """A batch of mixed query lengths, its rows not in reqid order, is one
+    varlen call per layer on the cache's token rows (request r's keys from
+    row r * S); the key starts are made by the first layer and reused."""
+    from vattn.kernels import KERNELS
+
+    kernel = KERNELS["torch_flash"]
+    sc = Scenario("cpu", layout, torch.float32, heads_q, heads_kv, page_size=16384, decode_only=decode_only)
+    assert list(sc.batch.reqids) != sorted(sc.batch.reqids)
+    try:
+        plan = kernel.plan(sc.batch)
+        starts_seen = []
+        for layer in range(NUM_LAYERS):
+            q, k, v = sc.new[layer]
+            del reference_torch_flash[:]
+            out = kernel.run(plan, q, *sc.kv.layer(layer), k, v)
+            sc.check_cache_rows(layer)
+            assert_matches(out, sc.reference(layer), torch.float32)
+            assert len(reference_torch_flash) == 1 and reference_torch_flash[0][0] is q
+            starts_seen.append(reference_torch_flash[0][1])
+        k_cache = sc.kv.layer(0)[0]
+        rows_per_slice = k_cache.stride(0) // k_cache.stride(1)
+        assert starts_seen[0][:-1].tolist() == [r * rows_per_slice for r in sc.batch.reqids]
+        assert all(s is starts_seen[0] for s in starts_seen), "a layer rebuilt the key starts"
+    finally:
+        sc.close()
+
+
+def test_torch_flash_writes_into_out_and_takes_a_scale(reference_torch_flash):
+    from vattn.kernels import KERNELS
+
+    kernel = KERNELS["torch_flash"]
+    sc = Scenario("cpu", "per_layer", torch.float32, 8, 2, page_size=16384)
+    try:
+        q, k, v = sc.new[0]
+        write_kv(*sc.kv.layer(0), sc.batch, k, v)
+        out = torch.full_like(q, float("nan"))
+        result = kernel.run(kernel.plan(sc.batch), q, *sc.kv.layer(0), out=out, softmax_scale=0.3)
+        assert result is out
+        assert_matches(out, sc.reference(0, scale=0.3), torch.float32)
+    finally:
+        sc.close()
+
+
+def test_cuda_picks_torch_flash_without_the_flash_attn_package(monkeypatch):
+    """On CUDA without the flash-attn package select_kernel picks torch's own
+    FlashAttention-2 (one call per layer) rather than SDPA's loop over
+    requests; a torch whose op has no seqused_k, or a cache whose slices are
+    not whole token rows, gets SDPA, and the reason names the kernel."""
+    from vattn.kernels import KERNELS, NoKernel
+    from vattn.kernels import select as select_module
+
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import flash_attn raises ImportError
+    select_module._select.cache_clear()
+    case = AttentionCase("cuda", 64, torch.bfloat16, torch.bfloat16, 8, 2, 4096, slot_stride=4096 * 128,
+                         row_stride=128)
+    try:
+        assert select_kernel(case) is KERNELS["torch_flash"]
+        assert select_kernel(case, batched=True) is KERNELS["torch_flash"]
+        uneven = case._replace(slot_stride=4096 * 128 + 64)
+        ok, reason = KERNELS["torch_flash"].supports(uneven)
+        assert not ok and "FlashAttention-2 (torch)" in reason and "not a whole number" in reason
+        assert select_kernel(uneven) is KERNELS["sdpa"]
+        with pytest.raises(NoKernel):
+            select_kernel(uneven, batched=True)
+
+        class OldOp:
+            class default:
+                class _schema:
+                    arguments = []
+
+        monkeypatch.setattr(type(KERNELS["torch_flash"]), "op", lambda self: OldOp)
+        select_module._select.cache_clear()
+        ok, reason = KERNELS["torch_flash"].available()
+        assert not ok and "no seqused_k" in reason
+        assert select_kernel(case) is KERNELS["sdpa"]
+    finally:
+        select_module._select.cache_clear()
+
+
+def test_torch_flash_refuses_cpu_tensors_and_caches_beyond_int32_rows(reference_torch_flash, monkeypatch):
+    from vattn.kernels import KERNELS, TorchFlashKernel
+
+    kernel = KERNELS["torch_flash"]
+    sc = Scenario("cpu", "per_layer", torch.float32, 8, 2, page_size=16384)
+    try:
+        q, k, v = sc.new[0]
+        plan = kernel.plan(sc.batch)
+        monkeypatch.setattr(TorchFlashKernel, "max_rows", sc.kv.layer(0)[0].shape[0])
+        k_cache = sc.kv.layer(0)[0]
+        b = sc.batch
+        before = [k_cache[r, c:n].clone() for r, c, n in zip(b.reqids, b.cached_lens, b.seq_lens)]  # mapped rows
+        with pytest.raises(ValueError, match="addresses at most"):
+            kernel.run(plan, q, *sc.kv.layer(0), k, v)
+        after = [k_cache[r, c:n] for r, c, n in zip(b.reqids, b.cached_lens, b.seq_lens)]
+        assert all(torch.equal(x, y) for x, y in zip(before, after)), "a refused call wrote the cache"
+        monkeypatch.setattr(TorchFlashKernel, "devices", ("cuda",))
+        with pytest.raises(vattn.BackendUnavailable, match="needs CUDA tensors"):
+            kernel.run(plan, q, *sc.kv.layer(0), k, v)
+    finally:
+        sc.close()

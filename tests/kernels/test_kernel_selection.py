@@ -43,9 +43,9 @@ def test_cuda_cases_get_flash_attention_where_it_serves_them():
         select_kernel(AttentionCase("cuda", 128, sliding_window=4096), installed=False)
     with pytest.raises(NoKernel, match=r"FlashAttention-2 takes float16, bfloat16 tensors, not float32"):
         select_kernel(AttentionCase("cuda", 128, torch.float32), batched=True, installed=False)
-    if importlib.util.find_spec("flash_attn") is None:  # not installed here: attention() falls back to SDPA
+    if importlib.util.find_spec("flash_attn") is None:  # not installed here: torch's own FlashAttention-2
         assert not FLASH_ATTN.available() and "flash-attn" in FLASH_ATTN.available().reason
-        assert select_kernel(fa) is SDPA
+        assert select_kernel(fa) is KERNELS["torch_flash"]
     else:
         assert select_kernel(fa) is FLASH_ATTN
 

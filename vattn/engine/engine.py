@@ -188,9 +188,11 @@ class Engine:
                                  max_context_len=max_context_len, device=device or model.device, budget=budget,
                                  **vattn_options)
         # the engine's attention kernel, chosen once: every forward plans its batch with it, every layer runs it
+        k_cache = self.kv.layer(0)[0]  # the cache's geometry: kernels that read it as rows or pages check it
         self._case = AttentionCase(self.kv.device.type, shape["head_dim"], model.dtype, model.dtype,
                                    model.config.get_text_config(decoder=True).num_attention_heads,
-                                   shape["num_kv_heads"], max_context_len)
+                                   shape["num_kv_heads"], max_context_len, slot_stride=k_cache.stride(0),
+                                   row_stride=k_cache.stride(1), page_tokens=self.kv.page_tokens)
         try:
             self._kernel = select_kernel(self._case)
         except BaseException:

@@ -19,6 +19,9 @@ Modules:
 - ``flash_attn``: FlashAttention's ``flash_attn_varlen_func``, one call per
   layer for the batch (the ``flash-attn`` package, or vLLM's build),
   :class:`FlashAttentionKernel`.
+- ``torch_flash``: torch's own FlashAttention-2
+  (``torch.ops.aten._flash_attention_forward``), one varlen call per layer on
+  the cache's token rows, :class:`TorchFlashKernel`: CUDA without any package.
 - ``flashinfer``: FlashInfer's batched paged kernels and its single prefill,
   :class:`FlashInferKernel`, :class:`FlashInferSinglePrefillKernel`.
 - ``page_view``: the cache as a paged cache whose page table is plain
@@ -38,6 +41,7 @@ from .flashinfer import FlashInferKernel, FlashInferPlan, FlashInferSinglePrefil
 from .host import HostKernel, HostPlan
 from .protocol import AttentionCase, Kernel, KernelPlan, Support
 from .sdpa import SdpaKernel, sdpa_dense
+from .torch_flash import TorchFlashKernel, TorchFlashPlan, cache_rows
 from .select import KERNELS, PREFERENCE, NoKernel, select_kernel
 
 __all__ = [
@@ -57,6 +61,9 @@ __all__ = [
     "PREFERENCE",
     "SdpaKernel",
     "Support",
+    "TorchFlashKernel",
+    "TorchFlashPlan",
+    "cache_rows",
     "sdpa_dense",
     "select_kernel",
     "write_kv",

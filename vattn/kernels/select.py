@@ -16,23 +16,30 @@ from .flashinfer import FlashInferKernel, FlashInferSinglePrefillKernel
 from .host import HostKernel
 from .protocol import AttentionCase, Kernel
 from .sdpa import SdpaKernel
+from .torch_flash import TorchFlashKernel
 
 HOST = HostKernel()
 SDPA = SdpaKernel()
 FLASH_ATTN = FlashAttentionKernel()
+TORCH_FLASH = TorchFlashKernel()
 FLASHINFER = FlashInferKernel()
 FLASHINFER_REQUEST = FlashInferKernel(presentation="request")
 FLASHINFER_SINGLE = FlashInferSinglePrefillKernel()
 
-KERNELS: dict[str, Kernel] = {k.key: k for k in (HOST, SDPA, FLASH_ATTN, FLASHINFER, FLASHINFER_REQUEST,
+KERNELS: dict[str, Kernel] = {k.key: k for k in (HOST, SDPA, FLASH_ATTN, TORCH_FLASH, FLASHINFER, FLASHINFER_REQUEST,
                                                  FLASHINFER_SINGLE)}
 """Every kernel, by key."""
 
 PREFERENCE: dict[str, tuple[Kernel, ...]] = {
     "cpu": (HOST, SDPA),
-    "cuda": (FLASH_ATTN, SDPA),
+    "cuda": (FLASH_ATTN, TORCH_FLASH, SDPA),
 }
 """Per device type, the kernels :func:`select_kernel` considers, best first.
+On CUDA the flash-attn package first (paged: vLLM swaps in its own build of
+the same call), then torch's own FlashAttention-2, which every CUDA build of
+torch carries: one call per layer either way, where SDPA loops over requests
+(on an H100, Llama-3-8B decode ran 1.2-50x slower that way, most at short
+contexts and large batches: benchmarks/results/attention_ab_h100-80gb-hbm3.json).
 FlashInfer is chosen by name only (``prefer="flashinfer"``): its batched
 kernel has not been measured against FlashAttention on the vattn cache."""
 
