@@ -13,8 +13,12 @@ off and every request generates exactly ``--new-tokens`` tokens. Workload:
 [prompt_len / 2, prompt_len] (seeded).
 
   vattn    vattn.engine.Engine: continuous batching of up to
-           ``--batch`` requests, K/V written into the vattn cache and read
-           by SDPA per request (no padding, no block table)
+           ``--batch`` requests, K/V written into the vattn cache (per-layer
+           pages) and read in place by the kernel select_kernel picks, named
+           in the result (no padding, no block table)
+  vattn-all_layers  the same with the all_layers layout: a page holds a
+           token's rows of every layer, so it holds num_layers times fewer
+           tokens (less memory past each request's end, more pages)
   dynamic  model.generate over groups of ``--batch`` prompts, left-padded,
            DynamicCache (grows by concatenation)
   static   the same with cache_implementation="static" (StaticCache,
@@ -65,9 +69,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, device: torch.device) -> dict:
+def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, device: torch.device,
+              layout: str = "per_layer") -> dict:
     from vattn.engine import engine as engine_module
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"layout": layout}
     if device.type == "cuda":
         options["sync_streams"] = torch.cuda.current_stream()  # reclaim waits for the model's stream only
     with engine_module.Engine(model, max_batch_size=args.batch, max_context_len=args.prompt_len + args.new_tokens,
@@ -80,7 +85,7 @@ def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, de
         seconds = time.perf_counter() - t
         stats = engine.stats()
     tokens = sum(len(o) for o in outputs)
-    return {"cache": "vattn", "seconds": seconds, "generated_tokens": tokens, "tokens_per_s": tokens / seconds,
+    return {"cache": "vattn" if layout == "per_layer" else f"vattn-{layout}", "kernel": stats["attention_kernel"], "seconds": seconds, "generated_tokens": tokens, "tokens_per_s": tokens / seconds,
             "kv_bytes": stats["pages_mapped_peak"] * stats["page_size"], "kv_bytes_what": "peak bytes mapped",
             "page_size": stats["page_size"], "preemptions": stats["preemptions"], "iterations": stats["iterations"]}
 
@@ -131,7 +136,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=1024 if gpu else 128, help="longest prompt (tokens)")
     p.add_argument("--new-tokens", type=int, default=128 if gpu else 16)
     p.add_argument("--tiny", action="store_true", help="a 2-layer model instead of the 1B shape")
-    p.add_argument("--caches", default="vattn,dynamic,static")
+    p.add_argument("--caches", default="vattn,vattn-all_layers,dynamic,static")
     args = p.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     shape = TINY if args.tiny else LLAMA_3_2_1B
@@ -139,7 +144,10 @@ def main() -> int:
     prompts = prompts_for(args.requests, args.prompt_len, shape["vocab_size"])
     results = []
     for kind in args.caches.split(","):
-        r = run_vattn(model, prompts, args, device) if kind == "vattn" else run_hf(model, prompts, args, device, kind)
+        if kind.startswith("vattn"):
+            r = run_vattn(model, prompts, args, device, kind.partition("-")[2] or "per_layer")
+        else:
+            r = run_hf(model, prompts, args, device, kind)
         results.append(r)
         print(f"{kind:8s}: {r['tokens_per_s']:9.1f} tokens/s ({r['generated_tokens']} tokens in {r['seconds']:.2f} s), "
               f"KV {r['kv_bytes'] / 2**20:9.1f} MiB ({r['kv_bytes_what']})", flush=True)

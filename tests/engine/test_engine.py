@@ -63,6 +63,10 @@ def test_outputs_equal_generating_each_request_alone(model, reference, options):
         assert engine.iteration < sum(news)
         assert max(h["running"] for h in engine.history) == 4
         assert engine.stats()["slots_allocated"] == 0
+        # one kernel for every layer, chosen for this cache's geometry
+        assert engine.stats()["attention_kernel"] == vattn.kernels.KERNELS["host"].name
+        k_cache = engine.kv.layer(0)[0]
+        assert (engine._case.slot_stride, engine._case.row_stride) == (k_cache.stride(0), k_cache.stride(1))
 
 
 def test_small_pool_preempts_and_every_output_is_still_right(model, reference):

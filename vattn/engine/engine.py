@@ -487,10 +487,12 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """The cache's stats plus iteration and preemption counts and, with
         ``prefix_cache``, its queries, tokens looked up and tokens hit.
-        ``kv_errors``: KV-cache exceptions the engine recovered from."""
+        ``kv_errors``: KV-cache exceptions the engine recovered from;
+        ``attention_kernel``: the name of the kernel every layer runs."""
         self._check_open()
         out = dict(self.kv.stats(), iterations=self.iteration, preemptions=self.preemptions,
-                   running=len(self.running), waiting=len(self.waiting), kv_errors=self.scheduler.kv_errors)
+                   running=len(self.running), waiting=len(self.waiting), kv_errors=self.scheduler.kv_errors,
+                   attention_kernel=self._kernel.name)
         if self.prefix_cache is not None:
             pc = self.prefix_cache
             out.update(prefix_cache_queries=pc.queries, prefix_cache_query_tokens=pc.query_tokens,
