@@ -42,6 +42,15 @@ Writes benchmarks/results/vllm_serving_<machine>.json and .png (``long``:
 vllm_serving_long_<machine>.*; float32: vllm_serving[_long]_fp32_<machine>.*);
 ``--replot`` redraws the figure from the JSON.
 
+``--budget``: a third engine beside them, vattn under a machine-wide budget
+(``VATTN_BUDGET``) four times the pool it needs, so memory is plentiful and
+the run measures what the budget's bookkeeping costs (vattn+budget / vattn
+per round). ``--layout default``: vLLM's default process layout (the engine
+core and its worker in a process of their own) instead of the engine core in
+the benchmark's process; there the scheduler's blocks in use are not sampled,
+so the KV series is vattn's only. Their results are named
+``..._budget`` / ``..._mp`` before the machine.
+
 ``--profile``: instead, one run of each engine (round 1's prompts) with
 cProfile around each timed trace: seconds in the attention layers, their
 metadata, vattn's mapping, the model forward, the scheduler, and the functions
@@ -123,24 +132,30 @@ def suite_setup(suite: dict, dtype: str) -> tuple[str, dict]:
     return f"{suite['model']}, {DTYPES[dtype]}", dict(suite["engine"], dtype=dtype)
 
 
-def result_name(kind: str, suite: str, dtype: str, slug: str) -> str:
-    """``vllm_serving[_long][_fp32]_<machine>`` (kind "serving") or
-    ``vllm_serving_<suite>[_fp32]_profile_<machine>`` (kind "profile"): bf16 keeps the committed names."""
+def result_name(kind: str, suite: str, dtype: str, slug: str, budget: bool = False, layout: str = "inprocess",
+                label: str = "") -> str:
+    """``vllm_serving[_long][_fp32][_budget][_mp][_LABEL]_<machine>`` (kind "serving") or
+    ``vllm_serving_<suite>[_fp32]_profile_<machine>`` (kind "profile"): bf16 keeps the committed names.
+    ``label`` (``--tag``) tells apart runs on machines of one size (their CPUs, say)."""
     tag = "" if dtype == "bfloat16" else f"{DTYPES[dtype]}_"
     if kind == "profile":
         return f"vllm_serving_{suite}_{tag}profile_{slug}"
+    tag += ("budget_" if budget else "") + ("mp_" if layout == "default" else "") + (f"{label}_" if label else "")
     return f"vllm_serving_{'' if suite == 'short' else suite + '_'}{tag}{slug}"
-    return f"vllm_serving_{'' if suite == 'short' else suite + '_'}{tag.lstrip('_') + '_' if tag else ''}{slug}"
 
 
 def run_engine(python: str, model: Path, spec_path: Path, out: Path, vattn: bool, label: str,
-               traces: tuple[str, ...]) -> dict:
+               traces: tuple[str, ...], budget: str | None = None) -> dict:
+    """One engine's run in a fresh process: stock, or with vattn (``vattn``), under the budget named
+    ``budget`` if one is given."""
     print(f"[{time.strftime('%H:%M:%S')}] starting vLLM {label} (start-up, warm-up, then {', '.join(traces)}) ...",
           flush=True)
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("VATTN_VLLM")}
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("VATTN_VLLM", "VATTN_BUDGET"))}
     environ.update(VLLM_CPU_KVCACHE_SPACE="1")
     if vattn:
         environ["VATTN_VLLM"] = "1"
+    if budget:
+        environ["VATTN_BUDGET"] = budget
     log = out.with_suffix(".log")
     with open(log, "w") as f:
         proc = subprocess.run([python, str(SCENARIO), "run", str(model), str(spec_path), str(out)],
@@ -162,7 +177,7 @@ def series(result: dict, trace: str, block_bytes: int) -> dict:
     p = result["phases"][trace]
     start, end = p["start"], p["start"] + p["generate_s"]
     out = {"stock_style_s": [], "blocks_in_use_bytes": []}
-    for t, blocks in result["usage_series"]:
+    for t, blocks in result["usage_series"] or ():  # None: the scheduler ran in another process
         if start <= t <= end:
             out["stock_style_s"].append(round(t - start, 4))
             out["blocks_in_use_bytes"].append(blocks * block_bytes)
@@ -217,6 +232,24 @@ def summarize(stocks: list[dict], ours_runs: list[dict], traces: tuple[str, ...]
     return out
 
 
+def budget_cost(ours_runs: list[dict], budgeted: list[dict], traces: tuple[str, ...]) -> dict:
+    """Per trace: vattn under a plentiful budget against vattn alone, per round and in the mean."""
+    out = {}
+    for trace in traces:
+        with_budget = statistics.fmean(rate(r, trace) for r in budgeted)
+        alone = statistics.fmean(rate(r, trace) for r in ours_runs)
+        out[trace] = {
+            "vattn_budget_tokens_per_s": with_budget,
+            "vattn_budget_tokens_per_s_rounds": [round(rate(r, trace), 2) for r in budgeted],
+            "ratio_budget_over_vattn": with_budget / alone,
+            "ratio_budget_over_vattn_per_round": [round(rate(b, trace) / rate(a, trace), 3)
+                                                  for a, b in zip(ours_runs, budgeted)],
+            "identical_outputs_to_vattn": sum(a == b for a, b in zip(ours_runs[0]["phases"][trace]["outputs"],
+                                                                       budgeted[0]["phases"][trace]["outputs"])),
+        }
+    return out
+
+
 def plot(payload: dict, name: str) -> None:
     plt = pyplot()
     traces = tuple(payload["summary"])
@@ -233,11 +266,21 @@ def plot(payload: dict, name: str) -> None:
     ax = axes[2]
     summary = payload["summary"]
     xs = range(len(traces))
-    ax.bar([x - 0.2 for x in xs], [summary[t]["stock_tokens_per_s"] for t in traces], 0.4, label="stock vLLM")
-    ax.bar([x + 0.2 for x in xs], [summary[t]["vattn_tokens_per_s"] for t in traces], 0.4, label="vLLM + vattn")
+    budget = payload.get("budget_cost")
+    width = 0.27 if budget else 0.4
+    ax.bar([x - width / 2 * (2 if budget else 1) for x in xs], [summary[t]["stock_tokens_per_s"] for t in traces],
+           width, label="stock vLLM")
+    ax.bar([x + (0 if budget else width / 2) for x in xs], [summary[t]["vattn_tokens_per_s"] for t in traces], width,
+           label="vLLM + vattn")
     for x, t in zip(xs, traces):
-        ax.annotate(f"{summary[t]['tokens_per_s_ratio_vattn_over_stock']:.2f}x", (x + 0.2,
+        ax.annotate(f"{summary[t]['tokens_per_s_ratio_vattn_over_stock']:.2f}x", (x + (0 if budget else width / 2),
                     summary[t]["vattn_tokens_per_s"]), ha="center", va="bottom")
+    if budget:
+        ax.bar([x + width for x in xs], [budget[t]["vattn_budget_tokens_per_s"] for t in traces], width,
+               label="vLLM + vattn, budget")
+        for x, t in zip(xs, traces):
+            ax.annotate(f"{budget[t]['ratio_budget_over_vattn']:.2f}x", (x + width,
+                        budget[t]["vattn_budget_tokens_per_s"]), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(xs), list(traces))
     ax.set_ylabel("generated tokens/s")
     ax.set_title(f"vLLM-CPU {payload['vllm']}, {payload['machine']['cores']} cores")
@@ -292,6 +335,12 @@ def main() -> None:
                    help="runs of each engine, in alternation (stock, vattn, then vattn, stock, ...): the "
                         "machine's drift touches both alike; each round has prompts of its own; throughput "
                         "and TTFT are means over rounds")
+    p.add_argument("--budget", action="store_true",
+                   help="a third engine: vattn under a plentiful machine-wide budget (what the budget costs)")
+    p.add_argument("--layout", choices=("inprocess", "default"), default="inprocess",
+                   help="inprocess: the engine core in the benchmark's process (its blocks in use sampled); "
+                        "default: vLLM's default layout, engine core and worker in a process of their own")
+    p.add_argument("--tag", default="", help="a label in the result's name (e.g. the CPU: avx2)")
     p.add_argument("--replot", action="store_true", help="redraw the figure from the JSON of an earlier run")
     p.add_argument("--profile", action="store_true",
                    help="one run of each engine with cProfile around each trace, instead of the timed rounds")
@@ -303,7 +352,9 @@ def main() -> None:
     if requests < 1:
         p.error(f"--requests must be >= 1, got {requests}")
     m = machine()
-    name = result_name("serving", args.suite, args.dtype, machine_slug(m))
+    if args.tag and not args.tag.replace("-", "").isalnum():
+        p.error(f"--tag must be letters, digits and '-', got {args.tag!r}")
+    name = result_name("serving", args.suite, args.dtype, machine_slug(m), args.budget, args.layout, args.tag)
     model, engine = suite_setup(suite, args.dtype)
     if args.replot:
         plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
@@ -317,18 +368,29 @@ def main() -> None:
         print("making the model ...", flush=True)
         subprocess.run([args.python, str(SCENARIO), "make-model", str(tmp / "model"), *suite["model_args"]],
                        check=True, capture_output=True)
-        specs = []  # one per round: fresh prompts, the same for both engines of the round
+        specs = []  # one per round: fresh prompts, the same for every engine of the round
         for i in range(args.rounds):
-            specs.append(dict(engine=engine, phases=suite["phases"](requests, seed=i), record_usage=True))
+            specs.append(dict(engine=engine, phases=suite["phases"](requests, seed=i),
+                              record_usage=args.layout == "inprocess"))
             (tmp / f"spec{i}.json").write_text(json.dumps(specs[-1]))
-        runs = {False: [], True: []}  # vattn on? -> results, one per round
-        order = [(i, vattn) for i in range(args.rounds) for vattn in ((False, True), (True, False))[i % 2]]
-        for n, (i, vattn) in enumerate(order, 1):
-            tag = "vattn" if vattn else "stock"
-            label = f"{'+ vattn' if vattn else 'stock'} (run {n}/{len(order)}, round {i + 1})"
-            runs[vattn].append(run_engine(args.python, tmp / "model", tmp / f"spec{i}.json", tmp / f"{tag}{i}.json",
-                                          vattn, label, traces))
-        stocks, ours_runs = runs[False], runs[True]
+        tags = ("stock", "vattn", "vattn+budget") if args.budget else ("stock", "vattn")
+        runs: dict[str, list[dict]] = {tag: [] for tag in tags}  # results, one per round
+        order = [(i, tag) for i in range(args.rounds) for tag in (tags if i % 2 == 0 else tags[::-1])]
+        budget = None
+        if args.budget:  # four times the pool's bytes: plentiful, so nothing but its bookkeeping is measured
+            import vattn
+
+            budget = vattn.Budget.create(f"bench-serving-{os.getpid()}", 4 * (1 << 30))
+        try:
+            for n, (i, tag) in enumerate(order, 1):
+                label = f"{tag if tag == 'stock' else '+ ' + tag} (run {n}/{len(order)}, round {i + 1})"
+                runs[tag].append(run_engine(args.python, tmp / "model", tmp / f"spec{i}.json",
+                                            tmp / f"{tag.replace('+', '_')}{i}.json", tag != "stock", label, traces,
+                                            budget.name if tag == "vattn+budget" else None))
+        finally:
+            if budget is not None:
+                budget.remove()
+        stocks, ours_runs = runs["stock"], runs["vattn"]
     summary = summarize(stocks, ours_runs, traces, low_precision=args.dtype != "float32")
     stock, ours = stocks[0], ours_runs[0]
     v = ours["vattn"][0]
@@ -336,11 +398,13 @@ def main() -> None:
         "benchmark": "vllm_serving", "suite": args.suite, "machine": m, "vllm": "0.32.0 (vllm-cpu)",
         "model": model,
         "rounds": args.rounds,
-        "order": "alternating: stock then vattn in odd rounds, vattn then stock in even ones; each engine run a "
+        "order": f"alternating: {', '.join(tags)} in odd rounds, the reverse in even ones; each engine run a "
                  "fresh process; each round's prompts its own (seed = round)",
         "engine": engine | {"block_size": stock["block_size"], "num_blocks": stock["num_blocks"],
                                      "enforce_eager": True,
-                                     "engine_core": "in-process (scheduler sampled every step)"},
+                                     "engine_core": "in-process (scheduler sampled every step)"
+                                     if args.layout == "inprocess" else
+                                     "vLLM's default layout: engine core and worker in a process of their own"},
         "traces": {t: {"requests": requests, "prompt_tokens": sum(map(len, ph["prompts"])),
                        "max_tokens_total": sum(ph["max_tokens"])} for t, ph in
                    ((ph["name"], ph) for ph in specs[0]["phases"]) if t in traces},
@@ -349,6 +413,9 @@ def main() -> None:
                   "mapping_s_total": v["map_ns"] / 1e9, "forwards": len(v["bytes_mapped_series"])},
         "startup_s": {"stock": [r["startup_s"] for r in stocks], "vattn": [r["startup_s"] for r in ours_runs]},
         "summary": summary,
+        **({"budget_cost": budget_cost(ours_runs, runs["vattn+budget"], traces),
+            "budget": "VATTN_BUDGET: one machine-wide budget of 4 GiB, the only member the engine (plentiful)"}
+           if args.budget else {}),
         "kv_series": {"stock": {t: series(stock, t, stock["block_bytes"]) for t in traces},
                       "vattn": {t: series(ours, t, stock["block_bytes"]) for t in traces}},
     }

@@ -18,7 +18,8 @@ the caller sets VATTN_VLLM=1. ``barrier`` ``{"dir", "parties"}``: after start-up
 wait until that many engines (processes) reached it, so their phases overlap;
 ``profile``: names of phases whose ``llm.generate`` runs under cProfile (the
 engine core in this process): OUT gets per phase the seconds spent in each of
-PROFILE_PARTS and the functions with the most time of their own;
+PROFILE_PARTS and the functions with the most time of their own
+(``profile_dump``: a folder that also gets each phase's whole profile, ``PHASE.pstats``);
 ``idle_s``: afterwards, sleep that long and record the worker's stats again
 (``vattn_idle``); ``sleep``: afterwards, ``llm.sleep()``, the worker's stats
 (``vattn_asleep``), ``llm.wake_up()``. With ``record_usage`` the engine core runs in
@@ -198,6 +199,8 @@ def run(model: str, spec: dict) -> dict:
         if profiler is not None:
             profiler.disable()
             result.setdefault("profile", {})[phase["name"]] = profile_summary(profiler, t1 - t0)
+            if spec.get("profile_dump"):  # the whole profile, for pstats: DIR/<phase>.pstats
+                profiler.dump_stats(os.path.join(spec["profile_dump"], f"{phase['name']}.pstats"))
         result["phases"][phase["name"]] = {
             "outputs": [list(o.outputs[0].token_ids) for o in outs],
             "start": t0,

@@ -38,3 +38,26 @@ def test_float32_runs_in_float32_and_writes_files_of_its_own():
     bad = subprocess.run([sys.executable, str(BENCHMARKS / "vllm_serving.py"), "--dtype", "float16"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "invalid choice: 'float16'" in bad.stderr
+
+
+def test_the_budget_and_the_default_layout_get_files_of_their_own():
+    name = vllm_serving.result_name
+    assert name("serving", "short", "float32", "cpu-2core", budget=True) == "vllm_serving_fp32_budget_cpu-2core"
+    assert name("serving", "short", "float32", "cpu-2core", budget=True, layout="default") == \
+        "vllm_serving_fp32_budget_mp_cpu-2core"
+    assert name("serving", "long", "bfloat16", "cpu-2core", layout="default") == "vllm_serving_long_mp_cpu-2core"
+    assert name("serving", "short", "bfloat16", "cpu-2core", label="avx2") == "vllm_serving_avx2_cpu-2core"
+
+
+def test_the_budgets_cost_is_per_round_against_vattn_alone():
+    def run(rate_per_trace: dict[str, float], outputs: list) -> dict:
+        return {"phases": {t: {"generated_tokens": 100, "generate_s": 100 / r, "outputs": outputs}
+                           for t, r in rate_per_trace.items()}}
+
+    alone = [run({"a": 10.0, "b": 20.0}, [[1, 2]]), run({"a": 12.0, "b": 20.0}, [[1, 2]])]
+    budgeted = [run({"a": 9.0, "b": 20.0}, [[1, 2]]), run({"a": 12.0, "b": 22.0}, [[1, 3]])]
+    cost = vllm_serving.budget_cost(alone, budgeted, ("a", "b"))
+    assert cost["a"]["ratio_budget_over_vattn_per_round"] == [0.9, 1.0]
+    assert cost["a"]["ratio_budget_over_vattn"] == pytest.approx(10.5 / 11.0)
+    assert cost["b"]["vattn_budget_tokens_per_s_rounds"] == [20.0, 22.0]
+    assert cost["a"]["identical_outputs_to_vattn"] == 1  # first rounds' outputs compared
