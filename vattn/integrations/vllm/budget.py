@@ -48,7 +48,6 @@ Threads: the scheduler's block operations (``schedule``, ``update_from_output``,
 from __future__ import annotations
 
 import functools
-import math
 import os
 import threading
 import time
@@ -466,7 +465,10 @@ def release_blocks(cache: Any, ids: list[int]) -> int:
 _pool: BudgetedBlockPool | None = None
 
 
-def _locked(method: Any) -> Any:
+def _locked(method: Any, after: Callable[[BudgetedBlockPool, Any, tuple, dict], None] | None = None) -> Any:
+    """``method`` of the scheduler under the budget's lock; then, still under it, ``after(pool, result,
+    args, kwargs)`` (the step's releases) and the engine's activity noted."""
+
     @functools.wraps(method)
     def wrapper(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         pool = getattr(scheduler, "_vattn_budget", None)
@@ -474,10 +476,20 @@ def _locked(method: Any) -> Any:
             return method(scheduler, *args, **kwargs)
         with pool.lock:
             out = method(scheduler, *args, **kwargs)
+            if after is not None:
+                after(pool, out, args, kwargs)
             pool.note_activity()
             return out
 
     return wrapper
+
+
+def _attach_release(pool: BudgetedBlockPool, scheduler_output: Any, args: tuple, kwargs: dict) -> None:
+    pool.attach_release(scheduler_output)  # schedule's result: the step's output
+
+
+def _confirm_release(pool: BudgetedBlockPool, _: Any, args: tuple, kwargs: dict) -> None:
+    pool.confirm_release(args[0] if args else kwargs["scheduler_output"])  # update_from_output's argument
 
 
 def install() -> None:
@@ -523,34 +535,9 @@ def install() -> None:
                 pool.close()
 
     EngineCore.shutdown = shutdown
-    for name in ("schedule", "update_from_output", "finish_requests", "reset_prefix_cache"):
-        setattr(Scheduler, name, _locked(getattr(Scheduler, name)))
-    stock_schedule = Scheduler.schedule
-
-    @functools.wraps(stock_schedule)
-    def schedule(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-        pool = getattr(scheduler, "_vattn_budget", None)
-        if pool is None:
-            return stock_schedule(scheduler, *args, **kwargs)
-        with pool.lock:
-            out = stock_schedule(scheduler, *args, **kwargs)
-            pool.attach_release(out)
-            return out
-
-    Scheduler.schedule = schedule
-    stock_update = Scheduler.update_from_output
-
-    @functools.wraps(stock_update)
-    def update_from_output(scheduler: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        pool = getattr(scheduler, "_vattn_budget", None)
-        if pool is None:
-            return stock_update(scheduler, scheduler_output, *args, **kwargs)
-        with pool.lock:
-            out = stock_update(scheduler, scheduler_output, *args, **kwargs)
-            pool.confirm_release(scheduler_output)
-            return out
-
-    Scheduler.update_from_output = update_from_output
+    for name, after in (("schedule", _attach_release), ("update_from_output", _confirm_release),
+                        ("finish_requests", None), ("reset_prefix_cache", None)):
+        setattr(Scheduler, name, _locked(getattr(Scheduler, name), after))
     stock_has_requests = Scheduler.has_requests
 
     @functools.wraps(stock_has_requests)
@@ -615,8 +602,7 @@ def attach(engine: Any) -> None:
     if queue is not None:
         from vllm.v1.engine import EngineCoreRequestType
 
-        def wake() -> None:
-            queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+        wake = functools.partial(queue.put_nowait, (EngineCoreRequestType.WAKEUP, None))
 
     world = len(sizes)
     scheduler = engine.scheduler
