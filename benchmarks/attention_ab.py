@@ -23,9 +23,12 @@ GPU (when torch sees one):
   vattn / paged-B       as above on the GPU (paged-B for the first block size only)
   fa2-torch             torch's built-in FlashAttention-2 kernel
                         (torch.ops.aten._flash_attention_forward, varlen) on the
-                        vattn cache: each request's keys start at reqid * S
-                        (S: rows per slot, >= L since slots are whole pages)
-                        and seqused_k says how many are valid; no block table
+                        vattn cache as vattn runs it (TorchFlashKernel, its
+                        input checks included): each request's keys start at
+                        reqid * S (S: rows per slot, >= L since slots are whole
+                        pages) and seqused_k says how many are valid; no block
+                        table. Results before TorchFlashKernel existed
+                        (attention_ab_h100-80gb-hbm3.json) called the op alone.
   fa2-torch-paged-B     the same kernel with its block_table on the paged pool
                         (where this torch has it; FlashAttention-2 takes only
                         blocks that are multiples of 256 there)
@@ -56,14 +59,13 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from harness import machine, machine_slug, pyplot, save_plot, write_json
 
 import vattn
 from vattn.attention import AttentionBatch, FlashInferAttention, flash_attn_attention, sdpa_attention, sdpa_dense
-from vattn.kernels import cache_rows
+from vattn.kernels import KERNELS
 
 # (query heads, KV heads, head dim) of one GPU's share of each model
 MODELS = {
@@ -148,36 +150,25 @@ def sdpa_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.
     return fns
 
 
-def torch_flash_op() -> tuple[Any, set[str]]:
-    """torch's FlashAttention-2 forward op and the keyword arguments it takes."""
-    op = torch.ops.aten._flash_attention_forward
-    return op, {a.name for a in op.default._schema.arguments}
-
-
 def fa2_torch_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.Tensor]]:
-    """torch's built-in FlashAttention-2 (varlen) on the vattn cache and, where
-    the op has a block table, on the paged pool."""
-    op, args = torch_flash_op()
-    if "seqused_k" not in args:
-        raise RuntimeError("this torch's _flash_attention_forward has no seqused_k")
+    """torch's built-in FlashAttention-2 (varlen) on the vattn cache, as vattn
+    runs it (vattn.kernels.TorchFlashKernel), and, where the op has a block
+    table, the same op on the paged pool with the same index tensors."""
+    kernel = KERNELS["torch_flash"]
+    available = kernel.available()
+    if not available:
+        raise RuntimeError(available.reason)
     b = case.batch
-    dev = case.device
-    i32 = dict(dtype=torch.int32, device=dev)
-    cu_q = torch.tensor(b.query_starts, **i32)
-    lens = torch.tensor(b.seq_lens, **i32)
-    max_q, max_k = max(b.query_lens), max(b.seq_lens)
-    (k_rows, rows_per_slot), (v_rows, _) = cache_rows(case.k_cache), cache_rows(case.v_cache)
-    # request i's keys from row reqid * S; with seqused_k the op reads no other entry (vattn.kernels.torch_flash)
-    starts = torch.tensor([r * rows_per_slot for r in b.reqids] + [k_rows.shape[0]], **i32)
-    fns = {"fa2-torch": lambda: op(case.q, k_rows, v_rows, cu_q, starts, max_q, max_k, 0.0, True, False,
-                                   seqused_k=lens)[0]}
-    if "block_table" in args:
-        cu_k = torch.tensor([0] + list(itertools.accumulate(b.seq_lens)), **i32)
+    plan = kernel.plan(b)
+    fns = {"fa2-torch": lambda: kernel.run(plan, case.q, case.k_cache, case.v_cache)}
+    op = kernel.op()
+    if "block_table" in {a.name for a in op.default._schema.arguments}:
+        cu_k = torch.tensor([0] + list(itertools.accumulate(b.seq_lens)), dtype=torch.int32, device=case.device)
         for block in blocks:
             k_pool, v_pool, table = case.paged[block]
             fns[f"fa2-torch-paged-{block}"] = lambda k_pool=k_pool, v_pool=v_pool, table=table: op(
-                case.q, k_pool, v_pool, cu_q, cu_k, max_q, max_k, 0.0, True, False, seqused_k=lens,
-                block_table=table)[0]
+                case.q, k_pool, v_pool, plan.cu_seqlens_q, cu_k, plan.max_seqlen_q, plan.max_seqlen_k, 0.0, True,
+                False, seqused_k=plan.seqused_k, block_table=table)[0]
     return fns
 
 

@@ -1,6 +1,6 @@
-"""The varlen kernels' view of the cache in benchmarks/decode_trace.py and
-benchmarks/attention_ab.py: a request's slot is whole pages, so it holds more
-than max_context_len rows, and request r starts at row r * (rows per slot),
+"""The varlen kernels' view of the cache (vattn.kernels.cache_rows, which
+benchmarks/decode_trace.py and vattn.kernels.TorchFlashKernel use): a
+request's slot is whole pages, so it holds more than max_context_len rows, and request r starts at row r * (rows per slot),
 not r * max_context_len (``k.view(-1, H, D)`` raised there). The GPU suite's
 dry run (tests/tools/test_gpu_suite.py) runs decode_trace's model forward
 end to end on the host."""
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import vattn
 from conftest import load_benchmark
+from vattn.kernels import cache_rows
 
-cache_rows = load_benchmark("attention_ab").cache_rows
 decode_trace = load_benchmark("decode_trace")
 KV_HEADS, HEAD_DIM, ModelForward = decode_trace.KV_HEADS, decode_trace.HEAD_DIM, decode_trace.ModelForward
 
