@@ -284,6 +284,23 @@ def test_flashinfer_batched_matches_reference(layout, heads_q, heads_kv, decode_
         sc.close()
 
 
+def run_every_layer(sc: Scenario, kernel, plan, calls: list, query_of) -> list:
+    """Runs ``kernel`` with ``plan`` on every layer of ``sc``, the new K/V
+    given: the rows land, the output matches the reference, and each layer is
+    one call of the stand-in library (``calls``, its record; ``query_of`` a
+    record's q, which must be the layer's q as it is). Returns each layer's record."""
+    seen = []
+    for layer in range(NUM_LAYERS):
+        q, k, v = sc.new[layer]
+        del calls[:]
+        out = kernel.run(plan, q, *sc.kv.layer(layer), k, v)
+        sc.check_cache_rows(layer)
+        assert_matches(out, sc.reference(layer), torch.float32)
+        assert len(calls) == 1 and query_of(calls[0]) is q
+        seen.append(calls[0])
+    return seen
+
+
 # ---- FlashAttention's plan and calls, against a reference flash_attn_varlen_func on the CPU -----------
 
 FA_PAGE = 262144  # 256 KiB pages: slices of whole 256-token multiples in both layouts, as FlashAttention-2 pages
@@ -321,13 +338,7 @@ def test_flash_attn_is_one_call_per_layer_with_index_tensors_built_once_per_batc
         plan = kernel.plan(sc.batch)
         assert len(built) == 2
         built.clear()
-        for layer in range(NUM_LAYERS):
-            q, k, v = sc.new[layer]
-            del reference_flash_attn[:]
-            out = kernel.run(plan, q, *sc.kv.layer(layer), k, v)
-            sc.check_cache_rows(layer)
-            assert_matches(out, sc.reference(layer), torch.float32)
-            assert len(reference_flash_attn) == 1 and reference_flash_attn[0] is q
+        run_every_layer(sc, kernel, plan, reference_flash_attn, query_of=lambda call: call)
         assert built == [], "a layer built index tensors"
     finally:
         sc.close()
@@ -394,15 +405,8 @@ def test_torch_flash_is_one_call_per_layer_on_the_caches_rows(reference_torch_fl
     assert list(sc.batch.reqids) != sorted(sc.batch.reqids)
     try:
         plan = kernel.plan(sc.batch)
-        starts_seen = []
-        for layer in range(NUM_LAYERS):
-            q, k, v = sc.new[layer]
-            del reference_torch_flash[:]
-            out = kernel.run(plan, q, *sc.kv.layer(layer), k, v)
-            sc.check_cache_rows(layer)
-            assert_matches(out, sc.reference(layer), torch.float32)
-            assert len(reference_torch_flash) == 1 and reference_torch_flash[0][0] is q
-            starts_seen.append(reference_torch_flash[0][1])
+        calls = run_every_layer(sc, kernel, plan, reference_torch_flash, query_of=lambda call: call[0])
+        starts_seen = [starts for _, starts in calls]
         k_cache = sc.kv.layer(0)[0]
         rows_per_slice = k_cache.stride(0) // k_cache.stride(1)
         assert starts_seen[0][:-1].tolist() == [r * rows_per_slice for r in sc.batch.reqids]
