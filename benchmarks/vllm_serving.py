@@ -267,20 +267,19 @@ def plot(payload: dict, name: str) -> None:
     summary = payload["summary"]
     xs = range(len(traces))
     budget = payload.get("budget_cost")
-    width = 0.27 if budget else 0.4
-    ax.bar([x - width / 2 * (2 if budget else 1) for x in xs], [summary[t]["stock_tokens_per_s"] for t in traces],
-           width, label="stock vLLM")
-    ax.bar([x + (0 if budget else width / 2) for x in xs], [summary[t]["vattn_tokens_per_s"] for t in traces], width,
-           label="vLLM + vattn")
-    for x, t in zip(xs, traces):
-        ax.annotate(f"{summary[t]['tokens_per_s_ratio_vattn_over_stock']:.2f}x", (x + (0 if budget else width / 2),
-                    summary[t]["vattn_tokens_per_s"]), ha="center", va="bottom")
+    # (label, tokens/s, the ratio shown above the bar) per engine, side by side per trace
+    bars = [("stock vLLM", [summary[t]["stock_tokens_per_s"] for t in traces], None),
+            ("vLLM + vattn", [summary[t]["vattn_tokens_per_s"] for t in traces],
+             [summary[t]["tokens_per_s_ratio_vattn_over_stock"] for t in traces])]
     if budget:
-        ax.bar([x + width for x in xs], [budget[t]["vattn_budget_tokens_per_s"] for t in traces], width,
-               label="vLLM + vattn, budget")
-        for x, t in zip(xs, traces):
-            ax.annotate(f"{budget[t]['ratio_budget_over_vattn']:.2f}x", (x + width,
-                        budget[t]["vattn_budget_tokens_per_s"]), ha="center", va="bottom", fontsize=8)
+        bars.append(("vLLM + vattn, budget", [budget[t]["vattn_budget_tokens_per_s"] for t in traces],
+                     [budget[t]["ratio_budget_over_vattn"] for t in traces]))
+    width = 0.8 / len(bars)
+    for i, (label, rates, ratios) in enumerate(bars):
+        offset = (i - (len(bars) - 1) / 2) * width
+        ax.bar([x + offset for x in xs], rates, width, label=label)
+        for x, r, ratio in zip(xs, rates, ratios or ()):
+            ax.annotate(f"{ratio:.2f}x", (x + offset, r), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(xs), list(traces))
     ax.set_ylabel("generated tokens/s")
     ax.set_title(f"vLLM-CPU {payload['vllm']}, {payload['machine']['cores']} cores")
