@@ -440,6 +440,15 @@ bool PageManager::reqid_allocated(int64_t reqid) const {
   return table_.allocated(static_cast<size_t>(reqid));
 }
 
+bool PageManager::reads_done(int64_t reqid) const {
+  check_process();
+  Lock lock(sync_->mu);
+  check_open();
+  check_reqid(reqid, "reads_done");
+  const size_t s = static_cast<size_t>(reqid);
+  return !table_.allocated(s) && backend_->reads_done(reqid_reads_[s]);
+}
+
 void PageManager::check_mapped(const int64_t* reqids, const int64_t* tokens, size_t count,
                                const std::string& what) const {
   check_process();

@@ -229,6 +229,10 @@ class PageManager {
   bool closed() const;
   size_t mapped_pages(int64_t reqid) const;  // positions (pages per buffer) mapped in reqid
   bool reqid_allocated(int64_t reqid) const;
+  // Whether the device is done with a free reqid's last reads (its fence
+  // passed; asked without waiting), so unmapping its pages waits for
+  // nothing. An allocated reqid is still read: false.
+  bool reads_done(int64_t reqid) const;
   // Throws std::invalid_argument (message prefixed with `what`) unless every
   // reqids[i] is allocated and has at least tokens[i] tokens mapped in every
   // buffer: what an attention kernel checks before it reads rows [0,

@@ -14,6 +14,7 @@ PageTable::PageTable(size_t num_reqids, size_t num_buffers, size_t num_ids, bool
   reqid_orphans_.assign(num_reqids, 0);
   id_maps_.assign(num_ids, 0);
   id_holds_.assign(num_ids, 0);
+  id_request_maps_.assign(num_ids, 0);
   id_created_.assign(num_ids, 0);
   if (!external_ids_) {
     uncreated_.reserve(num_ids);
@@ -35,11 +36,14 @@ size_t PageTable::first_shared(size_t reqid) const {
 
 void PageTable::allocate(size_t reqid) {
   reqid_allocated_[reqid] = 1;
+  for (uint32_t id : reqid_page_ids_[reqid])  // a reused reqid's positions are its request's again
+    if (id != kHole) add_request_ref(id);
   reqid_tokens_[reqid] = 0;
   stats_.slots_allocated++;
 }
 
 void PageTable::release(size_t reqid) {
+  drop_request_refs(reqid, 0, reqid_page_ids_[reqid].size());
   reqid_allocated_[reqid] = 0;
   reqid_tokens_[reqid] = 0;
   stats_.slots_allocated--;
@@ -62,6 +66,21 @@ void PageTable::add_map_ref(uint32_t id) {
 void PageTable::add_hold(uint32_t id) {
   if (id_holds_[id]++ == 0 && id_maps_[id] == 0) stats_.pages_in_use += num_buffers_;
   note_in_use();
+}
+
+void PageTable::add_request_ref(uint32_t id) {
+  if (id_request_maps_[id]++ == 0) stats_.pages_in_requests += num_buffers_;
+}
+
+void PageTable::drop_request_ref(uint32_t id) {
+  if (--id_request_maps_[id] == 0) stats_.pages_in_requests -= num_buffers_;
+}
+
+void PageTable::drop_request_refs(size_t reqid, size_t from, size_t to) {
+  if (!reqid_allocated_[reqid]) return;
+  const auto& ids = reqid_page_ids_[reqid];
+  for (size_t p = from; p < to; ++p)
+    if (ids[p] != kHole) drop_request_ref(ids[p]);
 }
 
 void PageTable::drop_map_ref(uint32_t id) {
@@ -178,6 +197,7 @@ void PageTable::append(size_t reqid, const std::vector<uint32_t>& ids) {
   for (uint32_t id : ids) {
     reqid_page_ids_[reqid].push_back(id);
     add_map_ref(id);
+    if (reqid_allocated_[reqid]) add_request_ref(id);
   }
   stats_.page_slots_mapped += ids.size() * num_buffers_;
 }
@@ -200,6 +220,7 @@ void PageTable::cut_tail(size_t reqid, size_t keep, std::vector<Cut>& cuts) {
   auto& ids = reqid_page_ids_[reqid];
   if (ids.size() <= keep) return;
   cut_runs(reqid, keep, ids.size(), cuts);
+  drop_request_refs(reqid, keep, ids.size());
   ids.resize(keep);
   stats_.shrinks++;
 }
@@ -208,6 +229,7 @@ void PageTable::unmap_pages_below(size_t reqid, size_t first, std::vector<Cut>& 
   auto& ids = reqid_page_ids_[reqid];
   const size_t upto = std::min(first, ids.size());
   cut_runs(reqid, 0, upto, cuts);
+  drop_request_refs(reqid, 0, upto);
   std::fill(ids.begin(), ids.begin() + upto, kHole);
   if (upto > 0) stats_.shrinks++;
   if (first > ids.size()) ids.resize(first, kHole);
@@ -293,6 +315,8 @@ void PageTable::clear() {
   free_ids_.clear();
   uncreated_.clear();
   stats_.pages_mapped = stats_.pages_in_use = stats_.page_slots_mapped = stats_.pages_orphaned = 0;
+  stats_.pages_in_requests = 0;
+  std::fill(id_request_maps_.begin(), id_request_maps_.end(), 0);
   stats_.pages_created = 0;
   stats_.slots_allocated = stats_.prefix_handles = 0;
 }
@@ -308,7 +332,7 @@ PageStats PageTable::stats() const {
 
 std::string PageTable::check_invariants() const {
   const size_t nb = num_buffers_, n_ids = num_ids();
-  std::vector<uint32_t> maps(n_ids, 0), holds(n_ids, 0), pooled(n_ids, 0);
+  std::vector<uint32_t> maps(n_ids, 0), holds(n_ids, 0), pooled(n_ids, 0), request_maps(n_ids, 0);
   size_t mappings = 0, allocated = 0;
   for (size_t s = 0; s < reqid_page_ids_.size(); ++s) {
     allocated += reqid_allocated_[s];
@@ -320,6 +344,7 @@ std::string PageTable::check_invariants() const {
       if (id >= n_ids) return "reqid " + std::to_string(s) + " holds id " + std::to_string(id) + " out of range";
       if (!id_created_[id]) return "reqid " + std::to_string(s) + " maps uncreated id " + std::to_string(id);
       maps[id]++;
+      request_maps[id] += reqid_allocated_[s];
       mappings += nb;
     }
   }
@@ -343,8 +368,11 @@ std::string PageTable::check_invariants() const {
     if (pooled[id]++) return "id " + std::to_string(id) + " is both free and uncreated, or uncreated twice";
     if (id_created_[id]) return "uncreated id " + std::to_string(id) + " is marked created";
   }
-  size_t mapped = 0, in_use = 0, created = 0;
+  size_t mapped = 0, in_use = 0, created = 0, in_requests = 0;
   for (size_t id = 0; id < n_ids; ++id) {
+    if (request_maps[id] != id_request_maps_[id])
+      return "id " + std::to_string(id) + ": request references disagree with the allocated reqids";
+    in_requests += request_maps[id] > 0;
     if (maps[id] != id_maps_[id]) return "id " + std::to_string(id) + ": " + std::to_string(id_maps_[id]) +
                                           " mapping references counted, " + std::to_string(maps[id]) + " in the table";
     if (holds[id] != id_holds_[id]) return "id " + std::to_string(id) + ": hold count disagrees with the handles";
@@ -357,6 +385,7 @@ std::string PageTable::check_invariants() const {
   }
   const PageStats& st = stats_;
   if (st.pages_mapped != mapped * nb) return "pages_mapped counter is off";
+  if (st.pages_in_requests != in_requests * nb) return "pages_in_requests counter is off";
   if (st.pages_in_use != in_use * nb) return "pages_in_use counter is off";
   if (st.page_slots_mapped != mappings) return "page_slots_mapped counter is off";
   if (st.pages_orphaned != orphaned) return "pages_orphaned counter is off";

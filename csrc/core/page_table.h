@@ -40,6 +40,7 @@ struct PageStats {
   size_t pages_total = 0;        // pool capacity
   size_t pages_created = 0;      // physical pages committed now
   size_t pages_mapped = 0;       // distinct pages mapped in at least one reqid
+  size_t pages_in_requests = 0;  // distinct pages mapped in at least one allocated reqid
   size_t pages_in_use = 0;       // distinct pages referenced (mapped, or held by a prefix handle)
   size_t page_slots_mapped = 0;  // page-sized mappings (a shared page counts once per reqid)
   size_t pages_mapped_peak = 0;
@@ -214,6 +215,11 @@ class PageTable {
  private:
   void add_map_ref(uint32_t id);
   void release_if_unreferenced(uint32_t id);
+  // A position of an allocated reqid starts or stops mapping `id`.
+  void add_request_ref(uint32_t id);
+  void drop_request_ref(uint32_t id);
+  // Positions [from, to) of `reqid` leave it: their request references go when it is allocated.
+  void drop_request_refs(size_t reqid, size_t from, size_t to);
   // Runs of ids (holes skipped) among positions [from, to) of `reqid`, as cuts.
   void cut_runs(size_t reqid, size_t from, size_t to, std::vector<Cut>& cuts) const;
   void note_in_use();
@@ -226,6 +232,7 @@ class PageTable {
   std::vector<uint32_t> reqid_orphans_;  // orphans per reqid
   std::vector<uint32_t> id_maps_;     // mappings of each page id (reqid positions and orphans)
   std::vector<uint32_t> id_holds_;    // prefix-handle references of each page id
+  std::vector<uint32_t> id_request_maps_;  // positions of allocated reqids that map each page id
   std::vector<uint8_t> id_created_;
   std::vector<uint32_t> free_ids_;    // created, unreferenced ids (managed)
   std::vector<uint32_t> uncreated_;   // ids never created (managed); back() is the smallest

@@ -221,6 +221,8 @@ py::dict stats_dict(const PageStats& s, size_t page_size) {
   d["pages_copied"] = s.pages_copied;
   d["pages_mapped_peak"] = s.pages_mapped_peak;
   d["bytes_mapped"] = s.pages_mapped * page_size;
+  d["pages_in_requests"] = s.pages_in_requests;
+  d["bytes_in_requests"] = s.pages_in_requests * page_size;
   d["bytes_mapped_peak"] = s.pages_mapped_peak * page_size;
   d["slots_allocated"] = s.slots_allocated;
   d["tokens_active"] = s.tokens_active;
@@ -580,6 +582,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("closed", &PageManager::closed)
       .def("mapped_pages", &PageManager::mapped_pages, py::arg("reqid"))
       .def("reqid_allocated", &PageManager::reqid_allocated, py::arg("reqid"))
+      .def("reads_done", &PageManager::reads_done, py::arg("reqid"))
       .def(
           "check_mapped",
           [](const PageManager& pm, py::handle reqids_obj, py::handle tokens_obj, const std::string& what) {
@@ -596,6 +599,8 @@ PYBIND11_MODULE(_C, m) {
       // Read once per forward by the vLLM worker: one number, without building the stats dict.
       .def_property_readonly("bytes_mapped",
                              [](const PageManager& pm) { return pm.stats().pages_mapped * pm.page_size(); })
+      .def_property_readonly("bytes_in_requests",
+                             [](const PageManager& pm) { return pm.stats().pages_in_requests * pm.page_size(); })
       // Read per layer by the kernels' mapping check: unchanged since a check passed, the check holds.
       .def_property_readonly("shrinks", [](const PageManager& pm) { return pm.stats().shrinks; })
       .def_property_readonly("page_size", &PageManager::page_size)

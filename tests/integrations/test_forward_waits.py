@@ -3,9 +3,10 @@ mapping (BlockMapper) on the fake CUDA driver (tests/backends/fake_cuda),
 with a stream that plays vLLM's forward stream and lags behind the host.
 
 A request's slice follows it for its life, so finishes, preemptions and
-reordered rows map only new blocks; a finished request's pages are unmapped
-once the device is past its last reads (asked with cuEventQuery, never
-waited for), and a slice is reused only when empty.
+reordered rows map only new blocks; a finished request's pages stay mapped
+until its slice is reused, and only slices whose last readers the device
+has finished are reused (asked with cuEventQuery, never waited for), by a
+request that shares their first blocks where one does.
 """
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ def test_a_vllm_like_trace_never_waits_for_the_device_inside_a_forward(fake_cuda
         free_blocks = list(range(1, NUM_BLOCKS))
         live: dict[str, tuple[list[int], int]] = {}
         waits_in_forwards = forwards = finished = preempted = 0
+        cached: list[list[int]] = []
         for step in range(200):
             # the scheduler: arrivals, finishes and preemptions (their slices go back, still mapped)
-            ended = []
+            ended, gone = [], {}
             for key in list(live):
                 blocks, tokens = live[key]
                 if rng.random() < 0.1 or tokens >= 4 * BLOCK - 1:
                     free_blocks += blocks
+                    gone[key] = blocks[:tokens // BLOCK]  # its full blocks stay in the prefix cache
                     del live[key]
                     ended.append(key)
                     finished += 1
@@ -67,19 +70,26 @@ def test_a_vllm_like_trace_never_waits_for_the_device_inside_a_forward(fake_cuda
                         continue
                     live[key] = (blocks + [free_blocks.pop() for _ in range(need - len(blocks))], tokens + grow)
             mapper.release(ended)
+            cached += gone.values()
             while len(live) < ROWS and len(free_blocks) >= 2:
                 tokens = rng.randint(1, 2 * BLOCK)
-                live[f"r{step}-{len(live)}"] = ([free_blocks.pop() for _ in range(-(-tokens // BLOCK))], tokens)
+                # half the arrivals hit the prefix cache: a finished request's first blocks, while still free
+                hit = (rng.choice(cached) if cached and rng.random() < 0.5 else [])[:(tokens - 1) // BLOCK]
+                hit = hit[:next((i for i, b in enumerate(hit) if b not in free_blocks), len(hit))]
+                for b in hit:
+                    free_blocks.remove(b)
+                fresh = [free_blocks.pop() for _ in range(-(-tokens // BLOCK) - len(hit))]
+                live[f"r{step}-{len(live)}"] = (hit + fresh, tokens)
             order = list(live)
             rng.shuffle(order)  # rows move every forward
             # the forward's mapping, on the host, while the device still runs the previous forward
             before = device_waits(fake_cuda, stream)
-            reqids = mapper.reqids_of(order)
             table = np.zeros((len(order), 4), dtype=np.int32)
             for i, key in enumerate(order):
                 table[i, :len(live[key][0])] = live[key][0]
-            mapper.map(reqids, table, np.array([len(live[k][0]) for k in order], dtype=np.int32),
-                       np.array([live[k][1] for k in order]))
+            num_blocks = np.array([len(live[k][0]) for k in order], dtype=np.int32)
+            reqids = mapper.reqids_of(order, table, num_blocks)
+            mapper.map(reqids, table, num_blocks, np.array([live[k][1] for k in order]))
             waits_in_forwards += device_waits(fake_cuda, stream) - before
             forwards += 1
             # the forward's kernels are queued; the device finishes the previous forward's meanwhile
@@ -89,6 +99,7 @@ def test_a_vllm_like_trace_never_waits_for_the_device_inside_a_forward(fake_cuda
                 blocks, tokens = live[key]
                 assert kv.page_ids(reqid) == blocks[:-(-tokens // BLOCK)]
         assert finished > 20 and preempted > 5 and forwards == 200
+        assert mapper.positions_reused > 10  # prefix hits found their blocks mapped in a free slice
         assert waits_in_forwards == 0
         s = kv.stats()
         assert s["page_unmaps"] > 0  # finished requests' pages were unmapped, after their readers were done

@@ -53,9 +53,9 @@ def step(mapper: BlockMapper, requests: dict[str, list[int]], seq_lens: list[int
     """One forward: the requests in batch order (rows 0..), their block-table
     rows and lengths. Returns each request's reqid."""
     keys = list(requests)
-    reqids = mapper.reqids_of(keys)
-    mapper.map(reqids, *table(list(requests.values())), np.array(seq_lens),
-               None if query_lens is None else np.array(query_lens))
+    rows, counts = table(list(requests.values()))
+    reqids = mapper.reqids_of(keys, rows, counts)  # as the worker does: new requests may reuse a free slice
+    mapper.map(reqids, rows, counts, np.array(seq_lens), None if query_lens is None else np.array(query_lens))
     return dict(zip(keys, reqids.tolist()))
 
 
@@ -116,7 +116,7 @@ def test_a_request_moved_to_another_row_maps_and_unmaps_nothing(kv):
     write(kv, r["c"], 0, 20, 7.0)
     mapper.release(["a", "b"])  # finished
     assert step(mapper, {"c": [6, 10]}, [21]) == {"c": r["c"]}
-    assert kv.page_ids(r["a"]) == kv.page_ids(r["b"]) == []  # their slices were unmapped, the device done
+    assert kv.page_ids(r["a"]) == [1] and kv.page_ids(r["b"]) == [2]  # free, mapped until reused
     assert read(kv, r["c"], 0, 20) == [7.0] * 20
     maps, unmaps = maps_and_unmaps(kv)
     r2 = step(mapper, {"d": [11], "c": [6, 10]}, [3, 22])  # c in row 1 now, d new in row 0
@@ -138,25 +138,60 @@ def test_prefix_shared_blocks_are_one_page_in_several_slices(kv):
     assert_invariants(kv)
 
 
-def test_a_released_slice_keeps_its_pages_until_the_device_is_done_and_is_empty_when_reused(kv):
-    """Deferred reclamation: a finished request's pages stay mapped (the
-    device may still read them) until the next forward finds its readers
-    done (on the host at once); slices are handed out oldest-freed first,
-    and a new request never maps into a slice that still holds pages."""
+def test_a_released_slice_keeps_its_pages_until_it_is_reused_and_is_emptied_then(kv):
+    """Deferred reclamation, lazily: a finished request's pages stay mapped
+    (the device may still read them, a later request may share them) until
+    its slice is reused; a new request that shares none of its blocks gets
+    the oldest-freed slice, emptied first, and never maps over old pages."""
     mapper = BlockMapper(kv, BLOCK, slices=2)
     r = step(mapper, {"a": [12, 13]}, [32])
+    page_id_bytes = kv.page_size * kv.config.num_buffers
+    assert kv.bytes_in_requests == kv.bytes_mapped == 2 * page_id_bytes
     mapper.release(["a"])
     assert kv.page_ids(r["a"]) == [12, 13] and not kv.is_allocated(r["a"])
-    r2 = step(mapper, {"b": [20]}, [10])  # the never-used slice first; a's unmapped meanwhile
-    assert r2["b"] != r["a"] and kv.page_ids(r["a"]) == []
+    assert kv.bytes_mapped == 2 * page_id_bytes and kv.bytes_in_requests == 0  # mapped, but no request's
+    r2 = step(mapper, {"b": [20]}, [10])  # the never-used slice: it was freed first (at start-up)
+    assert r2["b"] != r["a"] and kv.page_ids(r["a"]) == [12, 13]
+    before = maps_and_unmaps(kv)
     r3 = step(mapper, {"b": [20], "c": [14, 15, 16]}, [10, 40])  # now the freed one
     assert r3["c"] == r["a"] and kv.page_ids(r["a"]) == [14, 15, 16]
+    buffers = kv.config.num_buffers
+    assert maps_and_unmaps(kv) == (before[0] + 3 * buffers, before[1] + 2 * buffers)
+    assert mapper.positions_reused == 0
     with pytest.raises(ValueError, match="3 requests hold slices, but the cache has 2 per KV cache group"):
         mapper.reqids_of(["b", "c", "d"])
     assert mapper.live_requests == 2
     mapper.release(["c"])
-    mapper.reqids_of(["b", "d"])  # reused before any forward: emptied first
+    mapper.reqids_of(["b", "d"])  # reused without a block table: emptied first
     assert kv.page_ids(r["a"]) == []
+    assert_invariants(kv)
+
+
+def test_a_new_request_that_starts_with_a_free_slices_blocks_reuses_them_in_place(kv):
+    """A prefix-cache hit (a shared system prompt, a resumed request): the
+    free slice that maps the longest run of the new request's first blocks
+    is taken, those positions are neither unmapped nor mapped again, the
+    old request's pages after them are unmapped, and the shared tokens read
+    back through the new request's slice."""
+    mapper = BlockMapper(kv, BLOCK)
+    r = step(mapper, {"a": [12, 13, 14], "b": [12, 17]}, [48, 20])
+    write(kv, r["a"], 0, 48, 2.0)
+    mapper.release(["a", "b"])
+    step(mapper, {"x": [30]}, [4])  # an unrelated request takes the oldest free slice, not these
+    before = maps_and_unmaps(kv)
+    r2 = step(mapper, {"c": [12, 13, 18, 19]}, [60])  # shares a's first two blocks: a's slice, not b's
+    buffers = kv.config.num_buffers
+    assert r2["c"] == r["a"] and kv.page_ids(r2["c"]) == [12, 13, 18, 19]
+    assert kv.stats()["bytes_in_requests"] == 5 * kv.page_size * kv.config.num_buffers  # 12, 13, 18, 19 and x's 30
+    assert maps_and_unmaps(kv) == (before[0] + 2 * buffers, before[1] + 1 * buffers)  # 14 out, 18 and 19 in
+    assert mapper.positions_reused == 2 and kv.page_ids(r["b"]) == [12, 17]
+    assert read(kv, r2["c"], 0, 32) == [2.0] * 32
+    r3 = step(mapper, {"c": [12, 13, 18, 19], "d": [12, 17]}, [60, 20])  # b's whole slice, nothing mapped
+    assert r3["d"] == r["b"] and maps_and_unmaps(kv)[0] == before[0] + 2 * buffers
+    assert mapper.positions_reused == 4
+    r4 = step(mapper, {"c": [12, 13, 18, 19], "d": [12, 17], "e": [36, 37]}, [60, 20, 20])
+    assert kv.page_ids(r4["e"]) == [36, 37]  # no free slice maps block 36: the oldest-freed one
+    assert mapper.positions_reused == 4
     assert_invariants(kv)
 
 
@@ -174,17 +209,21 @@ def test_a_freed_block_comes_back_from_the_prefix_cache_with_its_contents(kv):
     assert_invariants(kv)
 
 
-def test_a_request_resumed_after_a_preemption_gets_a_fresh_slice(kv):
+def test_a_request_resumed_after_a_preemption_with_new_blocks_gets_another_slice(kv):
     """vLLM frees a preempted request's blocks and gives it new ones when it
     resumes: the worker releases it, and its next forward maps the new blocks
-    into another slice; the old one is reclaimed once the device is done."""
+    into another slice; the old one keeps its pages until it is reused, so
+    nothing is unmapped on the way."""
     mapper = BlockMapper(kv, BLOCK)
     r = step(mapper, {"a": [30, 31, 32]}, [48])
     mapper.release(["a"])
     before = maps_and_unmaps(kv)
     r2 = step(mapper, {"a": [33, 34]}, [20])
-    assert r2["a"] != r["a"] and kv.page_ids(r2["a"]) == [33, 34] and kv.page_ids(r["a"]) == []
-    assert maps_and_unmaps(kv) == (before[0] + 2 * kv.config.num_buffers, before[1] + 3 * kv.config.num_buffers)
+    assert r2["a"] != r["a"] and kv.page_ids(r2["a"]) == [33, 34] and kv.page_ids(r["a"]) == [30, 31, 32]
+    assert maps_and_unmaps(kv) == (before[0] + 2 * kv.config.num_buffers, before[1])
+    mapper.release(["a"])  # preempted again, resumed on its first blocks (prefix-cache hits): its first slice
+    r3 = step(mapper, {"a": [30, 31, 35]}, [40])
+    assert r3["a"] == r["a"] and kv.page_ids(r3["a"]) == [30, 31, 35] and mapper.positions_reused == 2
     assert_invariants(kv)
 
 
@@ -228,25 +267,33 @@ def test_a_vllm_like_trace_maps_each_block_once_into_each_request_that_holds_it(
     """Random arrivals, growth, finishes, preemptions and batch reorders
     against a reference model of what every live request must have mapped;
     every position mapped is one the trace needed (the lower bound), and
-    nothing is unmapped but reused slices' old pages."""
+    new requests that start with a finished request's blocks (prefix-cache
+    hits) find them mapped in its slice."""
     rng = random.Random(7)
     with make_kv(slices=12) as kv:
         mapper = BlockMapper(kv, BLOCK)
         free_blocks = list(range(1, NUM_BLOCKS))
         live: dict[str, tuple[list[int], int]] = {}  # key -> (blocks, tokens)
+        finished: list[list[int]] = []  # finished requests' full blocks: what vLLM's prefix cache may hand out
         next_key = 0
         for _ in range(300):
             if len(live) < 6 and rng.random() < 0.4:  # a new request with a prompt
                 tokens = rng.randint(1, 40)
-                need = -(-tokens // BLOCK)
-                if len(free_blocks) >= need:
-                    live[f"r{next_key}"] = ([free_blocks.pop() for _ in range(need)], tokens)
+                hit = rng.choice(finished) if finished and rng.random() < 0.5 else []
+                hit = hit[:next((i for i, b in enumerate(hit) if b not in free_blocks), len(hit))]
+                hit = hit[:(tokens - 1) // BLOCK]  # a prefix-cache hit leaves at least one token to compute
+                need = -(-tokens // BLOCK) - len(hit)
+                if len(free_blocks) - len(hit) >= need:
+                    for b in hit:
+                        free_blocks.remove(b)
+                    live[f"r{next_key}"] = (hit + [free_blocks.pop() for _ in range(need)], tokens)
                     next_key += 1
             for key in list(live):
                 blocks, tokens = live[key]
                 event = rng.random()
                 if event < 0.05 or tokens >= MAX_LEN - 1:  # finished
                     free_blocks += blocks
+                    finished.append(blocks[:tokens // BLOCK])
                     del live[key]
                     mapper.release([key])
                 elif event < 0.08:  # preempted and resumed at once with new blocks
@@ -272,8 +319,8 @@ def test_a_vllm_like_trace_maps_each_block_once_into_each_request_that_holds_it(
                 assert kv.page_ids(reqid) == blocks[:-(-tokens // BLOCK)], key
         assert_invariants(kv)
         maps, _ = maps_and_unmaps(kv)
-        assert maps == mapper.positions_needed * kv.config.num_buffers
-        assert mapper.positions_needed > 100
+        assert maps == mapper.positions_needed * kv.config.num_buffers  # reused positions are not mapped again
+        assert mapper.positions_needed > 100 and mapper.positions_reused > 10
 
 
 # ---- start-up decisions ------------------------------------------------------------------

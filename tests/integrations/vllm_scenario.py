@@ -110,14 +110,18 @@ PROFILE_PARTS = {  # part of a forward -> (file name ending, function) whose cum
 
 def profile_summary(profiler, seconds: float, top: int = 15) -> dict:
     """Seconds per part of PROFILE_PARTS (each a function that does not call itself: its
-    cumulative time) and the ``top`` functions by time of their own."""
+    cumulative time; a match called by another match of the same part is inside it, not
+    added again) and the ``top`` functions by time of their own."""
     import pstats
 
     stats = pstats.Stats(profiler).stats  # (file, line, function) -> (calls, primitive, own, cumulative, callers)
     parts = {}
     for part, places in PROFILE_PARTS.items():
-        parts[part] = sum(cum for (file, _, func), (_, _, _, cum, _) in stats.items()
-                          if any(file.endswith(end) and func == name for end, name in places))
+        def matches(where: tuple) -> bool:
+            return any(where[0].endswith(end) and where[2] == name for end, name in places)
+
+        parts[part] = sum(cum for where, (_, _, _, cum, callers) in stats.items()
+                          if matches(where) and not any(matches(caller) for caller in callers))
     own = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     return {"generate_s": seconds, "parts_s": parts,
             "top_own_s": [(f"{os.path.basename(file)}:{line}:{func}", round(tt, 4), calls)

@@ -61,3 +61,34 @@ def test_the_budgets_cost_is_per_round_against_vattn_alone():
     assert cost["a"]["ratio_budget_over_vattn"] == pytest.approx(10.5 / 11.0)
     assert cost["b"]["vattn_budget_tokens_per_s_rounds"] == [20.0, 22.0]
     assert cost["a"]["identical_outputs_to_vattn"] == 1  # first rounds' outputs compared
+
+
+def outer_part():
+    total = 0
+    for _ in range(50):
+        total += inner_part()  # called directly, as the builder calls the planner
+    return total
+
+
+def inner_part():
+    return sum(range(2000))
+
+
+def test_a_profile_part_counts_a_function_inside_another_of_the_same_part_once(monkeypatch):
+    """vattn's metadata builder calls the planner's build: both match the
+    part, and the part is the outer one's time, not the two added."""
+    import cProfile
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_scenario_for_profile",
+                                                  BENCHMARKS.parent / "tests" / "integrations" / "vllm_scenario.py")
+    scenario = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scenario)
+    here = __file__.rsplit("/", 1)[-1]
+    monkeypatch.setattr(scenario, "PROFILE_PARTS", {"nested": [(here, "outer_part"), (here, "inner_part")],
+                                                    "inner": [(here, "inner_part")]})
+    profiler = cProfile.Profile()
+    profiler.runcall(outer_part)
+    parts = scenario.profile_summary(profiler, 1.0)["parts_s"]
+    outer = next(v[3] for k, v in __import__("pstats").Stats(profiler).stats.items() if k[2] == "outer_part")
+    assert parts["nested"] == outer and 0 < parts["inner"] < parts["nested"]

@@ -466,6 +466,13 @@ class KVCacheManager(CudaStreams):
     def is_allocated(self, reqid: int) -> bool:
         return self._pages.reqid_allocated(self._reqid(reqid))
 
+    def reads_done(self, reqid: int) -> bool:
+        """Whether the device has finished every kernel queued before
+        ``reqid`` was freed (asked without waiting), so that unmapping its
+        pages waits for nothing; False while ``reqid`` is allocated. Always
+        True on the host backend once freed."""
+        return self._pages.reads_done(self._reqid(reqid))
+
     def check_mapped(self, view: torch.Tensor, reqids: IntArray, seq_lens: IntArray,
                      what: str = "check_mapped") -> None:
         """Raises unless a kernel may read rows ``[0, seq_lens[i])`` of
@@ -622,7 +629,8 @@ class KVCacheManager(CudaStreams):
         """Counters and memory figures. Bytes are bytes; pages count every buffer.
 
         ``bytes_used``: bytes the active tokens occupy; ``bytes_mapped``:
-        physical bytes mapped; ``bytes_created``: physical bytes held; ``bytes_reserved``: virtual bytes reserved;
+        physical bytes mapped; ``bytes_in_requests``: of those, the bytes
+        allocated reqids map (not what only freed reqids still map); ``bytes_created``: physical bytes held; ``bytes_reserved``: virtual bytes reserved;
         ``bytes_static``: what a static max-length reservation would need.
         """
         s = self._pages.stats()
@@ -648,6 +656,13 @@ class KVCacheManager(CudaStreams):
         mapped in several slices counts once): ``stats()["bytes_mapped"]``
         without the rest of the stats."""
         return self._pages.bytes_mapped
+
+    @property
+    def bytes_in_requests(self) -> int:
+        """Physical bytes mapped in allocated reqids' slices, every buffer (a
+        page in several counts once): ``bytes_mapped`` less what only free
+        reqids still map (deferred reclamation, slices kept for reuse)."""
+        return self._pages.bytes_in_requests
 
     def wait_idle(self) -> None:
         """Blocks until the background mapper has mapped everything it planned

@@ -86,13 +86,18 @@ class BlockMapper:
     batch maps nothing either. Block ids are page ids: a block shared by
     prefix caching is one physical page mapped into several slices.
 
-    A released request's slice keeps its pages mapped (deferred reclamation:
-    the device may still read them); it goes back to the pool and is handed
-    to a new request only once it is empty, or emptied then. Slices are
-    handed out oldest-freed first, so with more slices than batch rows
-    (``slices``) the fence of a freed slice has long passed when it is
-    reused. A framework that replaces the blocks of a living request (vLLM
-    after a preemption) releases it and gets a fresh slice.
+    A released request's slice keeps its pages mapped (deferred
+    reclamation, left lazy: nothing is unmapped until the slice is reused).
+    A new request whose first blocks a free slice still maps at the same
+    positions (a prefix-cache hit on a system prompt, a request resumed
+    after a preemption) gets that slice: those positions are neither
+    unmapped nor mapped again (``positions_reused``), and on the host they
+    need no new page-table entries either. Other new requests get the
+    oldest-freed slice. Either way only slices whose last readers the
+    device has finished are taken while there are such (so reuse never
+    waits for the device), and the positions past the reused prefix are
+    unmapped then. A framework that replaces the blocks of a living request
+    (vLLM after a preemption) releases it and gets a slice anew.
 
     Sliding windows (``window``, tokens a query sees, itself included): the
     blocks whose tokens no query of this forward or a later one can see lie
@@ -130,13 +135,15 @@ class BlockMapper:
         self._free = collections.deque(range(slices))  # oldest freed first
         self._mapped = np.zeros(slices, dtype=np.int64)  # positions known mapped from the table (holes included)
         self._holes = np.zeros(slices, dtype=np.int64)  # positions below which the slice is holes
+        self._first_page = np.full(slices, -1, dtype=np.int64)  # block id at position 0, -1: none or a hole
+        self._free_by_first: dict[int, list[int]] = {}  # block id at position 0 -> free slices mapping it there
         self._last_keys: list[Hashable] | None = None
         # the forward's thread assigns slices; a budget's keeper may release those of requests that
         # are not running (vattn.integrations.vllm.budget) from its own
         self._lock = threading.Lock()
-        self._released = 0  # free slices that may still map pages (of every mapper on the manager)
         self._last_reqids = np.zeros(0, dtype=np.int64)
         self.positions_needed = 0  # lower bound: (request, position) pairs a forward needed mapped, all requests
+        self.positions_reused = 0  # positions a new request found mapped with its blocks in a free slice
         self.forwards_mapping = 0  # forwards that mapped anything
 
     # ---- requests and their slices -----------------------------------------------------------
@@ -151,49 +158,89 @@ class BlockMapper:
     def live_requests(self) -> int:
         return len(self._slice_of)
 
-    def reqids_of(self, keys: Sequence[Hashable]) -> np.ndarray:
+    def reqids_of(self, keys: Sequence[Hashable], block_table: np.ndarray | None = None,
+                  num_blocks: np.ndarray | None = None) -> np.ndarray:
         """The reqid of each request of a forward (``int64``, one per key, in
-        order); a key seen for the first time gets a slice. The same list of
-        keys as the last call costs one list comparison."""
+        order); a key seen for the first time gets a slice. With the
+        forward's ``block_table`` and ``num_blocks`` (as :meth:`map` takes
+        them, row ``i`` for ``keys[i]``), a new request gets a free slice
+        that still maps its first blocks, if one does. The same list of keys
+        as the last call costs one list comparison."""
         if keys == self._last_keys:
             return self._last_reqids
         with self._lock:
             slice_of = self._slice_of
-            new = [key for key in dict.fromkeys(keys) if key not in slice_of]
+            new = {key: row for row, key in enumerate(keys) if key not in slice_of}
             if len(new) > len(self._free):
                 raise ValueError(f"vattn: {len(slice_of) + len(new)} requests hold slices, but the cache has "
                                  f"{self.slices} per KV cache group")
             if new:
-                self._assign(new)
+                self._assign(new, block_table, num_blocks)
             reqids = np.fromiter((slice_of[key] for key in keys), dtype=np.int64, count=len(keys))
             reqids += self.first_reqid
             self._last_keys, self._last_reqids = list(keys), reqids
             return reqids
 
-    def _assign(self, keys: list[Hashable]) -> None:
-        slices = [self._free.popleft() for _ in keys]
-        reqids = np.asarray(slices, dtype=np.int64) + self.first_reqid
+    def _take_slice(self, blocks: np.ndarray | None) -> tuple[int, int]:
+        """A free slice for a request whose first blocks are ``blocks`` (None:
+        not known), and how many positions it maps with them already: the
+        free slice mapping the longest run of them, else the oldest-freed;
+        slices the device may still read are passed over while others are
+        free."""
+        manager, first = self.manager, self.first_reqid
+        best, reused = None, 0
+        if blocks is not None and len(blocks) and blocks[0] != self.null_block_id:
+            for s in self._free_by_first.get(int(blocks[0]), ()):
+                held = manager.page_ids(first + s)[:len(blocks)]
+                same = int(np.argmin(np.append(np.asarray(held) == blocks[:len(held)], False)))
+                if same > reused and manager.reads_done(first + s):
+                    best, reused = s, same
+        if best is None:
+            best = next((s for s in self._free if manager.reads_done(first + s)), self._free[0])
+        self._free.remove(best)
+        page = int(self._first_page[best])
+        if page >= 0:
+            self._free_by_first[page].remove(best)
+            if not self._free_by_first[page]:
+                del self._free_by_first[page]
+        return best, reused
+
+    def _assign(self, rows: dict[Hashable, int], block_table: np.ndarray | None,
+                num_blocks: np.ndarray | None) -> None:
+        taken: list[tuple[Hashable, int, int]] = []
         try:
-            for reqid in reqids:
-                self.manager.alloc_reqid(reqid=int(reqid))
-            # a reused slice may still map its last request's pages: unmapped now (a no-op when empty)
-            self.manager.unmap_pages(reqids, np.zeros(len(reqids), dtype=np.int64))
+            for key, row in rows.items():
+                blocks = None
+                if block_table is not None and num_blocks is not None:
+                    blocks = np.asarray(block_table[row, :int(num_blocks[row])], dtype=np.int64)
+                s, reused = self._take_slice(blocks)
+                taken.append((key, s, reused))
+                reqid = self.first_reqid + s
+                # past the reused blocks, its last request's pages go, before it is allocated again: unmapping a
+                # free slice waits only for its own last readers (done, as _take_slice chose it)
+                self.manager.unmap_pages(np.array([reqid], dtype=np.int64), np.array([reused], dtype=np.int64))
+                self.manager.alloc_reqid(reqid=reqid)
         except BaseException:
-            for reqid in reqids:
-                if self.manager.is_allocated(int(reqid)):
-                    self.manager.free_reqid(int(reqid))
-            self._free.extendleft(reversed(slices))
+            for _, s, _ in taken:
+                if self.manager.is_allocated(self.first_reqid + s):
+                    self.manager.free_reqid(self.first_reqid + s)
+                self._free.appendleft(s)
+                self._first_page[s] = -1  # whatever it still maps, it is not offered for reuse
             raise
-        for key, s in zip(keys, slices):
+        for key, s, reused in taken:
             self._slice_of[key] = s
-        self._mapped[slices] = 0
-        self._holes[slices] = 0
+            self._mapped[s] = reused
+            self._holes[s] = 0
+            if not reused:
+                self._first_page[s] = -1
+            self.positions_reused += reused
 
     def release(self, keys: Iterable[Hashable]) -> None:
         """The requests ended, or the framework replaced their blocks: their
-        slices go back to the pool with their pages still mapped (reclaimed
-        when the device is done with them, or when the slice is reused).
-        Unknown keys are ignored (a request the forwards never saw)."""
+        slices go back to the pool with their pages still mapped (unmapped
+        when the slice is reused, past the blocks its new request shares, or
+        by :meth:`reclaim_free`). Unknown keys are ignored (a request the
+        forwards never saw)."""
         with self._lock:
             released = []
             for key in keys:
@@ -204,21 +251,20 @@ class BlockMapper:
                 return
             for s in released:
                 self.manager.free_reqid(self.first_reqid + s)
+                page = int(self._first_page[s])
+                if page >= 0:
+                    self._free_by_first.setdefault(page, []).append(s)
             self._free.extend(released)
-            self._released += len(released)
             self._last_keys = None
 
     def reclaim_free(self, wait: bool = True) -> None:
-        """Unmaps the free slices' pages (of every mapper on the manager):
-        with ``wait``, all of them, after the device is done with them, so
+        """Unmaps the free slices' pages (of every mapper on the manager), so
         that the blocks they held can give their memory back (a budget's
-        :meth:`KVCacheManager.release_pages`); without, only those the device
-        is done with, without waiting (what :meth:`map` does)."""
-        with self._lock:
-            before = self._released
-        pending = self.manager.reclaim_freed(wait)[1]  # tried again at the next forward
-        with self._lock:  # slices released meanwhile count too (at worst one reclaim too many)
-            self._released += pending - before
+        :meth:`KVCacheManager.release_pages`): with ``wait``, all of them,
+        after the device is done with them; without, only those the device
+        is done with, without waiting. Forwards never call it: a free slice
+        is unmapped when it is reused."""
+        self.manager.reclaim_freed(wait)
 
     @property
     def all_reqids(self) -> np.ndarray:
@@ -261,8 +307,6 @@ class BlockMapper:
                 with a window, the first of them is the earliest query, which
                 sets where the window starts. None: windows are not applied.
         """
-        if self._released:  # finished requests' slices: unmapped once the device is done with them
-            self.reclaim_free(wait=False)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
         n = len(seq_lens)
         if n == 0:
@@ -286,6 +330,8 @@ class BlockMapper:
         if fresh.any():
             real = (cols < g_need[:, None]) & (ids != self.null_block_id)
             first = np.where(real.any(axis=1), real.argmax(axis=1), 0)
+            # what a later request with the same first blocks may find mapped here (not a hole, not the null block)
+            self._first_page[g_s[fresh]] = np.where(real[fresh, 0], ids[fresh, 0], -1)
             behind = fresh & (first > 0)
             if behind.any():
                 self.manager.unmap_pages_below(reqids[rows][behind], first[behind])

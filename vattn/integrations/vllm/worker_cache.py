@@ -154,7 +154,8 @@ class WorkerCache:
     group_of: dict[str, int] = dataclasses.field(default_factory=dict)  # layer name -> group index
     # per forward, the last SERIES_FORWARDS of them (a server runs for days: the series must not grow forever)
     time_s: collections.deque = dataclasses.field(default_factory=lambda: series())  # time.monotonic()
-    bytes_mapped: collections.deque = dataclasses.field(default_factory=lambda: series())  # distinct pages, all buffers
+    # distinct pages the requests' slices map, all buffers (not what free slices kept for reuse still map)
+    bytes_mapped: collections.deque = dataclasses.field(default_factory=lambda: series())
     tokens: collections.deque = dataclasses.field(default_factory=lambda: series())  # attended tokens
     behind_windows: collections.deque = dataclasses.field(default_factory=lambda: series())  # bytes of window holes
     map_ns: int = 0  # time spent mapping and unmapping, all forwards
@@ -226,14 +227,15 @@ class WorkerCache:
         is mapped."""
         mapper = self.groups[group].mapper
         start = time.perf_counter_ns()
-        reqids = mapper.reqids_of(self.request_keys(len(seq_lens)))
         table = self.runner.input_batch.block_table[group]
-        mapper.map(reqids, table.block_table.np, table.num_blocks_per_row, seq_lens, query_lens)
+        blocks, num_blocks = table.block_table.np, table.num_blocks_per_row
+        reqids = mapper.reqids_of(self.request_keys(len(seq_lens)), blocks, num_blocks)
+        mapper.map(reqids, blocks, num_blocks, seq_lens, query_lens)
         self.map_ns += time.perf_counter_ns() - start
         if group == len(self.groups) - 1:
             self.forwards += 1
             self.time_s.append(time.monotonic())
-            self.bytes_mapped.append(self.manager.bytes_mapped)
+            self.bytes_mapped.append(self.manager.bytes_in_requests)
             self.tokens.append(int(seq_lens.sum()))
             if any(g.window for g in self.groups):
                 page_id_bytes = self.manager.config.num_buffers * self.manager.page_size  # a position, every buffer
@@ -255,6 +257,7 @@ class WorkerCache:
         mapping = dict(positions_mapped=(stats["sync_page_maps"] + stats["background_page_maps"]) // buffers,
                        positions_unmapped=stats["page_unmaps"] // buffers,
                        positions_needed=sum(g.mapper.positions_needed for g in self.groups),
+                       positions_reused=sum(g.mapper.positions_reused for g in self.groups),
                        forwards=self.forwards,
                        forwards_mapping=sum(g.mapper.forwards_mapping for g in self.groups),
                        live_requests=max(g.mapper.live_requests for g in self.groups))
