@@ -175,6 +175,14 @@ class WorkerCache:
             manager.cleanup()
             raise RuntimeError(f"vattn: the page pool holds {manager.num_page_ids} ids for vLLM's "
                                f"{kv_cache_config.num_blocks} blocks")
+        if not os.environ.get(vllm_budget.ENV_VAR, "").strip():
+            # without a budget vLLM holds its whole block pool, as stock allocates its cache tensor at start-up:
+            # created now, so no forward creates (on the host: zeroes) the pages of a block's first use
+            try:
+                manager.create_pages(np.arange(kv_cache_config.num_blocks, dtype=np.int64))
+            except BaseException:
+                manager.cleanup()
+                raise
         per = manager.config.max_batch_size // len(groups)
         slices = [GroupSlices(list(g.layer_names), getattr(g.kv_cache_spec, "sliding_window", None),
                               BlockMapper(manager, spec.block_size, first_reqid=i * per, slices=per - pad,
