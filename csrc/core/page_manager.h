@@ -166,10 +166,6 @@ class PageManager {
   // Throws std::invalid_argument for a managed manager or an id out of range
   // (nothing released).
   std::vector<uint32_t> release_external(const uint32_t* ids, size_t n);
-  // External ids: creates (and charges) the pages of the given ids not
-  // created yet, ahead of the map_pages that would; returns those ids.
-  // OutOfPages, nothing created, when the budget or the device refuses.
-  std::vector<uint32_t> create_external(const uint32_t* ids, size_t n);
   // The budget share now (an empty name without a budget).
   BudgetShare budget_share() const;
   // In a budget, after a step refused for want of the budget's memory: blocks

@@ -75,26 +75,6 @@ std::vector<uint32_t> PageManager::release_external(const uint32_t* ids, size_t 
   return released;
 }
 
-std::vector<uint32_t> PageManager::create_external(const uint32_t* ids, size_t n) {
-  check_process();
-  Lock lock(sync_->mu);
-  check_open();
-  if (!config_.external_ids)
-    throw std::invalid_argument("create_pages: this manager creates its own pages (page_allocator='vattn')");
-  for (size_t k = 0; k < n; ++k)
-    if (ids[k] >= num_ids_)
-      throw std::invalid_argument("create_pages: page_ids[" + std::to_string(k) + "] must be in " +
-                                  range_text(0, static_cast<int64_t>(num_ids_) - 1) + " (num_page_ids), got " +
-                                  std::to_string(ids[k]));
-  wait_for_batch(lock);
-  std::vector<uint32_t> missing = table_.uncreated_among(ids, n);
-  if (missing.empty()) return missing;
-  create_ids(missing, false);  // OutOfPages: nothing created
-  table_.mark_created(missing);
-  work_epoch_++;  // the keeper reports the new split
-  return missing;
-}
-
 size_t PageManager::shed_locked(Lock& lock, size_t want) {
   wait_for_batch(lock);  // a batch in flight holds ids out of the pool
   std::vector<uint32_t> ids = table_.uncreate_free(want);

@@ -510,16 +510,6 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("page_ids"),
           "External ids: release the pages of the given created, unreferenced ids; returns the ids released.")
-      .def(
-          "create_external",
-          [](PageManager& pm, py::handle page_ids) {
-            std::vector<int64_t> raw;
-            read_ints(page_ids, "page_ids", raw);
-            std::vector<uint32_t> ids = to_ids(raw, "create_pages", "page_ids", pm.num_ids());
-            py::gil_scoped_release release;
-            return pm.create_external(ids.data(), ids.size());
-          },
-          py::arg("page_ids"), "External ids: create the pages of the given ids not created yet; returns those ids.")
       .def("wait_for_budget", &PageManager::wait_for_budget, py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>(),
            "After a step the budget refused: block until memory may have come free there, or timeout_s.")

@@ -90,31 +90,3 @@ def test_without_a_budget_released_pages_leave_the_process(budget):
         assert kv.release_pages([0, 1, 2, 3]) == [0, 1, 2, 3]
         assert kv.stats()["bytes_created"] == 0 and kv.budget_share() is None
         assert_invariants(kv)
-
-
-def test_created_ahead_ids_are_charged_once_and_mapping_them_creates_nothing(budget):
-    """``create_pages``: what a framework that holds its whole pool calls at
-    start-up; the forward that first maps an id then only maps it."""
-    with external(budget.name) as kv:
-        assert kv.create_pages(np.array([4, 2, 4, 7])) == [4, 2, 7]  # a repeat counts once
-        assert budget.held_bytes == 3 * ID_BYTES == kv.stats()["bytes_created"]
-        assert kv.create_pages([2, 7, 8]) == [8]  # created ones are left
-        kv.alloc_reqid(reqid=0)
-        kv.map_pages([0], [0], [[2, 4]])
-        assert kv.stats()["bytes_created"] == 4 * ID_BYTES == budget.held_bytes
-        k, v = kv.layer(0)
-        k[0, :512] = 3.0
-        assert torch.all(k[0, :512] == 3.0)
-        with pytest.raises(ValueError, match=r"page_ids\[1\] must be in \[0, 31\]"):
-            kv.create_pages([5, 32])
-        assert kv.stats()["bytes_created"] == 4 * ID_BYTES  # nothing created, 5 included
-        with pytest.raises(vattn.OutOfPages, match="cannot grant"):
-            kv.create_pages(range(9, 31))  # 22 more ids: past the budget's 16
-        assert kv.stats()["bytes_created"] == 4 * ID_BYTES == budget.held_bytes
-        assert kv.release_pages([7, 8]) == [7, 8]  # created ahead, never mapped: released like any free id
-        assert_invariants(kv)
-        kv.unmap_pages([0], [0])
-    with vattn.KVCacheManager(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=1, max_context_len=256,
-                              background=False) as managed:
-        with pytest.raises(ValueError, match="creates its own pages"):
-            managed.create_pages([0])

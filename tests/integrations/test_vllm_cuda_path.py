@@ -133,10 +133,11 @@ def test_vllms_build_refuses_slices_it_cannot_page(fake_vllm_build):
         kernel.slice_tokens(cache.stride(0), cache.stride(1))
 
 
-def test_the_workers_manager_fences_on_vllms_stream(monkeypatch):
+def test_the_workers_manager_fences_on_vllms_stream_and_creates_the_pool_without_a_budget(monkeypatch):
     """On CUDA the manager is built with ``sync_streams`` = vLLM's current
     stream (unmaps wait for it, not for the whole device); on the CPU with
-    none (the host backend has no streams)."""
+    none (the host backend has no streams). Without a budget it creates
+    every block's pages at start-up; under one, on demand."""
     stream = object()
     torch_utils = types.ModuleType("vllm.utils.torch_utils")
     torch_utils.current_stream = lambda: stream
@@ -150,10 +151,15 @@ def test_the_workers_manager_fences_on_vllms_stream(monkeypatch):
     assert (args["device"], args["layout"], args["page_size"]) == ("cuda:0", "all_layers", 2 << 20)
     runner.device = torch.device("cpu")
     spec = types.SimpleNamespace(num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=32)
+    monkeypatch.delenv("VATTN_BUDGET", raising=False)
     args = vllm_cache.cache_arguments(runner, spec, 2, 10)
     assert args["sync_streams"] is None
     with vattn.KVCacheManager(**args) as kv:  # what the worker builds on the CPU
         assert kv.num_page_ids == 10
+        # no budget: the whole pool is created at start-up, as stock vLLM allocates its cache tensor
+        assert kv.stats()["pages_created"] == 10 * kv.config.num_buffers
+    monkeypatch.setenv("VATTN_BUDGET", "some-budget")  # pages created on demand: the engine core charges them
+    assert vllm_cache.cache_arguments(runner, spec, 2, 10)["preallocate"] is False
 
 
 # ---- CUDA graphs: persistent plans, padding, capture builds -------------------------------------------------

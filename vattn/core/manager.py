@@ -430,24 +430,6 @@ class KVCacheManager(CudaStreams):
 
     release_pages = membership.release_external_pages  # page_allocator="external" only
 
-    def create_pages(self, page_ids: IntArray) -> list[int]:
-        """``page_allocator="external"``: commits the physical pages of the
-        given ids now, instead of at the :meth:`map_pages` that first maps
-        each (a framework that holds its whole block pool anyway creates it
-        at start-up, so no forward pays for it). Ids already created are
-        left; the pages are charged to the budget, if any.
-
-        Args:
-            page_ids: ids in ``[0, num_page_ids)``, any order; repeats count once.
-
-        Returns:
-            The ids created, in the order given. :class:`vattn.OutOfPages`
-            (nothing created) when the budget or the device refuses;
-            ValueError for an id out of range or a manager that creates its
-            own pages.
-        """
-        return list(self._pages.create_external(_int_array("page_ids", page_ids)))
-
     def budget_share(self) -> dict[str, Any] | None:
         """This manager's share of its budget now, in bytes: ``held_bytes``
         (every created page), of which ``in_use_bytes`` (under requests,

@@ -92,8 +92,10 @@ def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, nu
                 device=str(runner.device), page_allocator="external", background=False, deferred_reclaim=False,
                 eager=False, sync_streams=forward_streams(runner.device),
                 # under VATTN_BUDGET the engine core is the member and charges every rank's pages before a
-                # forward creates them (integrations/vllm/budget.py): a worker's cache never asks the budget
-                budget=False)
+                # forward creates them (integrations/vllm/budget.py): a worker's cache never asks the budget.
+                # Without one vLLM holds its whole block pool, as stock allocates its cache tensor at start-up:
+                # created now, so no forward creates (on the host: zeroes) the pages of a block's first use
+                budget=False, preallocate=not os.environ.get(vllm_budget.ENV_VAR, "").strip())
 
 
 def check_groups(kv_cache_config: Any, kernel_block_sizes: Any) -> Any:
@@ -175,14 +177,6 @@ class WorkerCache:
             manager.cleanup()
             raise RuntimeError(f"vattn: the page pool holds {manager.num_page_ids} ids for vLLM's "
                                f"{kv_cache_config.num_blocks} blocks")
-        if not os.environ.get(vllm_budget.ENV_VAR, "").strip():
-            # without a budget vLLM holds its whole block pool, as stock allocates its cache tensor at start-up:
-            # created now, so no forward creates (on the host: zeroes) the pages of a block's first use
-            try:
-                manager.create_pages(np.arange(kv_cache_config.num_blocks, dtype=np.int64))
-            except BaseException:
-                manager.cleanup()
-                raise
         per = manager.config.max_batch_size // len(groups)
         slices = [GroupSlices(list(g.layer_names), getattr(g.kv_cache_spec, "sliding_window", None),
                               BlockMapper(manager, spec.block_size, first_reqid=i * per, slices=per - pad,
