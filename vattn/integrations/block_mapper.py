@@ -142,7 +142,8 @@ class BlockMapper:
         # are not running (vattn.integrations.vllm.budget) from its own
         self._lock = threading.Lock()
         self._last_reqids = np.zeros(0, dtype=np.int64)
-        self.positions_needed = 0  # lower bound: (request, position) pairs a forward needed mapped, all requests
+        # lower bound of the mapping: (request, position) pairs a forward needed mapped and found unmapped
+        self.positions_needed = 0
         self.positions_reused = 0  # positions a new request found mapped with its blocks in a free slice
         self.forwards_mapping = 0  # forwards that mapped anything
 

@@ -19,8 +19,10 @@ the switch vLLM runs as stock. With it:
   released; none in a decode step that crosses no block boundary), and hands
   the kernel each row's reqid: when vLLM compacts or reorders its batch,
   nothing is mapped or unmapped. A finished request's slice keeps its pages
-  until the device is done with them (deferred reclamation); a block shared
-  by prefix caching is one page mapped into several slices.
+  until a new request takes it (deferred reclamation), by preference one
+  whose first blocks it still maps (a prefix-cache hit), which maps none of
+  those again; a block shared by prefix caching is one page mapped into
+  several slices.
 - **KV cache groups are ranges of slices.** A model whose sliding-window and
   global layers form several KV cache groups (Gemma-2, Gemma-3), each with a
   block table of its own, gets one range of reqids per group in one manager

@@ -18,7 +18,8 @@ all, as vLLM's one block pool does. A request keeps its slices from the
 first forward that sees it until it finishes (or is preempted, which
 replaces its blocks), whatever row of the persistent batch it sits in;
 ``S`` is twice the batch's rows, so that a finished request's slice can
-wait, still mapped, until the device is done with it. The pages a sliding
+wait, still mapped, until the device is done with it and a new request
+that shares its first blocks takes it. The pages a sliding
 window leaves behind, which vLLM frees, become holes at the front of the
 slice (:class:`vattn.integrations.block_mapper.BlockMapper`).
 
@@ -71,7 +72,8 @@ def forward_streams(device: torch.device) -> list[Any] | None:
 SLICES_PER_ROW = 2
 """Slices per row of the persistent batch, in each KV cache group: a
 finished request's slice keeps its pages until the device is done with
-them, while a new request takes another (virtual address space is cheap)."""
+them, and for a later request that shares its first blocks, while a new
+request takes another (virtual address space is cheap)."""
 
 
 def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, num_groups: int = 1,
