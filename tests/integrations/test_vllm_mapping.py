@@ -150,8 +150,10 @@ def test_a_released_slice_keeps_its_pages_until_it_is_reused_and_is_emptied_then
     mapper.release(["a"])
     assert kv.page_ids(r["a"]) == [12, 13] and not kv.is_allocated(r["a"])
     assert kv.bytes_mapped == 2 * page_id_bytes and kv.bytes_in_requests == 0  # mapped, but no request's
+    assert kv.reads_done(r["a"])  # freed, and the host has no queued readers
     r2 = step(mapper, {"b": [20]}, [10])  # the never-used slice: it was freed first (at start-up)
     assert r2["b"] != r["a"] and kv.page_ids(r["a"]) == [12, 13]
+    assert not kv.reads_done(r2["b"])  # allocated: still read
     before = maps_and_unmaps(kv)
     r3 = step(mapper, {"b": [20], "c": [14, 15, 16]}, [10, 40])  # now the freed one
     assert r3["c"] == r["a"] and kv.page_ids(r["a"]) == [14, 15, 16]
@@ -435,7 +437,7 @@ def test_the_worker_caches_per_forward_series_are_bounded():
     from vattn.integrations.vllm import worker_cache as vllm_cache
 
     cache = vllm_cache.WorkerCache(manager=None, groups=[], runner=None, kernel=None, case=None)
-    for series in (cache.time_s, cache.bytes_mapped, cache.tokens, cache.behind_windows):
+    for series in (cache.time_s, cache.bytes_in_requests, cache.tokens, cache.behind_windows):
         for i in range(vllm_cache.SERIES_FORWARDS + 3):
             series.append(i)
         assert len(series) == vllm_cache.SERIES_FORWARDS and series[0] == 3

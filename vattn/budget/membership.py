@@ -40,6 +40,11 @@ def default_label(config: KVCacheConfig) -> str:
     return f"kv {config.num_layers}x{config.num_kv_heads}x{config.head_dim} {dtype}"
 
 
+def budget_name_from_environment() -> str:
+    """The budget ``VATTN_BUDGET`` names ("" when it is unset or blank)."""
+    return os.environ.get(ENV_VAR, "").strip()
+
+
 def join_budget(budget: Any, device: torch.device, label: str) -> tuple[Budget | None, BudgetMember | None]:
     """The budget a manager on ``device`` joins, and its membership.
 
@@ -53,7 +58,7 @@ def join_budget(budget: Any, device: torch.device, label: str) -> tuple[Budget |
     if budget is False:
         return None, None
     if budget is None:
-        name = os.environ.get(ENV_VAR, "").strip()
+        name = budget_name_from_environment()
         if not name:
             return None, None
         budget, source = name, f"environment variable {ENV_VAR}={name}"

@@ -630,8 +630,10 @@ class KVCacheManager(CudaStreams):
 
         ``bytes_used``: bytes the active tokens occupy; ``bytes_mapped``:
         physical bytes mapped; ``bytes_in_requests``: of those, the bytes
-        allocated reqids map (not what only freed reqids still map); ``bytes_created``: physical bytes held; ``bytes_reserved``: virtual bytes reserved;
-        ``bytes_static``: what a static max-length reservation would need.
+        allocated reqids map (not what only freed reqids still map);
+        ``bytes_created``: physical bytes held; ``bytes_reserved``: virtual
+        bytes reserved; ``bytes_static``: what a static max-length
+        reservation would need.
         """
         s = self._pages.stats()
         cfg = self.config

@@ -258,14 +258,12 @@ class BlockMapper:
             self._free.extend(released)
             self._last_keys = None
 
-    def reclaim_free(self, wait: bool = True) -> None:
-        """Unmaps the free slices' pages (of every mapper on the manager), so
-        that the blocks they held can give their memory back (a budget's
-        :meth:`KVCacheManager.release_pages`): with ``wait``, all of them,
-        after the device is done with them; without, only those the device
-        is done with, without waiting. Forwards never call it: a free slice
-        is unmapped when it is reused."""
-        self.manager.reclaim_freed(wait)
+    def reclaim_free(self) -> None:
+        """Unmaps the free slices' pages (of every mapper on the manager), after
+        the device is done with them, so that the blocks they held can give
+        their memory back (a budget's :meth:`KVCacheManager.release_pages`).
+        Forwards never call it: a free slice is unmapped when it is reused."""
+        self.manager.reclaim_freed(wait=True)
 
     @property
     def all_reqids(self) -> np.ndarray:

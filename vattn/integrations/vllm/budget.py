@@ -56,7 +56,8 @@ from typing import Any, Callable
 import numpy as np
 
 from . import runtime
-from vattn.budget.membership import DEFAULT_IDLE_RELEASE_S, ENV_VAR, idle_release_seconds, join_budget
+from vattn.budget.membership import (DEFAULT_IDLE_RELEASE_S, ENV_VAR, budget_name_from_environment,
+                                     idle_release_seconds, join_budget)
 
 IDLE_SETTING = "VATTN_VLLM_IDLE_RELEASE_S"
 KEEPER_INTERVAL_S = 0.05  # how often the keeper looks at the budget (a lock-free read when nothing is asked)
@@ -448,14 +449,14 @@ def release_blocks(cache: Any, ids: list[int]) -> int:
     manager = cache.manager
     ids = [int(i) for i in ids]
     for group in cache.groups:
-        group.mapper.reclaim_free(wait=True)
+        group.mapper.reclaim_free()
     released = set(manager.release_pages(ids))
     rest = {i for i in ids if i not in released}
     if rest:
         for group in cache.groups:
             group.mapper.release_holding(rest)
         for group in cache.groups:
-            group.mapper.reclaim_free(wait=True)
+            group.mapper.reclaim_free()
         manager.release_pages(sorted(rest))
     return len(ids)
 
@@ -550,7 +551,7 @@ def install() -> None:
 
 def check_config(vllm_config: Any) -> None:
     """At start-up, in every process: what a budget needs of vLLM's configuration."""
-    if not os.environ.get(ENV_VAR, "").strip():
+    if not budget_name_from_environment():
         return
     parallel = vllm_config.parallel_config
     if parallel.distributed_executor_backend not in ("uni", "mp", None):
@@ -582,7 +583,7 @@ def attach(engine: Any) -> None:
     """Gives ``engine``'s scheduler the budget's view of its block pool, when ``VATTN_BUDGET`` is set
     and the workers serve on vattn: the engine core joins the budget for every rank."""
     global _pool
-    if not os.environ.get(ENV_VAR, "").strip():
+    if not budget_name_from_environment():
         return
     executor = engine.model_executor
     sizes = executor.collective_rpc("vattn_block_bytes")

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vattn.budget.membership import budget_name_from_environment
 from vattn.core import KVCacheManager
 from vattn.integrations import block_mapper
 from . import budget as vllm_budget
@@ -97,7 +98,7 @@ def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, nu
                 # forward creates them (integrations/vllm/budget.py): a worker's cache never asks the budget.
                 # Without one vLLM holds its whole block pool, as stock allocates its cache tensor at start-up:
                 # created now, so no forward creates (on the host: zeroes) the pages of a block's first use
-                budget=False, preallocate=not os.environ.get(vllm_budget.ENV_VAR, "").strip())
+                budget=False, preallocate=not budget_name_from_environment())
 
 
 def check_groups(kv_cache_config: Any, kernel_block_sizes: Any) -> Any:
@@ -159,7 +160,7 @@ class WorkerCache:
     # per forward, the last SERIES_FORWARDS of them (a server runs for days: the series must not grow forever)
     time_s: collections.deque = dataclasses.field(default_factory=lambda: series())  # time.monotonic()
     # distinct pages the requests' slices map, all buffers (not what free slices kept for reuse still map)
-    bytes_mapped: collections.deque = dataclasses.field(default_factory=lambda: series())
+    bytes_in_requests: collections.deque = dataclasses.field(default_factory=lambda: series())
     tokens: collections.deque = dataclasses.field(default_factory=lambda: series())  # attended tokens
     behind_windows: collections.deque = dataclasses.field(default_factory=lambda: series())  # bytes of window holes
     map_ns: int = 0  # time spent mapping and unmapping, all forwards
@@ -239,7 +240,7 @@ class WorkerCache:
         if group == len(self.groups) - 1:
             self.forwards += 1
             self.time_s.append(time.monotonic())
-            self.bytes_mapped.append(self.manager.bytes_in_requests)
+            self.bytes_in_requests.append(self.manager.bytes_in_requests)
             self.tokens.append(int(seq_lens.sum()))
             if any(g.window for g in self.groups):
                 page_id_bytes = self.manager.config.num_buffers * self.manager.page_size  # a position, every buffer
@@ -266,7 +267,7 @@ class WorkerCache:
                        forwards_mapping=sum(g.mapper.forwards_mapping for g in self.groups),
                        live_requests=max(g.mapper.live_requests for g in self.groups))
         return dict(stats, layout=self.manager.config.layout, kernel=self.kernel.name, map_ns=self.map_ns,
-                    mapping=mapping, time_s_series=list(self.time_s), bytes_mapped_series=list(self.bytes_mapped),
+                    mapping=mapping, time_s_series=list(self.time_s), bytes_mapped_series=list(self.bytes_in_requests),
                     tokens_series=list(self.tokens), bytes_behind_windows_series=list(self.behind_windows),
                     groups=[dict(layers=len(g.layer_names), window=g.window) for g in self.groups],
                     block_pool_budget=vllm_budget.stats())
