@@ -605,18 +605,25 @@ def test_the_core_is_asked_again_only_after_a_slice_shrinks(mapped_cache) -> Non
 
 def test_a_cache_at_a_closed_caches_addresses_is_checked_as_itself() -> None:
     """After cleanup its addresses may go to a new manager: the check must ask
-    the new one, never the closed one (kept alive here)."""
+    the new one, never the closed one (kept alive here), though a view at the
+    same place and strides was checked against the closed one before."""
     kwargs = dict(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.float32, max_batch_size=2,
                   max_context_len=64, page_size=4096, background=False, eager=False)
+    q = torch.randn(1, 2, 64)
     closed = vattn.KVCacheManager(**kwargs)
+    for reqid in range(2):
+        closed.alloc_reqid(reqid=reqid)
+    assert closed.step([5, 5])
+    host_attention(q, *closed.layer(0), AttentionBatch([1], [4], [1]))  # its views' owner is remembered
+    closed_span = closed._span
     closed.cleanup()
     with vattn.KVCacheManager(**kwargs) as kv:
+        assert kv._span == closed_span  # the same addresses: the remembered owner must not be used
         r = kv.alloc_reqid()
         lens = [0, 0]
         lens[r] = 5
         assert kv.step(lens)
         k_cache, v_cache = kv.layer(0)
-        q = torch.randn(1, 2, 64)
         out = host_attention(q, k_cache, v_cache, AttentionBatch([r], [4], [1]))
         assert out.shape == q.shape
         with pytest.raises(ValueError, match=f"reqid {1 - r} is not allocated"):

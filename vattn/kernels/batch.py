@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from vattn.core.tensor_owners import manager_of
+from vattn.core.tensor_owners import view_owner
 
 if TYPE_CHECKING:
     from .protocol import AttentionCase, Kernel, KernelPlan
@@ -84,14 +84,14 @@ class AttentionBatch:
         ``[n]`` each), checked by array operations rather than per request
         in Python: the integrations' path, once per forward. Same checks
         and errors as the constructor."""
-        arrays = [np.asarray(a, dtype=np.int64) for a in (reqids, cached_lens, query_lens)]
-        ids, cached, query = (a.tolist() for a in arrays)
+        cached_lens, query_lens = np.asarray(cached_lens, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
+        ids, cached, query = np.asarray(reqids, dtype=np.int64).tolist(), cached_lens.tolist(), query_lens.tolist()
         n = len(ids)
         if not (0 < n == len(cached) == len(query) and min(ids) >= 0 and min(cached) >= 0 and min(query) >= 1
                 and len(set(ids)) == n):
             return cls(ids, cached, query, device)  # raises, naming the argument
         batch = cls.__new__(cls)
-        batch._fill(ids, cached, query, (arrays[1] + arrays[2]).tolist(), [0, *itertools.accumulate(query)], device)
+        batch._fill(ids, cached, query, (cached_lens + query_lens).tolist(), [0, *itertools.accumulate(query)], device)
         return batch
 
     def _fill(self, reqids: list[int], cached_lens: list[int], query_lens: list[int], seq_lens: list[int],
@@ -189,10 +189,11 @@ class AttentionBatch:
     def _plan_mapped_checks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> list[Any]:
         checks = []
         for cache in (k_cache, v_cache):
-            manager = manager_of(cache) if cache.dim() == 4 else None  # a bad rank: the kernel's check names it
-            if manager is None:
+            owner = view_owner(cache, what) if cache.dim() == 4 else None  # a bad rank: the kernel's check names it
+            if owner is None:
                 continue
-            shared = (id(manager), manager.view_origin(cache, what), what)  # also checks the view's strides
+            manager, origin = owner
+            shared = (id(manager), origin, what)
             check = self._mapped_checks.get(shared)
             if check is None:
                 check = self._mapped_checks[shared] = manager.mapped_check(cache, self.reqids, self.seq_lens,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import time
 from typing import Any
@@ -200,6 +201,11 @@ class WorkerCache:
         group_of = {name: i for i, g in enumerate(slices) for name in g.layer_names}
         return cls(manager, slices, runner, kernel, case, group_of, padding_tokens=spec.block_size if pad else 0)
 
+    @functools.cached_property
+    def has_windows(self) -> bool:
+        """Whether any group has a sliding window (its holes are recorded per forward)."""
+        return any(g.window for g in self.groups)
+
     def kv_caches(self) -> dict[str, torch.Tensor]:
         """Each layer's ``[2, S, L, H, D]`` K/V view: its buffer pair, its group's slices."""
         out = {}
@@ -242,7 +248,7 @@ class WorkerCache:
             self.time_s.append(time.monotonic())
             self.bytes_in_requests.append(self.manager.bytes_in_requests)
             self.tokens.append(int(seq_lens.sum()))
-            if any(g.window for g in self.groups):
+            if self.has_windows:
                 page_id_bytes = self.manager.config.num_buffers * self.manager.page_size  # a position, every buffer
                 self.behind_windows.append(sum(g.mapper.holes for g in self.groups) * page_id_bytes)
         return reqids - mapper.first_reqid
