@@ -228,9 +228,7 @@ def one_group_config(spec, num_blocks: int) -> types.SimpleNamespace:
 def forward(md, kv_caches: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             layer: str) -> None:
     """What ``VAttnAttentionImpl.forward`` runs for one layer."""
-    t = md.num_tokens
-    cache = kv_caches[layer]
-    md.kernel.run(md.plan, q[:t], cache[0], cache[1], k[:t], v[:t], out=out[:t], softmax_scale=0.125)
+    vllm_attention.attend(md, q, k, v, kv_caches[layer], out, 0.125)
 
 
 def plan_pointers(plan) -> tuple[int, ...]:

@@ -145,6 +145,26 @@ class ForwardPlanner:
         return VAttnMetadata(kernel, plan, num_tokens)
 
 
+def attend(md: VAttnMetadata, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+           output: torch.Tensor, scale: float, sliding_window: int | None = None,
+           logits_soft_cap: float | None = None) -> None:
+    """One layer's attention of the forward ``md`` plans: the new tokens' K/V
+    (``key``, ``value``: ``[>= T, H_kv, D]``) written into the layer's
+    ``[2, S, L, H_kv, D]`` cache ``kv_cache`` and the result of ``query``
+    written into ``output`` (``[>= T, H_q, D]``; rows past ``md.num_tokens``,
+    a CUDA graph's padding, are not the batch's). Once per layer per forward:
+    views are made only where rows are padding. The kernel's limits were
+    checked at start-up; under CUDA graph capture this runs once and is
+    replayed, reading only the plan's persistent tensors."""
+    t = md.num_tokens
+    out = output
+    if t != query.shape[0]:
+        query, key, value, out = query[:t], key[:t], value[:t], output[:t]
+    k_cache, v_cache = kv_cache.unbind(0)
+    md.kernel.run(md.plan, query, k_cache, v_cache, key, value, out=out, softmax_scale=scale,
+                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+
+
 def _builder_cls() -> type:
     from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder
 
@@ -217,14 +237,8 @@ def _impl_cls() -> type:
                     output_scale: Any = None, output_block_scale: Any = None) -> torch.Tensor:
             if attn_metadata is None:  # profiling run: no cache yet
                 return output
-            md = attn_metadata
-            t = md.num_tokens
-            # the new K/V are written by the kernel, the result straight into vLLM's output (the host
-            # kernel writes in place); the kernel's limits were checked at start-up. Under CUDA graph
-            # capture this runs once and is replayed: the kernel reads only the plan's persistent tensors.
-            md.kernel.run(md.plan, query[:t], kv_cache[0], kv_cache[1], key[:t], value[:t], out=output[:t],
-                          softmax_scale=self.scale, sliding_window=self.sliding_window,
-                          logits_soft_cap=self.logits_soft_cap)
+            attend(attn_metadata, query, key, value, kv_cache, output, self.scale, self.sliding_window,
+                   self.logits_soft_cap)
             return output
 
     return VAttnAttentionImpl
