@@ -134,7 +134,6 @@ class BlockMapper:
         self._slice_of: dict[Hashable, int] = {}  # request key -> slice index (reqid - first_reqid)
         self._free = collections.deque(range(slices))  # oldest freed first
         self._mapped = np.zeros(slices, dtype=np.int64)  # positions known mapped from the table (holes included)
-        self._covered = np.zeros(slices, dtype=np.int64)  # _mapped in tokens: a forward within it maps nothing
         self._holes = np.zeros(slices, dtype=np.int64)  # positions below which the slice is holes
         self._first_page = np.full(slices, -1, dtype=np.int64)  # block id at position 0, -1: none or a hole
         self._free_by_first: dict[int, list[int]] = {}  # block id at position 0 -> free slices mapping it there
@@ -231,7 +230,7 @@ class BlockMapper:
             raise
         for key, s, reused in taken:
             self._slice_of[key] = s
-            self._set_mapped(s, reused)
+            self._mapped[s] = reused
             self._holes[s] = 0
             if not reused:
                 self._first_page[s] = -1
@@ -312,8 +311,8 @@ class BlockMapper:
             return
         s = reqids - self.first_reqid
         windows = self.window and query_lens is not None
-        if not windows and (seq_lens <= self._covered[s]).all():
-            return  # most forwards (decodes within their last block): three array operations
+        if not windows and (seq_lens <= self._mapped[s] * self.block_size).all():
+            return  # most forwards (decodes within their last block): four array operations
         need = -(-seq_lens // self.block_size)
         mapped = self._mapped[s]
         if windows:
@@ -344,7 +343,7 @@ class BlockMapper:
         self.positions_needed += int((g_need - g_start).sum())
         self.forwards_mapping += 1
         # positions that got the null block for want of a block are mapped from the table next time
-        self._set_mapped(g_s, np.maximum(g_start, np.minimum(g_need, have)))
+        self._mapped[g_s] = np.maximum(g_start, np.minimum(g_need, have))
 
     def _advance_windows(self, reqids: np.ndarray, s: np.ndarray, need: np.ndarray, seq_lens: np.ndarray,
                          query_lens: np.ndarray, mapped: np.ndarray) -> None:
@@ -356,8 +355,4 @@ class BlockMapper:
             return
         self.manager.unmap_pages_below(reqids[passed], first[passed])
         self._holes[s[passed]] = first[passed]
-        self._set_mapped(s[passed], np.maximum(mapped[passed], first[passed]))
-
-    def _set_mapped(self, s: np.ndarray | int, positions: np.ndarray | int) -> None:
-        self._mapped[s] = positions
-        self._covered[s] = self._mapped[s] * self.block_size
+        self._mapped[s[passed]] = np.maximum(mapped[passed], first[passed])

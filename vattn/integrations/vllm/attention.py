@@ -107,8 +107,7 @@ class ForwardPlanner:
         cache = self.cache
         starts = m.query_start_loc_cpu.numpy()[: m.num_reqs + 1]
         query_lens = starts[1:] - starts[:-1]
-        # rows past n are padding (vLLM's padded graph batches), none in most forwards
-        n = len(query_lens) if len(query_lens) and query_lens[-1] else int(np.count_nonzero(query_lens))
+        n = int(np.count_nonzero(query_lens))  # rows past n are padding (vLLM's padded graph batches)
         seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens
         seq_lens = seq_lens.numpy()[:n].astype(np.int64)  # exact: no speculative decoding
         query_lens = query_lens[:n]
