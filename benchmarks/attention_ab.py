@@ -75,7 +75,8 @@ MODELS = {
     "qwen2-0.5b": (14, 2, 64),
     "tinyllama-1.1b": (32, 4, 64),
     "llama-3.2-1b": (32, 8, 64),
-    "small-8q2kv": (8, 2, 64),  # the 4-layer model of the vLLM serving traces (hidden 512)
+    "small-8q2kv": (8, 2, 64),  # the 4-layer model of the vLLM serving traces' long suite (hidden 512)
+    "short-4q2kv": (4, 2, 128),  # the 8-layer model of the vLLM serving traces' short suite (hidden 512)
 }
 """(query heads, KV heads, head dim) per model name."""
 

@@ -84,7 +84,8 @@ struct Call {
 // tokens, and its K tile's scores are all computed before the V tile is
 // read, so a tile (and, where the item requests the next tile's lines while
 // this one computes, that one too) must sit in L2: at most max_bytes (64 KiB,
-// or less for a streaming item) of K (and of V) per tile: 8 to 128 tokens,
+// or less for a streaming item or one whose K/V come from memory, see
+// run_item_typed) of K (and of V) per tile: 8 to 128 tokens,
 // a power of two (so that tiles divide the 128-token split boundaries). Few
 // kv heads of 64 take 128-token tiles, halving the per-tile softmax work:
 // against 64-token tiles 1.03-1.07x (8 q / 2 kv heads of 64, bf16 decode,

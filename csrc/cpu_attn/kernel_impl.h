@@ -118,8 +118,13 @@ inline void pv_block(const float* p, int64_t ldp, int64_t ldpt, const float* alp
 template <class T, int MR>
 inline void pv_rows(const float* p, int64_t ldp, int64_t ldpt, const float* alpha, const T* v, int64_t ldv, int64_t n, int d,
                     float* o, int64_t ldo, int64_t pf_off, int64_t pf_n) {
-  // 16-float vectors (32 registers): 4 rows x 4 vectors, so that a head_dim of 64 takes one pass over the keys
-  constexpr int NV = MR == 1 || W >= 16 ? 4 : 2;
+  // 16-float vectors (32 registers): 4 rows x 4 vectors, so that a head_dim of 64 takes one pass over the keys.
+  // 8-float vectors (16 registers): 4 vectors for up to 2 rows too (8 accumulators, 4 V vectors, a
+  // broadcast), so that a decode item of a 2-query-head group reads each V tile in half the passes: against
+  // 2 vectors, fp32 and bf16 decode of 4 q / 2 kv heads of 128 ran 1.07-1.26x faster on a 2-core AVX2 VM
+  // (benchmarks/host_kernel_ab.py, with the 16 KiB tiles of run_item_typed); prefill stayed within the
+  // spread of two equal builds.
+  constexpr int NV = MR <= 2 || W >= 16 ? 4 : 2;
   auto pf_at = [&](int x) { return ((x * static_cast<int64_t>(sizeof(T))) & 63) == 0 ? pf_n : 0; };
   int x = 0;
   for (; x + NV * W <= d; x += NV * W)
@@ -399,7 +404,12 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // split in two) the same change measured 0.79-0.96x, so they keep the defaults.
   const bool wide_rows = !widen && token_bytes >= 2048;  // a decode item reading >= 2 KiB of each token's K
   const bool streaming = wide_rows && it.k_end - it.k_begin >= 512;
-  const int64_t tile = key_tile(rows, token_bytes, streaming ? int64_t{32} << 10 : int64_t{64} << 10);
+  // A decode item over narrower rows whose call outgrows L2 (its K/V come from memory) takes tiles of at most
+  // 16 KiB: the next tile's lines, requested while this one computes (below), then still fit in L1 beside it.
+  // Against 64 KiB: 1.1-1.2x on fp32 and bf16 decode of 4 q / 2 kv heads of 128 (1 KiB and 512 B per token),
+  // 2-core AVX2 VM, 4-16 requests of 256-512 tokens, K/V from memory.
+  const bool cold_narrow = !widen && !wide_rows && c.beyond_l2;
+  const int64_t tile = key_tile(rows, token_bytes, int64_t{streaming ? 32 : cold_narrow ? 16 : 64} << 10);
 
   float* q = align64(scratch);                // [nh][rows][d], pre-scaled
   float* acc = align64(q + nh * head_rows);   // [nh][rows][d]

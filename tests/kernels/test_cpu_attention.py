@@ -191,6 +191,24 @@ def test_long_decodes_over_wide_rows(isa: str, dtype: torch.dtype) -> None:
     check(out, lse, reference(case.q, case.keys, case.values, batch, 1 / math.sqrt(128)), f"{isa} {dtype}")
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [80, 128])
+def test_decodes_of_two_query_heads_a_kv_head_from_memory(isa: str, dtype: torch.dtype, head_dim: int) -> None:
+    """Decode items of 2 query heads a kv head (rows of 2: P V in 4-vector
+    passes on 8-float vectors) whose call's K/V outgrow L2 (6-12 MiB here, so
+    the short tiles of narrow rows from memory: 16 KiB of K each); lengths
+    around those tiles and the split boundaries, head dims whole and not
+    whole in 4-vector passes."""
+    lens = [1, 15, 16, 17, 255, 1000, 2049, 3000]
+    batch = AttentionBatch([7, 0, 2, 1, 3, 6, 4, 5], [n - 1 for n in lens], [1] * len(lens))
+    case = DenseCase(batch, 4, 2, head_dim, dtype, max_len=3000, seed=head_dim)
+    out, lse = host_attention(case.q, case.k_cache, case.v_cache, batch, k=case.k, v=case.v, return_lse=True,
+                              isa=isa)
+    check(out, lse, reference(case.q, case.keys, case.values, batch, 1 / math.sqrt(head_dim)),
+          f"{isa} {dtype} head_dim={head_dim}")
+
+
 SUPPORTED = host_attention_info()["supported"]  # every path this CPU runs (scalar, avx2, avx512, avx512_bf16, ...)
 
 
