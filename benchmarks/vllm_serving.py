@@ -55,7 +55,9 @@ so the KV series is vattn's only. Their results are named
 cProfile around each timed trace: seconds in the attention layers, their
 metadata, vattn's mapping, the model forward, the scheduler, and the functions
 with the most time of their own, and vattn's mapping work over the run (pages
-created, page positions mapped and unmapped; vllm_serving_<suite>_profile_<machine>.json).
+created, page positions mapped and unmapped; vllm_serving_<suite>_profile_<machine>.json),
+with every forward's batch of the traces (``batches``, which
+benchmarks/attention_replay.py replays through both attention kernels).
 cProfile slows Python code more than the kernels: read shares, not speeds.
 """
 
@@ -297,10 +299,13 @@ def profile(args: argparse.Namespace, suite: dict, traces: tuple[str, ...], requ
                        check=True, capture_output=True)
         spec = tmp / "spec.json"
         spec.write_text(json.dumps(dict(engine=engine, phases=suite["phases"](requests, seed=0),
-                                        profile=list(traces))))
+                                        profile=list(traces), record_batches=True)))
         results = {tag: run_engine(args.python, tmp / "model", spec, tmp / f"{tag}.json", tag == "vattn",
                                    f"{tag} under cProfile", traces) for tag in ("stock", "vattn")}
     runs = {tag: r["profile"] for tag, r in results.items()}
+    # every forward's batch, for benchmarks/attention_replay.py: the scheduler decides alike over both engines
+    batches = {t: results["stock"]["phases"][t]["batches"] for t in traces}
+    same_batches = all(results["vattn"]["phases"][t]["batches"] == batches[t] for t in traces)
     v = results["vattn"]["vattn"][0]  # the whole run's mapping work (warm-up included)
     mapping = {"forwards": len(v["bytes_mapped_series"]), "map_s": v["map_ns"] / 1e9,
                **{k: v[k] for k in ("pages_created", "page_slots_mapped", "page_unmaps", "num_buffers")},
@@ -317,7 +322,8 @@ def profile(args: argparse.Namespace, suite: dict, traces: tuple[str, ...], requ
                              "profiler": "cProfile around llm.generate of each trace (engine core and worker in "
                                          "this process); it slows Python code more than the kernels",
                              "profile": {t: {tag: runs[tag][t] for tag in runs} for t in traces},
-                             "vattn_mapping": mapping})
+                             "vattn_mapping": mapping, "batches_equal_in_both_engines": same_batches,
+                             "batches": batches})
     print(f"wrote {path}")
 
 

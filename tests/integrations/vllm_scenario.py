@@ -24,7 +24,9 @@ PROFILE_PARTS and the functions with the most time of their own
 (``vattn_idle``); ``sleep``: afterwards, ``llm.sleep()``, the worker's stats
 (``vattn_asleep``), ``llm.wake_up()``. With ``record_usage`` the engine core runs in
 this process and the scheduler's blocks in use are recorded at every step,
-with the bytes one block holds (the layers of one KV cache group).
+with the bytes one block holds (the layers of one KV cache group); with
+``record_batches`` it runs in this process and each phase gets its forwards'
+batches (``batches``: per forward, the requests' computed and scheduled tokens).
 
 OUT: per phase the generated ids, seconds, generated tokens, time to first
 token of every request, and the phase's prefix-cache hits, queries and
@@ -95,6 +97,34 @@ class UsageRecorder:
         self.series.append((time.monotonic(), pool.num_gpu_blocks - 1 - pool.free_block_queue.num_free_blocks))
         self.block_bytes = max(len(g.layer_names) * g.kv_cache_spec.page_size_bytes
                                for g in self.scheduler.kv_cache_config.kv_cache_groups)
+
+
+class BatchRecorder:
+    """Every forward's batch as the scheduler sent it: per request, the tokens
+    already computed and the tokens scheduled now (a prefill chunk, or 1 for a
+    decode), in the scheduler's order; ``take()`` hands over what was recorded
+    since it was last called."""
+
+    def __init__(self) -> None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        self.batches: list[list[list[int]]] = []
+        original = Scheduler.schedule
+        recorder = self
+
+        def schedule(scheduler, *args, **kwargs):
+            out = original(scheduler, *args, **kwargs)
+            scheduled = out.num_scheduled_tokens
+            if scheduled:  # schedule() has already counted the scheduled tokens as computed
+                recorder.batches.append([[scheduler.requests[r].num_computed_tokens - n for r, n in scheduled.items()],
+                                         list(scheduled.values())])
+            return out
+
+        Scheduler.schedule = schedule
+
+    def take(self) -> list[list[list[int]]]:
+        batches, self.batches = self.batches, []
+        return batches
 
 
 PROFILE_PARTS = {  # part of a forward -> (file name ending, function) whose cumulative time it is
@@ -175,10 +205,11 @@ def greedy(max_tokens: int):
 
 def run(model: str, spec: dict) -> dict:
     recorder = None
-    if spec.get("record_usage") or spec.get("profile"):
+    if spec.get("record_usage") or spec.get("profile") or spec.get("record_batches"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler (and the worker) in this process
     if spec.get("record_usage"):
         recorder = UsageRecorder()
+    batches = BatchRecorder() if spec.get("record_batches") else None
     from vllm.inputs import TokensPrompt
 
     start = time.perf_counter()
@@ -191,6 +222,8 @@ def run(model: str, spec: dict) -> dict:
                                                "vllm:num_preemptions")}
         prompts = [TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]]
         params = [greedy(n) for n in phase["max_tokens"]]
+        if batches is not None:
+            batches.take()  # start-up's and earlier phases' forwards
         profiler = None
         if phase["name"] in spec.get("profile", ()):
             import cProfile
@@ -215,6 +248,8 @@ def run(model: str, spec: dict) -> dict:
             "prefix_cache_queries": counter(llm, "vllm:prefix_cache_queries") - before["vllm:prefix_cache_queries"],
             "preemptions": counter(llm, "vllm:num_preemptions") - before["vllm:num_preemptions"],
         }
+        if batches is not None:
+            result["phases"][phase["name"]]["batches"] = batches.take()
     if spec.get("sleep"):
         llm.sleep()
         time.sleep(spec.get("sleep_settle_s", 0.5))  # the engine core's release runs as its next step
