@@ -121,9 +121,9 @@ inline void pv_rows(const float* p, int64_t ldp, int64_t ldpt, const float* alph
   // 16-float vectors (32 registers): 4 rows x 4 vectors, so that a head_dim of 64 takes one pass over the keys.
   // 8-float vectors (16 registers): 4 vectors for up to 2 rows too (8 accumulators, 4 V vectors, a
   // broadcast), so that a decode item of a 2-query-head group reads each V tile in half the passes: against
-  // 2 vectors, fp32 and bf16 decode of 4 q / 2 kv heads of 128 ran 1.07-1.26x faster on a 2-core AVX2 VM
-  // (benchmarks/host_kernel_ab.py, with the 16 KiB tiles of run_item_typed); prefill stayed within the
-  // spread of two equal builds.
+  // 2 vectors, fp32 and bf16 decode of 4 q / 2 kv heads of 128 ran 1.06-1.25x faster on a 2-core AVX2 VM
+  // (benchmarks/host_kernel_ab.py, cold and warm, with the 16 KiB tiles of run_item_typed); prefill stayed
+  // within the spread of two equal builds.
   constexpr int NV = MR <= 2 || W >= 16 ? 4 : 2;
   auto pf_at = [&](int x) { return ((x * static_cast<int64_t>(sizeof(T))) & 63) == 0 ? pf_n : 0; };
   int x = 0;
@@ -406,8 +406,8 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const bool streaming = wide_rows && it.k_end - it.k_begin >= 512;
   // A decode item over narrower rows whose call outgrows L2 (its K/V come from memory) takes tiles of at most
   // 16 KiB: the next tile's lines, requested while this one computes (below), then still fit in L1 beside it.
-  // Against 64 KiB: 1.1-1.2x on fp32 and bf16 decode of 4 q / 2 kv heads of 128 (1 KiB and 512 B per token),
-  // 2-core AVX2 VM, 4-16 requests of 256-512 tokens, K/V from memory.
+  // Against 64 KiB, alone: 1.04-1.21x on fp32 and bf16 decode of 4 q / 2 kv heads of 128 (1 KiB and 512 B per
+  // token; 4-16 requests of 256-512 tokens, K/V from memory) in an in-process sweep on a 2-core AVX2 VM.
   const bool cold_narrow = !widen && !wide_rows && c.beyond_l2;
   const int64_t tile = key_tile(rows, token_bytes, int64_t{streaming ? 32 : cold_narrow ? 16 : 64} << 10);
 
