@@ -64,7 +64,7 @@ from collections.abc import Callable
 
 import torch
 from attention_ab import MODELS, Case, grid, ints, measure, model_shape, paged_ratios, sdpa_kernels
-from harness import RESULTS, machine, machine_slug, pyplot, save_plot, write_json
+from harness import RESULTS, draw, machine, machine_slug, pyplot, save_plot, write_json
 
 from vattn.attention import host_attention, host_attention_info
 
@@ -92,42 +92,62 @@ def padded_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torc
     return {"padded": run}
 
 
-def vllm_kernels(case: Case, blocks: list[int], block: int = 128) -> dict[str, Callable[[], torch.Tensor]]:
-    """vLLM-CPU's attention kernel, called as its CPU attention backend calls
-    it, on a paged cache of ``block`` tokens per block."""
+def vllm_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, reqids: list[int], length: int, block: int,
+                     gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
+    """(k_pool, v_pool, block_table, isa): the first ``length`` tokens of
+    ``reqids``' slices copied into vLLM-CPU's paged cache of ``block`` tokens
+    per block, the blocks shuffled (block_table row i: reqids[i]'s blocks), as
+    vLLM's CPU attention backend lays it out and fills it."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    b, dtype = case.batch, case.q.dtype
-    heads_q, heads_kv, head_dim = case.heads_q, case.heads_kv, case.head_dim
-    n = len(b.reqids)
-    per_req = -(-case.ctx // block)
+    heads_kv, head_dim, dtype = k_cache.shape[2], k_cache.shape[3], k_cache.dtype
+    n, per_req = len(reqids), -(-length // block)
     isa = _get_attn_isa(dtype, block, head_dim)
     # vLLM's KV tensor: [num_blocks, kv_heads, block, 2 * head_dim], K and V as halves of dim 2
     kv = torch.zeros(n * per_req, heads_kv, block, 2 * head_dim, dtype=dtype)
     k_pool, v_pool = kv.view(n * per_req, heads_kv, 2 * block, head_dim).chunk(2, dim=2)
-    gen = torch.Generator().manual_seed(n * 7919 + case.ctx)
     table = torch.randperm(n * per_req, generator=gen).view(n, per_req).to(torch.int32)
-    pos = torch.arange(case.ctx)
-    for i, r in enumerate(b.reqids):
+    pos = torch.arange(length)
+    for i, r in enumerate(reqids):
         slots = table[i, pos // block].long() * block + pos % block
-        ops.cpu_attn_reshape_and_cache(case.k_cache[r, :case.ctx], case.v_cache[r, :case.ctx], k_pool, v_pool,
-                                       slots, isa)
-    query_start = b.tensor("query_starts")
-    seq_lens = b.tensor("seq_lens")
+        ops.cpu_attn_reshape_and_cache(k_cache[r, :length], v_cache[r, :length], k_pool, v_pool, slots, isa)
+    return k_pool, v_pool, table, isa
+
+
+def vllm_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, isa: object,
+                   query_start: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """vLLM-CPU's kernel over a batch (``table``'s first rows are its requests),
+    called as its CPU attention backend calls it: the scheduler metadata made
+    once, then one ``cpu_attention_with_kv_cache`` per call, into ``out``."""
+    from vllm import _custom_ops as ops
+
+    n, heads_q, head_dim = len(seq_lens), q.shape[1], q.shape[2]
     metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=n, num_heads=heads_q, num_kv_heads=heads_kv, head_dim=head_dim, seq_lens=seq_lens, dtype=dtype,
-        query_start_loc=query_start, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
-    out = torch.empty_like(case.q)
+        num_reqs=n, num_heads=heads_q, num_kv_heads=k_pool.shape[1], head_dim=head_dim, seq_lens=seq_lens,
+        dtype=q.dtype, query_start_loc=query_start, causal=True, sliding_window_size=-1, isa=isa,
+        enable_kv_split=True)
+    table = table[:n].contiguous()
     scale = 1 / math.sqrt(head_dim)
 
     def run() -> torch.Tensor:
         ops.cpu_attention_with_kv_cache(
-            query=case.q, key_cache=k_pool, value_cache=v_pool, output=out, query_start_loc=query_start,
+            query=q, key_cache=k_pool, value_cache=v_pool, output=out, query_start_loc=query_start,
             seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
             softcap=0.0, scheduler_metadata=metadata, s_aux=None)
         return out
 
+    return run
+
+
+def vllm_kernels(case: Case, blocks: list[int], block: int = 128) -> dict[str, Callable[[], torch.Tensor]]:
+    """vLLM-CPU's attention kernel, called as its CPU attention backend calls
+    it, on a paged cache of ``block`` tokens per block."""
+    b = case.batch
+    gen = torch.Generator().manual_seed(len(b.reqids) * 7919 + case.ctx)
+    k_pool, v_pool, table, isa = vllm_paged_cache(case.k_cache, case.v_cache, b.reqids, case.ctx, block, gen)
+    run = vllm_attention(case.q, k_pool, v_pool, table, isa, b.tensor("query_starts"), b.tensor("seq_lens"),
+                         torch.empty_like(case.q))
     return {"vllm": run}
 
 
@@ -230,10 +250,7 @@ def main() -> None:
     print(f"wrote {path}")
     for line in skipped:
         print("not measured:", line)
-    try:
-        plot(rows, name)
-    except ImportError as e:
-        print(f"no plot ({e}): redraw with `python benchmarks/attention_host.py --replot` where matplotlib is installed")
+    draw(plot, rows, name, "attention_host.py")
 
 
 def plot(rows: list[dict], name: str) -> None:

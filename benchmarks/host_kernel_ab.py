@@ -50,7 +50,7 @@ from typing import Any
 import pybind11
 import torch
 from attention_ab import MODELS, Case, model_shape
-from harness import RESULTS, machine, machine_slug, pyplot, save_plot, write_json
+from harness import RESULTS, draw, machine, machine_slug, pyplot, save_plot, write_json
 from torch.utils.dlpack import to_dlpack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,10 +218,7 @@ def main() -> None:
         "results": rows,
     }
     print(f"wrote {write_json(name, payload)}")
-    try:
-        plot(payload, name)
-    except ImportError as e:
-        print(f"no plot ({e}): redraw with `python benchmarks/host_kernel_ab.py --replot` where matplotlib is installed")
+    draw(plot, payload, name, "host_kernel_ab.py")
 
 
 def plot(payload: dict, name: str) -> None:
