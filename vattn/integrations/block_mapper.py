@@ -20,11 +20,11 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
+from vattn.common.config import LAYOUTS
 from vattn.core import KVCacheManager
 
 __all__ = ["LAYOUTS", "NULL_BLOCK_ID", "BlockMapper", "choose_layout"]
 
-LAYOUTS = ("per_layer", "all_layers")
 NULL_BLOCK_ID = 0  # the framework's padding block (vLLM's null block): never handed to a request
 
 
