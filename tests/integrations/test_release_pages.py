@@ -2,7 +2,7 @@
 ``KVCacheManager.release_pages`` releases created ids that no reqid maps, the
 budget's account drops by exactly their bytes, and mapping a released id again
 creates (and charges) its pages afresh. What vLLM's block pool under a budget
-uses (vattn/integrations/vllm/budget.py)."""
+uses (vattn/integrations/vllm/engine_budget.py, worker_budget.py)."""
 
 from __future__ import annotations
 

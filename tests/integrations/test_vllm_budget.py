@@ -1,4 +1,4 @@
-"""vLLM engines under one machine-wide budget (vattn/integrations/vllm/budget.py).
+"""vLLM engines under one machine-wide budget (vattn/integrations/vllm/engine_budget.py).
 
 Two engines in two processes share a budget that fits one engine's peak but not
 both, one with its worker in the engine-core process, one in vLLM's default
@@ -162,7 +162,7 @@ def test_a_hybrid_model_under_a_budget_serves_stock_tokens(arch, limit_blocks, t
 def test_a_budget_works_with_vllms_own_executors_and_synchronous_scheduling(monkeypatch):
     from types import SimpleNamespace
 
-    from vattn.integrations.vllm import budget as vllm_budget
+    from vattn.integrations.vllm import engine_budget as vllm_budget
 
     def config(backend: str | None, world: int = 1, async_scheduling: bool = False) -> SimpleNamespace:
         return SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend, world_size=world),
@@ -191,7 +191,7 @@ def test_a_budget_works_with_vllms_own_executors_and_synchronous_scheduling(monk
 
 
 def test_a_members_label_names_the_served_model_and_its_ranks():
-    from vattn.integrations.vllm.budget import LABEL_CHARACTERS, member_label
+    from vattn.integrations.vllm.engine_budget import LABEL_CHARACTERS, member_label
 
     assert member_label(["llama-8b"], 1, 1) == "vllm llama-8b rank 0"
     assert member_label("/models/llama-8b/", 2, 1) == "vllm llama-8b ranks 0-1 tp2"

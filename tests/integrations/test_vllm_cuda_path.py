@@ -30,7 +30,7 @@ from vattn.integrations import vllm as plugin
 from vattn.integrations.block_mapper import BlockMapper
 from vattn.integrations.vllm import attention as vllm_attention
 from vattn.integrations.vllm import configuration
-from vattn.integrations.vllm import worker_cache as vllm_cache
+from vattn.integrations.vllm import worker as vllm_worker
 from vattn.kernels import KERNELS, AttentionBatch, AttentionCase, sdpa_dense
 
 CALLS: list = []  # (q, fa_version) of every call of the fake build
@@ -142,24 +142,24 @@ def test_the_workers_manager_fences_on_vllms_stream_and_creates_the_pool_without
     torch_utils = types.ModuleType("vllm.utils.torch_utils")
     torch_utils.current_stream = lambda: stream
     monkeypatch.setitem(sys.modules, "vllm.utils.torch_utils", torch_utils)
-    monkeypatch.setattr(vllm_cache, "granularity", lambda device: 4096 if device.type == "cpu" else 2 << 20)
+    monkeypatch.setattr(vllm_worker, "granularity", lambda device: 4096 if device.type == "cpu" else 2 << 20)
     spec = types.SimpleNamespace(num_kv_heads=8, head_size=128, dtype=torch.bfloat16, block_size=32)
     runner = types.SimpleNamespace(device=torch.device("cuda", 0), max_model_len=4096,
                                    input_batch=types.SimpleNamespace(max_num_reqs=16))
-    args = vllm_cache.cache_arguments(runner, spec, 32, 100)
+    args = vllm_worker.cache_arguments(runner, spec, 32, 100)
     assert args["sync_streams"] == [stream]
     assert (args["device"], args["layout"], args["page_size"]) == ("cuda:0", "all_layers", 2 << 20)
     runner.device = torch.device("cpu")
     spec = types.SimpleNamespace(num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=32)
     monkeypatch.delenv("VATTN_BUDGET", raising=False)
-    args = vllm_cache.cache_arguments(runner, spec, 2, 10)
+    args = vllm_worker.cache_arguments(runner, spec, 2, 10)
     assert args["sync_streams"] is None
     with vattn.KVCacheManager(**args) as kv:  # what the worker builds on the CPU
         assert kv.num_page_ids == 10
         # no budget: the whole pool is created at start-up, as stock vLLM allocates its cache tensor
         assert kv.stats()["pages_created"] == 10 * kv.config.num_buffers
     monkeypatch.setenv("VATTN_BUDGET", "some-budget")  # pages created on demand: the engine core charges them
-    assert vllm_cache.cache_arguments(runner, spec, 2, 10)["preallocate"] is False
+    assert vllm_worker.cache_arguments(runner, spec, 2, 10)["preallocate"] is False
 
 
 # ---- CUDA graphs: persistent plans, padding, capture builds -------------------------------------------------
@@ -220,6 +220,30 @@ class VllmInputs:
             max_seq_len=self.max_model_len if capture else max(seq_lens))
 
 
+def test_the_forward_adapter_reads_vllms_arrays_in_place():
+    """``ForwardReader.read``: the group's block table and row counts are vLLM's own arrays, the request keys
+    its rows' ids (rows without a request get keys of their own), lengths only of the rows with queries;
+    the padded view, vLLM's persistent tensors, only for a kernel that runs in CUDA graphs."""
+    from vattn.integrations.vllm.forward_inputs import WARM_UP, ForwardReader
+
+    runner = fake_runner(torch.device("cpu"), 4, 64, 4)
+    set_rows(runner, {"a": [3, 4], "b": [5]})
+    inputs = VllmInputs(4, 64)
+    m = inputs.common([2, 1], [20, 9], num_reqs=4, num_tokens=4)  # padded to 4 rows: rows 2, 3 have no query
+    read = ForwardReader(runner, 0).read(m)
+    table = runner.input_batch.block_table[0]
+    assert read.block_table is table.block_table.np and read.num_blocks is table.num_blocks_per_row
+    assert read.batch_request_keys is runner.input_batch.req_ids and read.request_keys == ["a", "b"]
+    assert read.seq_lens.tolist() == [20, 9] and read.query_lens.tolist() == [2, 1] and not read.warm_up_rows
+    assert read.seq_lens.dtype == np.int64 and read.padded is None
+    padded = ForwardReader(runner, 0, graphs=True).read(m).padded
+    assert (padded.num_rows, padded.num_tokens) == (4, 4)
+    assert padded.query_start_loc.data_ptr() == inputs.query_start_loc.data_ptr()  # where a graph reads it
+    set_rows(runner, {"a": [3, 4]})
+    read = ForwardReader(runner, 0).read(inputs.common([2, 1], [20, 9]))
+    assert read.request_keys == ["a", (WARM_UP, 1)] and read.warm_up_rows
+
+
 def one_group_config(spec, num_blocks: int) -> types.SimpleNamespace:
     group = types.SimpleNamespace(layer_names=["layer.0", "layer.1"], kv_cache_spec=spec)
     return types.SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=[group])
@@ -257,7 +281,7 @@ def test_graph_plans_keep_their_addresses_and_padding_touches_only_the_padding_s
     spec = types.SimpleNamespace(num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=16)
     runner = fake_runner(torch.device("cpu"), 4, 64, 4)
     case = AttentionCase("cpu", 32, torch.float32, torch.float32, num_kv_heads=2, max_context_len=64)
-    cache = vllm_cache.WorkerCache.build(runner, one_group_config(spec, 40), spec, kernel, case)
+    cache = vllm_worker.build_cache(runner, one_group_config(spec, 40), spec, kernel, case)
     try:
         group = cache.groups[0]
         pad = group.padding
@@ -266,6 +290,7 @@ def test_graph_plans_keep_their_addresses_and_padding_touches_only_the_padding_s
         kv_caches = cache.kv_caches()
         assert kv_caches["layer.0"].shape[1] == 9  # the views hold the padding slice
         planner = vllm_attention.ForwardPlanner(cache, 0, torch.device("cpu"), 4, 32, num_splits=16, split_tokens=8)
+        reader = planner.reader(runner)
         inputs = VllmInputs(4, 64)
         blocks = {"a": [3, 4], "b": [5], "c": [6, 7]}
         lens = {"a": 0, "b": 0, "c": 0}
@@ -283,7 +308,7 @@ def test_graph_plans_keep_their_addresses_and_padding_touches_only_the_padding_s
                     real = getattr(torch, name)
                     counting.setattr(torch, name, lambda *a, _real=real, _name=name, **kw:
                                      allocations.append(_name) or _real(*a, **kw))
-                md = planner.build(m)
+                md = planner.build(reader.read(m))
             plan = md.plan
             pointers.add(plan_pointers(plan))
             n, t = len(queries), sum(queries.values())
@@ -370,14 +395,15 @@ def test_a_capture_build_maps_nothing_inside_a_cuda_graph_capture(fake_cuda, fak
     runner = fake_runner(torch.device("cuda", 0), 4, 4 * block, 4)
     kernel = plugin.loaded_kernel(KERNELS["flash_attn"], head_size=128)
     case = AttentionCase("cuda", 128, torch.float16, torch.float16, num_kv_heads=4, max_context_len=4 * block)
-    cache = vllm_cache.WorkerCache.build(runner, one_group_config(spec, 24), spec, kernel, case)
+    cache = vllm_worker.build_cache(runner, one_group_config(spec, 24), spec, kernel, case)
     try:
         manager, pad = cache.manager, cache.groups[0].padding
         assert manager.page_ids(pad) == [plugin.NULL_BLOCK_ID]
         planner = vllm_attention.ForwardPlanner(cache, 0, torch.device("cpu"), 4, 64)
+        reader = planner.reader(runner)
         inputs = VllmInputs(4, 4 * block)
         set_rows(runner, {"a": [3, 4], "b": [5]})
-        planner.build(inputs.common([1, 1], [3000, 10]))  # a real forward maps its requests
+        planner.build(reader.read(inputs.common([1, 1], [3000, 10])))  # a real forward maps its requests
         a, b = cache.groups[0].mapper.reqids_of(["a", "b"]).tolist()
         mem = manager._pages.memory
 
@@ -389,7 +415,7 @@ def test_a_capture_build_maps_nothing_inside_a_cuda_graph_capture(fake_cuda, fak
         before = driver_state()
         capture_batch = inputs.common([1] * 4, [1] * 4, capture=True)  # _dummy_run's uniform decode of 4 rows
         with Capture(fw, stream) as cap:
-            md = planner.build_for_capture(capture_batch)
+            md = vllm_attention.capture_metadata(planner, reader, capture_batch)
         assert cap.result == 0, f"the capture was invalidated: CUresult {cap.result}"
         assert driver_state() == before
         assert (manager.page_ids(a), manager.page_ids(b)) == ([3, 4], [5])
@@ -398,10 +424,10 @@ def test_a_capture_build_maps_nothing_inside_a_cuda_graph_capture(fake_cuda, fak
         assert plan.block_table[:, 0].tolist() == [pad] * 4
         assert plan.token_reqids.tolist() == [pad] * 4 and plan.token_positions.tolist() == [0] * 4
         with pytest.raises(RuntimeError, match=r"reads 2049 tokens per row; the padding slice it reads maps 2048"):
-            planner.build_for_capture(inputs.common([1] * 4, [2049] * 4, capture=True))  # never maps to fit
+            vllm_attention.capture_metadata(planner, reader, inputs.common([1] * 4, [2049] * 4, capture=True))
         set_rows(runner, {})  # warm-up rows: the ordinary build maps the null block into slices of their own
         with Capture(fw, stream) as cap, pytest.raises(vattn.DriverError):
-            planner.build(capture_batch)
+            planner.build(reader.read(capture_batch))
         assert cap.result == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
     finally:
         cache.manager.cleanup()

@@ -436,7 +436,7 @@ def test_the_worker_caches_per_forward_series_are_bounded():
     """vattn_stats keeps per-forward series; a server runs for days, so they keep the latest forwards only."""
     from vattn.integrations.vllm import worker_cache as vllm_cache
 
-    cache = vllm_cache.WorkerCache(manager=None, groups=[], runner=None, kernel=None, case=None)
+    cache = vllm_cache.WorkerCache(manager=None, groups=[], kernel=None, case=None)
     for series in (cache.time_s, cache.bytes_in_requests, cache.tokens, cache.behind_windows):
         for i in range(vllm_cache.SERIES_FORWARDS + 3):
             series.append(i)

@@ -3,7 +3,7 @@
 client (tests/integrations/vllm_clients.py): completions, streaming, ``n=2``,
 concurrent clients. fp32 greedy texts equal a stock server's on the same
 prompts, the budget's held bytes sampled during the run never pass its limit,
-and an idle server's pages go back (vattn/integrations/vllm/budget.py)."""
+and an idle server's pages go back (vattn/integrations/vllm/engine_budget.py)."""
 
 from __future__ import annotations
 

@@ -198,3 +198,145 @@ def test_the_checks_catch_an_upward_import_and_a_cycle():
     graph = import_graph()
     graph["vattn.kernels.batch"] = graph["vattn.kernels.batch"] | {"vattn.kernels.functions"}
     assert any({"vattn.kernels.batch", "vattn.kernels.functions"} <= set(c) for c in cycles(graph))
+
+
+# ---- the vLLM integration: no state shared through module globals; typed values below its adapter ------------
+
+VLLM_PACKAGE = PACKAGE / "integrations" / "vllm"
+VLLM_PREFIX = "vattn.integrations.vllm"
+# the modules that take vLLM's forward as the adapter's typed value (forward_inputs.ForwardInputs), never as vLLM's
+# objects: they import nothing of vLLM and annotate nothing ``Any``
+BELOW_ADAPTER = (VLLM_PACKAGE / "worker_cache.py", VLLM_PACKAGE / "worker_budget.py",
+                 PACKAGE / "integrations" / "block_mapper.py")
+MUTABLE_CALLS = {"list", "dict", "set", "deque", "defaultdict", "OrderedDict", "Counter"}
+
+
+def module_state(tree: ast.Module) -> tuple[set[str], list[str]]:
+    """A module's mutable globals (names a function declares ``global``, names bound at module level to a
+    list, dict or set display or constructor), and what is wrong within it: a ``global`` name that more than
+    one function or method touches (state one function sets for another to read, which other modules then
+    reach through them). A name only the function that declares it touches is its own memo (a once-flag)."""
+    declared = {name for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names}
+    state = set(declared)
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        call = value.func if isinstance(value, ast.Call) else None
+        called = call.id if isinstance(call, ast.Name) else call.attr if isinstance(call, ast.Attribute) else None
+        if isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)) or \
+                called in MUTABLE_CALLS:
+            state |= {t.id for t in targets if isinstance(t, ast.Name)}
+    functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    functions += [m for c in tree.body if isinstance(c, ast.ClassDef) for m in c.body
+                  if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    wrong = []
+    for name in sorted(declared):
+        users = [f.name for f in functions if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(f))]
+        if len(users) > 1:
+            wrong.append(f"global {name} is shared by {', '.join(users)}")
+    return state, wrong
+
+
+def package_module(node: ast.ImportFrom | ast.Import, alias: ast.alias, package: str) -> str | None:
+    """The module of ``package`` an import binds (``from . import x``, ``from package import x``,
+    ``import package.x as y``); None for anything else."""
+    if isinstance(node, ast.Import):
+        return alias.name.rpartition(".")[2] if alias.name.startswith(package + ".") and alias.asname else None
+    if (node.level == 1 and node.module is None) or (not node.level and node.module == package):
+        return alias.name
+    return None
+
+
+def shared_globals(sources: dict[str, str], package: str = VLLM_PREFIX) -> list[str]:
+    """What the package's modules (name -> text) share through module globals: a function-set global read by
+    another function (:func:`module_state`); ``from .m import name`` of a mutable global of ``m``; reading
+    ``m.name`` of one; assigning any ``m.name`` of another module of the package."""
+    trees = {name: ast.parse(text, name) for name, text in sources.items()}
+    state = {}
+    wrong = []
+    for name, tree in trees.items():
+        state[name], own = module_state(tree)
+        wrong += [f"{name}: {w}" for w in own]
+    for name, tree in trees.items():
+        aliases = {}  # local name -> module of the package
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for alias in node.names:
+                module = package_module(node, alias, package)
+                if module in trees:
+                    aliases[alias.asname or alias.name] = module
+                    continue
+                source = node.module if isinstance(node, ast.ImportFrom) and node.level == 1 else \
+                    node.module.rpartition(".")[2] if isinstance(node, ast.ImportFrom) and node.module and \
+                    node.module.startswith(package + ".") else None
+                if source in trees and alias.name in state[source]:
+                    wrong.append(f"{name}:{node.lineno} imports the mutable global {source}.{alias.name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                module = aliases[node.value.id]
+                if isinstance(node.ctx, ast.Store):
+                    wrong.append(f"{name}:{node.lineno} sets {module}.{node.attr}")
+                elif node.attr in state[module]:
+                    wrong.append(f"{name}:{node.lineno} reads the mutable global {module}.{node.attr}")
+    return wrong
+
+
+def vllm_sources() -> dict[str, str]:
+    return {p.stem: p.read_text() for p in sorted(VLLM_PACKAGE.glob("*.py"))}
+
+
+def test_the_vllm_modules_share_no_module_global():
+    wrong = shared_globals(vllm_sources())
+    assert not wrong, ("vattn/integrations/vllm/ shares state through module globals; hand it over explicitly "
+                       "(an argument, an object both sides hold):\n" + "\n".join(wrong))
+
+
+def typed_violations(path: Path, source: str | None = None) -> list[str]:
+    """Where a module below the adapter takes vLLM's objects: any annotation naming ``Any``, any import of
+    ``Any`` or of vLLM (at any depth)."""
+    tree = ast.parse(path.read_text() if source is None else source, str(path))
+    wrong = []
+    annotations = [a.annotation for n in ast.walk(tree) if isinstance(n, ast.arguments)
+                   for a in n.posonlyargs + n.args + n.kwonlyargs + [n.vararg, n.kwarg] if a is not None]
+    annotations += [n.returns for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    annotations += [n.annotation for n in ast.walk(tree) if isinstance(n, ast.AnnAssign)]
+    for annotation in filter(None, annotations):
+        text = ast.unparse(annotation)
+        if re.search(r"\bAny\b", text):
+            wrong.append(f"{path.name}:{annotation.lineno} annotates {text}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            wrong += [f"{path.name}:{node.lineno} imports {a.name}" for a in node.names
+                      if a.name.split(".")[0] == "vllm"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] == "vllm" or any(a.name == "Any" for a in node.names):
+                wrong.append(f"{path.name}:{node.lineno} imports from {node.module}")
+    return wrong
+
+
+def test_no_vllm_object_below_the_forward_adapter():
+    wrong = [w for path in BELOW_ADAPTER for w in typed_violations(path)]
+    assert not wrong, ("below vattn/integrations/vllm/forward_inputs.py the forward is a typed value, never a "
+                       "vLLM object:\n" + "\n".join(wrong))
+
+
+def test_the_vllm_checks_catch_a_shared_global_and_an_untyped_vllm_object():
+    """A worker handing its cache to the engine core through a global (the setter and the reader are two
+    functions), a module importing or setting another's global, a runner annotated ``Any``, a vLLM import
+    inside a function: each is caught; a once-flag only its own function touches is not."""
+    offered = "_offered = None\ndef offer(c):\n    global _offered\n    _offered = c\ndef attach():\n    return _offered\n"
+    assert shared_globals({"budget": offered}) == ["budget: global _offered is shared by offer, attach"]
+    once = "_done = False\ndef install():\n    global _done\n    if _done:\n        return\n    _done = True\n"
+    registry = "POOLS: dict = {}\n"
+    assert shared_globals({"hooks": once, "pools": registry}) == []
+    reader = "from .pools import POOLS\nfrom . import pools as p\nfrom . import hooks\nx = p.POOLS\nhooks.flag = 1\n"
+    assert shared_globals({"hooks": once, "pools": registry, "reader": reader}) == [
+        "reader:1 imports the mutable global pools.POOLS", "reader:4 reads the mutable global pools.POOLS",
+        "reader:5 sets hooks.flag"]
+    cache = VLLM_PACKAGE / "worker_cache.py"
+    assert typed_violations(cache, "from typing import Any\nclass C:\n    runner: Any\n") == [
+        "worker_cache.py:3 annotates Any", "worker_cache.py:1 imports from typing"]
+    assert typed_violations(cache, "def f(m: 'dict[str, Any]') -> None:\n    from vllm.v1 import x\n") == [
+        "worker_cache.py:1 annotates 'dict[str, Any]'", "worker_cache.py:2 imports from vllm.v1"]
+    assert typed_violations(cache, "import numpy as np\ndef f(a: np.ndarray) -> int:\n    return 1\n") == []

@@ -139,7 +139,7 @@ class BlockMapper:
         self._free_by_first: dict[int, list[int]] = {}  # block id at position 0 -> free slices mapping it there
         self._last_keys: list[Hashable] | None = None
         # the forward's thread assigns slices; a budget's keeper may release those of requests that
-        # are not running (vattn.integrations.vllm.budget) from its own
+        # are not running (vattn.integrations.vllm.worker_budget) from its own
         self._lock = threading.Lock()
         self._last_reqids = np.zeros(0, dtype=np.int64)
         # lower bound of the mapping: (request, position) pairs a forward needed mapped and found unmapped

@@ -57,10 +57,15 @@ other versions are refused unless ``VATTN_VLLM_ALLOW_UNTESTED=1``):
   give their slices back.
 - ``GPUModelRunner._zero_block_ids`` / ``CPUModelRunner._zero_block_ids``
   (replaced): new blocks are not zeroed; the kernels read written rows only.
-- ``Worker.vattn_stats`` (added): ``LLM.collective_rpc("vattn_stats")``.
-- With ``VATTN_BUDGET``: ``Scheduler`` (its block operations locked, its
-  block pool's free count and block hand-out under the budget) and
-  ``CPUWorker.sleep``; see :mod:`vattn.integrations.vllm.budget`.
+- ``Worker.vattn_stats`` (added): ``LLM.collective_rpc("vattn_stats")``;
+  ``Worker.vattn_block_bytes`` and ``Worker.vattn_worker_pages`` (added):
+  what the engine core asks its workers under a budget.
+- ``EngineCore._initialize_effective_attention_block_size``, ``sleep``,
+  ``shutdown`` (wrapped) and ``EngineCore.vattn_budget_stats`` (added); the
+  ``Scheduler``'s block operations (wrapped: under the budget's lock) and
+  ``has_requests``. Inert without ``VATTN_BUDGET``; with it the engine core
+  joins the budget and its scheduler's block pool hands out what the budget
+  grants (:mod:`vattn.integrations.vllm.engine_budget`).
 
 vLLM's model runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``) keeps its block tables
 elsewhere and is not supported; the plugin asks for the V1 runner, which the
@@ -72,14 +77,21 @@ Environment: ``VATTN_VLLM_LAYOUT`` (``per_layer`` or ``all_layers``; default:
 ``per_layer`` when one block of one layer is a whole number of the backend's
 pages, else ``all_layers``).
 
-Modules: ``configuration`` (what is served, decided at start-up), ``hooks``
-(where vLLM is hooked), ``worker`` (the worker's cache tensors and
-``vattn_stats``), ``worker_cache`` (the cache: KV cache groups as ranges of
-slices), ``attention`` (the metadata builder and the attention
-implementation), ``budget`` (the scheduler's block pool under a budget),
-``flash_attn`` (vLLM's bundled FlashAttention as a vattn kernel). The worker
-hands its cache to the parts that use it (the runner, the metadata builders,
-the budget's scheduler side); none reaches for it through a global.
+Modules, by the process that runs them (docs/design.md section 8):
+``hooks`` installs every patch, in every process; ``configuration`` (what
+is served, decided at start-up; every process); the engine core's
+``engine_budget`` (its scheduler's block pool under a budget); the
+worker's ``worker`` (the cache tensors vLLM's runner gets, the worker's
+RPCs), ``forward_inputs`` (the adapter: vLLM's forward read into one typed
+value), ``attention`` (the metadata builder and the attention
+implementation), ``worker_cache`` (the cache: KV cache groups as ranges of
+slices), ``worker_budget`` (giving blocks' pages back) and ``flash_attn``
+(vLLM's bundled FlashAttention as a vattn kernel). Below the adapter
+(``worker_cache``, ``worker_budget``, the block mapper) nothing takes a
+vLLM object. What one part needs of another is handed to it: the worker
+binds its cache and runner to the metadata builders, and an engine core
+in the worker's process asks its executor for the worker's
+``WorkerPages``; no part reaches for another through a module global.
 """
 
 from __future__ import annotations
@@ -91,7 +103,7 @@ from vattn.integrations.block_mapper import NULL_BLOCK_ID, BlockMapper
 
 from .configuration import ALLOW_UNTESTED, SWITCH, TESTED_VLLM_VERSIONS, check_kernel, choose_layout, enabled
 from .configuration import loaded_kernel
-from .worker_cache import cache_arguments
+from .worker import cache_arguments
 
 __all__ = ["register", "choose_layout", "check_kernel", "loaded_kernel", "cache_arguments", "BlockMapper",
            "NULL_BLOCK_ID"]

@@ -17,7 +17,6 @@ import dataclasses
 import functools
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from vattn.kernels import AttentionBatch, AttentionCase, FlashAttentionKernel, Kernel, KernelPlan
@@ -26,6 +25,7 @@ from vattn.kernels.flash_attn import FlashAttentionBuffers
 from . import configuration, runtime
 from .configuration import SWITCH, check_kernel
 from .flash_attn import VllmFlashAttentionKernel
+from .forward_inputs import ForwardInputs, ForwardReader, PaddedBatch
 from .worker_cache import WorkerCache
 
 GRAPHS = "UNIFORM_SINGLE_TOKEN_DECODE"  # the AttentionCGSupport member declared where the kernel runs in graphs
@@ -75,6 +75,8 @@ def graph_splits(vllm_config: Any, kernel: Kernel) -> tuple[int, int]:
 class ForwardPlanner:
     """One metadata builder's work each forward, apart from vLLM's classes:
     map the forward's blocks into its requests' slices, then plan the batch.
+    It reads the forward as :class:`ForwardInputs` (the builder's
+    :class:`ForwardReader` makes them), never vLLM's objects.
 
     With a kernel that runs in CUDA graphs the plan goes into persistent
     buffers (:class:`vattn.kernels.flash_attn.FlashAttentionBuffers`, for
@@ -99,49 +101,57 @@ class ForwardPlanner:
                 raise RuntimeError("vattn: the cache has no padding slice for CUDA graphs")
             self.buffers = FlashAttentionBuffers(max_num_reqs, max_num_tokens, device)
 
-    def build(self, m: Any) -> VAttnMetadata:
-        """The forward's metadata from vLLM's ``CommonAttentionMetadata`` ``m``:
-        its requests' blocks mapped, the batch planned once for every layer.
-        Rows past the last with queries are padding (vLLM's padded graph
-        batches)."""
+    @property
+    def graphs(self) -> bool:
+        """Plans go into persistent buffers (the kernel runs in CUDA graphs)."""
+        return self.buffers is not None
+
+    def reader(self, runner: Any) -> ForwardReader:
+        """The reader of this planner's group's forwards out of vLLM's ``runner``."""
+        return ForwardReader(runner, self.group, graphs=self.graphs)
+
+    def build(self, inputs: ForwardInputs) -> VAttnMetadata:
+        """The forward's metadata: its requests' blocks mapped, the batch
+        planned once for every layer."""
         cache = self.cache
-        starts = m.query_start_loc_cpu.numpy()[: m.num_reqs + 1]
-        query_lens = starts[1:] - starts[:-1]
-        n = int(np.count_nonzero(query_lens))  # rows past n are padding (vLLM's padded graph batches)
-        seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens
-        seq_lens = seq_lens.numpy()[:n].astype(np.int64)  # exact: no speculative decoding
-        query_lens = query_lens[:n]
-        reqids = cache.map_batch(self.group, seq_lens, query_lens)
-        batch = AttentionBatch.of_arrays(reqids, seq_lens - query_lens, query_lens, device=self.device)
-        if self.buffers is None:
+        reqids = cache.map_forward(self.group, inputs)
+        batch = AttentionBatch.of_arrays(reqids, inputs.seq_lens - inputs.query_lens, inputs.query_lens,
+                                         device=self.device)
+        if inputs.padded is None:
             return VAttnMetadata(cache.kernel, cache.kernel.plan(batch, cache.case), batch.num_tokens)
-        return self._plan_into(batch, m)
+        return self._plan_into(batch, inputs.padded)
 
-    def build_for_capture(self, m: Any) -> VAttnMetadata:
+    def build_for_capture(self, padded: PaddedBatch, longest_seq_len: int) -> VAttnMetadata:
         """The metadata of a batch vLLM captures a graph with (or replays one
-        for without requests): every row reads and writes the padding slice's
-        first page, already mapped, so nothing is mapped, unmapped or
-        allocated; the input batch's requests, if any, are not this batch's."""
-        if self.buffers is None:
-            return self.build(m)
-        seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens
-        longest = int(seq_lens[: m.num_reqs].max()) if m.num_reqs else 0
-        if longest > self.cache.padding_tokens:
-            raise RuntimeError(f"vattn: a CUDA graph capture batch reads {longest} tokens per row; the padding "
-                               f"slice it reads maps {self.cache.padding_tokens} (vattn captures single-token "
-                               f"decodes only)")
-        return self._plan_into(None, m)
+        for without requests), whose longest row reads ``longest_seq_len``
+        tokens: every row reads and writes the padding slice's first page,
+        already mapped, so nothing is mapped, unmapped or allocated; the
+        input batch's requests, if any, are not this batch's."""
+        if longest_seq_len > self.cache.padding_tokens:
+            raise RuntimeError(f"vattn: a CUDA graph capture batch reads {longest_seq_len} tokens per row; the "
+                               f"padding slice it reads maps {self.cache.padding_tokens} (vattn captures "
+                               f"single-token decodes only)")
+        return self._plan_into(None, padded)
 
-    def _plan_into(self, batch: AttentionBatch | None, m: Any) -> VAttnMetadata:
+    def _plan_into(self, batch: AttentionBatch | None, padded: PaddedBatch) -> VAttnMetadata:
         kernel = self.cache.kernel
         assert isinstance(kernel, FlashAttentionKernel) and self.buffers is not None
-        num_tokens = m.num_actual_tokens
+        num_tokens = padded.num_tokens
         splits = self.num_splits if num_tokens <= self.split_tokens else 0
-        plan = kernel.plan_into(self.buffers, batch, num_rows=m.num_reqs, num_tokens=num_tokens,
-                                padding_reqid=self.padding, cu_seqlens_q=m.query_start_loc[: m.num_reqs + 1],
-                                seqused_k=m.seq_lens[: m.num_reqs], max_seqlen_q=m.max_query_len,
-                                max_seqlen_k=m.max_seq_len, num_splits=splits)
+        plan = kernel.plan_into(self.buffers, batch, num_rows=padded.num_rows, num_tokens=num_tokens,
+                                padding_reqid=self.padding, cu_seqlens_q=padded.query_start_loc,
+                                seqused_k=padded.seq_lens, max_seqlen_q=padded.max_query_len,
+                                max_seqlen_k=padded.max_seq_len, num_splits=splits)
         return VAttnMetadata(kernel, plan, num_tokens)
+
+
+def capture_metadata(planner: ForwardPlanner, reader: ForwardReader, m: Any) -> VAttnMetadata:
+    """What the builder returns for a graph-capture batch ``m`` (vLLM's
+    ``CommonAttentionMetadata``): the planner's capture plan where the
+    kernel runs in graphs, else an ordinary forward's."""
+    if not planner.graphs:
+        return planner.build(reader.read(m))
+    return planner.build_for_capture(reader.padded(m), reader.longest_seq_len(m))
 
 
 def attend(md: VAttnMetadata, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -181,24 +191,27 @@ def _builder_cls() -> type:
             # vLLM declares the builder's __init__ abstract
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
             self.planner: ForwardPlanner | None = None  # made when the worker binds the cache
+            self.reader: ForwardReader | None = None  # reads the forwards out of the worker's model runner
 
-        def bind(self, cache: WorkerCache) -> None:
-            """The worker's cache: vLLM makes the builders before the KV cache tensors."""
+        def bind(self, cache: WorkerCache, runner: Any) -> None:
+            """The worker's cache and model runner: vLLM makes the builders before the KV cache tensors."""
             scheduler = self.vllm_config.scheduler_config
             self.planner = ForwardPlanner(cache, cache.group_of[self.layer_names[0]], self.device,
                                           scheduler.max_num_seqs, scheduler.max_num_batched_tokens,
                                           *graph_splits(self.vllm_config, cache.kernel))
+            self.reader = self.planner.reader(runner)
 
-        def _planner(self) -> ForwardPlanner:
-            if self.planner is None:
+        def _bound(self) -> tuple[ForwardPlanner, ForwardReader]:
+            if self.planner is None or self.reader is None:
                 raise RuntimeError("vattn: attention metadata built before the vattn KV cache exists")
-            return self.planner
+            return self.planner, self.reader
 
         def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> VAttnMetadata:
-            return self._planner().build(common_attn_metadata)
+            planner, reader = self._bound()
+            return planner.build(reader.read(common_attn_metadata))
 
         def build_for_cudagraph_capture(self, common_attn_metadata: Any) -> VAttnMetadata:
-            return self._planner().build_for_capture(common_attn_metadata)
+            return capture_metadata(*self._bound(), common_attn_metadata)
 
     return VAttnMetadataBuilder
 

@@ -17,18 +17,24 @@ from vattn.integrations import block_mapper
 from vattn.kernels import AttentionCase, Kernel, NoKernel, select_kernel
 from vattn.kernels.flash_attn import FlashAttentionKernel
 
-from . import budget as vllm_budget
-from . import runtime
+from . import engine_budget, runtime
 from .flash_attn import VllmFlashAttentionKernel
-from .worker_cache import LAYOUT_SETTING, granularity
 
 SWITCH = "VATTN_VLLM"
 ALLOW_UNTESTED = "VATTN_VLLM_ALLOW_UNTESTED"
 TESTED_VLLM_VERSIONS = ("0.32.0",)
+LAYOUT_SETTING = "VATTN_VLLM_LAYOUT"
 
 
 def enabled() -> bool:
     return os.environ.get(SWITCH, "") == "1"
+
+
+def granularity(device: torch.device) -> int:
+    """Bytes a vattn page must be a multiple of on ``device``'s backend."""
+    from vattn.backends import cuda_info, host_granularity
+
+    return host_granularity() if device.type == "cpu" else cuda_info(device.index or 0)["granularity"]
 
 
 # :func:`vattn.integrations.block_mapper.choose_layout`, the layout named as vattn's vLLM setting
@@ -91,7 +97,7 @@ def configure(vllm_config: Any) -> None:
     if cache.cache_dtype not in ("auto", None):
         raise ValueError(f"vattn's vLLM integration stores K/V in the model dtype; kv_cache_dtype="
                          f"{cache.cache_dtype!r} is not supported")
-    vllm_budget.check_config(vllm_config)
+    engine_budget.check_config(vllm_config)
     device = runtime.platform_device()
     if model.use_mla:
         raise ValueError("vattn's vLLM integration does not serve multi-head latent attention (DeepSeek-V2/V3 "

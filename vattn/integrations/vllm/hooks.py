@@ -1,17 +1,21 @@
-"""Where vattn's plugin hooks vLLM (installed once per process by
-:func:`vattn.integrations.vllm.register`); the list with what each hook does is
-in the package's docstring."""
+"""Where vattn's plugin hooks vLLM: every patch, installed once per process
+by :func:`vattn.integrations.vllm.register`. The list with what each hook
+does is in the package's docstring; which process role each runs in is
+docs/design.md section 8. The hooks' logic lives in the module of the role
+that runs it (``configuration``: every process; ``engine_budget``: the
+engine core; ``worker``: the workers); this module only wires it in."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from . import budget as vllm_budget
+from . import engine_budget
 from .attention import BACKEND_PATH
 from .configuration import configure
-from .worker import initialize_kv_cache_tensors, update_states, worker_block_bytes, worker_stats
+from .worker import initialize_kv_cache_tensors, update_states, worker_block_bytes, worker_pages, worker_stats
 
-_hooks_installed = False
+_hooks_installed = False  # read and set by install_hooks alone
 
 
 def _skip_zeroing(runner: Any, block_ids: list[int]) -> None:
@@ -25,10 +29,15 @@ def install_hooks() -> None:
     if _hooks_installed:
         return
     _hooks_installed = True
+    _install_configuration()
+    _install_worker()
+    _install_engine_core()
+
+
+def _install_configuration() -> None:
+    """Every process: the configuration's checks, the attention backend."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    from vllm.v1.worker.gpu_worker import Worker
 
     platform = type(current_platform)
     original = platform.check_and_update_config.__func__
@@ -40,6 +49,14 @@ def install_hooks() -> None:
     platform.check_and_update_config = classmethod(check_and_update_config)
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+
+
+def _install_worker() -> None:
+    """The workers: vattn's cache in the model runner, the worker's RPCs."""
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
     GPUModelRunner.initialize_kv_cache_tensors = initialize_kv_cache_tensors
     GPUModelRunner._update_states = update_states(GPUModelRunner._update_states)
     GPUModelRunner._zero_block_ids = _skip_zeroing
@@ -49,4 +66,54 @@ def install_hooks() -> None:
         CPUModelRunner._zero_block_ids = _skip_zeroing
     Worker.vattn_stats = worker_stats
     Worker.vattn_block_bytes = worker_block_bytes
-    vllm_budget.install()  # VATTN_BUDGET: the engine core joins it and its scheduler counts what it grants
+    Worker.vattn_worker_pages = worker_pages
+
+
+def _install_engine_core() -> None:
+    """The engine core: under ``VATTN_BUDGET`` it joins the budget and its scheduler counts what the
+    budget grants (inert without one: the scheduler has no pool then)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    # EngineCore.__init__ loads vLLM's plugins itself (this hook, in an engine-core process of its own), so
+    # wrapping __init__ comes too late there: this is the first method it calls once its scheduler exists
+    stock_scheduler_ready = EngineCore._initialize_effective_attention_block_size
+
+    @functools.wraps(stock_scheduler_ready)
+    def scheduler_ready(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        out = stock_scheduler_ready(engine, *args, **kwargs)
+        engine_budget.attach(engine)
+        return out
+
+    EngineCore._initialize_effective_attention_block_size = scheduler_ready
+    EngineCore.vattn_budget_stats = engine_budget.engine_stats
+    stock_sleep = EngineCore.sleep
+
+    @functools.wraps(stock_sleep)
+    def sleep(engine: Any, level: int = 1, *args: Any, **kwargs: Any) -> Any:
+        out = stock_sleep(engine, level, *args, **kwargs)
+        engine_budget.after_sleep(engine, level)
+        return out
+
+    EngineCore.sleep = sleep
+    stock_shutdown = EngineCore.shutdown
+
+    @functools.wraps(stock_shutdown)
+    def shutdown(engine: Any) -> None:
+        pool = engine_budget.pool_of(getattr(engine, "scheduler", None))  # before vLLM tears the scheduler down
+        try:
+            stock_shutdown(engine)
+        finally:
+            if pool is not None:
+                pool.close()  # the engine core leaves the budget
+
+    EngineCore.shutdown = shutdown
+    for name, after in engine_budget.SCHEDULER_METHODS:
+        setattr(Scheduler, name, engine_budget.locked(getattr(Scheduler, name), after))
+    stock_has_requests = Scheduler.has_requests
+
+    @functools.wraps(stock_has_requests)
+    def has_requests(scheduler: Any) -> bool:
+        return stock_has_requests(scheduler) or engine_budget.has_pending(scheduler)
+
+    Scheduler.has_requests = has_requests

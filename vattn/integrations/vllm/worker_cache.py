@@ -35,93 +35,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import os
 import time
-from typing import Any
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from vattn.budget.membership import budget_name_from_environment
 from vattn.core import KVCacheManager
 from vattn.integrations import block_mapper
-from . import budget as vllm_budget
 from vattn.integrations.block_mapper import BlockMapper
 from vattn.kernels import AttentionCase, Kernel
 
-LAYOUT_SETTING = "VATTN_VLLM_LAYOUT"
-
-
-def granularity(device: torch.device) -> int:
-    """Bytes a vattn page must be a multiple of on ``device``'s backend."""
-    from vattn.backends import cuda_info, host_granularity
-
-    return host_granularity() if device.type == "cpu" else cuda_info(device.index or 0)["granularity"]
-
-
-def forward_streams(device: torch.device) -> list[Any] | None:
-    """CUDA: the stream vLLM's forward launches its kernels and graph replays
-    on (vLLM's ``current_stream()``, a stream of its own per worker), for
-    vattn to fence unmaps on instead of synchronising the whole device. None
-    on other devices."""
-    if device.type != "cuda":
-        return None
-    from vllm.utils.torch_utils import current_stream
-
-    return [current_stream()]
-
-
-SLICES_PER_ROW = 2
-"""Slices per row of the persistent batch, in each KV cache group: a
-finished request's slice keeps its pages until the device is done with
-them, and for a later request that shares its first blocks, while a new
-request takes another (virtual address space is cheap)."""
-
-
-def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, num_groups: int = 1,
-                    padding_slices: int = 0) -> dict[str, Any]:
-    """The :class:`KVCacheManager` arguments for a worker: ``num_layers``
-    layers (per group) of vLLM's KV cache spec ``spec``, ``SLICES_PER_ROW``
-    slices per (group, row of the runner's persistent batch) plus
-    ``padding_slices`` per group, a pool of exactly ``num_blocks`` page ids
-    (one per vLLM block), pages owned by vLLM, fences on vLLM's stream."""
-    layout, page_size = block_mapper.choose_layout(num_layers, spec.num_kv_heads, spec.head_size,
-                                                   spec.dtype.itemsize, spec.block_size, granularity(runner.device),
-                                                   os.environ.get(LAYOUT_SETTING), setting=LAYOUT_SETTING)
-    num_buffers = 2 * num_layers if layout == "per_layer" else 2
-    return dict(num_layers=num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size, dtype=spec.dtype,
-                max_batch_size=num_groups * (SLICES_PER_ROW * runner.input_batch.max_num_reqs + padding_slices),
-                max_context_len=runner.max_model_len,
-                page_size=page_size, physical_memory=num_blocks * page_size * num_buffers, layout=layout,
-                device=str(runner.device), page_allocator="external", background=False, deferred_reclaim=False,
-                eager=False, sync_streams=forward_streams(runner.device),
-                # under VATTN_BUDGET the engine core is the member and charges every rank's pages before a
-                # forward creates them (integrations/vllm/budget.py): a worker's cache never asks the budget.
-                # Without one vLLM holds its whole block pool, as stock allocates its cache tensor at start-up:
-                # created now, so no forward creates (on the host: zeroes) the pages of a block's first use
-                budget=False, preallocate=not budget_name_from_environment())
-
-
-def check_groups(kv_cache_config: Any, kernel_block_sizes: Any) -> Any:
-    """The one attention spec every KV cache group shares (heads, head
-    size, dtype, block size); ValueError naming what vattn does not serve
-    otherwise. Groups may differ in their window only."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
-    groups = kv_cache_config.kv_cache_groups
-    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-    if not groups or any(type(g.kv_cache_spec) not in (FullAttentionSpec, SlidingWindowSpec) for g in groups):
-        raise ValueError("vattn's vLLM integration serves attention layers with full or sliding-window KV caches; "
-                         f"this model's KV cache groups are {kinds}; unset VATTN_VLLM for this model")
-    shapes = {(s.num_kv_heads, s.head_size, s.dtype, s.block_size) for s in (g.kv_cache_spec for g in groups)}
-    if len(shapes) != 1:
-        raise ValueError(f"vattn: the KV cache groups {kinds} differ in heads, head size, dtype or block size "
-                         f"({sorted(map(str, shapes))}); vattn needs one page shape; unset VATTN_VLLM for this model")
-    spec = groups[0].kv_cache_spec
-    if list(kernel_block_sizes) != [spec.block_size] * len(groups):
-        raise ValueError(f"vattn: kernel block sizes {kernel_block_sizes} differ from block_size {spec.block_size}")
-    return spec
-
+from .forward_inputs import ForwardInputs
 
 @dataclasses.dataclass
 class GroupSlices:
@@ -141,8 +66,6 @@ class GroupSlices:
 SERIES_FORWARDS = 1 << 16
 """Forwards the per-forward series of ``vattn_stats`` keep (the latest ones)."""
 
-WARM_UP = "vattn:warm-up-row"  # the key of a row vLLM's warm-up forwards fill without a request
-
 
 def series() -> collections.deque:
     return collections.deque(maxlen=SERIES_FORWARDS)
@@ -154,7 +77,6 @@ class WorkerCache:
 
     manager: KVCacheManager
     groups: list[GroupSlices]
-    runner: Any  # vLLM's model runner: its input batch holds the requests' rows and CPU block tables
     kernel: Kernel  # the attention kernel
     case: AttentionCase  # what the kernel plans each forward with: the cache's device, shapes and dtype
     group_of: dict[str, int] = dataclasses.field(default_factory=dict)  # layer name -> group index
@@ -170,23 +92,24 @@ class WorkerCache:
     _warm_up_rows: bool = False  # the last forward had rows without a request
 
     @classmethod
-    def build(cls, runner: Any, kv_cache_config: Any, spec: Any, kernel: Kernel,
-              case: AttentionCase) -> WorkerCache:
-        groups = kv_cache_config.kv_cache_groups
-        per_group = max(len(g.layer_names) for g in groups)
-        pad = 1 if kernel.graphs else 0  # a padding slice per group for CUDA graphs' padded batches
-        arguments = cache_arguments(runner, spec, per_group, kv_cache_config.num_blocks, len(groups), pad)
+    def build(cls, arguments: Mapping[str, object], groups: Sequence[tuple[list[str], int | None]], block_size: int,
+              num_blocks: int, kernel: Kernel, case: AttentionCase) -> WorkerCache:
+        """The cache of a manager made with ``arguments`` (its ``max_batch_size``
+        split evenly among ``groups``, each ``(layer names, window in tokens or
+        None)``), whose pool must hold exactly ``num_blocks`` page ids of
+        ``block_size`` tokens; with a kernel that runs in CUDA graphs the last
+        slice of each group is its padding slice, mapped to the null block now."""
         manager = KVCacheManager(**arguments)
-        if manager.num_page_ids != kv_cache_config.num_blocks:
+        if manager.num_page_ids != num_blocks:
             manager.cleanup()
             raise RuntimeError(f"vattn: the page pool holds {manager.num_page_ids} ids for vLLM's "
-                               f"{kv_cache_config.num_blocks} blocks")
+                               f"{num_blocks} blocks")
+        pad = 1 if kernel.graphs else 0  # a padding slice per group for CUDA graphs' padded batches
         per = manager.config.max_batch_size // len(groups)
-        slices = [GroupSlices(list(g.layer_names), getattr(g.kv_cache_spec, "sliding_window", None),
-                              BlockMapper(manager, spec.block_size, first_reqid=i * per, slices=per - pad,
-                                          window=getattr(g.kv_cache_spec, "sliding_window", None)),
+        slices = [GroupSlices(list(names), window,
+                              BlockMapper(manager, block_size, first_reqid=i * per, slices=per - pad, window=window),
                               padding=per - 1 if pad else None)
-                  for i, g in enumerate(groups)]
+                  for i, (names, window) in enumerate(groups)]
         if pad:
             try:  # at start-up, so that no forward (a graph capture least of all) maps for padding
                 reqids = np.array([i * per + per - 1 for i in range(len(groups))], dtype=np.int64)
@@ -199,7 +122,7 @@ class WorkerCache:
                 manager.cleanup()
                 raise
         group_of = {name: i for i, g in enumerate(slices) for name in g.layer_names}
-        return cls(manager, slices, runner, kernel, case, group_of, padding_tokens=spec.block_size if pad else 0)
+        return cls(manager, slices, kernel, case, group_of, padding_tokens=block_size if pad else 0)
 
     @functools.cached_property
     def has_windows(self) -> bool:
@@ -215,33 +138,28 @@ class WorkerCache:
                 out[name] = self.manager.kv_tensor(j)[:, own]
         return out
 
-    def request_keys(self, num_rows: int) -> list[Any]:
-        """The request in each of the forward's first ``num_rows`` rows;
-        rows vLLM fills without a request (warm-up forwards) get a key of
-        their own per row, released at the next forward with requests only."""
-        req_ids = self.runner.input_batch.req_ids
-        keys = req_ids[:num_rows]
-        if len(keys) < num_rows or None in keys:
-            keys = [(WARM_UP, row) if key is None else key for row, key in
-                    enumerate(keys + [None] * (num_rows - len(keys)))]
+    def request_keys(self, inputs: ForwardInputs) -> list[Hashable]:
+        """The request in each row of the forward; rows vLLM filled without
+        a request (warm-up forwards) have keys of their own per row, released
+        at the next forward with requests only."""
+        if inputs.warm_up_rows:
             self._warm_up_rows = True
         elif self._warm_up_rows:
             for group in self.groups:
-                group.mapper.release_all_but(keys + list(req_ids[num_rows:]))
+                group.mapper.release_all_but(inputs.batch_request_keys)
             self._warm_up_rows = False
-        return keys
+        return inputs.request_keys
 
-    def map_batch(self, group: int, seq_lens: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
-        """Maps group ``group``'s requests for this forward (its block table,
-        its window); returns their slices in the group's cache views (the
-        reqids its kernel reads). The forward is recorded once the last group
-        is mapped."""
+    def map_forward(self, group: int, inputs: ForwardInputs) -> np.ndarray:
+        """Maps group ``group``'s requests for the forward ``inputs`` (its
+        block table, its window); returns their slices in the group's cache
+        views (``[n]`` int64, the reqids its kernel reads). The forward is
+        recorded once the last group is mapped."""
         mapper = self.groups[group].mapper
         start = time.perf_counter_ns()
-        table = self.runner.input_batch.block_table[group]
-        blocks, num_blocks = table.block_table.np, table.num_blocks_per_row
-        reqids = mapper.reqids_of(self.request_keys(len(seq_lens)), blocks, num_blocks)
-        mapper.map(reqids, blocks, num_blocks, seq_lens, query_lens)
+        seq_lens, blocks, num_blocks = inputs.seq_lens, inputs.block_table, inputs.num_blocks
+        reqids = mapper.reqids_of(self.request_keys(inputs), blocks, num_blocks)
+        mapper.map(reqids, blocks, num_blocks, seq_lens, inputs.query_lens)
         self.map_ns += time.perf_counter_ns() - start
         if group == len(self.groups) - 1:
             self.forwards += 1
@@ -253,13 +171,13 @@ class WorkerCache:
                 self.behind_windows.append(sum(g.mapper.holes for g in self.groups) * page_id_bytes)
         return reqids - mapper.first_reqid
 
-    def release(self, req_ids: Any) -> None:
+    def release(self, req_ids: Iterable[Hashable]) -> None:
         """vLLM's requests that finished, or whose blocks vLLM replaced
         (resumed after a preemption): their slices go back to the pool."""
         for group in self.groups:
             group.mapper.release(req_ids)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         """The cache's stats, its groups, the mapping's work against its
         lower bound, and the per-forward series (the last SERIES_FORWARDS
         forwards)."""
@@ -275,5 +193,4 @@ class WorkerCache:
         return dict(stats, layout=self.manager.config.layout, kernel=self.kernel.name, map_ns=self.map_ns,
                     mapping=mapping, time_s_series=list(self.time_s), bytes_mapped_series=list(self.bytes_in_requests),
                     tokens_series=list(self.tokens), bytes_behind_windows_series=list(self.behind_windows),
-                    groups=[dict(layers=len(g.layer_names), window=g.window) for g in self.groups],
-                    block_pool_budget=vllm_budget.stats())
+                    groups=[dict(layers=len(g.layer_names), window=g.window) for g in self.groups])

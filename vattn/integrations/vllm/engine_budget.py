@@ -1,4 +1,7 @@
-"""vLLM's block pool under a machine-wide budget (docs/vllm.md "Under a budget", docs/elastic.md).
+"""The engine core's side of a budget: vLLM's block pool under a machine-wide
+budget (docs/vllm.md "Under a budget", docs/elastic.md). The workers' side
+is :mod:`vattn.integrations.vllm.worker_budget`; :mod:`vattn.integrations.vllm.hooks`
+installs the wrappers this module makes.
 
 With ``VATTN_BUDGET`` set, the **engine core** (the process of vLLM's
 scheduler) is the budget's member, whatever the process layout: the worker
@@ -41,6 +44,13 @@ virtual size of the pool.
   (``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the worker in it
   too, the keeper releases directly.
 
+How the engine core reaches the workers: ``collective_rpc("vattn_block_bytes")``
+at start-up (every rank's block bytes, in any layout), block ids on a step's
+``SchedulerOutput`` (``worker_budget.RELEASE_ATTRIBUTE``), a no-op
+``collective_rpc`` as a barrier; and with vLLM's in-process executor, the
+worker's :class:`~vattn.integrations.vllm.worker_budget.WorkerPages` handle,
+asked of the executor when the pool is attached.
+
 Threads: the scheduler's block operations (``schedule``, ``update_from_output``,
 ``finish_requests``, ``reset_prefix_cache``) and the keeper take one lock.
 """
@@ -55,15 +65,16 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import runtime
 from vattn.budget.membership import (DEFAULT_IDLE_RELEASE_S, ENV_VAR, budget_name_from_environment,
                                      idle_release_seconds, join_budget)
+
+from . import runtime
+from .worker_budget import RELEASE_ATTRIBUTE, WorkerPages
 
 IDLE_SETTING = "VATTN_VLLM_IDLE_RELEASE_S"
 KEEPER_INTERVAL_S = 0.05  # how often the keeper looks at the budget (a lock-free read when nothing is asked)
 GRANT_WAIT_S = 5.0  # how long a hand-out the budget still refuses waits for other members to give back
 START_WAIT_S = 30.0  # how long start-up waits for the null block's bytes
-RELEASE_ATTRIBUTE = "vattn_release"  # on a SchedulerOutput: block ids whose pages every worker gives back
 UNCHARGE_ATTRIBUTE = "vattn_uncharge"  # on the engine core's SchedulerOutput: bytes to uncharge at its output
 LABEL_CHARACTERS = 40  # what `python -m vattn top` shows of a label
 
@@ -104,13 +115,13 @@ class BudgetedBlockPool:
     ``confirm``: called (in the engine core's thread) before uncharging the
     release of a step without a forward, when several ranks ran it; returns
     once every rank has processed the step. ``wake``: makes an idle engine
-    core run a step (None: none can be woken). ``local_cache``: the worker's
-    cache when it is in this process (None otherwise).
+    core run a step (None: none can be woken). ``local_pages``: the
+    worker's handle when it is in this process (None otherwise).
     """
 
     def __init__(self, scheduler: Any, member: Any, budget: Any, block_bytes: int, world_size: int,
                  idle_release_s: float, confirm: Callable[[], None] | None = None,
-                 wake: Callable[[], None] | None = None, local_cache: Any = None) -> None:
+                 wake: Callable[[], None] | None = None, local_pages: WorkerPages | None = None) -> None:
         self.scheduler = scheduler
         self.kv_manager = scheduler.kv_cache_manager
         self.pool = self.kv_manager.block_pool
@@ -121,7 +132,7 @@ class BudgetedBlockPool:
         self.idle_release_s = idle_release_s
         self.confirm = confirm
         self.wake = wake
-        self.local_cache = local_cache
+        self.local_pages = local_pages
         self.block_size = scheduler.block_size
         self.num_groups = len(scheduler.kv_cache_config.kv_cache_groups)
         # blocks charged in the budget (pages exist in the workers, or may from the next forward on); the
@@ -347,10 +358,11 @@ class BudgetedBlockPool:
         self.counters["releases_confirmed"] += 1
 
     def _release_here(self) -> None:
-        """The worker's cache is in this process and no step is under way: release and uncharge now."""
+        """The worker is in this process and no step is under way: release and uncharge now."""
+        assert self.local_pages is not None
         ids, blocks = self.pending, self.credit
         self.pending, self.credit = [], 0
-        release_blocks(self.local_cache, ids)
+        self.local_pages.release(ids)
         if blocks:
             self.member.release(blocks * self.block_bytes)
         self.counters["direct_releases"] += 1
@@ -361,7 +373,7 @@ class BudgetedBlockPool:
             return
         if self.wake is not None:
             self.wake()
-        elif self.local_cache is not None and not self.steps_in_flight and not self._busy():
+        elif self.local_pages is not None and not self.steps_in_flight and not self._busy():
             self._release_here()
         # otherwise the next step carries them (an engine core stepped by its caller)
 
@@ -436,119 +448,6 @@ class BudgetedBlockPool:
                         world_size=self.world_size, idle_release_s=self.idle_release_s)
 
 
-# ---- the worker's side ------------------------------------------------------------------------
-
-
-def release_blocks(cache: Any, ids: list[int]) -> int:
-    """In a worker, before its forward: gives back the pages of block ids the scheduler freed and
-    decided to release. Finished requests' slices still map their last blocks (deferred
-    reclamation): they are unmapped first. A slice that still maps one of them (a preempted
-    request's, which vLLM resumes with new blocks; a block behind a sliding window not unmapped
-    yet) is given up: its request gets a fresh slice, mapped again from its block table, at its next
-    forward. Returns how many ids were mapped nowhere at the end (released, or never created)."""
-    manager = cache.manager
-    ids = [int(i) for i in ids]
-    for group in cache.groups:
-        group.mapper.reclaim_free()
-    released = set(manager.release_pages(ids))
-    rest = {i for i in ids if i not in released}
-    if rest:
-        for group in cache.groups:
-            group.mapper.release_holding(rest)
-        for group in cache.groups:
-            group.mapper.reclaim_free()
-        manager.release_pages(sorted(rest))
-    return len(ids)
-
-
-# ---- hooks --------------------------------------------------------------------------------
-
-_pool: BudgetedBlockPool | None = None
-
-
-def _locked(method: Any, after: Callable[[BudgetedBlockPool, Any, tuple, dict], None] | None = None) -> Any:
-    """``method`` of the scheduler under the budget's lock; then, still under it, ``after(pool, result,
-    args, kwargs)`` (the step's releases) and the engine's activity noted."""
-
-    @functools.wraps(method)
-    def wrapper(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-        pool = getattr(scheduler, "_vattn_budget", None)
-        if pool is None:
-            return method(scheduler, *args, **kwargs)
-        with pool.lock:
-            out = method(scheduler, *args, **kwargs)
-            if after is not None:
-                after(pool, out, args, kwargs)
-            pool.note_activity()
-            return out
-
-    return wrapper
-
-
-def _attach_release(pool: BudgetedBlockPool, scheduler_output: Any, args: tuple, kwargs: dict) -> None:
-    pool.attach_release(scheduler_output)  # schedule's result: the step's output
-
-
-def _confirm_release(pool: BudgetedBlockPool, _: Any, args: tuple, kwargs: dict) -> None:
-    pool.confirm_release(args[0] if args else kwargs["scheduler_output"])  # update_from_output's argument
-
-
-def install() -> None:
-    """Hooks vLLM's engine core and scheduler: an engine core under ``VATTN_BUDGET`` joins the budget
-    and gives its scheduler the budget's view of the block pool."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine.core import EngineCore
-
-    # EngineCore.__init__ loads vLLM's plugins itself (this hook, in an engine-core process of its own), so
-    # wrapping __init__ comes too late there: this is the first method it calls once its scheduler exists
-    stock_scheduler_ready = EngineCore._initialize_effective_attention_block_size
-
-    @functools.wraps(stock_scheduler_ready)
-    def scheduler_ready(engine: Any, *args: Any, **kwargs: Any) -> Any:
-        out = stock_scheduler_ready(engine, *args, **kwargs)
-        if getattr(engine.scheduler, "_vattn_budget", None) is None:
-            attach(engine)
-        return out
-
-    EngineCore._initialize_effective_attention_block_size = scheduler_ready
-    EngineCore.vattn_budget_stats = lambda engine: (
-        engine.scheduler._vattn_budget.stats() if getattr(engine.scheduler, "_vattn_budget", None) else None)
-    stock_sleep = EngineCore.sleep
-
-    @functools.wraps(stock_sleep)
-    def sleep(engine: Any, level: int = 1, *args: Any, **kwargs: Any) -> Any:
-        out = stock_sleep(engine, level, *args, **kwargs)
-        pool = getattr(engine.scheduler, "_vattn_budget", None)
-        if pool is not None and level >= 1:
-            pool.release_all()  # vLLM-CPU keeps the cache through sleep(); under a budget its pages go back
-        return out
-
-    EngineCore.sleep = sleep
-    stock_shutdown = EngineCore.shutdown
-
-    @functools.wraps(stock_shutdown)
-    def shutdown(engine: Any) -> None:
-        pool = getattr(getattr(engine, "scheduler", None), "_vattn_budget", None)
-        try:
-            stock_shutdown(engine)
-        finally:
-            if pool is not None:
-                pool.close()
-
-    EngineCore.shutdown = shutdown
-    for name, after in (("schedule", _attach_release), ("update_from_output", _confirm_release),
-                        ("finish_requests", None), ("reset_prefix_cache", None)):
-        setattr(Scheduler, name, _locked(getattr(Scheduler, name), after))
-    stock_has_requests = Scheduler.has_requests
-
-    @functools.wraps(stock_has_requests)
-    def has_requests(scheduler: Any) -> bool:
-        pool = getattr(scheduler, "_vattn_budget", None)
-        return stock_has_requests(scheduler) or (pool is not None and pool.has_pending())
-
-    Scheduler.has_requests = has_requests
-
-
 def check_config(vllm_config: Any) -> None:
     """At start-up, in every process: what a budget needs of vLLM's configuration."""
     if not budget_name_from_environment():
@@ -564,26 +463,32 @@ def check_config(vllm_config: Any) -> None:
                          f"pipeline parallel) the ranks' pages lie on several; unset {ENV_VAR}")
 
 
-_offered: Any = None  # the worker cache built in this process, if any (the worker in the engine-core process)
+# ---- attaching to an engine core, and the scheduler's wrappers (installed by hooks.py) ------------
+
+POOL_ATTRIBUTE = "_vattn_budget"  # on vLLM's Scheduler: its BudgetedBlockPool, when under a budget
 
 
-def offer(cache: Any) -> None:
-    """The worker, when it built ``cache`` (a ``WorkerCache``): an engine core in this process
-    releases through it directly when no step can carry the release."""
-    global _offered
-    _offered = cache
+def pool_of(scheduler: Any) -> BudgetedBlockPool | None:
+    """The budget's view of ``scheduler``'s block pool; None outside a budget."""
+    return getattr(scheduler, POOL_ATTRIBUTE, None)
 
 
-def block_bytes(cache: Any) -> int:
-    """The bytes one block id holds in this worker: a page of every K and V buffer."""
-    return cache.manager.page_size * cache.manager.config.num_buffers
+def worker_pages_here(executor: Any) -> WorkerPages | None:
+    """The worker's handle when vLLM's executor runs it in this process (the in-process executor
+    returns the object itself); None with worker processes of their own, whose results come back
+    pickled."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    if not isinstance(executor, UniProcExecutor):
+        return None
+    (pages,) = executor.collective_rpc("vattn_worker_pages")
+    return pages
 
 
 def attach(engine: Any) -> None:
     """Gives ``engine``'s scheduler the budget's view of its block pool, when ``VATTN_BUDGET`` is set
-    and the workers serve on vattn: the engine core joins the budget for every rank."""
-    global _pool
-    if not budget_name_from_environment():
+    and the workers serve on vattn: the engine core joins the budget for every rank. Once per engine."""
+    if pool_of(engine.scheduler) is not None or not budget_name_from_environment():
         return
     executor = engine.model_executor
     sizes = executor.collective_rpc("vattn_block_bytes")
@@ -606,24 +511,63 @@ def attach(engine: Any) -> None:
         wake = functools.partial(queue.put_nowait, (EngineCoreRequestType.WAKEUP, None))
 
     world = len(sizes)
-    scheduler = engine.scheduler
-    scheduler._vattn_budget = _pool = BudgetedBlockPool(
-        scheduler, member, budget, int(sum(sizes)), world, idle_release_setting(),
-        confirm=lambda: executor.collective_rpc(_processed), wake=wake,
-        local_cache=_offered if world == 1 else None)
+    pool = BudgetedBlockPool(engine.scheduler, member, budget, int(sum(sizes)), world, idle_release_setting(),
+                             confirm=lambda: executor.collective_rpc(_processed), wake=wake,
+                             local_pages=worker_pages_here(executor) if world == 1 else None)
+    setattr(engine.scheduler, POOL_ATTRIBUTE, pool)
 
 
 def _processed(worker: Any) -> None:
     """A no-op every rank runs in order after the steps sent before it (a barrier for ``confirm``)."""
 
 
-def worker_release(cache: Any, scheduler_output: Any) -> None:
-    """In the worker's ``_update_states``, after finished requests gave their slices back."""
-    ids = getattr(scheduler_output, RELEASE_ATTRIBUTE, None)
-    if ids:
-        release_blocks(cache, ids)
+def engine_stats(engine: Any) -> dict[str, Any] | None:
+    """``EngineCore.vattn_budget_stats``: the engine core's budget counters; None outside a budget."""
+    pool = pool_of(engine.scheduler)
+    return pool.stats() if pool is not None else None
 
 
-def stats() -> dict[str, Any] | None:
-    """The engine core's budget counters for ``vattn_stats`` when it runs in this process (None otherwise)."""
-    return _pool.stats() if _pool is not None else None
+def after_sleep(engine: Any, level: int) -> None:
+    """After ``EngineCore.sleep(level)``: vLLM-CPU keeps the cache through sleep(); under a budget
+    every free block's pages go back (level 1 and above)."""
+    pool = pool_of(engine.scheduler)
+    if pool is not None and level >= 1:
+        pool.release_all()
+
+
+def has_pending(scheduler: Any) -> bool:
+    """Releases wait to ride on a step (``Scheduler.has_requests`` says so, so that the engine steps)."""
+    pool = pool_of(scheduler)
+    return pool is not None and pool.has_pending()
+
+
+def locked(method: Any, after: Callable[[BudgetedBlockPool, Any, tuple, dict], None] | None = None) -> Any:
+    """``method`` of the scheduler under the budget's lock; then, still under it, ``after(pool, result,
+    args, kwargs)`` (the step's releases) and the engine's activity noted."""
+
+    @functools.wraps(method)
+    def wrapper(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        pool = pool_of(scheduler)
+        if pool is None:
+            return method(scheduler, *args, **kwargs)
+        with pool.lock:
+            out = method(scheduler, *args, **kwargs)
+            if after is not None:
+                after(pool, out, args, kwargs)
+            pool.note_activity()
+            return out
+
+    return wrapper
+
+
+def after_schedule(pool: BudgetedBlockPool, scheduler_output: Any, args: tuple, kwargs: dict) -> None:
+    pool.attach_release(scheduler_output)  # schedule's result: the step's output
+
+
+def after_update_from_output(pool: BudgetedBlockPool, _: Any, args: tuple, kwargs: dict) -> None:
+    pool.confirm_release(args[0] if args else kwargs["scheduler_output"])  # update_from_output's argument
+
+
+SCHEDULER_METHODS = (("schedule", after_schedule), ("update_from_output", after_update_from_output),
+                     ("finish_requests", None), ("reset_prefix_cache", None))
+"""The scheduler's block operations run under the budget's lock, each with what follows it."""
