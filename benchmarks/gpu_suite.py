@@ -128,7 +128,8 @@ CUDA_TESTS = ["tests/backends/test_cuda_real.py", "tests/backends/test_cuda_driv
 PACKAGES = ["torch", "triton", "transformers", "flash_attn", "flashinfer", "vllm"]
 TRANSFORMERS_CHECKED = ((5, 22), (5, 24))  # pyproject.toml's range: >= 5.22, < 5.24
 ARCHIVED = (".json", ".png", ".xml", ".log")
-HOST_KERNEL_TESTS = ["tests/kernels/test_cpu_attention.py", "tests/kernels/test_cpu_attn_isas.py"]
+HOST_KERNEL_TESTS = ["tests/kernels/test_cpu_attention.py", "tests/kernels/test_cpu_attention_calls.py",
+                     "tests/kernels/test_cpu_attn_isas.py"]
 
 
 def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
