@@ -3,6 +3,10 @@ and plots, shared by every script in benchmarks/ (``from harness import
 ...``: a script run as ``python benchmarks/x.py`` has benchmarks/ on its path;
 tests load the scripts by path, tests/conftest.py ``load_benchmark``).
 
+Importing it also puts the repository's root on ``sys.path``, so that a script
+then imports what it shares with the tests, ``from workloads... import ...``
+(workloads/__init__.py), from whatever directory it was started in.
+
 Results go to benchmarks/results/, or to $VATTN_RESULTS_DIR when set (the GPU
 suite, benchmarks/gpu_suite.sh, points it at its output folder). Under
 $VATTN_GPU_SUITE_DRY_RUN every JSON says "dry_run": true.
@@ -17,8 +21,13 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # appended: benchmarks/ and site-packages keep their precedence
+    sys.path.append(str(ROOT))
 
 RESULTS = Path(os.environ.get("VATTN_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
 

@@ -76,17 +76,15 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
-from harness import RESULTS, machine, machine_slug, publish, pyplot, save_plot, write_json
+from harness import RESULTS, ROOT, machine, machine_slug, publish, pyplot, save_plot, write_json
+from multi_model_runs import (BLOCK, MAX_MODEL_LEN, SAMPLE_S, MiB, burst_throughput, late_bursts, percentile,
+                              read_rss, run_outcome)
+from multi_model_serve import run_config_serve
+from workloads.vllm_launch import SCENARIO
 
-ROOT = Path(__file__).resolve().parent.parent
-SCENARIO = ROOT / "tests" / "integrations" / "vllm_scenario.py"
-MiB = 1 << 20
 VOCAB = (3, 256)
-BLOCK = 128  # vLLM-CPU's default block size (tokens)
-MAX_MODEL_LEN = 2048
 MODELS = [  # name, layers, hidden, query heads (KV heads: 2 of hidden / query heads = 64)
     ("llama-4x512", 4, 512, 8),
     ("llama-4x768", 4, 768, 12),
@@ -97,9 +95,6 @@ share is as tight for each."""
 CONFIGS = ("stock static", "vattn static", "vattn elastic")
 PROMPT_TOKENS = (256, 1024)  # per request, uniform
 OUTPUT_TOKENS = (128, 256)  # chat-like answers: a request holds its blocks for a few seconds
-SAMPLE_S = 0.05  # memory sampling interval
-
-
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 DTYPE_TAGS = {"bfloat16": "", "float32": "_fp32"}  # in result file names: bf16 keeps the committed names
 
@@ -134,15 +129,6 @@ def stop_on_signals() -> None:
         signal.signal(sig, handler)
 
 
-def late_bursts(requests: list[dict], period_s: float) -> list[int]:
-    """The bursts (numbers) whose last answer came after the next burst began
-    (``period_s`` after its own start; every burst starts at 1 + j * period_s)."""
-    last: dict[int, float] = {}
-    for r in requests:
-        last[r["burst"]] = max(last.get(r["burst"], 0.0), r["arrival_s"] + r["finish_s"])
-    return sorted(j for j, t in last.items() if t > 1.0 + (j + 1) * period_s)
-
-
 def make_trace(k: int, bursts: int, burst_requests: int, period_s: float, seed: int) -> list[list[dict]]:
     """Per model, its requests: burst j goes to model j % k at j * period_s."""
     rng = random.Random(seed)
@@ -160,20 +146,6 @@ def burst_peak_bytes(requests: list[dict], layers: int, dtype: str = "bfloat16")
     """KV bytes of one burst with every request at full length, in whole blocks."""
     blocks = sum(-(-(len(r["prompt"]) + r["max_tokens"]) // BLOCK) for r in requests)
     return blocks * BLOCK * kv_bytes_per_token(layers, dtype)
-
-
-def read_rss(pid: int) -> dict[str, int]:
-    """VmRSS, RssAnon and RssShmem of a process, bytes (empty once it is gone)."""
-    out = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key = line.split(":", 1)[0]
-                if key in ("VmRSS", "RssAnon", "RssShmem"):
-                    out[key] = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return out
 
 
 class Sampler(threading.Thread):
@@ -269,206 +241,8 @@ def run_config(config: str, args: argparse.Namespace, models: list[tuple], trace
     return run_outcome(models, results, sampler.samples, start, budget is not None, budget_bytes, args.period_s)
 
 
-def run_outcome(models: list[tuple], engines: list[dict], samples: list[dict], start_unix: float, budgeted: bool,
-                budget_bytes: int, period_s: float) -> dict:
-    """One configuration's engines and memory series (from the sampler's ``samples``), its lines printed."""
-    memory = {"t_s": [round(s["unix"] - start_unix, 3) for s in samples],
-              "rss_bytes": [sum(r.get("VmRSS", 0) for r in s["rss"]) for s in samples],
-              "rss_shmem_bytes": [sum(r.get("RssShmem", 0) for r in s["rss"]) for s in samples]}
-    if budgeted:
-        memory["budget_held_bytes"] = [sum(s["budget_held"]) for s in samples]
-        memory["budget_held_bytes_per_model"] = [[s["budget_held"][i] for s in samples] for i in range(len(models))]
-    for (name, *_), e in zip(models, engines):
-        ttft = [q["ttft_s"] for q in e["requests"]]
-        late = late_bursts(e["requests"], period_s)
-        print(f"  {name:12s} TTFT mean {statistics.fmean(ttft):.2f} s, p99 {percentile(ttft, 99):.2f} s, "
-              f"{burst_throughput(e['requests']):.0f} tokens/s per burst, {e['preemptions']} preemptions"
-              + (f", bursts {late} still served when the next burst began" if late else ""), flush=True)
-    if budgeted:
-        print(f"  budget held at most {max(memory['budget_held_bytes'], default=0) / MiB:.1f} MiB "
-              f"of {budget_bytes / MiB:.1f} MiB", flush=True)
-    return {"engines": engines, "memory": memory}
-
-
-
 # ---- --serve: API servers in vLLM's default layout, the trace over HTTP ----------------------------------------
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def group_rss(pgid: int) -> dict[str, int]:
-    """VmRSS and RssShmem added up over the processes of process group ``pgid`` (a server and the engine and
-    worker processes it started)."""
-    total = {"VmRSS": 0, "RssShmem": 0}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
-                    continue
-        except (OSError, IndexError, ValueError):
-            continue
-        for key, value in read_rss(int(entry)).items():
-            if key in total:
-                total[key] += value
-    return total
-
-
-class ServeSampler(threading.Thread):
-    """Every SAMPLE_S: each server's process group's resident memory and, for a budget, what each engine core
-    (a member labelled ``vllm NAME ...``) holds."""
-
-    def __init__(self, pgids: list[int], names: list[str], budget_name: str | None) -> None:
-        super().__init__(daemon=True)
-        self.pgids, self.names, self.budget, self.stop = pgids, names, None, threading.Event()
-        if budget_name:
-            import vattn
-
-            self.budget = vattn.Budget.attach(budget_name)
-        self.samples: list[dict] = []
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            sample = {"unix": time.time(), "rss": [group_rss(g) for g in self.pgids]}
-            if self.budget is not None:
-                members = self.budget.usage().members
-                sample["budget_held"] = [sum(m.held_bytes for m in members if m.label.split(" ")[1:2] == [n])
-                                         for n in self.names]
-            self.samples.append(sample)
-            time.sleep(SAMPLE_S)
-
-
-def metric(port: int, name: str) -> float:
-    """A counter of the server's Prometheus ``/metrics`` (its samples added up)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
-        text = answer.read().decode()
-    names = (name, f"{name}_total")  # prometheus_client names a counter's samples ..._total
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.split("{", 1)[0].split(" ", 1)[0] in names)
-
-
-def stream_request(port: int, model: str, request: dict, t0: float, out: dict) -> None:
-    """Sends ``request`` at its arrival (``t0`` + arrival_s, monotonic) as a streamed completion; records the
-    time to its first streamed token and to its last, from its arrival."""
-    arrival = t0 + request["arrival_s"]
-    time.sleep(max(0.0, arrival - time.monotonic()))
-    body = dict(model=model, prompt=request["prompt"], max_tokens=request["max_tokens"], temperature=0,
-                ignore_eos=True, stream=True, stream_options=dict(include_usage=True))
-    http = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                  headers={"Content-Type": "application/json"})
-    first, generated = None, 0
-    with urllib.request.urlopen(http, timeout=1800) as answer:
-        for line in answer:
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and first is None:
-                first = time.monotonic()
-            if chunk.get("usage"):
-                generated = chunk["usage"]["completion_tokens"]
-    done = time.monotonic()
-    out.update(arrival_s=request["arrival_s"], ttft_s=first - arrival, finish_s=done - arrival,
-               generated_tokens=generated)
-
-
-def run_config_serve(config: str, args: argparse.Namespace, models: list[tuple], trace: list[list[dict]],
-                     budget_bytes: int, tmp: Path, label: str) -> dict:
-    """Starts one API server per model, all at once, replays the trace over HTTP, and returns their results."""
-    import vattn
-
-    print(f"[{time.strftime('%H:%M:%S')}] {label}: {len(models)} API servers ...", flush=True)
-    k = len(models)
-    budget = None
-    environ = {n: v for n, v in os.environ.items() if not n.startswith(("VATTN_VLLM", "VATTN_BUDGET"))
-               and n not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
-    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    common = ["--dtype", args.dtype, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs",
-              str(args.burst_requests), "--block-size", str(BLOCK), "--enable-prefix-caching", "--enforce-eager"]
-    if config == "vattn elastic":
-        budget = vattn.Budget.create(f"multi-model-{os.getpid()}", budget_bytes)
-        environ.update(VATTN_BUDGET=budget.name, VATTN_VLLM_IDLE_RELEASE_S=str(args.idle_release_s),
-                       VLLM_CPU_KVCACHE_SPACE="1")
-    else:
-        common += ["--kv-cache-memory-bytes", str(budget_bytes // k)]
-    if config.startswith("vattn"):
-        environ["VATTN_VLLM"] = "1"
-    cpus = sorted(os.sched_getaffinity(0))
-    procs, ports, logs = [], [], []
-    try:
-        for i, (name, *_) in enumerate(models):
-            ports.append(free_port())
-            argv = [args.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp / name),
-                    "--served-model-name", name, "--host", "127.0.0.1", "--port", str(ports[-1]), *common]
-            env = dict(environ)
-            if args.tp2 and i == 0:
-                argv += ["--tensor-parallel-size", "2"]
-                env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cpus[0]}|{cpus[1 % len(cpus)]}"
-            logs.append(open(tmp / f"{label}-{name}.log".replace(" ", "-"), "w"))
-            procs.append(subprocess.Popen(argv, stdout=logs[-1], stderr=subprocess.STDOUT, env=env, cwd=tmp,
-                                          start_new_session=True))
-        deadline = time.monotonic() + 900
-        for p, port, log in zip(procs, ports, logs):
-            while True:
-                if p.poll() is not None:
-                    sys.exit(f"{label}: a server exited at start-up:\n{Path(log.name).read_text()[-4000:]}")
-                if time.monotonic() > deadline:
-                    sys.exit(f"{label}: a server did not start in 900 s:\n{Path(log.name).read_text()[-4000:]}")
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                        break
-                except OSError:
-                    time.sleep(1)
-        for (name, *_), port in zip(models, ports):  # warm-up, as the in-process engines
-            for prompt in ([7] * 256, [9] * 300):
-                stream_request(port, name, dict(arrival_s=0.0, prompt=prompt, max_tokens=4), time.monotonic(), {})
-        preempted = [metric(port, "vllm:num_preemptions") for port in ports]
-        sampler = ServeSampler([p.pid for p in procs], [name for name, *_ in models], budget.name if budget else None)
-        sampler.start()
-        t0 = time.monotonic() + 1.0
-        start_unix = time.time() + 1.0
-        results = [[{} for _ in requests] for requests in trace]
-        threads = [threading.Thread(target=stream_request, args=(port, name, request, t0, out))
-                   for (name, *_), port, requests, outs in zip(models, ports, trace, results)
-                   for request, out in zip(requests, outs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        sampler.stop.set()
-        sampler.join()
-        preempted = [metric(port, "vllm:num_preemptions") - before for port, before in zip(ports, preempted)]
-        if any(not out for outs in results for out in outs):
-            sys.exit(f"{label}: requests failed")
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        for log in logs:
-            log.close()
-        if budget is not None:
-            budget.remove(force=True)
-    engines = []
-    for outs, requests, n in zip(results, trace, preempted):
-        for served, asked in zip(outs, requests):
-            served["burst"] = asked["burst"]
-        engines.append(dict(requests=outs, preemptions=int(n), start_unix=start_unix))
-    return run_outcome(models, engines, sampler.samples, start_unix, budget is not None, budget_bytes, args.period_s)
 
 def blocks_in_use(engines: list[dict]) -> dict[str, list]:
     """The engines' schedulers' blocks in use, added up, in bytes, at every step of any engine."""
@@ -481,24 +255,6 @@ def blocks_in_use(engines: list[dict]) -> dict[str, list]:
         t_s.append(t)
         total.append(sum(in_use))
     return {"blocks_in_use_t_s": t_s, "blocks_in_use_bytes": total}
-
-
-def percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q / 100 * len(s)))]
-
-
-def burst_throughput(requests: list[dict]) -> float:
-    """Generated tokens over the seconds from a burst's first arrival to its last answer, mean over bursts."""
-    bursts: dict[int, list[dict]] = {}
-    for r in requests:
-        bursts.setdefault(r["burst"], []).append(r)
-    rates = []
-    for rs in bursts.values():
-        first = min(r["arrival_s"] for r in rs)
-        last = max(r["arrival_s"] + r["finish_s"] for r in rs)
-        rates.append(sum(r["generated_tokens"] for r in rs) / (last - first))
-    return statistics.fmean(rates)
 
 
 def summarize(models: list[tuple], runs: dict[str, list[dict]]) -> dict:

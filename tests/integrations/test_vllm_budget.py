@@ -22,8 +22,8 @@ import pytest
 import vattn
 from test_vllm import SCENARIO, TOKEN_BYTES, needs_vllm, run_scenario, two_cpus_bind, vllm_python
 from test_vllm_models import GROUP_WINDOWS, long_unless_in_suite
-from vllm_models import ENGINE as MODEL_ENGINE
-from vllm_models import phases as model_phases
+from workloads.vllm_models import ENGINE as MODEL_ENGINE
+from workloads.vllm_models import phases as model_phases
 
 BLOCK = 32
 BLOCK_BYTES = BLOCK * TOKEN_BYTES  # one block's pages, K and V of both layers

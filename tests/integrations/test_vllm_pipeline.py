@@ -20,7 +20,7 @@ import subprocess
 
 import pytest
 from test_vllm import SCENARIO, needs_vllm, run_scenario, vllm_python
-from vllm_models import ENGINE, phases
+from workloads.vllm_models import ENGINE, phases
 
 LONG = os.environ.get("VATTN_LONG_TESTS") == "1"
 

@@ -1,6 +1,6 @@
 """vLLM's OpenAI-compatible server under a budget, in vLLM's default process layout
 (API server, engine-core process, worker processes), driven by the ``openai``
-client (tests/integrations/vllm_clients.py): completions, streaming, ``n=2``,
+client (workloads/vllm_clients.py): completions, streaming, ``n=2``,
 concurrent clients. fp32 greedy texts equal a stock server's on the same
 prompts, the budget's held bytes sampled during the run never pass its limit,
 and an idle server's pages go back (vattn/integrations/vllm/engine_budget.py)."""
@@ -22,8 +22,8 @@ import pytest
 
 import vattn
 from test_vllm import ROOT, needs_vllm, two_cpus_bind, vllm_python
+from workloads.vllm_launch import CLIENTS
 
-CLIENTS = ROOT / "tests" / "integrations" / "vllm_clients.py"
 BLOCK = 32
 # make-model's default model in fp32: 4 layers x K/V x 2 KV heads x 64 x 4 bytes per token
 TOKEN_BYTES = 4 * 2 * 2 * 64 * 4

@@ -1,11 +1,14 @@
 """docs/design.md section 1 draws the layers; the tree must match it: every
 folder of csrc/ and of vattn/ is a row, includes and imports only go down the
 stack (to the same row or rows above it), and no Python modules form an
-import cycle at run time."""
+import cycle at run time. Outside the package: no benchmark takes anything
+from tests/, workloads/ (what both run) takes nothing from either, and no
+Python source file is over 700 lines."""
 
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -198,6 +201,119 @@ def test_the_checks_catch_an_upward_import_and_a_cycle():
     graph = import_graph()
     graph["vattn.kernels.batch"] = graph["vattn.kernels.batch"] | {"vattn.kernels.functions"}
     assert any({"vattn.kernels.batch", "vattn.kernels.functions"} <= set(c) for c in cycles(graph))
+
+
+# ---- outside the package: benchmarks/, tests/ and what they share (workloads/) --------------------------------
+
+SOURCE_FOLDERS = ("vattn", "tests", "benchmarks", "workloads")  # every folder of Python source
+MAX_LINES = 700  # a source file past this is more than one concept: split it
+PATH_CALLS = ("sys.path", "PYTHONPATH", "site.addsitedir")  # a statement naming one of these changes where imports look
+
+
+def stems(folder: Path) -> set[str]:
+    """The names ``import <name>`` finds the folder's modules by (a script's own folder is on its path)."""
+    return {p.stem for p in folder.rglob("*.py")}
+
+
+def spelled_paths(tree: ast.AST) -> list[tuple[ast.AST, str]]:
+    """(node, path) for every path the code spells: a string constant (bare strings, docstrings among them,
+    are prose and left out) or a ``/`` chain of them, ``ROOT / "tests" / "x.py"`` -> ``tests/x.py``."""
+    prose = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    inner = set()  # the parts of a chain: reported as the whole chain only
+
+    def parts(node: ast.AST) -> list[str]:
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            inner.update((id(node.left), id(node.right)))
+            return parts(node.left) + parts(node.right)
+        return [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else []
+
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in inner or id(node) in prose:
+            continue
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) or \
+                isinstance(node, ast.Constant) and isinstance(node.value, str):
+            path = "/".join(parts(node))
+            if path:
+                found.append((node, path))
+    return found
+
+
+def reaches_into(path: Path, others: dict[str, set[str]], source: str | None = None) -> list[str]:
+    """What the file at ``path`` (its text, or ``source``) takes from the folders named in ``others``
+    (folder -> its modules' names): an import of ``folder.x`` or of a module of its by bare name (unless the
+    file's own folder holds that name: a script's folder comes first on sys.path); a statement that puts
+    such a folder on sys.path or PYTHONPATH; a path to a Python file there that is not a test file (a
+    helper run as a script)."""
+    tree = ast.parse(path.read_text() if source is None else source, str(path))
+    own = stems(path.parent)
+    wrong = []
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
+        for name in names:
+            top = name.split(".")[0]
+            if top in others or top not in own and any(top in modules for modules in others.values()):
+                wrong.append(f"{path.name}:{node.lineno} imports {name}")
+    for node, spelled in spelled_paths(tree):
+        segments = spelled.split("/")
+        folder = next((s for s in segments if s in others), None)
+        if folder and segments[-1].endswith(".py") and not segments[-1].startswith("test_"):
+            wrong.append(f"{path.name}:{node.lineno} names {spelled}")
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign)) and \
+                any(call in ast.unparse(node) for call in PATH_CALLS):
+            for _, spelled in spelled_paths(node):
+                if any(s in others for s in spelled.split("/")):
+                    wrong.append(f"{path.name}:{node.lineno} puts {spelled} on the import path")
+    return wrong
+
+
+def test_no_benchmark_takes_from_tests():
+    """Tests may load a benchmark to test it; a benchmark needs nothing of tests/ (what both run is in
+    workloads/)."""
+    tests = {"tests": stems(ROOT / "tests")}
+    wrong = [w for p in sorted((ROOT / "benchmarks").glob("*.py")) for w in reaches_into(p, tests)]
+    assert not wrong, "benchmarks/ takes from tests/ (move what both use to workloads/):\n" + "\n".join(wrong)
+
+
+def test_workloads_take_nothing_from_tests_or_benchmarks():
+    others = {"tests": stems(ROOT / "tests"), "benchmarks": stems(ROOT / "benchmarks")}
+    paths = sorted((ROOT / "workloads").glob("*.py"))
+    assert {"vllm_scenario.py", "vllm_launch.py"} <= {p.name for p in paths}
+    wrong = [w for p in paths for w in reaches_into(p, others)]
+    assert not wrong, "workloads/ must stand alone below tests/ and benchmarks/:\n" + "\n".join(wrong)
+
+
+def long_files(folders: list[Path]) -> list[str]:
+    """'path: N lines' for every Python file under ``folders`` of more than MAX_LINES lines."""
+    counts = ((p, len(p.read_text().splitlines())) for f in folders for p in sorted(f.rglob("*.py")))
+    return [f"{os.path.relpath(p, ROOT)}: {n} lines" for p, n in counts if n > MAX_LINES]
+
+
+def test_no_source_file_is_over_700_lines():
+    long = long_files([ROOT / f for f in SOURCE_FOLDERS])
+    assert not long, f"split these by concept (at most {MAX_LINES} lines a file):\n" + "\n".join(long)
+
+
+def test_the_checks_catch_a_test_helper_in_a_benchmark_and_a_long_file(tmp_path):
+    """What benchmarks/ did before workloads/ existed is caught, each way; a file one line too long is."""
+    bench = ROOT / "benchmarks" / "probe.py"  # read as if it were there: its folder's modules are its own
+    tests = {"tests": stems(ROOT / "tests")}
+    assert reaches_into(bench, tests, 'SCENARIO = ROOT / "tests" / "integrations" / "vllm_scenario.py"\n')
+    assert reaches_into(bench, tests, 'import sys\nsys.path.insert(0, str(ROOT / "tests" / "integrations"))\n')
+    assert reaches_into(bench, tests, "from conftest import load_benchmark\n")
+    assert reaches_into(bench, tests, "import tests.kernels.kernel_references\n")
+    assert not reaches_into(bench, tests, '"""Runs tests/integrations/helper.py."""\nimport harness\n'
+                                          'CUDA_TESTS = ["tests/backends/test_cuda_real.py"]\n')
+    work = ROOT / "workloads" / "probe.py"
+    others = {"tests": stems(ROOT / "tests"), "benchmarks": stems(ROOT / "benchmarks")}
+    assert reaches_into(work, others, "from harness import machine\n")
+    assert reaches_into(work, others, 'import os\nos.environ["PYTHONPATH"] = str(ROOT / "benchmarks")\n')
+    assert not reaches_into(work, others, "import vllm_models\nfrom workloads.vllm_launch import SCENARIO\n")
+    (tmp_path / "fits.py").write_text("x = 1\n" * MAX_LINES)
+    (tmp_path / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert [os.path.basename(line.split(":")[0]) for line in long_files([tmp_path])] == ["long.py"]
 
 
 # ---- the vLLM integration: no state shared through module globals; typed values below its adapter ------------

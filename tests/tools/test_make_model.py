@@ -1,6 +1,6 @@
 """`python -m vattn make-model`: the small random-weight models it writes load
 with transformers, tokenizer included, for every --arch; the tests' models
-(tests/integrations/vllm_scenario.py make-model) keep their shape."""
+(workloads/vllm_scenario.py make-model) keep their shape."""
 
 from __future__ import annotations
 

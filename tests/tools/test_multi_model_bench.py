@@ -1,7 +1,8 @@
-"""The arithmetic of benchmarks/multi_model.py (the engines themselves run in
-the benchmark, not here): the trace alternates bursts between the models, B
-fits the largest burst at full length, the schedulers' blocks in use add up
-across engines step by step, and throughput is taken per burst."""
+"""The arithmetic of benchmarks/multi_model.py and multi_model_runs.py (the
+engines themselves run in the benchmark, not here): the trace alternates
+bursts between the models, B fits the largest burst at full length, the
+schedulers' blocks in use add up across engines step by step, and throughput
+is taken per burst."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from conftest import load_benchmark
 
 multi_model = load_benchmark("multi_model")
+runs = load_benchmark("multi_model_runs")  # what both pipelines (in-process, --serve) share
 
 
 def test_bursts_alternate_between_the_models_and_arrive_within_half_a_second():
@@ -27,7 +29,7 @@ def test_bursts_alternate_between_the_models_and_arrive_within_half_a_second():
 
 
 def test_a_burst_at_full_length_counts_whole_blocks():
-    block = multi_model.BLOCK
+    block = runs.BLOCK
     requests = [dict(prompt=[0] * (block - 10), max_tokens=10),  # exactly one block
                 dict(prompt=[0] * block, max_tokens=1)]  # one token into a second block
     per_token = multi_model.kv_bytes_per_token(4)
@@ -47,10 +49,10 @@ def test_throughput_is_per_burst_from_first_arrival_to_last_answer():
     requests = [dict(burst=0, arrival_s=1.0, finish_s=1.0, generated_tokens=10),
                 dict(burst=0, arrival_s=1.5, finish_s=1.5, generated_tokens=30),  # answered at 3.0
                 dict(burst=2, arrival_s=10.0, finish_s=4.0, generated_tokens=8)]
-    assert multi_model.burst_throughput(requests) == pytest.approx((40 / 2.0 + 8 / 4.0) / 2)
-    assert multi_model.percentile([3.0, 1.0, 2.0], 99) == 3.0
-    assert multi_model.percentile([float(i) for i in range(100)], 99) == 99.0
-    assert multi_model.percentile([float(i) for i in range(200)], 50) == 100.0
+    assert runs.burst_throughput(requests) == pytest.approx((40 / 2.0 + 8 / 4.0) / 2)
+    assert runs.percentile([3.0, 1.0, 2.0], 99) == 3.0
+    assert runs.percentile([float(i) for i in range(100)], 99) == 99.0
+    assert runs.percentile([float(i) for i in range(200)], 50) == 100.0
 
 
 def test_a_burst_is_late_when_its_last_answer_comes_after_the_next_burst_began():
@@ -58,8 +60,8 @@ def test_a_burst_is_late_when_its_last_answer_comes_after_the_next_burst_began()
                 dict(burst=1, arrival_s=7.1, finish_s=6.0),  # 13.1 > 13.0: burst 2 began at 13.0
                 dict(burst=1, arrival_s=7.4, finish_s=1.0),
                 dict(burst=2, arrival_s=13.0, finish_s=5.9)]  # 18.9 < 19.0
-    assert multi_model.late_bursts(requests, period_s=6.0) == [1]
-    assert multi_model.late_bursts(requests, period_s=7.0) == []
+    assert runs.late_bursts(requests, period_s=6.0) == [1]
+    assert runs.late_bursts(requests, period_s=7.0) == []
 
 
 def test_the_dtype_follows_the_cpus_bf16_instructions():

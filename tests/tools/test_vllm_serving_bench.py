@@ -78,12 +78,9 @@ def test_a_profile_part_counts_a_function_inside_another_of_the_same_part_once(m
     """vattn's metadata builder calls the planner's build: both match the
     part, and the part is the outer one's time, not the two added."""
     import cProfile
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("vllm_scenario_for_profile",
-                                                  BENCHMARKS.parent / "tests" / "integrations" / "vllm_scenario.py")
-    scenario = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(scenario)
+    from workloads import vllm_scenario as scenario
+
     here = __file__.rsplit("/", 1)[-1]
     monkeypatch.setattr(scenario, "PROFILE_PARTS", {"nested": [(here, "outer_part"), (here, "inner_part")],
                                                     "inner": [(here, "inner_part")]})

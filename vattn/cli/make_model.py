@@ -12,7 +12,7 @@ load it, tokenize text, run every layer and return tokens.
 transformers and tokenizers are imported only when a model is made, so
 ``python -m vattn`` stays light. Run it with the transformers of the
 environment that will load the model (vLLM's own, for vLLM).
-tests/integrations/vllm_scenario.py makes its test models with
+workloads/vllm_scenario.py and workloads/vllm_models.py make the vLLM tests' models with
 :func:`save_random_weights` and :func:`model_config` too.
 """
 

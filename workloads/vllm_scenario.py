@@ -1,12 +1,12 @@
-"""vLLM runs for tests/integrations/test_vllm.py and benchmarks/vllm_serving.py.
+"""vLLM runs for the vLLM tests (tests/integrations/test_vllm*.py) and the vLLM benchmarks.
 
 Runs under the interpreter of the vLLM environment (vLLM starts its workers
 with spawn, so everything happens under ``__main__``):
 
-    python tests/integrations/vllm_scenario.py make-model DIR [LAYERS HIDDEN [QUERY_HEADS MAX_POSITIONS]]
-    python tests/integrations/vllm_scenario.py make-arch DIR ARCHITECTURE   (vllm_models.ARCHITECTURES)
-    python tests/integrations/vllm_scenario.py run DIR SPEC.json OUT.json
-    python tests/integrations/vllm_scenario.py serve DIR SPEC.json OUT.json
+    python workloads/vllm_scenario.py make-model DIR [LAYERS HIDDEN [QUERY_HEADS MAX_POSITIONS]]
+    python workloads/vllm_scenario.py make-arch DIR ARCHITECTURE   (vllm_models.ARCHITECTURES)
+    python workloads/vllm_scenario.py run DIR SPEC.json OUT.json
+    python workloads/vllm_scenario.py serve DIR SPEC.json OUT.json
 
 SPEC: ``engine`` (keyword arguments of ``vllm.LLM``: dtype, max_model_len,
 max_num_seqs, block_size, enable_prefix_caching, kv_cache_memory_bytes,
@@ -34,7 +34,7 @@ preemptions (vLLM's own counters); the engine's block count and size and KV
 bytes per token; the attention backend vLLM selects; with vattn the worker
 cache's stats and per-forward series.
 
-``serve`` (benchmarks/multi_model.py) replays a timed trace instead of phases:
+``serve`` (the multi-model benchmark) replays a timed trace instead of phases:
 SPEC ``engine``, ``warmup`` (prompts generated before the start), ``requests``
 (``{"arrival_s", "prompt", "max_tokens"}``, seconds after the common start) and
 ``start`` ``{"dir", "parties"}``: every engine writes a ready file there after
@@ -131,7 +131,7 @@ PROFILE_PARTS = {  # part of a forward -> (file name ending, function) whose cum
     "attention layers (kernel and cache write)": [("backends/cpu_attn.py", "forward"),
                                                   ("vattn/integrations/vllm/attention.py", "forward")],
     "attention metadata": [("backends/cpu_attn.py", "build"), ("vattn/integrations/vllm/attention.py", "build")],
-    "vattn mapping": [("vattn/integrations/vllm/worker_cache.py", "map_batch")],
+    "vattn mapping": [("vattn/integrations/vllm/worker_cache.py", "map_forward")],
     "model runner step (inputs, metadata, forward)": [("v1/worker/gpu_model_runner.py", "execute_model")],
     "model forward (the layers)": [("v1/worker/gpu_model_runner.py", "_model_forward")],
     "scheduler": [("v1/core/sched/scheduler.py", "schedule")],
@@ -188,7 +188,7 @@ def make_llm(model: str, engine: dict):
 
 
 def budget_stats(llm):
-    """The engine core's budget counters (vattn/integrations/vllm/budget.py), wherever it runs; None
+    """The engine core's budget counters (vattn/integrations/vllm/engine_budget.py), wherever it runs; None
     outside a budget."""
     client = llm.llm_engine.engine_core
     if hasattr(client, "call_utility"):
@@ -340,7 +340,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "make-model":
         make_model(sys.argv[2], *map(int, sys.argv[3:7]))
     elif sys.argv[1] == "make-arch":
-        import vllm_models  # next to this file, on sys.path as the script's folder
+        import vllm_models  # workloads/vllm_models.py: a script's own folder is first on sys.path
 
         vllm_models.make(sys.argv[3], sys.argv[2])
     else:

@@ -1,6 +1,6 @@
 """Tiny random-weight checkpoints of the architectures users serve with vLLM,
 made from transformers configs (nothing downloaded), for the model table of
-docs/vllm.md and tests/integrations/test_vllm_models.py.
+docs/vllm.md (benchmarks/vllm_models.py) and tests/integrations/test_vllm_models.py.
 
 Each is as small as its architecture allows (2-4 layers, hidden 128, vocab
 256) and keeps what makes the architecture differ: GQA or multi-head
@@ -74,7 +74,7 @@ ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=4, block_size=32,
 def phases() -> list[dict]:
     """What every model serves: prompts of 20-150 tokens (windows of 64
     slide), then requests over three shared prefixes of 70-110 tokens, then
-    some of them again (tests/integrations/vllm_scenario.py's phases)."""
+    some of them again (vllm_scenario.py's phases)."""
     rng = random.Random(2)
 
     def tokens(n: int) -> list[int]:

@@ -3,7 +3,7 @@
 Runs under the interpreter of the vLLM environment (the ``openai`` package
 comes with vLLM):
 
-    python tests/integrations/vllm_clients.py BASE_URL MODEL SPEC.json OUT.json
+    python workloads/vllm_clients.py BASE_URL MODEL SPEC.json OUT.json
 
 SPEC: ``prompts`` (texts), ``max_tokens``, ``concurrency`` (clients at once),
 ``rounds`` (how many times the prompts are sent). Every prompt is sent as a

@@ -1,0 +1,55 @@
+"""Starting ``vllm_scenario.py run`` in a fresh process of the vLLM
+environment's interpreter, stock or with vattn: the one way the benchmarks
+run an engine on a spec (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIO = ROOT / "workloads" / "vllm_scenario.py"
+CLIENTS = ROOT / "workloads" / "vllm_clients.py"
+KV_CACHE_SPACE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: the pool stock vLLM-CPU allocates at start-up
+
+
+class EngineFailed(RuntimeError):
+    """The scenario runner exited with an error; ``log`` is all it printed (stdout and stderr)."""
+
+    def __init__(self, returncode: int, log: str) -> None:
+        super().__init__(f"vllm_scenario.py exited with status {returncode}")
+        self.returncode, self.log = returncode, log
+
+
+def engine_environment(vattn: bool, budget: str | None = None) -> dict[str, str]:
+    """This process's environment for one engine: vattn's switches only as asked (``vattn``:
+    VATTN_VLLM=1; ``budget``: the machine-wide budget's name, VATTN_BUDGET), vLLM-CPU's pool
+    KV_CACHE_SPACE_GIB, and this checkout's vattn first on PYTHONPATH (the vLLM environment's
+    editable install may come from another checkout)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("VATTN_VLLM", "VATTN_BUDGET"))}
+    environ["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_SPACE_GIB)
+    environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *(p for p in environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                          if p and p != str(ROOT))])
+    if vattn:
+        environ["VATTN_VLLM"] = "1"
+    if budget:
+        environ["VATTN_BUDGET"] = budget
+    return environ
+
+
+def run_engine(python: str, model: Path, spec_path: Path, out: Path, vattn: bool, budget: str | None = None,
+               timeout_s: float | None = None) -> dict:
+    """Runs the scenario ``spec_path`` on the checkpoint ``model`` in a fresh process of ``python`` (the
+    vLLM environment's interpreter), in ``out``'s folder, and returns its result (``out``, JSON). What the
+    process prints goes to ``out`` with the suffix .log. Raises :class:`EngineFailed` (with that log) when
+    it fails, ``subprocess.TimeoutExpired`` when it runs past ``timeout_s`` seconds (None: no limit)."""
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        proc = subprocess.run([python, str(SCENARIO), "run", str(model), str(spec_path), str(out)], stdout=f,
+                              stderr=subprocess.STDOUT, env=engine_environment(vattn, budget), cwd=out.parent,
+                              timeout=timeout_s)
+    if proc.returncode:
+        raise EngineFailed(proc.returncode, log.read_text())
+    return json.loads(out.read_text())
