@@ -9,23 +9,33 @@ Module-level functions act on one default manager created by :func:`init`;
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
 import threading
 from collections.abc import Callable
-from typing import Any, ParamSpec
+from typing import TYPE_CHECKING, Any, ParamSpec
 
-from vattn.common.install_check import check_extension, check_torch
-
-check_torch()  # "install torch first" instead of a bare "No module named 'torch'" from below
-check_extension()  # "not built, build it so" instead of a "circular import" of _C
-
-import torch  # noqa: E402
-
-from vattn.budget import Budget
 from vattn.common.errors import BackendUnavailable, BudgetError, ClosedError, DriverError, ForkedError, OutOfPages
 from vattn.common.errors import OutOfSlots, VAttnError
+from vattn.common.install_check import check_extension, check_torch
 from vattn.common.version import VERSION as __version__
-from vattn.core import KVCacheManager, PrefixHandle, SeqLens
+
+check_torch()  # "install torch first" at import instead of a bare "No module named 'torch'" at first use
+check_extension()  # "not built, build it so" instead of a "circular import" of _C
+
+from vattn.budget import Budget  # noqa: E402 (after the checks: it loads _C; not torch)
+
+if TYPE_CHECKING:
+    import torch
+
+    from vattn.core import KVCacheManager, PrefixHandle, SeqLens
+
+# The names whose modules import torch (seconds of a cold start) are bound on first
+# use (PEP 562 ``__getattr__`` below): ``python -m vattn budget`` and ``top``
+# import this package first, and an operator's tool must start in a fraction
+# of a second on a loaded machine (docs/elastic.md, "Command line").
+_NAMES_BOUND_ON_FIRST_USE = ("KVCacheManager", "PrefixHandle", "SeqLens", "init")
 
 __all__ = [
     "KVCacheManager",
@@ -70,7 +80,6 @@ def _takes_parameters_of(target: Callable[P, Any]) -> Callable[[Callable[..., KV
     return wrap
 
 
-@_takes_parameters_of(KVCacheManager)
 def init(*args: Any, **kwargs: Any) -> KVCacheManager:
     """Creates the default manager: ``KVCacheManager(*args, **kwargs)``, the
     same parameters (see :class:`KVCacheManager` for them).
@@ -81,8 +90,16 @@ def init(*args: Any, **kwargs: Any) -> KVCacheManager:
     with _default_lock:
         if _default is not None and not _default.closed:
             raise VAttnError("vattn.init was already called; call vattn.cleanup() first")
+        from vattn.core import KVCacheManager
+
         _default = KVCacheManager(*args, **kwargs)
         return _default
+
+
+# init takes KVCacheManager's parameter list, known once vattn.core (torch) is
+# imported: _bind_names_that_import_torch publishes it with that list.
+_init_forwarder = init
+del init
 
 
 def get_manager() -> KVCacheManager:
@@ -130,3 +147,29 @@ def cleanup() -> None:
     if manager is None or manager.closed:
         raise ClosedError("no vattn cache to clean up: call vattn.init(...) first")
     manager.cleanup()
+
+
+def _bind_names_that_import_torch() -> dict[str, Any]:
+    """Imports the modules behind :data:`_NAMES_BOUND_ON_FIRST_USE` and binds
+    those names in this module; returns them. Idempotent and thread-safe (a
+    race binds the same objects twice)."""
+    from vattn.core import KVCacheManager, PrefixHandle, SeqLens
+
+    names = {"KVCacheManager": KVCacheManager, "PrefixHandle": PrefixHandle, "SeqLens": SeqLens,
+             "init": _takes_parameters_of(KVCacheManager)(_init_forwarder)}
+    globals().update(names)
+    return names
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562: ``vattn.KVCacheManager`` and the other names that import torch
+    on first use; a submodule (``vattn.core``) by importing it."""
+    if name in _NAMES_BOUND_ON_FIRST_USE:
+        return _bind_names_that_import_torch()[name]
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,5 +1,5 @@
 """`python -m vattn budget ...` and `python -m vattn top`: the real entry point
-in two subprocesses (each imports torch: seconds), every path in-process."""
+in subprocesses (which start without torch), every path in-process."""
 
 from __future__ import annotations
 
@@ -55,6 +55,80 @@ def test_set_changes_the_limit_live_and_says_what_exceeds_it(budget_name, capsys
     assert "-> 512.0 MiB (536870912 bytes); members hold 1.00 GiB" in out
     assert "512.0 MiB more than the new limit: grants are refused" in out
     assert not m.try_grant(1)
+
+
+def imported_modules(stderr: str) -> set[str]:
+    """The modules ``python -X importtime`` says were imported."""
+    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+
+
+def test_budget_commands_and_top_start_without_torch(budget_name):
+    """The operator's tools must start at once on a loaded machine: torch alone takes seconds to import."""
+    vattn.Budget.create(budget_name, GiB)
+    for args in (["budget", "ls"], ["top", budget_name, "--once", "--json"], ["budget", "set", budget_name,
+                                                                               "--limit", "2GiB"]):
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "vattn", *args], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        modules = imported_modules(proc.stderr)
+        assert {"vattn", "vattn.budget.cli", "vattn._C"} <= modules  # the scan sees the command's imports
+        assert not {m for m in modules if m == "torch" or m.startswith("torch.")}, args
+    assert vattn.Budget.attach(budget_name).limit == 2 * GiB
+
+
+def test_set_warns_when_the_limit_is_below_what_members_cannot_give_back(budget_name, capsys):
+    b = vattn.Budget.create(budget_name, 4 * GiB)
+    m = b.join("vllm llama rank 0")
+    assert m.try_grant(GiB)
+    m.report(GiB // 2, GiB // 4)  # the rest, 256 MiB, held but neither in use nor free: padding
+    assert main(["budget", "set", budget_name, "--limit", "2GiB"]) == 0
+    assert capsys.readouterr().err == ""  # above what members hold: nothing to say
+    assert main(["budget", "set", budget_name, "--limit", "800MiB"]) == 0
+    out, err = capsys.readouterr()
+    assert "members hold 224.0 MiB more than the new limit" in out
+    assert err == ""  # 800 MiB is not below the 768 MiB members cannot give back
+    assert main(["budget", "set", budget_name, "--limit", "512MiB"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: the new limit 512.0 MiB is below the 768.0 MiB (805306368 bytes) members cannot "
+                          "give back now (held minus free-held, as they last reported): 512.0 MiB under requests "
+                          "and 256.0 MiB of padding"), err
+    assert err.rstrip().endswith("until requests finish and their pages are released")
+    assert main(["budget", "set", budget_name, "--limit", "100MiB"]) == 0  # below the padding alone
+    err = capsys.readouterr().err
+    assert "below the 768.0 MiB" in err and err.rstrip().endswith("for as long as those members run")
+    m.leave()
+    assert main(["budget", "set", budget_name, "--limit", "0"]) == 0  # nobody holds anything
+    assert capsys.readouterr().err == ""
+
+
+def test_set_help_states_the_padding_rule(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["budget", "set", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Padding is charged whatever the limit" in text
+    assert "a limit below what members hold as padding leaves the budget above its limit" in text
+
+
+@pytest.mark.parametrize("args", [["budget", "create", "-x", "--limit", "1GiB"], ["budget", "rm", "-x"],
+                                  ["budget", "set", "-x", "--limit", "1GiB"], ["top", "--once", "-x"]])
+def test_a_name_starting_with_a_dash_is_said_to_be_no_name(args, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    (line,) = [l for l in capsys.readouterr().err.splitlines() if "error:" in l]
+    assert f"'-x' is not an option of python -m vattn {' '.join(args[:2]) if args[0] == 'budget' else 'top'}" \
+        in line, line
+    assert "a budget name cannot start with '-' (names: 1-64 characters of A-Z a-z 0-9 . _ -, not starting with " \
+        "'.' or '-')" in line
+
+
+def test_a_dash_name_after_double_dash_reaches_the_name_check(capsys):
+    assert main(["budget", "create", "--limit", "1GiB", "--", "-x"]) == 1
+    assert "budget name '-x' is invalid" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["top", "--once", "-n", "2", "--bogus"])  # known short options are not taken for names
+    assert "is not an option" not in capsys.readouterr().err
 
 
 def test_errors_are_reported_not_raised(budget_name, capsys):

@@ -4,18 +4,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from typing import Any, NoReturn
 
 from vattn.common.errors import BudgetError, VAttnError
 from vattn.common.sizes import format_bytes, parse_size
 
-from .budget import DEFAULT_MAX_MEMBERS, Budget, names, remove, remove_leftovers
+from .budget import DEFAULT_MAX_MEMBERS, Budget, BudgetUsage, names, remove, remove_leftovers
 from .top import run_top
+
+SET_RULE = ("Changes a budget's limit, live. Nothing is taken from members: below what they hold, grants are "
+            "refused until they have released enough. Padding is charged whatever the limit: a member's padding "
+            "(null) blocks, such as a vLLM engine's null block (one block on every rank, from start to exit), are "
+            "never given back, and pages under requests only as those finish; so a limit below what members hold "
+            "as padding leaves the budget above its limit for as long as those members run. set warns, with the "
+            "figures, when the new limit is below what members cannot give back now: their held bytes minus their "
+            "free-held bytes, as top shows them.")
+NAME_RULE = "1-64 characters of A-Z a-z 0-9 . _ -, not starting with '.' or '-'"  # csrc/budget/segment.h
+_SHORT_WORD = re.compile(r"^-[^-\d.]")  # "-x", "-name": a short option's form; not "-5", "--x" or "--"
 
 # Options whose value may start with '-' (argparse takes "--limit -1GiB" for
 # two options and says only "expected one argument"; joined as
 # "--limit=-1GiB" the value reaches the size check, which names the range).
-_VALUE_OPTIONS = ("--limit",)
+VALUE_OPTIONS = ("--limit",)
 
 
 def _size(text: str) -> int:
@@ -38,13 +50,14 @@ def _limit(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{e}: a budget of 0 bytes grants nothing" if zero else str(e)) from None
 
 
-def join_option_values(argv: list[str]) -> list[str]:
-    """``argv`` with each ``--limit VALUE`` whose value starts with '-' joined
-    into ``--limit=VALUE``, so a negative size gets its own error message."""
+def join_option_values(argv: list[str], options: tuple[str, ...] = VALUE_OPTIONS) -> list[str]:
+    """``argv`` with each ``OPTION VALUE`` of ``options`` (default ``--limit``) whose
+    value starts with '-' joined into ``OPTION=VALUE``, so a negative size gets
+    its own error message."""
     out: list[str] = []
     i = 0
     while i < len(argv):
-        if argv[i] in _VALUE_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+        if argv[i] in options and i + 1 < len(argv) and argv[i + 1].startswith("-") \
                 and argv[i + 1][1:2].isdigit():
             out.append(f"{argv[i]}={argv[i + 1]}")
             i += 2
@@ -57,11 +70,20 @@ def join_option_values(argv: list[str]) -> list[str]:
 class _CommandParser(argparse.ArgumentParser):
     """A subcommand's parser whose errors also name the options it does not
     know: argparse reports a missing required option first and stays silent
-    about a mistyped one (``--size 1GiB`` for ``--limit 1GiB``)."""
+    about a mistyped one (``--size 1GiB`` for ``--limit 1GiB``); and say that
+    a word such as ``-x`` is no budget name either (argparse takes it for an
+    option and reports only "name is required"). Arguments it does not know
+    are its own error, under its own usage line."""
 
-    argv: list[str] = []  # the command line being parsed, set by vattn.__main__.main
+    argv: list[str] = []  # the command line being parsed, set by vattn.cli.main.main
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
         unknown = []
         words = _CommandParser.argv
         for i, word in enumerate(words):
@@ -72,6 +94,10 @@ class _CommandParser(argparse.ArgumentParser):
                 unknown.append(word if value is None else f"{word} {value}")
         if unknown and "unrecognized arguments" not in message:
             message = f"{message}; unrecognized arguments: {' '.join(unknown)}"
+        dashed = [w for w in words if _SHORT_WORD.match(w) and w[:2] not in self._option_string_actions]
+        if dashed and any(action.dest == "name" for action in self._actions):
+            message = (f"{message}; {dashed[0]!r} is not an option of {self.prog}, and a budget name cannot start "
+                       f"with '-' (names: {NAME_RULE})")
         super().error(message)
 
 
@@ -90,15 +116,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     budget = sub.add_parser("budget", help="create, resize, remove or list machine-wide memory budgets")
     actions = budget.add_subparsers(dest="budget_command", required=True, parser_class=_CommandParser)
     create = actions.add_parser("create", help="create a budget")
-    create.add_argument("name", help="1-64 characters of A-Z a-z 0-9 . _ -")
+    create.add_argument("name", help=NAME_RULE)
     create.add_argument("--limit", type=_limit, required=True,
                         help="bytes, at least 1: 4GiB, 512MiB, 4G (= 4 GiB), 2e9, 1.5GB ...")
     create.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, or a GPU UUID (GPU-...)")
     create.add_argument("--max-members", type=int, default=DEFAULT_MAX_MEMBERS,
                         help=f"managers it has room for (default {DEFAULT_MAX_MEMBERS})")
-    change = actions.add_parser("set", help="change a budget's limit, live")
+    change = actions.add_parser("set", help="change a budget's limit, live", description=SET_RULE)
     change.add_argument("name")
-    change.add_argument("--limit", type=_size, required=True, help="bytes: 2GiB, 512MiB, 2e9 ...")
+    change.add_argument("--limit", type=_size, required=True,
+                        help="bytes: 2GiB, 512MiB, 2e9 ...; below what members cannot give back, the budget "
+                             "stays above it (see above)")
     rm = actions.add_parser("rm", help="remove a budget (also a corrupt one); refused while processes use it")
     rm.add_argument("name")
     rm.add_argument("--force", action="store_true",
@@ -135,13 +163,40 @@ def _set(args: argparse.Namespace) -> int:
     b = Budget.attach(args.name)
     before = b.limit
     b.set_limit(args.limit)
-    held = b.usage().held_bytes
+    usage = b.usage()
+    held = usage.held_bytes
     print(f"budget {b.name}: limit {format_bytes(before)} -> {format_bytes(args.limit)} ({args.limit} bytes); "
           f"members hold {format_bytes(held)}")
     if held > args.limit:
         print(f"members hold {format_bytes(held - args.limit)} more than the new limit: grants are refused "
               f"until they have released that much (pages under requests are never taken)")
+    warning = pinned_warning(usage, args.limit)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
+
+
+def pinned_warning(usage: BudgetUsage, limit_bytes: int) -> str | None:
+    """What a limit of ``limit_bytes`` below the bytes members cannot give back
+    now means, with the figures; None when it is not below them.
+
+    The segment keeps no padding figure of its own: per member, what cannot be
+    given back is its held bytes minus its free-held bytes as last reported
+    (``top``'s columns): the bytes under requests, and the rest, held but
+    neither in use nor free, which is padding such as a vLLM engine's null
+    block (pages changing hands since the last report, 20 ms at most, count
+    there too)."""
+    in_use = sum(min(m.in_use_bytes, m.held_bytes) for m in usage.members)
+    padding = sum(max(0, m.held_bytes - m.in_use_bytes - m.free_held_bytes) for m in usage.members)
+    pinned = in_use + padding
+    if limit_bytes >= pinned:
+        return None
+    lasts = ("for as long as those members run" if limit_bytes < padding
+             else "until requests finish and their pages are released")
+    return (f"the new limit {format_bytes(limit_bytes)} is below the {format_bytes(pinned)} ({pinned} bytes) members "
+            f"cannot give back now (held minus free-held, as they last reported): {format_bytes(in_use)} under "
+            f"requests and {format_bytes(padding)} of padding (held, neither in use nor free: a vLLM engine's null "
+            f"block), which is charged whatever the limit; the budget stays above its limit {lasts}")
 
 
 def _rm(args: argparse.Namespace) -> int:

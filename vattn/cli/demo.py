@@ -13,31 +13,103 @@ Needs transformers (``pip install -e ".[transformers]"``).
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from vattn.common.config import LAYOUTS
+from vattn.common.errors import VAttnError
+from vattn.common.sizes import parse_size
 
 MiB = 1024 * 1024
 
 
+# The trace's shortest prompt (8 tokens) and output (4 tokens) within max_context_len // 2 and the rest: the
+# smallest --max-context-len a trace can be drawn for (make_trace).
+MIN_CONTEXT_LEN = 16
+
+
+def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
+    """An argparse ``type``: an int of at least ``minimum`` (``unit``: what it counts, for the message)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number of at least {minimum}{unit}, got {text!r}") \
+                from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}{unit}, got {value}")
+        return value
+
+    return parse
+
+
+def arrival_rate(text: str) -> float:
+    """``--rate``: mean arrivals per second, a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of arrivals per second above 0, got {text!r}")
+    return value
+
+
+def page_size(text: str) -> int:
+    """``--page-size``: bytes with an optional unit (``16KiB``), a multiple of the host
+    backend's granularity (the OS page size), which serves the demo's cache."""
+    from vattn.backends import host_granularity
+
+    granularity = host_granularity()
+    try:
+        value = parse_size(text, minimum=1)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value % granularity:
+        given = text if text.strip() == str(value) else f"{text} ({value} bytes)"
+        example = 4 * granularity
+        raise argparse.ArgumentTypeError(
+            f"{given} is not a multiple of the host backend's granularity, {granularity} bytes (the OS page size): "
+            f"e.g. {f'{example // 1024}KiB' if example % 1024 == 0 else example}")
+    return value
+
+
+def physical_memory(text: str) -> int:
+    """``--physical-memory``: bytes with an optional unit, at least 1."""
+    try:
+        return parse_size(text, minimum=1)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+SIZE_OPTIONS = ("--page-size", "--physical-memory")  # values may start with '-' (join_option_values)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a local transformers checkpoint (default: a random-weight Llama)")
-    p.add_argument("--requests", type=int, default=None, help="requests in the trace (default 48; 12 with --quick)")
-    p.add_argument("--rate", type=float, default=6.0, help="mean arrivals per second (Poisson)")
-    p.add_argument("--max-batch-size", type=int, default=16)
-    p.add_argument("--max-context-len", type=int, default=1024, help="tokens")
-    p.add_argument("--page-size", type=int, default=16 * 1024,
-                   help="bytes (default 16 KiB: 32 tokens of the default model, as 64 KiB are for Llama-3-8B)")
+    p.add_argument("--requests", type=whole_number(1), default=None,
+                   help="requests in the trace, at least 1 (default 48; 12 with --quick)")
+    p.add_argument("--rate", type=arrival_rate, default=6.0, help="mean arrivals per second (Poisson), above 0")
+    p.add_argument("--max-batch-size", type=whole_number(1), default=16, help="reqids, at least 1 (default 16)")
+    p.add_argument("--max-context-len", type=whole_number(MIN_CONTEXT_LEN, " tokens"), default=1024,
+                   help=f"tokens, at least {MIN_CONTEXT_LEN} (default 1024)")
+    p.add_argument("--page-size", type=page_size, default=16 * 1024,
+                   help="bytes, a multiple of the host's granularity (the OS page size): 16KiB, 64KiB, 65536 ... "
+                        "(default 16 KiB: 32 tokens of the default model, as 64 KiB are for Llama-3-8B)")
     p.add_argument("--layout", choices=LAYOUTS, default="per_layer")
-    p.add_argument("--eager-tokens", type=int, default=256, help="tokens the mapper pre-maps for the next request")
-    p.add_argument("--physical-memory-mb", type=int, default=None, help="physical KV budget in MiB")
+    p.add_argument("--eager-tokens", type=whole_number(0, " tokens"), default=256,
+                   help="tokens the mapper pre-maps for the next request, at least 0 (default 256)")
+    p.add_argument("--physical-memory", type=physical_memory, default=None, metavar="SIZE",
+                   help="physical KV pool in bytes, at least one page per buffer: 128MiB, 1GiB, 2e8 ... "
+                        "(default: the host backend's)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw memory and batch size over time")
     p.add_argument("--quick", action="store_true", help="a short trace (seconds), as CI runs it")
     p.add_argument("--seed", type=int, default=0)
@@ -128,14 +200,19 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"the demo needs transformers: pip install -e \".[transformers]\" ({e})", file=sys.stderr)
         return 1
-    n = args.requests or (12 if args.quick else 48)
+    n = args.requests if args.requests is not None else (12 if args.quick else 48)
     model, described = build_model(args.model, args.quick)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     trace = make_trace(n, args.rate, vocab, args.max_context_len, args.quick, random.Random(args.seed))
     options: dict[str, Any] = dict(page_size=args.page_size, layout=args.layout, eager_tokens=args.eager_tokens)
-    if args.physical_memory_mb:
-        options["physical_memory"] = args.physical_memory_mb * MiB
-    engine = Engine(model, args.max_batch_size, args.max_context_len, device="cpu", **options)
+    if args.physical_memory is not None:
+        options["physical_memory"] = args.physical_memory
+    try:
+        engine = Engine(model, args.max_batch_size, args.max_context_len, device="cpu", **options)
+    except (ValueError, VAttnError) as e:  # options that together give no cache (a pool below one page, ...)
+        print(f"python -m vattn demo: error: no KV cache for these options (--page-size is the cache's page_size, "
+              f"--physical-memory its physical_memory, and so on): {e}", file=sys.stderr)
+        return 2
     try:
         cfg = engine.kv.config
         print(f"vattn demo: continuous batching of {described} on the CPU")

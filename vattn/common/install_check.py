@@ -10,7 +10,6 @@ import" of ``_C``); these say what is missing and what to run.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from pathlib import Path
 
@@ -30,13 +29,19 @@ def extension_missing(package_dir: Path) -> str:
 
 
 def check_torch() -> None:
-    """Raises ModuleNotFoundError saying "install torch first" when torch is absent."""
+    """Raises ModuleNotFoundError saying "install torch first" when torch is absent.
+
+    Looks for torch without importing it (seconds): ``import vattn`` leaves
+    torch to the modules that use it, so the budget commands start without it.
+    A torch that is there but fails to import raises its own error there."""
     try:
-        importlib.import_module("torch")
-    except ModuleNotFoundError as e:
-        if e.name != "torch":  # torch is there but one of its own imports failed: torch's message is the right one
+        found = importlib.util.find_spec("torch") is not None
+    except ModuleNotFoundError as e:  # an import hook that refuses torch
+        if e.name != "torch":
             raise
-        raise ModuleNotFoundError(TORCH_MISSING, name="torch") from e
+        found = False
+    if not found:
+        raise ModuleNotFoundError(TORCH_MISSING, name="torch")
 
 
 def check_extension() -> None:
