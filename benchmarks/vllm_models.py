@@ -69,7 +69,7 @@ def row(arch: str, stock: dict, ours: dict) -> dict:
         num_blocks=stock["num_blocks"], block_bytes=block_bytes, stock_pool_bytes=stock["num_blocks"] * block_bytes,
         stock_in_use_peak_bytes=stock_peak, vattn_mapped_peak_bytes=v["bytes_mapped_peak"],
         vattn_vs_stock=round(v["bytes_mapped_peak"] / stock_peak, 3),
-        vattn_behind_windows_peak_bytes=max(v["bytes_behind_windows_series"]),
+        vattn_behind_windows_peak_bytes=max(v["bytes_behind_windows_series"], default=0),  # recorded with windows only
         vattn_created_bytes=v["pages_created"] * v["page_size"],
         prefix_cache_hits=[stock["phases"][n]["prefix_cache_hits"] for n in stock["phases"]],
         vattn_prefix_cache_hits=[ours["phases"][n]["prefix_cache_hits"] for n in ours["phases"]],
