@@ -7,19 +7,21 @@
 //
 // X(type, name, default, range, doc):
 //   type     bool, size_t or double (Python: bool, int, float)
-//   default  the core's default (the manager's keyword arguments may differ)
+//   default  the one default, KVCacheManager's too (vattn.Policy reads it from here); for
+//            eager_tokens and max_batch_ids the manager derives its default from the
+//            cache's shape instead (vattn/core/policy.py DERIVED)
 //   range    Bool: true or false; Tokens: [0, max_context_len] tokens of one
 //            request; Fraction: [0, 1]; Count: [1, 2^32 - 1]
 //   doc      one line, with units
 #pragma once
 
 #define VATTN_POLICY_KNOBS(X)                                                                                    \
-  X(bool, background, false, Bool,                                                                              \
+  X(bool, background, true, Bool,                                                                               \
     "run the mapper thread, which maps after each step what the next step will need")                          \
   X(bool, deferred_reclaim, true, Bool,                                                                         \
     "free_reqid keeps a request's pages mapped for the next request until free pages run low; "                 \
     "false: unmapped at once")                                                                                   \
-  X(bool, eager, false, Bool,                                                                                   \
+  X(bool, eager, true, Bool,                                                                                    \
     "the mapper keeps the reqid alloc_reqid returns next mapped for eager_tokens tokens (needs background)")    \
   X(size_t, lookahead_tokens, 1, Tokens, "tokens the mapper maps each active request ahead of its length")     \
   X(size_t, eager_tokens, 0, Tokens, "tokens the next reqid is mapped for ahead of its request (eager)")        \

@@ -21,7 +21,7 @@ LAYOUTS = ["per_layer", "all_layers"]
 def make(**overrides) -> vattn.KVCacheManager:
     # The plain synchronous manager: exact page counts are asserted below.
     args = dict(num_layers=3, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=4, max_context_len=512,
-                background=False)
+                policy={"background": False})
     args.update(overrides)
     return vattn.KVCacheManager(**args)
 
@@ -47,7 +47,7 @@ def stamp(reqid: int, layer: int, kind: int, start: int, stop: int, shape) -> to
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_data_reads_back_across_growth(layout, page_size, background):
     cfg = dict(layout=layout, page_size=page_size, max_context_len=2048 if page_size == 2 * MiB else 512,
-               background=background)
+               policy={"background": background})
     with make(**cfg) as kv:
         L = kv.config.max_context_len
         reqs = [kv.alloc_reqid() for _ in range(3)]
@@ -355,8 +355,8 @@ def test_two_managers_are_independent():
 
 
 def test_module_level_api():
-    kv = vattn.init(num_layers=2, num_kv_heads=1, head_dim=16, max_batch_size=2, max_context_len=128, dtype=torch.float32,
-                    background=False)
+    kv = vattn.init(num_layers=2, num_kv_heads=1, head_dim=16, max_batch_size=2, max_context_len=128,
+                    dtype=torch.float32, policy={"background": False})
     try:
         with pytest.raises(vattn.VAttnError, match="already"):
             vattn.init(num_layers=1, num_kv_heads=1, head_dim=16)
@@ -384,7 +384,8 @@ def test_init_takes_exactly_the_managers_parameters():
     order, defaults, annotations), so a new manager parameter reaches init."""
     assert list(inspect.signature(vattn.init).parameters.values()) == \
         list(inspect.signature(vattn.KVCacheManager).parameters.values())
-    kv = vattn.init(1, 1, 16, max_context_len=64, background=False, sync_streams=None)  # once missing from init
+    kv = vattn.init(1, 1, 16, max_context_len=64, policy={"background": False},
+                    sync_streams=None)  # sync_streams: once missing from init
     assert vattn.get_manager() is kv and kv.config.max_context_len == 64
     vattn.cleanup()
     with pytest.raises(TypeError, match="page_sise"):
@@ -425,3 +426,25 @@ def test_stats_memory_figures():
         assert s["bytes_static"] == 4 * 512 * cfg.token_bytes
         assert s["bytes_reserved"] == cfg.num_buffers * 4 * kv.slice_bytes
         assert s["pages_free"] == s["pages_total"] - s["pages_mapped"]
+
+
+def test_fits_alone_is_the_pool_not_the_free_pages():
+    """One request fits alone when its pages fit the whole pool, however many are in use now."""
+    with make(page_size=4 * KiB, physical_memory=6 * 3 * 2 * 4 * KiB) as kv:  # 6 ids; 16 tokens an id
+        assert kv.num_page_ids == 6 and kv.page_tokens == 16
+        assert kv.fits_alone(6 * 16) and not kv.fits_alone(6 * 16 + 1)
+        r = kv.alloc_reqid()
+        assert kv.step(lens_for(kv, {r: 6 * 16}))  # every id in use: still fits alone
+        assert kv.fits_alone(6 * 16) and kv.fits_alone(0)
+
+
+def test_release_pages_is_a_method_for_external_ids_only():
+    with make(page_allocator="external", page_size=4 * KiB, physical_memory=8 * 3 * 2 * 4 * KiB) as kv:
+        r = kv.alloc_reqid()
+        kv.map_pages([r], [0], [[4, 6]])
+        kv.unmap_pages([r], [1])  # id 6 created and mapped nowhere; id 4 still mapped; id 2 never created
+        assert kv.release_pages([6, 4, 2, 6]) == [6]
+        with pytest.raises(ValueError, match="page_ids"):
+            kv.release_pages([8])
+    with make() as kv, pytest.raises(ValueError, match="release_free_memory"):
+        kv.release_pages([0])

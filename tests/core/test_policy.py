@@ -14,7 +14,7 @@ import torch
 import vattn
 from vattn import _C
 from vattn.backends import get_backend, register_backend, unregister_backend
-from vattn.core.policy import KNOBS
+from vattn.core.policy import DERIVED, KNOBS
 
 ROOT = Path(__file__).resolve().parents[2]
 L = 64  # max_context_len of the caches here
@@ -44,12 +44,12 @@ def test_every_knob_round_trips_from_python_to_the_core_and_back(knob):
 
 
 def test_the_manager_logic_between_knobs():
-    with make(lookahead_tokens=3, policy={"lookahead_tokens": 5}) as kv:  # policy overrides the keyword
+    with pytest.warns(DeprecationWarning), make(lookahead_tokens=3, policy={"lookahead_tokens": 5}) as kv:
         assert kv.policy == dict(background=True, deferred_reclaim=True, eager=True, lookahead_tokens=5,
                                  eager_tokens=L, reclaim_threshold=0.1, max_batch_ids=1024 // 2)
-    with make(num_layers=600, max_context_len=2048, background=False) as kv:  # 1200 buffers; L above 1024
+    with make(num_layers=600, max_context_len=2048, policy=vattn.Policy(background=False)) as kv:  # 1200 buffers
         assert (kv.policy["max_batch_ids"], kv.policy["eager_tokens"]) == (1, 1024)
-    with make(background=False, policy={"max_batch_ids": 9}) as kv:
+    with make(policy={"background": False, "max_batch_ids": 9}) as kv:
         assert (kv.policy["background"], kv.policy["eager"], kv.policy["max_batch_ids"]) == (False, False, 9)
     with make(page_allocator="external", policy={"background": True}) as kv:
         assert (kv.policy["background"], kv.policy["eager"]) == (False, False)
@@ -95,8 +95,8 @@ def test_a_bad_value_names_its_knob_and_range_and_changes_nothing(knob, counted_
     for value, exc, message in bad_values(knob):
         with pytest.raises(exc, match=message):
             make(backend="host_counted", policy={name: value})
-        if name in KEYWORD_KNOBS:  # the documented keyword argument takes the same path
-            with pytest.raises(exc, match=message):
+        if name in KEYWORD_KNOBS:  # the deprecated keyword argument takes the same path
+            with pytest.raises(exc, match=message), pytest.warns(DeprecationWarning):
                 make(backend="host_counted", **{name: value})
         config = _C.PolicyConfig(**{name: value}) if exc is ValueError and value == L + 1 else None
         if config is not None:  # a token count is bounded once the requests' length is known
@@ -115,8 +115,58 @@ def test_a_bad_value_names_its_knob_and_range_and_changes_nothing(knob, counted_
 def test_an_unknown_knob_or_a_policy_that_is_no_mapping_is_refused():
     with pytest.raises(TypeError, match=r"no policy knob is named 'lookahead' \(knobs: background, deferred_"):
         make(policy={"lookahead": 4})
-    with pytest.raises(TypeError, match="policy must be a mapping of knob names to values, got list"):
+    with pytest.raises(TypeError, match="policy must be a vattn.Policy or a mapping of knob names to values, got list"):
         make(policy=[("eager", False)])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_batch_ids'"):  # never a keyword
+        make(max_batch_ids=4)
+
+
+@pytest.mark.parametrize("name", KEYWORD_KNOBS)
+def test_a_knob_keyword_is_a_deprecated_alias_of_policy(name):
+    """The keyword still sets the knob, warns naming its replacement, and a
+    knob named in policy wins over it."""
+    value = other_value(KNOBS[name])
+    with pytest.warns(DeprecationWarning, match=rf"KVCacheManager\({name}=...\) is deprecated; "
+                                                rf"use policy=vattn.Policy\({name}=...\)") as warned:
+        kv = make(**{name: value})
+    assert warned[0].filename == __file__  # points at the caller
+    with kv:
+        assert kv.policy[name] == value
+    with pytest.warns(DeprecationWarning), make(**{name: value}, policy={name: KNOBS[name]["default"] or 3}) as kv:
+        assert kv.policy[name] == (KNOBS[name]["default"] or 3)
+
+
+def test_every_knob_has_one_default_through_every_path():
+    """The core's PolicyConfig(), vattn.Policy and a manager built with
+    nothing agree on every knob; the two knobs whose default follows the
+    cache are None in Policy and follow their rule in the manager."""
+    core = _C.PolicyConfig().as_dict()
+    policy = dataclasses.asdict(vattn.Policy())
+    assert list(policy) == KNOB_NAMES
+    with make() as kv, make(policy=vattn.Policy()) as same, make(policy={}) as empty:
+        assert kv.policy == same.policy == empty.policy
+        for name in KNOB_NAMES:
+            if name in DERIVED:
+                assert policy[name] is None
+                assert kv.policy[name] == DERIVED[name][1](L, kv.config.num_buffers)
+            else:
+                assert policy[name] == core[name] == KNOBS[name]["default"] == kv.policy[name], name
+    assert (kv.policy["eager_tokens"], kv.policy["max_batch_ids"]) == (L, 1024 // 2)
+
+
+def test_policy_is_generated_from_the_cores_knob_list():
+    fields = {f.name: f for f in dataclasses.fields(vattn.Policy)}
+    assert list(fields) == KNOB_NAMES
+    for name, knob in KNOBS.items():
+        assert f"    {name} ({knob['type']}, {knob['accepts']}; default " in vattn.Policy.__doc__
+        assert knob["doc"] in vattn.Policy.__doc__
+    p = vattn.Policy(lookahead_tokens=16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.eager = False  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        vattn.Policy(16)  # keywords only: a knob is named where it is set
+    with make(policy=p) as kv:
+        assert kv.policy["lookahead_tokens"] == 16 and kv.policy["background"] is True
 
 
 def test_a_knob_is_described_in_one_place():

@@ -50,8 +50,9 @@ def make_manager(device: str, layout: str, dtype: torch.dtype, heads_kv: int, pa
                  max_context_len: int) -> vattn.KVCacheManager:
     return vattn.KVCacheManager(num_layers=NUM_LAYERS, num_kv_heads=heads_kv, head_dim=HEAD_DIM, dtype=dtype,
                                 max_batch_size=6, max_context_len=max_context_len, page_size=page_size,
-                                device=device, layout=layout, background=False, deferred_reclaim=False,
-                                eager=False, lookahead_tokens=0)
+                                device=device, layout=layout,
+                                policy={"background": False, "deferred_reclaim": False, "eager": False,
+                                        "lookahead_tokens": 0})
 
 
 def boundary_cases(tokens_per_page: int) -> tuple[list[int], list[int]]:
@@ -352,7 +353,7 @@ def test_flash_attn_needs_slices_of_whole_pages_and_says_so(reference_flash_attn
 
     kernel = KERNELS["flash_attn"]
     with vattn.KVCacheManager(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float16, max_batch_size=2,
-                              max_context_len=64, page_size=4096, background=False) as kv:
+                              max_context_len=64, page_size=4096, policy={"background": False}) as kv:
         k_cache = kv.layer(0)[0]
         case = AttentionCase.of(torch.zeros(1, 2, 16, dtype=torch.float16), k_cache)
         support = kernel.supports(case._replace(device_type="cuda"))

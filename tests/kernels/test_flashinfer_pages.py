@@ -55,7 +55,7 @@ def test_page_geometry_cuts_slots_into_whole_pages():
 def test_the_paged_view_is_the_cache(layout):
     """Pool page r * P + j, row i is the cache's row (r, j * page_tokens + i), for both layouts."""
     with vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, max_batch_size=3,
-                              max_context_len=100, page_size=4096, layout=layout, background=False) as kv:
+                              max_context_len=100, page_size=4096, layout=layout, policy={"background": False}) as kv:
         lens = [100, 37, 64]
         for _ in lens:
             kv.alloc_reqid()
@@ -125,8 +125,9 @@ def test_both_presentations_attend_over_each_requests_rows(flashinfer_log, prese
     reads through the plan's page arrays (a wrong page reads other rows, or
     faults on an unmapped one) and must give SDPA's result."""
     with vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16, max_batch_size=5,
-                              max_context_len=200, page_size=4096, layout=layout, background=False,
-                              deferred_reclaim=False, eager=False, lookahead_tokens=0) as kv:
+                              max_context_len=200, page_size=4096, layout=layout,
+                              policy={"background": False, "deferred_reclaim": False, "eager": False,
+                                      "lookahead_tokens": 0}) as kv:
         t = kv.page_tokens
         reqids = [kv.alloc_reqid() for _ in range(4)][::-1]
         seq = [t, 3 * t - 1, t + 1, 1]
@@ -164,7 +165,7 @@ def test_both_presentations_attend_over_each_requests_rows(flashinfer_log, prese
 def test_a_plan_is_for_the_strides_it_was_made_with(flashinfer_log):
     kernel = FlashInferKernel(workspace_bytes=1 << 16)
     with vattn.KVCacheManager(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float16, max_batch_size=2,
-                              max_context_len=64, page_size=4096, background=False) as kv:
+                              max_context_len=64, page_size=4096, policy={"background": False}) as kv:
         r = kv.alloc_reqid()
         assert kv.step([5 if i == r else 0 for i in range(2)])
         k_cache, v_cache = kv.layer(0)

@@ -77,31 +77,3 @@ def join_budget(budget: Any, device: torch.device, label: str) -> tuple[Budget |
         raise ValueError(f"{source}: budget '{budget.name}' governs device {budget.device}, but this cache "
                          f"lives on {device} ({wanted}); create a budget for that device")
     return budget, budget.join(label)
-
-
-def fits_alone(manager: Any, tokens: int) -> bool:
-    """Whether one request of ``tokens`` tokens could ever be mapped in
-    ``manager``: its pages fit the manager's physical pool. A budget's limit
-    does not decide it: the limit is a live setting (lowered for a moment,
-    raised again), so in a budget a request that fits the pool waits when
-    ``step`` refuses it; one that does not fit the pool can never run."""
-    return manager.config.pages_for(tokens, manager.page_size) <= manager.num_page_ids  # page ids, one a position
-
-
-def release_external_pages(manager: Any, page_ids: Any) -> list[int]:
-    """``KVCacheManager.release_pages(page_ids)``: with ``page_allocator="external"``, gives the
-    physical pages of the given page ids back to the OS or device, and to the budget, for those that
-    are created and mapped in no reqid (a framework's freed blocks whose contents are no longer
-    wanted). A later :meth:`map_pages` of such an id creates (and charges) its pages again, with
-    their contents gone. Ids still mapped somewhere, or never created, are left as they are.
-
-    Args:
-        page_ids: ids in ``[0, num_page_ids)``, any order; repeats are released once.
-
-    Returns:
-        The ids released, in the order given. ValueError (nothing released) for an id out of
-        range, or for a manager that hands out its own ids (use ``release_free_memory``).
-    """
-    from vattn.common.argument_checks import int_array
-
-    return list(manager._pages.release_external(int_array("page_ids", page_ids)))

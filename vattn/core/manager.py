@@ -6,14 +6,13 @@ import atexit
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from vattn import _C
-from vattn.budget import membership
 from vattn.common.argument_checks import as_int as _as_int
 from vattn.common.argument_checks import bounded_int as _bounded_int
 from vattn.common.argument_checks import int_array as _int_array
@@ -22,45 +21,20 @@ from vattn.common.argument_checks import stream_handles as _stream_handles
 from vattn.backends import BackendSpec, parse_device, resolve_backend, torch_device
 from vattn.common.config import KVCacheConfig
 from .cuda_streams import CudaStreams, watch_captures
-from .policy import resolve_policy
+from .mapped_check import MappedCheck, ViewsCheck
+from .policy import Policy, resolve_policy
 from vattn.common.errors import BackendUnavailable, ForkedError
 from vattn.budget.membership import DEFAULT_IDLE_RELEASE_S as _IDLE_S, default_label, idle_release_seconds, join_budget
 from .prefix_handle import PrefixHandle
-from .tensor_owners import forget_span as _forget_span
-from .tensor_owners import remember_span as _remember_span
+from .tensor_owners import CacheSpan, forget_span, remember_span, view_origin
 
 SeqLens = Sequence[int] | torch.Tensor | np.ndarray
 IntArray = Sequence[int] | torch.Tensor | np.ndarray
 
 PAGE_ALLOCATORS = ("vattn", "external")
 _HOLE = 2**32 - 1  # a hole in page_ids (the core's PageTable::kHole)
-
-
-class MappedCheck:
-    """That a batch's rows are mapped in one cache (see
-    :meth:`KVCacheManager.mapped_check`): called per layer, it asks the core
-    again only when the core's count of shrinks (positions cut from a slice,
-    reqids freed) moved since the last check passed."""
-
-    __slots__ = ("pages", "reqids", "tokens", "what", "verified")
-
-    def __init__(self, pages: Any, reqids: IntArray, seq_lens: IntArray, origin: tuple[int, int], what: str) -> None:
-        self.pages, self.what, self.verified = pages, what, -1
-        self.reqids, self.tokens = self.rows(reqids, seq_lens, origin)
-
-    @staticmethod
-    def rows(reqids: IntArray, seq_lens: IntArray, origin: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-        """The core's reqids and token counts of ``view[reqids[i], :seq_lens[i]]`` for a view whose
-        row 0 is ``origin``: a slice of a layer view starts at another reqid / token."""
-        rows = np.asarray(_int_array("reqids", reqids), dtype=np.int64) + origin[0]
-        tokens = np.asarray(_int_array("seq_lens", seq_lens), dtype=np.int64) + origin[1]
-        return rows, tokens
-
-    def __call__(self) -> None:
-        shrinks = self.pages.shrinks  # read first: a shrink during the check makes the next call ask again
-        if shrinks != self.verified:
-            self.pages.check_mapped(self.reqids, self.tokens, self.what)
-            self.verified = shrinks
+# The policy knobs the constructor once took as keyword arguments: deprecated aliases of policy=
+KNOB_KEYWORDS = ("background", "deferred_reclaim", "eager", "lookahead_tokens", "eager_tokens", "reclaim_threshold")
 
 
 class KVCacheManager(CudaStreams):
@@ -87,19 +61,6 @@ class KVCacheManager(CudaStreams):
             of what every reqid at full length needs and a share of free memory
             (half of MemAvailable on the host, 90% of free device memory on CUDA).
             Pages are committed only when first mapped.
-        background: run one background mapper thread that, after each step,
-            maps what the next step will need (every active request
-            ``lookahead_tokens`` longer), so ``step`` maps on the critical path
-            only what the mapper has not.
-        deferred_reclaim: ``free_reqid`` keeps the request's pages mapped for
-            the next request; the mapper unmaps pages of freed reqids when free
-            pages fall below ``reclaim_threshold`` of the pool, and ``step`` does
-            as a last resort. False: ``free_reqid`` unmaps them at once.
-        eager: the mapper keeps the reqid ``alloc_reqid`` returns next mapped
-            for ``eager_tokens`` tokens (default ``min(max_context_len, 1024)``),
-            so a new request's prefill maps little or nothing. Needs ``background``.
-        lookahead_tokens: how far ahead (tokens) the mapper maps active requests.
-        reclaim_threshold: fraction of the pool, in [0, 1].
         page_allocator: ``"vattn"``: the manager draws page ids from its pool
             as :meth:`step` grows requests. ``"external"``: a framework's block
             manager owns the page ids ``0 .. num_page_ids - 1`` and maps them
@@ -136,10 +97,13 @@ class KVCacheManager(CudaStreams):
             the limit is lowered below what is held. ``None``: never for
             idleness. Default 30.
         budget_label: what ``python -m vattn top`` shows for this manager.
-        policy: any policy knob by name (``vattn.core.policy.KNOBS`` lists
-            them with type, range and doc), e.g. ``{"lookahead_tokens": 16}``;
-            a knob named here overrides the keyword argument of the same
-            name. :attr:`policy` reads back what the core runs with.
+        policy: the page manager's policy knobs (mapper thread, deferred
+            reclamation, eager mapping, lookahead, ...): a :class:`vattn.Policy`,
+            whose docstring lists every knob with its range and default, or a
+            mapping of knob names to values, e.g. ``{"lookahead_tokens": 16}``;
+            ``None``: the defaults. :attr:`policy` reads back what the core runs
+            with. The knobs' keyword arguments (``background=``, ``eager=``, ...)
+            are deprecated aliases; a knob named in ``policy`` wins over them.
 
     Page ids: one page id names one physical page in every buffer (so it
     holds ``page_size`` bytes of each layer's K and V, ``page_tokens``
@@ -147,8 +111,8 @@ class KVCacheManager(CudaStreams):
     requests' slices (:meth:`fork`, :meth:`retain_prefix`, :meth:`map_pages`);
     it is reference-counted and returns to the pool when unused.
 
-    With ``background``, ``deferred_reclaim`` and ``eager`` all False the
-    manager maps and unmaps only inside ``step`` and ``free_reqid``.
+    With the knobs ``background``, ``deferred_reclaim`` and ``eager`` all
+    False the manager maps and unmaps only inside ``step`` and ``free_reqid``.
 
     Example::
 
@@ -177,12 +141,6 @@ class KVCacheManager(CudaStreams):
         device: str | torch.device = "cpu",
         layout: str = "per_layer",
         physical_memory: int | None = None,
-        background: bool = True,
-        deferred_reclaim: bool = True,
-        eager: bool = True,
-        lookahead_tokens: int = 1,
-        eager_tokens: int | None = None,
-        reclaim_threshold: float = 0.1,
         page_allocator: str = "vattn",
         backend: str | None = None,
         sync_streams: Any = None,
@@ -190,7 +148,8 @@ class KVCacheManager(CudaStreams):
         budget: Any = None,
         idle_release_s: float | None = _IDLE_S,
         budget_label: str | None = None,
-        policy: Mapping[str, Any] | None = None,
+        policy: Policy | Mapping[str, Any] | None = None,
+        **deprecated_knobs: Any,
     ) -> None:
         if page_allocator not in PAGE_ALLOCATORS:
             raise ValueError(f"page_allocator must be one of {PAGE_ALLOCATORS}, got {page_allocator!r}")
@@ -208,10 +167,10 @@ class KVCacheManager(CudaStreams):
             max_context_len=max_context_len,
             layout=layout,
         )
-        keywords = dict(background=background, deferred_reclaim=deferred_reclaim, eager=eager,
-                        lookahead_tokens=lookahead_tokens, eager_tokens=eager_tokens,
-                        reclaim_threshold=reclaim_threshold)
-        knobs = resolve_policy(policy, defaults=keywords, max_context_len=self.config.max_context_len,
+        unknown = sorted(set(deprecated_knobs) - set(KNOB_KEYWORDS))
+        if unknown:
+            raise TypeError(f"KVCacheManager() got an unexpected keyword argument {unknown[0]!r}")
+        knobs = resolve_policy(policy, keywords=deprecated_knobs, max_context_len=self.config.max_context_len,
                                num_buffers=self.config.num_buffers, external=external)
         device_type, index = parse_device(device)
         self.device = torch_device(device_type, index)
@@ -240,9 +199,10 @@ class KVCacheManager(CudaStreams):
             policy=knobs,
         )
         memory = self._pages.memory
-        self._span = (memory.base, memory.base + memory.nbytes)  # addresses of the cache's tensors
         self.buffer_bytes: int = self._pages.buffer_bytes  # virtual bytes of one K or V buffer (all reqids)
-        _remember_span(self)
+        self._span = CacheSpan(memory.base, memory.base + memory.nbytes, self.buffer_bytes, self.slice_bytes,
+                               self.config.token_bytes_per_buffer, self.device.type, self._pages)
+        remember_span(self._span)
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._closing = False  # set first thing in cleanup(): cached views are not handed out after it
         _live_managers.add(self)
@@ -428,7 +388,28 @@ class KVCacheManager(CudaStreams):
             raise ValueError(f"max_bytes must be in [0, 2^63), got {limit}")
         return self._pages.release_free(-(-limit // self.page_size)) * self.page_size
 
-    release_pages = membership.release_external_pages  # page_allocator="external" only
+    def release_pages(self, page_ids: IntArray) -> list[int]:
+        """With ``page_allocator="external"``: gives the physical pages of the given page ids back to
+        the OS or device, and to the budget, for those that are created and mapped in no reqid (a
+        framework's freed blocks whose contents are no longer wanted). A later :meth:`map_pages` of
+        such an id creates (and charges) its pages again, with their contents gone. Ids still mapped
+        somewhere, or never created, are left as they are.
+
+        Args:
+            page_ids: ids in ``[0, num_page_ids)``, any order; repeats are released once.
+
+        Returns:
+            The ids released, in the order given. ValueError (nothing released) for an id out of
+            range, or for a manager that hands out its own ids (use ``release_free_memory``).
+        """
+        return list(self._pages.release_external(_int_array("page_ids", page_ids)))
+
+    def fits_alone(self, tokens: int) -> bool:
+        """Whether one request of ``tokens`` tokens could ever be mapped here: its pages fit the
+        physical pool. A budget's limit does not decide it: the limit is a live setting (lowered for
+        a moment, raised again), so in a budget a request that fits the pool waits when ``step``
+        refuses it; one that does not fit the pool can never run."""
+        return self.config.pages_for(tokens, self.page_size) <= self.num_page_ids  # page ids, one a position
 
     def budget_share(self) -> dict[str, Any] | None:
         """This manager's share of its budget now, in bytes: ``held_bytes``
@@ -489,32 +470,21 @@ class KVCacheManager(CudaStreams):
         mapped), or when ``view``'s strides are not the cache's (reqid and token
         strides of :meth:`layer`). One call into the core for the whole batch.
         """
-        self._pages.check_mapped(*MappedCheck.rows(reqids, seq_lens, self.view_origin(view, what)), what)
+        origin = view_origin(self._span, view, what)
+        self._pages.check_mapped(*MappedCheck.rows(reqids, seq_lens, origin), what)
 
-    def view_origin(self, view: torch.Tensor, what: str) -> tuple[int, int]:
-        """The (reqid, token) of a cache view's row 0, after checking that its
-        reqid and token strides are the cache's (``ValueError`` starting with
-        ``what`` otherwise). Views of every layer share their origin."""
-        token_bytes = self.config.token_bytes_per_buffer
-        size = view.element_size()
-        offset = (view.data_ptr() - self._span[0]) % self.buffer_bytes
-        if (view.dim() != 4 or view.stride(0) * size != self.slice_bytes or view.stride(1) * size != token_bytes):
-            raise ValueError(f"{what}: a view of the vattn cache must have its reqid and token strides "
-                             f"({self.slice_bytes} and {token_bytes} bytes), got shape "
-                             f"{tuple(view.shape)} and strides {tuple(view.stride())} (elements of {size} bytes)")
-        return offset // self.slice_bytes, offset % self.slice_bytes // token_bytes
-
-    def mapped_check(self, view: torch.Tensor, reqids: IntArray, seq_lens: IntArray,
-                     what: str) -> tuple[tuple[int, int], Callable[[], None]]:
-        """:meth:`check_mapped` prepared for repeated use (one batch, every
-        layer): the view's strides are checked now; returns ``(origin,
-        check)`` where origin is the (reqid, token) of the view's row 0 and
-        ``check()`` raises as :meth:`check_mapped` would. It asks the core
-        only when a slice lost pages or a reqid was freed since it last
-        passed (a counter the core keeps), so a check per layer costs one
-        read of that counter."""
-        origin = self.view_origin(view, what)
-        return origin, MappedCheck(self._pages, reqids, seq_lens, origin, what)
+    def mapped_check(self, reqids: Sequence[int], seq_lens: Sequence[int], what: str,
+                     first_reqid: int = 0) -> ViewsCheck:
+        """:meth:`check_mapped` prepared for one forward, built once and
+        carried by its plan: ``check(k_cache, v_cache, what)`` raises as
+        :meth:`check_mapped` would for layer views whose row 0 is reqid
+        ``first_reqid`` (token 0). It asks the core only when a slice lost
+        pages or a reqid was freed since it last passed (a counter the core
+        keeps), so a layer costs a comparison of its views' addresses and
+        strides and one read of that counter. Views of anything else are
+        looked up by address (:class:`vattn.core.mapped_check.ViewsCheck`)."""
+        first = _bounded_int("first_reqid", first_reqid, self.config.max_batch_size)
+        return ViewsCheck(reqids, seq_lens, what, self._span, (first, 0), self.config.element_bytes)
 
     # ---- shared pages ------------------------------------------------------------
 
@@ -688,7 +658,7 @@ class KVCacheManager(CudaStreams):
         Every other call afterwards raises :class:`vattn.ClosedError`."""
         self._closing = True
         self._layers = None
-        _forget_span(self)
+        forget_span(self._span)
         self._pages.close()
 
     close = cleanup

@@ -17,7 +17,6 @@ from collections.abc import Collection
 
 from vattn.common.errors import ClosedError, OutOfPages, OutOfSlots, VAttnError
 from vattn.core import KVCacheManager, PrefixHandle
-from vattn.budget.membership import fits_alone
 
 from .prefix_cache import PrefixCache
 from .requests import Request, RequestOutput
@@ -108,7 +107,7 @@ class Scheduler:
             # processes hold the memory now or the limit is low for a while; it
             # waits at the head of the queue (others give memory back when they
             # see it wait). Otherwise it can never run.
-            if not self.running and (self.kv.budget is None or not fits_alone(self.kv, need)):
+            if not self.running and (self.kv.budget is None or not self.kv.fits_alone(need)):
                 finished.extend(victim.failed(self._refusal(need)))
                 break
             self.budget_wait = not self.running
@@ -121,7 +120,7 @@ class Scheduler:
 
     def _refusal(self, need: int) -> str:
         """Why a request of ``need`` tokens, alone in the batch, cannot run."""
-        if fits_alone(self.kv, need):
+        if self.kv.fits_alone(need):
             return (f"needs {need} tokens of KV cache, whose pages could not be created "
                     f"(the device or host is out of memory)")
         return (f"needs {need} tokens of KV cache, more than the physical pool holds "

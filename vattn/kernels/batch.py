@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from vattn.core.tensor_owners import view_owner
+from vattn.core.manager import KVCacheManager
+from vattn.core.mapped_check import ViewsCheck
 
 if TYPE_CHECKING:
     from .protocol import AttentionCase, Kernel, KernelPlan
@@ -40,13 +41,20 @@ class AttentionBatch:
         query_lens: new tokens each request brings in this forward (>= 1).
         device: where the index tensors the kernels take should live
             (the cache's device).
+        cache: the :class:`vattn.KVCacheManager` whose views the batch's
+            kernels read, when the caller knows it: the plans then carry a
+            mapping check built for it once (:meth:`KVCacheManager.mapped_check`).
+            None: the first cache views handed in are looked up by address.
+        first_reqid: the manager's reqid of the views' row 0, when the
+            kernels read views sliced along the reqids (``reqids`` index
+            those views); 0 for :meth:`KVCacheManager.layer`'s.
 
     ``seq_lens[i] = cached_lens[i] + query_lens[i]`` tokens are attended; the
     caller must have ``step``-ed every request to at least that length.
     """
 
-    __slots__ = ("reqids", "cached_lens", "query_lens", "seq_lens", "query_starts", "device", "_tensors",
-                 "_mapped_checks", "_plans", "__weakref__")
+    __slots__ = ("reqids", "cached_lens", "query_lens", "seq_lens", "query_starts", "device", "max_reqid",
+                 "max_seq_len", "mapped", "_tensors", "_plans", "__weakref__")
 
     def __init__(
         self,
@@ -54,6 +62,9 @@ class AttentionBatch:
         cached_lens: Sequence[int],
         query_lens: Sequence[int],
         device: str | torch.device = "cpu",
+        *,
+        cache: KVCacheManager | None = None,
+        first_reqid: int = 0,
     ) -> None:
         reqids, cached_lens, query_lens = (int_list(n, v) for n, v in
                                             (("reqids", reqids), ("cached_lens", cached_lens),
@@ -75,11 +86,12 @@ class AttentionBatch:
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
-        self._fill(reqids, cached_lens, query_lens, seq_lens, starts, device)
+        self._fill(reqids, cached_lens, query_lens, seq_lens, starts, device, cache, first_reqid)
 
     @classmethod
     def of_arrays(cls, reqids: np.ndarray, cached_lens: np.ndarray, query_lens: np.ndarray,
-                  device: str | torch.device = "cpu") -> AttentionBatch:
+                  device: str | torch.device = "cpu", *, cache: KVCacheManager | None = None,
+                  first_reqid: int = 0) -> AttentionBatch:
         """The batch of a framework's per-forward integer arrays (numpy,
         ``[n]`` each), checked by array operations rather than per request
         in Python: the integrations' path, once per forward. Same checks
@@ -91,19 +103,26 @@ class AttentionBatch:
                 and len(set(ids)) == n):
             return cls(ids, cached, query, device)  # raises, naming the argument
         batch = cls.__new__(cls)
-        batch._fill(ids, cached, query, (cached_lens + query_lens).tolist(), [0, *itertools.accumulate(query)], device)
+        batch._fill(ids, cached, query, (cached_lens + query_lens).tolist(), [0, *itertools.accumulate(query)], device,
+                    cache, first_reqid)
         return batch
 
     def _fill(self, reqids: list[int], cached_lens: list[int], query_lens: list[int], seq_lens: list[int],
-              query_starts: list[int], device: str | torch.device) -> None:
+              query_starts: list[int], device: str | torch.device, cache: KVCacheManager | None,
+              first_reqid: int) -> None:
         self.reqids = reqids
         self.cached_lens = cached_lens
         self.query_lens = query_lens
         self.seq_lens = seq_lens
         self.query_starts = query_starts
         self.device = device if isinstance(device, torch.device) else torch.device(device)
+        if cache is not None and not isinstance(cache, KVCacheManager):
+            raise TypeError(f"cache must be a vattn.KVCacheManager or None, got {type(cache).__name__}")
+        self.max_reqid, self.max_seq_len = max(reqids), max(seq_lens)  # what every layer's shapes are checked against
+        # the rows' mapping check, which every plan of the batch carries
+        self.mapped: ViewsCheck = (ViewsCheck(reqids, seq_lens, "attention") if cache is None
+                                   else cache.mapped_check(reqids, seq_lens, "attention", first_reqid))
         self._tensors: dict[str, torch.Tensor] = {}
-        self._mapped_checks: dict[tuple, Any] = {}  # per (k view, v view, caller), and per (manager, origin, caller)
         self._plans: dict[Any, Any] = {}  # per (kernel, case key): see plan
 
     @property
@@ -176,42 +195,21 @@ class AttentionBatch:
 
         Checked on every call, so a request freed between two layers is caught
         too; the core is asked again only when a slice lost pages or a reqid
-        was freed since the last check passed, and the views of every layer
-        of one cache share one check.
+        was freed since the last check passed (:attr:`mapped`, the check every
+        plan of the batch carries).
         """
-        key = (k_cache.data_ptr(), v_cache.data_ptr(), what)
-        checks = self._mapped_checks.get(key)
-        if checks is None:
-            checks = self._mapped_checks[key] = self._plan_mapped_checks(k_cache, v_cache, what)
-        for check in checks:
-            check()
-
-    def _plan_mapped_checks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> list[Any]:
-        checks = []
-        for cache in (k_cache, v_cache):
-            owner = view_owner(cache, what) if cache.dim() == 4 else None  # a bad rank: the kernel's check names it
-            if owner is None:
-                continue
-            manager, origin = owner
-            shared = (id(manager), origin, what)
-            check = self._mapped_checks.get(shared)
-            if check is None:
-                check = self._mapped_checks[shared] = manager.mapped_check(cache, self.reqids, self.seq_lens,
-                                                                           what)[1]
-            if check not in checks:  # V at K's place in its own buffer: the same slots and tokens
-                checks.append(check)
-        return checks
+        self.mapped(k_cache, v_cache, what)
 
     def check_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Raises unless both caches are ``[B_max, L, H, D]`` and hold every
         request (shapes only; :meth:`check_mapped` checks the memory)."""
         check_cache_shapes(k_cache, v_cache)
         slots, max_len = k_cache.shape[:2]
-        if max(self.reqids) >= slots:
-            raise ValueError(f"reqids must be in [0, {slots - 1}] for this cache, got {max(self.reqids)}")
-        if max(self.seq_lens) > max_len:
+        if self.max_reqid >= slots:
+            raise ValueError(f"reqids must be in [0, {slots - 1}] for this cache, got {self.max_reqid}")
+        if self.max_seq_len > max_len:
             raise ValueError(f"cached_lens + query_lens must be <= {max_len} (max_context_len), "
-                             f"got {max(self.seq_lens)}")
+                             f"got {self.max_seq_len}")
 
     def __repr__(self) -> str:
         return (f"AttentionBatch(reqids={self.reqids}, cached_lens={self.cached_lens}, "
@@ -244,26 +242,6 @@ def token_rows(batch: AttentionBatch) -> list[torch.Tensor]:
     device, built once per batch in one copy: where :func:`write_rows`
     stores. A kernel's plan asks for them, so that no layer builds them."""
     return batch.tensors(("token_reqids", "token_positions"), torch.long)
-
-
-def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch | None,
-                 k: torch.Tensor | None, v: torch.Tensor | None, what: str, num_tokens: int | None = None) -> None:
-    """Shapes of the caches, the queries and the new K/V (when either is
-    given), then the mapping of every request's rows; ``what`` (the caller)
-    starts a mapping error's message. ``num_tokens``: the rows of ``q``,
-    ``k`` and ``v`` when a plan pads them past the batch's tokens (default:
-    the batch's). ``batch`` None: a plan of padding only, which reads what its
-    maker mapped for it; only shapes are checked."""
-    if batch is not None:
-        batch.check_cache(k_cache, v_cache)
-    else:
-        check_cache_shapes(k_cache, v_cache)
-    tokens = batch.num_tokens if num_tokens is None else num_tokens
-    check_query(q, k_cache, tokens)
-    if k is not None or v is not None:
-        check_new_kv(k_cache, tokens, k, v)
-    if batch is not None:
-        batch.check_mapped(k_cache, v_cache, what)
 
 
 def check_cache_shapes(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

@@ -31,8 +31,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from .batch import AttentionBatch, check_inputs, token_rows
-from .protocol import AttentionCase, Kernel, KernelPlan, Support, load_module
+from .batch import AttentionBatch, token_rows
+from .protocol import AttentionCase, Kernel, KernelPlan, Support, check_layer, load_module
 
 
 class FlashAttentionPlan(KernelPlan):
@@ -214,6 +214,7 @@ class FlashAttentionKernel(Kernel):
         buffers.fill(batch, num_rows, num_tokens, padding_reqid)
         plan = FlashAttentionPlan.__new__(FlashAttentionPlan)
         plan.batch = batch
+        plan.check = None if batch is None else batch.mapped
         plan.cu_seqlens_q, plan.seqused_k = cu_seqlens_q, seqused_k
         plan.block_table = buffers.block_table[:num_rows, None]
         plan.cu_seqlens_k = buffers.cu_seqlens_k[:num_rows + 1]
@@ -228,11 +229,10 @@ class FlashAttentionKernel(Kernel):
             softmax_scale: float | None = None, sliding_window: int | None = None,
             logits_soft_cap: float | None = None) -> torch.Tensor:
         module = self.module()
-        self.require_device(self.name, q=q, k_cache=k_cache)
-        self.check_options(sliding_window, logits_soft_cap)
         if not isinstance(plan, FlashAttentionPlan):
             raise TypeError(f"plan must be FlashAttentionKernel.plan's, got {type(plan).__name__}")
-        check_inputs(q, k_cache, v_cache, plan.batch, k, v, self.name, plan.num_tokens)
+        check_layer(self, plan, q, k_cache, v_cache, k, v, out, sliding_window=sliding_window,
+                    logits_soft_cap=logits_soft_cap, num_tokens=plan.num_tokens)
         if k_cache.shape[-1] % self.head_dim_multiple:
             raise ValueError(f"{self.name} needs head_dim % {self.head_dim_multiple} == 0, got {k_cache.shape[-1]}")
         if plan.padding_reqid is not None and not 0 <= plan.padding_reqid < k_cache.shape[0]:

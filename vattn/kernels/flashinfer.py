@@ -29,9 +29,9 @@ from typing import Any, ClassVar
 import torch
 
 from vattn.common.errors import BackendUnavailable
-from .batch import AttentionBatch, check_inputs, token_rows, write_rows
+from .batch import AttentionBatch, token_rows, write_rows
 from .page_view import PageGeometry, page_geometry, page_ranges, paged_view
-from .protocol import AttentionCase, Kernel, KernelPlan, Support, load_module
+from .protocol import AttentionCase, Kernel, KernelPlan, Support, check_layer, load_module
 
 INSTALL_HINT = "FlashInfer (pip install flashinfer-python)"
 PRESENTATIONS = ("pages", "request")
@@ -180,13 +180,12 @@ class FlashInferKernel(_FlashInfer):
         case's), None or equal to it."""
         if not isinstance(plan, FlashInferPlan):
             raise TypeError(f"plan must be FlashInferKernel.plan's, got {type(plan).__name__}")
-        self.require_device(self.name, q=q, k_cache=k_cache)
-        self.check_options(sliding_window, logits_soft_cap)
         if softmax_scale is not None and softmax_scale != plan.case.softmax_scale:
             raise ValueError(f"{self.name} fixes softmax_scale when it plans: planned {plan.case.softmax_scale}, "
                              f"run with {softmax_scale}")
+        check_layer(self, plan, q, k_cache, v_cache, k, v, out, sliding_window=sliding_window,
+                    logits_soft_cap=logits_soft_cap)
         batch = plan.batch
-        check_inputs(q, k_cache, v_cache, batch, k, v, self.name)
         paged = self._paged_caches(plan, k_cache, v_cache)
         if k is not None or v is not None:
             write_rows(k_cache, v_cache, batch, k, v)
@@ -234,10 +233,9 @@ class FlashInferSinglePrefillKernel(_FlashInfer):
             softmax_scale: float | None = None, sliding_window: int | None = None,
             logits_soft_cap: float | None = None) -> torch.Tensor:
         flashinfer = self.module()
-        self.require_device(self.name, q=q, k_cache=k_cache)
-        self.check_options(sliding_window, logits_soft_cap)
+        check_layer(self, plan, q, k_cache, v_cache, k, v, out, sliding_window=sliding_window,
+                    logits_soft_cap=logits_soft_cap)
         batch = plan.batch
-        check_inputs(q, k_cache, v_cache, batch, k, v, self.name)
         if k is not None or v is not None:
             write_rows(k_cache, v_cache, batch, k, v)
         if out is None:

@@ -15,7 +15,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from .batch import AttentionBatch
-from .protocol import AttentionCase, Kernel, KernelPlan, Support
+from .protocol import AttentionCase, Kernel, KernelPlan, Support, check_layer
 
 _native_module: Any = None
 
@@ -87,19 +87,13 @@ class HostKernel(Kernel):
         ``isa`` (force a path, see :func:`vattn.attention.host_attention`).
         Every argument may also go in by position (host_attention's way:
         cheaper than keywords, once per layer per step)."""
-        # once per layer per step: the common case costs one test, and the arguments go in by position
-        # (keywords cost the binding a string match each, about a microsecond per call in all)
-        if not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and (k is None or k.is_cpu)
-                and (v is None or v.is_cpu) and (out is None or out.is_cpu)):
-            for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
-                            ("out", out)):
-                if t is not None and not t.is_cpu:
-                    raise ValueError(f"{self.name} needs CPU tensors, got {name} on {t.device}")
+        # once per layer per step: the arguments go in by position (keywords cost the binding a string
+        # match each, about a microsecond per call in all); the extension checks the shapes
         if not isinstance(plan, HostPlan):
             raise TypeError(f"plan must be the host kernel's plan (HostKernel.plan), got {type(plan).__name__}")
+        check_layer(self, plan, q, k_cache, v_cache, k, v, out, shapes=False)
         if out is None:
             out = torch.empty_like(q)
-        plan.batch.check_mapped(k_cache, v_cache, self.name)
         lse = torch.empty(q.shape[:2], dtype=torch.float32) if return_lse else None
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         native().attention(

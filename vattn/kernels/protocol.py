@@ -23,7 +23,8 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from vattn.common.errors import BackendUnavailable
-from .batch import AttentionBatch
+from vattn.core.mapped_check import ViewsCheck
+from .batch import AttentionBatch, check_cache_shapes, check_new_kv, check_query
 
 
 class AttentionCase(NamedTuple):
@@ -84,12 +85,17 @@ class Support(NamedTuple):
 class KernelPlan:
     """A forward's batch as one kernel prepared it: made by
     :meth:`Kernel.plan` once per forward, read by every layer's
-    :meth:`Kernel.run`. Kernels with more to prepare subclass it."""
+    :meth:`Kernel.run`. Kernels with more to prepare subclass it.
 
-    __slots__ = ("batch",)
+    ``check`` is the batch's mapping check (:attr:`AttentionBatch.mapped`),
+    carried so that a layer runs it without looking anything up; None for a
+    plan of padding only, which reads what its maker mapped for it."""
+
+    __slots__ = ("batch", "check")
 
     def __init__(self, batch: AttentionBatch) -> None:
         self.batch = batch
+        self.check: ViewsCheck | None = batch.mapped
 
 
 class Kernel(abc.ABC):
@@ -164,12 +170,12 @@ class Kernel(abc.ABC):
             raise ValueError(reason)
 
     def require_device(self, what: str, **tensors: torch.Tensor) -> None:
-        """Raises :class:`vattn.BackendUnavailable` (starting with ``what``,
-        naming each tensor's device) unless every tensor is on one of the
-        kernel's devices."""
+        """Raises :class:`WrongDevice` (a :class:`vattn.BackendUnavailable`,
+        starting with ``what``, naming each tensor's device) unless every
+        tensor is on one of the kernel's devices."""
         if any(t.device.type not in self.devices for t in tensors.values()):
             on = " and ".join(f"{name} on {t.device}" for name, t in tensors.items())
-            raise BackendUnavailable(f"{what} needs {' or '.join(d.upper() for d in self.devices)} tensors, "
+            raise WrongDevice(f"{what} needs {' or '.join(d.upper() for d in self.devices)} tensors, "
                                      f"got {on}")
 
     # ---- plan and run ----------------------------------------------------------------------
@@ -207,6 +213,47 @@ class Kernel(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+class WrongDevice(BackendUnavailable, ValueError):
+    """A tensor handed to a kernel is on a device the kernel does not run on:
+    a bad argument, and a backend this kernel does not have."""
+
+
+def check_layer(kernel: Kernel, plan: KernelPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                k: torch.Tensor | None = None, v: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
+                sliding_window: int | None = None, logits_soft_cap: float | None = None, shapes: bool = True,
+                num_tokens: int | None = None) -> None:
+    """What every :meth:`Kernel.run` checks per layer, before anything is
+    read: the options (:meth:`Kernel.check_options`), that each tensor is on
+    one of the kernel's devices (:class:`WrongDevice`, naming them), with
+    ``shapes`` the shapes of the caches, ``q`` and the new ``k``/``v``
+    against the plan's batch (kernels whose library checks shapes pass
+    False), then the plan's mapping check. ``num_tokens``: the rows of ``q``,
+    ``k`` and ``v`` when the plan pads them past the batch's tokens (default:
+    the batch's). What depends on the batch alone was checked when it was
+    built and planned."""
+    if sliding_window or logits_soft_cap:
+        kernel.check_options(sliding_window, logits_soft_cap)
+    devices = kernel.devices
+    tensors = (q, k_cache, v_cache, k, v, out)
+    if not all(t is None or (t.is_cpu and "cpu" in devices) or (t.is_cuda and "cuda" in devices) for t in tensors):
+        wrong = [f"{name} on {t.device}" for name, t in zip(("q", "k_cache", "v_cache", "k", "v", "out"), tensors)
+                 if t is not None and t.device.type not in devices]
+        raise WrongDevice(f"{kernel.name} needs {' or '.join(d.upper() for d in devices)} tensors, "
+                          f"got {' and '.join(wrong)}")
+    batch = plan.batch
+    if shapes:
+        if batch is not None:
+            batch.check_cache(k_cache, v_cache)
+        else:
+            check_cache_shapes(k_cache, v_cache)
+        tokens = batch.num_tokens if num_tokens is None else num_tokens
+        check_query(q, k_cache, tokens)
+        if k is not None or v is not None:
+            check_new_kv(k_cache, tokens, k, v)
+    if plan.check is not None:
+        plan.check(k_cache, v_cache, kernel.name)
 
 
 def load_module(module: str, what: str) -> Any:

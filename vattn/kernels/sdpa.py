@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .batch import AttentionBatch, check_inputs, write_rows
-from .protocol import AttentionCase, Kernel, KernelPlan
+from .batch import AttentionBatch, write_rows
+from .protocol import AttentionCase, Kernel, KernelPlan, check_layer
 
 
 class SdpaKernel(Kernel):
@@ -27,9 +27,9 @@ class SdpaKernel(Kernel):
             k: torch.Tensor | None = None, v: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
             softmax_scale: float | None = None, sliding_window: int | None = None,
             logits_soft_cap: float | None = None) -> torch.Tensor:
-        self.check_options(sliding_window, logits_soft_cap)
+        check_layer(self, plan, q, k_cache, v_cache, k, v, out, sliding_window=sliding_window,
+                    logits_soft_cap=logits_soft_cap)
         batch = plan.batch
-        check_inputs(q, k_cache, v_cache, batch, k, v, self.name)
         if k is not None or v is not None:
             write_rows(k_cache, v_cache, batch, k, v)
         if out is None:

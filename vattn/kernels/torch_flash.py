@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .batch import AttentionBatch, check_inputs, token_rows
-from .protocol import AttentionCase, Kernel, KernelPlan, Support
+from .batch import AttentionBatch, token_rows
+from .protocol import AttentionCase, Kernel, KernelPlan, Support, check_layer
 
 
 def cache_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -117,11 +117,10 @@ class TorchFlashKernel(Kernel):
             k: torch.Tensor | None = None, v: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
             softmax_scale: float | None = None, sliding_window: int | None = None,
             logits_soft_cap: float | None = None) -> torch.Tensor:
-        self.require_device(self.name, q=q, k_cache=k_cache)
-        self.check_options(sliding_window, logits_soft_cap)
         if not isinstance(plan, TorchFlashPlan):
             raise TypeError(f"plan must be TorchFlashKernel.plan's, got {type(plan).__name__}")
-        check_inputs(q, k_cache, v_cache, plan.batch, k, v, self.name)
+        check_layer(self, plan, q, k_cache, v_cache, k, v, out, sliding_window=sliding_window,
+                    logits_soft_cap=logits_soft_cap)
         if k_cache.shape[-1] % self.head_dim_multiple:
             raise ValueError(f"{self.name} needs head_dim % {self.head_dim_multiple} == 0, got {k_cache.shape[-1]}")
         (k_rows, rows_per_slice), (v_rows, _) = cache_rows(k_cache), cache_rows(v_cache)
