@@ -4,10 +4,12 @@
 //             of adjacent pages where the driver accepts that: see probe_unmap_runs)
 //
 // Context scope, read fences and the graph-capture gate: cuda_sync.h, shared
-// with the cuda_uvm backend. Every entry point that may throw opens a
-// CudaSync::Call (gate, then our context); releases and teardown a QuietCall.
+// with the cuda_uvm backend (CudaDeviceBackend). Every entry point that may
+// throw opens a CudaSync::Call (gate, then our context); releases and
+// teardown a QuietCall, or wait for the gate to open when a capture closed it.
 #include <algorithm>
 #include <climits>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -26,13 +28,11 @@ namespace {
 
 using namespace cu;
 
-class CudaBackend final : public VmmBackend {
+class CudaBackend final : public CudaDeviceBackend {
  public:
   CudaBackend(const DriverApi& api, int device, size_t page_size, size_t num_pages)
-      : api_(api),
+      : CudaDeviceBackend(api, device),
         device_(device),
-        context_(api, device),
-        sync_(api, context_.get()),
         page_size_(page_size),
         handles_(num_pages, 0) {
     prop_ = CUmemAllocationProp{};
@@ -56,11 +56,13 @@ class CudaBackend final : public VmmBackend {
 
   ~CudaBackend() override {
     if (forked_) return;  // the parent's handles and context
-    // Pages still created here were never handed out or the manager is being
-    // torn down after an error; release them so nothing leaks. Errors are
-    // ignored: destructors never throw, and at process exit the driver may
-    // already be deinitialised. The fences' events go with sync_, then the
-    // context reference with context_ (members, in that order).
+    // What waited for a capture's end runs now: nothing can open our gate
+    // after this. Pages still created here were never handed out or the
+    // manager is being torn down after an error; release them so nothing
+    // leaks. Errors are ignored: destructors never throw, and at process exit
+    // the driver may already be deinitialised. The fences' events go with
+    // sync_, then the context reference with context_ (base members, in that order).
+    sync_.run_deferred_now();
     CudaSync::QuietCall call(sync_);
     if (call.ok())
       for (auto& h : handles_)
@@ -80,8 +82,12 @@ class CudaBackend final : public VmmBackend {
     return static_cast<uintptr_t>(ptr);
   }
 
+  // During a capture the range is freed once it ends: true then.
   bool free_reservation(uintptr_t base, size_t bytes) noexcept override {
     if (forked_) return false;
+    const DriverApi& api = api_;
+    std::function<void()> free_range = [&api, base, bytes] { api.cuMemAddressFree(static_cast<CUdeviceptr>(base), bytes); };
+    if (sync_.defer_until_open(free_range)) return true;
     CudaSync::QuietCall call(sync_);
     return call.ok() && api_.cuMemAddressFree(static_cast<CUdeviceptr>(base), bytes) == CUDA_SUCCESS;
   }
@@ -105,6 +111,8 @@ class CudaBackend final : public VmmBackend {
   size_t release_pages(const uint32_t* ids, size_t count, uint8_t* failed = nullptr) noexcept override {
     if (failed) std::fill(failed, failed + count, uint8_t{0});
     if (forked_) return 0;  // the parent's pages: nothing of ours to give back
+    size_t held = 0;
+    if (release_after_capture(ids, count, failed, &held)) return held;
     CudaSync::QuietCall call(sync_);
     if (!call.ok()) {  // no context: nothing was released
       size_t kept = 0;
@@ -179,13 +187,15 @@ class CudaBackend final : public VmmBackend {
   void detach_after_fork(uintptr_t, size_t) noexcept override {
     // The parent's context cannot be used here: forget every handle so no
     // destructor calls the driver in the child.
-    forked_ = true;
-    sync_.detach_after_fork();
-    context_.forget();
+    detach_sync_after_fork();
   }
 
   void close_pool() noexcept override {
     if (forked_) return;
+    std::vector<uint32_t> all(handles_.size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint32_t>(i);
+    size_t held = 0;
+    if (release_after_capture(all.data(), all.size(), nullptr, &held)) return;
     CudaSync::QuietCall call(sync_);
     if (!call.ok()) return;
     for (auto& h : handles_) {
@@ -194,27 +204,43 @@ class CudaBackend final : public VmmBackend {
     }
   }
 
-  void synchronize() override { sync_.synchronize(); }
-  uint64_t record_reads() noexcept override { return sync_.record_reads(); }
-  void wait_reads(uint64_t ticket) override { sync_.wait_reads(ticket); }
-  bool reads_done(uint64_t ticket) noexcept override { return sync_.reads_done(ticket); }
-  void set_sync_streams(const std::vector<uintptr_t>& streams) override { sync_.set_streams(streams); }
-  void suspend_driver_calls() override { sync_.suspend(); }
-  void resume_driver_calls() override { sync_.resume(); }
-  void capture_begin() override { sync_.capture_begin(); }
-  void capture_end() noexcept override { sync_.capture_end(); }
-
-  std::vector<std::pair<std::string, std::string>> facts() const override {
-    std::vector<std::pair<std::string, std::string>> out = {
+  std::vector<std::pair<std::string, std::string>> backend_facts() const override {
+    return {
         {"unmap", unmap_runs_ ? "runs" : "per_page"},
         {"unmap_probe", unmap_probe_},
         {"reserve_alignment", std::to_string(reservation_alignment())},
     };
-    sync_.add_facts(out);
-    return out;
   }
 
  private:
+  // While a capture closes the gate: the created pages among `ids` leave
+  // handles_ and their cuMemRelease waits for the gate to open; each is
+  // reported held (failed[i] = 1, counted in *held): its memory is still
+  // allocated until then, so the caller keeps it charged. False when the
+  // gate is open (or there is nothing to release).
+  bool release_after_capture(const uint32_t* ids, size_t count, uint8_t* failed, size_t* held_pages) noexcept {
+    std::vector<CUmemGenericAllocationHandle> held;
+    try {
+      for (size_t i = 0; i < count; ++i)
+        if (handles_[ids[i]]) held.push_back(handles_[ids[i]]);
+    } catch (...) {
+      return false;  // no memory for the list: released now
+    }
+    if (held.empty()) return false;
+    const DriverApi& api = api_;
+    std::function<void()> release = [&api, held] {
+      for (CUmemGenericAllocationHandle h : held) api.cuMemRelease(h);
+    };
+    if (!sync_.defer_until_open(release)) return false;
+    for (size_t i = 0; i < count; ++i)
+      if (handles_[ids[i]]) {
+        handles_[ids[i]] = 0;
+        ++*held_pages;
+        if (failed) failed[i] = 1;
+      }
+    return true;
+  }
+
   // cuMemAddressReserve takes an alignment of 0 or a power of two, and pages
   // of several granules (an all-layers page, 3 x 2 MiB say) are often
   // neither: ask for the granularity (itself a power of two), which is all
@@ -313,10 +339,7 @@ class CudaBackend final : public VmmBackend {
     if (rc != CUDA_SUCCESS) throw DriverError(call, error_name(api_, rc));
   }
 
-  const DriverApi& api_;
   int device_;
-  PrimaryContext context_;  // first: released after everything below
-  CudaSync sync_;           // context scope, read fences, graph-capture gate
   size_t page_size_;
   size_t granularity_ = 0;
   CUmemAllocationProp prop_;
@@ -324,7 +347,6 @@ class CudaBackend final : public VmmBackend {
   std::vector<CUmemGenericAllocationHandle> handles_;  // 0 = page not created
   bool unmap_runs_ = false;   // cuMemUnmap may cover a run of adjacent pages (probed)
   std::string unmap_probe_;   // what the probe found
-  bool forked_ = false;       // in a fork() child: never call the driver
 };
 
 std::shared_ptr<VmmBackend> make_cuda_backend(const BackendParams& p) {

@@ -64,6 +64,13 @@ struct CUmemAccessDesc {
   int flags;
 };
 
+// A device's UUID, as cuDeviceGetUuid(_v2) writes it (looked up on its own by
+// the cuda_uvm backend: not every driver exports the _v2 form).
+struct CUuuid {
+  char bytes[16];
+};
+using GetUuidFn = CUresult(CUuuid*, CUdevice);
+
 // Every entry point: X(member, exported symbol, function type). The symbol is
 // what cuda.h's macros resolve the plain name to (cuMemGetInfo ->
 // cuMemGetInfo_v2, ...), with the legacy default-stream semantics for stream

@@ -148,6 +148,20 @@ void DriverGate::resume() noexcept {
   idle_.notify_all();
 }
 
+bool DriverGate::defer(std::function<void()>& work) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!closed_locked()) return false;
+  deferred_.push_back(std::move(work));
+  return true;
+}
+
+std::vector<std::function<void()>> DriverGate::take_deferred(bool even_if_closed) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::function<void()>> out;
+  if (even_if_closed || !closed_locked()) out.swap(deferred_);
+  return out;
+}
+
 // ---- entry points ----------------------------------------------------------------
 
 CudaSync::Call::Call(CudaSync& sync, Scope scope) : gate_(sync.gate_) {
@@ -178,10 +192,55 @@ CudaSync::QuietCall::~QuietCall() {
   gate_.leave();
 }
 
+// ---- releases deferred past a capture ---------------------------------------------
+
+void CudaSync::resume() noexcept {
+  gate_.resume();
+  run_deferred(false);
+}
+
+void CudaSync::capture_end() noexcept {
+  gate_.capture_end();
+  run_deferred(false);
+}
+
+bool CudaSync::defer_until_open(std::function<void()>& work) noexcept {
+  if (forked_) return false;
+  try {
+    if (!gate_.defer(work)) return false;
+  } catch (...) {
+    return false;  // no memory to keep it: the caller runs it now
+  }
+  ++deferred_releases_;
+  return true;
+}
+
+void CudaSync::run_deferred(bool even_if_closed) noexcept {
+  std::vector<std::function<void()>> work;
+  try {
+    work = gate_.take_deferred(even_if_closed);
+  } catch (...) {
+    return;
+  }
+  if (work.empty() || forked_) return;
+  // Our context for the releases that call the driver directly; teardown
+  // work opens its own calls (nested: the context is current already).
+  QuietCall call(*this);
+  for (auto& w : work) {
+    try {
+      w();
+    } catch (...) {
+      // Releases report nothing: what the driver refused stays held.
+    }
+  }
+}
+
 // ---- read fences -----------------------------------------------------------------
 
 CudaSync::~CudaSync() {
-  if (forked_ || fences_.empty()) return;
+  if (forked_) return;
+  run_deferred(true);  // the owner ran its own already; nothing can open the gate after this
+  if (live_.empty() && spare_.empty()) return;
   // Errors are ignored: destructors never throw, and at process exit the
   // driver may already be deinitialised.
   ScopedContext context(api_, ctx_);
@@ -213,31 +272,28 @@ void CudaSync::wait_reads(uint64_t ticket) {
   Call call(*this);
   std::shared_lock<std::shared_mutex> streams(streams_mu_);
   std::vector<CUevent> events;
-  uint64_t seq = 0;
   {
     std::lock_guard<std::mutex> lock(fence_mu_);
     if (ticket != VmmBackend::kReadsNow && ticket <= done_seq_) {
       ++fence_waits_skipped_;  // an earlier wait covered it
       return;
     }
-    if (ticket != VmmBackend::kReadsNow && ticket < next_seq_ && !streams_.empty()) {
-      // The ring slot holds this fence or a later one (slots are only
-      // re-recorded with later fences), which covers it too.
-      const Fence& f = fences_[ticket % kFences];
-      events = f.events;
-      seq = f.seq;
-    }
+    // A fence after done_seq_ is live, with its own events.
+    if (ticket != VmmBackend::kReadsNow && ticket < next_seq_ && !streams_.empty())
+      events = live_[ticket - live_.front().seq].events;
   }
   if (events.empty()) {
     wait_now_locked();
     return;
   }
+  // A wait or query on another thread may retire this fence meanwhile and
+  // its events be recorded for a later one: this wait then covers more, never less.
   for (CUevent e : events) {
     ++event_waits_;
     check("cuEventSynchronize", api_.cuEventSynchronize(e));
   }
   std::lock_guard<std::mutex> lock(fence_mu_);
-  done_seq_ = std::max(done_seq_, seq);
+  done_seq_ = std::max(done_seq_, ticket);
 }
 
 bool CudaSync::reads_done(uint64_t ticket) noexcept {
@@ -246,24 +302,32 @@ bool CudaSync::reads_done(uint64_t ticket) noexcept {
   try {
     Call call(*this);
     std::shared_lock<std::shared_mutex> streams(streams_mu_);
-    std::vector<CUevent> events;
-    uint64_t seq = 0;
-    {
-      std::lock_guard<std::mutex> lock(fence_mu_);
-      if (ticket <= done_seq_) return true;
-      if (ticket >= next_seq_ || streams_.empty()) return false;
-      events = fences_[ticket % kFences].events;  // this fence or a later one: see wait_reads
-      seq = fences_[ticket % kFences].seq;
-    }
-    ++fence_queries_;
-    for (CUevent e : events)
-      if (api_.cuEventQuery(e) != CUDA_SUCCESS) return false;  // CUDA_ERROR_NOT_READY, or an error a wait reports
-    std::lock_guard<std::mutex> lock(fence_mu_);
-    done_seq_ = std::max(done_seq_, seq);  // a later wait_reads of it returns at once
-    return true;
+    return fence_finished(ticket);
   } catch (...) {
     return false;
   }
+}
+
+// Whether fence `ticket` finished, asking the driver about its own events.
+// The caller holds streams_mu_ (shared) and a Call.
+bool CudaSync::fence_finished(uint64_t ticket) noexcept {
+  std::vector<CUevent> events;
+  {
+    std::lock_guard<std::mutex> lock(fence_mu_);
+    if (ticket <= done_seq_) return true;
+    if (ticket >= next_seq_ || streams_.empty()) return false;
+    events = live_[ticket - live_.front().seq].events;
+  }
+  ++fence_queries_;
+  bool finished = true;
+  for (CUevent e : events)
+    if (api_.cuEventQuery(e) != CUDA_SUCCESS) finished = false;  // CUDA_ERROR_NOT_READY, or an error a wait reports
+  std::lock_guard<std::mutex> lock(fence_mu_);
+  // Not finished by these events: they may have been retired and recorded
+  // for a later fence meanwhile, which happens only once this one is known done.
+  if (!finished) return ticket <= done_seq_;
+  done_seq_ = std::max(done_seq_, ticket);  // later waits and queries of it answer at once
+  return true;
 }
 
 void CudaSync::set_streams(const std::vector<uintptr_t>& streams) {
@@ -291,7 +355,6 @@ void CudaSync::set_streams(const std::vector<uintptr_t>& streams) {
   std::lock_guard<std::mutex> fences(fence_mu_);
   destroy_fences_locked();
   streams_ = std::move(unique);
-  fences_.assign(streams_.empty() ? 0 : kFences, Fence{});
   done_seq_ = next_seq_ - 1;
 }
 
@@ -307,32 +370,70 @@ void CudaSync::add_facts(std::vector<std::pair<std::string, std::string>>& out) 
   out.emplace_back("event_waits", std::to_string(event_waits_.load()));
   out.emplace_back("fence_waits_skipped", std::to_string(fence_waits_skipped_.load()));
   out.emplace_back("fence_queries", std::to_string(fence_queries_.load()));
+  size_t event_sets = 0;
+  {
+    std::lock_guard<std::mutex> lock(fence_mu_);
+    event_sets = event_sets_;
+  }
+  out.emplace_back("fence_event_sets", std::to_string(event_sets));
+  out.emplace_back("deferred_releases", std::to_string(deferred_releases_.load()));
 }
 
 // The caller holds streams_mu_ (shared) and a Call.
 uint64_t CudaSync::record_fence_locked() {
   std::lock_guard<std::mutex> lock(fence_mu_);
-  const uint64_t seq = next_seq_;
-  Fence& f = fences_[seq % kFences];
-  if (f.events.empty()) {
-    std::vector<CUevent> made;
-    for (size_t i = 0; i < streams_.size(); ++i) {
-      CUevent e = nullptr;
-      CUresult rc = api_.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING);
-      if (rc != CUDA_SUCCESS) {
-        for (CUevent m : made) api_.cuEventDestroy(m);
-        throw DriverError("cuEventCreate", error_name(api_, rc));
-      }
-      made.push_back(e);
+  std::vector<CUevent> events = take_event_set_locked();
+  for (size_t i = 0; i < streams_.size(); ++i) {
+    CUresult rc = api_.cuEventRecord(events[i], streams_[i]);
+    if (rc != CUDA_SUCCESS) {
+      spare_.push_back(std::move(events));  // recorded again, whole, by the next fence
+      throw DriverError("cuEventRecord", error_name(api_, rc));
     }
-    f.events = std::move(made);
   }
-  // A failure part-way leaves some events re-recorded with later work:
-  // waits on the slot's old fence then wait longer, never shorter.
-  for (size_t i = 0; i < streams_.size(); ++i) check("cuEventRecord", api_.cuEventRecord(f.events[i], streams_[i]));
-  f.seq = seq;
-  ++next_seq_;
+  const uint64_t seq = next_seq_++;
+  live_.push_back(Fence{seq, std::move(events)});
   return seq;
+}
+
+// An event set for a new fence: a retired fence's, else a new one. The
+// caller holds fence_mu_, streams_mu_ and a Call.
+std::vector<CUevent> CudaSync::take_event_set_locked() {
+  retire_fences_locked();
+  if (spare_.empty() && !live_.empty()) {
+    // Ask the oldest fence before making events: the device is usually past it.
+    bool finished = true;
+    for (CUevent e : live_.front().events)
+      if (api_.cuEventQuery(e) != CUDA_SUCCESS) finished = false;
+    if (finished) {
+      done_seq_ = std::max(done_seq_, live_.front().seq);
+      retire_fences_locked();
+    }
+  }
+  if (!spare_.empty()) {
+    std::vector<CUevent> events = std::move(spare_.back());
+    spare_.pop_back();
+    return events;
+  }
+  std::vector<CUevent> made;
+  for (size_t i = 0; i < streams_.size(); ++i) {
+    CUevent e = nullptr;
+    CUresult rc = api_.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING);
+    if (rc != CUDA_SUCCESS) {
+      for (CUevent m : made) api_.cuEventDestroy(m);
+      throw DriverError("cuEventCreate", error_name(api_, rc));
+    }
+    made.push_back(e);
+  }
+  ++event_sets_;
+  return made;
+}
+
+// Fences up to done_seq_ give their events back. The caller holds fence_mu_.
+void CudaSync::retire_fences_locked() {
+  while (!live_.empty() && live_.front().seq <= done_seq_) {
+    spare_.push_back(std::move(live_.front().events));
+    live_.pop_front();
+  }
 }
 
 // Waits for the work queued so far on the named streams, or the device.
@@ -347,7 +448,7 @@ void CudaSync::wait_now_locked() {
   std::vector<CUevent> events;
   {
     std::lock_guard<std::mutex> lock(fence_mu_);
-    events = fences_[seq % kFences].events;
+    if (seq > done_seq_) events = live_[seq - live_.front().seq].events;
   }
   for (CUevent e : events) {
     ++event_waits_;
@@ -359,9 +460,13 @@ void CudaSync::wait_now_locked() {
 
 // The caller holds streams_mu_ (unique) or is the destructor, in our context.
 void CudaSync::destroy_fences_locked() noexcept {
-  for (Fence& f : fences_)
+  for (Fence& f : live_)
     for (CUevent e : f.events) api_.cuEventDestroy(e);
-  fences_.clear();
+  for (auto& set : spare_)
+    for (CUevent e : set) api_.cuEventDestroy(e);
+  live_.clear();
+  spare_.clear();
+  event_sets_ = 0;
 }
 
 void CudaSync::check(const char* call, CUresult rc) const {

@@ -27,9 +27,11 @@
 // one, and free it before cuMemAddressFree).
 //
 // Context scope, read fences and the graph-capture gate: cuda_sync.h, shared
-// with the cuda backend. The module's calls that map, unmap or create pass
-// the gate like the driver's (inside KVCacheManager.graph_capture() they
-// raise DriverError on every thread); they need no context.
+// with the cuda backend (CudaDeviceBackend). The module's calls that map,
+// unmap or create pass the gate like the driver's (inside
+// KVCacheManager.graph_capture() they raise DriverError on every thread);
+// they need no context. Page releases are the module's alone and go through
+// during a capture; a reservation's cuMemAddressFree waits for its end.
 #include "backends/cuda_uvm_backend.h"
 
 #include <dirent.h>
@@ -44,6 +46,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -65,6 +68,7 @@ namespace {
 using namespace cu;
 
 using Uuid = uint8_t[16];
+static_assert(sizeof(Uuid) == sizeof(CUuuid), "cuDeviceGetUuid writes 16 bytes");
 
 std::string env(const char* name) {
   const char* v = std::getenv(name);
@@ -184,13 +188,11 @@ int context_fd(const std::string& device, const uint8_t* uuid) {
                            " (see driver_patch/README.md)");
 }
 
-class CudaUvmBackend final : public VmmBackend {
+class CudaUvmBackend final : public CudaDeviceBackend {
  public:
   CudaUvmBackend(const DriverApi& api, int device, size_t page_size, size_t num_pages)
-      : api_(api),
+      : CudaDeviceBackend(api, device),
         device_(device),
-        context_(api, device),
-        sync_(api, context_.get()),
         page_size_(page_size),
         handles_(num_pages, 0) {
     try {
@@ -203,9 +205,12 @@ class CudaUvmBackend final : public VmmBackend {
 
   ~CudaUvmBackend() override {
     if (forked_) return;  // the parent's pages, descriptor and context
-    // Pages still created here: release them so nothing leaks (errors are
-    // ignored, destructors never throw). The fences' events go with sync_,
-    // then the context reference with context_ (members, in that order).
+    // What waited for a capture's end runs now (nothing can open our gate
+    // after this). Pages still created here: release them so nothing leaks
+    // (errors are ignored, destructors never throw). The fences' events go
+    // with sync_, then the context reference with context_ (base members,
+    // in that order).
+    sync_.run_deferred_now();
     release_all();
     if (fd_ >= 0) close(fd_);
   }
@@ -246,25 +251,12 @@ class CudaUvmBackend final : public VmmBackend {
                                                        hex(base) + " of " + std::to_string(length) + " bytes");
   }
 
+  // During a capture the range is freed once it ends: true then.
   bool free_reservation(uintptr_t base, size_t bytes) noexcept override {
     if (forked_) return false;
-    CudaSync::QuietCall call(sync_);
-    if (!call.ok()) return false;
-    bool own = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      own = own_ranges_.erase(base) > 0;
-    }
-    if (own) {
-      // UvmFree unmaps whatever is still mapped in the range (the host backend
-      // tolerates leftovers too), then the range goes.
-      VATTN_STOCK_UVM_RANGE_PARAMS range{};
-      range.base = base;
-      uvm_ioctl(fd_, VATTN_STOCK_UVM_FREE, &range);
-    }
-    bool freed = api_.cuMemAddressFree(static_cast<CUdeviceptr>(base), reserved_length(bytes)) == CUDA_SUCCESS;
-    close_fd_when_done();
-    return freed;
+    std::function<void()> free_range = [this, base, bytes] { free_range_now(base, bytes); };
+    if (sync_.defer_until_open(free_range)) return true;
+    return free_range_now(base, bytes);
   }
 
   void create_pages(const uint32_t* ids, size_t count) override {
@@ -356,22 +348,6 @@ class CudaUvmBackend final : public VmmBackend {
     check("cuCtxSynchronize", api_.cuCtxSynchronize());  // device-to-device copies are asynchronous
   }
 
-  void synchronize() override { sync_.synchronize(); }
-  uint64_t record_reads() noexcept override { return sync_.record_reads(); }
-  void wait_reads(uint64_t ticket) override { sync_.wait_reads(ticket); }
-  bool reads_done(uint64_t ticket) noexcept override { return sync_.reads_done(ticket); }
-  void set_sync_streams(const std::vector<uintptr_t>& streams) override { sync_.set_streams(streams); }
-  void suspend_driver_calls() override { sync_.suspend(); }
-  void resume_driver_calls() override { sync_.resume(); }
-  void capture_begin() override { sync_.capture_begin(); }
-  void capture_end() noexcept override { sync_.capture_end(); }
-
-  std::vector<std::pair<std::string, std::string>> facts() const override {
-    std::vector<std::pair<std::string, std::string>> out;
-    sync_.add_facts(out);
-    return out;
-  }
-
   void close_pool() noexcept override {
     if (forked_) return;
     CudaSync::QuietCall call(sync_, CudaSync::Scope::kGateOnly);
@@ -383,12 +359,31 @@ class CudaUvmBackend final : public VmmBackend {
   void detach_after_fork(uintptr_t, size_t) noexcept override {
     // The parent's VA space, pages and context: the child never calls the
     // module or the driver for them, and leaves its copy of the descriptor.
-    forked_ = true;
-    sync_.detach_after_fork();
-    context_.forget();
+    detach_sync_after_fork();
   }
 
  private:
+  // UVM_FREE of a range we made an external range, then cuMemAddressFree.
+  bool free_range_now(uintptr_t base, size_t bytes) noexcept {
+    CudaSync::QuietCall call(sync_);
+    if (!call.ok()) return false;
+    bool own = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      own = own_ranges_.erase(base) > 0;
+    }
+    if (own) {
+      // UvmFree unmaps whatever is still mapped in the range (the host backend
+      // tolerates leftovers too), then the range goes.
+      VATTN_STOCK_UVM_RANGE_PARAMS range{};
+      range.base = base;
+      uvm_ioctl(fd_, VATTN_STOCK_UVM_FREE, &range);
+    }
+    bool freed = api_.cuMemAddressFree(static_cast<CUdeviceptr>(base), reserved_length(bytes)) == CUDA_SUCCESS;
+    close_fd_when_done();
+    return freed;
+  }
+
   void init() {
     // the CUDA driver registers the context's GPU VA space with UVM here
     ScopedContext context(api_, context_.get());
@@ -412,11 +407,12 @@ class CudaUvmBackend final : public VmmBackend {
   }
 
   void read_uuid() {
-    using GetUuid = CUresult (*)(Uuid*, CUdevice);
-    auto get = reinterpret_cast<GetUuid>(dlsym(api_.handle, "cuDeviceGetUuid_v2"));  // MIG instances: their own UUID
-    if (!get) get = reinterpret_cast<GetUuid>(dlsym(api_.handle, "cuDeviceGetUuid"));
+    auto get = reinterpret_cast<GetUuidFn*>(dlsym(api_.handle, "cuDeviceGetUuid_v2"));  // MIG instances: their own UUID
+    if (!get) get = reinterpret_cast<GetUuidFn*>(dlsym(api_.handle, "cuDeviceGetUuid"));
     if (!get) throw BackendUnavailable("CUDA driver " + api_.path + " has no cuDeviceGetUuid");
-    check("cuDeviceGetUuid", get(&uuid_, context_.device()));
+    CUuuid uuid{};
+    check("cuDeviceGetUuid", get(&uuid, context_.device()));
+    std::memcpy(uuid_, uuid.bytes, sizeof(uuid_));
   }
 
   static std::string sizes_text(uint64_t mask) {
@@ -466,10 +462,7 @@ class CudaUvmBackend final : public VmmBackend {
     if (rc != CUDA_SUCCESS) throw DriverError(call, error_name(api_, rc));
   }
 
-  const DriverApi& api_;
   int device_;
-  PrimaryContext context_;  // first: released after everything below
-  CudaSync sync_;           // context scope, read fences, graph-capture gate
   size_t page_size_;
   size_t cuda_granularity_ = 0;  // the driver's; reservations are rounded up to it
   Uuid uuid_{};
@@ -477,7 +470,6 @@ class CudaUvmBackend final : public VmmBackend {
   std::vector<uint64_t> handles_;       // VATTN_UVM_CREATE handle per page; 0 = not created
   std::mutex mu_;                       // guards own_ranges_ and closing fd_
   std::set<uintptr_t> own_ranges_;      // external ranges we created (freed with UVM_FREE)
-  bool forked_ = false;                 // in a fork() child: never call the module or the driver
   bool pool_closed_ = false;            // close_pool() ran: only reservations are left to free
 };
 

@@ -92,37 +92,65 @@ void CacheMemory::on_teardown(std::function<void()> fn) {
   fn();
 }
 
-void CacheMemory::teardown() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (torn_down_ || !in_creator_process()) return;
-  torn_down_ = true;
+namespace {
+
+// Unmaps `mapped` (skipping past any address that fails: it stays mapped, and
+// the range then cannot be freed on CUDA), releases the pool, runs
+// `after_release`, frees the range. Throws the first driver error after
+// doing all it can.
+void release_memory(VmmBackend& backend, uintptr_t base, size_t bytes, std::vector<uintptr_t>& mapped,
+                    std::vector<std::function<void()>>& after_release) {
   std::exception_ptr first_error;
   try {
-    backend_->synchronize();
+    backend.synchronize();
   } catch (...) {
     first_error = std::current_exception();
   }
-  // Unmap everything, skipping past any address that fails: it stays mapped
-  // (and the range then cannot be freed on CUDA), the rest is still undone.
   size_t at = 0;
-  while (at < handed_over_.size()) {
+  while (at < mapped.size()) {
     size_t done = 0;
     try {
-      backend_->unmap(handed_over_.data() + at, handed_over_.size() - at, &done);
-      at = handed_over_.size();
+      backend.unmap(mapped.data() + at, mapped.size() - at, &done);
+      at = mapped.size();
     } catch (...) {
       if (!first_error) first_error = std::current_exception();
       at += done + 1;
     }
   }
-  handed_over_.clear();
-  backend_->close_pool();
-  for (auto& fn : on_teardown_) fn();
-  on_teardown_.clear();
-  if (!backend_->free_reservation(base_, bytes_) && !first_error)
+  mapped.clear();
+  backend.close_pool();
+  for (auto& fn : after_release) fn();
+  after_release.clear();
+  if (!backend.free_reservation(base, bytes) && !first_error)
     first_error = std::make_exception_ptr(
         DriverError("free reservation", "the address range could not be freed (pages still mapped)"));
   if (first_error) std::rethrow_exception(first_error);
+}
+
+}  // namespace
+
+void CacheMemory::teardown() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (torn_down_ || !in_creator_process()) return;
+  torn_down_ = true;
+  // During a CUDA graph capture every step of this is a driver call the
+  // capture forbids: the backend keeps the whole of it for the capture's
+  // end (the backend outlives what it keeps: it runs it at the latest
+  // when it goes). Its errors then have no caller to reach.
+  VmmBackend* backend = backend_.get();
+  std::function<void()> later = [backend, base = base_, bytes = bytes_, mapped = handed_over_,
+                                 after = on_teardown_]() mutable {
+    try {
+      release_memory(*backend, base, bytes, mapped, after);
+    } catch (...) {
+    }
+  };
+  if (backend_->defer_until_open(later)) {
+    handed_over_.clear();
+    on_teardown_.clear();
+    return;
+  }
+  release_memory(*backend_, base_, bytes_, handed_over_, on_teardown_);
 }
 
 }  // namespace vattn

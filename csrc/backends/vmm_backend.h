@@ -113,7 +113,8 @@ class VmmBackend {
   // While a CUDA graph is captured: every driver call that maps, unmaps,
   // creates or waits throws DriverError (from any thread: none may block
   // while it holds the page manager's lock), until resume_driver_calls().
-  // Releases and teardown still go through. Waits for the calls under way.
+  // Releases and teardown never fail there: they wait for the gate to open
+  // (defer_until_open). Waits for the calls under way.
   // No-ops on backends without a device; every CUDA backend gets them from
   // cuda_sync.h.
   virtual void suspend_driver_calls() {}
@@ -124,6 +125,15 @@ class VmmBackend {
   // graph_capture(). Begin waits for the calls under way.
   virtual void capture_begin() {}
   virtual void capture_end() noexcept {}
+  // While driver calls are closed for a capture (either way above): keeps
+  // `work` (moved from), which calls this backend to release or tear down,
+  // and runs it when they open again, never during the capture; returns
+  // true. Otherwise returns false and leaves `work` to the caller, who runs
+  // it now. `work` must not throw. Backends without a device never keep any.
+  virtual bool defer_until_open(std::function<void()>& work) noexcept {
+    (void)work;
+    return false;
+  }
   // What the backend learned about its driver at run time, as (name, value)
   // pairs, for diagnostics and benchmark records.
   virtual std::vector<std::pair<std::string, std::string>> facts() const { return {}; }

@@ -77,6 +77,9 @@ SAME_STRUCT(CUmemAccessDesc);
 SAME_FIELD(CUmemAccessDesc, location);
 SAME_FIELD(CUmemAccessDesc, flags);
 
+SAME_STRUCT(CUuuid);
+SAME_FIELD(CUuuid, bytes);
+
 // ---- function pointers -------------------------------------------------------------
 //
 // Ours<T> is the type our header uses where cuda.h uses T: enums become int,
@@ -98,6 +101,7 @@ template <> struct Ours<::CUstream_st> { using type = ours::CUstream_st; };
 template <> struct Ours<::CUevent_st> { using type = ours::CUevent_st; };
 template <> struct Ours<::CUmemAllocationProp> { using type = ours::CUmemAllocationProp; };
 template <> struct Ours<::CUmemAccessDesc> { using type = ours::CUmemAccessDesc; };
+template <> struct Ours<::CUuuid> { using type = ours::CUuuid; };
 template <class T> struct Ours<T*> { using type = typename Ours<T>::type*; };
 template <class T> struct Ours<const T> { using type = const typename Ours<T>::type; };
 template <class R, class... A> struct Ours<R(A...)> {
@@ -109,5 +113,8 @@ template <class R, class... A> struct Ours<R(A...)> {
                                std::remove_pointer_t<decltype(ours::DriverApi::member)>>,          \
                 "DriverApi::" #member " does not match the prototype of " #symbol " in cuda.h");
 VATTN_CU_FUNCTIONS(SAME_PROTOTYPE)
+// Looked up by name (dlsym) by the cuda_uvm backend, outside DriverApi.
+static_assert(std::is_same_v<Ours<decltype(::cuDeviceGetUuid_v2)>::type, ours::GetUuidFn>, "cuDeviceGetUuid_v2");
+static_assert(std::is_same_v<Ours<decltype(::cuDeviceGetUuid)>::type, ours::GetUuidFn>, "cuDeviceGetUuid");
 
 int main() { return 0; }

@@ -17,6 +17,7 @@ default streams, latency).
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import threading
 import time
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 import vattn
-from backends.cuda_framework import Framework, device_read, device_write
+from backends.cuda_framework import Capture, Framework, device_read, device_write
 from conftest import manager_state
 
 MiB = 1024 * 1024
@@ -401,6 +402,37 @@ def test_a_fence_ring_that_wrapped_still_covers_old_reads(fake_cuda, framework):
         assert kv.mapped_tokens(a) == 0
 
 
+def test_reads_done_answers_each_fence_from_its_own_events(fake_cuda, framework):
+    # 200 requests finish in one wave, more fences than 64 event sets: each
+    # fence must still be answered by its own events, exactly.
+    fake_cuda.fake_cuda_finish_upto.argtypes = [ctypes.c_void_p, ctypes.c_long]
+    framework.init()
+    s = framework.stream()
+    n = 200
+    with make(sync_streams=[s], max_batch_size=n, max_context_len=2048, physical_memory=8 * MiB) as kv:
+        reqids = [kv.alloc_reqid() for _ in range(n)]
+        covers = {}
+        for r in reqids:
+            covers[r] = fake_cuda.fake_cuda_launch(s)  # the forward that read r, then r finishes
+            kv.free_reqid(r)
+        assert int(backend_facts(kv)["fence_event_sets"]) > 64  # the ring grew instead of recording over a fence
+        assert not any(kv._pages.reads_done(r) for r in reqids)  # nothing ran yet
+        for done in (1, 37, 64, 65, 130, 199, 200):
+            fake_cuda.fake_cuda_finish_upto(s, done)
+            answers = {r: kv._pages.reads_done(r) for r in reqids}
+            assert answers == {r: covers[r] <= done for r in reqids}, f"after {done} kernels finished"
+        # finished fences give their events to later ones: no new set is made
+        sets = int(backend_facts(kv)["fence_event_sets"])
+        for r in reqids[:50]:
+            assert kv.alloc_reqid(reqid=r) == r
+            fake_cuda.fake_cuda_launch(s)
+            kv.free_reqid(r)
+        assert int(backend_facts(kv)["fence_event_sets"]) == sets
+        assert not kv._pages.reads_done(reqids[0])
+        fake_cuda.fake_cuda_finish(s)
+        assert all(kv._pages.reads_done(r) for r in reqids)
+
+
 def test_mapper_reclaim_waits_for_the_named_streams(fake_cuda, framework):
     framework.init()
     s = framework.stream()
@@ -559,3 +591,89 @@ def test_an_error_inside_graph_capture_reopens_the_driver_and_the_mapper(fake_cu
         assert kv.mapped_tokens(a) >= 2000 + 4096
         assert kv.step(lens_with(7000, a))  # the driver is open again
         assert kv.stats()["mapper_errors"] == 0
+
+
+# ---- 8. releases wait for the end of a capture ------------------------------------------
+
+
+def test_releases_during_a_capture_are_issued_after_it(fake_cuda, framework):
+    framework.init()
+    side = framework.stream()
+    with make(physical_memory=16 * MiB) as kv:
+        a = kv.alloc_reqid()
+        assert kv.step(lens_with(3000, a))  # 2 ids: 8 pages
+        kv.free_reqid(a)
+        assert kv.reclaim() == 8  # unmapped, still created in the free pool
+        handles = fake_cuda.fake_cuda_live_handles()
+        releases = fake_cuda.fake_cuda_releases_during_capture()
+        with kv.graph_capture(), Capture(framework, side) as cap:
+            assert kv.release_free_memory() == 8 * kv.page_size
+            assert fake_cuda.fake_cuda_releases_during_capture() == releases, "a release during the capture"
+            assert fake_cuda.fake_cuda_live_handles() == handles
+            stats = kv.stats()  # the pages are out of the pool, their memory still held
+            assert stats["pages_created"] == 0 and stats["pages_unreleased"] == 8
+        assert cap.result == 0, "the capture was invalidated"
+        assert fake_cuda.fake_cuda_live_handles() == handles - 8  # released when the capture ended
+        assert backend_facts(kv)["deferred_releases"] == "1"
+        a = kv.alloc_reqid()
+        assert kv.step(lens_with(3000, a))  # created again: fresh memory, the held ids' charge carried
+        assert kv.stats()["pages_unreleased"] == 0
+        assert fake_cuda.fake_cuda_live_handles() == handles
+
+
+def test_a_manager_closed_during_a_capture_is_torn_down_after_it(fake_cuda, framework):
+    framework.init()
+    side = framework.stream()
+    s = framework.stream()
+    handles, mappings = fake_cuda.fake_cuda_live_handles(), fake_cuda.fake_cuda_live_mappings()
+    reservations, events = fake_cuda.fake_cuda_live_reservations(), fake_cuda.fake_cuda_live_events()
+    kv = make(sync_streams=[s])
+    a = kv.alloc_reqid()
+    assert kv.step(lens_with(3000, a))
+    kv.free_reqid(a)  # a fence: events to destroy
+    releases = fake_cuda.fake_cuda_releases_during_capture()
+    with kv.graph_capture(), Capture(framework, side) as cap:
+        kv.cleanup()  # no error: the teardown waits for the capture's end
+        assert fake_cuda.fake_cuda_releases_during_capture() == releases, "a release during the capture"
+        assert fake_cuda.fake_cuda_live_mappings() == mappings + 8
+    assert cap.result == 0, "the capture was invalidated"
+    assert fake_cuda.fake_cuda_live_mappings() == mappings
+    assert fake_cuda.fake_cuda_live_handles() == handles
+    assert fake_cuda.fake_cuda_live_reservations() == reservations
+    del kv
+    gc.collect()
+    assert fake_cuda.fake_cuda_live_events() == events
+    assert fake_cuda.fake_cuda_releases_during_capture() == releases
+
+
+class StandInGraph:
+    """torch.cuda.CUDAGraph's capture calls (torch here has no CUDA): vattn's hook wraps them."""
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        pass
+
+    def capture_end(self):
+        pass
+
+
+def test_a_manager_closed_during_a_framework_capture_is_torn_down_after_it(fake_cuda, framework, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", StandInGraph)
+    framework.init()
+    side = framework.stream()
+    handles, reservations = fake_cuda.fake_cuda_live_handles(), fake_cuda.fake_cuda_live_reservations()
+    kv = make()
+    a = kv.alloc_reqid()
+    assert kv.step(lens_with(3000, a))
+    releases = fake_cuda.fake_cuda_releases_during_capture()
+    graph = StandInGraph()
+    graph.capture_begin()  # the hook closes the manager's gate
+    try:
+        with Capture(framework, side) as cap:
+            kv.cleanup()
+            assert fake_cuda.fake_cuda_live_handles() > handles  # kept until the capture ends
+    finally:
+        graph.capture_end()  # the hook owes the closed manager's backend this end
+    assert cap.result == 0, "the capture was invalidated"
+    assert fake_cuda.fake_cuda_releases_during_capture() == releases
+    assert fake_cuda.fake_cuda_live_handles() == handles
+    assert fake_cuda.fake_cuda_live_reservations() == reservations

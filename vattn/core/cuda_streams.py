@@ -27,6 +27,9 @@ from vattn.common.argument_checks import stream_handles as _stream_handles
 _capture_lock = threading.Lock()
 _capture_depth = 0  # captures in progress (the wrappers' count)
 _capture_managers: weakref.WeakSet[Any] = weakref.WeakSet()
+# One entry per capture_begin a backend got: each is owed a capture_end, also
+# when its manager closed meanwhile (its teardown waits for that end).
+_begun_backends: list[Any] = []
 
 
 def _capture_targets() -> list[Any]:
@@ -51,26 +54,26 @@ def _captures_end() -> None:
         if _capture_depth == 0:
             return
         _capture_depth -= 1
+        owed = list({id(b): b for b in _begun_backends}.values())  # one end per backend per capture
+        for backend in owed:
+            _begun_backends.remove(backend)
+            with contextlib.suppress(Exception):
+                backend.capture_end()
         for manager in _capture_targets():
-            _resume_after_capture(manager)
+            with contextlib.suppress(Exception):  # a manager closed meanwhile has nothing to resume
+                manager._pages.pause_for_capture(False)
 
 
 def _pause_for_capture(manager: Any) -> None:
     pages = manager._pages
     pages.pause_for_capture(True)  # waits for the mapper's batch in flight
     try:
-        pages.memory.backend.capture_begin()  # waits for the driver calls under way
+        backend = pages.memory.backend
+        backend.capture_begin()  # waits for the driver calls under way
     except BaseException:
         pages.pause_for_capture(False)
         raise
-
-
-def _resume_after_capture(manager: Any) -> None:
-    pages = manager._pages
-    with contextlib.suppress(Exception):  # a manager closed meanwhile has nothing to resume
-        pages.memory.backend.capture_end()
-    with contextlib.suppress(Exception):
-        pages.pause_for_capture(False)
+    _begun_backends.append(backend)
 
 
 def _wrap_capture(graph_class: type) -> None:

@@ -123,6 +123,11 @@ int fc_pending_access_locked(uintptr_t lo, uintptr_t hi, CUcontext* ctx);
  * synchronous copies): CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, and the
  * conflicting captures invalidated, when this thread may not make one now. */
 CUresult fc_capture_forbids_unsafe_call(void);
+/* A release (cuMemRelease, cuMemAddressFree, cuEventDestroy) is being made:
+ * counted when any capture is in progress, whatever its mode or thread
+ * (fake_cuda_releases_during_capture), since a release in global mode from
+ * any thread may invalidate a capture. */
+void fc_note_release(void);
 /* The legacy stream used while a blocking stream of ctx captures:
  * CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, and those captures invalidated. */
 CUresult fc_capture_forbids_legacy_use(CUcontext ctx);

@@ -230,6 +230,7 @@ CUresult cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t align, CUdevi
 
 CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
   NEED_CONTEXT();
+  fc_note_release();
   CUresult unsafe = fc_capture_forbids_unsafe_call();
   if (unsafe != CUDA_SUCCESS) return unsafe;
   CUresult rc = CUDA_ERROR_INVALID_VALUE;
@@ -291,6 +292,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const CU
 
 CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
   NEED_CONTEXT();
+  fc_note_release();
   INJECT("cuMemRelease");  /* a failed release keeps the allocation */
   CUresult unsafe = fc_capture_forbids_unsafe_call();
   if (unsafe != CUDA_SUCCESS) return unsafe;

@@ -34,6 +34,10 @@
  *     CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
  *   - an event recorded on the capturing stream joins the graph; waiting for
  *     it: CUDA_ERROR_CAPTURED_EVENT.
+ * Besides, every release (cuMemRelease, cuMemAddressFree, cuEventDestroy)
+ * made while any capture is in progress is counted, in whatever mode or
+ * thread (fake_cuda_releases_during_capture): a check stricter than the
+ * rules above, for code that must issue none then.
  * An event recorded on another stream, outside the capture, is legal.
  */
 #include "fake_cuda.h"
@@ -72,7 +76,7 @@ static struct CUstream_st legacy_stream = {NULL, 1, STREAM_LEGACY, 0, 0, 0, 0, 0
 static __thread struct CUstream_st* per_thread_stream = NULL;
 
 struct CUevent_st { CUcontext ctx; int alive; struct CUstream_st* recorded_on; long covers; struct Capture* captured_in; };
-#define MAX_EVENTS 4096
+#define MAX_EVENTS 65536 /* handles are never reused: a destroyed event stays recognisable */
 static struct CUevent_st events[MAX_EVENTS];
 static int num_events = 0;
 static long live_events = 0;
@@ -288,6 +292,25 @@ void fake_cuda_finish(CUstream h) {
   if (s) complete_locked(s, s->launched);
   pthread_mutex_unlock(&fc_mu);
 }
+/* The stream's first n kernels finish (a GPU part-way through its queue). */
+void fake_cuda_finish_upto(CUstream h, long n) {
+  pthread_mutex_lock(&fc_mu);
+  struct CUstream_st* s = stream_of_locked(h);
+  if (s) complete_locked(s, n < s->launched ? n : s->launched);
+  pthread_mutex_unlock(&fc_mu);
+}
+static long releases_during_capture = 0;
+void fc_note_release(void) {
+  pthread_mutex_lock(&fc_mu);
+  for (int i = 0; i < MAX_CAPTURES; ++i)
+    if (captures[i].alive) {
+      releases_during_capture++;
+      break;
+    }
+  pthread_mutex_unlock(&fc_mu);
+}
+/* Releases made while some capture was in progress (fc_note_release). */
+long fake_cuda_releases_during_capture(void) { return releases_during_capture; }
 /* Kernels of the stream that some wait has seen complete. */
 long fake_cuda_stream_completed(CUstream h) {
   struct CUstream_st* s = stream_of(h);
@@ -459,6 +482,7 @@ CUresult cuEventQuery(CUevent e) {
 }
 CUresult cuEventDestroy_v2(CUevent e) {
   NEED_CONTEXT();
+  fc_note_release();
   if (!e || !e->alive) return CUDA_ERROR_INVALID_HANDLE;
   pthread_mutex_lock(&fc_mu);
   e->alive = 0;
