@@ -29,16 +29,17 @@ from vattn.budget import Budget  # noqa: E402 (after the checks: it loads _C; no
 if TYPE_CHECKING:
     import torch
 
-    from vattn.core import KVCacheManager, PrefixHandle, SeqLens
+    from vattn.core import KVCacheManager, Policy, PrefixHandle, SeqLens
 
 # The names whose modules import torch (seconds of a cold start) are bound on first
 # use (PEP 562 ``__getattr__`` below): ``python -m vattn budget`` and ``top``
 # import this package first, and an operator's tool must start in a fraction
 # of a second on a loaded machine (docs/elastic.md, "Command line").
-_NAMES_BOUND_ON_FIRST_USE = ("KVCacheManager", "PrefixHandle", "SeqLens", "init")
+_NAMES_BOUND_ON_FIRST_USE = ("KVCacheManager", "Policy", "PrefixHandle", "SeqLens", "init")
 
 __all__ = [
     "KVCacheManager",
+    "Policy",
     "VAttnError",
     "DriverError",
     "BackendUnavailable",
@@ -153,9 +154,9 @@ def _bind_names_that_import_torch() -> dict[str, Any]:
     """Imports the modules behind :data:`_NAMES_BOUND_ON_FIRST_USE` and binds
     those names in this module; returns them. Idempotent and thread-safe (a
     race binds the same objects twice)."""
-    from vattn.core import KVCacheManager, PrefixHandle, SeqLens
+    from vattn.core import KVCacheManager, Policy, PrefixHandle, SeqLens
 
-    names = {"KVCacheManager": KVCacheManager, "PrefixHandle": PrefixHandle, "SeqLens": SeqLens,
+    names = {"KVCacheManager": KVCacheManager, "Policy": Policy, "PrefixHandle": PrefixHandle, "SeqLens": SeqLens,
              "init": _takes_parameters_of(KVCacheManager)(_init_forwarder)}
     globals().update(names)
     return names
