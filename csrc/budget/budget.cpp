@@ -428,6 +428,9 @@ bool Budget::try_grant(const BudgetMember& member, uint64_t bytes, bool record_w
   if (fits()) {
     e.held_bytes.store(e.held_bytes.load() + bytes);
     e.waiting_bytes.store(0);
+    // A grant of what was asked for ends the wait; an ask ahead of need that
+    // fits does not: a refusal soon after continues the same wait (top's "for").
+    if (record_wait) e.wait_renewed_ns = 0;
     h->held_bytes.store(held + bytes, std::memory_order_release);
     h->waiting_bytes.store(h->waiting_bytes.load() - had_waiting, std::memory_order_release);
     return true;
@@ -436,7 +439,8 @@ bool Budget::try_grant(const BudgetMember& member, uint64_t bytes, bool record_w
   member.refused_epoch_.store(h->release_epoch.load(std::memory_order_acquire), std::memory_order_release);
   if (!record_wait) return false;
   const uint64_t now = budget::monotonic_ns();
-  if (!had_waiting) e.wait_since_ns = now;
+  const bool continues = e.wait_renewed_ns != 0 && now - e.wait_renewed_ns <= kWaitExpiryNs;
+  if (!had_waiting && !continues) e.wait_since_ns = now;
   e.wait_renewed_ns = now;
   e.waiting_bytes.store(bytes);
   h->waiting_bytes.store(h->waiting_bytes.load() - had_waiting + bytes, std::memory_order_release);
@@ -507,6 +511,7 @@ void Budget::clear_wait(const BudgetMember& member) {
   Header* h = segment_.header();
   h->waiting_bytes.store(h->waiting_bytes.load() - e.waiting_bytes.load(), std::memory_order_release);
   e.waiting_bytes.store(0);
+  e.wait_renewed_ns = 0;  // given up: a later refusal starts a new wait
 }
 
 void Budget::leave(const BudgetMember& member) noexcept {

@@ -142,6 +142,35 @@ def test_a_refused_grant_waits_and_others_see_pressure(budget_name):
     assert holder.pressure() == 0 and b.usage().waiting_bytes == 0
 
 
+def test_a_wait_counts_from_its_first_refusal(budget_name):
+    """``waiting_seconds`` (top's "for"): an ask ahead of need granted in between does not restart a
+    wait that goes on; a grant of what was waited for or a cleared wait ends it."""
+    b = vattn.Budget.create(budget_name, 4 * MiB)
+    holder, asker = b.join("holder"), b.join("asker")
+    assert holder.try_grant(3 * MiB)
+
+    def waited() -> float:
+        (m,) = [m for m in b.usage().members if m.label == "asker"]
+        return m.waiting_seconds
+
+    assert not asker.try_grant(2 * MiB)
+    time.sleep(0.3)
+    assert asker.try_grant(MiB // 2, record_wait=False)  # ahead of need: fits, the wait goes on
+    assert not asker.try_grant(2 * MiB)
+    assert waited() >= 0.3
+    asker.release(MiB // 2)
+    assert not asker.try_grant(2 * MiB, record_wait=False)
+    assert waited() >= 0.3
+    holder.release(MiB)
+    assert asker.try_grant(2 * MiB)  # what it waited for: the wait ended
+    assert not asker.try_grant(MiB)
+    assert waited() < 0.2
+    time.sleep(0.3)
+    asker.clear_wait()  # given up: the next refusal is a new wait
+    assert not asker.try_grant(MiB)
+    assert waited() < 0.2
+
+
 def test_lowering_the_limit_below_use_refuses_and_makes_pressure(budget_name):
     b = vattn.Budget.create(budget_name, 10 * MiB)
     m, n = b.join("m"), b.join("n")

@@ -180,5 +180,41 @@ def test_a_waiting_engine_blocks_instead_of_spinning(budget_name, model):
             releaser.join()
         cpu, wall = time.process_time() - cpu0, time.monotonic() - t0
         assert got == expected and wall >= 1.9
-        assert cpu < 0.6, f"{cpu:.2f} s of CPU for a {wall:.2f} s wait"
+        assert cpu / wall < 0.1, f"{cpu:.3f} s of CPU for a {wall:.2f} s wait"
         assert engine.stats()["creations_refused"] - refused < 200
+
+
+def test_a_request_over_the_limit_fails_after_the_wait_and_the_others_run(budget_name, model):
+    """A request whose pages alone exceed the current limit (it fits the pool) is set aside: the
+    requests behind it run meanwhile, and it fails with OutOfPages naming the limit and its need once
+    ``budget_wait_s`` passed without the limit rising; the wait costs no CPU."""
+    from vattn.engine import Engine, GenerateError
+
+    budget = vattn.Budget.create(budget_name, 3 * ID_BYTES)
+    prompts = _prompts(3, 2)  # up to 68 tokens with their outputs: 3 page ids of 32 tokens
+    with Engine(model, budget=False, **OPTIONS) as alone:
+        expected = alone.generate(prompts, max_new_tokens=8)
+    big = [2 + i % 90 for i in range(98)]  # 4 page ids: over the limit, within the pool
+    with Engine(model, budget=budget_name, budget_wait_s=1.5, **OPTIONS) as engine:
+        assert engine.scheduler.request_bytes(len(big)) == 4 * ID_BYTES
+        t0 = time.monotonic()
+        with pytest.raises(GenerateError) as info:
+            engine.generate([big, *prompts], max_new_tokens=8)
+        waited = time.monotonic() - t0
+        outputs = info.value.outputs
+        assert outputs[1:] == expected and outputs[0] is None
+        (failure,) = info.value.failed
+        assert failure.error == (f"OutOfPages: budget '{budget_name}': this request needs {4 * ID_BYTES} bytes of "
+                                 f"KV cache (98 tokens) alone, more than the budget's limit of {3 * ID_BYTES} bytes, "
+                                 f"and the limit did not rise within 1.5 s (VATTN_BUDGET_WAIT_S / budget_wait_s)")
+        assert 1.5 <= waited < 4.0, waited
+        # alone, over the limit: the engine sleeps until the limit may have risen or the wait is up
+        t0, cpu0 = time.monotonic(), time.process_time()
+        with pytest.raises(GenerateError, match="OutOfPages: .* within 1.5 s"):
+            engine.generate([big], max_new_tokens=8)
+        cpu, wall = time.process_time() - cpu0, time.monotonic() - t0
+        assert 1.5 <= wall and cpu / wall < 0.1, f"{cpu:.3f} s of CPU in {wall:.2f} s"
+        # the limit raised within the wait: it runs
+        threading.Timer(0.5, budget.set_limit, (4 * ID_BYTES,)).start()
+        assert len(engine.generate([big], max_new_tokens=8)[0]) == 8
+    assert budget.usage().members == ()

@@ -21,6 +21,12 @@ ENV_VAR = "VATTN_BUDGET"
 # pages back: long enough that a pause between bursts keeps the cache warm,
 # short next to the minutes an idle model may sit (kvcached's issue #359).
 DEFAULT_IDLE_RELEASE_S = 30.0
+WAIT_ENV_VAR = "VATTN_BUDGET_WAIT_S"
+# Seconds a request larger than the budget's current limit (alone) waits for
+# the limit to rise before it fails: a limit lowered for a moment is raised
+# again well within it, and a client waiting on a request that cannot run
+# hears so within it.
+DEFAULT_BUDGET_WAIT_S = 30.0
 
 
 def idle_release_seconds(value: object) -> float:
@@ -31,6 +37,27 @@ def idle_release_seconds(value: object) -> float:
         raise TypeError(f"idle_release_s must be a number of seconds or None, got {type(value).__name__}")
     if not (math.isfinite(value) and 0 < value <= 1e9):
         raise ValueError(f"idle_release_s must be in (0, 1e9] seconds, or None for never; got {value}")
+    return float(value)
+
+
+def budget_wait_seconds(value: object = None) -> float:
+    """Seconds a request over a budget's current limit waits for the limit to rise: ``value``
+    when given, else ``VATTN_BUDGET_WAIT_S`` when set and not empty, else 30. A number in
+    [0, 1e6]; 0 fails such a request at once."""
+    source = "budget_wait_s"
+    if value is None:
+        raw = os.environ.get(WAIT_ENV_VAR, "").strip()
+        if not raw:
+            return DEFAULT_BUDGET_WAIT_S
+        source = WAIT_ENV_VAR
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{WAIT_ENV_VAR} must be a number of seconds in [0, 1e6], got {raw!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{source} must be a number of seconds in [0, 1e6], got {type(value).__name__}")
+    if not (math.isfinite(value) and 0 <= value <= 1e6):
+        raise ValueError(f"{source} must be a number of seconds in [0, 1e6], got {value}")
     return float(value)
 
 

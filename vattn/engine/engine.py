@@ -52,11 +52,16 @@ consistent:
   exception, and so do its completions not forked yet; its reqid is freed.
   ``generate`` raises :class:`GenerateError` (a ``RuntimeError``) for it,
   after every other request ran to the end, with their outputs.
-* In a budget, a request the budget refuses waits, whatever the limit is now
-  (a limit is a live setting); only one larger than the cache's own pool
-  fails. When nothing can run for want of the budget's memory, ``step``
-  blocks on the budget (up to ``BUDGET_WAIT_S``, using no CPU) until memory
-  may have come free.
+* In a budget, a request the budget refuses that fits its current limit alone
+  waits until others give memory back; one whose pages alone exceed the
+  current limit is set aside, so the requests behind it run, and waits at
+  most ``budget_wait_s`` seconds (default 30, ``VATTN_BUDGET_WAIT_S``) for the
+  limit to rise before it finishes with an ``OutOfPages`` error; one larger
+  than the cache's own pool fails at once. When nothing can run for want of
+  the budget's memory, ``step`` blocks on the budget (up to
+  ``BUDGET_WAIT_S``, using no CPU) until memory may have come free; when only
+  requests over the limit wait, it sleeps (``LIMIT_POLL_S`` at a time) until
+  the limit may have risen or the first of them is due to fail.
 * Pages that a failed unmap left behind are reclaimed before any request is
   preempted or refused as too large for the pool.
 * ``step`` does not raise for these errors (``stats()["kv_errors"]`` counts
@@ -92,6 +97,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
+from vattn.budget.membership import budget_wait_seconds
 from vattn.common.errors import ClosedError, VAttnError
 from vattn.core import KVCacheManager
 from vattn.integrations.hf_model import kv_shape
@@ -108,6 +114,9 @@ __all__ = ["Engine", "GenerateError", "RequestOutput"]
 # memory: short of the budget's 1 s wait expiry, so the waiting request is
 # asked for again (and keeps counting as a wait others give memory back for).
 BUDGET_WAIT_S = 0.25
+# Seconds between looks at the limit while only requests over it wait: a
+# limit raised is seen this late at most.
+LIMIT_POLL_S = 0.1
 
 
 class GenerateError(RuntimeError):
@@ -150,6 +159,10 @@ class Engine:
             preempts as for a full pool, and a request alone that fits the
             pool and the budget's limit waits for others to give memory back
             (docs/elastic.md).
+        budget_wait_s: seconds a request whose pages alone exceed the
+            budget's current limit waits for the limit to rise before it
+            fails with ``OutOfPages`` (``None``: ``VATTN_BUDGET_WAIT_S`` when
+            set, else 30; in [0, 1e6]).
         **vattn_options: passed to :class:`vattn.KVCacheManager` (``page_size``,
             ``physical_memory``, ``layout``, policy switches, ``idle_release_s``).
 
@@ -169,6 +182,7 @@ class Engine:
         prefix_cache: bool = False,
         kv_retries: int = 3,
         budget: Any = None,
+        budget_wait_s: float | None = None,
         **vattn_options: Any,
     ) -> None:
         if prefill_chunk_size is not None and (isinstance(prefill_chunk_size, bool)
@@ -180,6 +194,7 @@ class Engine:
             raise TypeError(f"kv_retries must be an int >= 0, got {type(kv_retries).__name__}")
         if kv_retries < 0:
             raise ValueError(f"kv_retries must be an int >= 0, got {kv_retries}")
+        budget_wait_s = budget_wait_seconds(budget_wait_s)  # checked before the cache exists
         self.model = model.eval()
         name = "".join(c for c in str(getattr(model.config, "name_or_path", "")) if " " <= c <= "~")
         vattn_options.setdefault("budget_label", f"engine {name[-40:]}".strip())  # what `vattn top` shows
@@ -206,7 +221,7 @@ class Engine:
                                  f"{self.kv.page_size} is not a multiple of {self.kv.config.token_bytes_per_buffer} "
                                  f"bytes per token")
             cache = PrefixCache(self.kv.page_tokens)
-        self.scheduler = Scheduler(self.kv, cache, prefill_chunk_size, kv_retries)
+        self.scheduler = Scheduler(self.kv, cache, prefill_chunk_size, kv_retries, budget_wait_s)
         text_config = model.config.get_text_config(decoder=True)
         self.vocab_size: int = text_config.vocab_size
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -366,11 +381,21 @@ class Engine:
         else:
             if batch:
                 self._advance(batch, logits, finished)
-            elif self.scheduler.budget_wait and not finished:
-                self.kv.wait_for_budget(BUDGET_WAIT_S)  # not another refusal at once: wait for memory to move
+            elif not finished:
+                self._wait_for_budget()
         self.iteration += 1
         self._record(batch)
         return finished
+
+    def _wait_for_budget(self) -> None:
+        """Nothing ran for want of the budget's memory: blocks (no CPU) until it may have come free,
+        or, with only requests over the limit waiting, until the limit may have risen; never past
+        the moment the first of those is due to fail."""
+        due = self.scheduler.seconds_to_deadline()
+        if self.scheduler.budget_wait:  # not another refusal at once: wait for memory to move
+            self.kv.wait_for_budget(BUDGET_WAIT_S if due is None else min(BUDGET_WAIT_S, due))
+        elif due is not None and not self.scheduler.waiting and not self.scheduler.running:
+            time.sleep(min(LIMIT_POLL_S, due))
 
     def _record(self, batch: list[tuple[Request, int]]) -> None:
         stats = self.kv.stats()

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
 
-from vattn.common.errors import ClosedError, OutOfPages, OutOfSlots, VAttnError
+from vattn.budget.membership import budget_wait_seconds
+from vattn.common.errors import BudgetError, ClosedError, OutOfPages, OutOfReqids, VAttnError
 from vattn.core import KVCacheManager, PrefixHandle
 
 from .prefix_cache import PrefixCache
@@ -40,15 +42,22 @@ class Scheduler:
     ``kv_retries``: iterations in a row a request may be retried after the KV
     cache raised in them; one more failure finishes it with an error.
 
-    In a budget, a request refused alone that fits the cache's own pool waits
-    at the head of the queue however low the budget's limit is now (a limit
-    is a live setting); :attr:`budget_wait` then tells the engine to block on
-    the budget before the next iteration. Only a request larger than the pool
-    fails, and alone.
+    In a budget the limit decides, and the wait is bounded: a request refused
+    alone that fits the pool and the budget's current limit waits at the head
+    of the queue until others give memory back (:attr:`budget_wait` tells the
+    engine to block on the budget before the next iteration); a request whose
+    pages alone exceed the current limit is set aside (:attr:`over_limit`), so
+    the requests behind it run, and waits at most ``budget_wait_s`` seconds
+    for the limit to rise: back in the queue as soon as it fits, finished with
+    an ``OutOfPages`` error naming the limit and its need once the time is up.
+    A request larger than the pool fails at once.
+
+    ``clock``: seconds, monotonic (``time.monotonic``; a test passes its own).
     """
 
     def __init__(self, kv: KVCacheManager, prefix_cache: PrefixCache | None, prefill_chunk_size: int | None,
-                 kv_retries: int = 3) -> None:
+                 kv_retries: int = 3, budget_wait_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.kv = kv
         self.prefix_cache = prefix_cache
         self.prefill_chunk_size = prefill_chunk_size  # prompt tokens per request per iteration at most
@@ -59,11 +68,74 @@ class Scheduler:
         self.kv_errors = 0  # KV-cache exceptions met (and recovered from)
         self.last_kv_error: str | None = None
         self.budget_wait = False  # the last schedule ran nothing: a lone request waits for the budget
+        self.budget_wait_s = budget_wait_seconds(budget_wait_s)  # longest wait for a limit to rise
+        self.clock = clock
+        # requests whose pages alone exceed the budget's current limit, with when they were set aside
+        self.over_limit: list[tuple[Request, float]] = []
         self._admitted: set[int] = set()  # ids of the requests admitted in this iteration
         self._attached: set[PrefixHandle] = set()  # the cached prefixes they attached
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.over_limit)
+
+    # ---- requests over the budget's limit ------------------------------------------
+
+    def request_bytes(self, tokens: int) -> int:
+        """Bytes of the pages one request of ``tokens`` tokens maps (every buffer)."""
+        cfg = self.kv.config
+        return cfg.pages_for(tokens, self.kv.page_size) * self.kv.page_size * cfg.num_buffers
+
+    def _limit(self) -> int | None:
+        """The budget's limit now; None outside a budget, or when it can no longer be read (removed,
+        truncated): then no limit sets a request aside, and ``step`` says what happened to the budget."""
+        if self.kv.budget is None:
+            return None
+        try:
+            return self.kv.budget.limit
+        except BudgetError:
+            return None
+
+    def _over_limit(self, req: Request, limit: int | None) -> bool:
+        return limit is not None and self.request_bytes(req.num_tokens) > limit
+
+    def _sort_over_limit(self, finished: list[RequestOutput]) -> None:
+        """Sets waiting requests over the current limit aside, returns those that fit again to the
+        queue (ahead of later arrivals, in arrival order), fails those that waited ``budget_wait_s``."""
+        limit = self._limit()
+        now = self.clock()
+        back, kept = [], []
+        for req, since in self.over_limit:
+            if not self._over_limit(req, limit):
+                back.append(req)
+            elif now - since >= self.budget_wait_s:
+                need = self.request_bytes(req.num_tokens)
+                error = OutOfPages(
+                    f"budget '{self.kv.budget.name}': this request needs {need} bytes of KV cache "
+                    f"({req.num_tokens} tokens) alone, more than the budget's limit of {limit} bytes, and the "
+                    f"limit did not rise within {self.budget_wait_s:g} s (VATTN_BUDGET_WAIT_S / budget_wait_s)")
+                log.warning("vattn engine: request %s failed: %s", req.request_id, error)
+                finished.extend(req.failed(f"{type(error).__name__}: {error}"))
+            else:
+                kept.append((req, since))
+        self.over_limit = kept
+        still = []
+        for req in self.waiting:
+            if self._over_limit(req, limit):
+                self.over_limit.append((req, now))
+                log.warning("vattn engine: request %s needs %d bytes of KV cache alone, over budget '%s''s "
+                            "limit of %d bytes: it waits up to %g s for the limit to rise; the requests behind "
+                            "it run", req.request_id, self.request_bytes(req.num_tokens), self.kv.budget.name,
+                            limit, self.budget_wait_s)
+            else:
+                still.append(req)
+        back.sort(key=lambda r: (r.arrival_time, r.request_id, r.sample_index))
+        self.waiting = collections.deque(back + still)
+
+    def seconds_to_deadline(self) -> float | None:
+        """Seconds until the first request set aside over the limit fails; None when none is."""
+        if not self.over_limit:
+            return None
+        return max(0.0, min(since for _, since in self.over_limit) + self.budget_wait_s - self.clock())
 
     def chunk(self, req: Request) -> int:
         """Tokens of ``req`` this iteration computes."""
@@ -82,6 +154,7 @@ class Scheduler:
         engine then calls :meth:`failed`."""
         self._admitted, self._attached = set(), set()
         self.budget_wait = False
+        self._sort_over_limit(finished)
         self._admit(finished)
         while self.running:
             lens = [0] * self.kv.config.max_batch_size
@@ -104,9 +177,10 @@ class Scheduler:
             need = lens[victim.reqid]
             self._free(victim)
             # Alone and refused although it fits the pool: in a budget, other
-            # processes hold the memory now or the limit is low for a while; it
-            # waits at the head of the queue (others give memory back when they
-            # see it wait). Otherwise it can never run.
+            # processes hold the memory now; it waits at the head of the queue
+            # (others give memory back when they see it wait), or, over the
+            # limit, aside for a bounded time (the next schedule sets it aside).
+            # Otherwise it can never run.
             if not self.running and (self.kv.budget is None or not self.kv.fits_alone(need)):
                 finished.extend(victim.failed(self._refusal(need)))
                 break
@@ -215,7 +289,7 @@ class Scheduler:
         except ClosedError:
             raise
         except VAttnError as e:
-            if not isinstance(e, (OutOfSlots, OutOfPages)):  # those are no error: the batch is full
+            if not isinstance(e, (OutOfReqids, OutOfPages)):  # those are no error: the batch is full
                 self._note(e)
             child.reqid, child.num_computed = -1, 0
             self.waiting.appendleft(child)
