@@ -167,13 +167,20 @@ def test_the_workers_manager_fences_on_vllms_stream_and_creates_the_pool_without
 CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901
 
 
-def fake_runner(device: torch.device, max_num_reqs: int, max_model_len: int, max_blocks: int) -> types.SimpleNamespace:
+def fake_runner(device: torch.device, max_num_reqs: int, max_model_len: int, max_blocks: int,
+                full_graph_sizes: tuple[int, ...] = (), max_num_tokens: int = 64) -> types.SimpleNamespace:
     """vLLM's model runner as the worker cache reads it: its device, its persistent batch's rows
-    (request ids) and CPU block table (one KV cache group)."""
+    (request ids) and CPU block table (one KV cache group), its CPU sequence lengths, and its CUDA-graph
+    dispatcher's full-graph capture sizes (largest first, as vLLM's ``get_capture_descs`` lists them)."""
     table = types.SimpleNamespace(block_table=types.SimpleNamespace(np=np.zeros((max_num_reqs, max_blocks), np.int32)),
                                   num_blocks_per_row=np.zeros(max_num_reqs, np.int32))
     batch = types.SimpleNamespace(max_num_reqs=max_num_reqs, req_ids=[], block_table=[table])
-    return types.SimpleNamespace(device=device, max_model_len=max_model_len, input_batch=batch)
+    full = types.SimpleNamespace(name="FULL")
+    descs = [(full, [types.SimpleNamespace(num_tokens=n) for n in full_graph_sizes])] if full_graph_sizes else []
+    return types.SimpleNamespace(device=device, max_model_len=max_model_len, input_batch=batch,
+                                 max_num_tokens=max_num_tokens, optimistic_seq_lens_cpu=torch.zeros(max_num_reqs,
+                                                                                                    dtype=torch.int32),
+                                 cudagraph_dispatcher=types.SimpleNamespace(get_capture_descs=lambda: descs))
 
 
 def set_rows(runner, rows: dict[str, list[int]]) -> None:

@@ -55,6 +55,8 @@ other versions are refused unless ``VATTN_VLLM_ALLOW_UNTESTED=1``):
   inherits it): vattn tensors instead of ``allocate_kv_cache``.
 - ``GPUModelRunner._update_states`` (wrapped): finished and resumed requests
   give their slices back.
+- ``GPUModelRunner._cleanup_profiling_kv_cache`` (wrapped): the cache built
+  for vLLM's CUDA-graph memory profiling is closed with vLLM's.
 - ``GPUModelRunner._zero_block_ids`` / ``CPUModelRunner._zero_block_ids``
   (replaced): new blocks are not zeroed; the kernels read written rows only.
 - ``Worker.vattn_stats`` (added): ``LLM.collective_rpc("vattn_stats")``;

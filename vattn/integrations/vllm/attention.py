@@ -41,9 +41,10 @@ def cudagraph_support(device_type: str, head_size: int, dtype: torch.dtype | Non
     refuses anyway).
 
     Uniform single-token decodes only: a graph-capture batch reads the
-    padding slice's one page, which holds a decode capture's one token per
-    row but not a mixed capture's (vLLM captures those with every row as long
-    as the whole batch)."""
+    padding slice's null-block pages, mapped at start-up for a decode
+    capture's one token per row and for the longer rows of vLLM's CUDA-graph
+    memory profiling, but not for a mixed capture's (vLLM captures those with
+    every row as long as the whole batch)."""
     try:
         kernel = configuration.serving_kernel(AttentionCase(device_type, head_size, dtype, dtype))
     except ValueError:
@@ -129,8 +130,8 @@ class ForwardPlanner:
         input batch's requests, if any, are not this batch's."""
         if longest_seq_len > self.cache.padding_tokens:
             raise RuntimeError(f"vattn: a CUDA graph capture batch reads {longest_seq_len} tokens per row; the "
-                               f"padding slice it reads maps {self.cache.padding_tokens} (vattn captures "
-                               f"single-token decodes only)")
+                               f"padding slice it reads maps {self.cache.padding_tokens} (sized at start-up for "
+                               f"the longest capture batch vLLM 0.32 builds)")
         return self._plan_into(None, padded)
 
     def _plan_into(self, batch: AttentionBatch | None, padded: PaddedBatch) -> VAttnMetadata:

@@ -135,15 +135,33 @@ def config_granularity(device: str) -> int:
     return granularity(torch.device("cpu")) if device == "cpu" else CUDA_GRANULARITY
 
 
+PREFIX_BLOCK_TOKENS = 256
+"""Tokens: the largest block vattn picks without a warning. vLLM's prefix
+cache hits whole blocks only, so prompts that share fewer tokens than a
+block share nothing; where no layout gives a block this small (a model
+with few KV bytes per token on a large page granularity) the block vattn
+picks is logged as a warning with the arithmetic."""
+
+
 def fit_block_size(cache: Any, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
                    page_granularity: int, layout: str | None) -> int:
     """vLLM's block size for vattn, set on ``cache`` (vLLM's cache config):
     one block must be one page of every buffer, a multiple of
     ``page_granularity`` bytes. A block size vLLM chose itself that is too
     small becomes the smallest multiple of it that fills the page in
-    ``layout`` (or in whichever layout needs the smaller one), and the
-    change is logged; one the user chose is refused here, at start-up,
-    naming the flag. Returns the block size."""
+    ``layout`` (or in whichever layout needs the smaller one: the rule is
+    the smallest block, and ``all_layers``, whose page holds a block of
+    every layer, needs ``num_layers`` times fewer tokens than
+    ``per_layer``), and the change is logged, as a warning where the block
+    passes ``PREFIX_BLOCK_TOKENS``; one the user chose is refused here, at
+    start-up, naming the flag. Returns the block size.
+
+    No layout gets under the smallest block of ``all_layers``: a page is
+    one buffer's block, and a buffer holds K or V of every layer at most, so
+    ``page_granularity / gcd(page_granularity, num_layers * num_kv_heads *
+    head_dim * dtype_bytes)`` tokens is the floor (Qwen2-0.5B: 24 layers x 2
+    KV heads x 64 x 2 bytes = 6144 bytes per token and buffer, 3 x 2 KiB,
+    so 1024 tokens on CUDA's 2 MiB; 4 KiB pages of the host take 2)."""
     block = cache.block_size
     try:
         choose_layout(num_layers, num_kv_heads, head_dim, dtype_bytes, block, page_granularity, layout)
@@ -157,9 +175,18 @@ def fit_block_size(cache: Any, num_layers: int, num_kv_heads: int, head_dim: int
     fits = {name: math.lcm(block, block_mapper.smallest_block_size(token_bytes[name], page_granularity))
             for name in ([layout] if layout else block_mapper.LAYOUTS)}
     chosen = min(fits, key=lambda name: (fits[name], name != "per_layer"))
-    logging.getLogger("vllm.vattn").info(  # under vLLM's logger, so vLLM's handlers show it
-        "vattn: block_size %d makes pages below the %d-byte granularity; using block_size %d (%s layout: "
-        "one block is one %d-byte page of every K/V buffer). Pass --block-size to choose another multiple.",
-        block, page_granularity, fits[chosen], chosen, fits[chosen] * token_bytes[chosen])
+    logger = logging.getLogger("vllm.vattn")  # under vLLM's logger, so vLLM's handlers show it
+    logger.info("vattn: block_size %d makes pages below the %d-byte granularity; using block_size %d (%s layout: "
+                "one block is one %d-byte page of every K/V buffer). Pass --block-size to choose another multiple.",
+                block, page_granularity, fits[chosen], chosen, fits[chosen] * token_bytes[chosen])
+    if fits[chosen] > PREFIX_BLOCK_TOKENS:
+        floor = math.lcm(block, block_mapper.smallest_block_size(token_bytes["all_layers"], page_granularity))
+        how = (f"{LAYOUT_SETTING}=all_layers makes them {floor}" if floor < fits[chosen] else
+               f"no layout makes them smaller: an all_layers page holds {token_bytes['all_layers']} bytes per token "
+               f"({num_layers} layers x {num_kv_heads} KV heads x {head_dim} x {dtype_bytes} bytes), and a whole "
+               f"number of {page_granularity}-byte granules takes a multiple of {floor} tokens; a backend with a "
+               f"smaller granularity makes smaller blocks")
+        logger.warning("vattn: blocks of %d tokens: vLLM's prefix cache hits whole blocks only, so prompts sharing "
+                       "fewer than %d tokens share no KV; %s.", fits[chosen], fits[chosen], how)
     cache.block_size = fits[chosen]
     return fits[chosen]

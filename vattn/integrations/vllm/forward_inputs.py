@@ -71,8 +71,7 @@ class ForwardReader:
         starts = m.query_start_loc_cpu.numpy()[: m.num_reqs + 1]
         query_lens = starts[1:] - starts[:-1]
         n = int(np.count_nonzero(query_lens))
-        seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens
-        seq_lens = seq_lens.numpy()[:n].astype(np.int64)  # exact: no speculative decoding
+        seq_lens = self.cpu_seq_lens(m)[:n].astype(np.int64)  # exact: no speculative decoding
         batch = self.runner.input_batch
         req_ids = batch.req_ids
         keys = req_ids[:n]
@@ -90,8 +89,16 @@ class ForwardReader:
         return PaddedBatch(m.num_reqs, m.num_actual_tokens, m.query_start_loc[: m.num_reqs + 1],
                            m.seq_lens[: m.num_reqs], m.max_query_len, m.max_seq_len)
 
-    @staticmethod
-    def longest_seq_len(m: Any) -> int:
+    def cpu_seq_lens(self, m: Any) -> np.ndarray:
+        """Tokens each row of ``m`` attends over, from host memory
+        (``[>= m.num_reqs]`` int32, a view): vLLM's
+        ``seq_lens_cpu_upper_bound``, or where a metadata object has none
+        (vLLM declares it optional) the runner's ``optimistic_seq_lens_cpu``,
+        the array vLLM 0.32 slices it from (for forwards and dummy runs
+        alike); never ``m.seq_lens``, which lives on the model's device."""
+        bound = m.seq_lens_cpu_upper_bound
+        return (bound if bound is not None else self.runner.optimistic_seq_lens_cpu).numpy()
+
+    def longest_seq_len(self, m: Any) -> int:
         """Tokens the longest row of ``m`` attends over (0 without rows): what a capture batch reads."""
-        seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens
-        return int(seq_lens[: m.num_reqs].max()) if m.num_reqs else 0
+        return int(self.cpu_seq_lens(m)[: m.num_reqs].max()) if m.num_reqs else 0

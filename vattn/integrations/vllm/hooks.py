@@ -13,7 +13,8 @@ from typing import Any
 from . import engine_budget
 from .attention import BACKEND_PATH
 from .configuration import configure
-from .worker import initialize_kv_cache_tensors, update_states, worker_block_bytes, worker_pages, worker_stats
+from .worker import cleanup_profiling_kv_cache, initialize_kv_cache_tensors, update_states, worker_block_bytes
+from .worker import worker_pages, worker_stats
 
 _hooks_installed = False  # read and set by install_hooks alone
 
@@ -59,6 +60,7 @@ def _install_worker() -> None:
 
     GPUModelRunner.initialize_kv_cache_tensors = initialize_kv_cache_tensors
     GPUModelRunner._update_states = update_states(GPUModelRunner._update_states)
+    GPUModelRunner._cleanup_profiling_kv_cache = cleanup_profiling_kv_cache(GPUModelRunner._cleanup_profiling_kv_cache)
     GPUModelRunner._zero_block_ids = _skip_zeroing
     if current_platform.is_cpu():
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner

@@ -7,6 +7,7 @@ the requests and blocks each step's scheduler output gives back."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Any
@@ -14,11 +15,12 @@ from typing import Any
 import torch
 
 from vattn.budget.membership import budget_name_from_environment
+from vattn.common.config import KVCacheConfig
 from vattn.kernels import AttentionCase, Kernel
 from vattn.kernels import host as host_kernel
 from vattn.kernels.flash_attn import FlashAttentionKernel
 
-from .configuration import LAYOUT_SETTING, choose_layout, granularity, loaded_kernel, serving_kernel
+from .configuration import LAYOUT_SETTING, SWITCH, choose_layout, granularity, loaded_kernel, serving_kernel
 from .worker_budget import RELEASE_ATTRIBUTE, WorkerPages, block_bytes, release_blocks
 from .worker_cache import WorkerCache
 
@@ -37,35 +39,117 @@ def forward_streams(device: torch.device) -> list[Any] | None:
     return [current_stream()]
 
 
-SLICES_PER_ROW = 2
-"""Slices per row of the persistent batch, in each KV cache group: a
-finished request's slice keeps its pages until the device is done with
-them, and for a later request that shares its first blocks, while a new
-request takes another (virtual address space is cheap)."""
+ADDRESS_SPACE_BUDGET = 64 << 40
+"""Bytes of virtual address space one worker's cache may reserve (64 TiB).
+x86-64 Linux gives a process 128 TiB of user addresses, and CUDA's unified
+addressing puts device reservations in the same range as the host's
+mappings (the process's heap and libraries, torch's pinned and pageable
+memory, the driver's own ranges); half of it is left to those. The host
+backend reserves in the same 128 TiB."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceShape:
+    """How many slices the worker's cache has and how long each is, from
+    what vLLM can have alive. Per KV cache group: one slice per request
+    vLLM can run at once (``max_num_seqs``), ``spare`` more that keep a
+    finished request's pages for a later request that shares its first
+    blocks (at most one per block of the pool: a free slice is kept for the
+    blocks it still maps), and the padding slice of a kernel that runs in
+    CUDA graphs."""
+
+    live: int  # slices per group a forward can need at once: vLLM's max_num_seqs
+    spare: int  # free slices per group kept mapped for reuse: min(max_num_seqs, num_blocks)
+    padding: int  # 1 where the kernel runs in CUDA graphs (the padding slice), else 0
+    context_tokens: int  # tokens of each slice: the longest row a forward or a capture batch can read
+
+    @property
+    def per_group(self) -> int:
+        return self.live + self.spare + self.padding
+
+
+def slice_shape(max_num_seqs: int, max_model_len: int, num_blocks: int, block_size: int, all_windows: bool,
+                padding: int = 0, capture_tokens: int = 0) -> SliceShape:
+    """The slices of a cache of ``num_blocks`` blocks of ``block_size``
+    tokens for ``max_num_seqs`` requests of up to ``max_model_len`` tokens.
+
+    A slice never needs more rows than the pool can map into it: every
+    position a request maps holds a distinct block of a full-attention
+    group, so a request is at most ``num_blocks * block_size`` tokens long
+    (vLLM admits no more), unless every group has a sliding window (blocks
+    behind it go back to the pool, so a request may outgrow it: such a
+    cache keeps ``max_model_len``). A capture batch of CUDA graphs reads
+    ``capture_tokens`` of the padding slice (:func:`capture_tokens`)."""
+    pool_tokens = num_blocks * block_size
+    context = max_model_len if all_windows else min(max_model_len, max(pool_tokens, capture_tokens))
+    return SliceShape(max_num_seqs, min(max_num_seqs, num_blocks), padding, context)
+
+
+def capture_tokens(runner: Any) -> int:
+    """Tokens per row the longest batch vLLM builds attention metadata for
+    a full CUDA graph with reads (vLLM 0.32's ``GPUModelRunner``):
+    ``profile_cudagraph_memory`` captures the largest full-graph batch with
+    ``min(max_model_len, max_num_tokens // its tokens)`` per row; every
+    other capture reads one token per row (uniform single-token decodes).
+    0 without full graphs. Read from vLLM's dispatcher, whose capture
+    sizes are resolved before the KV cache tensors are made."""
+    full = [descs for mode, descs in runner.cudagraph_dispatcher.get_capture_descs() if mode.name == "FULL"]
+    if not full or not full[0]:
+        return 0
+    return max(1, min(runner.max_model_len, runner.max_num_tokens // full[0][0].num_tokens))
 
 
 def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, num_groups: int = 1,
-                    padding_slices: int = 0) -> dict[str, Any]:
+                    padding_slices: int = 0, all_windows: bool = False, padding_tokens: int = 0) -> dict[str, Any]:
     """The :class:`KVCacheManager` arguments for a worker: ``num_layers``
-    layers (per group) of vLLM's KV cache spec ``spec``, ``SLICES_PER_ROW``
-    slices per (group, row of the runner's persistent batch) plus
-    ``padding_slices`` per group, a pool of exactly ``num_blocks`` page ids
-    (one per vLLM block), pages owned by vLLM, fences on vLLM's stream."""
+    layers (per group) of vLLM's KV cache spec ``spec``, the slices of
+    :func:`slice_shape` per group (``padding_slices`` of them padding,
+    whose capture batches read ``padding_tokens``), a pool of exactly
+    ``num_blocks`` page ids (one per vLLM block), pages owned by vLLM,
+    fences on vLLM's stream. Raises ValueError, with the arithmetic and the
+    flags that change it, where the reservation would pass
+    ``ADDRESS_SPACE_BUDGET``."""
     layout, page_size = choose_layout(num_layers, spec.num_kv_heads, spec.head_size,
                                      spec.dtype.itemsize, spec.block_size, granularity(runner.device),
                                      os.environ.get(LAYOUT_SETTING))
     num_buffers = 2 * num_layers if layout == "per_layer" else 2
-    return dict(num_layers=num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size, dtype=spec.dtype,
-                max_batch_size=num_groups * (SLICES_PER_ROW * runner.input_batch.max_num_reqs + padding_slices),
-                max_context_len=runner.max_model_len,
-                page_size=page_size, physical_memory=num_blocks * page_size * num_buffers, layout=layout,
-                device=str(runner.device), page_allocator="external", background=False, deferred_reclaim=False,
-                eager=False, sync_streams=forward_streams(runner.device),
-                # under VATTN_BUDGET the engine core is the member and charges every rank's pages before a
-                # forward creates them (integrations/vllm/engine_budget.py): a worker's cache never asks the budget.
-                # Without one vLLM holds its whole block pool, as stock allocates its cache tensor at start-up:
-                # created now, so no forward creates (on the host: zeroes) the pages of a block's first use
-                budget=False, preallocate=not budget_name_from_environment())
+    shape = slice_shape(runner.input_batch.max_num_reqs, runner.max_model_len, num_blocks, spec.block_size,
+                        all_windows, padding_slices, padding_tokens)
+    arguments = dict(num_layers=num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+                     dtype=spec.dtype, max_batch_size=num_groups * shape.per_group,
+                     max_context_len=shape.context_tokens,
+                     page_size=page_size, physical_memory=num_blocks * page_size * num_buffers, layout=layout,
+                     device=str(runner.device), page_allocator="external", background=False,
+                     deferred_reclaim=False, eager=False, sync_streams=forward_streams(runner.device),
+                     # under VATTN_BUDGET the engine core is the member and charges every rank's pages before a
+                     # forward creates them (integrations/vllm/engine_budget.py): a worker's cache never asks the
+                     # budget. Without one vLLM holds its whole block pool, as stock allocates its cache tensor at
+                     # start-up: created now, so no forward creates (on the host: zeroes) the pages of a block's
+                     # first use
+                     budget=False, preallocate=not budget_name_from_environment())
+    check_address_space(arguments, shape, num_groups)
+    return arguments
+
+
+def check_address_space(arguments: dict[str, Any], shape: SliceShape, num_groups: int) -> int:
+    """The virtual bytes a cache made with ``arguments`` reserves; raises
+    ValueError, before any driver call, naming the arithmetic and the flags
+    that lower it where that passes ``ADDRESS_SPACE_BUDGET``."""
+    config = KVCacheConfig(arguments["num_layers"], arguments["num_kv_heads"], arguments["head_dim"],
+                           arguments["dtype"], arguments["max_batch_size"], arguments["max_context_len"],
+                           arguments["layout"])
+    page_size = arguments["page_size"]
+    reserved = config.reservation_bytes(page_size)
+    if reserved > ADDRESS_SPACE_BUDGET:
+        raise ValueError(
+            f"vattn: the KV cache would reserve {reserved / (1 << 40):.1f} TiB of virtual addresses, over the "
+            f"{ADDRESS_SPACE_BUDGET >> 40} TiB a process can spare (CUDA shares one 128 TiB range with the host): "
+            f"{config.num_buffers} buffers x {num_groups} KV cache group(s) x {shape.per_group} slices "
+            f"({shape.live} for --max-num-seqs, {shape.spare} kept for reuse, {shape.padding} padding) x "
+            f"{config.slice_bytes(page_size)} bytes ({shape.context_tokens} tokens x "
+            f"{config.token_bytes_per_buffer} bytes per token and buffer, whole {page_size}-byte pages); lower "
+            f"--max-num-seqs or --max-model-len (LLM(max_num_seqs=..., max_model_len=...)), or unset {SWITCH}")
+    return reserved
 
 
 def check_groups(kv_cache_config: Any, kernel_block_sizes: Any) -> Any:
@@ -92,13 +176,42 @@ def check_groups(kv_cache_config: Any, kernel_block_sizes: Any) -> Any:
 
 def build_cache(runner: Any, kv_cache_config: Any, spec: Any, kernel: Kernel, case: AttentionCase) -> WorkerCache:
     """The worker's cache for vLLM's ``kv_cache_config`` (its groups share ``spec``, :func:`check_groups`)
-    and ``runner`` (its device, rows and longest context), served by ``kernel``."""
+    and ``runner`` (its device, rows, longest context and, with CUDA graphs, capture sizes), served by
+    ``kernel``. A profiling config (vLLM's minimal cache for CUDA-graph memory profiling: one block per
+    row) gets a cache of its few blocks: slices no longer than its pool, the pool's pages only."""
     groups = kv_cache_config.kv_cache_groups
     per_group = max(len(g.layer_names) for g in groups)
     pad = 1 if kernel.graphs else 0  # a padding slice per group for CUDA graphs' padded batches
-    arguments = cache_arguments(runner, spec, per_group, kv_cache_config.num_blocks, len(groups), pad)
-    layout = [(list(g.layer_names), getattr(g.kv_cache_spec, "sliding_window", None)) for g in groups]
-    return WorkerCache.build(arguments, layout, spec.block_size, kv_cache_config.num_blocks, kernel, case)
+    padding_tokens = max(1, capture_tokens(runner)) if pad else 0
+    windows = [getattr(g.kv_cache_spec, "sliding_window", None) for g in groups]
+    arguments = cache_arguments(runner, spec, per_group, kv_cache_config.num_blocks, len(groups), pad,
+                                all_windows=all(windows), padding_tokens=padding_tokens)
+    layout = [(list(g.layer_names), window) for g, window in zip(groups, windows)]
+    return WorkerCache.build(arguments, layout, spec.block_size, kv_cache_config.num_blocks, kernel, case,
+                             padding_tokens)
+
+
+def drop_cache(runner: Any) -> None:
+    """Closes the vattn cache ``runner`` holds, if any: its pages and address range go back once vLLM has
+    dropped the tensor views (vLLM's ``_cleanup_profiling_kv_cache`` does), and the runner forgets it."""
+    cache = getattr(runner, RUNNER_ATTRIBUTE, None)
+    if cache is not None:
+        delattr(runner, RUNNER_ATTRIBUTE)
+        cache.manager.cleanup()
+
+
+def cleanup_profiling_kv_cache(stock: Any) -> Any:
+    """Wraps ``GPUModelRunner._cleanup_profiling_kv_cache``: vLLM drops the minimal KV cache it made for
+    CUDA-graph memory profiling (its tensors, the metadata builders), and vattn closes the cache built for
+    it, so that one cache is alive when vLLM builds the real one (vLLM also calls it at shutdown)."""
+
+    @functools.wraps(stock)
+    def _cleanup_profiling_kv_cache(runner: Any) -> Any:
+        out = stock(runner)
+        drop_cache(runner)
+        return out
+
+    return _cleanup_profiling_kv_cache
 
 
 def initialize_kv_cache_tensors(runner: Any, kv_cache_config: Any, kernel_block_sizes: Any,
@@ -119,6 +232,7 @@ def initialize_kv_cache_tensors(runner: Any, kv_cache_config: Any, kernel_block_
                          num_kv_heads=spec.num_kv_heads, max_context_len=runner.max_model_len)
     # fails here, at engine construction, if it cannot load
     kernel = loaded_kernel(serving_kernel(case), spec.head_size)
+    drop_cache(runner)  # a cache vLLM replaced without its cleanup: never two alive
     cache = build_cache(runner, kv_cache_config, spec, kernel, case)
     manager = cache.manager
     if isinstance(kernel, FlashAttentionKernel):
@@ -138,10 +252,12 @@ def initialize_kv_cache_tensors(runner: Any, kv_cache_config: Any, kernel_block_
                   kv_cache_groups=kv_cache_config.kv_cache_groups)
     init_logger("vllm.vattn").info(
         "vattn: KV cache on vattn (%s layout): %d blocks of %d tokens = %d page ids of %d bytes x %d buffers; "
-        "%d KV cache group(s) (windows %s) x %d slices (max_num_seqs) of %d tokens; attention: %s",
+        "%d KV cache group(s) (windows %s) x %d slices (%d for max_num_seqs) of %d tokens; %d bytes of "
+        "virtual addresses; attention: %s",
         manager.config.layout, kv_cache_config.num_blocks, spec.block_size, manager.num_page_ids, manager.page_size,
         manager.config.num_buffers, len(cache.groups), [g.window for g in cache.groups],
-        runner.input_batch.max_num_reqs, runner.max_model_len, kernel.name)
+        manager.config.max_batch_size // len(cache.groups), runner.input_batch.max_num_reqs,
+        manager.config.max_context_len, manager.config.reservation_bytes(manager.page_size), kernel.name)
     return kv_caches
 
 

@@ -17,17 +17,20 @@ group maps into slices of its own, and one physical page pool serves them
 all, as vLLM's one block pool does. A request keeps its slices from the
 first forward that sees it until it finishes (or is preempted, which
 replaces its blocks), whatever row of the persistent batch it sits in;
-``S`` is twice the batch's rows, so that a finished request's slice can
-wait, still mapped, until the device is done with it and a new request
-that shares its first blocks takes it. The pages a sliding
+``S`` is the batch's rows plus as many spare slices (fewer where the pool
+has fewer blocks), so that a finished request's slice can wait, still
+mapped, until the device is done with it and a new request that shares its
+first blocks takes it (``vattn.integrations.vllm.worker.slice_shape``). The pages a sliding
 window leaves behind, which vLLM frees, become holes at the front of the
 slice (:class:`vattn.integrations.block_mapper.BlockMapper`).
 
 With a kernel that runs in CUDA graphs (:attr:`vattn.kernels.Kernel.graphs`)
 each group has one more slice, the padding slice, handed to no request: its
-first page maps vLLM's null block (block 0, never a request's) from start-up
-on, so a captured batch's padded tokens write their K/V there and a
-graph-capture batch reads only there, and neither maps anything.
+first pages map vLLM's null block (block 0, never a request's) from start-up
+on, as many as the longest capture batch vLLM builds reads (its CUDA-graph
+memory profiling reads more than one token per row), so a captured batch's
+padded tokens write their K/V there and a graph-capture batch reads only
+there, and neither maps anything.
 """
 
 from __future__ import annotations
@@ -88,17 +91,19 @@ class WorkerCache:
     behind_windows: collections.deque = dataclasses.field(default_factory=lambda: series())  # bytes of window holes
     map_ns: int = 0  # time spent mapping and unmapping, all forwards
     forwards: int = 0
-    padding_tokens: int = 0  # rows of each padding slice that are mapped (one block); 0: no padding slices
+    padding_tokens: int = 0  # rows of each padding slice that are mapped (whole blocks); 0: no padding slices
     _warm_up_rows: bool = False  # the last forward had rows without a request
 
     @classmethod
     def build(cls, arguments: Mapping[str, object], groups: Sequence[tuple[list[str], int | None]], block_size: int,
-              num_blocks: int, kernel: Kernel, case: AttentionCase) -> WorkerCache:
+              num_blocks: int, kernel: Kernel, case: AttentionCase, padding_tokens: int = 1) -> WorkerCache:
         """The cache of a manager made with ``arguments`` (its ``max_batch_size``
         split evenly among ``groups``, each ``(layer names, window in tokens or
         None)``), whose pool must hold exactly ``num_blocks`` page ids of
         ``block_size`` tokens; with a kernel that runs in CUDA graphs the last
-        slice of each group is its padding slice, mapped to the null block now."""
+        slice of each group is its padding slice, whose first
+        ``padding_tokens`` rows (rounded up to whole blocks: what the longest
+        capture batch reads) map the null block now."""
         manager = KVCacheManager(**arguments)
         if manager.num_page_ids != num_blocks:
             manager.cleanup()
@@ -110,19 +115,21 @@ class WorkerCache:
                               BlockMapper(manager, block_size, first_reqid=i * per, slices=per - pad, window=window),
                               padding=per - 1 if pad else None)
                   for i, (names, window) in enumerate(groups)]
+        padding_blocks = -(-max(1, padding_tokens) // block_size) if pad else 0
         if pad:
             try:  # at start-up, so that no forward (a graph capture least of all) maps for padding
                 reqids = np.array([i * per + per - 1 for i in range(len(groups))], dtype=np.int64)
                 for reqid in reqids:
                     manager.alloc_reqid(reqid=int(reqid))
                 zeros = np.zeros(len(reqids), dtype=np.int64)
-                manager.map_pages(reqids, zeros, np.full(len(reqids), block_mapper.NULL_BLOCK_ID, dtype=np.int64),
-                                  np.ones(len(reqids), dtype=np.int64))
+                manager.map_pages(reqids, zeros,
+                                  np.full(len(reqids) * padding_blocks, block_mapper.NULL_BLOCK_ID, dtype=np.int64),
+                                  np.full(len(reqids), padding_blocks, dtype=np.int64))
             except BaseException:
                 manager.cleanup()
                 raise
         group_of = {name: i for i, g in enumerate(slices) for name in g.layer_names}
-        return cls(manager, slices, kernel, case, group_of, padding_tokens=block_size if pad else 0)
+        return cls(manager, slices, kernel, case, group_of, padding_tokens=padding_blocks * block_size)
 
     @functools.cached_property
     def has_windows(self) -> bool:
