@@ -298,7 +298,7 @@ def profile(args: argparse.Namespace, suite: dict, traces: tuple[str, ...], requ
     same_batches = all(results["vattn"]["phases"][t]["batches"] == batches[t] for t in traces)
     v = results["vattn"]["vattn"][0]  # the whole run's mapping work (warm-up included)
     mapping = {"forwards": len(v["bytes_mapped_series"]), "map_s": v["map_ns"] / 1e9,
-               **{k: v[k] for k in ("pages_created", "page_slots_mapped", "page_unmaps", "num_buffers")},
+               **{k: v[k] for k in ("pages_created", "page_mappings", "page_unmaps", "num_buffers")},
                **v["mapping"]}  # positions mapped and unmapped, against their lower bound
     print(f"vattn mapping over the run: {mapping}")
     for trace in traces:

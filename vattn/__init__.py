@@ -17,7 +17,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ParamSpec
 
 from vattn.common.errors import BackendUnavailable, BudgetError, ClosedError, DriverError, ForkedError, OutOfPages
-from vattn.common.errors import OutOfSlots, VAttnError
+from vattn.common.errors import OutOfReqids, VAttnError
+from vattn.common.deprecation import warn_renamed
 from vattn.common.install_check import check_extension, check_torch
 from vattn.common.version import VERSION as __version__
 
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 # use (PEP 562 ``__getattr__`` below): ``python -m vattn budget`` and ``top``
 # import this package first, and an operator's tool must start in a fraction
 # of a second on a loaded machine (docs/elastic.md, "Command line").
+_RENAMED = {"OutOfSlots": "OutOfReqids"}
 _NAMES_BOUND_ON_FIRST_USE = ("KVCacheManager", "Policy", "PrefixHandle", "SeqLens", "init")
 
 __all__ = [
@@ -43,7 +45,7 @@ __all__ = [
     "VAttnError",
     "DriverError",
     "BackendUnavailable",
-    "OutOfSlots",
+    "OutOfReqids",
     "OutOfPages",
     "ClosedError",
     "ForkedError",
@@ -116,7 +118,7 @@ def layer(index: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def alloc_reqid(prompt_len: int | None = None, reqid: int | None = None) -> int:
-    """A free reqid in ``[0, B)`` (``reqid``: that one); raises :class:`OutOfSlots` when none is free."""
+    """A free reqid in ``[0, B)`` (``reqid``: that one); raises :class:`OutOfReqids` when none is free."""
     return get_manager().alloc_reqid(prompt_len, reqid)
 
 
@@ -167,6 +169,9 @@ def __getattr__(name: str) -> Any:
     on first use; a submodule (``vattn.core``) by importing it."""
     if name in _NAMES_BOUND_ON_FIRST_USE:
         return _bind_names_that_import_torch()[name]
+    if name in _RENAMED:  # a name the glossary retired (docs/design.md): still there, with a warning
+        warn_renamed(f"vattn.{name}", f"vattn.{_RENAMED[name]}")
+        return globals()[_RENAMED[name]]
     if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,9 +19,9 @@ std::string default_driver_path() {
 namespace {
 
 template <typename Fn>
-void bind(void* handle, const char* symbol, Fn*& slot, const std::string& path) {
-  slot = reinterpret_cast<Fn*>(dlsym(handle, symbol));
-  if (!slot) throw BackendUnavailable("CUDA driver " + path + " has no symbol " + symbol);
+void bind(void* handle, const char* symbol, Fn*& fn, const std::string& path) {
+  fn = reinterpret_cast<Fn*>(dlsym(handle, symbol));
+  if (!fn) throw BackendUnavailable("CUDA driver " + path + " has no symbol " + symbol);
 }
 
 std::unique_ptr<DriverApi> open_driver(const std::string& path) {

@@ -279,11 +279,11 @@ const budget::ProcessIdentity& Budget::self_locked() {
   return self_;
 }
 
-bool Budget::member_alive_locked(uint32_t slot, const Entry& e, const budget::ProcessIdentity& self) {
+bool Budget::member_alive_locked(uint32_t entry_index, const Entry& e, const budget::ProcessIdentity& self) {
   // The entry's file lock goes with the last descriptor of the member's
   // description: at exit, and at exec (close-on-exec), where pid and start
   // time stay the same although the old program's pages are gone.
-  if (segment_.byte_locked_elsewhere(budget::member_byte(slot)) == 0) return false;
+  if (segment_.byte_locked_elsewhere(budget::member_byte(entry_index)) == 0) return false;
   return budget::is_alive({e.pid, e.start_ticks, e.pid_namespace}, self);
 }
 
@@ -326,7 +326,7 @@ Entry& Budget::entry_locked(const BudgetMember& member) {
   if (member.owner_pid_ != static_cast<int32_t>(getpid()))
     throw BudgetError(quoted(name()) + ": member '" + member.label_ + "' belongs to process " +
                       std::to_string(member.owner_pid_) + " (inherited through fork): join the budget in this process");
-  Entry& e = *segment_.entry(member.slot_);
+  Entry& e = *segment_.entry(member.entry_index_);
   if (member.left_.load() || e.state.load(std::memory_order_acquire) != kEntryLive ||
       e.generation != member.generation_) {
     // Truncated since the lock was taken: the entry reads as zeros; say that.
@@ -488,7 +488,7 @@ void Budget::report(const BudgetMember& member, uint64_t in_use_bytes, uint64_t 
 
 uint64_t Budget::pressure(const BudgetMember& member) {
   const Header* h = segment_.header();
-  const Entry& own = *segment_.entry(member.slot_);
+  const Entry& own = *segment_.entry(member.entry_index_);
   if (h->removed.load(std::memory_order_acquire)) throw_removed(name());
   // Lock-free first: the header's sums are current after every grant and
   // release, so no pressure seen here means none to act on. A positive value
@@ -518,11 +518,11 @@ void Budget::leave(const BudgetMember& member) noexcept {
   try {
     Locked lock(*this);
     refresh_locked(lock.owner_died(), true);
-    Entry& e = *segment_.entry(member.slot_);
+    Entry& e = *segment_.entry(member.entry_index_);
     if (e.state.load(std::memory_order_acquire) == kEntryLive && e.generation == member.generation_) {
       const bool held = e.held_bytes.load() != 0;
       clear_entry(e);
-      segment_.unlock_byte(budget::member_byte(member.slot_));
+      segment_.unlock_byte(budget::member_byte(member.entry_index_));
       refresh_locked(false, true);  // the header's sums without it
       if (held) bump_epoch_locked();
     }
@@ -571,7 +571,7 @@ void BudgetMember::leave() {
 }
 
 uint64_t BudgetMember::held_bytes() const {
-  const Entry& e = *budget_->segment_.entry(slot_);
+  const Entry& e = *budget_->segment_.entry(entry_index_);
   if (left_.load() || e.state.load(std::memory_order_acquire) != kEntryLive || e.generation != generation_) return 0;
   return e.held_bytes.load(std::memory_order_acquire);
 }

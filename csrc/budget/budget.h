@@ -158,7 +158,7 @@ class Budget : public std::enable_shared_from_this<Budget> {
   // since anyone's last check, drops the members whose process is gone.
   // Returns whether it checked liveness.
   bool refresh_locked(bool force_liveness, bool allow_removed = false);
-  bool member_alive_locked(uint32_t slot, const budget::Entry& e, const budget::ProcessIdentity& self);
+  bool member_alive_locked(uint32_t entry_index, const budget::Entry& e, const budget::ProcessIdentity& self);
   void bump_epoch_locked();
   size_t mark_removed(bool force);
   const budget::ProcessIdentity& self_locked();
@@ -224,11 +224,11 @@ class BudgetMember {
 
  private:
   friend class Budget;
-  BudgetMember(std::shared_ptr<Budget> budget, uint32_t slot, uint64_t generation, int32_t pid, std::string label)
-      : budget_(std::move(budget)), slot_(slot), generation_(generation), owner_pid_(pid), label_(std::move(label)) {}
+  BudgetMember(std::shared_ptr<Budget> budget, uint32_t entry_index, uint64_t generation, int32_t pid, std::string label)
+      : budget_(std::move(budget)), entry_index_(entry_index), generation_(generation), owner_pid_(pid), label_(std::move(label)) {}
 
   std::shared_ptr<Budget> budget_;
-  uint32_t slot_;
+  uint32_t entry_index_;
   uint64_t generation_;
   int32_t owner_pid_;
   std::string label_;

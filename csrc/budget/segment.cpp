@@ -86,15 +86,15 @@ int ofd_lock(int fd, short type, off_t offset) {
 // handler) and marks it broken: the faulting access is retried on the zero
 // page and every operation then reports the segment broken. Faults
 // elsewhere go to whatever handler was installed before.
-constexpr int kGuardSlots = 1024;
+constexpr int kMaxGuards = 1024;
 
-struct GuardSlot {
+struct Guard {
   std::atomic<uintptr_t> base{0};
   std::atomic<size_t> bytes{0};
   std::atomic<int> broken{0};
 };
 
-GuardSlot g_guards[kGuardSlots];
+Guard g_guards[kMaxGuards];
 struct sigaction g_previous_sigbus;
 std::mutex g_guard_mu;  // registration only; the handler reads the atomics
 bool g_guard_installed = false;
@@ -102,7 +102,7 @@ bool g_guard_installed = false;
 void on_sigbus(int sig, siginfo_t* info, void* context) {
   if (info && info->si_code > 0) {  // a fault, not a signal someone sent
     const uintptr_t at = reinterpret_cast<uintptr_t>(info->si_addr);
-    for (GuardSlot& g : g_guards) {
+    for (Guard& g : g_guards) {
       const uintptr_t base = g.base.load(std::memory_order_acquire);
       const size_t bytes = g.bytes.load(std::memory_order_acquire);
       if (base == 0 || at < base || at - base >= bytes) continue;
@@ -138,20 +138,20 @@ int guard_register(void* base, size_t bytes) {
     if (sigaction(SIGBUS, &action, &g_previous_sigbus) != 0) return -1;
     g_guard_installed = true;
   }
-  for (int i = 0; i < kGuardSlots; ++i) {
+  for (int i = 0; i < kMaxGuards; ++i) {
     if (g_guards[i].base.load() != 0) continue;
     g_guards[i].broken.store(0);
     g_guards[i].bytes.store(bytes, std::memory_order_release);
     g_guards[i].base.store(reinterpret_cast<uintptr_t>(base), std::memory_order_release);
     return i;
   }
-  return -1;  // over kGuardSlots budgets mapped at once: this one is unguarded
+  return -1;  // over kMaxGuards budgets mapped at once: this one is unguarded
 }
 
-void guard_unregister(int slot) {
-  if (slot < 0) return;
+void guard_unregister(int guard) {
+  if (guard < 0) return;
   std::lock_guard<std::mutex> lock(g_guard_mu);
-  g_guards[slot].base.store(0, std::memory_order_release);
+  g_guards[guard].base.store(0, std::memory_order_release);
 }
 
 }  // namespace
@@ -161,7 +161,7 @@ void guard_unregister(int slot) {
 struct SegmentFiles {
   int fd = -1;        // holds this mapping's file locks
   int probe_fd = -1;  // asks which bytes other descriptions lock
-  int guard = -1;     // slot in g_guards, -1: unguarded
+  int guard = -1;     // index in g_guards, -1: unguarded
   std::atomic<std::timed_mutex*> mu{new std::timed_mutex};  // replaced (not freed) in a forked child
   bool forked_badly = false;  // the child could not reopen fd: this copy cannot lock
   ~SegmentFiles() { delete mu.load(); }

@@ -94,7 +94,7 @@ struct Entry {
   int32_t pid;
   uint64_t start_ticks;                  // the process's start time (see process_identity.h)
   uint64_t pid_namespace;
-  uint64_t generation;                   // tells a member apart from a later one in the same slot
+  uint64_t generation;                   // tells a member apart from a later one in the same entry
   std::atomic<uint64_t> held_bytes;      // granted and not released
   std::atomic<uint64_t> in_use_bytes;    // of held: under requests (last report)
   std::atomic<uint64_t> free_held_bytes; // of held: mapped or created but free (last report)
@@ -109,8 +109,8 @@ struct Entry {
 constexpr off_t kLockByte = 0;     // the budget's lock
 constexpr off_t kStagingByte = 1;  // held by a creator while it builds the segment under its staging name
 // A member's liveness lock: the first byte of its entry.
-inline off_t member_byte(uint32_t slot) {
-  return static_cast<off_t>(sizeof(Header) + size_t{slot} * sizeof(Entry));
+inline off_t member_byte(uint32_t entry_index) {
+  return static_cast<off_t>(sizeof(Header) + size_t{entry_index} * sizeof(Entry));
 }
 
 struct SegmentFiles;  // the open files, process mutex and fault guard of one mapping (segment.cpp)

@@ -38,7 +38,7 @@ class BackendUnavailable : public std::runtime_error {
 };
 
 // alloc_reqid found every reqid in use.
-class OutOfSlots : public std::runtime_error {
+class OutOfReqids : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };

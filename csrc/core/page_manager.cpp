@@ -138,8 +138,8 @@ void PageManager::check_allocated(int64_t reqid, const char* what) const {
                                 " is not allocated (freed, or never returned by alloc_reqid)");
 }
 
-void PageManager::wait_for_batch(Lock& lock) {
-  sync_->batch_done.wait(lock, [&] { return !inflight_; });
+void PageManager::wait_for_round(Lock& lock) {
+  sync_->round_done.wait(lock, [&] { return !inflight_; });
   check_open();  // cleanup() may have run while this thread waited
 }
 
@@ -160,9 +160,9 @@ int64_t PageManager::alloc_reqid(int64_t prompt_tokens, int64_t wanted_reqid) {
         throw std::invalid_argument("alloc_reqid: reqid " + std::to_string(wanted_reqid) + " is already allocated");
     };
     check_free();
-    // An eager batch may be landing on this reqid: let it, then trim it.
+    // An eager round may be landing on this reqid: let it, then trim it.
     if (inflight_) {
-      wait_for_batch(lock);
+      wait_for_round(lock);
       check_free();
     }
     reqid = wanted_reqid;
@@ -178,14 +178,14 @@ int64_t PageManager::alloc_reqid(int64_t prompt_tokens, int64_t wanted_reqid) {
       const size_t s = static_cast<size_t>(reqid);
       if (table_.first_shared(s) >= table_.mapped(s) && table_.orphans_of(s) == 0) break;
       if (inflight_) {
-        wait_for_batch(lock);
+        wait_for_round(lock);
         continue;  // the choice may have changed while waiting
       }
       trim_for_new_request_locked(s, table_.mapped(s));
       break;
     }
     if (reqid < 0)
-      throw OutOfSlots("alloc_reqid: all " + std::to_string(config_.num_reqids) +
+      throw OutOfReqids("alloc_reqid: all " + std::to_string(config_.num_reqids) +
                        " reqids are in use (max_batch_size); free one with free_reqid");
   }
   table_.allocate(static_cast<size_t>(reqid));
@@ -208,7 +208,7 @@ void PageManager::free_reqid(int64_t reqid) {
   if (policy_.deferred_reclaim || config_.external_ids || table_.mapped(s) == 0) return;
   // The request is over whatever happens below; a failed unmap leaves pages
   // mapped in the free reqid (or as orphans) to be retried.
-  wait_for_batch(lock);
+  wait_for_round(lock);
   if (!table_.allocated(s)) unmap_tails_locked({{s, 0}});
 }
 
@@ -259,9 +259,9 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
       std::rethrow_exception(error);
     }
     if (deficit == 0 || !inflight_) break;
-    // The batch may be mapping exactly these pages: let it land, then look again.
+    // The round may be mapping exactly these pages: let it land, then look again.
     auto t0 = std::chrono::steady_clock::now();
-    wait_for_batch(lock);
+    wait_for_round(lock);
     table_.counters().step_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                                        std::chrono::steady_clock::now() - t0).count();
   }
@@ -336,7 +336,7 @@ size_t PageManager::reclaim(size_t max_ids) {
   check_process();
   Lock lock(sync_->mu);
   check_open();
-  wait_for_batch(lock);
+  wait_for_round(lock);
   const size_t before = table_.available();
   std::exception_ptr error;
   try {
@@ -364,7 +364,7 @@ std::pair<size_t, size_t> PageManager::reclaim_freed(bool wait) {
   check_process();
   Lock lock(sync_->mu);
   check_open();
-  wait_for_batch(lock);
+  wait_for_round(lock);
   std::vector<ReqidKeep> cuts;
   size_t pending = 0;
   for (size_t s = 0; s < config_.num_reqids; ++s) {
@@ -396,7 +396,7 @@ void PageManager::close() {
   }
   sync_->wake.notify_all();
   sync_->keeper_wake.notify_all();
-  if (sync_->mapper.joinable()) sync_->mapper.join();  // without mu: the mapper commits its batch first
+  if (sync_->mapper.joinable()) sync_->mapper.join();  // without mu: the mapper commits its round first
   if (sync_->keeper.joinable()) sync_->keeper.join();
   Lock lock(sync_->mu);
   table_.release_all_handles();
@@ -496,7 +496,7 @@ std::string PageManager::check_invariants() {
   check_process();
   Lock lock(sync_->mu);
   check_open();
-  sync_->batch_done.wait(lock, [&] { return !inflight_; });
+  sync_->round_done.wait(lock, [&] { return !inflight_; });
   std::string problem = table_.check_invariants();
   const size_t created_ids = table_.stats().pages_created / config_.num_buffers;
   const size_t unreleased = unreleased_ids_.load();  // uncreated in the table, their memory still held

@@ -24,12 +24,12 @@
 // Driver calls made by the caller's thread run with mu held. The mapper thread
 // plans under mu, runs its driver calls WITHOUT mu (so a step on the fast path
 // never waits for the driver), then commits under mu. Between plan and commit
-// the batch is "in flight" (inflight_ is true):
+// the round is "in flight" (inflight_ is true):
 //   * Its fresh pages were taken out of the pool under mu, so no other thread
 //     can map them: a page is never handed out twice.
 //   * Its target addresses lie past the committed prefix of their reqids, and a
-//     reclaim batch's positions were already cut from their reqid's prefix. Any
-//     call that would map or unmap addresses first waits on batch_done until
+//     reclaim round's positions were already cut from their reqid's prefix. Any
+//     call that would map or unmap addresses first waits on round_done until
 //     inflight_ is false, so no two threads touch one address; after the wait
 //     it checks again that the manager is open and the input still valid.
 //   * The mapper only unmaps pages of free (unallocated) reqids, after the
@@ -37,7 +37,7 @@
 //     fence recorded by free_reqid, see VmmBackend::record_reads), so a page
 //     in use is never unmapped. Callers' unmaps wait the same way; pages of
 //     an allocated reqid wait for all work queued so far.
-//   * A failed batch is rolled back at commit (fresh pages back to the pool,
+//   * A failed round is rolled back at commit (fresh pages back to the pool,
 //     what could not be undone kept as orphans) and its error is kept until
 //     the next step() raises it: no page is lost and no error is dropped.
 // There is one mapper thread per manager, started in the constructor and joined
@@ -131,7 +131,7 @@ class PageManager {
   // largest), or wanted_reqid when >= 0, after unmapping its pages beyond
   // prompt_tokens. Positions from the first page shared with another reqid or a
   // handle on are unmapped before the reqid is handed out (its new request
-  // writes there). Throws OutOfSlots when none is free.
+  // writes there). Throws OutOfReqids when none is free.
   int64_t alloc_reqid(int64_t prompt_tokens, int64_t wanted_reqid = -1);
   // Marks a reqid free. Its pages stay mapped (deferred_reclaim) or are
   // unmapped now; a DriverError then means some stay mapped, retried later.
@@ -176,7 +176,7 @@ class PageManager {
 
   // ---- shared pages ----
   // A new reqid whose first num_tokens tokens are src's: whole pages shared,
-  // the rest copied into fresh pages. Throws OutOfSlots / OutOfPages with
+  // the rest copied into fresh pages. Throws OutOfReqids / OutOfPages with
   // nothing changed when no reqid or page is left.
   int64_t fork(int64_t src, int64_t num_tokens);
   // References the whole pages holding src's first num_tokens tokens (rounded
@@ -213,14 +213,14 @@ class PageManager {
   void close();
   // Blocks until the mapper has nothing left to do (tests and benchmarks).
   void wait_idle();
-  // paused = true: waits for the mapper's batch in flight and keeps it from
+  // paused = true: waits for the mapper's round in flight and keeps it from
   // starting another until pause_mapper(false) (a CUDA graph capture); throws
   // std::logic_error when already paused.
   void pause_mapper(bool paused);
   // A CUDA graph capture in this process began (true) or ended (false):
   // counted, so captures may nest and overlap graph_capture(). While any is
   // in progress neither the mapper nor the keeper starts driver work (their
-  // work waits, it does not fail); beginning waits for the mapper's batch in
+  // work waits, it does not fail); beginning waits for the mapper's round in
   // flight and the keeper's release under way.
   void pause_for_capture(bool begin);
   // Throws ForkedError / ClosedError unless the manager can act.
@@ -241,7 +241,7 @@ class PageManager {
   PageStats stats() const;
   // Every mapping the table holds, orphans included.
   std::vector<TableEntry> table() const;
-  // Waits for the mapper's batch, then checks every bookkeeping invariant
+  // Waits for the mapper's round, then checks every bookkeeping invariant
   // (reference counts against the table, each id in exactly one place: a
   // reqid, a handle, the pool, the uncreated list; the counters). Returns the
   // first violation, or "" (tests).
@@ -268,13 +268,13 @@ class PageManager {
   };
   // A unit of mapper work: map jobs, or cuts to unmap, or pages to create
   // into the pool (creation, the driver's slowest call, off the critical path).
-  struct Batch {
+  struct Round {
     std::vector<MapJob> jobs;
     std::vector<PageMapping> mappings;
     std::vector<uint32_t> to_create;  // ids to create before mapping (or into the pool)
     std::vector<Cut> cuts;
     std::vector<uintptr_t> unmap_addrs;
-    bool created = false;  // run_batch created to_create
+    bool created = false;  // run_round created to_create
     uint64_t reads = VmmBackend::kNoReads;  // the read fence to wait for before unmapping the cuts
     bool empty() const { return jobs.empty() && to_create.empty() && cuts.empty(); }
   };
@@ -284,7 +284,7 @@ class PageManager {
     std::mutex close_mu;            // serializes close() (joining the mapper twice is undefined)
     std::mutex mu;                  // guards the manager's state
     std::condition_variable wake;        // mapper: work may have changed, or stop
-    std::condition_variable batch_done;  // waiters: inflight_ became false
+    std::condition_variable round_done;  // waiters: inflight_ became false
     std::thread mapper;
     std::condition_variable keeper_wake;  // keeper: stop
     std::thread keeper;                   // only with a budget
@@ -311,7 +311,7 @@ class PageManager {
   uint32_t physical(size_t buffer, uint32_t id) const {
     return static_cast<uint32_t>(buffer * num_ids_ + id);
   }
-  void wait_for_batch(Lock& lock);  // then check_open()
+  void wait_for_round(Lock& lock);  // then check_open()
   // Neither the mapper nor the keeper may start driver work (caller holds mu):
   // graph_capture(), or a CUDA graph capture anywhere in the process.
   bool background_paused() const { return paused_ || capture_pauses_ > 0; }
@@ -360,7 +360,7 @@ class PageManager {
   // ---- the budget (page_manager_budget.cpp) ----
   void preallocate();  // constructor: every page created, into the pool
   // Releases up to `want` free ids, reclaiming free reqids' pages for more;
-  // returns the ids released. Waits for the mapper's batch.
+  // returns the ids released. Waits for the mapper's round.
   size_t shed_locked(Lock& lock, size_t want);
   bool has_idle_pages_locked() const;
   // What the mapper may create now (caller holds mu).
@@ -371,9 +371,9 @@ class PageManager {
 
   // ---- the background mapper ----
   void mapper_loop();
-  Batch plan_batch();                                         // caller holds mu
-  void run_batch(Batch& batch, size_t* done);                 // without mu; throws
-  void commit_batch(Batch& batch, size_t done, std::exception_ptr error);  // caller holds mu
+  Round plan_round();                                         // caller holds mu
+  void run_round(Round& round, size_t* done);                 // without mu; throws
+  void commit_round(Round& round, size_t done, std::exception_ptr error);  // caller holds mu
 
   std::shared_ptr<VmmBackend> backend_;
   const PageManagerConfig config_;
@@ -392,9 +392,9 @@ class PageManager {
   std::shared_ptr<CacheMemory> memory_;  // null once closed
   uintptr_t base_ = 0;
   std::vector<uint64_t> reqid_reads_;  // read fence recorded when each reqid was last freed
-  bool inflight_ = false;             // a mapper batch is between plan and commit
+  bool inflight_ = false;             // a mapper round is between plan and commit
   bool stop_ = false;                 // mapper must exit
-  bool paused_ = false;               // mapper starts no batch (pause_mapper)
+  bool paused_ = false;               // mapper starts no round (pause_mapper)
   bool mapper_idle_ = true;           // mapper waits for work
   uint64_t mapper_seen_epoch_ = 0;    // work_epoch_ the mapper last planned for
   uint64_t work_epoch_ = 0;           // bumped whenever the mapper's work may change

@@ -68,7 +68,7 @@ std::vector<uint32_t> PageManager::release_external(const uint32_t* ids, size_t 
       throw std::invalid_argument("release_pages: page_ids[" + std::to_string(k) + "] must be in " +
                                   range_text(0, static_cast<int64_t>(num_ids_) - 1) + " (num_page_ids), got " +
                                   std::to_string(ids[k]));
-  wait_for_batch(lock);
+  wait_for_round(lock);
   std::vector<uint32_t> released = table_.uncreate_unreferenced(ids, n);
   release_ids(released);
   if (!released.empty()) work_epoch_++;  // the keeper reports the new split
@@ -76,7 +76,7 @@ std::vector<uint32_t> PageManager::release_external(const uint32_t* ids, size_t 
 }
 
 size_t PageManager::shed_locked(Lock& lock, size_t want) {
-  wait_for_batch(lock);  // a batch in flight holds ids out of the pool
+  wait_for_round(lock);  // a round in flight holds ids out of the pool
   std::vector<uint32_t> ids = table_.uncreate_free(want);
   release_ids(ids);
   size_t released = ids.size();
@@ -120,7 +120,7 @@ BudgetShare PageManager::budget_share() const {
   check_process();
   Lock lock(sync_->mu);
   check_open();
-  sync_->batch_done.wait(lock, [&] { return !inflight_; });  // charges and the table agree between batches
+  sync_->round_done.wait(lock, [&] { return !inflight_; });  // charges and the table agree between batches
   return budget_share_locked();
 }
 
@@ -198,8 +198,8 @@ void PageManager::keeper_tick(Lock& lock) {
   }
   // Report the split when the table changed (the scan is O(pages)).
   const PageStats& stats = table_.counters();
-  std::vector<uint64_t> signature = {work_epoch_, stats.pages_created, stats.pages_in_use, stats.page_slots_mapped,
-                                     stats.mapper_batches, budget_->charged_ids()};
+  std::vector<uint64_t> signature = {work_epoch_, stats.pages_created, stats.pages_in_use, stats.page_mappings,
+                                     stats.mapper_rounds, budget_->charged_ids()};
   if (inflight_ || signature == reported_) return;
   const BudgetShare share = budget_share_locked();
   reported_ = std::move(signature);

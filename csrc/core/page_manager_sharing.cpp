@@ -25,14 +25,14 @@ int64_t PageManager::fork(int64_t src, int64_t num_tokens) {
                                   std::to_string(num_tokens));
   };
   validate();
-  wait_for_batch(lock);
+  wait_for_round(lock);
   validate();
   const size_t shared = geometry_.shareable_positions(num_tokens);
   const size_t total = geometry_.positions_for_tokens(num_tokens);
   const size_t fresh = total - shared;
   const int64_t dst = emptiest_free_reqid(table_);
   if (dst < 0)
-    throw OutOfSlots("fork: all " + std::to_string(config_.num_reqids) +
+    throw OutOfReqids("fork: all " + std::to_string(config_.num_reqids) +
                      " reqids are in use (max_batch_size); free one with free_reqid");
   const size_t d = static_cast<size_t>(dst);
   size_t own = 0;  // ids only dst references: truncating it frees them
@@ -109,7 +109,7 @@ int64_t PageManager::attach_prefix(uint64_t handle, int64_t reqid) {
                                   " tokens; attach to a freshly allocated reqid");
   };
   validate();
-  wait_for_batch(lock);
+  wait_for_round(lock);
   validate();
   const std::vector<uint32_t> ids = *table_.handle_ids(handle);
   const size_t s = static_cast<size_t>(reqid);
@@ -180,7 +180,7 @@ void PageManager::map_pages(const int64_t* reqids, const int64_t* starts, const 
   };
   validate();
   if (inflight_) {
-    wait_for_batch(lock);
+    wait_for_round(lock);
     validate();
   }
   if (config_.external_ids) {  // pages are created on first use
@@ -231,7 +231,7 @@ void PageManager::unmap_pages(const int64_t* reqids, const int64_t* keep, size_t
     check_reqid(reqids[i], "unmap_pages");
     if (keep[i] < 0) throw std::invalid_argument("unmap_pages: keep must be >= 0, got " + std::to_string(keep[i]));
   }
-  wait_for_batch(lock);
+  wait_for_round(lock);
   std::vector<ReqidKeep> cuts;
   for (size_t i = 0; i < count; ++i) cuts.emplace_back(static_cast<size_t>(reqids[i]), static_cast<size_t>(keep[i]));
   for (auto [s, k] : cuts)
@@ -255,7 +255,7 @@ void PageManager::unmap_pages_below(const int64_t* reqids, const int64_t* first,
       throw std::invalid_argument("unmap_pages_below: first must be in " + range_text(0, slice_positions) +
                                   " (page positions per reqid), got " + std::to_string(first[i]));
   }
-  wait_for_batch(lock);
+  wait_for_round(lock);
   uint64_t reads = VmmBackend::kNoReads;
   for (size_t i = 0; i < count; ++i) {
     const size_t s = static_cast<size_t>(reqids[i]);

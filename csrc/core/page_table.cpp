@@ -39,14 +39,14 @@ void PageTable::allocate(size_t reqid) {
   for (uint32_t id : reqid_page_ids_[reqid])  // a reused reqid's positions are its request's again
     if (id != kHole) add_request_ref(id);
   reqid_tokens_[reqid] = 0;
-  stats_.slots_allocated++;
+  stats_.reqids_allocated++;
 }
 
 void PageTable::release(size_t reqid) {
   drop_request_refs(reqid, 0, reqid_page_ids_[reqid].size());
   reqid_allocated_[reqid] = 0;
   reqid_tokens_[reqid] = 0;
-  stats_.slots_allocated--;
+  stats_.reqids_allocated--;
   stats_.shrinks++;
 }
 
@@ -199,7 +199,7 @@ void PageTable::append(size_t reqid, const std::vector<uint32_t>& ids) {
     add_map_ref(id);
     if (reqid_allocated_[reqid]) add_request_ref(id);
   }
-  stats_.page_slots_mapped += ids.size() * num_buffers_;
+  stats_.page_mappings += ids.size() * num_buffers_;
 }
 
 void PageTable::cut_runs(size_t reqid, size_t from, size_t to, std::vector<Cut>& cuts) const {
@@ -242,7 +242,7 @@ bool PageTable::maps_below(size_t reqid, size_t first) const {
 }
 
 void PageTable::count_unmapped(size_t addrs) {
-  stats_.page_slots_mapped -= addrs;
+  stats_.page_mappings -= addrs;
   stats_.page_unmaps += addrs;
 }
 
@@ -254,7 +254,7 @@ void PageTable::keep_orphan(Orphan orphan) {
 
 void PageTable::add_orphan(Orphan orphan) {
   add_map_ref(orphan.id);
-  stats_.page_slots_mapped += orphan.addrs.size();
+  stats_.page_mappings += orphan.addrs.size();
   stats_.pages_orphaned += orphan.addrs.size();
   reqid_orphans_[orphan.reqid]++;
   orphans_.push_back(std::move(orphan));
@@ -314,11 +314,11 @@ void PageTable::clear() {
   orphans_.clear();
   free_ids_.clear();
   uncreated_.clear();
-  stats_.pages_mapped = stats_.pages_in_use = stats_.page_slots_mapped = stats_.pages_orphaned = 0;
+  stats_.pages_mapped = stats_.pages_in_use = stats_.page_mappings = stats_.pages_orphaned = 0;
   stats_.pages_in_requests = 0;
   std::fill(id_request_maps_.begin(), id_request_maps_.end(), 0);
   stats_.pages_created = 0;
-  stats_.slots_allocated = stats_.prefix_handles = 0;
+  stats_.reqids_allocated = stats_.prefix_handles = 0;
 }
 
 PageStats PageTable::stats() const {
@@ -387,10 +387,10 @@ std::string PageTable::check_invariants() const {
   if (st.pages_mapped != mapped * nb) return "pages_mapped counter is off";
   if (st.pages_in_requests != in_requests * nb) return "pages_in_requests counter is off";
   if (st.pages_in_use != in_use * nb) return "pages_in_use counter is off";
-  if (st.page_slots_mapped != mappings) return "page_slots_mapped counter is off";
+  if (st.page_mappings != mappings) return "page_mappings counter is off";
   if (st.pages_orphaned != orphaned) return "pages_orphaned counter is off";
   if (st.pages_created != created * nb) return "pages_created counter is off";
-  if (st.slots_allocated != allocated) return "slots_allocated counter is off";
+  if (st.reqids_allocated != allocated) return "reqids_allocated counter is off";
   if (st.prefix_handles != handles_.size()) return "prefix_handles counter is off";
   return "";
 }

@@ -42,11 +42,11 @@ struct PageStats {
   size_t pages_mapped = 0;       // distinct pages mapped in at least one reqid
   size_t pages_in_requests = 0;  // distinct pages mapped in at least one allocated reqid
   size_t pages_in_use = 0;       // distinct pages referenced (mapped, or held by a prefix handle)
-  size_t page_slots_mapped = 0;  // page-sized mappings (a shared page counts once per reqid)
+  size_t page_mappings = 0;  // page-sized mappings (a shared page counts once per reqid)
   size_t pages_mapped_peak = 0;
   size_t pages_free_low = 0;     // low-water mark of pages not in use
   size_t pages_orphaned = 0;     // pages kept mapped after a failed unmap, retried later
-  size_t slots_allocated = 0;
+  size_t reqids_allocated = 0;
   size_t tokens_active = 0;      // sum of allocated reqids' last stepped lengths
   size_t prefix_handles = 0;     // live prefix handles
   uint64_t step_calls = 0;       // caller
@@ -59,9 +59,9 @@ struct PageStats {
   uint64_t forks = 0;            // caller
   uint64_t pages_copied = 0;     // caller: fork's copies of partial pages
   uint64_t mapper_wakeups = 0;   // caller: times the mapper woke to plan work
-  uint64_t mapper_batches = 0;   // caller
+  uint64_t mapper_rounds = 0;   // caller
   uint64_t mapper_errors = 0;    // caller
-  uint64_t step_wait_ns = 0;     // caller: time steps spent waiting for an in-flight mapper batch
+  uint64_t step_wait_ns = 0;     // caller: time steps spent waiting for an in-flight mapper round
   uint64_t pages_released = 0;   // caller: created pages released again (given back to a budget)
   uint64_t pages_release_failed = 0;  // caller: releases the driver or OS refused (the memory stayed)
   // caller: pages whose release failed, still held: their ids stay uncreated in

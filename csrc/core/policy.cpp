@@ -130,7 +130,7 @@ ReclaimPlan plan_reclaim(const PageTable& table, size_t want_ids, int64_t keep_r
   return plan;
 }
 
-MapperPlan plan_mapper_batch(const PageTable& table, const PageGeometry& geometry, const PolicyConfig& policy,
+MapperPlan plan_mapper_round(const PageTable& table, const PageGeometry& geometry, const PolicyConfig& policy,
                              size_t reclaim_floor_ids, const MapperLimits& limits) {
   MapperPlan plan;
   const size_t available = table.available();
@@ -139,7 +139,7 @@ MapperPlan plan_mapper_batch(const PageTable& table, const PageGeometry& geometr
   const int64_t eager_reqid = policy.eager && limits.speculative ? best_free_reqid(table, -1) : -1;
   // 1. Deferred reclamation: keep free reqids' pages until the pool runs low.
   if (policy.deferred_reclaim && available < reclaim_floor_ids) {
-    ReclaimPlan reclaim = plan_reclaim(table, reclaim_floor_ids - available, eager_reqid, policy.max_batch_ids);
+    ReclaimPlan reclaim = plan_reclaim(table, reclaim_floor_ids - available, eager_reqid, policy.max_round_ids);
     if (!reclaim.cuts.empty()) {
       plan.kind = MapperPlan::Kind::kReclaim;
       plan.reclaim = std::move(reclaim.cuts);
@@ -147,7 +147,7 @@ MapperPlan plan_mapper_batch(const PageTable& table, const PageGeometry& geometr
     }
   }
   // 2. Lookahead for active reqids, then 3. the eager reqid, within the budget.
-  const size_t budget = std::min(policy.max_batch_ids, usable);
+  const size_t budget = std::min(policy.max_round_ids, usable);
   size_t planned = 0;
   auto grow = [&](size_t s, size_t target, size_t limit) {
     size_t have = table.mapped(s);
@@ -182,7 +182,7 @@ MapperPlan plan_mapper_batch(const PageTable& table, const PageGeometry& geometr
   const size_t free_ids = table.free_ids().size(), uncreated = table.uncreated().size();
   if (limits.speculative && free_ids < active && uncreated > 0 && creatable > 0) {
     plan.kind = MapperPlan::Kind::kCreate;
-    plan.create_ids = std::min({active - free_ids, uncreated, creatable, policy.max_batch_ids});
+    plan.create_ids = std::min({active - free_ids, uncreated, creatable, policy.max_round_ids});
   }
   return plan;
 }

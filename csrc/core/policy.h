@@ -76,7 +76,7 @@ inline size_t lookahead_positions(const PageTable& table, const PageGeometry& ge
   return geometry.positions_for_tokens(static_cast<int64_t>(std::min(tokens, geometry.max_tokens)));
 }
 
-// The background mapper's next batch, one kind at a time in this order:
+// The background mapper's next round, one kind at a time in this order:
 //   reclaim: free reqids' tails to unmap, when the pool is below the floor;
 //   grow:    positions to map, lookahead of active reqids then the eager reqid
 //            (speculative only);
@@ -96,7 +96,7 @@ struct MapperPlan {
   std::vector<std::pair<size_t, size_t>> grows;    // (reqid, positions to add)
   size_t create_ids = 0;                           // uncreated ids to create
 };
-MapperPlan plan_mapper_batch(const PageTable& table, const PageGeometry& geometry, const PolicyConfig& policy,
+MapperPlan plan_mapper_round(const PageTable& table, const PageGeometry& geometry, const PolicyConfig& policy,
                              size_t reclaim_floor_ids, const MapperLimits& limits = MapperLimits{});
 
 }  // namespace vattn

@@ -8,7 +8,7 @@
 // X(type, name, default, range, doc):
 //   type     bool, size_t or double (Python: bool, int, float)
 //   default  the one default, KVCacheManager's too (vattn.Policy reads it from here); for
-//            eager_tokens and max_batch_ids the manager derives its default from the
+//            eager_tokens and max_round_ids the manager derives its default from the
 //            cache's shape instead (vattn/core/policy.py DERIVED)
 //   range    Bool: true or false; Tokens: [0, max_context_len] tokens of one
 //            request; Fraction: [0, 1]; Count: [1, 2^32 - 1]
@@ -27,4 +27,4 @@
   X(size_t, eager_tokens, 0, Tokens, "tokens the next reqid is mapped for ahead of its request (eager)")        \
   X(double, reclaim_threshold, 0.1, Fraction,                                                                   \
     "fraction of the page pool: below that many free pages the mapper unmaps freed requests' pages")            \
-  X(size_t, max_batch_ids, 64, Count, "page ids (positions) per mapper batch: bounds how long a step waits for one")
+  X(size_t, max_round_ids, 64, Count, "page ids (positions) per mapper round: bounds how long a step waits for one")

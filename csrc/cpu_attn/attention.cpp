@@ -176,14 +176,14 @@ void merge(const Call& c, const Schedule::Group& g) {
     // The largest split max; a NaN one (a split that read a NaN) wins and stays, so the row comes out NaN.
     float m = -INFINITY;
     for (int s = 0; s < g.num_splits; ++s) {
-      const float ms = c.partial_max[static_cast<int64_t>(g.first_slot + s) * c.rows_per_slot + hr];
+      const float ms = c.partial_max[static_cast<int64_t>(g.first_partial + s) * c.rows_per_partial + hr];
       if (m == m && !(ms <= m)) m = ms;
     }
     float l = 0.0f;
     std::fill(row, row + d, 0.0f);
     if (m != -INFINITY) {
       for (int s = 0; s < g.num_splits; ++s) {
-        const int64_t at = static_cast<int64_t>(g.first_slot + s) * c.rows_per_slot + hr;
+        const int64_t at = static_cast<int64_t>(g.first_partial + s) * c.rows_per_partial + hr;
         if (c.partial_max[at] == -INFINITY) continue;
         const float w = std::exp(c.partial_max[at] - m);
         l += w * c.partial_sum[at];
@@ -225,7 +225,7 @@ void run_task(void* ctx, int64_t index, float* scratch) {
 // splits still running: buffers of the calling thread, grown on demand and
 // reused by its later calls, so that a layer call does not allocate (and, on
 // a many-core pool with many splits, page-fault in) megabytes every time.
-// Every item writes its slot before the merge reads it: nothing needs zeroing.
+// Every item writes its partial before the merge reads it: nothing needs zeroing.
 class SplitBuffers {
  public:
   float* partials(size_t floats) {
@@ -385,14 +385,14 @@ std::shared_ptr<const Schedule> BatchPlan::schedule(int32_t group_size, int32_t 
       }
       const int32_t group = static_cast<int32_t>(sched->groups.size());
       sched->groups.push_back(Schedule::Group{part.req, part.head_begin, part.head_end, part.q_begin, part.q_end,
-                                              sched->num_slots, static_cast<int32_t>(key_splits)});
-      sched->rows_per_slot = std::max(sched->rows_per_slot, rows);
+                                              sched->num_partials, static_cast<int32_t>(key_splits)});
+      sched->rows_per_partial = std::max(sched->rows_per_partial, rows);
       for (int64_t s = 0; s < key_splits; ++s) {
         WorkItem split = part;
         split.k_begin = it.k_begin + s * chunk;
         split.k_end = std::min(it.k_end, split.k_begin + chunk);
         split.group = group;
-        split.slot = sched->num_slots++;
+        split.partial = sched->num_partials++;
         sched->items.push_back(split);
       }
     }
@@ -422,12 +422,12 @@ Isa attention(const BatchPlan& plan, Call c, const TensorRef* k_new, const Tenso
   ThreadPool& pool = ThreadPool::instance();
   const auto sched = plan.schedule(c.group_size, c.num_heads_kv, c.window, pool.threads(), c.head_dim);
   std::atomic<int32_t>* remaining = nullptr;
-  if (sched->num_slots > 0) {
-    const int64_t slot_rows = static_cast<int64_t>(sched->num_slots) * sched->rows_per_slot;
-    c.partial_acc = split_buffers.partials(static_cast<size_t>(slot_rows * (c.head_dim + 2)));
-    c.partial_max = c.partial_acc + slot_rows * c.head_dim;
-    c.partial_sum = c.partial_max + slot_rows;
-    c.rows_per_slot = sched->rows_per_slot;
+  if (sched->num_partials > 0) {
+    const int64_t partial_rows = static_cast<int64_t>(sched->num_partials) * sched->rows_per_partial;
+    c.partial_acc = split_buffers.partials(static_cast<size_t>(partial_rows * (c.head_dim + 2)));
+    c.partial_max = c.partial_acc + partial_rows * c.head_dim;
+    c.partial_sum = c.partial_max + partial_rows;
+    c.rows_per_partial = sched->rows_per_partial;
     remaining = split_buffers.counters(sched->groups.size());
     for (size_t g = 0; g < sched->groups.size(); ++g) remaining[g].store(sched->groups[g].num_splits);
   }

@@ -30,16 +30,16 @@ class TypeError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-// How the work of one layer call is cut: items, split groups, partial slots.
+// How the work of one layer call is cut: items, split groups, partials.
 struct Schedule {
   struct Group {
     int32_t req, head_begin, head_end, q_begin, q_end;
-    int32_t first_slot, num_splits;
+    int32_t first_partial, num_splits;
   };
   std::vector<WorkItem> items;  // largest first
   std::vector<Group> groups;
-  int32_t num_slots = 0;
-  int32_t rows_per_slot = 0;      // rows of the largest split item (kv heads x rows per head)
+  int32_t num_partials = 0;
+  int32_t rows_per_partial = 0;      // rows of the largest split item (kv heads x rows per head)
   int64_t max_rows = 0;           // of any item, all its heads
   int32_t max_rows_per_head = 0;  // of any item
   int threads = 1;                // threads worth running it on (at most the pool's)

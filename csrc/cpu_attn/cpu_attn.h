@@ -2,7 +2,7 @@
 //
 // One call serves one layer of one forward: a mixed batch of prefill chunks
 // and decodes, each request reading its keys and values in place from
-// k_cache[reqid, :seq_len] (any token and slot strides, head_dim stride 1).
+// k_cache[reqid, :seq_len] (any token and slice strides, head_dim stride 1).
 // The work is cut into items (request, kv head, query block, key split) and
 // run on a persistent thread pool; each ISA's kernels live in their own
 // translation unit compiled with that ISA's flags and are picked at run time.
@@ -56,7 +56,7 @@ struct WorkItem {
   int64_t k_begin, k_end;
   int32_t group;     // split group (items of one (req, heads, query block) over
                      // different key ranges), or -1: the item writes the output
-  int32_t slot;      // where a split item leaves its partial result
+  int32_t partial;   // where a split item leaves its partial result
 };
 
 // Everything a kernel needs for one call. Plain pointers: the ISA units see
@@ -72,11 +72,11 @@ struct Call {
   // the call's K and V outgrow the L2 caches of the threads that run it, so they come from L3 or
   // memory even in back-to-back calls: every decode item requests the next tile's lines as it works
   bool beyond_l2 = false;
-  // partial results of split items: [slot][row][D] accumulators, [slot][row] max and sum
+  // partial results of split items: [partial][row][D] accumulators, [partial][row] max and sum
   float* partial_acc = nullptr;
   float* partial_max = nullptr;
   float* partial_sum = nullptr;
-  int32_t rows_per_slot = 0;
+  int32_t rows_per_partial = 0;
 };
 
 // Keys per tile. Prefill blocks (many rows per kv head share each K/V load)

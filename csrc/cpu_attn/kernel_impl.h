@@ -599,7 +599,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   if (tiles) _tile_release();
 #endif
   if (it.group >= 0) {  // a split: keep the unnormalized accumulator for the merge
-    const int64_t base = static_cast<int64_t>(it.slot) * c.rows_per_slot;
+    const int64_t base = static_cast<int64_t>(it.partial) * c.rows_per_partial;
     float* pacc = c.partial_acc + base * d;
     for (int64_t i = 0; i < nh * head_rows; ++i) pacc[i] = acc[i];
     for (int h = 0; h < nh; ++h)

@@ -212,10 +212,10 @@ py::dict stats_dict(const PageStats& s, size_t page_size) {
   d["pages_created"] = s.pages_created;
   d["pages_mapped"] = s.pages_mapped;
   d["pages_in_use"] = s.pages_in_use;
-  d["page_slots_mapped"] = s.page_slots_mapped;
+  d["page_mappings"] = s.page_mappings;
   d["pages_free"] = s.pages_total - s.pages_in_use;
   d["pages_orphaned"] = s.pages_orphaned;
-  d["bytes_saved_by_sharing"] = (s.page_slots_mapped - std::min(s.page_slots_mapped, s.pages_mapped)) * page_size;
+  d["bytes_saved_by_sharing"] = (s.page_mappings - std::min(s.page_mappings, s.pages_mapped)) * page_size;
   d["prefix_handles"] = s.prefix_handles;
   d["forks"] = s.forks;
   d["pages_copied"] = s.pages_copied;
@@ -224,7 +224,7 @@ py::dict stats_dict(const PageStats& s, size_t page_size) {
   d["pages_in_requests"] = s.pages_in_requests;
   d["bytes_in_requests"] = s.pages_in_requests * page_size;
   d["bytes_mapped_peak"] = s.pages_mapped_peak * page_size;
-  d["slots_allocated"] = s.slots_allocated;
+  d["reqids_allocated"] = s.reqids_allocated;
   d["tokens_active"] = s.tokens_active;
   d["step_calls"] = s.step_calls;
   d["failed_steps"] = s.failed_steps;
@@ -234,7 +234,7 @@ py::dict stats_dict(const PageStats& s, size_t page_size) {
   d["background_page_maps"] = s.background_page_maps;
   d["background_reclaimed_pages"] = s.background_reclaimed_pages;
   d["mapper_wakeups"] = s.mapper_wakeups;
-  d["mapper_batches"] = s.mapper_batches;
+  d["mapper_rounds"] = s.mapper_rounds;
   d["mapper_errors"] = s.mapper_errors;
   d["step_wait_us"] = static_cast<double>(s.step_wait_ns) / 1e3;
   d["pages_free_low"] = s.pages_free_low;
@@ -292,7 +292,7 @@ void register_errors() {
   // py::object would be decref'd after the interpreter is gone.
   static PyObject* driver_error = py::object(errors.attr("DriverError")).release().ptr();
   static PyObject* unavailable = py::object(errors.attr("BackendUnavailable")).release().ptr();
-  static PyObject* out_of_slots = py::object(errors.attr("OutOfSlots")).release().ptr();
+  static PyObject* out_of_reqids = py::object(errors.attr("OutOfReqids")).release().ptr();
   static PyObject* closed = py::object(errors.attr("ClosedError")).release().ptr();
   static PyObject* out_of_pages = py::object(errors.attr("OutOfPages")).release().ptr();
   static PyObject* forked = py::object(errors.attr("ForkedError")).release().ptr();
@@ -304,8 +304,8 @@ void register_errors() {
       PyErr_SetObject(driver_error, exc.ptr());
     } catch (const BackendUnavailable& e) {
       PyErr_SetString(unavailable, e.what());
-    } catch (const OutOfSlots& e) {
-      PyErr_SetString(out_of_slots, e.what());
+    } catch (const OutOfReqids& e) {
+      PyErr_SetString(out_of_reqids, e.what());
     } catch (const ClosedError& e) {
       PyErr_SetString(closed, e.what());
     } catch (const OutOfPages& e) {
@@ -461,10 +461,10 @@ PYBIND11_MODULE(_C, m) {
           "policy", [](const PageManager& pm) { return pm.policy(); },
           "The policy the manager runs with (a copy: it is fixed at construction).")
       .def("pause_mapper", &PageManager::pause_mapper, py::arg("paused"),
-           py::call_guard<py::gil_scoped_release>())  // waits for the batch in flight
+           py::call_guard<py::gil_scoped_release>())  // waits for the round in flight
       .def("pause_for_capture", &PageManager::pause_for_capture, py::arg("begin"),
            py::call_guard<py::gil_scoped_release>(),
-           "A CUDA graph capture in this process began (True; waits for the batch in flight) or ended "
+           "A CUDA graph capture in this process began (True; waits for the round in flight) or ended "
            "(False): counted; meanwhile the mapper and the keeper start no driver work.")
       .def("wait_idle", &PageManager::wait_idle, py::call_guard<py::gil_scoped_release>(),
            "Block until the background mapper has nothing left to do.")

@@ -54,7 +54,7 @@ int unlock_raw(const std::string& name) {
 
 // Writes a live member entry for (pid, start_ticks) holding held_bytes, as a
 // process of this pid namespace would; the entry's liveness lock is taken by
-// this process (held until it exits), so only the pid decides. Returns its slot.
+// this process (held until it exits), so only the pid decides. Returns its entry index.
 uint32_t add_entry(const std::string& name, int32_t pid, uint64_t start_ticks, const std::string& label,
                    uint64_t held_bytes) {
   budget::Segment& s = open_segment(name);
@@ -98,7 +98,7 @@ void bind_budget_hooks(py::module_& m) {
   m.def("budget_unlock_raw", &unlock_raw, py::arg("name"));
   m.def("budget_add_entry", &add_entry, py::arg("name"), py::arg("pid"), py::arg("start_ticks"), py::arg("label"),
         py::arg("held_bytes"), py::call_guard<py::gil_scoped_release>(),
-        "Writes a live member entry for (pid, start_ticks) holding held_bytes; returns its slot.");
+        "Writes a live member entry for (pid, start_ticks) holding held_bytes; returns its entry index.");
   m.def("budget_process_start_ticks", &start_ticks, py::arg("pid"),
         "Process `pid`'s start time in clock ticks since boot (/proc/PID/stat field 22).");
 }

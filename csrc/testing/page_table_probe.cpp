@@ -39,11 +39,11 @@ py::dict stats_dict(const PageStats& s) {
   d["pages_created"] = s.pages_created;
   d["pages_mapped"] = s.pages_mapped;
   d["pages_in_use"] = s.pages_in_use;
-  d["page_slots_mapped"] = s.page_slots_mapped;
+  d["page_mappings"] = s.page_mappings;
   d["pages_mapped_peak"] = s.pages_mapped_peak;
   d["pages_free_low"] = s.pages_free_low;
   d["pages_orphaned"] = s.pages_orphaned;
-  d["slots_allocated"] = s.slots_allocated;
+  d["reqids_allocated"] = s.reqids_allocated;
   d["tokens_active"] = s.tokens_active;
   d["prefix_handles"] = s.prefix_handles;
   d["page_unmaps"] = s.page_unmaps;
@@ -204,13 +204,13 @@ void bind_policy(py::module_& m) {
       py::arg("table"), py::arg("reqid"), py::arg("page_size"), py::arg("bytes_per_token"), py::arg("max_tokens"),
       py::arg("policy"));
   m.def(
-      "plan_mapper_batch",
+      "plan_mapper_round",
       [](const PageTable& t, size_t page_size, size_t bytes_per_token, size_t max_tokens, const PolicyConfig& policy,
          size_t reclaim_floor_ids, size_t creatable_ids, bool speculative) {
         if (page_size == 0 || bytes_per_token == 0)
           throw std::invalid_argument("page_size and bytes_per_token must be positive");
         validate_policy(policy, max_tokens);
-        MapperPlan plan = plan_mapper_batch(t, PageGeometry{page_size, bytes_per_token, max_tokens}, policy,
+        MapperPlan plan = plan_mapper_round(t, PageGeometry{page_size, bytes_per_token, max_tokens}, policy,
                                             reclaim_floor_ids, MapperLimits{creatable_ids, speculative});
         py::dict d;
         d["kind"] = kind_name(plan.kind);

@@ -493,7 +493,7 @@ def test_step_returns_once_the_mappers_batch_for_its_lengths_landed(fake_cuda, m
         assert kv.step(lens_with(4000, a))
         assert pages_accessible(kv, fake_cuda, a, 4000)
         s = kv.stats()
-        assert s["step_wait_us"] > 0, "step did not wait for the batch in flight"
+        assert s["step_wait_us"] > 0, "step did not wait for the round in flight"
         assert s["sync_page_maps"] == sync_maps  # the mapper's pages, not mapped twice
 
 

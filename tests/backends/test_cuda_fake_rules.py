@@ -453,7 +453,7 @@ def test_driver_calls_take_the_latency_asked_for(fake_cuda, fw, drv):
                               max_context_len=8192, device="cuda", physical_memory=64 * MiB, background=True,
                               eager=True) as kv:
         a, b = kv.alloc_reqid(), kv.alloc_reqid()
-        for n in range(1900, 4300, 50):  # every call slow: the mapper's batches land later
+        for n in range(1900, 4300, 50):  # every call slow: the mapper's rounds land later
             assert kv.step([n, n + 7] if a == 0 else [n + 7, n])
             for r, m in ((a, n), (b, n + 7)):
                 for buffer in range(kv.config.num_buffers):

@@ -72,6 +72,6 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str 
 
 
 def held_matches_created(kv: vattn.KVCacheManager) -> bool:
-    """The budget's charge is exactly the created pages (between mapper batches)."""
+    """The budget's charge is exactly the created pages (between mapper rounds)."""
     share = kv.budget_share()
     return share["held_bytes"] == kv.stats()["bytes_created"]

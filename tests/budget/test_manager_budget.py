@@ -198,7 +198,7 @@ def test_out_of_memory_at_creation_is_a_full_pool_on_the_host(host_faults):
         host_faults.fail("fallocate", times=-1, errno=errno.ENOMEM)
         with pytest.raises(vattn.OutOfPages, match="host has no memory left"):
             kv.fork(a, 5 * TOKENS_PER_PAGE - 10)  # the partial last page is a new one
-        assert kv.stats()["forks"] == 0 and kv.stats()["slots_allocated"] == 1
+        assert kv.stats()["forks"] == 0 and kv.stats()["reqids_allocated"] == 1
         host_faults.clear()
         assert_invariants(kv)
     with make_kv(backend="host_faulty", page_allocator="external") as kv:

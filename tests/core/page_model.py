@@ -124,9 +124,9 @@ class PageTableModel:
         return {"pages_total": self.pages_total, "pages_created": nb * len(self.created),
                 "pages_mapped": nb * sum(self.maps(i) > 0 for i in range(self.num_ids)),
                 "pages_in_use": nb * len(self.in_use()),
-                "page_slots_mapped": nb * sum(map(len, self.reqids)) + orphaned,
+                "page_mappings": nb * sum(map(len, self.reqids)) + orphaned,
                 "pages_mapped_peak": self.peak_mapped, "pages_free_low": self.low_free,
-                "pages_orphaned": orphaned, "slots_allocated": sum(self.allocated),
+                "pages_orphaned": orphaned, "reqids_allocated": sum(self.allocated),
                 "tokens_active": sum(self.tokens), "prefix_handles": len(self.handles),
                 "page_unmaps": self.page_unmaps}
 

@@ -68,7 +68,7 @@ def disjoint_steps(reps: int) -> None:
                 while not stop.is_set():
                     try:
                         r = kv.alloc_reqid()
-                    except vattn.OutOfSlots:
+                    except vattn.OutOfReqids:
                         time.sleep(0.0005)
                         continue
                     written = 0
@@ -100,7 +100,7 @@ def disjoint_steps(reps: int) -> None:
                 while not stop.is_set():
                     try:
                         r = kv.alloc_reqid(prompt_len=random.randint(0, 200))
-                    except vattn.OutOfSlots:
+                    except vattn.OutOfReqids:
                         time.sleep(0.0005)
                         continue
                     kv.free_reqid(r)
@@ -132,7 +132,7 @@ def disjoint_steps(reps: int) -> None:
 
 
 def cleanup_while_waiting(reps: int) -> None:
-    """Steps that wait for a slow mapper batch when cleanup() runs either
+    """Steps that wait for a slow mapper round when cleanup() runs either
     finish before cleanup takes the manager or raise ClosedError: none
     carries on after it."""
     with faulty_host_backend() as faults:

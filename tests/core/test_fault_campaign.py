@@ -276,7 +276,7 @@ class Campaign:
                 getattr(self, f"op_{name}")()
             except vattn.DriverError:
                 self.failures += 1
-            except (vattn.OutOfSlots, vattn.OutOfPages):
+            except (vattn.OutOfReqids, vattn.OutOfPages):
                 pass
             finally:
                 self.faults.disarm()
@@ -400,7 +400,7 @@ class ExternalCampaign:
                 getattr(self, f"op_{name}")()
             except vattn.DriverError:
                 self.failures += 1
-            except (vattn.OutOfSlots, vattn.OutOfPages):
+            except (vattn.OutOfReqids, vattn.OutOfPages):
                 pass
             finally:
                 self.faults.disarm()

@@ -207,7 +207,7 @@ def test_deferred_free_and_reuse_prefers_mapped_slot():
         assert kv.alloc_reqid(prompt_len=5) == 0  # smallest mapping that covers 5 tokens
         assert kv.alloc_reqid(prompt_len=100) == 2  # nothing free is mapped: lowest id
         assert kv.alloc_reqid() == 3
-        with pytest.raises(vattn.OutOfSlots):
+        with pytest.raises(vattn.OutOfReqids):
             kv.alloc_reqid()
 
 

@@ -74,7 +74,7 @@ def test_without_mapper_every_boundary_maps_in_step():
             assert kv.step(lens_with(n, r))
         s = kv.stats()
         assert s["sync_page_maps"] == 13 * 4 and s["background_page_maps"] == 0
-        assert s["mapper_batches"] == 0
+        assert s["mapper_rounds"] == 0
 
 
 def test_eager_premaps_the_next_slot():

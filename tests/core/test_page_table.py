@@ -57,7 +57,7 @@ def test_ids_come_smallest_first_then_last_freed_first():
     assert t.check_invariants() == ""
     assert [t.refs(i) for i in range(6)] == [1, 1, 1, 0, 0, 0]
     s = t.stats()
-    assert (s["pages_created"], s["pages_mapped"], s["pages_in_use"], s["page_slots_mapped"]) == (6, 6, 6, 6)
+    assert (s["pages_created"], s["pages_mapped"], s["pages_in_use"], s["page_mappings"]) == (6, 6, 6, 6)
     assert (s["pages_mapped_peak"], s["pages_free_low"], s["pages_total"]) == (6, 6, 12)
 
     assert t.cut_tail(0, 1) == [1, 2]
@@ -96,7 +96,7 @@ def test_a_shared_id_counts_once_per_page_and_once_per_slot():
     t.append(1, [0])  # fork / map_pages share position 0
     assert (t.refs(0), t.maps(0), t.first_shared(0), t.first_shared(1)) == (2, 2, 0, 0)
     s = t.stats()
-    assert (s["pages_mapped"], s["pages_in_use"], s["page_slots_mapped"]) == (4, 4, 6)
+    assert (s["pages_mapped"], s["pages_in_use"], s["page_mappings"]) == (4, 4, 6)
     unmapped(t, 1, 0)
     assert (t.refs(0), t.free_ids, t.first_shared(0)) == (1, [], 2)  # still mapped in reqid 0
     assert t.check_invariants() == ""
@@ -140,7 +140,7 @@ def test_a_partly_unmapped_position_is_an_orphan_until_retried():
     t.keep_orphan(0, 1, 1, [addr(0, 1, 1)])
     assert (t.free_ids, t.refs(1), t.orphans_of(0), t.orphans) == ([0], 1, 1, [(0, 1, 1, [addr(0, 1, 1)])])
     s = t.stats()
-    assert (s["pages_orphaned"], s["page_slots_mapped"], s["pages_mapped"], s["page_unmaps"]) == (1, 1, 2, 3)
+    assert (s["pages_orphaned"], s["page_mappings"], s["pages_mapped"], s["page_unmaps"]) == (1, 1, 2, 3)
     assert t.check_invariants() == ""
     assert t.claim(2) == ([0, 2], [2])  # never the orphan's id
     t.return_fresh([0, 2])
@@ -158,7 +158,7 @@ def test_a_failed_job_keeps_the_fresh_ids_it_could_not_unmap():
     t.return_fresh(ids)
     assert (t.free_ids, t.refs(0), t.ids(0), t.orphans_of(0)) == ([1], 1, [], 1)
     s = t.stats()
-    assert (s["pages_orphaned"], s["page_slots_mapped"], s["pages_mapped"], s["pages_in_use"]) == (1, 1, 2, 2)
+    assert (s["pages_orphaned"], s["page_mappings"], s["pages_mapped"], s["pages_in_use"]) == (1, 1, 2, 2)
     assert t.check_invariants() == ""
 
 
@@ -202,14 +202,14 @@ def test_slots_and_tokens():
     t.set_tokens(2, 7)
     t.set_tokens(1, 41)
     s = t.stats()
-    assert (s["slots_allocated"], s["tokens_active"], t.tokens(1)) == (2, 48, 41)
+    assert (s["reqids_allocated"], s["tokens_active"], t.tokens(1)) == (2, 48, 41)
     t.release(1)
     s = t.stats()
-    assert (s["slots_allocated"], s["tokens_active"], t.tokens(1), t.allocated(1)) == (1, 7, 0, False)
+    assert (s["reqids_allocated"], s["tokens_active"], t.tokens(1), t.allocated(1)) == (1, 7, 0, False)
     grown(t, 0, 1)
     t.clear()  # the manager closed
     s = t.stats()
-    assert (t.ids(0), t.free_ids, t.uncreated, s["slots_allocated"], s["tokens_active"], s["pages_mapped"]) == (
+    assert (t.ids(0), t.free_ids, t.uncreated, s["reqids_allocated"], s["tokens_active"], s["pages_mapped"]) == (
         [], [], [], 0, 0, 0)
 
 
@@ -481,7 +481,7 @@ KNOBS = {knob["name"] for knob in _C.POLICY_KNOBS}
 def plan(t, **options):
     """The mapper's plan; options name policy knobs (the core's defaults for the rest) and plan arguments."""
     policy = _C.PolicyConfig(**{k: v for k, v in options.items() if k in KNOBS})
-    return T.plan_mapper_batch(t, **GEOMETRY, policy=policy, **{k: v for k, v in options.items() if k not in KNOBS})
+    return T.plan_mapper_round(t, **GEOMETRY, policy=policy, **{k: v for k, v in options.items() if k not in KNOBS})
 
 
 def test_lookahead_positions():
@@ -500,10 +500,10 @@ def test_mapper_grows_active_slots_within_the_batch_budget():
         t.set_tokens(s, 32)  # one full page each
     assert plan(t) == {"kind": "grow", "reclaim": [], "grows": [(0, 1), (1, 1)], "create_ids": 0}
     assert plan(t, lookahead_tokens=33)["grows"] == [(0, 2), (1, 2)]
-    assert plan(t, lookahead_tokens=33, max_batch_ids=3)["grows"] == [(0, 2), (1, 1)]
+    assert plan(t, lookahead_tokens=33, max_round_ids=3)["grows"] == [(0, 2), (1, 1)]
     # Nothing to map: keep one created id per active reqid in the pool.
     assert plan(t, lookahead_tokens=0) == {"kind": "create", "reclaim": [], "grows": [], "create_ids": 2}
-    assert plan(t, lookahead_tokens=0, max_batch_ids=1)["create_ids"] == 1
+    assert plan(t, lookahead_tokens=0, max_round_ids=1)["create_ids"] == 1
     t.add_orphan(0, 1, 0, [addr(0, 1, 0)])  # a reqid with orphans waits for the retry
     assert plan(t)["grows"] == [(1, 1)]
 
@@ -544,7 +544,7 @@ def test_mapper_reclaims_below_the_floor_but_never_the_eager_slot():
     t = table_with([1, 2, 3], num_ids=6)  # the pool is empty
     assert plan(t, reclaim_floor_ids=2) == {"kind": "reclaim", "reclaim": [(0, 0), (1, 1)], "grows": [],
                                             "create_ids": 0}
-    assert plan(t, reclaim_floor_ids=2, max_batch_ids=1)["reclaim"] == [(0, 0)]
+    assert plan(t, reclaim_floor_ids=2, max_round_ids=1)["reclaim"] == [(0, 0)]
     assert plan(t, reclaim_floor_ids=2, eager=True)["reclaim"] == [(0, 0), (1, 1)]
     assert plan(t, reclaim_floor_ids=4, eager=True)["reclaim"] == [(0, 0), (1, 0)]  # reqid 2 is next
     assert plan(t, reclaim_floor_ids=2, deferred_reclaim=False)["kind"] == "idle"

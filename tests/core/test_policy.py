@@ -46,11 +46,11 @@ def test_every_knob_round_trips_from_python_to_the_core_and_back(knob):
 def test_the_manager_logic_between_knobs():
     with pytest.warns(DeprecationWarning), make(lookahead_tokens=3, policy={"lookahead_tokens": 5}) as kv:
         assert kv.policy == dict(background=True, deferred_reclaim=True, eager=True, lookahead_tokens=5,
-                                 eager_tokens=L, reclaim_threshold=0.1, max_batch_ids=1024 // 2)
+                                 eager_tokens=L, reclaim_threshold=0.1, max_round_ids=1024 // 2)
     with make(num_layers=600, max_context_len=2048, policy=vattn.Policy(background=False)) as kv:  # 1200 buffers
-        assert (kv.policy["max_batch_ids"], kv.policy["eager_tokens"]) == (1, 1024)
-    with make(policy={"background": False, "max_batch_ids": 9}) as kv:
-        assert (kv.policy["background"], kv.policy["eager"], kv.policy["max_batch_ids"]) == (False, False, 9)
+        assert (kv.policy["max_round_ids"], kv.policy["eager_tokens"]) == (1, 1024)
+    with make(policy={"background": False, "max_round_ids": 9}) as kv:
+        assert (kv.policy["background"], kv.policy["eager"], kv.policy["max_round_ids"]) == (False, False, 9)
     with make(page_allocator="external", policy={"background": True}) as kv:
         assert (kv.policy["background"], kv.policy["eager"]) == (False, False)
 
@@ -117,8 +117,8 @@ def test_an_unknown_knob_or_a_policy_that_is_no_mapping_is_refused():
         make(policy={"lookahead": 4})
     with pytest.raises(TypeError, match="policy must be a vattn.Policy or a mapping of knob names to values, got list"):
         make(policy=[("eager", False)])
-    with pytest.raises(TypeError, match="unexpected keyword argument 'max_batch_ids'"):  # never a keyword
-        make(max_batch_ids=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_round_ids'"):  # never a keyword
+        make(max_round_ids=4)
 
 
 @pytest.mark.parametrize("name", KEYWORD_KNOBS)
@@ -151,7 +151,7 @@ def test_every_knob_has_one_default_through_every_path():
                 assert kv.policy[name] == DERIVED[name][1](L, kv.config.num_buffers)
             else:
                 assert policy[name] == core[name] == KNOBS[name]["default"] == kv.policy[name], name
-    assert (kv.policy["eager_tokens"], kv.policy["max_batch_ids"]) == (L, 1024 // 2)
+    assert (kv.policy["eager_tokens"], kv.policy["max_round_ids"]) == (L, 1024 // 2)
 
 
 def test_policy_is_generated_from_the_cores_knob_list():

@@ -41,9 +41,9 @@ class ScheduleMachine(RuleBasedStateMachine):
         if expected is None:
             try:
                 self.kv.alloc_reqid(prompt)
-            except vattn.OutOfSlots:
+            except vattn.OutOfReqids:
                 return
-            raise AssertionError("alloc_reqid should have raised OutOfSlots")
+            raise AssertionError("alloc_reqid should have raised OutOfReqids")
         got = self.kv.alloc_reqid(prompt)
         assert got == expected
         self.serial[got] = self.next_serial
@@ -99,7 +99,7 @@ class ScheduleMachine(RuleBasedStateMachine):
         assert [self.kv._pages.mapped_pages(s) for s in range(B)] == self.model.mapped
         s = self.kv.stats()
         assert s["pages_mapped"] == self.model.used() <= self.model.num_pages
-        assert s["slots_allocated"] == sum(self.model.allocated)
+        assert s["reqids_allocated"] == sum(self.model.allocated)
 
 
 ScheduleMachine.TestCase.settings = settings(

@@ -57,7 +57,7 @@ def assert_rows(kv: vattn.KVCacheManager, reqid: int, stamps: torch.Tensor) -> N
 def snapshot(kv: vattn.KVCacheManager) -> tuple:
     """Everything an error must leave unchanged."""
     s = kv.stats()
-    counters = {key: s[key] for key in ("pages_mapped", "pages_in_use", "page_slots_mapped", "slots_allocated",
+    counters = {key: s[key] for key in ("pages_mapped", "pages_in_use", "page_mappings", "reqids_allocated",
                                         "prefix_handles", "forks", "pages_copied", "tokens_active")}
     slots = range(kv.config.max_batch_size)
     return counters, [kv.page_ids(r) for r in slots], [kv.is_allocated(r) for r in slots]
@@ -95,7 +95,7 @@ def test_fork_shares_whole_pages_and_copies_the_partial_one(layout):
         s, nb = kv.stats(), kv.config.num_buffers
         assert s["forks"] == before["forks"] + 1 and s["pages_copied"] == before["pages_copied"] + nb
         assert s["pages_in_use"] == before["pages_in_use"] + nb  # only the copied page is new
-        assert s["page_slots_mapped"] == before["page_slots_mapped"] + 3 * nb
+        assert s["page_mappings"] == before["page_mappings"] + 3 * nb
         assert s["bytes_saved_by_sharing"] == 2 * nb * PAGE
         assert kv.mapped_bytes(child) == 3 * nb * PAGE == kv.mapped_bytes(src)
         assert kv.mapped_tokens(child) == 3 * pt
@@ -240,7 +240,7 @@ def test_map_pages_shares_ids_in_one_batched_call():
         assert kv.page_ids(b) == ids[:1] and kv.page_ids(c) == [] and kv.page_ids(a) == ids
         assert_rows(kv, a, stamps)
         s = kv.stats()
-        assert s["page_slots_mapped"] == 4 * kv.config.num_buffers and s["pages_in_use"] == 3 * kv.config.num_buffers
+        assert s["page_mappings"] == 4 * kv.config.num_buffers and s["pages_in_use"] == 3 * kv.config.num_buffers
         assert_invariants(kv)
 
 
@@ -253,7 +253,7 @@ def test_external_page_ids():
         write_rows(kv, a, 0, torch.arange(2 * kv.page_tokens, dtype=torch.float32))
         assert_rows(kv, b, torch.arange(kv.page_tokens, dtype=torch.float32))  # position 0 is the same page
         kv.unmap_pages([a, b], [0, 0])
-        assert kv.stats()["page_slots_mapped"] == 0
+        assert kv.stats()["page_mappings"] == 0
         with pytest.raises(ValueError, match=r"page_ids\[0\] must be in \[0, %d\]" % (n - 1)):
             kv.map_pages([a], [0], [[n]])
         assert_invariants(kv)
@@ -292,7 +292,7 @@ def test_external_page_keeps_its_contents_while_mapped_nowhere(layout):
         stamps = torch.arange(2 * pt, dtype=torch.float32) + 100.0
         write_rows(kv, a, 0, stamps)
         kv.unmap_pages([a, b], [0, 0])  # 7 and 31 are mapped nowhere now
-        assert kv.stats()["page_slots_mapped"] == 0
+        assert kv.stats()["page_mappings"] == 0
         kv.map_pages([a, b], [0, 0], [[3, 4], [5]])  # other pages at the same addresses
         write_rows(kv, a, 0, torch.full((2 * pt,), -1.0))
         write_rows(kv, b, 0, torch.full((pt,), -2.0))
@@ -366,7 +366,7 @@ def test_fork_with_the_pool_exhausted_is_all_or_nothing():
             if not kv.is_allocated(r):
                 kv.alloc_reqid(reqid=r)
         before = snapshot(kv)
-        with pytest.raises(vattn.OutOfSlots):
+        with pytest.raises(vattn.OutOfReqids):
             kv.fork(src, pt)
         assert snapshot(kv) == before
         assert_rows(kv, src, stamps)
@@ -442,7 +442,7 @@ class SharingMachine(RuleBasedStateMachine):
     def alloc(self, prompt):
         try:
             r = self.kv.alloc_reqid(prompt)
-        except vattn.OutOfSlots:
+        except vattn.OutOfReqids:
             assert len(self.rows) == self.B
             return
         assert r not in self.rows
@@ -494,7 +494,7 @@ class SharingMachine(RuleBasedStateMachine):
         before = snapshot(self.kv)
         try:
             child = self.kv.fork(src, n)
-        except (vattn.OutOfSlots, vattn.OutOfPages):
+        except (vattn.OutOfReqids, vattn.OutOfPages):
             assert snapshot(self.kv) == before
             return
         shared = n // self.pt
@@ -517,7 +517,7 @@ class SharingMachine(RuleBasedStateMachine):
         h, rows = self.handles[data.draw(st.integers(0, 63)) % len(self.handles)]
         try:
             r = self.kv.alloc_reqid(0)
-        except vattn.OutOfSlots:
+        except vattn.OutOfReqids:
             return
         assert self.kv.attach_prefix(h, r) == h.num_tokens
         self.adopt(r, rows)
@@ -539,7 +539,7 @@ class SharingMachine(RuleBasedStateMachine):
         pages = self.upto(data, len(self.rows[src]) // self.pt)
         try:
             r = self.kv.alloc_reqid(0)
-        except vattn.OutOfSlots:
+        except vattn.OutOfReqids:
             return
         self.kv.unmap_pages([r], [0])  # a reused reqid may still hold pages kept for reuse
         self.kv.map_pages([r], [0], self.kv.page_ids(src)[:pages], [pages])
@@ -577,9 +577,9 @@ class SharingMachine(RuleBasedStateMachine):
         s = kv.stats()
         assert s["pages_mapped"] == nb * len(mapped)
         assert s["pages_in_use"] == nb * len(mapped | held) <= s["pages_total"]
-        assert s["page_slots_mapped"] == nb * sum(map(len, tables))
+        assert s["page_mappings"] == nb * sum(map(len, tables))
         assert s["prefix_handles"] == len(self.handles)
-        assert s["slots_allocated"] == len(self.rows)
+        assert s["reqids_allocated"] == len(self.rows)
         assert_invariants(kv)
 
 

@@ -51,7 +51,7 @@ def test_the_front_unmaps_and_the_window_keeps_its_pages_and_addresses():
         k_before = kv.layer(0)[0][0, 2 * TOKENS].data_ptr()
         kv.unmap_pages_below([0], [2])
         assert kv.page_ids(0) == [-1, -1, 3, 4, 5]
-        assert kv.stats()["page_slots_mapped"] == 3 * 4 and kv.stats()["pages_mapped"] == 3 * 4
+        assert kv.stats()["page_mappings"] == 3 * 4 and kv.stats()["pages_mapped"] == 3 * 4
         assert kv.layer(0)[0][0, 2 * TOKENS].data_ptr() == k_before and reads(kv, 0, 2 * TOKENS, 3 * TOKENS)
         assert_invariants(kv)
         kv.map_pages([0], [2], [3, 4, 5, 6], [4])  # the window moves on: only the new page is mapped
@@ -67,7 +67,7 @@ def test_a_short_slice_grows_to_the_window_with_holes_so_mapping_can_start_there
     its window's blocks only: its slice starts with holes."""
     with make() as kv:
         kv.unmap_pages_below([1], [4])
-        assert kv.page_ids(1) == [-1] * 4 and kv.stats()["page_slots_mapped"] == 0
+        assert kv.page_ids(1) == [-1] * 4 and kv.stats()["page_mappings"] == 0
         kv.map_pages([1], [4], [9, 10], [2])
         stamp(kv, 1, 4 * TOKENS, 2 * TOKENS)
         assert kv.page_ids(1) == [-1] * 4 + [9, 10] and reads(kv, 1, 4 * TOKENS, 2 * TOKENS)
@@ -79,10 +79,10 @@ def test_a_new_occupant_maps_over_holes_and_truncating_skips_them():
         kv.map_pages([0], [0], [1, 2, 3, 4], [4])
         kv.unmap_pages_below([0], [2])
         kv.map_pages([0], [0], [7, 8], [2])  # another request in the row: from position 0, the tail goes
-        assert kv.page_ids(0) == [7, 8] and kv.stats()["page_slots_mapped"] == 2 * 4
+        assert kv.page_ids(0) == [7, 8] and kv.stats()["page_mappings"] == 2 * 4
         kv.unmap_pages_below([0], [1])
         kv.unmap_pages([0], [0])  # a slice of holes and pages: only the pages are unmapped
-        assert kv.page_ids(0) == [] and kv.stats()["page_slots_mapped"] == 0
+        assert kv.page_ids(0) == [] and kv.stats()["page_mappings"] == 0
         assert_invariants(kv)
 
 
@@ -113,7 +113,7 @@ def test_a_failed_unmap_keeps_the_page_as_an_orphan_retried_later():
         assert kv.page_ids(0) == [-1, -1, 3] and kv.stats()["pages_orphaned"] > 0
         assert_invariants(kv)
         kv.unmap_pages_below([0], [2])  # the next call on the slice settles the orphans
-        assert kv.stats()["pages_orphaned"] == 0 and kv.stats()["page_slots_mapped"] == 1 * 4
+        assert kv.stats()["pages_orphaned"] == 0 and kv.stats()["page_mappings"] == 1 * 4
         assert_invariants(kv)
 
 

@@ -62,11 +62,11 @@ def test_outputs_equal_generating_each_request_alone(model, reference, options):
         # requests joined and left at different iterations: fewer iterations than one at a time
         assert engine.iteration < sum(news)
         assert max(h["running"] for h in engine.history) == 4
-        assert engine.stats()["slots_allocated"] == 0
+        assert engine.stats()["reqids_allocated"] == 0
         # one kernel for every layer, chosen for this cache's geometry
         assert engine.stats()["attention_kernel"] == vattn.kernels.KERNELS["host"].name
         k_cache = engine.kv.layer(0)[0]
-        assert (engine._case.slot_stride, engine._case.row_stride) == (k_cache.stride(0), k_cache.stride(1))
+        assert (engine._case.slice_stride, engine._case.row_stride) == (k_cache.stride(0), k_cache.stride(1))
 
 
 def test_small_pool_preempts_and_every_output_is_still_right(model, reference):
@@ -224,7 +224,7 @@ def test_n_completions_share_the_prompt(model, reference):
         again = engine.generate(prompts[:2], max_new_tokens=10, n=4, temperature=1.0, seed=11)
         assert sampled == again  # seeded: reproducible
         assert all(len({tuple(c) for c in outs}) > 1 for outs in sampled)  # the completions differ
-        assert engine.kv.stats()["slots_allocated"] == 0
+        assert engine.kv.stats()["reqids_allocated"] == 0
 
 
 def test_n_completions_under_a_tight_pool(model, reference):

@@ -42,7 +42,7 @@ def reference(model):
 def assert_clean(engine: Engine) -> None:
     """Nothing running or waiting, every reqid free, the page table consistent."""
     assert not engine.has_unfinished()
-    assert engine.kv.stats()["slots_allocated"] == 0
+    assert engine.kv.stats()["reqids_allocated"] == 0
     assert_invariants(engine.kv)
 
 

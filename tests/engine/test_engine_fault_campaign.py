@@ -121,7 +121,7 @@ def check_no_leak(engine: Engine) -> None:
     in a free reqid for reuse (deferred reclaim, eager allocation), and
     those go back to the pool when reclaimed (eager: all but the next reqid's)."""
     kv, cache = engine.kv, engine.prefix_cache
-    assert not engine.has_unfinished() and kv.stats()["slots_allocated"] == 0
+    assert not engine.has_unfinished() and kv.stats()["reqids_allocated"] == 0
     kv.reclaim()  # also retries unmaps that failed
     kv.wait_idle()
     cached = {page for handle in cache.entries for page in cache.page_ids(handle)}

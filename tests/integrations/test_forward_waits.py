@@ -1,5 +1,5 @@
 """No forward waits for the device on vattn's account: the vLLM worker's
-mapping (BlockMapper) on the fake CUDA driver (tests/backends/fake_cuda),
+mapping (BlockPlacer) on the fake CUDA driver (tests/backends/fake_cuda),
 with a stream that plays vLLM's forward stream and lags behind the host.
 
 A request's slice follows it for its life, so finishes, preemptions and
@@ -18,7 +18,7 @@ import torch
 
 import vattn
 from backends.cuda_framework import Framework
-from vattn.integrations.block_mapper import BlockMapper
+from vattn.integrations.block_placer import BlockPlacer
 
 MiB = 1 << 20
 BLOCK = 2048  # 4 KV heads x 128 x fp16 = 1 KiB per token: one 2 MiB page per block and buffer
@@ -40,7 +40,7 @@ def test_a_vllm_like_trace_never_waits_for_the_device_inside_a_forward(fake_cuda
                               physical_memory=NUM_BLOCKS * 4 * 2 * MiB, page_allocator="external",
                               background=False, deferred_reclaim=False, eager=False, sync_streams=[stream])
     try:
-        mapper = BlockMapper(kv, BLOCK)
+        placer = BlockPlacer(kv, BLOCK)
         free_blocks = list(range(1, NUM_BLOCKS))
         live: dict[str, tuple[list[int], int]] = {}
         waits_in_forwards = forwards = finished = preempted = 0
@@ -69,7 +69,7 @@ def test_a_vllm_like_trace_never_waits_for_the_device_inside_a_forward(fake_cuda
                     if need > len(blocks) and not free_blocks:
                         continue
                     live[key] = (blocks + [free_blocks.pop() for _ in range(need - len(blocks))], tokens + grow)
-            mapper.release(ended)
+            placer.release(ended)
             cached += gone.values()
             while len(live) < ROWS and len(free_blocks) >= 2:
                 tokens = rng.randint(1, 2 * BLOCK)
@@ -88,8 +88,8 @@ def test_a_vllm_like_trace_never_waits_for_the_device_inside_a_forward(fake_cuda
             for i, key in enumerate(order):
                 table[i, :len(live[key][0])] = live[key][0]
             num_blocks = np.array([len(live[k][0]) for k in order], dtype=np.int32)
-            reqids = mapper.reqids_of(order, table, num_blocks)
-            mapper.map(reqids, table, num_blocks, np.array([live[k][1] for k in order]))
+            reqids = placer.reqids_of(order, table, num_blocks)
+            placer.map(reqids, table, num_blocks, np.array([live[k][1] for k in order]))
             waits_in_forwards += device_waits(fake_cuda, stream) - before
             forwards += 1
             # the forward's kernels are queued; the device finishes the previous forward's meanwhile
@@ -99,7 +99,7 @@ def test_a_vllm_like_trace_never_waits_for_the_device_inside_a_forward(fake_cuda
                 blocks, tokens = live[key]
                 assert kv.page_ids(reqid) == blocks[:-(-tokens // BLOCK)]
         assert finished > 20 and preempted > 5 and forwards == 200
-        assert mapper.positions_reused > 10  # prefix hits found their blocks mapped in a free slice
+        assert placer.positions_reused > 10  # prefix hits found their blocks mapped in a free slice
         assert waits_in_forwards == 0
         s = kv.stats()
         assert s["page_unmaps"] > 0  # finished requests' pages were unmapped, after their readers were done

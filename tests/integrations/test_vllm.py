@@ -162,7 +162,7 @@ def test_the_pool_is_vllms_blocks_and_requests_map_only_what_they_hold_once(runs
     for mapped, tokens in zip(v["bytes_mapped_series"], v["tokens_series"]):
         assert mapped <= MAX_NUM_SEQS * (MAX_MODEL_LEN // 32) * block_bytes
         assert mapped <= -(-tokens // 32) * block_bytes + MAX_NUM_SEQS * block_bytes
-    assert v["slots_allocated"] == 0  # every request finished and gave its slice back
+    assert v["reqids_allocated"] == 0  # every request finished and gave its slice back
     # a request keeps its slice: each block is mapped once into each request that holds it, whatever
     # vLLM did with its rows; unmapping is only of finished requests' slices, when reused
     m = v["mapping"]

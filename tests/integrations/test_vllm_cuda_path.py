@@ -27,7 +27,7 @@ import vattn
 from backends.cuda_framework import Capture, Framework
 from kernels.kernel_references import vllm_varlen
 from vattn.integrations import vllm as plugin
-from vattn.integrations.block_mapper import BlockMapper
+from vattn.integrations.block_placer import BlockPlacer
 from vattn.integrations.vllm import attention as vllm_attention
 from vattn.integrations.vllm import configuration
 from vattn.integrations.vllm import worker as vllm_worker
@@ -97,15 +97,15 @@ def test_vllms_build_reads_each_slice_as_one_page_in_one_call_per_layer(fake_vll
                               max_context_len=100, page_size=4096 * (2 if layout == "all_layers" else 1),
                               physical_memory=40 * 4 * 4096, layout=layout, page_allocator="external",
                               background=False, deferred_reclaim=False, eager=False) as kv:
-        mapper = BlockMapper(kv, 16)
+        placer = BlockPlacer(kv, 16)
         keys, cached, query = ["b", "a", "c"], [20, 33, 0], [1, 1, 5]
-        reqids = mapper.reqids_of(keys)
+        reqids = placer.reqids_of(keys)
         seq_lens = np.array(cached) + np.array(query)
         need = -(-seq_lens // 16)
         table = np.zeros((3, 7), dtype=np.int32)
         for i, n in enumerate(need):
             table[i, :n] = range(1 + 7 * i, 1 + 7 * i + n)
-        mapper.map(reqids, table, need.astype(np.int32), seq_lens)
+        placer.map(reqids, table, need.astype(np.int32), seq_lens)
         k_cache, v_cache = kv.layer(1)
         assert kernel.slice_tokens(k_cache.stride(0), k_cache.stride(1)) == 112  # 100 tokens, whole pages
         for r, c in zip(reqids.tolist(), cached):
@@ -292,7 +292,7 @@ def test_graph_plans_keep_their_addresses_and_padding_touches_only_the_padding_s
     try:
         group = cache.groups[0]
         pad = group.padding
-        assert (pad, group.mapper.slices, cache.padding_tokens) == (8, 8, 16)  # 2 slices per row, then padding
+        assert (pad, group.placer.slices, cache.padding_tokens) == (8, 8, 16)  # 2 slices per row, then padding
         assert cache.manager.page_ids(pad) == [plugin.NULL_BLOCK_ID]  # mapped at start-up
         kv_caches = cache.kv_caches()
         assert kv_caches["layer.0"].shape[1] == 9  # the views hold the padding slice
@@ -411,7 +411,7 @@ def test_a_capture_build_maps_nothing_inside_a_cuda_graph_capture(fake_cuda, fak
         inputs = VllmInputs(4, 4 * block)
         set_rows(runner, {"a": [3, 4], "b": [5]})
         planner.build(reader.read(inputs.common([1, 1], [3000, 10])))  # a real forward maps its requests
-        a, b = cache.groups[0].mapper.reqids_of(["a", "b"]).tolist()
+        a, b = cache.groups[0].placer.reqids_of(["a", "b"]).tolist()
         mem = manager._pages.memory
 
         def driver_state():

@@ -1,5 +1,5 @@
 """The worker side of the vLLM integration without vLLM: fake block tables
-through BlockMapper onto a real external-page cache, and the start-up checks.
+through BlockPlacer onto a real external-page cache, and the start-up checks.
 
 Requests are named by keys (vLLM's request ids) and keep one slice each;
 block ids are page ids. Tests write K/V through one request's slice and read
@@ -18,7 +18,7 @@ import torch
 
 import vattn
 from conftest import assert_invariants
-from vattn.integrations.vllm import NULL_BLOCK_ID, BlockMapper, check_kernel, choose_layout
+from vattn.integrations.vllm import NULL_BLOCK_ID, BlockPlacer, check_kernel, choose_layout
 from vattn.integrations.vllm.configuration import fit_block_size
 
 PAGE = 4096
@@ -48,14 +48,14 @@ def table(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return out, np.array([len(ids) for ids in rows] or [0], dtype=np.int32)
 
 
-def step(mapper: BlockMapper, requests: dict[str, list[int]], seq_lens: list[int],
+def step(placer: BlockPlacer, requests: dict[str, list[int]], seq_lens: list[int],
          query_lens: list[int] | None = None) -> dict[str, int]:
     """One forward: the requests in batch order (rows 0..), their block-table
     rows and lengths. Returns each request's reqid."""
     keys = list(requests)
     rows, counts = table(list(requests.values()))
-    reqids = mapper.reqids_of(keys, rows, counts)  # as the worker does: new requests may reuse a free slice
-    mapper.map(reqids, rows, counts, np.array(seq_lens), None if query_lens is None else np.array(query_lens))
+    reqids = placer.reqids_of(keys, rows, counts)  # as the worker does: new requests may reuse a free slice
+    placer.map(reqids, rows, counts, np.array(seq_lens), None if query_lens is None else np.array(query_lens))
     return dict(zip(keys, reqids.tolist()))
 
 
@@ -87,23 +87,23 @@ def read(kv, reqid: int, start: int, n: int) -> list[float]:
 
 
 def test_requests_map_exactly_the_blocks_their_lengths_need(kv):
-    mapper = BlockMapper(kv, BLOCK)
-    r = step(mapper, {"a": [3, 7, 9], "b": [5]}, [33, 16])  # 33 tokens need 3 blocks; 16 need 1
+    placer = BlockPlacer(kv, BLOCK)
+    r = step(placer, {"a": [3, 7, 9], "b": [5]}, [33, 16])  # 33 tokens need 3 blocks; 16 need 1
     assert kv.page_ids(r["a"]) == [3, 7, 9] and kv.page_ids(r["b"]) == [5]
-    assert step(mapper, {"a": [3, 7, 9, 11], "b": [5, 6]}, [40, 17]) == r  # vLLM allocated ahead
+    assert step(placer, {"a": [3, 7, 9, 11], "b": [5, 6]}, [40, 17]) == r  # vLLM allocated ahead
     assert kv.page_ids(r["a"]) == [3, 7, 9] and kv.page_ids(r["b"]) == [5, 6]  # only what is read is mapped
     assert kv.stats()["bytes_mapped"] == 5 * kv.config.num_buffers * PAGE
-    assert mapper.positions_needed == 5 and mapper.live_requests == 2
+    assert placer.positions_needed == 5 and placer.live_requests == 2
     assert_invariants(kv)
 
 
 def test_a_decode_step_that_crosses_no_block_maps_nothing(kv, monkeypatch):
-    mapper = BlockMapper(kv, BLOCK)
-    step(mapper, {"a": [3, 7], "b": [5]}, [20, 3])
+    placer = BlockPlacer(kv, BLOCK)
+    step(placer, {"a": [3, 7], "b": [5]}, [20, 3])
     calls = []
     monkeypatch.setattr(kv, "map_pages", lambda *a, **k: calls.append(a))
     for n in range(1, 12):  # a: 21..31 tokens, b: 4..14: both within their last block
-        step(mapper, {"a": [3, 7], "b": [5]}, [20 + n, 3 + n], [1, 1])
+        step(placer, {"a": [3, 7], "b": [5]}, [20 + n, 3 + n], [1, 1])
     assert calls == []
 
 
@@ -111,30 +111,30 @@ def test_a_request_moved_to_another_row_maps_and_unmaps_nothing(kv):
     """vLLM condenses its persistent batch: a request in row 2 moves to row
     0, and two rows swap; the kernel is handed the same reqids, and the only
     mapping work is the new request's block."""
-    mapper = BlockMapper(kv, BLOCK)
-    r = step(mapper, {"a": [1], "b": [2], "c": [6, 10]}, [5, 9, 20])
+    placer = BlockPlacer(kv, BLOCK)
+    r = step(placer, {"a": [1], "b": [2], "c": [6, 10]}, [5, 9, 20])
     write(kv, r["c"], 0, 20, 7.0)
-    mapper.release(["a", "b"])  # finished
-    assert step(mapper, {"c": [6, 10]}, [21]) == {"c": r["c"]}
+    placer.release(["a", "b"])  # finished
+    assert step(placer, {"c": [6, 10]}, [21]) == {"c": r["c"]}
     assert kv.page_ids(r["a"]) == [1] and kv.page_ids(r["b"]) == [2]  # free, mapped until reused
     assert read(kv, r["c"], 0, 20) == [7.0] * 20
     maps, unmaps = maps_and_unmaps(kv)
-    r2 = step(mapper, {"d": [11], "c": [6, 10]}, [3, 22])  # c in row 1 now, d new in row 0
+    r2 = step(placer, {"d": [11], "c": [6, 10]}, [3, 22])  # c in row 1 now, d new in row 0
     assert r2["c"] == r["c"] and maps_and_unmaps(kv) == (maps + kv.config.num_buffers, unmaps)
-    assert step(mapper, {"c": [6, 10], "d": [11]}, [23, 4]) == r2  # rows swapped
+    assert step(placer, {"c": [6, 10], "d": [11]}, [23, 4]) == r2  # rows swapped
     assert maps_and_unmaps(kv) == (maps + kv.config.num_buffers, unmaps)
     assert read(kv, r["c"], 0, 20) == [7.0] * 20
     assert_invariants(kv)
 
 
 def test_prefix_shared_blocks_are_one_page_in_several_slices(kv):
-    mapper = BlockMapper(kv, BLOCK)
-    r = step(mapper, {"a": [8, 2]}, [20])
+    placer = BlockPlacer(kv, BLOCK)
+    r = step(placer, {"a": [8, 2]}, [20])
     write(kv, r["a"], 0, 20, 1.0)  # the system prompt's K/V, written by the first request
-    r = step(mapper, {"a": [8, 2], "b": [8, 4], "c": [8, 5]}, [21, 17, 30])  # b and c hit the cached first block
+    r = step(placer, {"a": [8, 2], "b": [8, 4], "c": [8, 5]}, [21, 17, 30])  # b and c hit the cached first block
     assert read(kv, r["b"], 0, BLOCK) == read(kv, r["c"], 0, BLOCK) == [1.0] * BLOCK
     assert kv.stats()["pages_mapped"] == 4 * kv.config.num_buffers  # 8 once, plus 2, 4, 5
-    assert kv.stats()["page_slots_mapped"] == 6 * kv.config.num_buffers
+    assert kv.stats()["page_mappings"] == 6 * kv.config.num_buffers
     assert_invariants(kv)
 
 
@@ -143,28 +143,28 @@ def test_a_released_slice_keeps_its_pages_until_it_is_reused_and_is_emptied_then
     (the device may still read them, a later request may share them) until
     its slice is reused; a new request that shares none of its blocks gets
     the oldest-freed slice, emptied first, and never maps over old pages."""
-    mapper = BlockMapper(kv, BLOCK, slices=2)
-    r = step(mapper, {"a": [12, 13]}, [32])
+    placer = BlockPlacer(kv, BLOCK, slices=2)
+    r = step(placer, {"a": [12, 13]}, [32])
     page_id_bytes = kv.page_size * kv.config.num_buffers
     assert kv.bytes_in_requests == kv.bytes_mapped == 2 * page_id_bytes
-    mapper.release(["a"])
+    placer.release(["a"])
     assert kv.page_ids(r["a"]) == [12, 13] and not kv.is_allocated(r["a"])
     assert kv.bytes_mapped == 2 * page_id_bytes and kv.bytes_in_requests == 0  # mapped, but no request's
     assert kv.reads_done(r["a"])  # freed, and the host has no queued readers
-    r2 = step(mapper, {"b": [20]}, [10])  # the never-used slice: it was freed first (at start-up)
+    r2 = step(placer, {"b": [20]}, [10])  # the never-used slice: it was freed first (at start-up)
     assert r2["b"] != r["a"] and kv.page_ids(r["a"]) == [12, 13]
     assert not kv.reads_done(r2["b"])  # allocated: still read
     before = maps_and_unmaps(kv)
-    r3 = step(mapper, {"b": [20], "c": [14, 15, 16]}, [10, 40])  # now the freed one
+    r3 = step(placer, {"b": [20], "c": [14, 15, 16]}, [10, 40])  # now the freed one
     assert r3["c"] == r["a"] and kv.page_ids(r["a"]) == [14, 15, 16]
     buffers = kv.config.num_buffers
     assert maps_and_unmaps(kv) == (before[0] + 3 * buffers, before[1] + 2 * buffers)
-    assert mapper.positions_reused == 0
+    assert placer.positions_reused == 0
     with pytest.raises(ValueError, match="3 requests hold slices, but the cache has 2 per KV cache group"):
-        mapper.reqids_of(["b", "c", "d"])
-    assert mapper.live_requests == 2
-    mapper.release(["c"])
-    mapper.reqids_of(["b", "d"])  # reused without a block table: emptied first
+        placer.reqids_of(["b", "c", "d"])
+    assert placer.live_requests == 2
+    placer.release(["c"])
+    placer.reqids_of(["b", "d"])  # reused without a block table: emptied first
     assert kv.page_ids(r["a"]) == []
     assert_invariants(kv)
 
@@ -175,37 +175,37 @@ def test_a_new_request_that_starts_with_a_free_slices_blocks_reuses_them_in_plac
     is taken, those positions are neither unmapped nor mapped again, the
     old request's pages after them are unmapped, and the shared tokens read
     back through the new request's slice."""
-    mapper = BlockMapper(kv, BLOCK)
-    r = step(mapper, {"a": [12, 13, 14], "b": [12, 17]}, [48, 20])
+    placer = BlockPlacer(kv, BLOCK)
+    r = step(placer, {"a": [12, 13, 14], "b": [12, 17]}, [48, 20])
     write(kv, r["a"], 0, 48, 2.0)
-    mapper.release(["a", "b"])
-    step(mapper, {"x": [30]}, [4])  # an unrelated request takes the oldest free slice, not these
+    placer.release(["a", "b"])
+    step(placer, {"x": [30]}, [4])  # an unrelated request takes the oldest free slice, not these
     before = maps_and_unmaps(kv)
-    r2 = step(mapper, {"c": [12, 13, 18, 19]}, [60])  # shares a's first two blocks: a's slice, not b's
+    r2 = step(placer, {"c": [12, 13, 18, 19]}, [60])  # shares a's first two blocks: a's slice, not b's
     buffers = kv.config.num_buffers
     assert r2["c"] == r["a"] and kv.page_ids(r2["c"]) == [12, 13, 18, 19]
     assert kv.stats()["bytes_in_requests"] == 5 * kv.page_size * kv.config.num_buffers  # 12, 13, 18, 19 and x's 30
     assert maps_and_unmaps(kv) == (before[0] + 2 * buffers, before[1] + 1 * buffers)  # 14 out, 18 and 19 in
-    assert mapper.positions_reused == 2 and kv.page_ids(r["b"]) == [12, 17]
+    assert placer.positions_reused == 2 and kv.page_ids(r["b"]) == [12, 17]
     assert read(kv, r2["c"], 0, 32) == [2.0] * 32
-    r3 = step(mapper, {"c": [12, 13, 18, 19], "d": [12, 17]}, [60, 20])  # b's whole slice, nothing mapped
+    r3 = step(placer, {"c": [12, 13, 18, 19], "d": [12, 17]}, [60, 20])  # b's whole slice, nothing mapped
     assert r3["d"] == r["b"] and maps_and_unmaps(kv)[0] == before[0] + 2 * buffers
-    assert mapper.positions_reused == 4
-    r4 = step(mapper, {"c": [12, 13, 18, 19], "d": [12, 17], "e": [36, 37]}, [60, 20, 20])
+    assert placer.positions_reused == 4
+    r4 = step(placer, {"c": [12, 13, 18, 19], "d": [12, 17], "e": [36, 37]}, [60, 20, 20])
     assert kv.page_ids(r4["e"]) == [36, 37]  # no free slice maps block 36: the oldest-freed one
-    assert mapper.positions_reused == 4
+    assert placer.positions_reused == 4
     assert_invariants(kv)
 
 
 def test_a_freed_block_comes_back_from_the_prefix_cache_with_its_contents(kv):
-    mapper = BlockMapper(kv, BLOCK)
-    r = step(mapper, {"a": [12, 13]}, [32])
+    placer = BlockPlacer(kv, BLOCK)
+    r = step(placer, {"a": [12, 13]}, [32])
     write(kv, r["a"], 0, 32, 3.0)
-    mapper.release(["a"])  # finished: its blocks are free but cached
-    r = step(mapper, {"b": [20], "c": [14]}, [10, 10])  # other blocks, other slices
+    placer.release(["a"])  # finished: its blocks are free but cached
+    r = step(placer, {"b": [20], "c": [14]}, [10, 10])  # other blocks, other slices
     write(kv, r["b"], 0, 10, -5.0)
     write(kv, r["c"], 0, 10, -6.0)
-    r = step(mapper, {"b": [20], "d": [12, 13, 15]}, [10, 40])  # a new request hits both cached blocks
+    r = step(placer, {"b": [20], "d": [12, 13, 15]}, [10, 40])  # a new request hits both cached blocks
     assert read(kv, r["d"], 0, 32) == [3.0] * 32
     assert read(kv, r["b"], 0, 10) == [-5.0] * 10
     assert_invariants(kv)
@@ -216,16 +216,16 @@ def test_a_request_resumed_after_a_preemption_with_new_blocks_gets_another_slice
     resumes: the worker releases it, and its next forward maps the new blocks
     into another slice; the old one keeps its pages until it is reused, so
     nothing is unmapped on the way."""
-    mapper = BlockMapper(kv, BLOCK)
-    r = step(mapper, {"a": [30, 31, 32]}, [48])
-    mapper.release(["a"])
+    placer = BlockPlacer(kv, BLOCK)
+    r = step(placer, {"a": [30, 31, 32]}, [48])
+    placer.release(["a"])
     before = maps_and_unmaps(kv)
-    r2 = step(mapper, {"a": [33, 34]}, [20])
+    r2 = step(placer, {"a": [33, 34]}, [20])
     assert r2["a"] != r["a"] and kv.page_ids(r2["a"]) == [33, 34] and kv.page_ids(r["a"]) == [30, 31, 32]
     assert maps_and_unmaps(kv) == (before[0] + 2 * kv.config.num_buffers, before[1])
-    mapper.release(["a"])  # preempted again, resumed on its first blocks (prefix-cache hits): its first slice
-    r3 = step(mapper, {"a": [30, 31, 35]}, [40])
-    assert r3["a"] == r["a"] and kv.page_ids(r3["a"]) == [30, 31, 35] and mapper.positions_reused == 2
+    placer.release(["a"])  # preempted again, resumed on its first blocks (prefix-cache hits): its first slice
+    r3 = step(placer, {"a": [30, 31, 35]}, [40])
+    assert r3["a"] == r["a"] and kv.page_ids(r3["a"]) == [30, 31, 35] and placer.positions_reused == 2
     assert_invariants(kv)
 
 
@@ -233,36 +233,36 @@ def test_warm_up_rows_without_blocks_get_the_null_block_and_real_blocks_replace_
     """Warm-up forwards come with lengths but no blocks: they write into
     vLLM's null block only, never into a block a request may own; what a
     request got that way is mapped again from its blocks."""
-    mapper = BlockMapper(kv, BLOCK)
-    r = step(mapper, {"w0": [], "w1": []}, [40, 1])
+    placer = BlockPlacer(kv, BLOCK)
+    r = step(placer, {"w0": [], "w1": []}, [40, 1])
     assert kv.page_ids(r["w0"]) == [NULL_BLOCK_ID] * 3 and kv.page_ids(r["w1"]) == [NULL_BLOCK_ID]
     write(kv, r["w0"], 0, 40, 9.0)
-    mapper.release_all_but([])
-    r = step(mapper, {"a": [4]}, [2])
+    placer.release_all_but([])
+    r = step(placer, {"a": [4]}, [2])
     assert kv.page_ids(r["a"]) == [4]
-    r = step(mapper, {"b": []}, [20])  # a row with too few blocks, then its blocks
+    r = step(placer, {"b": []}, [20])  # a row with too few blocks, then its blocks
     assert kv.page_ids(r["b"]) == [NULL_BLOCK_ID] * 2
-    step(mapper, {"b": [5, 6]}, [21])
+    step(placer, {"b": [5, 6]}, [21])
     assert kv.page_ids(r["b"]) == [5, 6]
     assert_invariants(kv)
 
 
 def test_mapper_errors(kv):
-    mapper = BlockMapper(kv, BLOCK)
+    placer = BlockPlacer(kv, BLOCK)
     rows, counts = table([[NUM_BLOCKS]])
-    reqids = mapper.reqids_of(["a"])
+    reqids = placer.reqids_of(["a"])
     with pytest.raises(ValueError, match=r"page_ids\[0\] must be in \[0, 39\]"):
-        mapper.map(reqids, rows, counts, np.array([1]))
+        placer.map(reqids, rows, counts, np.array([1]))
     assert kv.page_ids(int(reqids[0])) == []  # nothing changed
-    step(mapper, {"a": [4]}, [1])  # and the request maps once its table is right
+    step(placer, {"a": [4]}, [1])  # and the request maps once its table is right
     assert kv.page_ids(int(reqids[0])) == [4]
     with vattn.KVCacheManager(num_layers=1, num_kv_heads=1, head_dim=32, max_batch_size=1, max_context_len=64,
                               background=False) as managed:
         with pytest.raises(ValueError, match="page_allocator='external'"):
-            BlockMapper(managed, BLOCK)
+            BlockPlacer(managed, BLOCK)
     with pytest.raises(ValueError, match=r"reqids first_reqid .. first_reqid \+ slices - 1 must lie in "
                                          r"\[0, 5\], got first_reqid=3, slices=4"):
-        BlockMapper(kv, BLOCK, first_reqid=3, slices=4)
+        BlockPlacer(kv, BLOCK, first_reqid=3, slices=4)
 
 
 def test_a_vllm_like_trace_maps_each_block_once_into_each_request_that_holds_it():
@@ -273,7 +273,7 @@ def test_a_vllm_like_trace_maps_each_block_once_into_each_request_that_holds_it(
     hits) find them mapped in its slice."""
     rng = random.Random(7)
     with make_kv(slices=12) as kv:
-        mapper = BlockMapper(kv, BLOCK)
+        placer = BlockPlacer(kv, BLOCK)
         free_blocks = list(range(1, NUM_BLOCKS))
         live: dict[str, tuple[list[int], int]] = {}  # key -> (blocks, tokens)
         finished: list[list[int]] = []  # finished requests' full blocks: what vLLM's prefix cache may hand out
@@ -297,10 +297,10 @@ def test_a_vllm_like_trace_maps_each_block_once_into_each_request_that_holds_it(
                     free_blocks += blocks
                     finished.append(blocks[:tokens // BLOCK])
                     del live[key]
-                    mapper.release([key])
+                    placer.release([key])
                 elif event < 0.08:  # preempted and resumed at once with new blocks
                     free_blocks += blocks
-                    mapper.release([key])
+                    placer.release([key])
                     need = -(-tokens // BLOCK)
                     rng.shuffle(free_blocks)
                     live[key] = ([free_blocks.pop() for _ in range(need)], tokens)
@@ -314,15 +314,15 @@ def test_a_vllm_like_trace_maps_each_block_once_into_each_request_that_holds_it(
                 continue
             order = list(live)
             rng.shuffle(order)  # vLLM's rows: any order, changing every forward
-            step(mapper, {k: live[k][0] for k in order}, [live[k][1] for k in order])
-            reqids = mapper.reqids_of(order)
+            step(placer, {k: live[k][0] for k in order}, [live[k][1] for k in order])
+            reqids = placer.reqids_of(order)
             for key, reqid in zip(order, reqids.tolist()):
                 blocks, tokens = live[key]
                 assert kv.page_ids(reqid) == blocks[:-(-tokens // BLOCK)], key
         assert_invariants(kv)
         maps, _ = maps_and_unmaps(kv)
-        assert maps == mapper.positions_needed * kv.config.num_buffers  # reused positions are not mapped again
-        assert mapper.positions_needed > 100 and mapper.positions_reused > 10
+        assert maps == placer.positions_needed * kv.config.num_buffers  # reused positions are not mapped again
+        assert placer.positions_needed > 100 and placer.positions_reused > 10
 
 
 # ---- start-up decisions ------------------------------------------------------------------
@@ -368,36 +368,36 @@ def test_kernel_limits_are_checked_at_start_up(monkeypatch):
 def test_blocks_a_window_left_behind_become_holes_and_the_window_keeps_its_addresses(kv):
     """vLLM frees the blocks a sliding window (here 32 tokens) left behind:
     those positions are unmapped, the window's pages stay where they are."""
-    mapper = BlockMapper(kv, BLOCK, window=32)
-    r = step(mapper, {"a": [3, 4, 5]}, [40], [40])
+    placer = BlockPlacer(kv, BLOCK, window=32)
+    r = step(placer, {"a": [3, 4, 5]}, [40], [40])
     write(kv, r["a"], 16, 24, 2.0)
     address = kv.layer(0)[0][r["a"], 32].data_ptr()
-    step(mapper, {"a": [3, 4, 5]}, [41], [1])  # query 40 sees 9..40: block 0 still in the window
-    assert kv.page_ids(r["a"]) == [3, 4, 5] and mapper.holes == 0
-    step(mapper, {"a": [3, 4, 5]}, [48], [1])  # query 47 sees 16..47: block 0 fell out of the window
-    assert kv.page_ids(r["a"]) == [-1, 4, 5] and mapper.holes == 1
+    step(placer, {"a": [3, 4, 5]}, [41], [1])  # query 40 sees 9..40: block 0 still in the window
+    assert kv.page_ids(r["a"]) == [3, 4, 5] and placer.holes == 0
+    step(placer, {"a": [3, 4, 5]}, [48], [1])  # query 47 sees 16..47: block 0 fell out of the window
+    assert kv.page_ids(r["a"]) == [-1, 4, 5] and placer.holes == 1
     assert read(kv, r["a"], 16, 24) == [2.0] * 24 and kv.layer(0)[0][r["a"], 32].data_ptr() == address
-    step(mapper, {"a": [3, 4, 5, 6, 7]}, [65], [1])  # query 64 sees 33..64: and block 1; new blocks at the end
-    assert kv.page_ids(r["a"]) == [-1, -1, 5, 6, 7] and kv.stats()["page_slots_mapped"] == 3 * kv.config.num_buffers
-    mapper.release(["a"])
-    r2 = step(mapper, {"b": [7]}, [3], [3])  # a new request: no holes of its own
-    assert kv.page_ids(r2["b"]) == [7] and mapper.holes == 0
+    step(placer, {"a": [3, 4, 5, 6, 7]}, [65], [1])  # query 64 sees 33..64: and block 1; new blocks at the end
+    assert kv.page_ids(r["a"]) == [-1, -1, 5, 6, 7] and kv.stats()["page_mappings"] == 3 * kv.config.num_buffers
+    placer.release(["a"])
+    r2 = step(placer, {"b": [7]}, [3], [3])  # a new request: no holes of its own
+    assert kv.page_ids(r2["b"]) == [7] and placer.holes == 0
     assert_invariants(kv)
 
 
 def test_a_window_unmaps_the_blocks_no_query_can_see_though_the_table_still_names_them(kv):
     """vLLM frees a block once the window has passed it but leaves its id in
     the worker's block table (and may hand it to another request): the
-    mapper works the window out from the forward's earliest query."""
-    mapper = BlockMapper(kv, BLOCK, window=32)
-    r = step(mapper, {"a": [3, 4, 5, 6]}, [50], [50])  # a prefill: every query from 0
-    assert kv.page_ids(r["a"]) == [3, 4, 5, 6] and mapper.holes == 0
+    placer works the window out from the forward's earliest query."""
+    placer = BlockPlacer(kv, BLOCK, window=32)
+    r = step(placer, {"a": [3, 4, 5, 6]}, [50], [50])  # a prefill: every query from 0
+    assert kv.page_ids(r["a"]) == [3, 4, 5, 6] and placer.holes == 0
     write(kv, r["a"], 32, 18, 4.0)
-    step(mapper, {"a": [3, 4, 5, 6]}, [51], [1])  # query 50 sees 19..50
-    assert kv.page_ids(r["a"]) == [-1, 4, 5, 6] and mapper.holes == 1
+    step(placer, {"a": [3, 4, 5, 6]}, [51], [1])  # query 50 sees 19..50
+    assert kv.page_ids(r["a"]) == [-1, 4, 5, 6] and placer.holes == 1
     # query 64 sees 33..64, past block 4 too; block 3 went to request b
-    r = step(mapper, {"a": [3, 4, 5, 6, 7], "b": [3]}, [65, 5], [1, 5])
-    assert kv.page_ids(r["a"]) == [-1, -1, 5, 6, 7] and kv.page_ids(r["b"]) == [3] and mapper.holes == 2
+    r = step(placer, {"a": [3, 4, 5, 6, 7], "b": [3]}, [65, 5], [1, 5])
+    assert kv.page_ids(r["a"]) == [-1, -1, 5, 6, 7] and kv.page_ids(r["b"]) == [3] and placer.holes == 2
     assert read(kv, r["a"], 32, 18) == [4.0] * 18
     assert_invariants(kv)
 
@@ -405,9 +405,9 @@ def test_a_window_unmaps_the_blocks_no_query_can_see_though_the_table_still_name
 def test_a_prefix_hit_in_a_windowed_group_maps_only_the_window(kv):
     """A request whose window starts in its third block, found in the prefix
     cache: vLLM hands it null blocks before the window."""
-    mapper = BlockMapper(kv, BLOCK)
-    r = step(mapper, {"w": [], "a": [NULL_BLOCK_ID, NULL_BLOCK_ID, 8, 9]}, [1, 60])  # w: a warm-up row
-    assert kv.page_ids(r["a"]) == [-1, -1, 8, 9] and kv.page_ids(r["w"]) == [NULL_BLOCK_ID] and mapper.holes == 2
+    placer = BlockPlacer(kv, BLOCK)
+    r = step(placer, {"w": [], "a": [NULL_BLOCK_ID, NULL_BLOCK_ID, 8, 9]}, [1, 60])  # w: a warm-up row
+    assert kv.page_ids(r["a"]) == [-1, -1, 8, 9] and kv.page_ids(r["w"]) == [NULL_BLOCK_ID] and placer.holes == 2
     assert kv.stats()["pages_mapped"] == 3 * kv.config.num_buffers
     assert_invariants(kv)
 
@@ -418,7 +418,7 @@ def test_groups_map_their_own_block_tables_into_their_own_slices_from_one_pool()
     physical page whichever group holds it, as vLLM's one block pool hands it
     out."""
     with make_kv() as kv:
-        local, full = BlockMapper(kv, BLOCK, first_reqid=0, slices=3), BlockMapper(kv, BLOCK, first_reqid=3, slices=3)
+        local, full = BlockPlacer(kv, BLOCK, first_reqid=0, slices=3), BlockPlacer(kv, BLOCK, first_reqid=3, slices=3)
         rl = step(local, {"a": [NULL_BLOCK_ID, 11, 12]}, [40])
         rf = step(full, {"a": [1, 2, 3]}, [40])
         assert (rl["a"], rf["a"]) == (0, 3)

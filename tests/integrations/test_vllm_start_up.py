@@ -24,7 +24,7 @@ import torch
 
 from backends.cuda_framework import Capture, Framework
 from integrations.test_vllm_cuda_path import VllmInputs, fake_runner, fake_vllm_build, set_rows  # noqa: F401
-from vattn.integrations import block_mapper
+from vattn.integrations import block_placer
 from vattn.integrations import vllm as plugin
 from vattn.integrations.vllm import attention as vllm_attention
 from vattn.integrations.vllm import configuration
@@ -263,8 +263,8 @@ def test_qwen2_0_5b_gets_the_smallest_block_any_layout_allows_and_the_warning_sa
     CUDA's 2 MiB no layout gives 256-token blocks: all_layers takes multiples of 1024, per_layer of 8192; the
     plugin picks 1024 and warns that shorter shared prompts miss the prefix cache. On the host's 4 KiB pages
     blocks stay at vLLM's 16."""
-    assert block_mapper.smallest_block_size(24 * 256, 2 << 20) == 1024
-    assert block_mapper.smallest_block_size(256, 2 << 20) == 8192
+    assert block_placer.smallest_block_size(24 * 256, 2 << 20) == 1024
+    assert block_placer.smallest_block_size(256, 2 << 20) == 8192
     cache = types.SimpleNamespace(block_size=16, user_specified_block_size=False)
     with caplog.at_level(logging.INFO, logger="vllm.vattn"):
         assert configuration.fit_block_size(cache, 24, 2, 64, 2, 2 << 20, None) == 1024 == cache.block_size

@@ -81,11 +81,11 @@ int run_case(std::mt19937_64& rng, int index, int64_t max_cached, int64_t max_kv
   const int64_t window = rng() % 4 == 0 ? uniform(1, 300) : 0;
   const float softcap = rng() % 4 == 0 ? 30.0f : 0.0f;
   const int64_t nreq = uniform(1, 4);
-  const int64_t slots = nreq + 1;
+  const int64_t num_reqids = nreq + 1;
   std::vector<int64_t> reqids, cached, qlens;
   int64_t L = 0;
   for (int64_t i = 0; i < nreq; ++i) {
-    reqids.push_back((i * 7 + index) % slots == 0 && i == 0 ? slots - 1 : i);  // not always 0..n-1
+    reqids.push_back((i * 7 + index) % num_reqids == 0 && i == 0 ? num_reqids - 1 : i);  // not always 0..n-1
     cached.push_back(rng() % 3 == 0 ? 0 : uniform(1, max_cached));
     qlens.push_back(rng() % 2 ? 1 : uniform(2, 70));
     L = std::max(L, cached.back() + qlens.back());
@@ -99,10 +99,10 @@ int run_case(std::mt19937_64& rng, int index, int64_t max_cached, int64_t max_kv
   int64_t T = 0;
   for (int64_t q : qlens) T += q;
 
-  // cache [slots, L, Hkv, D] inside a buffer of `layers` layers: token stride layers * Hkv * D
-  const int64_t token_stride = layers * Hkv * D, slot_stride = L * token_stride;
+  // cache [num_reqids, L, Hkv, D] inside a buffer of `layers` layers: token stride layers * Hkv * D
+  const int64_t token_stride = layers * Hkv * D, slice_stride = L * token_stride;
   const int64_t layer_offset = all_layers ? Hkv * D : 0;
-  Store kbuf(dtype, slots * slot_stride), vbuf(dtype, slots * slot_stride);
+  Store kbuf(dtype, num_reqids * slice_stride), vbuf(dtype, num_reqids * slice_stride);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (size_t i = 0; i < kbuf.bytes.size() / (dtype == DType::kF32 ? 4 : 2); ++i) {
     kbuf.set(i, normal(rng));
@@ -117,8 +117,8 @@ int run_case(std::mt19937_64& rng, int index, int64_t max_cached, int64_t max_kv
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
 
   // reference: the new rows written, then attention in double precision
-  auto cache_index = [&](int64_t slot, int64_t token, int64_t h, int64_t x) {
-    return static_cast<size_t>(slot * slot_stride + token * token_stride + layer_offset + h * D + x);
+  auto cache_index = [&](int64_t reqid, int64_t token, int64_t h, int64_t x) {
+    return static_cast<size_t>(reqid * slice_stride + token * token_stride + layer_offset + h * D + x);
   };
   // Every fourth case poisons one query element and one K element of a history key: the rows that read
   // them must come out NaN (the reference's arithmetic carries the NaN), every other row exact.
@@ -188,7 +188,7 @@ int run_case(std::mt19937_64& rng, int index, int64_t max_cached, int64_t max_kv
     Store k = kbuf, v = vbuf, out(dtype, T * Hq * D);
     std::vector<float> lse(T * Hq);
     Call call;
-    const std::vector<int64_t> cache_shape{slots, L, Hkv, D}, cache_strides{slot_stride, token_stride, D, 1};
+    const std::vector<int64_t> cache_shape{num_reqids, L, Hkv, D}, cache_strides{slice_stride, token_stride, D, 1};
     call.q = ref(q, {T, Hq, D}, {Hq * D, D, 1});
     call.out = ref(out, {T, Hq, D}, {Hq * D, D, 1});
     call.k_cache = ref(k, cache_shape, cache_strides);

@@ -442,12 +442,12 @@ def test_cuda_picks_torch_flash_without_the_flash_attn_package(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import flash_attn raises ImportError
     select_module._select.cache_clear()
-    case = AttentionCase("cuda", 64, torch.bfloat16, torch.bfloat16, 8, 2, 4096, slot_stride=4096 * 128,
+    case = AttentionCase("cuda", 64, torch.bfloat16, torch.bfloat16, 8, 2, 4096, slice_stride=4096 * 128,
                          row_stride=128)
     try:
         assert select_kernel(case) is KERNELS["torch_flash"]
         assert select_kernel(case, batched=True) is KERNELS["torch_flash"]
-        uneven = case._replace(slot_stride=4096 * 128 + 64)
+        uneven = case._replace(slice_stride=4096 * 128 + 64)
         ok, reason = KERNELS["torch_flash"].supports(uneven)
         assert not ok and "FlashAttention-2 (torch)" in reason and "not a whole number" in reason
         assert select_kernel(uneven) is KERNELS["sdpa"]

@@ -18,12 +18,12 @@ from vattn.kernels import AttentionCase, FlashInferKernel
 from vattn.kernels.page_view import PageGeometry, page_geometry, page_ranges, paged_view
 
 
-def reference_ranges(reqids, seq_lens, page_tokens, pages_per_slot):
+def reference_ranges(reqids, seq_lens, page_tokens, pages_per_slice):
     """Request by request, page by page."""
     indptr, indices, last = [0], [], []
     for r, n in zip(reqids, seq_lens):
         count = -(-n // page_tokens)
-        indices += [r * pages_per_slot + j for j in range(count)]
+        indices += [r * pages_per_slice + j for j in range(count)]
         indptr.append(indptr[-1] + count)
         last.append(n - (count - 1) * page_tokens)
     return indptr, indices, last
@@ -45,9 +45,9 @@ def test_page_geometry_cuts_slots_into_whole_pages():
     assert page_geometry(3072 * 1024, 1024, 1024) == PageGeometry(1024, 3, 1024 * 1024)  # 2 MiB pages, fp16
     assert page_geometry(3072 * 1024, 1024) == PageGeometry(256, 12, 256 * 1024)  # vattn page unknown
     assert page_geometry(48 * 8, 8) == PageGeometry(16, 3, 128)
-    with pytest.raises(ValueError, match=r"a slot \(100 elements\) is not a whole number of token rows"):
+    with pytest.raises(ValueError, match=r"a slice \(100 elements\) is not a whole number of token rows"):
         page_geometry(100, 8)
-    with pytest.raises(ValueError, match=r"page_tokens must divide the slot's 48 rows, got 32"):
+    with pytest.raises(ValueError, match=r"page_tokens must divide the slice's 48 rows, got 32"):
         page_geometry(48 * 8, 8, 32)
 
 
@@ -64,11 +64,11 @@ def test_the_paged_view_is_the_cache(layout):
         for r, n in enumerate(lens):
             k[r, :n] = torch.arange(n * 16, dtype=torch.float32).view(n, 2, 8) + 1000 * r
         g = page_geometry(k.stride(0), k.stride(1), kv.page_tokens)
-        assert g.page_tokens == kv.page_tokens and g.pages_per_slot * kv.page_size == kv.slice_bytes
+        assert g.page_tokens == kv.page_tokens and g.pages_per_slice * kv.page_size == kv.slice_bytes
         pool = paged_view(k, g)
         for r, n in enumerate(lens):
             for t in range(n):
-                assert torch.equal(pool[r * g.pages_per_slot + t // g.page_tokens, t % g.page_tokens], k[r, t])
+                assert torch.equal(pool[r * g.pages_per_slice + t // g.page_tokens, t % g.page_tokens], k[r, t])
 
 
 # ---- what FlashInfer refuses -----------------------------------------------------------------
@@ -79,8 +79,8 @@ PAGES, REQUEST = FlashInferKernel(presentation="pages"), FlashInferKernel(presen
 def llama3_8b_case(layout: str, context: int, page_tokens: int | None = None) -> AttentionCase:
     """Llama-3-8B's cache on a GPU (32 layers x 8 KV heads x 128, bf16, 2 MiB pages)."""
     row = 8 * 128 * (32 if layout == "all_layers" else 1)
-    slot_bytes = -(-context * row * 2 // (2 << 20)) * (2 << 20)
-    return AttentionCase("cuda", 128, torch.bfloat16, torch.bfloat16, 32, 8, context, slot_stride=slot_bytes // 2,
+    slice_bytes = -(-context * row * 2 // (2 << 20)) * (2 << 20)
+    return AttentionCase("cuda", 128, torch.bfloat16, torch.bfloat16, 32, 8, context, slice_stride=slice_bytes // 2,
                          row_stride=row, page_tokens=page_tokens)
 
 
@@ -88,24 +88,24 @@ def test_one_page_per_request_is_refused_where_flashinfers_page_stride_wraps():
     """A slot of 2^32 elements (Llama-3-8B, all_layers, 131072 tokens) would
     wrap paged_kv_t::stride_page: every request would read request 0's rows."""
     fits, wraps = llama3_8b_case("all_layers", 131072 - 64), llama3_8b_case("all_layers", 131072)
-    assert wraps.slot_stride == 1 << 32
+    assert wraps.slice_stride == 1 << 32
     assert REQUEST.supports(fits) and REQUEST.supports(llama3_8b_case("per_layer", 131072))
     ok, reason = REQUEST.supports(wraps)
     assert not ok and reason == (
-        "FlashInfer (one page per request) keeps a page's stride in 32 bits (paged_kv_t::stride_page): a slot of "
+        "FlashInfer (one page per request) keeps a page's stride in 32 bits (paged_kv_t::stride_page): a slice of "
         "4294967296 elements (2^32 or more) would wrap and every request would read request 0's rows; use the "
         "'pages' presentation")
     assert PAGES.supports(wraps) and PAGES.supports(llama3_8b_case("all_layers", 131072, page_tokens=32))
-    with pytest.raises(ValueError, match=r"stride_page\): a slot of 4294967296 elements"):
+    with pytest.raises(ValueError, match=r"stride_page\): a slice of 4294967296 elements"):
         REQUEST.plan(AttentionBatch([0], [0], [1], device="cuda"), wraps)
     assert not PAGES.supports(llama3_8b_case("per_layer", 1000, page_tokens=48))  # 48 does not divide 1024 rows
 
 
 def test_a_slot_of_partial_rows_cannot_be_pages():
-    case = AttentionCase("cuda", 128, torch.float16, torch.float16, 8, 8, 100, slot_stride=100 * 1024 + 512,
+    case = AttentionCase("cuda", 128, torch.float16, torch.float16, 8, 8, 100, slice_stride=100 * 1024 + 512,
                          row_stride=1024)
     ok, reason = PAGES.supports(case)
-    assert not ok and reason.startswith("FlashInfer cannot cut this cache into pages: a slot (102912 elements)")
+    assert not ok and reason.startswith("FlashInfer cannot cut this cache into pages: a slice (102912 elements)")
     assert REQUEST.supports(case)
 
 
@@ -147,7 +147,7 @@ def test_both_presentations_attend_over_each_requests_rows(flashinfer_log, prese
             g = page_geometry(kv.layer(0)[0].stride(0), kv.layer(0)[0].stride(1), t)
             assert planned["page_size"] == t
             assert [planned[k].tolist() for k in ("indptr", "indices", "last_page_len")] == \
-                list(reference_ranges(reqids, seq, t, g.pages_per_slot))
+                list(reference_ranges(reqids, seq, t, g.pages_per_slice))
         else:
             assert planned["page_size"] == 200 and planned["indices"].tolist() == reqids
         for layer in range(2):
@@ -171,9 +171,9 @@ def test_a_plan_is_for_the_strides_it_was_made_with(flashinfer_log):
         k_cache, v_cache = kv.layer(0)
         batch = AttentionBatch([r], [4], [1])
         case = AttentionCase.of(torch.zeros(1, 2, 16, dtype=torch.float16), k_cache)
-        assert (case.slot_stride, case.row_stride) == k_cache.stride()[:2]
-        plan = kernel.plan(batch, case._replace(slot_stride=case.slot_stride * 2))
-        with pytest.raises(ValueError, match=r"planned pages of a cache with slot and row strides"):
+        assert (case.slice_stride, case.row_stride) == k_cache.stride()[:2]
+        plan = kernel.plan(batch, case._replace(slice_stride=case.slice_stride * 2))
+        with pytest.raises(ValueError, match=r"planned pages of a cache with slice and row strides"):
             kernel.run(plan, torch.zeros(1, 2, 16, dtype=torch.float16), k_cache, v_cache)
-    with pytest.raises(ValueError, match="FlashInfer plans with the case's slot_stride, row_stride"):
-        kernel.plan(batch, case._replace(slot_stride=None, row_stride=None))
+    with pytest.raises(ValueError, match="FlashInfer plans with the case's slice_stride, row_stride"):
+        kernel.plan(batch, case._replace(slice_stride=None, row_stride=None))

@@ -142,7 +142,7 @@ def test_gpu_kernels_name_the_devices_they_were_given(monkeypatch):
     batch = AttentionBatch([0], [0], [1])
     q, cache = torch.zeros(1, 2, 16, dtype=torch.float16), torch.zeros(1, 2, 2, 16, dtype=torch.float16)
     case = AttentionCase.of(q, cache)
-    assert case == AttentionCase("cpu", 16, torch.float16, torch.float16, 2, 2, 2, slot_stride=64, row_stride=32)
+    assert case == AttentionCase("cpu", 16, torch.float16, torch.float16, 2, 2, 2, slice_stride=64, row_stride=32)
     with pytest.raises(vattn.BackendUnavailable, match="FlashInfer plans on a CUDA device, got a batch on cpu"):
         FLASHINFER.plan(batch, case)
     with pytest.raises(vattn.BackendUnavailable, match="needs CUDA tensors, got q on cpu and k_cache on cpu"):

@@ -323,7 +323,7 @@ VLLM_PREFIX = "vattn.integrations.vllm"
 # the modules that take vLLM's forward as the adapter's typed value (forward_inputs.ForwardInputs), never as vLLM's
 # objects: they import nothing of vLLM and annotate nothing ``Any``
 BELOW_ADAPTER = (VLLM_PACKAGE / "worker_cache.py", VLLM_PACKAGE / "worker_budget.py",
-                 PACKAGE / "integrations" / "block_mapper.py")
+                 PACKAGE / "integrations" / "block_placer.py")
 MUTABLE_CALLS = {"list", "dict", "set", "deque", "defaultdict", "OrderedDict", "Counter"}
 
 

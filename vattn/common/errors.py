@@ -7,6 +7,8 @@ type); everything else raised by vattn subclasses :class:`VAttnError`, itself a
 
 from __future__ import annotations
 
+from .deprecation import module_aliases
+
 
 class VAttnError(RuntimeError):
     """Base class of vattn's own errors."""
@@ -30,7 +32,7 @@ class BackendUnavailable(VAttnError):
     """The requested backend cannot run on this machine (no CUDA driver or device)."""
 
 
-class OutOfSlots(VAttnError):
+class OutOfReqids(VAttnError):
     """``alloc_reqid`` found all ``max_batch_size`` reqids in use."""
 
 
@@ -68,3 +70,7 @@ class BudgetError(VAttnError):
     message names the budget, what is wrong and what to do (often
     ``python -m vattn budget rm NAME`` and creating it again).
     """
+
+
+# OutOfSlots: the name before the glossary's (docs/design.md); reading it warns.
+__getattr__ = module_aliases(__name__, {"OutOfSlots": "OutOfReqids"}, lambda new: globals()[new])

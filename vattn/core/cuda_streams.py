@@ -20,7 +20,7 @@ from vattn.common.argument_checks import stream_handles as _stream_handles
 # in the default capture mode the driver refuses such calls from every thread,
 # and a synchronization would invalidate the capture. So the first manager on
 # a CUDA device wraps CUDAGraph.capture_begin / capture_end: a capture that
-# begins waits for every manager's batch in flight, then closes each one's
+# begins waits for every manager's round in flight, then closes each one's
 # driver gate (calls that would reach the driver raise, as inside
 # graph_capture(); background work waits), and the end opens them again.
 
@@ -66,7 +66,7 @@ def _captures_end() -> None:
 
 def _pause_for_capture(manager: Any) -> None:
     pages = manager._pages
-    pages.pause_for_capture(True)  # waits for the mapper's batch in flight
+    pages.pause_for_capture(True)  # waits for the mapper's round in flight
     try:
         backend = pages.memory.backend
         backend.capture_begin()  # waits for the driver calls under way
@@ -178,7 +178,7 @@ class CudaStreams:
           returned True may read rows ``[0, seq_lens[r])`` of every reqid
           ``r``. ``step`` returns only once every page those lengths need is
           mapped with access granted, waiting for the background mapper's
-          batch in flight when that batch maps some of them; the pages stay
+          round in flight when that round maps some of them; the pages stay
           mapped until ``r`` is freed and its read fence has passed. So: step,
           then replay, every iteration, with every length the replay reads at
           most what the last step covered; rows of padding entries in a
@@ -201,7 +201,7 @@ class CudaStreams:
         A capture begun through ``torch.cuda.CUDAGraph`` (``torch.cuda.graph``,
         vLLM's captures) outside this block is seen by vattn's hook on
         ``capture_begin`` / ``capture_end`` and gets the same treatment for
-        every manager on a CUDA device: the mapper's batch in flight lands
+        every manager on a CUDA device: the mapper's round in flight lands
         first, the mapper and the budget keeper start no driver work until
         ``capture_end`` (their work waits), and calls that would reach the
         driver raise ``DriverError``. Captures by other means (raw

@@ -19,6 +19,7 @@ from vattn.common.argument_checks import int_array as _int_array
 from vattn.common.argument_checks import page_id_rows as _page_id_rows
 from vattn.common.argument_checks import stream_handles as _stream_handles
 from vattn.backends import BackendSpec, parse_device, resolve_backend, torch_device
+from vattn.common.deprecation import Stats
 from vattn.common.config import KVCacheConfig
 from .cuda_streams import CudaStreams, watch_captures
 from .mapped_check import MappedCheck, ViewsCheck
@@ -320,7 +321,7 @@ class KVCacheManager(CudaStreams):
         still holds beyond ``prompt_len`` tokens (all, when None) are unmapped
         first, so the request starts with no more than it needs. Pages a freed
         reqid shared with other requests are never handed to a new request.
-        Raises :class:`vattn.OutOfSlots` when all reqids are in use.
+        Raises :class:`vattn.OutOfReqids` when all reqids are in use.
         """
         wanted = -1 if reqid is None else self._reqid(reqid)
         if prompt_len is None:
@@ -504,7 +505,7 @@ class KVCacheManager(CudaStreams):
         not detect it. Tokens from the shared boundary on belong to each
         request alone.
 
-        Raises :class:`vattn.OutOfSlots` / :class:`vattn.OutOfPages` (nothing
+        Raises :class:`vattn.OutOfReqids` / :class:`vattn.OutOfPages` (nothing
         changed) when no reqid or page is left; ``ValueError`` when
         ``src_reqid`` is free or ``num_tokens`` is outside
         ``[0, mapped_tokens(src_reqid)]``.
@@ -595,7 +596,7 @@ class KVCacheManager(CudaStreams):
 
     # ---- accounting and lifetime -------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> Stats:
         """Counters and memory figures. Bytes are bytes; pages count every buffer.
 
         ``bytes_used``: bytes the active tokens occupy; ``bytes_mapped``:
@@ -605,7 +606,7 @@ class KVCacheManager(CudaStreams):
         bytes reserved; ``bytes_static``: what a static max-length
         reservation would need.
         """
-        s = self._pages.stats()
+        s = Stats(self._pages.stats())
         cfg = self.config
         s.update(
             backend=self.backend.name,

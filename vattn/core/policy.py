@@ -18,21 +18,24 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from vattn import _C
+from vattn.common.deprecation import warn_renamed
 
 # name -> {name, type ("bool", "int", "float"), range ("bool", "tokens",
 # "fraction", "count"), accepts (the range in words), default (the core's), doc}
 KNOBS: dict[str, dict[str, Any]] = {knob["name"]: dict(knob) for knob in _C.POLICY_KNOBS}
 
 EAGER_TOKENS_MAX = 1024  # eager_tokens=None pre-maps this many tokens, or max_context_len when shorter
-BATCH_PAGES = 1024  # physical pages per mapper batch when max_batch_ids is None
+ROUND_PAGES = 1024  # physical pages per mapper round when max_round_ids is None
+# Knob names the glossary retired (docs/design.md): still taken in a policy mapping, with a warning.
+RENAMED_KNOBS = {"max_batch_ids": "max_round_ids"}
 
 # Knobs whose default follows the cache: None in Policy, this rule when the manager is built.
 # name -> (the rule in words, the rule of (max_context_len, num_buffers))
 DERIVED: dict[str, tuple[str, Callable[[int, int], int]]] = {
     "eager_tokens": (f"min(max_context_len, {EAGER_TOKENS_MAX})",
                      lambda tokens, buffers: min(tokens, EAGER_TOKENS_MAX)),
-    "max_batch_ids": (f"max(1, {BATCH_PAGES} // num_buffers): about {BATCH_PAGES} physical pages per batch",
-                      lambda tokens, buffers: max(1, BATCH_PAGES // buffers)),
+    "max_round_ids": (f"max(1, {ROUND_PAGES} // num_buffers): about {ROUND_PAGES} physical pages per round",
+                      lambda tokens, buffers: max(1, ROUND_PAGES // buffers)),
 }
 _TYPES = {"bool": bool, "int": int, "float": float}
 
@@ -80,6 +83,9 @@ def resolve_policy(policy: Any, *, keywords: Mapping[str, Any], max_context_len:
         named = dataclasses.asdict(policy)
     elif policy is None or isinstance(policy, Mapping):
         named = dict(policy or {})
+        for old in RENAMED_KNOBS.keys() & named.keys():
+            warn_renamed(f"policy[{old!r}]", f"policy[{RENAMED_KNOBS[old]!r}]", stacklevel=4)
+            named.setdefault(RENAMED_KNOBS[old], named.pop(old))
     else:
         raise TypeError(f"policy must be a vattn.Policy or a mapping of knob names to values, "
                         f"got {type(policy).__name__}")

@@ -43,7 +43,7 @@ class CacheSpan:
         """The same addresses and geometry (a cache opened where a closed one was)."""
         return isinstance(other, CacheSpan) and self._place() == other._place()
 
-    __hash__ = None  # type: ignore[assignment]  # equal spans of different caches must not share a dict slot
+    __hash__ = None  # type: ignore[assignment]  # equal spans of different caches must not share a dict entry
 
 
 # (first address, end, span) of every open cache: a tuple replaced whole under

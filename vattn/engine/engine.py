@@ -30,7 +30,7 @@ Shared pages (vattn's fork and prefix handles):
 
 Failure contract. Any exception the KV cache raises during an iteration
 (a driver or OS failure: :class:`vattn.DriverError`; also ``OutOfPages`` /
-``OutOfSlots`` where they are not the expected answer) leaves the engine
+``OutOfReqids`` where they are not the expected answer) leaves the engine
 consistent:
 
 * Every request is in exactly one place: waiting, running (holding a reqid),
@@ -206,7 +206,7 @@ class Engine:
         k_cache = self.kv.layer(0)[0]  # the cache's geometry: kernels that read it as rows or pages check it
         self._case = AttentionCase(self.kv.device.type, shape["head_dim"], model.dtype, model.dtype,
                                    model.config.get_text_config(decoder=True).num_attention_heads,
-                                   shape["num_kv_heads"], max_context_len, slot_stride=k_cache.stride(0),
+                                   shape["num_kv_heads"], max_context_len, slice_stride=k_cache.stride(0),
                                    row_stride=k_cache.stride(1), page_tokens=self.kv.page_tokens)
         try:
             self._kernel = select_kernel(self._case)

@@ -9,10 +9,10 @@ never pulls a framework in.
   a package whose docstring lists its modules.
 - ``vattn.integrations.transformers``: :class:`VAttnCache`, a transformers
   ``Cache`` whose K/V live in a vattn cache (``pip install vattn[transformers]``).
-- ``vattn.integrations.block_mapper``: for frameworks that allocate KV blocks
+- ``vattn.integrations.block_placer``: for frameworks that allocate KV blocks
   themselves (vLLM today, SGLang alike): :func:`choose_layout` (one block =
-  one page of every buffer) and :class:`BlockMapper` (each batch row's blocks
-  mapped into its contiguous slice). No framework import.
+  one page of every buffer) and :class:`BlockPlacer` (each batch entry's blocks
+  placed at their positions in its slice). No framework import.
 - ``vattn.integrations.hf_model``: the K/V shape of a Hugging Face model
   config, shared by the transformers cache and the engine. No framework import.
 

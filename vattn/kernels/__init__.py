@@ -4,7 +4,7 @@ Every kernel reads K/V straight from the cache tensors of
 :meth:`vattn.KVCacheManager.layer` (``[B_max, L, H_kv, D]`` views, either
 layout): no block table, no gather, no copy of the cache. Each request ``r``
 is read only in rows ``[0, seq_len)``, which ``step`` has mapped; nothing reads
-the rest of the slot (a read there would fault).
+the rest of the slice (a read there would fault).
 
 Modules:
 

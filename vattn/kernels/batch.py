@@ -204,9 +204,9 @@ class AttentionBatch:
         """Raises unless both caches are ``[B_max, L, H, D]`` and hold every
         request (shapes only; :meth:`check_mapped` checks the memory)."""
         check_cache_shapes(k_cache, v_cache)
-        slots, max_len = k_cache.shape[:2]
-        if self.max_reqid >= slots:
-            raise ValueError(f"reqids must be in [0, {slots - 1}] for this cache, got {self.max_reqid}")
+        num_reqids, max_len = k_cache.shape[:2]
+        if self.max_reqid >= num_reqids:
+            raise ValueError(f"reqids must be in [0, {num_reqids - 1}] for this cache, got {self.max_reqid}")
         if self.max_seq_len > max_len:
             raise ValueError(f"cached_lens + query_lens must be <= {max_len} (max_context_len), "
                              f"got {self.max_seq_len}")

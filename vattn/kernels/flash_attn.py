@@ -4,7 +4,7 @@ FlashAttention's ``flash_attn_varlen_func`` takes a batch of requests of any
 query lengths (``cu_seqlens_q``) over a paged K/V cache (``block_table``).
 Over the vattn cache it needs no block table of vattn's own: each request's
 slice is one page of the paged cache (the cache's ``[B_max, L, H, D]`` view
-with its slot stride as the page stride), so the block table is the batch's
+with its slice stride as the page stride), so the block table is the batch's
 reqids as a column, and a request's keys are its first ``seq_len`` rows.
 Prefill chunks and decodes of any lengths share the one call. The step's new
 K/V are written first with one indexed store per tensor, at the rows the plan
@@ -155,24 +155,24 @@ class FlashAttentionKernel(Kernel):
 
     def supports(self, case: AttentionCase) -> Support:
         support = super().supports(case)
-        if support and case.slot_stride is not None and case.row_stride:
+        if support and case.slice_stride is not None and case.row_stride:
             try:
-                self.slice_tokens(case.slot_stride, case.row_stride)
+                self.slice_tokens(case.slice_stride, case.row_stride)
             except ValueError as e:
                 return Support(False, str(e))
         return support
 
-    def slice_tokens(self, slot_stride: int, row_stride: int) -> int:
+    def slice_tokens(self, slice_stride: int, row_stride: int) -> int:
         """Tokens from one slice's first row to the next slice's (elements
-        ``slot_stride`` apart, rows ``row_stride``): the page of the paged
+        ``slice_stride`` apart, rows ``row_stride``): the page of the paged
         view. ValueError unless a whole number of rows and of the build's
         page multiple."""
-        if slot_stride % row_stride or (slot_stride // row_stride) % self.page_tokens_multiple:
+        if slice_stride % row_stride or (slice_stride // row_stride) % self.page_tokens_multiple:
             raise ValueError(f"{self.name} reads each slice as one page, which must be a multiple of "
                              f"{self.page_tokens_multiple} tokens; this cache's slices are "
-                             f"{slot_stride / row_stride:g} tokens apart (choose a max_context_len, or vLLM "
+                             f"{slice_stride / row_stride:g} tokens apart (choose a max_context_len, or vLLM "
                              f"block size, that makes them so)")
-        return slot_stride // row_stride
+        return slice_stride // row_stride
 
     def plan(self, batch: AttentionBatch, case: AttentionCase | None = None) -> FlashAttentionPlan:
         return FlashAttentionPlan(batch)  # the new rows' indices too: no layer builds any

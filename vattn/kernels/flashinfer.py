@@ -13,7 +13,7 @@ one of two presentations (:data:`PRESENTATIONS`):
 - ``"request"``: one page per request, ``page_size = L``, page index =
   reqid, last page length = the request's length. FlashInfer cannot split a
   request's keys then (one page), and it keeps a page's stride in 32 bits
-  (``paged_kv_t::stride_page``): a slot of 2^32 elements or more (Llama-3-8B
+  (``paged_kv_t::stride_page``): a slice of 2^32 elements or more (Llama-3-8B
   in ``all_layers`` at 131072 tokens) would wrap and every request would
   read request 0's rows, so :meth:`FlashInferKernel.supports` refuses it.
 
@@ -94,22 +94,22 @@ class FlashInferKernel(_FlashInfer):
 
     def supports(self, case: AttentionCase) -> Support:
         ok = super().supports(case)
-        if not ok or case.slot_stride is None or case.row_stride is None:
+        if not ok or case.slice_stride is None or case.row_stride is None:
             return ok  # the cache's geometry is checked once known
-        return self._supports_geometry(case.slot_stride, case.row_stride, case.page_tokens)
+        return self._supports_geometry(case.slice_stride, case.row_stride, case.page_tokens)
 
-    def _supports_geometry(self, slot_stride: int, row_stride: int, page_tokens: int | None) -> Support:
+    def _supports_geometry(self, slice_stride: int, row_stride: int, page_tokens: int | None) -> Support:
         if row_stride >= UINT32_LIMIT:
             return Support(False, f"{self.name} keeps the token stride in 32 bits (paged_kv_t::stride_n): "
                                   f"{row_stride} elements per token row do not fit")
         if self.presentation == "request":
-            if slot_stride >= UINT32_LIMIT:
+            if slice_stride >= UINT32_LIMIT:
                 return Support(False, f"{self.name} keeps a page's stride in 32 bits (paged_kv_t::stride_page): "
-                                      f"a slot of {slot_stride} elements (2^32 or more) would wrap and every "
+                                      f"a slice of {slice_stride} elements (2^32 or more) would wrap and every "
                                       "request would read request 0's rows; use the 'pages' presentation")
             return Support(True)
         try:
-            geometry = page_geometry(slot_stride, row_stride, page_tokens)
+            geometry = page_geometry(slice_stride, row_stride, page_tokens)
         except ValueError as e:
             return Support(False, f"{self.name} cannot cut this cache into pages: {e}")
         if geometry.page_stride >= UINT32_LIMIT:
@@ -118,7 +118,7 @@ class FlashInferKernel(_FlashInfer):
         return Support(True)
 
     def plan(self, batch: AttentionBatch, case: AttentionCase | None = None) -> FlashInferPlan:
-        required = self.required + (("slot_stride", "row_stride") if self.presentation == "pages" else ())
+        required = self.required + (("slice_stride", "row_stride") if self.presentation == "pages" else ())
         missing = [f for f in required if case is None or getattr(case, f) is None]
         if missing:
             raise ValueError(f"{self.name} plans with the case's {', '.join(missing)}: give an AttentionCase with them")
@@ -128,16 +128,16 @@ class FlashInferKernel(_FlashInfer):
         self.check_options(case.sliding_window, case.logits_soft_cap)
         if max(batch.seq_lens) > case.max_context_len:
             raise ValueError(f"seq_lens must be <= max_context_len ({case.max_context_len}), got {max(batch.seq_lens)}")
-        if case.slot_stride is not None and case.row_stride is not None:
-            ok, reason = self._supports_geometry(case.slot_stride, case.row_stride, case.page_tokens)
+        if case.slice_stride is not None and case.row_stride is not None:
+            ok, reason = self._supports_geometry(case.slice_stride, case.row_stride, case.page_tokens)
             if not ok:
                 raise ValueError(reason)
         # the page arrays go in on the host: FlashInfer's plan reads them there and copies them to the device
         if self.presentation == "pages":
-            geometry = page_geometry(case.slot_stride, case.row_stride, case.page_tokens)  # type: ignore[arg-type]
-            if (max(batch.reqids) + 1) * geometry.pages_per_slot > INT32_LIMIT:
+            geometry = page_geometry(case.slice_stride, case.row_stride, case.page_tokens)  # type: ignore[arg-type]
+            if (max(batch.reqids) + 1) * geometry.pages_per_slice > INT32_LIMIT:
                 raise ValueError(f"{self.name} indexes pages with int32: reqid {max(batch.reqids)} has pages past "
-                                 f"2^31 ({geometry.pages_per_slot} pages per slot)")
+                                 f"2^31 ({geometry.pages_per_slice} pages per slice)")
             pages = tuple(page_ranges(batch.reqids, batch.seq_lens, geometry))
             page_size = geometry.page_tokens
         else:
@@ -160,16 +160,16 @@ class FlashInferKernel(_FlashInfer):
         return plan
 
     def _plan_wrapper(self, plan: FlashInferPlan) -> Any:
-        slot = (plan.batch.device, plan.kind)
-        wrapper = self._wrappers.get(slot)
+        wrapper_key = (plan.batch.device, plan.kind)
+        wrapper = self._wrappers.get(wrapper_key)
         if wrapper is None:
             flashinfer = self.module()
             cls = (flashinfer.BatchDecodeWithPagedKVCacheWrapper if plan.kind == "decode"
                    else flashinfer.BatchPrefillWithPagedKVCacheWrapper)
             workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=plan.batch.device)
-            wrapper = self._wrappers[slot] = cls(workspace, "NHD")
+            wrapper = self._wrappers[wrapper_key] = cls(workspace, "NHD")
         wrapper.plan(*plan.args, **plan.kwargs)
-        self._planned[slot] = plan
+        self._planned[wrapper_key] = plan
         return wrapper
 
     def run(self, plan: KernelPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -189,8 +189,8 @@ class FlashInferKernel(_FlashInfer):
         paged = self._paged_caches(plan, k_cache, v_cache)
         if k is not None or v is not None:
             write_rows(k_cache, v_cache, batch, k, v)
-        slot = (batch.device, plan.kind)
-        wrapper = self._wrappers[slot] if self._planned.get(slot) is plan else self._plan_wrapper(plan)
+        wrapper_key = (batch.device, plan.kind)
+        wrapper = self._wrappers[wrapper_key] if self._planned.get(wrapper_key) is plan else self._plan_wrapper(plan)
         result = wrapper.run(q, paged)
         if out is None:
             return result
@@ -203,18 +203,18 @@ class FlashInferKernel(_FlashInfer):
         """The caches as the paged pool the plan indexes; ``ValueError``
         unless their strides are the ones planned for and fit FlashInfer's
         32-bit fields."""
-        slot_stride, row_stride = k_cache.stride(0), k_cache.stride(1)
-        ok, reason = self._supports_geometry(slot_stride, row_stride, plan.case.page_tokens)
+        slice_stride, row_stride = k_cache.stride(0), k_cache.stride(1)
+        ok, reason = self._supports_geometry(slice_stride, row_stride, plan.case.page_tokens)
         if not ok:
             raise ValueError(reason)
-        if v_cache.stride()[:2] != (slot_stride, row_stride):
+        if v_cache.stride()[:2] != (slice_stride, row_stride):
             raise ValueError(f"k_cache and v_cache strides differ: {k_cache.stride()} vs {v_cache.stride()}")
         if plan.geometry is None:
             return k_cache, v_cache
-        if (slot_stride, row_stride) != (plan.case.slot_stride, plan.case.row_stride):
-            raise ValueError(f"{self.name} planned pages of a cache with slot and row strides "
-                             f"({plan.case.slot_stride}, {plan.case.row_stride}); this cache has "
-                             f"({slot_stride}, {row_stride})")
+        if (slice_stride, row_stride) != (plan.case.slice_stride, plan.case.row_stride):
+            raise ValueError(f"{self.name} planned pages of a cache with slice and row strides "
+                             f"({plan.case.slice_stride}, {plan.case.row_stride}); this cache has "
+                             f"({slice_stride}, {row_stride})")
         return paged_view(k_cache, plan.geometry), paged_view(v_cache, plan.geometry)
 
 

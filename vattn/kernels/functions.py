@@ -97,7 +97,7 @@ def host_attention(
     Prefill chunks (causal, after the request's cached tokens) and decodes
     are served together; every request's K/V are read in place from
     ``k_cache[reqid, :seq_len]`` (``per_layer`` views and ``all_layers``
-    views ``K[:, :, i]`` alike: any token and slot stride), accumulated in
+    views ``K[:, :, i]`` alike: any token and slice stride), accumulated in
     fp32 without copying the cache. The work (request x kv heads x query
     block x key split) runs without the GIL on torch's OpenMP threads (the
     ones its own ops use, so the two never compete for cores), or on a pool
@@ -239,12 +239,12 @@ class FlashInferAttention:
     (:class:`vattn.kernels.FlashInferKernel` with a workspace of its own).
 
     ``presentation`` says how the cache ``[B_max, L, H_kv, D]`` is shown to
-    FlashInfer as a paged cache: ``"pages"`` (default) cuts every slot into
+    FlashInfer as a paged cache: ``"pages"`` (default) cuts every slice into
     pages of ``page_tokens`` rows (the vattn page; page ``j`` of reqid ``r``
     is ``r * P + j``), so FlashInfer can split a long request's keys across
-    thread blocks; ``"request"`` makes each slot one page (``page_size =
+    thread blocks; ``"request"`` makes each slice one page (``page_size =
     L``, page index = reqid), which FlashInfer refuses past 2^32 elements
-    per slot. Either way the kernel reads ``k_cache[r, :seq_len]`` and
+    per slice. Either way the kernel reads ``k_cache[r, :seq_len]`` and
     nothing else. :meth:`plan` once per forward, :meth:`run` per layer.
 
     Example::
@@ -283,11 +283,11 @@ class FlashInferAttention:
     ) -> None:
         """Plans the batched decode (every ``query_len`` 1) or prefill kernel.
 
-        ``k_cache``: a layer's cache view, for its slot and row strides
+        ``k_cache``: a layer's cache view, for its slice and row strides
         (every layer's are the same); None: the plan is made at the first
         :meth:`run`, from its cache. ``page_tokens``: the vattn page in tokens
         (``KVCacheManager.page_tokens``) for the ``"pages"`` presentation;
-        None: the largest power of two up to 256 that divides a slot.
+        None: the largest power of two up to 256 that divides a slice.
         """
         self._batch = batch
         self._case = AttentionCase(self.device.type, head_dim, q_dtype, kv_dtype or q_dtype, num_qo_heads,
@@ -298,7 +298,7 @@ class FlashInferAttention:
 
     def _plan_for(self, k_cache: torch.Tensor) -> FlashInferPlan:
         assert self._batch is not None and self._case is not None
-        case = self._case._replace(slot_stride=k_cache.stride(0), row_stride=k_cache.stride(1))
+        case = self._case._replace(slice_stride=k_cache.stride(0), row_stride=k_cache.stride(1))
         if self._plan is None or self._plan.case != case:
             self._plan = self._kernel.plan(self._batch, case)
         return self._plan

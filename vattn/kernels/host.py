@@ -45,7 +45,7 @@ class HostPlan(KernelPlan):
 class HostKernel(Kernel):
     """vattn's host kernel: prefill chunks (causal, after the request's cached
     tokens) and decodes of one batch in one call per layer, K/V read in place
-    for both layouts (any token and slot stride), accumulated in fp32, the
+    for both layouts (any token and slice stride), accumulated in fp32, the
     step's new K/V rows written by the same call. The work (request x kv
     heads x query block x key split) runs without the GIL on torch's OpenMP
     threads, or on a pool of its own (``VATTN_CPU_ATTN_POOL=own``, or in a

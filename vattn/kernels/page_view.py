@@ -2,9 +2,9 @@
 
 A paged kernel (FlashInfer) takes a pool of equal pages, each request's page
 indices and the length of its last page. The vattn cache ``[B_max, L, H, D]``
-is such a pool already: cut every slot into pages of ``page_tokens`` rows and
+is such a pool already: cut every slice into pages of ``page_tokens`` rows and
 page ``j`` of reqid ``r`` is pool page ``r * P + j``, where ``P`` is the
-pages per slot (a slot is ``slot_stride`` elements, rows ``row_stride``
+pages per slice (a slice is ``slice_stride`` elements, rows ``row_stride``
 apart). So the indices of a batch are ranges, computed once per batch from
 the reqids and lengths (:func:`page_ranges`); no table is kept, and the pool
 (:func:`paged_view`) is a strided view of the cache, not a copy.
@@ -24,45 +24,45 @@ import torch
 
 DEFAULT_PAGE_TOKENS = 256
 """The page, in tokens, when the vattn page is not known: the largest power
-of two up to this that divides the slot."""
+of two up to this that divides the slice."""
 
 
 class PageGeometry(NamedTuple):
     """How the cache is cut into pages."""
 
     page_tokens: int  # rows per page
-    pages_per_slot: int  # P: reqid r's pages are r * P .. r * P + P - 1
+    pages_per_slice: int  # P: reqid r's pages are r * P .. r * P + P - 1
     page_stride: int  # elements from one page to the next (page_tokens * row_stride)
 
 
-def page_geometry(slot_stride: int, row_stride: int, page_tokens: int | None = None) -> PageGeometry:
-    """The pages of a cache whose slots are ``slot_stride`` elements and rows
+def page_geometry(slice_stride: int, row_stride: int, page_tokens: int | None = None) -> PageGeometry:
+    """The pages of a cache whose slices are ``slice_stride`` elements and rows
     ``row_stride`` elements apart (``k_cache.stride(0)``, ``stride(1)``).
 
     ``page_tokens``: the vattn page in tokens (None: unknown, the largest
-    power of two up to :data:`DEFAULT_PAGE_TOKENS` that divides the slot).
-    Raises ``ValueError`` when a slot is not a whole number of rows, or not
+    power of two up to :data:`DEFAULT_PAGE_TOKENS` that divides the slice).
+    Raises ``ValueError`` when a slice is not a whole number of rows, or not
     a whole number of such pages.
     """
-    if slot_stride < 1 or row_stride < 1:
-        raise ValueError(f"slot_stride and row_stride must be >= 1, got {slot_stride} and {row_stride}")
-    if slot_stride % row_stride:
-        raise ValueError(f"a slot ({slot_stride} elements) is not a whole number of token rows "
+    if slice_stride < 1 or row_stride < 1:
+        raise ValueError(f"slice_stride and row_stride must be >= 1, got {slice_stride} and {row_stride}")
+    if slice_stride % row_stride:
+        raise ValueError(f"a slice ({slice_stride} elements) is not a whole number of token rows "
                          f"({row_stride} elements each): the cache cannot be cut into pages of whole tokens")
-    slot_rows = slot_stride // row_stride
+    slice_rows = slice_stride // row_stride
     if page_tokens is None:
-        page_tokens = math.gcd(slot_rows, DEFAULT_PAGE_TOKENS)
-    if page_tokens < 1 or slot_rows % page_tokens:
-        raise ValueError(f"page_tokens must divide the slot's {slot_rows} rows, got {page_tokens}")
-    return PageGeometry(page_tokens, slot_rows // page_tokens, page_tokens * row_stride)
+        page_tokens = math.gcd(slice_rows, DEFAULT_PAGE_TOKENS)
+    if page_tokens < 1 or slice_rows % page_tokens:
+        raise ValueError(f"page_tokens must divide the slice's {slice_rows} rows, got {page_tokens}")
+    return PageGeometry(page_tokens, slice_rows // page_tokens, page_tokens * row_stride)
 
 
 def paged_view(cache: torch.Tensor, geometry: PageGeometry) -> torch.Tensor:
     """``cache`` ``[B_max, L, H, D]`` as the pool ``[B_max * P, page_tokens,
     H, D]`` (a view: same memory, same row and head strides)."""
-    slots, _, heads, head_dim = cache.shape
+    num_reqids, _, heads, head_dim = cache.shape
     _, row, head, elem = cache.stride()
-    return cache.as_strided((slots * geometry.pages_per_slot, geometry.page_tokens, heads, head_dim),
+    return cache.as_strided((num_reqids * geometry.pages_per_slice, geometry.page_tokens, heads, head_dim),
                             (geometry.page_stride, row, head, elem), cache.storage_offset())
 
 
@@ -79,7 +79,7 @@ def page_ranges(reqids: Sequence[int], seq_lens: Sequence[int], geometry: PageGe
     """The pages requests ``reqids`` read for ``seq_lens`` tokens each
     (every length >= 1): ceil(len / page_tokens) pages from ``reqid * P`` on.
     Built with a few tensor ops on the host, whatever the number of pages."""
-    t, p = geometry.page_tokens, geometry.pages_per_slot
+    t, p = geometry.page_tokens, geometry.pages_per_slice
     lens = torch.tensor(seq_lens, dtype=torch.int64)
     counts = (lens + t - 1) // t
     indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)

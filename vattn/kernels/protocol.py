@@ -22,34 +22,52 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from vattn.common.deprecation import warn_renamed
 from vattn.common.errors import BackendUnavailable
 from vattn.core.mapped_check import ViewsCheck
 from .batch import AttentionBatch, check_cache_shapes, check_new_kv, check_query
 
 
-class AttentionCase(NamedTuple):
-    """What a kernel's support and plan depend on.
-
-    Fields not known yet are None and not checked: a framework's start-up
-    check knows the device, head dim and options before any tensor exists.
-    ``sliding_window`` and ``logits_soft_cap``: None or 0 is off. The
-    cache's geometry (``slot_stride``, ``row_stride``, ``page_tokens``)
-    matters to kernels that present the cache as pages (FlashInfer).
-    """
-
+class _CaseFields(NamedTuple):
     device_type: str  # "cpu" or "cuda"
     head_dim: int  # elements per head (D)
     dtype: torch.dtype | None = None  # of q (and out)
     kv_dtype: torch.dtype | None = None  # of the cache; None: dtype's
     num_q_heads: int | None = None  # H_q
     num_kv_heads: int | None = None  # H_kv
-    max_context_len: int | None = None  # tokens per cache slot (L)
+    max_context_len: int | None = None  # tokens per slice (L)
     softmax_scale: float | None = None  # None: 1/sqrt(D)
     sliding_window: int | None = None  # tokens a query sees, itself included
     logits_soft_cap: float | None = None  # scores become cap * tanh(score / cap)
-    slot_stride: int | None = None  # elements from one reqid's row 0 to the next's (k_cache.stride(0))
+    slice_stride: int | None = None  # elements from one reqid's row 0 to the next's (k_cache.stride(0))
     row_stride: int | None = None  # elements from one token's row to the next (k_cache.stride(1))
     page_tokens: int | None = None  # tokens per vattn page (KVCacheManager.page_tokens), when whole
+
+
+class AttentionCase(_CaseFields):
+    """What a kernel's support and plan depend on.
+
+    Fields not known yet are None and not checked: a framework's start-up
+    check knows the device, head dim and options before any tensor exists.
+    ``sliding_window`` and ``logits_soft_cap``: None or 0 is off. The
+    cache's geometry (``slice_stride``, ``row_stride``, ``page_tokens``)
+    matters to kernels that present the cache as pages (FlashInfer).
+    ``slot_stride`` is the deprecated name of ``slice_stride`` (it warns).
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, *args: Any, **fields: Any) -> AttentionCase:
+        if "slot_stride" in fields:
+            warn_renamed("AttentionCase(slot_stride=...)", "AttentionCase(slice_stride=...)")
+            fields["slice_stride"] = fields.pop("slot_stride")
+        return super().__new__(cls, *args, **fields)
+
+    @property
+    def slot_stride(self) -> int | None:
+        """Deprecated name of :attr:`slice_stride`."""
+        warn_renamed("AttentionCase.slot_stride", "AttentionCase.slice_stride")
+        return self.slice_stride
 
     @classmethod
     def of(cls, q: torch.Tensor, k_cache: torch.Tensor, softmax_scale: float | None = None,

@@ -34,11 +34,11 @@ def cache_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     Raises ``ValueError`` where a slice is not a whole number of token rows
     (an all_layers page that ends inside a token's row of all layers): no
     varlen kernel reads such a cache."""
-    slot, row = cache.stride(0), cache.stride(1)
-    if slot % row:
-        raise ValueError(f"a slice of {slot} elements is not a whole number of {row}-element token rows, so the "
+    slice_elements, row = cache.stride(0), cache.stride(1)
+    if slice_elements % row:
+        raise ValueError(f"a slice of {slice_elements} elements is not a whole number of {row}-element token rows, so the "
                          "cache has no [rows, H, D] view for varlen kernels")
-    rows_per_slice = slot // row
+    rows_per_slice = slice_elements // row
     flat = cache.as_strided((cache.shape[0] * rows_per_slice, *cache.shape[2:]), (row, *cache.stride()[2:]))
     return flat, rows_per_slice
 
@@ -105,9 +105,9 @@ class TorchFlashKernel(Kernel):
 
     def supports(self, case: AttentionCase) -> Support:
         support = super().supports(case)
-        if support and case.slot_stride is not None and case.row_stride and case.slot_stride % case.row_stride:
+        if support and case.slice_stride is not None and case.row_stride and case.slice_stride % case.row_stride:
             return Support(False, f"{self.name} reads the cache as token rows, and this cache's slices are "
-                                  f"{case.slot_stride / case.row_stride:g} rows apart (not a whole number)")
+                                  f"{case.slice_stride / case.row_stride:g} rows apart (not a whole number)")
         return support
 
     def plan(self, batch: AttentionBatch, case: AttentionCase | None = None) -> TorchFlashPlan:

@@ -89,7 +89,7 @@ value), ``attention`` (the metadata builder and the attention
 implementation), ``worker_cache`` (the cache: KV cache groups as ranges of
 slices), ``worker_budget`` (giving blocks' pages back) and ``flash_attn``
 (vLLM's bundled FlashAttention as a vattn kernel). Below the adapter
-(``worker_cache``, ``worker_budget``, the block mapper) nothing takes a
+(``worker_cache``, ``worker_budget``, the block placer) nothing takes a
 vLLM object. What one part needs of another is handed to it: the worker
 binds its cache and runner to the metadata builders, and an engine core
 in the worker's process asks its executor for the worker's
@@ -101,13 +101,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vattn.integrations.block_mapper import NULL_BLOCK_ID, BlockMapper
+from vattn.common.deprecation import warn_renamed
+from vattn.integrations.block_placer import NULL_BLOCK_ID, BlockPlacer
 
 from .configuration import ALLOW_UNTESTED, SWITCH, TESTED_VLLM_VERSIONS, check_kernel, choose_layout, enabled
 from .configuration import loaded_kernel
 from .worker import cache_arguments
 
-__all__ = ["register", "choose_layout", "check_kernel", "loaded_kernel", "cache_arguments", "BlockMapper",
+__all__ = ["register", "choose_layout", "check_kernel", "loaded_kernel", "cache_arguments", "BlockPlacer",
            "NULL_BLOCK_ID"]
 
 
@@ -133,6 +134,9 @@ def register() -> None:
 def __getattr__(name: str) -> Any:
     # vLLM's backend registry names the backend class by this path in older configurations; the class
     # derives from vLLM's, so it is built on first use (vattn.integrations.vllm.attention)
+    if name == "BlockMapper":  # the name before the glossary's (docs/design.md): still there, with a warning
+        warn_renamed(f"{__name__}.BlockMapper", f"{__name__}.BlockPlacer")
+        return BlockPlacer
     if name == "VAttnAttentionBackend":
         from .attention import backend_class
 

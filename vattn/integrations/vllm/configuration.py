@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from vattn.integrations import block_mapper
+from vattn.integrations import block_placer
 from vattn.kernels import AttentionCase, Kernel, NoKernel, select_kernel
 from vattn.kernels.flash_attn import FlashAttentionKernel
 
@@ -37,8 +37,8 @@ def granularity(device: torch.device) -> int:
     return host_granularity() if device.type == "cpu" else cuda_info(device.index or 0)["granularity"]
 
 
-# :func:`vattn.integrations.block_mapper.choose_layout`, the layout named as vattn's vLLM setting
-choose_layout = functools.partial(block_mapper.choose_layout, setting=LAYOUT_SETTING)
+# :func:`vattn.integrations.block_placer.choose_layout`, the layout named as vattn's vLLM setting
+choose_layout = functools.partial(block_placer.choose_layout, setting=LAYOUT_SETTING)
 
 
 def serving_kernel(case: AttentionCase) -> Kernel:
@@ -172,15 +172,15 @@ def fit_block_size(cache: Any, num_layers: int, num_kv_heads: int, head_dim: int
                              f"{SWITCH}") from None
     per_layer = num_kv_heads * head_dim * dtype_bytes
     token_bytes = {"per_layer": per_layer, "all_layers": per_layer * num_layers}
-    fits = {name: math.lcm(block, block_mapper.smallest_block_size(token_bytes[name], page_granularity))
-            for name in ([layout] if layout else block_mapper.LAYOUTS)}
+    fits = {name: math.lcm(block, block_placer.smallest_block_size(token_bytes[name], page_granularity))
+            for name in ([layout] if layout else block_placer.LAYOUTS)}
     chosen = min(fits, key=lambda name: (fits[name], name != "per_layer"))
     logger = logging.getLogger("vllm.vattn")  # under vLLM's logger, so vLLM's handlers show it
     logger.info("vattn: block_size %d makes pages below the %d-byte granularity; using block_size %d (%s layout: "
                 "one block is one %d-byte page of every K/V buffer). Pass --block-size to choose another multiple.",
                 block, page_granularity, fits[chosen], chosen, fits[chosen] * token_bytes[chosen])
     if fits[chosen] > PREFIX_BLOCK_TOKENS:
-        floor = math.lcm(block, block_mapper.smallest_block_size(token_bytes["all_layers"], page_granularity))
+        floor = math.lcm(block, block_placer.smallest_block_size(token_bytes["all_layers"], page_granularity))
         how = (f"{LAYOUT_SETTING}=all_layers makes them {floor}" if floor < fits[chosen] else
                f"no layout makes them smaller: an all_layers page holds {token_bytes['all_layers']} bytes per token "
                f"({num_layers} layers x {num_kv_heads} KV heads x {head_dim} x {dtype_bytes} bytes), and a whole "

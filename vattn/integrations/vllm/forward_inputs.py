@@ -1,7 +1,7 @@
 """The one place that reads vLLM's forward: the attention metadata vLLM hands
 a builder and the model runner's persistent batch (request ids, CPU block
 tables) become one typed value, :class:`ForwardInputs`, of numpy arrays and
-vLLM's persistent tensors. The worker's cache, the block mapper and the
+vLLM's persistent tensors. The worker's cache, the block placer and the
 planner take that value and never a vLLM object.
 
 Per forward and KV cache group it costs what reading vLLM's objects cost

@@ -32,14 +32,14 @@ def release_blocks(cache: WorkerCache, ids: Sequence[int]) -> int:
     manager = cache.manager
     ids = [int(i) for i in ids]
     for group in cache.groups:
-        group.mapper.reclaim_free()
+        group.placer.reclaim_free()
     released = set(manager.release_pages(ids))
     rest = {i for i in ids if i not in released}
     if rest:
         for group in cache.groups:
-            group.mapper.release_holding(rest)
+            group.placer.release_holding(rest)
         for group in cache.groups:
-            group.mapper.reclaim_free()
+            group.placer.reclaim_free()
         manager.release_pages(sorted(rest))
     return len(ids)
 

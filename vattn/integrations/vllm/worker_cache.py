@@ -22,7 +22,7 @@ has fewer blocks), so that a finished request's slice can wait, still
 mapped, until the device is done with it and a new request that shares its
 first blocks takes it (``vattn.integrations.vllm.worker.slice_shape``). The pages a sliding
 window leaves behind, which vLLM frees, become holes at the front of the
-slice (:class:`vattn.integrations.block_mapper.BlockMapper`).
+slice (:class:`vattn.integrations.block_placer.BlockPlacer`).
 
 With a kernel that runs in CUDA graphs (:attr:`vattn.kernels.Kernel.graphs`)
 each group has one more slice, the padding slice, handed to no request: its
@@ -45,25 +45,25 @@ import numpy as np
 import torch
 
 from vattn.core import KVCacheManager
-from vattn.integrations import block_mapper
-from vattn.integrations.block_mapper import BlockMapper
+from vattn.integrations import block_placer
+from vattn.integrations.block_placer import BlockPlacer
 from vattn.kernels import AttentionCase, Kernel
 
 from .forward_inputs import ForwardInputs
 
 @dataclasses.dataclass
 class GroupSlices:
-    """One KV cache group: its layers, its window and the mapper of its rows."""
+    """One KV cache group: its layers, its window and the placer of its rows."""
 
     layer_names: list[str]  # vLLM's names, in the group's order: layer j uses buffer pair j
     window: int | None  # tokens a query sees (sliding-window groups), else None
-    mapper: BlockMapper  # requests -> the group's reqids, and their blocks mapped into them
-    padding: int | None = None  # the padding slice, in the group's cache views (after the mapper's); None: none
+    placer: BlockPlacer  # requests -> the group's reqids, and their blocks mapped into them
+    padding: int | None = None  # the padding slice, in the group's cache views (after the placer's); None: none
 
     @property
     def num_slices(self) -> int:
-        """Slices of the group's cache views: the mapper's and the padding slice."""
-        return self.mapper.slices + (self.padding is not None)
+        """Slices of the group's cache views: the placer's and the padding slice."""
+        return self.placer.slices + (self.padding is not None)
 
 
 SERIES_FORWARDS = 1 << 16
@@ -112,7 +112,7 @@ class WorkerCache:
         pad = 1 if kernel.graphs else 0  # a padding slice per group for CUDA graphs' padded batches
         per = manager.config.max_batch_size // len(groups)
         slices = [GroupSlices(list(names), window,
-                              BlockMapper(manager, block_size, first_reqid=i * per, slices=per - pad, window=window),
+                              BlockPlacer(manager, block_size, first_reqid=i * per, slices=per - pad, window=window),
                               padding=per - 1 if pad else None)
                   for i, (names, window) in enumerate(groups)]
         padding_blocks = -(-max(1, padding_tokens) // block_size) if pad else 0
@@ -123,7 +123,7 @@ class WorkerCache:
                     manager.alloc_reqid(reqid=int(reqid))
                 zeros = np.zeros(len(reqids), dtype=np.int64)
                 manager.map_pages(reqids, zeros,
-                                  np.full(len(reqids) * padding_blocks, block_mapper.NULL_BLOCK_ID, dtype=np.int64),
+                                  np.full(len(reqids) * padding_blocks, block_placer.NULL_BLOCK_ID, dtype=np.int64),
                                   np.full(len(reqids), padding_blocks, dtype=np.int64))
             except BaseException:
                 manager.cleanup()
@@ -140,7 +140,7 @@ class WorkerCache:
         """Each layer's ``[2, S, L, H, D]`` K/V view: its buffer pair, its group's slices."""
         out = {}
         for group in self.groups:
-            own = slice(group.mapper.first_reqid, group.mapper.first_reqid + group.num_slices)
+            own = slice(group.placer.first_reqid, group.placer.first_reqid + group.num_slices)
             for j, name in enumerate(group.layer_names):
                 out[name] = self.manager.kv_tensor(j)[:, own]
         return out
@@ -153,7 +153,7 @@ class WorkerCache:
             self._warm_up_rows = True
         elif self._warm_up_rows:
             for group in self.groups:
-                group.mapper.release_all_but(inputs.batch_request_keys)
+                group.placer.release_all_but(inputs.batch_request_keys)
             self._warm_up_rows = False
         return inputs.request_keys
 
@@ -162,11 +162,11 @@ class WorkerCache:
         block table, its window); returns their slices in the group's cache
         views (``[n]`` int64, the reqids its kernel reads). The forward is
         recorded once the last group is mapped."""
-        mapper = self.groups[group].mapper
+        placer = self.groups[group].placer
         start = time.perf_counter_ns()
         seq_lens, blocks, num_blocks = inputs.seq_lens, inputs.block_table, inputs.num_blocks
-        reqids = mapper.reqids_of(self.request_keys(inputs), blocks, num_blocks)
-        mapper.map(reqids, blocks, num_blocks, seq_lens, inputs.query_lens)
+        reqids = placer.reqids_of(self.request_keys(inputs), blocks, num_blocks)
+        placer.map(reqids, blocks, num_blocks, seq_lens, inputs.query_lens)
         self.map_ns += time.perf_counter_ns() - start
         if group == len(self.groups) - 1:
             self.forwards += 1
@@ -175,14 +175,14 @@ class WorkerCache:
             self.tokens.append(int(seq_lens.sum()))
             if self.has_windows:
                 page_id_bytes = self.manager.config.num_buffers * self.manager.page_size  # a position, every buffer
-                self.behind_windows.append(sum(g.mapper.holes for g in self.groups) * page_id_bytes)
-        return reqids - mapper.first_reqid
+                self.behind_windows.append(sum(g.placer.holes for g in self.groups) * page_id_bytes)
+        return reqids - placer.first_reqid
 
     def release(self, req_ids: Iterable[Hashable]) -> None:
         """vLLM's requests that finished, or whose blocks vLLM replaced
         (resumed after a preemption): their slices go back to the pool."""
         for group in self.groups:
-            group.mapper.release(req_ids)
+            group.placer.release(req_ids)
 
     def stats(self) -> dict[str, object]:
         """The cache's stats, its groups, the mapping's work against its
@@ -192,11 +192,11 @@ class WorkerCache:
         buffers = self.manager.config.num_buffers
         mapping = dict(positions_mapped=(stats["sync_page_maps"] + stats["background_page_maps"]) // buffers,
                        positions_unmapped=stats["page_unmaps"] // buffers,
-                       positions_needed=sum(g.mapper.positions_needed for g in self.groups),
-                       positions_reused=sum(g.mapper.positions_reused for g in self.groups),
+                       positions_needed=sum(g.placer.positions_needed for g in self.groups),
+                       positions_reused=sum(g.placer.positions_reused for g in self.groups),
                        forwards=self.forwards,
-                       forwards_mapping=sum(g.mapper.forwards_mapping for g in self.groups),
-                       live_requests=max(g.mapper.live_requests for g in self.groups))
+                       forwards_mapping=sum(g.placer.forwards_mapping for g in self.groups),
+                       live_requests=max(g.placer.live_requests for g in self.groups))
         return dict(stats, layout=self.manager.config.layout, kernel=self.kernel.name, map_ns=self.map_ns,
                     mapping=mapping, time_s_series=list(self.time_s), bytes_mapped_series=list(self.bytes_in_requests),
                     tokens_series=list(self.tokens), bytes_behind_windows_series=list(self.behind_windows),

@@ -1,0 +1,52 @@
+"""Old public names kept as aliases that warn (docs/design.md, "Glossary").
+
+A name the glossary retired stays usable for a release: reading it returns
+the new object and raises a ``DeprecationWarning`` that names the new one.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
+    """Warns that ``old`` is a deprecated name of ``new``."""
+    warnings.warn(f"{old} is deprecated; use {new} (the same thing under the glossary's word)",
+                  DeprecationWarning, stacklevel=stacklevel)
+
+
+def module_aliases(module: str, renamed: Mapping[str, str], lookup: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A PEP 562 ``__getattr__`` for ``module`` that answers each old name of
+    ``renamed`` (old -> new) with ``lookup(new)`` and a warning, and raises
+    ``AttributeError`` for anything else."""
+
+    def __getattr__(name: str) -> Any:
+        if name in renamed:
+            warn_renamed(f"{module}.{name}", f"{module}.{renamed[name]}")
+            return lookup(renamed[name])
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+class RenamedKeys(dict):
+    """A dict whose retired keys still read, with a warning: ``d[old]`` is
+    ``d[new]``. Iteration, ``in`` and ``get`` see the new keys only."""
+
+    renamed: Mapping[str, str] = {}
+
+    def __missing__(self, key: Any) -> Any:
+        new = self.renamed.get(key)
+        if new is None or new not in self:
+            raise KeyError(key)
+        warn_renamed(f"stats()[{key!r}]", f"stats()[{new!r}]")
+        return self[new]
+
+
+class Stats(RenamedKeys):
+    """``KVCacheManager.stats()``: the counters under the glossary's words."""
+
+    renamed = {"slots_allocated": "reqids_allocated", "page_slots_mapped": "page_mappings",
+               "mapper_batches": "mapper_rounds"}
