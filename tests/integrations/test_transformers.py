@@ -224,3 +224,15 @@ def test_bad_layer_index_and_row_indices_are_refused_with_state_unchanged():
             cache.batch_repeat_interleave(0)
         after = [layer.keys for layer in cache.layers], cache.get_seq_length()
         assert after[1] == before[1] and all(torch.equal(a, b) for a, b in zip(after[0], before[0]))
+
+
+def test_eager_mapping_is_off_unless_the_policy_asks_for_it():
+    model = llama()
+    with VAttnCache.from_model(model, max_batch_size=1, max_context_len=64) as cache:
+        assert cache.manager.policy["eager"] is False
+    with VAttnCache.from_model(model, max_batch_size=1, max_context_len=64, policy={"lookahead_tokens": 16}) as cache:
+        assert (cache.manager.policy["eager"], cache.manager.policy["lookahead_tokens"]) == (False, 16)
+    with VAttnCache.from_model(model, max_batch_size=1, max_context_len=64, policy={"eager": True}) as cache:
+        assert cache.manager.policy["eager"] is True
+    with VAttnCache.from_model(model, max_batch_size=1, max_context_len=64, policy=vattn.Policy()) as cache:
+        assert cache.manager.policy["eager"] is vattn.Policy().eager

@@ -204,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
     model, described = build_model(args.model, args.quick)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     trace = make_trace(n, args.rate, vocab, args.max_context_len, args.quick, random.Random(args.seed))
-    options: dict[str, Any] = dict(page_size=args.page_size, layout=args.layout, eager_tokens=args.eager_tokens)
+    options: dict[str, Any] = dict(page_size=args.page_size, layout=args.layout,
+                                   policy={"eager_tokens": args.eager_tokens})
     if args.physical_memory is not None:
         options["physical_memory"] = args.physical_memory
     try:

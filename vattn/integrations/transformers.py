@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -164,8 +165,10 @@ class VAttnCache(Cache):
             generated tokens).
         device: ``"cpu"`` or ``"cuda[:i]"``; the model's device.
         **vattn_options: passed to :class:`vattn.KVCacheManager` (``page_size``,
-            ``layout``, ``physical_memory``, policy switches). ``eager`` defaults
-            to False here: the cache owns every reqid, so there is nothing to pre-map.
+            ``layout``, ``physical_memory``, ``policy``). The ``eager`` knob
+            defaults to False here (a ``policy`` mapping without it gets it;
+            a ``vattn.Policy`` is taken as given): the cache owns every reqid,
+            so there is nothing to pre-map.
 
     Physical memory follows the tokens held: after ``n`` tokens each of ``B``
     rows has ``ceil(n * token_bytes / page_size)`` pages mapped per buffer (one
@@ -188,10 +191,13 @@ class VAttnCache(Cache):
     ) -> None:
         # Every reqid belongs to the cache from the start, so there is no next
         # request to pre-map for; eager mapping would only map memory no row uses.
-        vattn_options.setdefault("eager", False)
+        # A vattn.Policy names every knob, so it is taken as given.
+        policy = vattn_options.pop("policy", None)
+        if "eager" not in vattn_options and (policy is None or isinstance(policy, Mapping)):
+            policy = {"eager": False, **(policy or {})}
         manager = KVCacheManager(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                  dtype=dtype, max_batch_size=max_batch_size, max_context_len=max_context_len,
-                                 device=device, **vattn_options)
+                                 device=device, policy=policy, **vattn_options)
         # Batch row b is reqid b: the cache owns every reqid of its manager.
         for _ in range(max_batch_size):
             manager.alloc_reqid()
