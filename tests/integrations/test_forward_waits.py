@@ -38,7 +38,8 @@ def test_a_vllm_like_trace_never_waits_for_the_device_inside_a_forward(fake_cuda
     kv = vattn.KVCacheManager(num_layers=2, num_kv_heads=4, head_dim=128, dtype=torch.float16,
                               max_batch_size=SLICES, max_context_len=4 * BLOCK, device="cuda",
                               physical_memory=NUM_BLOCKS * 4 * 2 * MiB, page_allocator="external",
-                              background=False, deferred_reclaim=False, eager=False, sync_streams=[stream])
+                              policy={"background": False, "deferred_reclaim": False, "eager": False},
+                              sync_streams=[stream])
     try:
         placer = BlockPlacer(kv, BLOCK)
         free_blocks = list(range(1, NUM_BLOCKS))

@@ -30,7 +30,7 @@ def external(budget, **kw):
     return vattn.KVCacheManager(num_layers=1, num_kv_heads=1, head_dim=64, dtype=torch.float32,
                                 max_batch_size=2, max_context_len=4096, page_size=PAGE,
                                 physical_memory=32 * ID_BYTES, page_allocator="external",
-                                budget=budget, background=False, eager=False, **kw)
+                                budget=budget, policy={"background": False, "eager": False}, **kw)
 
 
 def test_released_ids_leave_the_budget_and_come_back_when_mapped_again(budget):

@@ -96,7 +96,7 @@ def test_vllms_build_reads_each_slice_as_one_page_in_one_call_per_layer(fake_vll
     with vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=4,
                               max_context_len=100, page_size=4096 * (2 if layout == "all_layers" else 1),
                               physical_memory=40 * 4 * 4096, layout=layout, page_allocator="external",
-                              background=False, deferred_reclaim=False, eager=False) as kv:
+                              policy={"background": False, "deferred_reclaim": False, "eager": False}) as kv:
         placer = BlockPlacer(kv, 16)
         keys, cached, query = ["b", "a", "c"], [20, 33, 0], [1, 1, 5]
         reqids = placer.reqids_of(keys)

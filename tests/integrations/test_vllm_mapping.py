@@ -30,7 +30,7 @@ def make_kv(slices: int = SLICES) -> vattn.KVCacheManager:
     return vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32,
                                 max_batch_size=slices, max_context_len=MAX_LEN, page_size=PAGE,
                                 physical_memory=NUM_BLOCKS * 4 * PAGE, page_allocator="external",
-                                background=False, deferred_reclaim=False, eager=False)
+                                policy={"background": False, "deferred_reclaim": False, "eager": False})
 
 
 @pytest.fixture
@@ -257,7 +257,7 @@ def test_mapper_errors(kv):
     step(placer, {"a": [4]}, [1])  # and the request maps once its table is right
     assert kv.page_ids(int(reqids[0])) == [4]
     with vattn.KVCacheManager(num_layers=1, num_kv_heads=1, head_dim=32, max_batch_size=1, max_context_len=64,
-                              background=False) as managed:
+                              policy={"background": False}) as managed:
         with pytest.raises(ValueError, match="page_allocator='external'"):
             BlockPlacer(managed, BLOCK)
     with pytest.raises(ValueError, match=r"reqids first_reqid .. first_reqid \+ slices - 1 must lie in "

@@ -119,8 +119,9 @@ def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, nu
                      dtype=spec.dtype, max_batch_size=num_groups * shape.per_group,
                      max_context_len=shape.context_tokens,
                      page_size=page_size, physical_memory=num_blocks * page_size * num_buffers, layout=layout,
-                     device=str(runner.device), page_allocator="external", background=False,
-                     deferred_reclaim=False, eager=False, sync_streams=forward_streams(runner.device),
+                     device=str(runner.device), page_allocator="external",
+                     policy={"background": False, "deferred_reclaim": False, "eager": False},
+                     sync_streams=forward_streams(runner.device),
                      # under VATTN_BUDGET the engine core is the member and charges every rank's pages before a
                      # forward creates them (integrations/vllm/engine_budget.py): a worker's cache never asks the
                      # budget. Without one vLLM holds its whole block pool, as stock allocates its cache tensor at
