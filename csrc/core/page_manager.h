@@ -328,6 +328,10 @@ class PageManager {
   // contents count as gone) but charged: its pages still hold memory, which
   // the next create_ids of it reuses without a second charge.
   void release_ids(const std::vector<uint32_t>& ids);
+  // Releases again the ids whose release was refused or deferred (a capture's
+  // closed gate queues releases until it opens): once the gate is open their
+  // memory is back, and the budget and stats say so. Caller holds mu.
+  void retry_unreleased_locked();
   std::vector<PageMapping> mappings_for(const std::vector<MapJob>& jobs) const;
   // Commits the jobs covered by the first `done` mappings, undoes the rest
   // (orphaning what cannot be undone), returns fresh ids to the pool.

@@ -80,6 +80,15 @@ void PageManager::release_ids(const std::vector<uint32_t>& ids) {
   if (budget_ && gone > 0) budget_->uncharge(gone);
 }
 
+void PageManager::retry_unreleased_locked() {
+  if (!memory_ || unreleased_ids_.load() == 0) return;
+  std::vector<uint32_t> ids;
+  for (uint32_t id = 0; id < num_ids_; ++id)
+    if (unreleased_[id].exchange(0, std::memory_order_acq_rel)) ids.push_back(id);
+  unreleased_ids_ -= ids.size();  // release_ids marks again those whose pages are still held
+  release_ids(ids);
+}
+
 // ---- mapping ----------------------------------------------------------------------------
 
 std::vector<PageMapping> PageManager::mappings_for(const std::vector<MapJob>& jobs) const {

@@ -143,6 +143,7 @@ void PageManager::pause_mapper(bool paused) {
   if (paused) {
     sync_->round_done.wait(lock, [&] { return !inflight_; });
   } else {
+    if (capture_pauses_ == 0) retry_unreleased_locked();  // releases the closed gate deferred have run now
     work_epoch_++;  // plan again: work may have come, or been cut short, while paused
     sync_->wake.notify_one();
   }
@@ -158,6 +159,7 @@ void PageManager::pause_for_capture(bool begin) {
     sync_->round_done.wait(lock, [&] { return !inflight_; });
   } else if (capture_pauses_ > 0) {
     if (--capture_pauses_ == 0) {
+      if (!paused_) retry_unreleased_locked();  // releases the closed gate deferred have run now
       work_epoch_++;  // the work deferred during the capture
       sync_->wake.notify_one();
     }

@@ -615,6 +615,8 @@ def test_releases_during_a_capture_are_issued_after_it(fake_cuda, framework):
         assert cap.result == 0, "the capture was invalidated"
         assert fake_cuda.fake_cuda_live_handles() == handles - 8  # released when the capture ended
         assert backend_facts(kv)["deferred_releases"] == "1"
+        stats = kv.stats()  # and the count says so as soon as the gate opened, not at the next creation
+        assert stats["pages_unreleased"] == 0 and stats["pages_created"] == 0
         a = kv.alloc_reqid()
         assert kv.step(lens_with(3000, a))  # created again: fresh memory, the held ids' charge carried
         assert kv.stats()["pages_unreleased"] == 0
