@@ -93,7 +93,7 @@ class Case:
         self.kv = vattn.KVCacheManager(num_layers=layers if layout == "all_layers" else 1,
                                        num_kv_heads=self.heads_kv, head_dim=self.head_dim, dtype=dtype,
                                        max_batch_size=batch, max_context_len=ctx, device=device, layout=layout,
-                                       background=False, eager=False)
+                                       policy={"background": False, "eager": False})
         reqids = [self.kv.alloc_reqid() for _ in range(batch)]
         assert self.kv.step([ctx] * batch)
         self.k_cache, self.v_cache = self.kv.layer(0)

@@ -56,7 +56,7 @@ class Caches:
 
         self.kv = vattn.KVCacheManager(num_layers=1, num_kv_heads=heads_kv, head_dim=head_dim, dtype=dtype,
                                        max_batch_size=rows, max_context_len=max_len, device="cpu",
-                                       layout="per_layer", background=False, eager=False)
+                                       layout="per_layer", policy={"background": False, "eager": False})
         self.reqids = [self.kv.alloc_reqid() for _ in range(rows)]
         if not self.kv.step([max_len] * rows):
             raise SystemExit(f"could not map {rows} requests of {max_len} tokens")

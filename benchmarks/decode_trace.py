@@ -135,7 +135,7 @@ def run(device: str, forward: str, page_size: int | None, layout: str, mode: str
     cuda = device.startswith("cuda") and forward == "model"  # torch's CUDA tensors on the cache
     kv = vattn.KVCacheManager(num_layers=layers, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float16,
                               max_batch_size=batch, max_context_len=PROMPT + iterations + 1024, page_size=page_size,
-                              layout=layout, device=device, background=mode == "mapper", eager=False,
+                              layout=layout, device=device, policy={"background": mode == "mapper", "eager": False},
                               sync_streams=torch.cuda.current_stream() if cuda else None)
     with kv:
         for _ in range(batch):

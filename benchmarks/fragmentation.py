@@ -69,8 +69,8 @@ def measure(model: str, layout: str, page_size: int, lengths: list[int]) -> dict
     scale = layers // measured_layers  # per_layer: N identical K/V buffer pairs
     kv = vattn.KVCacheManager(num_layers=measured_layers, num_kv_heads=heads, head_dim=head_dim,
                               dtype=torch.float16, max_batch_size=BATCH, max_context_len=MAX_CONTEXT,
-                              page_size=page_size, layout=layout, physical_memory=4 * GiB, background=False,
-                              eager=False)
+                              page_size=page_size, layout=layout, physical_memory=4 * GiB,
+                              policy={"background": False, "eager": False})
     mapped = used = 0
     waste_per_request = []  # bytes mapped but unused, all layers
     with kv:

@@ -35,8 +35,8 @@ KiB, MiB = 1024, 1024 * 1024
 PROMPTS = [1024, 2048, 4096, 8192, 16384]
 REPS = 5
 MODES = {
-    "sync": dict(background=False, deferred_reclaim=False, eager=False),
-    "policies": dict(background=True, deferred_reclaim=True, eager=True),
+    "sync": {"background": False, "deferred_reclaim": False, "eager": False},
+    "policies": {"background": True, "deferred_reclaim": True, "eager": True},
 }
 
 
@@ -54,7 +54,7 @@ def admit_us(kv: vattn.KVCacheManager, prompt: int) -> float:
 def measure(device: str, page_size: int | None, mode: str, prompt: int, reps: int) -> dict:
     with vattn.KVCacheManager(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16,
                               max_batch_size=2, max_context_len=max(PROMPTS + [prompt]), page_size=page_size,
-                              device=device, **MODES[mode]) as kv:
+                              device=device, policy=MODES[mode]) as kv:
         kv.wait_idle()
         cold = admit_us(kv, prompt)
         warm = []

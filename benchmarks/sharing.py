@@ -92,8 +92,8 @@ def parallel(model, quick: bool) -> list[dict]:
     prompt = tokens(g, prompt_len)
     rows = []
     for n in (1, 2, 4) if quick else (1, 2, 4, 8):
-        options = dict(max_batch_size=8, max_context_len=prompt_len + new, page_size=PAGE, deferred_reclaim=False,
-                       eager=False)
+        options = dict(max_batch_size=8, max_context_len=prompt_len + new, page_size=PAGE,
+                       policy={"deferred_reclaim": False, "eager": False})
         shared, _ = run(model, [prompt], new, options, n=n, temperature=1.0, seed=3)
         copies, _ = run(model, [prompt] * n, new, options, temperature=1.0, seed=3)
         rows.append(dict(n=n, shared=shared, copies=copies))
@@ -111,7 +111,7 @@ def prefix_trace(model, quick: bool) -> dict:
     prompts = [systems[i % 4] + tokens(g, q) for i, q in enumerate(questions)]
     new = 8 if quick else 32
     options = dict(max_batch_size=8, max_context_len=max(map(len, prompts)) + new, page_size=PAGE,
-                   deferred_reclaim=False, eager=False)
+                   policy={"deferred_reclaim": False, "eager": False})
     copies, want = run(model, prompts, new, options)
     print(f"prefix trace without cache: {copies['seconds']:.2f} s, mean KV {copies['mean_bytes_mapped'] / MiB:.1f} MiB",
           flush=True)

@@ -53,7 +53,7 @@ def measure(batch: int, background: bool, rng: random.Random) -> dict:
     lens_list = [rng.randint(512, 4096) for _ in range(batch)]
     with vattn.KVCacheManager(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float16,
                               max_batch_size=batch, max_context_len=4096, page_size=PAGE,
-                              background=background, eager=False) as kv:
+                              policy={"background": background, "eager": False}) as kv:
         for _ in range(batch):
             kv.alloc_reqid()
         assert kv.step(lens_list)

@@ -52,7 +52,7 @@ def check_page_size(page_size: int, device: str = "cuda", view: SliceView = devi
     tokens_per_page = page_size // token_bytes
     kv = vattn.KVCacheManager(num_layers=2, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=2,
                               max_context_len=4 * tokens_per_page, device=device, page_size=page_size,
-                              physical_memory=16 * page_size * 2, backend="cuda_uvm", background=False)
+                              physical_memory=16 * page_size * 2, backend="cuda_uvm", policy={"background": False})
     try:
         a = kv.alloc_reqid()
         if not kv.step([3 * tokens_per_page if r == a else 0 for r in range(2)]):
