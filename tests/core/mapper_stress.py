@@ -28,10 +28,11 @@ def run_schedule(seed: int) -> int:
     pool_pages = rng.randint(8, 60)
     kv = vattn.KVCacheManager(num_layers=LAYERS, num_kv_heads=2, head_dim=head_dim, dtype=torch.float32,
                               max_batch_size=B, max_context_len=L, page_size=PAGE, layout=layout,
-                              physical_memory=max(pool_pages, 4) * PAGE, background=True,
-                              deferred_reclaim=rng.random() < 0.8, eager=rng.random() < 0.7,
-                              lookahead_tokens=rng.choice([1, 4, 16]), eager_tokens=rng.choice([0, 32, 100]),
-                              reclaim_threshold=rng.choice([0.0, 0.1, 0.5]))
+                              physical_memory=max(pool_pages, 4) * PAGE,
+                              policy={"background": True, "deferred_reclaim": rng.random() < 0.8,
+                                      "eager": rng.random() < 0.7, "lookahead_tokens": rng.choice([1, 4, 16]),
+                                      "eager_tokens": rng.choice([0, 32, 100]),
+                                      "reclaim_threshold": rng.choice([0.0, 0.1, 0.5])})
     nb, tok = kv.config.num_buffers, kv.config.token_bytes_per_buffer
     total_pages = kv.stats()["pages_total"]
     lens = [0] * B

@@ -28,11 +28,12 @@ B, L = 16, 1024
 PAGE = 4096  # 16 tokens of 2 heads x 32 fp32 per page: many page crossings
 
 
-def make(**overrides) -> vattn.KVCacheManager:
+def make(policy: dict | None = None, **overrides) -> vattn.KVCacheManager:
     args = dict(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=B,
-                max_context_len=L, page_size=PAGE, background=True, eager=True, eager_tokens=64)
+                max_context_len=L, page_size=PAGE)
     args.update(overrides)
-    return vattn.KVCacheManager(**args)
+    return vattn.KVCacheManager(**args, policy={"background": True, "eager": True, "eager_tokens": 64,
+                                                **(policy or {})})
 
 
 def fd_count() -> int:
@@ -138,7 +139,8 @@ def cleanup_while_waiting(reps: int) -> None:
     with faulty_host_backend() as faults:
         for _ in range(reps):
             faults.delay(3000)  # every page map takes 3 ms: batches are slow
-            kv = make(eager_tokens=L, backend=FAULTY_HOST)  # the mapper starts a long eager batch at once
+            # the mapper starts a long eager batch at once
+            kv = make(policy={"eager_tokens": L}, backend=FAULTY_HOST)
             results: list[tuple[str, float]] = []
 
             def stepper() -> None:
@@ -247,7 +249,7 @@ def fork_child_cannot_touch_parent(reps: int) -> None:
     with faulty_host_backend() as faults:
         for rep in range(reps):
             faults.delay(2000 if rep % 2 else 0)
-            kv = make(eager_tokens=L, backend=FAULTY_HOST)
+            kv = make(policy={"eager_tokens": L}, backend=FAULTY_HOST)
             r = kv.alloc_reqid()
             lens = [0] * B
             lens[r] = 100
@@ -314,9 +316,11 @@ def rlimit_as(reps: int) -> None:
         raise AssertionError("a reservation beyond RLIMIT_AS was accepted")
     # Fits the limit, not what is left of it: the mmap fails and says so.
     small_pool = 64 * 4 * PAGE
-    hog = make(max_context_len=600 << 10, max_batch_size=1, background=False, physical_memory=small_pool)  # 600 MiB
+    hog = make(max_context_len=600 << 10, max_batch_size=1, policy={"background": False},
+               physical_memory=small_pool)  # 600 MiB
     try:
-        make(max_context_len=600 << 10, max_batch_size=1, background=False, physical_memory=small_pool)
+        make(max_context_len=600 << 10, max_batch_size=1, policy={"background": False},
+             physical_memory=small_pool)
     except vattn.DriverError as e:
         assert "mmap(reserve)" in str(e), e
     else:

@@ -427,7 +427,7 @@ def test_fault_campaign_host(layout, page_allocator, host_faults):
     fds, threads = open_state()
     kv = vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=B,
                               max_context_len=L, page_size=4096, layout=layout, physical_memory=96 * 4096,
-                              background=True, eager=True, eager_tokens=64, reclaim_threshold=0.2,
+                              policy={"background": True, "eager": True, "eager_tokens": 64, "reclaim_threshold": 0.2},
                               page_allocator=page_allocator, backend=FAULTY_HOST)
     campaign = CAMPAIGNS[page_allocator](kv, random.Random(f"host-{layout}-{page_allocator}"), host_faults=host_faults)
     try:
@@ -446,8 +446,9 @@ def test_fault_campaign_fake_cuda(layout, page_allocator, fake_cuda, monkeypatch
     monkeypatch.setenv("FAKE_CUDA_GRANULARITY", str(64 * 1024))  # small pages: many crossings
     kv = vattn.KVCacheManager(num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.float32, max_batch_size=B,
                               max_context_len=L, page_size=64 * 1024, layout=layout, device="cuda",
-                              physical_memory=96 * 64 * 1024, background=True, eager=True, eager_tokens=64,
-                              reclaim_threshold=0.2, page_allocator=page_allocator)
+                              physical_memory=96 * 64 * 1024,
+                              policy={"background": True, "eager": True, "eager_tokens": 64, "reclaim_threshold": 0.2},
+                              page_allocator=page_allocator)
     if torch.cuda.is_available():  # a CUDA torch would get real device tensors; this checks the fake driver
         kv.cleanup()
         pytest.skip("needs a torch without CUDA: the fake driver's memory is host memory")

@@ -18,11 +18,11 @@ PAGE = 4096
 TOKENS_PER_PAGE = 16  # 2 KV heads x 32 x fp32 = 256 B per token per buffer
 
 
-def make(**overrides) -> vattn.KVCacheManager:
+def make(policy: dict | None = None, **overrides) -> vattn.KVCacheManager:
     args = dict(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=4,
-                max_context_len=512, page_size=PAGE, background=True, eager=False)
+                max_context_len=512, page_size=PAGE)
     args.update(overrides)
-    return vattn.KVCacheManager(**args)
+    return vattn.KVCacheManager(**args, policy={"background": True, "eager": False, **(policy or {})})
 
 
 def lens_with(n: int, reqid: int, b: int = 4) -> list[int]:
@@ -36,7 +36,7 @@ def thread_count() -> int:
 
 
 def test_lookahead_keeps_decode_off_the_critical_path():
-    with make(lookahead_tokens=1) as kv:
+    with make(policy={"lookahead_tokens": 1}) as kv:
         r = kv.alloc_reqid()
         assert kv.step(lens_with(10, r))  # prefill: 1 page per buffer, mapped in step
         prefill_maps = kv.stats()["sync_page_maps"]
@@ -51,7 +51,7 @@ def test_lookahead_keeps_decode_off_the_critical_path():
 
 
 def test_decode_steps_inside_a_page_do_not_wake_the_mapper():
-    with make(lookahead_tokens=1) as kv:
+    with make(policy={"lookahead_tokens": 1}) as kv:
         r = kv.alloc_reqid()
         assert kv.step(lens_with(1, r))
         kv.wait_idle()
@@ -68,7 +68,7 @@ def test_decode_steps_inside_a_page_do_not_wake_the_mapper():
 
 
 def test_without_mapper_every_boundary_maps_in_step():
-    with make(background=False) as kv:
+    with make(policy={"background": False}) as kv:
         r = kv.alloc_reqid()
         for n in range(10, 200):
             assert kv.step(lens_with(n, r))
@@ -78,7 +78,7 @@ def test_without_mapper_every_boundary_maps_in_step():
 
 
 def test_eager_premaps_the_next_slot():
-    with make(eager=True, eager_tokens=40) as kv:
+    with make(policy={"eager": True, "eager_tokens": 40}) as kv:
         kv.wait_idle()
         assert kv._pages.mapped_pages(0) == 3  # ceil(40 / 16), before any request exists
         r = kv.alloc_reqid()
@@ -91,30 +91,30 @@ def test_eager_premaps_the_next_slot():
 
 
 @pytest.mark.parametrize(
-    "overrides,exc,match",
+    "policy,exc,match",
     [
-        (dict(background=1), TypeError, "background"),
-        (dict(eager="yes"), TypeError, "eager"),
-        (dict(lookahead_tokens=-1), ValueError, "lookahead_tokens"),
-        (dict(eager_tokens=-5), ValueError, "eager_tokens"),
-        (dict(reclaim_threshold=1.5), ValueError, r"reclaim_threshold must be in \[0, 1\]"),
-        (dict(reclaim_threshold="0.1"), TypeError, "reclaim_threshold"),
+        ({"background": 1}, TypeError, "background"),
+        ({"eager": "yes"}, TypeError, "eager"),
+        ({"lookahead_tokens": -1}, ValueError, "lookahead_tokens"),
+        ({"eager_tokens": -5}, ValueError, "eager_tokens"),
+        ({"reclaim_threshold": 1.5}, ValueError, r"reclaim_threshold must be in \[0, 1\]"),
+        ({"reclaim_threshold": "0.1"}, TypeError, "reclaim_threshold"),
     ],
 )
-def test_bad_policy_arguments(overrides, exc, match):
+def test_bad_policy_arguments(policy, exc, match):
     with pytest.raises(exc, match=match):
-        make(**overrides)
+        make(policy=policy)
 
 
 def test_eager_needs_the_mapper():
-    with make(background=False, eager=True) as kv:
+    with make(policy={"background": False, "eager": True}) as kv:
         assert kv.policy["eager"] is False
         assert kv._pages.mapped_pages(0) == 0
 
 
 def test_threshold_reclaim_by_the_mapper():
     # 20 pages; floor = 50% = 10 free pages
-    with make(physical_memory=20 * PAGE, reclaim_threshold=0.5) as kv:
+    with make(physical_memory=20 * PAGE, policy={"reclaim_threshold": 0.5}) as kv:
         a = kv.alloc_reqid()
         assert kv.step(lens_with(60, a))  # 4 pages per buffer = 16 pages (61 with lookahead: still 4)
         kv.wait_idle()
@@ -129,7 +129,7 @@ def test_threshold_reclaim_by_the_mapper():
 
 
 def test_no_background_reclaim_above_threshold():
-    with make(physical_memory=40 * PAGE, reclaim_threshold=0.1) as kv:
+    with make(physical_memory=40 * PAGE, policy={"reclaim_threshold": 0.1}) as kv:
         a = kv.alloc_reqid()
         assert kv.step(lens_with(60, a))
         kv.free_reqid(a)
@@ -139,7 +139,7 @@ def test_no_background_reclaim_above_threshold():
 
 
 def test_last_resort_reclaim_inside_step():
-    with make(physical_memory=20 * PAGE, reclaim_threshold=0.0) as kv:  # the mapper never reclaims
+    with make(physical_memory=20 * PAGE, policy={"reclaim_threshold": 0.0}) as kv:  # the mapper never reclaims
         a = kv.alloc_reqid()
         assert kv.step(lens_with(60, a))
         b = kv.alloc_reqid()
@@ -153,7 +153,7 @@ def test_last_resort_reclaim_inside_step():
 
 
 def test_no_deferral_unmaps_at_free():
-    with make(deferred_reclaim=False) as kv:
+    with make(policy={"deferred_reclaim": False}) as kv:
         a = kv.alloc_reqid()
         assert kv.step(lens_with(64, a))
         kv.wait_idle()
@@ -163,7 +163,7 @@ def test_no_deferral_unmaps_at_free():
 
 
 def test_all_switches_off_is_the_synchronous_manager():
-    with make(background=False, deferred_reclaim=False, eager=False) as kv:
+    with make(policy={"background": False, "deferred_reclaim": False, "eager": False}) as kv:
         threads = thread_count()
         a = kv.alloc_reqid()
         assert kv.step(lens_with(100, a))
@@ -175,7 +175,7 @@ def test_all_switches_off_is_the_synchronous_manager():
 
 def test_mapper_thread_starts_and_stops_with_the_manager():
     before = thread_count()
-    kv = make(eager=True)
+    kv = make(policy={"eager": True})
     assert thread_count() == before + 1
     r = kv.alloc_reqid()
     assert kv.step(lens_with(100, r))
@@ -207,8 +207,8 @@ def test_interpreter_exit_with_a_live_manager():
     proc = run_python("""
         import torch, vattn
         kv = vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=32, max_batch_size=4,
-                                  max_context_len=512, page_size=4096, background=True, eager=True)
-        vattn.init(num_layers=1, num_kv_heads=1, head_dim=64, background=True)
+                                  max_context_len=512, page_size=4096, policy={"background": True, "eager": True})
+        vattn.init(num_layers=1, num_kv_heads=1, head_dim=64, policy={"background": True})
         r = kv.alloc_reqid()
         for n in range(1, 300):
             assert kv.step([n if i == r else 0 for i in range(4)])
@@ -230,16 +230,16 @@ def test_concurrency_stress_in_subprocess():
 MiB = 1024 * 1024
 
 
-def make_cuda(**overrides) -> vattn.KVCacheManager:
+def make_cuda(policy: dict | None = None, **overrides) -> vattn.KVCacheManager:
     args = dict(num_layers=2, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=4,
-                max_context_len=8192, device="cuda", physical_memory=64 * MiB, background=True, eager=False)
+                max_context_len=8192, device="cuda", physical_memory=64 * MiB)
     args.update(overrides)
-    return vattn.KVCacheManager(**args)
+    return vattn.KVCacheManager(**args, policy={"background": True, "eager": False, **(policy or {})})
 
 
 def test_cuda_mapper_sets_its_context(fake_cuda):
     # The fake driver refuses memory calls on a thread without a current context.
-    with make_cuda(eager=True, eager_tokens=3000) as kv:
+    with make_cuda(policy={"eager": True, "eager_tokens": 3000}) as kv:
         kv.wait_idle()
         s = kv.stats()
         assert s["mapper_errors"] == 0 and s["background_page_maps"] == 2 * 4
@@ -270,7 +270,7 @@ def test_cuda_mapper_failure_surfaces_in_next_step(fake_cuda):
 
 
 def test_cuda_reclaim_by_mapper_synchronizes_first(fake_cuda):
-    with make_cuda(physical_memory=16 * MiB, reclaim_threshold=0.5) as kv:  # 8 pages, floor 4
+    with make_cuda(physical_memory=16 * MiB, policy={"reclaim_threshold": 0.5}) as kv:  # 8 pages, floor 4
         a = kv.alloc_reqid()
         assert kv.step(lens_with(4000, a))  # 2 pages per buffer = 8
         kv.wait_idle()

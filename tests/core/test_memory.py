@@ -37,7 +37,7 @@ def test_reserving_tens_of_gb_commits_only_the_pool():
     # 32 layers x 2 x 64 slots x 32K tokens x 8 heads x 128 x fp16 = 256 GiB of virtual space
     kv = vattn.KVCacheManager(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16,
                               max_batch_size=64, max_context_len=32768, page_size=page,
-                              physical_memory=pool, background=False)
+                              physical_memory=pool, policy={"background": False})
     try:
         s = kv.stats()
         assert s["bytes_reserved"] >= 256 * GiB
@@ -65,7 +65,8 @@ def test_committed_memory_follows_mapped_pages():
     page = 2 * 1024 * 1024
     shmem0 = proc_kib("/proc/meminfo", "Shmem")
     with vattn.KVCacheManager(num_layers=4, num_kv_heads=8, head_dim=128, dtype=torch.float16,
-                              max_batch_size=8, max_context_len=8192, page_size=page, background=False) as kv:
+                              max_batch_size=8, max_context_len=8192, page_size=page,
+                              policy={"background": False}) as kv:
         r = kv.alloc_reqid()
         lens = [0] * 8
         lens[r] = 2048  # 2048 x 2 KiB = 4 MiB = 2 pages per buffer, 8 buffers -> 32 MiB
@@ -105,7 +106,7 @@ def test_views_keep_memory_alive_after_cleanup_like_a_storage():
     gc.collect()
     fds0, maps0 = fd_count(), mapping_count()
     kv = vattn.KVCacheManager(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=2, max_context_len=256,
-                              page_size=4096, background=False)
+                              page_size=4096, policy={"background": False})
     r = kv.alloc_reqid()
     assert kv.step([100, 0] if r == 0 else [0, 100])
     k = kv.layer(0)[0]

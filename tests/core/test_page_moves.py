@@ -21,7 +21,7 @@ TOKENS_PER_PAGE = 32  # fp32, 2 KV heads x 16: 128 bytes a token in each buffer
 
 def make(background: bool = False) -> vattn.KVCacheManager:
     return vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32,
-                                max_batch_size=B, max_context_len=L, page_size=PAGE, background=background)
+                                max_batch_size=B, max_context_len=L, page_size=PAGE, policy={"background": background})
 
 
 def grow(kv: vattn.KVCacheManager, reqid: int, tokens: int) -> None:

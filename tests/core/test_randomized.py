@@ -23,7 +23,7 @@ class ScheduleMachine(RuleBasedStateMachine):
         pool_pages = max(pool_pages, num_buffers)
         self.kv = vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=head_dim, dtype=torch.float32,
                                        max_batch_size=B, max_context_len=L, page_size=PAGE, layout=layout,
-                                       physical_memory=pool_pages * PAGE, background=False)
+                                       physical_memory=pool_pages * PAGE, policy={"background": False})
         cfg = self.kv.config
         self.model = PageModel(B, cfg.num_buffers, pool_pages, cfg.token_bytes_per_buffer, PAGE)
         self.lens = [0] * B  # tokens the engine believes each active reqid has

@@ -23,11 +23,11 @@ PAGE = 4096
 B = 4
 
 
-def make(**overrides) -> vattn.KVCacheManager:
+def make(policy: dict | None = None, **overrides) -> vattn.KVCacheManager:
     args = dict(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=B,
-                max_context_len=512, page_size=PAGE, background=False)
+                max_context_len=512, page_size=PAGE)
     args.update(overrides)
-    return vattn.KVCacheManager(**args)
+    return vattn.KVCacheManager(**args, policy={"background": False, **(policy or {})})
 
 
 def only(reqid: int, n: int, also: dict[int, int] | None = None) -> list[int]:
@@ -63,7 +63,7 @@ def test_concurrent_cleanup_init_and_dropped_managers_leak_nothing():
 
 def test_alloc_of_a_chosen_reqid_waits_for_an_eager_batch_landing_on_it(host_faults):
     host_faults.delay(2000)  # the eager batch is slow: alloc arrives while it is in flight
-    with make(background=True, eager=True, eager_tokens=256, backend=FAULTY_HOST) as kv:
+    with make(policy={"background": True, "eager": True, "eager_tokens": 256}, backend=FAULTY_HOST) as kv:
         target = 0  # the eager slot: the first free one
         r = kv.alloc_reqid(0, reqid=target)
         assert r == target
@@ -98,7 +98,7 @@ HOST_CALLS = ["create_pages", "map", "mmap_unmap"]
 @pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
 @pytest.mark.parametrize("call", HOST_CALLS)
 def test_host_call_failures_keep_the_table_exact(call, layout, host_faults):
-    with make(layout=layout, deferred_reclaim=False, backend=FAULTY_HOST) as kv:
+    with make(layout=layout, policy={"deferred_reclaim": False}, backend=FAULTY_HOST) as kv:
         a, b = kv.alloc_reqid(), kv.alloc_reqid()
         assert kv.step([100 if i == a else 0 for i in range(B)])
         k, v = kv.layer(1)
@@ -156,7 +156,7 @@ def assert_fake_driver_clean(fake_cuda) -> None:
 def test_unmap_failing_part_way_then_free_reqid(fake_cuda):
     # Once a SIGSEGV: cuMemUnmap fails in the middle of free_reqid's batch
     # (deferred reclaim off), and the slot is used again.
-    kv = cuda_manager(deferred_reclaim=False)
+    kv = cuda_manager(policy={"deferred_reclaim": False})
     try:
         a = kv.alloc_reqid()
         assert kv.step(only(a, 2000))  # 4 positions x 4 buffers
@@ -225,7 +225,8 @@ def test_synchronize_failure_before_reclaim_loses_no_page(fake_cuda):
 
 
 def test_mapper_unmap_failure_becomes_orphans_and_the_next_step_raises(fake_cuda):
-    kv = cuda_manager(background=True, eager=False, physical_memory=32 * (2 << 20), reclaim_threshold=0.9)
+    kv = cuda_manager(policy={"background": True, "eager": False, "reclaim_threshold": 0.9},
+                      physical_memory=32 * (2 << 20))
     try:
         a = kv.alloc_reqid()
         assert kv.step(only(a, 3000))  # 6 pages x 4 buffers of 32
@@ -263,9 +264,9 @@ def test_max_map_count_exhaustion_keeps_the_table_exact():
 @pytest.mark.parametrize(
     "overrides,exc,match",
     [
-        (dict(lookahead_tokens=2**63), ValueError, r"lookahead_tokens must be"),
-        (dict(lookahead_tokens=513), ValueError, r"lookahead_tokens must be in \[0, 512\]"),
-        (dict(eager_tokens=2**64), ValueError, r"eager_tokens must be"),
+        (dict(policy={"lookahead_tokens": 2**63}), ValueError, r"lookahead_tokens must be"),
+        (dict(policy={"lookahead_tokens": 513}), ValueError, r"lookahead_tokens must be in \[0, 512\]"),
+        (dict(policy={"eager_tokens": 2**64}), ValueError, r"eager_tokens must be"),
         (dict(max_context_len=2**62, dtype=torch.int8, num_kv_heads=1, head_dim=1), ValueError,
          r"virtual address space .* lower max_batch_size or max_context_len"),
         (dict(num_layers=2**63), ValueError, r"virtual address space"),
@@ -278,7 +279,7 @@ def test_max_map_count_exhaustion_keeps_the_table_exact():
         (dict(device="cuda:99999999999999999999"), ValueError, r"device index must be in \[0, 2147483647\]"),
         (dict(device="cpu:1"), ValueError, r"one device"),
         (dict(device=3), TypeError, r"device must be a str"),
-        (dict(reclaim_threshold=float("nan")), ValueError, r"reclaim_threshold must be in \[0, 1\]"),
+        (dict(policy={"reclaim_threshold": float("nan")}), ValueError, r"reclaim_threshold must be in \[0, 1\]"),
         (dict(page_allocator="mine"), ValueError, r"page_allocator must be one of"),
     ],
 )
@@ -355,7 +356,8 @@ def test_steps_last_resort_reclaim_settles_orphans_left_in_free_slots(host_fault
     needs those pages settles them and maps, instead of reporting a full pool (it did: the reclaim plan only
     counted mapped positions)."""
     tokens = PAGE // (2 * 32 * 4)  # tokens per page
-    with make(backend=FAULTY_HOST, physical_memory=4 * 4 * PAGE, deferred_reclaim=True, eager=False) as kv:
+    with make(backend=FAULTY_HOST, physical_memory=4 * 4 * PAGE,
+              policy={"deferred_reclaim": True, "eager": False}) as kv:
         assert kv.num_page_ids == 4
         a = kv.alloc_reqid(reqid=0)
         assert kv.step(only(a, 4 * tokens))

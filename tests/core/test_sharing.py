@@ -84,7 +84,7 @@ def step_one(kv: vattn.KVCacheManager, reqid: int, tokens: int) -> bool:
 
 @pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
 def test_fork_shares_whole_pages_and_copies_the_partial_one(layout):
-    with make(layout, background=False, eager=False) as kv:
+    with make(layout, policy={"background": False, "eager": False}) as kv:
         pt = kv.page_tokens
         src, stamps = stamped(kv, 2 * pt + 5)
         before = kv.stats()
@@ -119,7 +119,7 @@ def test_fork_shares_whole_pages_and_copies_the_partial_one(layout):
 
 
 def test_fork_at_a_page_boundary_copies_nothing_and_at_zero_shares_nothing():
-    with make(background=False, eager=False) as kv:
+    with make(policy={"background": False, "eager": False}) as kv:
         pt = kv.page_tokens
         src, stamps = stamped(kv, 2 * pt)
         child = kv.fork(src, 2 * pt)
@@ -132,7 +132,7 @@ def test_fork_at_a_page_boundary_copies_nothing_and_at_zero_shares_nothing():
 
 def test_module_level_fork():
     vattn.init(num_layers=LAYERS, num_kv_heads=2, head_dim=16, dtype=torch.float32, max_batch_size=B,
-               max_context_len=L, page_size=PAGE, background=False)
+               max_context_len=L, page_size=PAGE, policy={"background": False})
     try:
         src = vattn.alloc_reqid(40)
         lens = [0] * B
@@ -148,7 +148,7 @@ def test_module_level_fork():
 def test_a_reused_reqid_never_writes_into_pages_it_shared(how):
     """Deferred reclaim keeps a freed reqid's pages for its next request, but
     not those a fork still maps: the next request would overwrite them."""
-    with make(background=(how == "eager"), eager=(how == "eager"), deferred_reclaim=True) as kv:
+    with make(policy={"background": how == "eager", "eager": how == "eager", "deferred_reclaim": True}) as kv:
         pt = kv.page_tokens
         src, stamps = stamped(kv, 3 * pt)
         child = kv.fork(src, 2 * pt)
@@ -171,7 +171,7 @@ def test_a_reused_reqid_never_writes_into_pages_it_shared(how):
 
 @pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
 def test_prefix_handle_outlives_its_request(layout):
-    with make(layout, background=False) as kv:
+    with make(layout, policy={"background": False}) as kv:
         pt = kv.page_tokens
         src, stamps = stamped(kv, 3 * pt + 6)
         handle = kv.retain_prefix(src, 2 * pt + 5)  # rounded down to 2 whole pages
@@ -197,7 +197,8 @@ def test_prefix_handle_outlives_its_request(layout):
 def test_the_150_token_example_and_context_manager():
     # 16-token pages: all_layers with 2 layers x 2 heads x 16 x fp32 = 256 bytes per token
     with vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, max_batch_size=2,
-                              max_context_len=160, page_size=PAGE, layout="all_layers", background=False) as kv:
+                              max_context_len=160, page_size=PAGE, layout="all_layers",
+                              policy={"background": False}) as kv:
         assert kv.page_tokens == 16
         src = kv.alloc_reqid(150)
         assert kv.step([150 if r == src else 0 for r in range(2)])
@@ -210,7 +211,7 @@ def test_the_150_token_example_and_context_manager():
 
 
 def test_cleanup_releases_handles():
-    kv = make(background=False)
+    kv = make(policy={"background": False})
     src, _ = stamped(kv, 70)
     h = kv.retain_prefix(src, 70)
     kv.cleanup()
@@ -224,7 +225,7 @@ def test_cleanup_releases_handles():
 
 
 def test_map_pages_shares_ids_in_one_batched_call():
-    with make(background=False, eager=False) as kv:
+    with make(policy={"background": False, "eager": False}) as kv:
         pt = kv.page_tokens
         a, stamps = stamped(kv, 3 * pt)
         ids = kv.page_ids(a)
@@ -245,7 +246,8 @@ def test_map_pages_shares_ids_in_one_batched_call():
 
 
 def test_external_page_ids():
-    with make(page_allocator="external", background=False, eager=False, deferred_reclaim=False) as kv:
+    with make(page_allocator="external",
+              policy={"background": False, "eager": False, "deferred_reclaim": False}) as kv:
         n = kv.num_page_ids
         a, b = kv.alloc_reqid(), kv.alloc_reqid()
         kv.map_pages([a, b], [0, 0], [[n - 1, 0], [n - 1, 2]])
@@ -264,18 +266,20 @@ def test_external_pool_is_sized_by_physical_memory_not_by_the_slices(layout):
     """A framework keeps more blocks than its running requests map (a prefix
     cache): the external pool holds every id physical_memory pays for, here 5x
     what the two slices can map at once."""
-    with make(layout, max_batch_size=2, page_allocator="external", background=False, eager=False) as kv:
+    with make(layout, max_batch_size=2, page_allocator="external",
+              policy={"background": False, "eager": False}) as kv:
         positions = kv.slice_bytes // PAGE  # per slice
         assert kv.num_page_ids == 2 * positions  # the default budget is still capped
-    with make(layout, pool_ids=10 * positions, max_batch_size=2, page_allocator="external", background=False,
-              eager=False) as kv:
+    with make(layout, pool_ids=10 * positions, max_batch_size=2, page_allocator="external",
+              policy={"background": False, "eager": False}) as kv:
         assert kv.num_page_ids == 10 * positions
         assert kv.stats()["bytes_total"] == 10 * positions * kv.config.num_buffers * PAGE
         a = kv.alloc_reqid()
         kv.map_pages([a], [0], [[kv.num_page_ids - 1]])  # the last id is usable
         assert kv.page_ids(a) == [kv.num_page_ids - 1]
         assert_invariants(kv)
-    with make(layout, pool_ids=10 * positions, max_batch_size=2, background=False, eager=False) as kv:
+    with make(layout, pool_ids=10 * positions, max_batch_size=2,
+              policy={"background": False, "eager": False}) as kv:
         assert kv.num_page_ids == 2 * positions  # managed ids stay capped: nothing else could map them
 
 
@@ -284,8 +288,8 @@ def test_external_page_keeps_its_contents_while_mapped_nowhere(layout):
     """A prefix cache hands a freed block back later with what was written in
     it: an external id's page keeps its memory and contents while no reqid maps
     it, through other ids being mapped and unmapped at the same addresses."""
-    with make(layout, pool_ids=40, max_batch_size=2, page_allocator="external", background=False,
-              eager=False) as kv:
+    with make(layout, pool_ids=40, max_batch_size=2, page_allocator="external",
+              policy={"background": False, "eager": False}) as kv:
         pt = kv.page_tokens
         a, b = kv.alloc_reqid(), kv.alloc_reqid()
         kv.map_pages([a], [0], [[7, 31]])
@@ -310,7 +314,8 @@ def test_external_page_keeps_its_contents_while_mapped_nowhere(layout):
 
 @pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
 def test_errors_change_nothing(layout):
-    with make(layout, background=False, eager=False) as kv, make(layout, background=False) as other:
+    with (make(layout, policy={"background": False, "eager": False}) as kv,
+          make(layout, policy={"background": False}) as other):
         pt = kv.page_tokens
         src, stamps = stamped(kv, 2 * pt + 3)
         busy, _ = stamped(kv, 5, base=5000.0)
@@ -353,7 +358,7 @@ def test_errors_change_nothing(layout):
 
 
 def test_fork_with_the_pool_exhausted_is_all_or_nothing():
-    with make(pool_ids=3, background=False, eager=False, deferred_reclaim=False) as kv:
+    with make(pool_ids=3, policy={"background": False, "eager": False, "deferred_reclaim": False}) as kv:
         pt = kv.page_tokens
         src, stamps = stamped(kv, 2 * pt + 1)  # 3 ids: the whole pool
         before = snapshot(kv)
@@ -373,7 +378,7 @@ def test_fork_with_the_pool_exhausted_is_all_or_nothing():
 
 
 def test_fork_in_a_forked_process_is_refused():
-    kv = make(background=False)
+    kv = make(policy={"background": False})
     try:
         src, _ = stamped(kv, 10)
         pid = os.fork()
@@ -407,7 +412,8 @@ class SharingMachine(RuleBasedStateMachine):
                 background=st.booleans(), eager=st.booleans(), deferred=st.booleans())
     def setup(self, layout, pool_ids, background, eager, deferred):
         self.B = 4  # few reqids: freed ones (and the pages they share) are reused often
-        self.kv = make(layout, pool_ids=pool_ids, max_batch_size=self.B, background=background, eager=eager, deferred_reclaim=deferred)
+        self.kv = make(layout, pool_ids=pool_ids, max_batch_size=self.B,
+                       policy={"background": background, "eager": eager, "deferred_reclaim": deferred})
         self.pt = self.kv.page_tokens
         self.rows: dict[int, torch.Tensor] = {}  # allocated reqid -> the stamps its rows 0.. hold
         self.lens = [0] * self.B  # tokens each allocated reqid was stepped to

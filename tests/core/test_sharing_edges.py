@@ -34,7 +34,7 @@ def stepped(kv: vattn.KVCacheManager, tokens: int) -> int:
 
 def test_a_dropped_handle_returns_its_pages():
     """Defect 4: a handle dropped without release() kept its pages until cleanup()."""
-    kv = make(background=False, deferred_reclaim=False)
+    kv = make(policy={"background": False, "deferred_reclaim": False})
     try:
         r = stepped(kv, 96)
         h = kv.retain_prefix(r, 96)
@@ -55,7 +55,7 @@ def test_handles_outliving_their_manager_or_the_interpreter_are_quiet():
     """A handle collected after cleanup(), and handles still alive at
     interpreter exit (with their manager, or after its cleanup), release
     nothing twice and print nothing."""
-    kv = make(background=False)
+    kv = make(policy={"background": False})
     h = kv.retain_prefix(stepped(kv, 64), 64)
     kv.cleanup()
     assert h.released
@@ -85,7 +85,7 @@ def test_a_handle_in_a_forked_child_raises_forked_error():
     """Defect 5: in a forked child a handle said it was released (page_ids) and
     release() returned normally, marking it released. Now every use raises
     ForkedError, collecting it does nothing, and the parent's handle is intact."""
-    kv = make(background=False)
+    kv = make(policy={"background": False})
     try:
         r = stepped(kv, 64)
         h = kv.retain_prefix(r, 64)
@@ -130,7 +130,7 @@ def test_a_handle_in_a_forked_child_raises_forked_error():
 ])
 def test_flat_page_ids_without_counts_name_the_argument(page_ids, what):
     """Defect 7: map_pages([b], [0], [page_id]) raised "'int' object is not iterable"."""
-    kv = make(background=False, page_allocator="external")
+    kv = make(policy={"background": False}, page_allocator="external")
     try:
         r = kv.alloc_reqid()
         kv.map_pages([r], [0], [[5, 6]])
@@ -149,7 +149,7 @@ def test_flat_page_ids_without_counts_name_the_argument(page_ids, what):
 
 def test_external_mode_errors_name_the_constructor_argument():
     """Defect 9: step, fork and retain_prefix named an option page_ids='external'."""
-    kv = make(background=False, page_allocator="external")
+    kv = make(policy={"background": False}, page_allocator="external")
     try:
         r = kv.alloc_reqid()
         kv.map_pages([r], [0], [[0, 1]])

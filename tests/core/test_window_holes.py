@@ -24,7 +24,8 @@ TOKENS = 16  # per page: fp32, 2 KV heads x 32 = 256 bytes a token in each buffe
 def make(backend: str | None = None, page_allocator: str = "external") -> vattn.KVCacheManager:
     kv = vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=3,
                               max_context_len=8 * TOKENS, page_size=PAGE, physical_memory=24 * 4 * PAGE,
-                              page_allocator=page_allocator, background=False, deferred_reclaim=False, eager=False,
+                              page_allocator=page_allocator,
+                              policy={"background": False, "deferred_reclaim": False, "eager": False},
                               backend=backend)
     if page_allocator == "external":
         for reqid in range(3):
