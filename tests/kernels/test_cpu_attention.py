@@ -248,8 +248,8 @@ class CacheCase:
     def __init__(self, layout: str, dtype: torch.dtype, heads_q: int, heads_kv: int, head_dim: int) -> None:
         gen = torch.Generator().manual_seed(7)
         kwargs = dict(num_layers=3, num_kv_heads=heads_kv, head_dim=head_dim, dtype=dtype, layout=layout,
-                      page_size=64 << 10, background=False, deferred_reclaim=False, eager=False,
-                      lookahead_tokens=0)
+                      page_size=64 << 10,
+                      policy={"background": False, "deferred_reclaim": False, "eager": False, "lookahead_tokens": 0})
         probe = vattn.KVCacheManager(max_batch_size=1, max_context_len=8, **kwargs)
         t = probe.page_size // probe.config.token_bytes_per_buffer  # tokens per page
         probe.cleanup()

@@ -155,8 +155,9 @@ def mapped_cache():
     of reqid 1, which is allocated; reqid 2 is free. Rows past a mapping fault
     when read, so a check that ran after the kernel read would crash the test."""
     kv = vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16, max_batch_size=4,
-                              max_context_len=2048, page_size=64 << 10, background=False, deferred_reclaim=False,
-                              eager=False, lookahead_tokens=0)
+                              max_context_len=2048, page_size=64 << 10,
+                              policy={"background": False, "deferred_reclaim": False, "eager": False,
+                                      "lookahead_tokens": 0})
     t = kv.page_size // kv.config.token_bytes_per_buffer
     assert (kv.alloc_reqid(), kv.alloc_reqid()) == (0, 1)
     assert kv.step([t, 0, 0, 0])
@@ -253,7 +254,7 @@ def test_a_cache_at_a_closed_caches_addresses_is_checked_as_itself() -> None:
     the new one, never the closed one (kept alive here), though a view at the
     same place and strides was checked against the closed one before."""
     kwargs = dict(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.float32, max_batch_size=2,
-                  max_context_len=64, page_size=4096, background=False, eager=False)
+                  max_context_len=64, page_size=4096, policy={"background": False, "eager": False})
     q = torch.randn(1, 2, 64)
     closed = vattn.KVCacheManager(**kwargs)
     for reqid in range(2):
