@@ -331,7 +331,7 @@ def test_the_quick_starts_two_figures_are_the_readmes():
     assert "It prints 524288 or 4194304 bytes behind the request" in readme
     figures = {}
     for eager in (False, True):
-        kv = vattn.KVCacheManager(**shape, eager=eager)
+        kv = vattn.KVCacheManager(**shape, policy={"eager": eager})
         try:
             if eager:  # the mapper maps the next slot for eager_tokens: wait for it, as a slow first call would
                 deadline = time.monotonic() + 30
