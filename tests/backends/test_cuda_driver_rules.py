@@ -34,12 +34,12 @@ CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_UNKNOWN = 999
 
 
-def make(**overrides) -> vattn.KVCacheManager:
+def make(policy: dict | None = None, **overrides) -> vattn.KVCacheManager:
     # 4 heads x 128 x fp16 = 1 KiB per token per buffer: 2048 tokens per 2 MiB page
     args = dict(num_layers=2, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=4,
-                max_context_len=8192, device="cuda", physical_memory=64 * MiB, background=False)
+                max_context_len=8192, device="cuda", physical_memory=64 * MiB)
     args.update(overrides)
-    return vattn.KVCacheManager(**args)
+    return vattn.KVCacheManager(**args, policy={"background": False, **(policy or {})})
 
 
 def lens_with(n: int, *reqids: int, batch: int = 4) -> list[int]:
@@ -113,7 +113,7 @@ def test_a_threads_own_context_stays_current(fake_cuda, framework):
         assert framework.memory_call() == 0
 
     a_full_lifecycle(fake_cuda, check)
-    a_full_lifecycle(fake_cuda, check, background=True, eager=True)
+    a_full_lifecycle(fake_cuda, check, policy={"background": True, "eager": True})
     vattn.backends.cuda_info(0)
     check()
     fake_cuda.fake_cuda_destroy_context(own)
@@ -121,7 +121,7 @@ def test_a_threads_own_context_stays_current(fake_cuda, framework):
 
 def test_mapper_and_other_threads_end_without_a_context(fake_cuda, framework):
     before = fake_cuda.fake_cuda_threads_left_with_context()
-    with make(background=True, eager=True, eager_tokens=3000) as kv:
+    with make(policy={"background": True, "eager": True, "eager_tokens": 3000}) as kv:
         kv.wait_idle()
         r = kv.alloc_reqid()
         t = threading.Thread(target=lambda: kv.step(lens_with(5000, r)))
@@ -436,7 +436,7 @@ def test_reads_done_answers_each_fence_from_its_own_events(fake_cuda, framework)
 def test_mapper_reclaim_waits_for_the_named_streams(fake_cuda, framework):
     framework.init()
     s = framework.stream()
-    with make(physical_memory=16 * MiB, reclaim_threshold=0.5, background=True, eager=False,
+    with make(physical_memory=16 * MiB, policy={"reclaim_threshold": 0.5, "background": True, "eager": False},
               sync_streams=[s]) as kv:
         a = kv.alloc_reqid()
         assert kv.step(lens_with(4000, a))
@@ -485,7 +485,7 @@ def test_step_returns_once_the_mappers_batch_for_its_lengths_landed(fake_cuda, m
     # A slow driver: the mapper's lookahead batch is still mapping when the
     # next step asks for those pages; a graph replayed after step must find them.
     monkeypatch.setenv("FAKE_CUDA_MAP_DELAY_US", "10000")
-    with make(background=True, eager=False, lookahead_tokens=4096) as kv:
+    with make(policy={"background": True, "eager": False, "lookahead_tokens": 4096}) as kv:
         a = kv.alloc_reqid()
         assert kv.step(lens_with(100, a))  # the mapper now maps 2 more pages in 4 buffers (80 ms)
         time.sleep(0.02)
@@ -499,7 +499,7 @@ def test_step_returns_once_the_mappers_batch_for_its_lengths_landed(fake_cuda, m
 
 def test_decode_loop_with_mapper_finds_every_stepped_row_mapped(fake_cuda, monkeypatch):
     monkeypatch.setenv("FAKE_CUDA_MAP_DELAY_US", "300")
-    with make(background=True, eager=True, max_batch_size=2) as kv:
+    with make(policy={"background": True, "eager": True}, max_batch_size=2) as kv:
         a, b = kv.alloc_reqid(), kv.alloc_reqid()
         for n in range(1900, 4300, 25):  # crosses page boundaries while the mapper runs
             lens = [0, 0]
@@ -511,7 +511,7 @@ def test_decode_loop_with_mapper_finds_every_stepped_row_mapped(fake_cuda, monke
 
 
 def test_graph_capture_pauses_the_mapper_and_fails_other_threads_calls(fake_cuda):
-    with make(background=True, eager=False, lookahead_tokens=4096) as kv:
+    with make(policy={"background": True, "eager": False, "lookahead_tokens": 4096}) as kv:
         a, b = kv.alloc_reqid(), kv.alloc_reqid()
         assert kv.step(lens_with(100, a, b))
         kv.wait_idle()
@@ -570,7 +570,7 @@ def test_graph_capture_refuses_driver_calls_on_the_capturing_thread(fake_cuda, f
 
 def test_graph_capture_on_the_host_backend_pauses_only_the_mapper():
     with vattn.KVCacheManager(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=2,
-                              background=True, eager=True) as kv:
+                              policy={"background": True, "eager": True}) as kv:
         r = kv.alloc_reqid()
         with kv.graph_capture():
             assert kv.step([100 if i == r else 0 for i in range(2)])
@@ -579,7 +579,7 @@ def test_graph_capture_on_the_host_backend_pauses_only_the_mapper():
 
 
 def test_an_error_inside_graph_capture_reopens_the_driver_and_the_mapper(fake_cuda):
-    with make(background=True, eager=False, lookahead_tokens=4096) as kv:
+    with make(policy={"background": True, "eager": False, "lookahead_tokens": 4096}) as kv:
         a = kv.alloc_reqid()
         assert kv.step(lens_with(100, a))
         kv.wait_idle()

@@ -21,12 +21,12 @@ CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_UNKNOWN = 999
 
 
-def make(**overrides) -> vattn.KVCacheManager:
+def make(policy: dict | None = None, **overrides) -> vattn.KVCacheManager:
     # per token per buffer: 4 heads x 128 x fp16 = 1 KiB, so 2048 tokens = one 2 MiB page
     args = dict(num_layers=2, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=4,
-                max_context_len=8192, device="cuda", physical_memory=64 * MiB, background=False)
+                max_context_len=8192, device="cuda", physical_memory=64 * MiB)
     args.update(overrides)
-    return vattn.KVCacheManager(**args)
+    return vattn.KVCacheManager(**args, policy={"background": False, **(policy or {})})
 
 
 def row_address(kv, buffer: int, reqid: int, token: int) -> int:

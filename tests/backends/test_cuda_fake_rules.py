@@ -137,7 +137,8 @@ def test_a_stray_access_faults_and_poisons_the_context(fake_cuda, fw, drv, where
 def test_a_poisoned_context_fails_vattn_and_a_fresh_one_works(fake_cuda, fw):
     fake_cuda.expect_fault = True
     kv = vattn.KVCacheManager(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=2,
-                              max_context_len=4096, device="cuda", physical_memory=16 * MiB, background=False)
+                              max_context_len=4096, device="cuda", physical_memory=16 * MiB,
+                              policy={"background": False})
     r = kv.alloc_reqid()
     assert kv.step([100, 0] if r == 0 else [0, 100])
     beyond = kv.buffer_address(0) + r * kv.slice_bytes + kv.page_size  # the request's unmapped second page
@@ -177,8 +178,8 @@ def test_vattn_reclaim_waits_for_the_named_stream_and_faults_without_it(fake_cud
     stream it was not told about is still running when the page goes."""
     named, other = fw.stream(), fw.stream()
     args = dict(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=2,
-                max_context_len=4096, device="cuda", physical_memory=16 * MiB, background=False, eager=False,
-                sync_streams=named)
+                max_context_len=4096, device="cuda", physical_memory=16 * MiB,
+                policy={"background": False, "eager": False}, sync_streams=named)
     with vattn.KVCacheManager(**args) as kv:
         r = kv.alloc_reqid()
         assert kv.step([1000 if i == r else 0 for i in range(2)])
@@ -279,8 +280,9 @@ def test_unsafe_calls_during_a_capture_follow_its_mode(fake_cuda, fw, drv, mode)
 def test_vattn_inside_a_capture_leaves_it_valid_and_without_graph_capture_breaks_it(fake_cuda, fw):
     side = fw.stream()
     with vattn.KVCacheManager(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=2,
-                              max_context_len=8192, device="cuda", physical_memory=32 * MiB, background=True,
-                              eager=False, lookahead_tokens=2048, sync_streams=0) as kv:
+                              max_context_len=8192, device="cuda", physical_memory=32 * MiB,
+                              policy={"background": True, "eager": False, "lookahead_tokens": 2048},
+                              sync_streams=0) as kv:
         a = kv.alloc_reqid()
         assert kv.step([100 if i == a else 0 for i in range(2)])
         kv.wait_idle()
@@ -384,8 +386,8 @@ def test_device_memory_others_take_is_gone_for_vattn(fake_cuda, fw, drv):
 
 def test_step_returns_false_when_another_process_took_the_memory(fake_cuda, fw):
     with vattn.KVCacheManager(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=2,
-                              max_context_len=8192, device="cuda", physical_memory=32 * MiB, background=False,
-                              eager=False) as kv:
+                              max_context_len=8192, device="cuda", physical_memory=32 * MiB,
+                              policy={"background": False, "eager": False}) as kv:
         a = kv.alloc_reqid()
         assert kv.step([2000 if i == a else 0 for i in range(2)])
         assert fake_cuda.fake_cuda_other_process_alloc(fake_cuda.fake_cuda_free_mem())  # torch took the rest
@@ -450,8 +452,8 @@ def test_driver_calls_take_the_latency_asked_for(fake_cuda, fw, drv):
     assert fake_cuda.cuMemRelease(h) == 0 and time.perf_counter() - t < 0.02  # only the call named
     fake_cuda.fake_cuda_set_latency(b"*", 300)
     with vattn.KVCacheManager(num_layers=2, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=2,
-                              max_context_len=8192, device="cuda", physical_memory=64 * MiB, background=True,
-                              eager=True) as kv:
+                              max_context_len=8192, device="cuda", physical_memory=64 * MiB,
+                              policy={"background": True, "eager": True}) as kv:
         a, b = kv.alloc_reqid(), kv.alloc_reqid()
         for n in range(1900, 4300, 50):  # every call slow: the mapper's rounds land later
             assert kv.step([n, n + 7] if a == 0 else [n + 7, n])

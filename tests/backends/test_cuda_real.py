@@ -81,7 +81,7 @@ def test_step_from_another_thread(device):
 
 def test_out_of_pages_and_reclaim(device):
     # no mapper or eager pages: the pool holds exactly what the steps ask for
-    with device.make(physical_memory=16 * 2 * MiB, background=False, eager=False) as kv:  # 2 page ids
+    with device.make(physical_memory=16 * 2 * MiB, policy={"background": False, "eager": False}) as kv:  # 2 page ids
         a, b = kv.alloc_reqid(), kv.alloc_reqid()
         assert kv.step(_lens({a: 1000, b: 1000}))  # 1 page per buffer each
         assert not kv.step(_lens({a: 1000, b: 2000}))
@@ -98,7 +98,7 @@ def test_the_frameworks_context_stays_current_and_a_bare_thread_stays_bare(devic
         pytest.skip("needs a CUDA backend: the host backend has no CUDA contexts")
     before = device.adopt_context()  # torch's context is current on this thread
     assert before is not None
-    with device.make(background=True, eager=True) as kv:
+    with device.make(policy={"background": True, "eager": True}) as kv:
         r = kv.alloc_reqid()
         assert kv.step(_lens({r: 5000}))
         assert device.current_context() == before
@@ -135,7 +135,7 @@ def test_what_the_unmap_probe_found_works_on_this_driver(device):
         pytest.skip("needs a CUDA backend: the host backend has no unmap probe (munmap takes any range)")
     # no mapper (its one-token lookahead would map a fourth page at 3 pages' tokens)
     # and no eager pages (reclaim would return those too): exactly 3 pages per buffer
-    with device.make(physical_memory=64 * MiB, background=False, eager=False) as kv:  # 4 page ids
+    with device.make(physical_memory=64 * MiB, policy={"background": False, "eager": False}) as kv:  # 4 page ids
         tokens_per_page = kv.page_size // kv.config.token_bytes_per_buffer
         facts = dict(kv._pages.memory.backend.facts)
         assert facts["unmap"] in ("runs", "per_page"), facts
@@ -154,7 +154,7 @@ def test_what_the_unmap_probe_found_works_on_this_driver(device):
 
 
 def test_reclaim_waits_for_a_kernel_still_reading_the_freed_pages(device):
-    with device.make(sync_streams=device.sync_streams(), background=False, eager=False) as kv:
+    with device.make(sync_streams=device.sync_streams(), policy={"background": False, "eager": False}) as kv:
         r = kv.alloc_reqid()
         assert kv.step(_lens({r: 4000}))
         device.write(kv, 0, r, 0, torch.ones(4000, HEADS, HEAD_DIM))
@@ -170,7 +170,8 @@ def test_reclaim_waits_for_a_kernel_still_reading_the_freed_pages(device):
 def test_cuda_graph_replays_after_step_while_the_mapper_maps_other_requests(device):
     # b decodes one token per step from 700; the mapper maps 256 tokens ahead,
     # so b's second page is mapped in the background while the graph replays
-    with device.make(background=True, eager=True, lookahead_tokens=256, sync_streams=device.sync_streams()) as kv:
+    with device.make(policy={"background": True, "eager": True, "lookahead_tokens": 256},
+                     sync_streams=device.sync_streams()) as kv:
         a, b = kv.alloc_reqid(), kv.alloc_reqid()
         lens = _lens({a: 3000, b: 700})
         assert kv.step(lens)

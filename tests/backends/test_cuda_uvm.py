@@ -151,11 +151,11 @@ def test_the_patch_series_carries_the_header_verbatim():
 # ---- a stock driver: small pages are refused, never rounded up ----------------------
 
 
-def make(**overrides) -> vattn.KVCacheManager:
+def make(policy: dict | None = None, **overrides) -> vattn.KVCacheManager:
     args = dict(num_layers=2, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=4,
-                max_context_len=8192, device="cuda", physical_memory=64 * MiB, background=False)
+                max_context_len=8192, device="cuda", physical_memory=64 * MiB)
     args.update(overrides)
-    return vattn.KVCacheManager(**args)
+    return vattn.KVCacheManager(**args, policy={"background": False, **(policy or {})})
 
 
 @pytest.fixture

@@ -40,8 +40,8 @@ def test_mapper_waits_during_a_framework_capture(fake_cuda, monkeypatch):
     # Slow driver calls and one page per batch: the mapper has long work queued.
     fake_cuda.fake_cuda_set_latency(b"cuMemMap", 2000)
     kv = vattn.KVCacheManager(num_layers=2, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=4,
-                              max_context_len=65536, device="cuda", physical_memory=512 * MiB, background=True,
-                              lookahead_tokens=65536, policy={"max_round_ids": 1})
+                              max_context_len=65536, device="cuda", physical_memory=512 * MiB,
+                              policy={"max_round_ids": 1, "background": True, "lookahead_tokens": 65536})
     try:
         r = kv.alloc_reqid()
         lens = [0] * 4

@@ -34,11 +34,11 @@ from vattn.backends import (
 PAGE = 4096
 
 
-def make(**overrides) -> vattn.KVCacheManager:
+def make(policy: dict | None = None, **overrides) -> vattn.KVCacheManager:
     args = dict(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=4,
-                max_context_len=512, page_size=PAGE, background=False)
+                max_context_len=512, page_size=PAGE)
     args.update(overrides)
-    return vattn.KVCacheManager(**args)
+    return vattn.KVCacheManager(**args, policy={"background": False, **(policy or {})})
 
 
 def test_the_built_in_backends_and_their_devices():
@@ -81,7 +81,7 @@ def test_the_decorator_wraps_any_backend_and_fails_part_way_through_a_batch():
                          native_factory(dataclasses.replace(spec, name="host")), plan),
                      description="the native host backend inside the fault-injecting decorator")
     try:
-        with make(backend="host_wrapped", deferred_reclaim=False) as kv:
+        with make(backend="host_wrapped", policy={"deferred_reclaim": False}) as kv:
             a, b = kv.alloc_reqid(), kv.alloc_reqid()
             plan.fail("map", skip=1)  # the second run of the batch: the first stays mapped
             with pytest.raises(vattn.DriverError, match=r"map \(injected\)"):

@@ -66,13 +66,12 @@ def uvm(monkeypatch):
     lib.fake_uvm_clear_failures()
 
 
-def make(**overrides) -> vattn.KVCacheManager:
+def make(policy: dict | None = None, **overrides) -> vattn.KVCacheManager:
     # per token per buffer: 4 heads x 128 x fp16 = 1 KiB; 64 KiB pages hold 64 tokens
     args = dict(num_layers=2, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=4,
-                max_context_len=4096, device="cuda", page_size=64 * KiB, physical_memory=16 * MiB,
-                background=False)
+                max_context_len=4096, device="cuda", page_size=64 * KiB, physical_memory=16 * MiB)
     args.update(overrides)
-    return vattn.KVCacheManager(**args)
+    return vattn.KVCacheManager(**args, policy={"background": False, **(policy or {})})
 
 
 def lens_of(kv, **by_reqid) -> list[int]:
@@ -174,7 +173,7 @@ def test_shared_pages_are_one_allocation_at_two_addresses(uvm, fake_cuda):
 
 
 def test_background_mapper_thread_maps_through_the_module(uvm, fake_cuda):
-    with make(background=True) as kv:
+    with make(policy={"background": True}) as kv:
         r = kv.alloc_reqid()
         for n in range(1, 400, 7):
             assert kv.step(lens_of(kv, **{f"r{r}": n}))
@@ -258,7 +257,7 @@ def test_verify_script_catches_a_module_that_maps_the_wrong_memory(uvm, fake_cud
 
 
 def test_graph_capture_refuses_every_driver_reaching_call_on_every_thread(uvm, fake_cuda):
-    with make(background=True, eager=False, lookahead_tokens=64) as kv:
+    with make(policy={"background": True, "eager": False, "lookahead_tokens": 64}) as kv:
         a, b = kv.alloc_reqid(), kv.alloc_reqid()
         assert kv.step(lens_of(kv, **{f"r{a}": 64, f"r{b}": 64}))
         kv.wait_idle()
