@@ -293,7 +293,9 @@ def test_graph_plans_keep_their_addresses_and_padding_touches_only_the_padding_s
         group = cache.groups[0]
         pad = group.padding
         assert (pad, group.placer.slices, cache.padding_tokens) == (8, 8, 16)  # 2 slices per row, then padding
-        assert cache.manager.page_ids(pad) == [plugin.NULL_BLOCK_ID]  # mapped at start-up
+        # mapped at start-up: the null block, then FlashAttention-3's tiles past it read the scratch page (id 40,
+        # one past vLLM's 40 blocks) to the slice's end
+        assert cache.manager.page_ids(pad) == [plugin.NULL_BLOCK_ID, 40, 40, 40]
         kv_caches = cache.kv_caches()
         assert kv_caches["layer.0"].shape[1] == 9  # the views hold the padding slice
         planner = vllm_attention.ForwardPlanner(cache, 0, torch.device("cpu"), 4, 32, num_splits=16, split_tokens=8)
@@ -461,3 +463,80 @@ def test_flash_attention_3_gets_vllms_split_bound_for_graph_sized_batches(fake_v
     assert vllm_attention.graph_splits(config, type(fa3)(2)) == (0, 0)  # FlashAttention-2: its own choice
     config.compilation_config.cudagraph_mode = types.SimpleNamespace(has_full_cudagraphs=lambda: False)
     assert vllm_attention.graph_splits(config, fa3) == (0, 0)
+
+
+# ---- the kernel's read footprint: rows read past a request's own are mapped ------------------------------------
+
+TILE_READS = r"""
+import sys, types
+import numpy as np, torch
+import vattn
+from kernels.kernel_references import vllm_varlen
+from vattn.integrations.block_placer import BlockPlacer
+from vattn.integrations.vllm.flash_attn import VllmFlashAttentionKernel
+from vattn.kernels import AttentionBatch, AttentionCase, FlashAttentionKernel
+
+build = types.ModuleType("vllm.vllm_flash_attn")
+build.flash_attn_varlen_func = lambda *a, **kw: vllm_varlen([], *a, **kw)
+sys.modules["vllm.vllm_flash_attn"] = build
+FlashAttentionKernel.devices = ("cuda", "cpu")
+kernel = VllmFlashAttentionKernel(3)
+case = AttentionCase("cpu", 32, torch.float32, torch.float32, num_q_heads=4, num_kv_heads=2)
+footprint = kernel.read_footprint(case) if sys.argv[1] == "footprint" else None
+# 2 KV heads x 32 fp32 = 256 bytes per token: a 4 KiB page holds a 16-token block; slices of 512 rows (4 key tiles)
+with vattn.KVCacheManager(num_layers=1, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=2,
+                          max_context_len=512, page_size=4096, physical_memory=41 * 2 * 4096,
+                          page_allocator="external",
+                          policy={"background": False, "deferred_reclaim": False, "eager": False}) as kv:
+    extra = {} if footprint is None else dict(rows_past_end=footprint.past_end,
+                                              rows_below_start=footprint.below_start, scratch_page_id=40)
+    placer = BlockPlacer(kv, 16, **extra)
+    reqids = placer.reqids_of(["a"])
+    table = np.arange(1, 33, dtype=np.int32)[None]
+    placer.map(reqids, table, np.array([7], np.int32), np.array([100]))  # a 100-token prompt: 7 blocks
+    batch = AttentionBatch.of_arrays(reqids, np.array([0]), np.array([100]))
+    q, k_new = torch.randn(100, 4, 32), torch.randn(100, 2, 32)
+    out = kernel.run(kernel.plan(batch), q, *kv.layer(0), k_new, torch.randn(100, 2, 32))
+    print("ok", kv.page_ids(int(reqids[0])))
+"""
+
+
+@pytest.mark.parametrize("mapping", ["footprint", "blocks only"])
+def test_flash_attention_3_tiles_past_a_prompt_read_mapped_rows(mapping, tmp_path):
+    """FlashAttention-3's TMA path (a 100-token prefill of 4 query / 2 KV
+    heads of 32: 200 query rows pass its 192-row tile, and 512-row slices
+    are whole 128-row key tiles) loads rows 0-127 of the slice, past the
+    prompt's 7 blocks (112 rows). With the kernel's read footprint the
+    placer maps the scratch page past the prompt's blocks and the forward
+    runs; with its blocks only, the tile reads an unmapped page of the host
+    backend and the process dies of SIGSEGV, as a GPU faults on an illegal
+    address. The stand-in build reads the tiles for real
+    (``kernel_references.fa3_tma_tiles``), in a subprocess."""
+    import os
+    import signal
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "tests"), root]))
+    done = subprocess.run([sys.executable, "-c", TILE_READS, mapping], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    if mapping == "footprint":
+        assert done.returncode == 0, done.stderr
+        # 7 blocks, then the scratch page up to row 100 + 191: positions 7 .. 18
+        assert done.stdout.split("ok ")[1].strip() == str(list(range(1, 8)) + [40] * 12)
+    else:
+        assert done.returncode == -signal.SIGSEGV, (done.returncode, done.stderr)
+
+
+def test_flash_attention_3_declares_a_key_tile_of_footprint_and_the_masking_kernels_none(fake_vllm_build):
+    from vattn.integrations.vllm.flash_attn import VllmFlashAttentionKernel
+    from vattn.kernels import ReadFootprint
+
+    fa3, fa2 = VllmFlashAttentionKernel(3), VllmFlashAttentionKernel(2)
+    tiles = {64: 192, 96: 144, 128: 176, 192: 128, 256: 96}
+    for head_dim, tile in tiles.items():
+        case = AttentionCase("cuda", head_dim, torch.bfloat16, torch.bfloat16)
+        assert fa3.read_footprint(case) == ReadFootprint(tile - 1, tile - 1)
+        assert not fa2.read_footprint(case)
+        for key in ("flash_attn", "torch_flash", "sdpa", "host", "flashinfer"):
+            assert not KERNELS[key].read_footprint(case), key

@@ -461,3 +461,55 @@ def test_a_block_size_vllm_chose_is_raised_to_fill_a_page_and_one_the_user_chose
     assert cache.block_size == 16
 
 
+
+
+SCRATCH = NUM_BLOCKS - 1  # the tests' scratch page id: one vLLM never hands out here
+
+
+def test_a_read_footprint_maps_the_scratch_page_past_each_requests_blocks_until_real_blocks_replace_it(kv):
+    """A kernel that reads up to 20 rows past a request's last (a key tile
+    less one row): the positions past the request's blocks that those rows
+    reach map the shared scratch page, up to the slice's end; a block
+    vLLM hands the request later replaces it there, and a decode whose
+    footprint stays within what is mapped maps nothing."""
+    placer = BlockPlacer(kv, BLOCK, rows_past_end=20, scratch_page_id=SCRATCH)
+    r = step(placer, {"a": [3, 7], "b": [5]}, [20, 16])  # a: rows up to 39 read; b: up to 35
+    assert kv.page_ids(r["a"]) == [3, 7, SCRATCH] and kv.page_ids(r["b"]) == [5, SCRATCH, SCRATCH]
+    maps = maps_and_unmaps(kv)
+    step(placer, {"a": [3, 7], "b": [5]}, [21, 16])  # a reads up to row 40: what is mapped already
+    assert maps_and_unmaps(kv) == maps
+    step(placer, {"a": [3, 7, 9], "b": [5, 6]}, [33, 17])  # second and third blocks replace the scratch page
+    assert kv.page_ids(r["a"]) == [3, 7, 9, SCRATCH] and kv.page_ids(r["b"]) == [5, 6, SCRATCH]
+    step(placer, {"a": [3, 7, 9, 11, 12, 13, 14, 15]}, [120])  # near the slice's end: no position past it
+    assert kv.page_ids(r["a"]) == [3, 7, 9, 11, 12, 13, 14, 15]
+    assert placer.positions_needed == 2 + 1 + 1 + 1 + 5  # real blocks only: the scratch page is not a need
+    assert_invariants(kv)
+
+
+def test_a_read_footprint_below_a_window_keeps_the_positions_a_tile_may_start_in_mapped(kv):
+    """A window of 32 tokens and a kernel that reads up to 20 rows below a
+    query's first visible row: a block the window left behind stays mapped
+    until the window is 20 rows past it; a prefix hit whose null blocks
+    lie where a tile may start maps the scratch page there."""
+    placer = BlockPlacer(kv, BLOCK, window=32, rows_below_start=20, rows_past_end=20, scratch_page_id=SCRATCH)
+    r = step(placer, {"a": [3, 4, 5]}, [48], [48])
+    step(placer, {"a": [3, 4, 5]}, [49], [1])  # query 48 sees 17..48: a tile may start at row 0
+    assert kv.page_ids(r["a"])[:3] == [3, 4, 5] and placer.holes == 0
+    step(placer, {"a": [3, 4, 5, 6]}, [57], [1])  # query 56 sees 25..56, tiles from row 5: block 0 stays
+    assert kv.page_ids(r["a"])[:4] == [3, 4, 5, 6] and placer.holes == 0
+    step(placer, {"a": [3, 4, 5, 6]}, [60], [1])  # query 59 sees 28..59, tiles from row 8: still block 0
+    step(placer, {"a": [3, 4, 5, 6, 7]}, [69], [1])  # query 68 sees 37..68, tiles from row 17: block 0 goes
+    assert kv.page_ids(r["a"])[:5] == [-1, 4, 5, 6, 7] and placer.holes == 1
+    hit = step(placer, {"b": [NULL_BLOCK_ID, NULL_BLOCK_ID, 8, 9]}, [60], [28])  # first real block at row 32
+    assert kv.page_ids(hit["b"]) == [SCRATCH, SCRATCH, 8, 9, SCRATCH] and placer.holes == 1  # tiles from row 12
+    assert_invariants(kv)
+
+
+def test_a_read_footprint_needs_a_scratch_page():
+    with make_kv() as kv:
+        for bad in (None, NULL_BLOCK_ID, NUM_BLOCKS):
+            with pytest.raises(ValueError, match=r"a read footprint needs a scratch_page_id in \[0, 39\] other than "
+                                                 r"the null block 0, got " + str(bad)):
+                BlockPlacer(kv, BLOCK, rows_past_end=1, scratch_page_id=bad)
+        with pytest.raises(ValueError, match=r"rows_past_end and rows_below_start must be >= 0, got 0, -1"):
+            BlockPlacer(kv, BLOCK, rows_below_start=-1)

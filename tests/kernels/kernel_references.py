@@ -52,13 +52,39 @@ def package_varlen(calls: list, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
                         block_table, softmax_scale, causal, 256)
 
 
+# FlashAttention-3's causal tiles for 16-bit K/V, (head dim up to, kBlockM, kBlockN), as tile_size_fwd_sm90 in
+# hopper/tile_size.h of vLLM's fork of FlashAttention returns them for a causal call without a window
+FA3_CAUSAL_TILES = ((64, 192, 128), (96, 192, 144), (128, 128, 128), (192, 128, 112), (256, 128, 80))
+
+
+def fa3_tma_tiles(q, k, max_seqlen_q, seqused_k, block_table) -> None:
+    """What FlashAttention-3's TMA path reads of a paged cache beyond the
+    keys it attends to: it is taken when the page is a multiple of the key
+    tile and the query rows (times the GQA group) pass the row tile, and
+    loads every key tile of a request whole, from the page's row 0 up to
+    the tile holding its last key, with no length mask. Reads those rows
+    for real, so an unmapped one faults here as it would on a GPU."""
+    d, page = q.shape[-1], k.shape[1]
+    _, block_m, block_n = next(t for t in FA3_CAUSAL_TILES if d <= t[0])
+    if page % block_n or max_seqlen_q * (q.shape[1] // k.shape[2]) <= block_m:
+        return
+    for b, n in enumerate(seqused_k.tolist()):
+        end = min(-(-n // block_n) * block_n, page)
+        if n:
+            float(k[int(block_table[b, 0]), :end].sum())  # one page per request: the vattn slice
+
+
 def vllm_varlen(calls: list, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, seqused_k=None,
                 softmax_scale=None, causal=False, block_table=None, out=None, fa_version=2, **_):
     """vLLM's ``vllm.vllm_flash_attn.flash_attn_varlen_func``: pages of
     multiples of 16 tokens, the keys' lengths as ``seqused_k``, an ``out``
-    to write into, the FlashAttention version. Records (q, fa_version)."""
+    to write into, the FlashAttention version; FlashAttention-3 also reads
+    the whole key tiles of its TMA path (:func:`fa3_tma_tiles`). Records
+    (q, fa_version)."""
     assert seqused_k.dtype == torch.int32 and cu_seqlens_k is None
     calls.append((q, fa_version))
+    if fa_version == 3:
+        fa3_tma_tiles(q, k, max_seqlen_q, seqused_k, block_table)
     result = paged_varlen(q, k, v, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
                           causal, 16)
     if out is None:

@@ -114,12 +114,35 @@ class BlockMapper:
     warm-up rows) are mapped to the null block, which is never handed to a
     request, so dummy writes cannot touch a real block; they are mapped
     again from the table at the next forward.
+
+    A kernel that reads rows besides a request's own (its
+    :class:`vattn.kernels.ReadFootprint`: ``rows_past_end`` after the last
+    row, ``rows_below_start`` before a window's first visible row) gets
+    them mapped too: positions past a request's blocks, up to its footprint
+    (within the slice), map ``scratch_page_id``, one page id shared by
+    every slice that nothing writes; a real block replaces it when the
+    request reaches that position (:meth:`KVCacheManager.map_pages` takes
+    the new references before it drops the old). Below a window, the
+    positions a tile may start in stay mapped: the blocks the framework
+    freed there stay until the window has passed them by the footprint,
+    and where it put its null block instead (a new request's prefix-cache
+    hit past them) they map the scratch page.
     """
 
     def __init__(self, manager: KVCacheManager, block_size: int, null_block_id: int = NULL_BLOCK_ID,
-                 first_reqid: int = 0, slices: int | None = None, window: int | None = None) -> None:
+                 first_reqid: int = 0, slices: int | None = None, window: int | None = None,
+                 rows_past_end: int = 0, rows_below_start: int = 0, scratch_page_id: int | None = None) -> None:
         if manager.page_allocator != "external":
             raise ValueError("BlockMapper needs a manager with page_allocator='external'")
+        if rows_past_end < 0 or rows_below_start < 0:
+            raise ValueError(f"BlockPlacer: rows_past_end and rows_below_start must be >= 0, got {rows_past_end}, "
+                             f"{rows_below_start}")
+        if (rows_past_end or rows_below_start) and (
+                scratch_page_id is None or not 0 <= scratch_page_id < manager.num_page_ids
+                or scratch_page_id == null_block_id):
+            raise ValueError(f"BlockPlacer: a read footprint needs a scratch_page_id in [0, "
+                             f"{manager.num_page_ids - 1}] other than the null block {null_block_id}, got "
+                             f"{scratch_page_id}")
         reqids = manager.config.max_batch_size
         slices = reqids - first_reqid if slices is None else slices
         if first_reqid < 0 or slices < 1 or first_reqid + slices > reqids:
@@ -131,9 +154,13 @@ class BlockMapper:
         self.window = window or None  # tokens a query sees (sliding window), None: every token
         self.first_reqid = first_reqid
         self.slices = slices
+        self.rows_past_end, self.rows_below_start = rows_past_end, rows_below_start  # the kernel's read footprint
+        self.scratch_page_id = scratch_page_id  # mapped where the footprint reaches past a request's blocks
+        self._positions = manager.slice_bytes // manager.page_size  # page positions of a slice
         self._slice_of: dict[Hashable, int] = {}  # request key -> slice index (reqid - first_reqid)
         self._free = collections.deque(range(slices))  # oldest freed first
         self._mapped = np.zeros(slices, dtype=np.int64)  # positions known mapped from the table (holes included)
+        self._covered = np.zeros(slices, dtype=np.int64)  # positions mapped, the scratch page's past _mapped included
         self._holes = np.zeros(slices, dtype=np.int64)  # positions below which the slice is holes
         self._first_page = np.full(slices, -1, dtype=np.int64)  # block id at position 0, -1: none or a hole
         self._free_by_first: dict[int, list[int]] = {}  # block id at position 0 -> free slices mapping it there
@@ -230,7 +257,7 @@ class BlockMapper:
             raise
         for key, s, reused in taken:
             self._slice_of[key] = s
-            self._mapped[s] = reused
+            self._mapped[s] = self._covered[s] = reused
             self._holes[s] = 0
             if not reused:
                 self._first_page[s] = -1
@@ -311,22 +338,31 @@ class BlockMapper:
             return
         s = reqids - self.first_reqid
         windows = self.window and query_lens is not None
-        if not windows and (seq_lens <= self._mapped[s] * self.block_size).all():
-            return  # most forwards (decodes within their last block): four array operations
-        need = -(-seq_lens // self.block_size)
+        block, past = self.block_size, self.rows_past_end
+        if not windows and (seq_lens <= self._mapped[s] * block).all() and (
+                not past or (np.minimum(seq_lens + past, self._positions * block) <= self._covered[s] * block).all()):
+            return  # most forwards (decodes within their last block): a few array operations
+        need = -(-seq_lens // block)
+        # positions the kernel reads: its rows past the end too, within the slice
+        cover = np.minimum(-(-(seq_lens + past) // block), self._positions) if past else need
         mapped = self._mapped[s]
         if windows:
             self._advance_windows(reqids, s, need, seq_lens, query_lens, mapped)
             mapped = self._mapped[s]
-        grow = need > mapped
+        grow = (need > mapped) | (cover > self._covered[s])
         if not grow.any():
             return
         rows = np.flatnonzero(grow)
-        g_need, g_start, g_s = need[rows], mapped[rows], s[rows]
-        width = int(g_need.max())
+        g_need, g_cover, g_start, g_s = need[rows], cover[rows], mapped[rows], s[rows]
+        width = int(g_cover.max())
         cols = np.arange(width)
         have = np.asarray(num_blocks)[rows]
-        ids = np.where(cols < have[:, None], block_table[rows, :width], self.null_block_id)
+        table = block_table[rows, :min(width, block_table.shape[1])]
+        if table.shape[1] < width:
+            table = np.pad(table, ((0, 0), (0, width - table.shape[1])))
+        ids = np.where(cols < have[:, None], table, self.null_block_id)
+        if past:
+            ids = np.where(cols >= g_need[:, None], self.scratch_page_id, ids)
         fresh = g_start == 0  # a request's first mapping: blocks before its first real one are holes
         if fresh.any():
             real = (cols < g_need[:, None]) & (ids != self.null_block_id)
@@ -335,24 +371,35 @@ class BlockMapper:
             self._first_page[g_s[fresh]] = np.where(real[fresh, 0], ids[fresh, 0], -1)
             behind = fresh & (first > 0)
             if behind.any():
-                self.manager.unmap_pages_below(reqids[rows][behind], first[behind])
-                self._holes[g_s[behind]] = first[behind]
+                # a tile the kernel reads may start this many rows below the first real block: the scratch page
+                start = np.where(behind, np.maximum(first * block - self.rows_below_start, 0) // block, g_start)
+                ids = np.where((cols >= start[:, None]) & (cols < first[:, None]), self.scratch_page_id, ids)
+                self.manager.unmap_pages_below(reqids[rows][behind], start[behind])
+                self._holes[g_s[behind]] = start[behind]
                 g_start = np.where(behind, first, g_start)
-        take = (cols >= g_start[:, None]) & (cols < g_need[:, None])
-        self.manager.map_pages(reqids[rows], g_start, ids[take].astype(np.int64, copy=False), g_need - g_start)
-        self.positions_needed += int((g_need - g_start).sum())
+                map_start = np.where(behind, start, g_start)
+            else:
+                map_start = g_start
+        else:
+            map_start = g_start
+        take = (cols >= map_start[:, None]) & (cols < g_cover[:, None])
+        self.manager.map_pages(reqids[rows], map_start, ids[take].astype(np.int64, copy=False), g_cover - map_start)
+        self.positions_needed += int(np.maximum(g_need - g_start, 0).sum())
         self.forwards_mapping += 1
         # positions that got the null block for want of a block are mapped from the table next time
         self._mapped[g_s] = np.maximum(g_start, np.minimum(g_need, have))
+        self._covered[g_s] = g_cover
 
     def _advance_windows(self, reqids: np.ndarray, s: np.ndarray, need: np.ndarray, seq_lens: np.ndarray,
                          query_lens: np.ndarray, mapped: np.ndarray) -> None:
         """Positions no query of this forward or a later one can see become holes."""
-        lo = np.maximum(seq_lens - np.asarray(query_lens, dtype=np.int64) - self.window + 1, 0)
-        first = np.minimum(lo // self.block_size, need - 1)  # the earliest query's first visible block
+        lo = np.maximum(seq_lens - np.asarray(query_lens, dtype=np.int64) - self.window + 1 - self.rows_below_start, 0)
+        # the earliest query's first visible block, or the first block a tile of its keys may start in
+        first = np.minimum(lo // self.block_size, need - 1)
         passed = first > self._holes[s]
         if not passed.any():
             return
         self.manager.unmap_pages_below(reqids[passed], first[passed])
         self._holes[s[passed]] = first[passed]
         self._mapped[s[passed]] = np.maximum(mapped[passed], first[passed])
+        self._covered[s[passed]] = np.maximum(self._covered[s[passed]], first[passed])

@@ -3,8 +3,9 @@
 Every kernel reads K/V straight from the cache tensors of
 :meth:`vattn.KVCacheManager.layer` (``[B_max, L, H_kv, D]`` views, either
 layout): no block table, no gather, no copy of the cache. Each request ``r``
-is read only in rows ``[0, seq_len)``, which ``step`` has mapped; nothing reads
-the rest of the slice (a read there would fault).
+is read only in rows ``[0, seq_len)``, which ``step`` has mapped, plus the
+rows its :class:`ReadFootprint` declares (a kernel that loads whole key tiles
+unmasked); nothing reads the rest of the slice (a read there would fault).
 
 Modules:
 
@@ -12,7 +13,8 @@ Modules:
   and the input checks every kernel shares.
 - ``protocol``: :class:`Kernel` (``supports`` a case and says why not,
   ``plan`` a batch once per forward, ``run`` one layer), :class:`AttentionCase`,
-  :class:`Support`, :class:`KernelPlan`.
+  :class:`Support`, :class:`KernelPlan`, :class:`ReadFootprint` (rows read
+  past a request's own, which whoever maps the cache must map too).
 - ``host``: vattn's own kernel (``vattn._cpu_attn``, ``csrc/cpu_attn``),
   :class:`HostKernel`; its limits are read from the extension.
 - ``sdpa``: torch SDPA per request, :class:`SdpaKernel` (the reference).
@@ -39,7 +41,7 @@ from .batch import AttentionBatch, write_kv
 from .flash_attn import FlashAttentionKernel, FlashAttentionPlan
 from .flashinfer import FlashInferKernel, FlashInferPlan, FlashInferSinglePrefillKernel
 from .host import HostKernel, HostPlan
-from .protocol import AttentionCase, Kernel, KernelPlan, Support
+from .protocol import AttentionCase, Kernel, KernelPlan, ReadFootprint, Support
 from .sdpa import SdpaKernel, sdpa_dense
 from .torch_flash import TorchFlashKernel, TorchFlashPlan, cache_rows
 from .select import KERNELS, PREFERENCE, NoKernel, select_kernel
@@ -59,6 +61,7 @@ __all__ = [
     "KernelPlan",
     "NoKernel",
     "PREFERENCE",
+    "ReadFootprint",
     "SdpaKernel",
     "Support",
     "TorchFlashKernel",

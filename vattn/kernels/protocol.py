@@ -100,6 +100,27 @@ class Support(NamedTuple):
         return self.ok
 
 
+class ReadFootprint(NamedTuple):
+    """Rows of a slice a kernel may read besides the rows a request attends
+    over: a kernel's read footprint is part of its contract, because a row
+    it reads must be mapped (an unmapped one faults, on the host as on a
+    GPU). A kernel that loads keys in whole tiles without a length mask
+    (FlashAttention-3's TMA path) reads up to a tile less one row past a
+    request's last row and below its first visible row (a sliding window's
+    start); a kernel that masks its loads reads neither. Both are upper
+    bounds, in token rows; a read past the slice's last row reads nothing
+    (it is outside the kernel's page). False when both are 0."""
+
+    past_end: int = 0  # rows read after row seq_len - 1
+    below_start: int = 0  # rows read before the first row a query sees
+
+    def __bool__(self) -> bool:
+        return self.past_end > 0 or self.below_start > 0
+
+
+NO_FOOTPRINT = ReadFootprint()
+
+
 class KernelPlan:
     """A forward's batch as one kernel prepared it: made by
     :meth:`Kernel.plan` once per forward, read by every layer's
@@ -195,6 +216,13 @@ class Kernel(abc.ABC):
             on = " and ".join(f"{name} on {t.device}" for name, t in tensors.items())
             raise WrongDevice(f"{what} needs {' or '.join(d.upper() for d in self.devices)} tensors, "
                                      f"got {on}")
+
+    def read_footprint(self, case: AttentionCase) -> ReadFootprint:
+        """The rows :meth:`run` may read beyond each request's visible rows
+        for ``case`` (:class:`ReadFootprint`); whoever maps the cache for
+        the kernel maps them too. None by default: the kernel masks its
+        loads."""
+        return NO_FOOTPRINT
 
     # ---- plan and run ----------------------------------------------------------------------
 

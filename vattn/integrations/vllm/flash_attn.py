@@ -22,8 +22,21 @@ from typing import Any, ClassVar
 import torch
 
 from vattn.kernels.flash_attn import FlashAttentionKernel, FlashAttentionPlan
+from vattn.kernels.protocol import NO_FOOTPRINT, AttentionCase, ReadFootprint
 
 BUNDLED = "vllm.vllm_flash_attn"
+
+FA3_KEY_TILES = ((64, 192), (96, 144), (128, 176), (192, 128), (256, 96))
+"""FlashAttention-3's key tile (``kBlockN``, rows) for 16-bit K/V, per head
+dim up to the first entry's: the largest that ``tile_size_fwd_sm90`` in
+``hopper/tile_size.h`` of vLLM's fork of FlashAttention (vllm-project/
+flash-attention) returns for any of its variants (causal, local, one MMA
+warpgroup; the split heuristic's 96 for head dim 256). Its TMA path (a
+paged cache whose page is a multiple of ``kBlockN``, and more query rows
+than its row tile ``kBlockM``) loads whole tiles of keys, aligned to the
+page's row 0, with no length mask: up to ``kBlockN - 1`` rows past a
+request's last key, and as many below a sliding window's first visible key.
+Each slice is one page to it, so those rows lie in the request's slice."""
 
 
 class VllmFlashAttentionKernel(FlashAttentionKernel):
@@ -44,6 +57,14 @@ class VllmFlashAttentionKernel(FlashAttentionKernel):
         from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
 
         return VllmFlashAttentionKernel(get_flash_attn_version(head_size=head_size))
+
+    def read_footprint(self, case: AttentionCase) -> ReadFootprint:
+        """FlashAttention-3: a key tile less one row on both sides
+        (:data:`FA3_KEY_TILES`); FlashAttention-2 masks its loads."""
+        if self.fa_version != 3:
+            return NO_FOOTPRINT
+        tile = next((rows for top, rows in FA3_KEY_TILES if case.head_dim <= top), FA3_KEY_TILES[-1][1])
+        return ReadFootprint(tile - 1, tile - 1)
 
     def varlen(self, module: Any, plan: FlashAttentionPlan, q: torch.Tensor, k_pages: torch.Tensor,
                v_pages: torch.Tensor, softmax_scale: float | None, out: torch.Tensor | None) -> torch.Tensor:

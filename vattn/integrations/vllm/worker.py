@@ -100,12 +100,14 @@ def capture_tokens(runner: Any) -> int:
 
 
 def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, num_groups: int = 1,
-                    padding_slices: int = 0, all_windows: bool = False, padding_tokens: int = 0) -> dict[str, Any]:
+                    padding_slices: int = 0, all_windows: bool = False, padding_tokens: int = 0,
+                    scratch_pages: int = 0) -> dict[str, Any]:
     """The :class:`KVCacheManager` arguments for a worker: ``num_layers``
     layers (per group) of vLLM's KV cache spec ``spec``, the slices of
     :func:`slice_shape` per group (``padding_slices`` of them padding,
     whose capture batches read ``padding_tokens``), a pool of exactly
-    ``num_blocks`` page ids (one per vLLM block), pages owned by vLLM,
+    ``num_blocks`` page ids (one per vLLM block) and ``scratch_pages``
+    more (the scratch page of a kernel's read footprint), pages owned by vLLM,
     fences on vLLM's stream. Raises ValueError, with the arithmetic and the
     flags that change it, where the reservation would pass
     ``ADDRESS_SPACE_BUDGET``."""
@@ -118,7 +120,8 @@ def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, nu
     arguments = dict(num_layers=num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
                      dtype=spec.dtype, max_batch_size=num_groups * shape.per_group,
                      max_context_len=shape.context_tokens,
-                     page_size=page_size, physical_memory=num_blocks * page_size * num_buffers, layout=layout,
+                     page_size=page_size, physical_memory=(num_blocks + scratch_pages) * page_size * num_buffers,
+                     layout=layout,
                      device=str(runner.device), page_allocator="external",
                      policy={"background": False, "deferred_reclaim": False, "eager": False},
                      sync_streams=forward_streams(runner.device),
@@ -186,7 +189,8 @@ def build_cache(runner: Any, kv_cache_config: Any, spec: Any, kernel: Kernel, ca
     padding_tokens = max(1, capture_tokens(runner)) if pad else 0
     windows = [getattr(g.kv_cache_spec, "sliding_window", None) for g in groups]
     arguments = cache_arguments(runner, spec, per_group, kv_cache_config.num_blocks, len(groups), pad,
-                                all_windows=all(windows), padding_tokens=padding_tokens)
+                                all_windows=all(windows), padding_tokens=padding_tokens,
+                                scratch_pages=int(bool(kernel.read_footprint(case))))
     layout = [(list(g.layer_names), window) for g, window in zip(groups, windows)]
     return WorkerCache.build(arguments, layout, spec.block_size, kv_cache_config.num_blocks, kernel, case,
                              padding_tokens)

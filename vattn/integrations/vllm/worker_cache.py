@@ -104,15 +104,23 @@ class WorkerCache:
         slice of each group is its padding slice, whose first
         ``padding_tokens`` rows (rounded up to whole blocks: what the longest
         capture batch reads) map the null block now."""
+        footprint = kernel.read_footprint(case)
+        scratch = num_blocks if footprint else None  # the scratch page's id: one past vLLM's blocks
         manager = KVCacheManager(**arguments)
-        if manager.num_page_ids != num_blocks:
+        if manager.num_page_ids != num_blocks + bool(footprint):
             manager.cleanup()
             raise RuntimeError(f"vattn: the page pool holds {manager.num_page_ids} ids for vLLM's "
-                               f"{num_blocks} blocks")
+                               f"{num_blocks} blocks{' and the scratch page' if footprint else ''}")
         pad = 1 if kernel.graphs else 0  # a padding slice per group for CUDA graphs' padded batches
+        if footprint and not pad:
+            manager.cleanup()
+            raise RuntimeError(f"vattn: {kernel.name} reads rows past a request's (its read footprint) but has no "
+                               f"padding slice to hold the scratch page those rows map")
         per = manager.config.max_batch_size // len(groups)
         slices = [GroupSlices(list(names), window,
-                              BlockPlacer(manager, block_size, first_reqid=i * per, slices=per - pad, window=window),
+                              BlockPlacer(manager, block_size, first_reqid=i * per, slices=per - pad, window=window,
+                                          rows_past_end=footprint.past_end, rows_below_start=footprint.below_start,
+                                          scratch_page_id=scratch),
                               padding=per - 1 if pad else None)
                   for i, (names, window) in enumerate(groups)]
         padding_blocks = -(-max(1, padding_tokens) // block_size) if pad else 0
@@ -121,10 +129,14 @@ class WorkerCache:
                 reqids = np.array([i * per + per - 1 for i in range(len(groups))], dtype=np.int64)
                 for reqid in reqids:
                     manager.alloc_reqid(reqid=int(reqid))
+                # past the null block, the rows a capture batch's tiles read: the scratch page, which stays
+                # mapped here for the cache's life, so its memory is never given back and made anew
+                positions = manager.slice_bytes // manager.page_size
+                reach = min(-(-(max(1, padding_tokens) + footprint.past_end) // block_size), positions)
+                ids = [block_placer.NULL_BLOCK_ID] * padding_blocks + [scratch] * max(reach - padding_blocks, 0)
                 zeros = np.zeros(len(reqids), dtype=np.int64)
-                manager.map_pages(reqids, zeros,
-                                  np.full(len(reqids) * padding_blocks, block_placer.NULL_BLOCK_ID, dtype=np.int64),
-                                  np.full(len(reqids), padding_blocks, dtype=np.int64))
+                manager.map_pages(reqids, zeros, np.tile(np.array(ids, dtype=np.int64), len(reqids)),
+                                  np.full(len(reqids), len(ids), dtype=np.int64))
             except BaseException:
                 manager.cleanup()
                 raise
