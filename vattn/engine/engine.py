@@ -77,6 +77,10 @@ that writes each layer's new K/V into the vattn tensors and attends over
 picks when the engine opens (the native host kernel, one call per layer for
 the whole batch, on CPU; FlashAttention-2 or SDPA on CUDA), planned once per
 forward: no padding to the longest request, no block table, no copy of the cache.
+A forward waits for the device once, for the sampled token ids (its inputs
+go over in asynchronous copies from page-locked memory); on CUDA, decode
+iterations replay CUDA graphs captured when the engine opens
+(:mod:`.graphs`).
 
 Example::
 
@@ -102,10 +106,12 @@ from vattn.common.errors import ClosedError, VAttnError
 from vattn.core import KVCacheManager
 from vattn.integrations.hf_model import kv_shape
 from vattn.kernels import AttentionBatch, AttentionCase, KernelPlan, select_kernel
+from vattn.kernels.batch import index_tensor
 
 from .prefix_cache import PrefixCache
 from .requests import Request, RequestOutput, check_count, check_prompt, check_sampling, check_seed
-from .sampling import generators, sample
+from . import graphs as decode_graphs
+from .sampling import Draw, draw, generators
 from .scheduler import Scheduler
 
 __all__ = ["Engine", "GenerateError", "RequestOutput"]
@@ -163,6 +169,18 @@ class Engine:
             budget's current limit waits for the limit to rise before it
             fails with ``OutOfPages`` (``None``: ``VATTN_BUDGET_WAIT_S`` when
             set, else 30; in [0, 1e6]).
+        cuda_graphs: replay decode iterations (every request one token)
+            from CUDA graphs captured when the engine opens, one per batch
+            size of ``graph_batch_sizes`` (:mod:`vattn.engine.graphs`); a
+            decode of ``n`` requests replays the smallest size holding it,
+            padded. ``None``: on for a CUDA cache whose attention kernel
+            plans into persistent buffers (FlashAttention-2, torch's or the
+            flash-attn package's), off otherwise (the CPU). ``True`` where
+            that does not hold raises ``ValueError``. The engine then holds
+            one reqid of the cache for the padding (its first page mapped).
+        graph_batch_sizes: the batch sizes captured (ints in
+            ``[1, max_batch_size]``); None: 1, 2, 4, then every multiple of 8,
+            and ``max_batch_size``.
         **vattn_options: passed to :class:`vattn.KVCacheManager` (``page_size``,
             ``physical_memory``, ``layout``, policy switches, ``idle_release_s``).
 
@@ -183,6 +201,8 @@ class Engine:
         kv_retries: int = 3,
         budget: Any = None,
         budget_wait_s: float | None = None,
+        cuda_graphs: bool | None = None,
+        graph_batch_sizes: Sequence[int] | None = None,
         **vattn_options: Any,
     ) -> None:
         if prefill_chunk_size is not None and (isinstance(prefill_chunk_size, bool)
@@ -195,12 +215,23 @@ class Engine:
         if kv_retries < 0:
             raise ValueError(f"kv_retries must be an int >= 0, got {kv_retries}")
         budget_wait_s = budget_wait_seconds(budget_wait_s)  # checked before the cache exists
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be a bool or None, got {type(cuda_graphs).__name__}")
+        sizes = decode_graphs.capture_sizes(max_batch_size, graph_batch_sizes)
+        cache_device = torch.device(device or model.device)
+        if cuda_graphs and cache_device.type not in decode_graphs.GRAPH_DEVICES:
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, got {cache_device}")
+        # one more reqid where graphs may run: the padding slice of every padded decode
+        padding = int(cuda_graphs is not False and cache_device.type in decode_graphs.GRAPH_DEVICES)
+        self.max_batch_size = max_batch_size
         self.model = model.eval()
         name = "".join(c for c in str(getattr(model.config, "name_or_path", "")) if " " <= c <= "~")
         vattn_options.setdefault("budget_label", f"engine {name[-40:]}".strip())  # what `vattn top` shows
         shape = kv_shape(model)
-        self.kv = KVCacheManager(**shape, dtype=model.dtype, max_batch_size=max_batch_size,
-                                 max_context_len=max_context_len, device=device or model.device, budget=budget,
+        self.kv = KVCacheManager(**shape, dtype=model.dtype, max_batch_size=max_batch_size + padding,
+                                 max_context_len=max_context_len, device=cache_device, budget=budget,
                                  **vattn_options)
         # the engine's attention kernel, chosen once: every forward plans its batch with it, every layer runs it
         k_cache = self.kv.layer(0)[0]  # the cache's geometry: kernels that read it as rows or pages check it
@@ -210,6 +241,9 @@ class Engine:
                                    row_stride=k_cache.stride(1), page_tokens=self.kv.page_tokens)
         try:
             self._kernel = select_kernel(self._case)
+            if cuda_graphs and not self._kernel.graphs:
+                raise ValueError(f"cuda_graphs=True needs an attention kernel that runs in CUDA graphs; this "
+                                 f"cache's is {self._kernel.name}, which does not")
         except BaseException:
             self.kv.cleanup()
             raise
@@ -222,6 +256,7 @@ class Engine:
                                  f"bytes per token")
             cache = PrefixCache(self.kv.page_tokens)
         self.scheduler = Scheduler(self.kv, cache, prefill_chunk_size, kv_retries, budget_wait_s)
+        self.scheduler.max_running = max_batch_size  # not the padding reqid
         text_config = model.config.get_text_config(decoder=True)
         self.vocab_size: int = text_config.vocab_size
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -230,6 +265,7 @@ class Engine:
         self.history: list[dict[str, float]] = []  # one record per iteration (times, sizes, bytes)
         self._next_request_id = 0
         self._plan: KernelPlan | None = None  # the forward's batch as the kernel planned it
+        self._input_device = self.kv.device  # where each forward's inputs and index tensors go
         self._undelivered: list[RequestOutput] = []  # outputs of an iteration an exception cut short
         # The model's attention calls back into this engine under a unique name.
         self._attn_name = f"vattn_engine_{next(Engine._ids)}"
@@ -237,6 +273,23 @@ class Engine:
         AttentionInterface.register(self._attn_name, self._attention)
         model.set_attn_implementation(self._attn_name)
         self._closed = False
+        self.graphs: decode_graphs.DecodeGraphs | None = None  # the captured decode forwards, when on
+        if padding and self._kernel.graphs:
+            try:
+                self.graphs = self._capture(sizes)
+            except BaseException:
+                self.close()
+                raise
+
+    def _capture(self, sizes: Sequence[int]) -> decode_graphs.DecodeGraphs:
+        """Holds the padding reqid, maps its first page, captures the decode forwards."""
+        padding_reqid = self.kv.alloc_reqid(reqid=self.max_batch_size)
+        lens = [0] * (self.max_batch_size + 1)
+        lens[padding_reqid] = 1
+        if not self.kv.step(lens):
+            raise ValueError("cuda_graphs: the cache's pool cannot map the padding slice's first page")
+        return decode_graphs.DecodeGraphs(self._run_model, self._kernel, self.kv, padding_reqid, sizes,
+                                          self.kv.config.max_context_len)
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
@@ -290,7 +343,7 @@ class Engine:
                        pending_samples=samplers[1:])
 
     def _check_n(self, n: object) -> int:
-        return check_count("n", n, self.kv.config.max_batch_size, "max_batch_size")
+        return check_count("n", n, self.max_batch_size, "max_batch_size")
 
     def has_unfinished(self) -> bool:
         """Requests waiting or running, or outputs not yet returned by ``step``."""
@@ -411,24 +464,37 @@ class Engine:
     def _forward(self, batch: list[tuple[Request, int]]) -> torch.Tensor:
         """Runs the model once over the batch's new tokens packed into one
         sequence; the logits of each request's last new token, ``[len(batch), vocab]``.
-        Changes no request."""
+        Changes no request. Waits for nothing on the device: the inputs go
+        over in one asynchronous copy, the attention batch's in another."""
         tokens, positions, sample_rows = [], [], []
         for req, n in batch:
             start = req.num_computed
             tokens.extend(req.tokens[start:start + n])
             positions.extend(range(start, start + n))
             sample_rows.append(len(tokens) - 1)
-        device = self.kv.device
-        self._plan = self._kernel.plan(AttentionBatch([r.reqid for r, _ in batch], [r.num_computed for r, _ in batch],
-                                                      [n for _, n in batch], device=device), self._case)
+        device = self._input_device
+        # planned once for every layer; the plan carries the mapping check built for this cache
+        attention = AttentionBatch([r.reqid for r, _ in batch], [r.num_computed for r, _ in batch],
+                                   [n for _, n in batch], device=device, cache=self.kv)
+        if self.graphs is not None and attention.is_decode:
+            logits = self.graphs.run(attention, tokens, positions)
+            if logits is not None:
+                return logits
+        num_tokens = len(tokens)
+        inputs = index_tensor(tokens + positions + sample_rows, torch.long, device)
+        return self._run_model(self._kernel.plan(attention, self._case), inputs[:num_tokens][None],
+                               inputs[num_tokens:2 * num_tokens][None], inputs[2 * num_tokens:])
+
+    def _run_model(self, plan: KernelPlan, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   logits_to_keep: torch.Tensor | int = 0) -> torch.Tensor:
+        """The model over ``input_ids`` / ``position_ids`` (``[1, T]``), every
+        layer's attention on ``plan``: logits ``[rows, vocab]`` of the rows
+        ``logits_to_keep`` names (0: every row)."""
+        self._plan = plan
         try:
             with torch.inference_mode():
-                return self.model(
-                    input_ids=torch.tensor([tokens], device=device),
-                    position_ids=torch.tensor([positions], device=device),
-                    logits_to_keep=torch.tensor(sample_rows, device=device),
-                    use_cache=False,
-                ).logits[0]
+                return self.model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep,
+                                  use_cache=False).logits[0]
         finally:
             self._plan = None
 
@@ -440,13 +506,15 @@ class Engine:
         cache, fork, free) recover from their own errors, so no request is
         left half-way."""
         now = time.perf_counter()
+        draws = [Draw(row, req.temperature, req.top_p, generator) for row, (req, n) in enumerate(batch)
+                 if req.num_computed + n >= req.num_tokens for generator in (req.generator, *req.pending_samples)]
+        ids = iter(draw(logits, draws))  # the iteration's one wait for the device
         drawn: list[list[int] | None] = []  # per request: its token, then its pending completions' first
-        for row, (req, n) in enumerate(batch):
+        for req, n in batch:
             if req.num_computed + n < req.num_tokens:
                 drawn.append(None)  # a prefill chunk that does not reach the end yet
-                continue
-            drawn.append([sample(logits[row], req.temperature, req.top_p, generator)
-                          for generator in (req.generator, *req.pending_samples)])
+            else:
+                drawn.append([next(ids) for _ in range(1 + len(req.pending_samples))])
         for (req, n), tokens in zip(batch, drawn):
             req.num_computed += n
             req.kv_failures = 0
@@ -513,11 +581,14 @@ class Engine:
         """The cache's stats plus iteration and preemption counts and, with
         ``prefix_cache``, its queries, tokens looked up and tokens hit.
         ``kv_errors``: KV-cache exceptions the engine recovered from;
-        ``attention_kernel``: the name of the kernel every layer runs."""
+        ``attention_kernel``: the name of the kernel every layer runs;
+        ``decode_graph_replays``: decode iterations replayed from CUDA graphs
+        (None when the engine captures none)."""
         self._check_open()
         out = dict(self.kv.stats(), iterations=self.iteration, preemptions=self.preemptions,
                    running=len(self.running), waiting=len(self.waiting), kv_errors=self.scheduler.kv_errors,
-                   attention_kernel=self._kernel.name)
+                   attention_kernel=self._kernel.name,
+                   decode_graph_replays=None if self.graphs is None else self.graphs.replays)
         if self.prefix_cache is not None:
             pc = self.prefix_cache
             out.update(prefix_cache_queries=pc.queries, prefix_cache_query_tokens=pc.query_tokens,

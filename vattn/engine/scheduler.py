@@ -62,6 +62,8 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.prefill_chunk_size = prefill_chunk_size  # prompt tokens per request per iteration at most
         self.kv_retries = kv_retries
+        # requests running at once at most: the cache's reqids, less those its owner holds for itself
+        self.max_running = kv.config.max_batch_size
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order
         self.preemptions = 0
@@ -204,7 +206,7 @@ class Scheduler:
         """Moves waiting requests to the batch while reqids are free. A request
         whose admission fails in the KV cache stays at the head of the queue
         (its reqid freed again) and admission stops for this iteration."""
-        while self.waiting and len(self.running) < self.kv.config.max_batch_size:
+        while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
             reqid = -1
             try:

@@ -152,7 +152,7 @@ class AttentionBatch:
         keys = [f"{name}:{dtype}" for name in names]
         missing = [(key, self._values(name)) for key, name in zip(keys, names) if key not in self._tensors]
         if missing:
-            packed = torch.tensor([x for _, values in missing for x in values], dtype=dtype, device=self.device)
+            packed = index_tensor([x for _, values in missing for x in values], dtype, self.device)
             at = 0
             for key, values in missing:
                 self._tensors[key] = packed[at:at + len(values)]
@@ -214,6 +214,31 @@ class AttentionBatch:
     def __repr__(self) -> str:
         return (f"AttentionBatch(reqids={self.reqids}, cached_lens={self.cached_lens}, "
                 f"query_lens={self.query_lens})")
+
+
+def index_tensor(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a 1-D tensor of ``dtype`` on ``device``, without waiting
+    for the device: off the CPU the values are written into page-locked host
+    memory and copied by :func:`to_device` (a pageable source would make the
+    copy wait for the work queued before it, once per forward)."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return to_device(pinned_host(values, dtype), device)
+
+
+def pinned_host(values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """``values`` in page-locked host memory (torch's caching host allocator:
+    a block is reused only once the copies that read it have run)."""
+    host = torch.empty(len(values), dtype=dtype, pin_memory=True)
+    host.copy_(torch.tensor(values, dtype=dtype))
+    return host
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The host-to-device copy of every per-forward index tensor the
+    forward path builds: from page-locked ``host`` memory, queued on the
+    current stream without blocking the host."""
+    return host.to(device, non_blocking=True)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .batch import AttentionBatch, token_rows
+from .flash_attn import FlashAttentionBuffers
 from .protocol import AttentionCase, Kernel, KernelPlan, Support, check_layer
 
 
@@ -47,7 +48,7 @@ class TorchFlashPlan(KernelPlan):
     """The batch as one varlen call of torch's FlashAttention-2."""
 
     __slots__ = ("cu_seqlens_q", "seqused_k", "reqids", "max_seqlen_q", "max_seqlen_k", "token_reqids",
-                 "token_positions", "_key_starts")
+                 "token_positions", "num_tokens", "_key_starts")
 
     def __init__(self, batch: AttentionBatch) -> None:
         super().__init__(batch)
@@ -58,6 +59,7 @@ class TorchFlashPlan(KernelPlan):
         self.max_seqlen_q = max(batch.query_lens)
         self.max_seqlen_k = max(batch.seq_lens)
         self.token_reqids, self.token_positions = token_rows(batch)  # [T] int64: where new K/V go
+        self.num_tokens = batch.num_tokens  # T: rows of q, k, v and out
         self._key_starts: tuple[int, torch.Tensor] | None = None
 
     def key_starts(self, rows_per_slice: int, total_rows: int) -> torch.Tensor:
@@ -86,6 +88,7 @@ class TorchFlashKernel(Kernel):
     head_dim_max = 256
     head_dim_multiple = 8  # otherwise the op pads, i.e. copies, the whole cache
     batched = True
+    graphs = True
     # torch's rows are addressed in int32 (cu_seqlens_k)
     max_rows: int = 2**31 - 1
 
@@ -113,6 +116,33 @@ class TorchFlashKernel(Kernel):
     def plan(self, batch: AttentionBatch, case: AttentionCase | None = None) -> TorchFlashPlan:
         return TorchFlashPlan(batch)
 
+    def plan_into(self, buffers: FlashAttentionBuffers, batch: AttentionBatch | None, *, num_rows: int,
+                  num_tokens: int, padding_reqid: int, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
+                  max_seqlen_q: int, max_seqlen_k: int) -> TorchFlashPlan:
+        """A plan whose tensors lie at the same addresses every forward (CUDA
+        graphs): :meth:`vattn.kernels.FlashAttentionKernel.plan_into`'s
+        arguments and buffers (the block-table column is the rows' reqids).
+        A padded row's keys start in ``padding_reqid``'s slice. The key starts
+        (``reqid * S``) are computed by each run's first layer from the
+        buffers, so a captured run recomputes them at every replay: run a copy
+        of the plan (``copy.copy``) in each forward. Writes the indices with
+        one host-to-device copy."""
+        for name, t, n in (("cu_seqlens_q", cu_seqlens_q, num_rows + 1), ("seqused_k", seqused_k, num_rows)):
+            if t.dtype != torch.int32 or tuple(t.shape) != (n,):
+                raise ValueError(f"{name} must be [{n}] int32, got {tuple(t.shape)} {t.dtype}")
+        buffers.fill(batch, num_rows, num_tokens, padding_reqid)
+        plan = TorchFlashPlan.__new__(TorchFlashPlan)
+        plan.batch = batch
+        plan.check = None if batch is None else batch.mapped
+        plan.cu_seqlens_q, plan.seqused_k = cu_seqlens_q, seqused_k
+        plan.reqids = buffers.block_table[:num_rows]
+        plan.max_seqlen_q, plan.max_seqlen_k = max_seqlen_q, max_seqlen_k
+        rows = buffers.token_rows[:num_tokens]
+        plan.token_reqids, plan.token_positions = rows[:, 0], rows[:, 1]
+        plan.num_tokens = num_tokens
+        plan._key_starts = None
+        return plan
+
     def run(self, plan: KernelPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             k: torch.Tensor | None = None, v: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
             softmax_scale: float | None = None, sliding_window: int | None = None,
@@ -120,7 +150,7 @@ class TorchFlashKernel(Kernel):
         if not isinstance(plan, TorchFlashPlan):
             raise TypeError(f"plan must be TorchFlashKernel.plan's, got {type(plan).__name__}")
         check_layer(self, plan, q, k_cache, v_cache, k, v, out, sliding_window=sliding_window,
-                    logits_soft_cap=logits_soft_cap)
+                    logits_soft_cap=logits_soft_cap, num_tokens=plan.num_tokens)
         if k_cache.shape[-1] % self.head_dim_multiple:
             raise ValueError(f"{self.name} needs head_dim % {self.head_dim_multiple} == 0, got {k_cache.shape[-1]}")
         (k_rows, rows_per_slice), (v_rows, _) = cache_rows(k_cache), cache_rows(v_cache)
