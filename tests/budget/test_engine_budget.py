@@ -115,7 +115,7 @@ def test_a_limit_lowered_for_a_moment_loses_no_request(budget_name, model):
         expected = alone.generate(prompts, max_new_tokens=60)  # ...and a third at 64 tokens
     budget = vattn.Budget.create(budget_name, 8 * ID_BYTES)
     # no mapper running ahead: the third page is asked for when the tokens reach it
-    with Engine(model, budget=budget_name, idle_release_s=0.2, background=False, **OPTIONS) as engine:
+    with Engine(model, budget=budget_name, idle_release_s=0.2, policy={"background": False}, **OPTIONS) as engine:
         def lower() -> None:
             while engine.iteration < 3:
                 time.sleep(0.001)

@@ -28,7 +28,7 @@ def test_idle_release_waits_for_the_capture(budget_name, fake_cuda, monkeypatch)
     budget = vattn.Budget.create(budget_name, 64 * MiB, device="cuda:0")
     kv = vattn.KVCacheManager(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=2,
                               max_context_len=8192, device="cuda", physical_memory=32 * MiB, budget=budget_name,
-                              idle_release_s=0.3, background=False, eager=False)
+                              idle_release_s=0.3, policy={"background": False, "eager": False})
     try:
         a = kv.alloc_reqid()
         lens = [0, 0]

@@ -26,7 +26,7 @@ import vattn
 
 def quiet(**overrides):
     """No mapper, no eager pages: every page is created by the calls the test makes."""
-    return dict(background=False, eager=False) | overrides
+    return dict(policy={"background": False, "eager": False}) | overrides
 
 
 def test_pages_are_charged_from_creation_to_release(budget_name):
@@ -295,7 +295,7 @@ def test_the_cuda_path_against_the_fake_driver(budget_name, fake_cuda):
     handles = fake_cuda.fake_cuda_live_handles()
     kv = vattn.KVCacheManager(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=2,
                               max_context_len=8192, device="cuda", physical_memory=32 * MiB, budget=budget_name,
-                              idle_release_s=0.2, background=False, eager=False)
+                              idle_release_s=0.2, policy={"background": False, "eager": False})
     a, b = kv.alloc_reqid(), kv.alloc_reqid()
     lens = [0, 0]
     lens[a] = 2048  # one page id

@@ -117,7 +117,8 @@ def _exec_after_holding(name: str, ids: int):
     pages gone with the old image)."""
 
     def body(c: Child) -> None:
-        kv = make_kv(budget=name, idle_release_s=None, background=False, eager=False, budget_label="execs")
+        kv = make_kv(budget=name, idle_release_s=None,
+                     policy={"background": False, "eager": False}, budget_label="execs")
         a = kv.alloc_reqid()
         while not kv.step(pages(a, ids * TOKENS_PER_PAGE)):
             kv.wait_for_budget(0.1)
@@ -237,7 +238,8 @@ def _holder(name: str, in_use_ids: int, free_ids: int = 0):
     free-held (a freed request's pages), then obeying commands."""
 
     def body(c: Child) -> None:
-        kv = make_kv(budget=name, idle_release_s=None, background=False, eager=False, budget_label="holder")
+        kv = make_kv(budget=name, idle_release_s=None,
+                     policy={"background": False, "eager": False}, budget_label="holder")
         a = kv.alloc_reqid()
         if free_ids:
             f = kv.alloc_reqid()
@@ -259,7 +261,7 @@ def test_a_refused_step_succeeds_once_another_process_gives_back(budget_name):
     child = Child(_holder(budget_name, 6))
     try:
         assert len(json.loads(child.recv())) == 6
-        with make_kv(budget=budget_name, background=False, eager=False) as kv:
+        with make_kv(budget=budget_name, policy={"background": False, "eager": False}) as kv:
             r = kv.alloc_reqid()
             lens = pages(r, 4 * TOKENS_PER_PAGE)
             assert kv.step(lens) is False  # 2 ids left, and the other's 6 are under a request
@@ -288,7 +290,7 @@ def test_a_killed_process_gives_its_managers_pages_back(budget_name):
     child = Child(_holder(budget_name, 6))
     try:
         json.loads(child.recv())
-        with make_kv(budget=budget_name, background=False, eager=False) as kv:
+        with make_kv(budget=budget_name, policy={"background": False, "eager": False}) as kv:
             r = kv.alloc_reqid()
             lens = pages(r, 4 * TOKENS_PER_PAGE)
             assert kv.step(lens) is False
@@ -329,7 +331,7 @@ def test_a_lowered_limit_makes_other_processes_give_back_free_pages_only(budget_
 JOIN_BY_ENV = """
 import json, os, torch, vattn
 kv = vattn.KVCacheManager(num_layers=2, num_kv_heads=1, head_dim=64, dtype=torch.float32, max_batch_size=2,
-                          max_context_len=1024, page_size=65536, background=False, eager=False)
+                          max_context_len=1024, page_size=65536, policy={"background": False, "eager": False})
 r = kv.alloc_reqid()
 assert kv.step([300 if i == r else 0 for i in range(2)])
 u = kv.budget.usage()

@@ -23,7 +23,7 @@ def test_failed_cuMemRelease_keeps_the_charge(budget_name, fake_cuda):  # noqa: 
     handles = fake_cuda.fake_cuda_live_handles()
     kv = vattn.KVCacheManager(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.float16, max_batch_size=2,
                               max_context_len=8192, device="cuda", physical_memory=32 * MiB, budget=budget_name,
-                              background=False, eager=False)
+                              policy={"background": False, "eager": False})
     try:
         a = kv.alloc_reqid()
         lens = [0, 0]
@@ -59,7 +59,7 @@ def test_failed_cuMemRelease_keeps_the_charge(budget_name, fake_cuda):  # noqa: 
 
 def test_failed_hole_punch_keeps_the_charge(budget_name, host_faults):  # noqa: F811
     budget = vattn.Budget.create(budget_name, 32 * ID_BYTES)
-    with make_kv(backend="host_faulty", budget=budget_name, background=False, eager=False) as kv:
+    with make_kv(backend="host_faulty", budget=budget_name, policy={"background": False, "eager": False}) as kv:
         a = kv.alloc_reqid()
         lens = [0] * kv.config.max_batch_size
         lens[a] = kv.page_size // kv.config.token_bytes_per_buffer * 2  # two ids

@@ -52,7 +52,7 @@ def reference(model):
     pytest.param({}, id="defaults"),
     pytest.param({"prefill_chunk_size": 7}, id="chunked-prefill"),
     pytest.param({"layout": "all_layers"}, id="all_layers"),
-    pytest.param({"background": False, "deferred_reclaim": False, "eager": False}, id="sync"),
+    pytest.param({"policy": {"background": False, "deferred_reclaim": False, "eager": False}}, id="sync"),
 ])
 def test_outputs_equal_generating_each_request_alone(model, reference, options):
     prompts, news, expected = reference

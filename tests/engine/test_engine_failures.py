@@ -23,8 +23,8 @@ from vattn.engine import Engine  # noqa: E402
 
 # Map and unmap only inside calls (deterministic, and an injected fault lands in the call it is armed
 # for); with faults, the host backend that fails the calls its plan (the host_faults fixture) names.
-MAPPER_OFF = dict(background=False, eager=False)
-SYNC = dict(MAPPER_OFF, backend=FAULTY_HOST)
+MAPPER_OFF = {"background": False, "eager": False}
+SYNC = dict(policy=MAPPER_OFF, backend=FAULTY_HOST)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,8 @@ def test_any_kv_failure_mid_iteration_is_recovered(model, reference, method, cal
     """One driver fault in each KV-cache call the engine makes, with n=2 and
     the prefix cache on: outputs equal a fault-free run, nothing leaks."""
     ps, want = reference
-    options = dict(SYNC, deferred_reclaim=method != "free_reqid")  # free_reqid unmaps only without deferral
+    # free_reqid unmaps only without deferral
+    options = dict(SYNC, policy={**MAPPER_OFF, "deferred_reclaim": method != "free_reqid"})
     with Engine(model, max_batch_size=4, max_context_len=128, page_size=PAGE, prefix_cache=True,
                 **options) as engine:
         assert engine.generate([ps[0]], max_new_tokens=8) == [want[0]]
@@ -153,8 +154,9 @@ def test_pages_stranded_by_a_failed_unmap_are_recovered_before_a_request_is_refu
     pages as orphans, which step retries only for the reqids it grows; a
     request needing the whole pool was then refused as too large for it."""
     prompt = prompts(1, seed=9, low=100, high=101)[0]
+    # 4 page ids; free_reqid unmaps at once
     with Engine(model, max_batch_size=3, max_context_len=128, page_size=PAGE, physical_memory=4 * 6 * PAGE,
-                **dict(SYNC, deferred_reclaim=False)) as engine:  # 4 page ids; free_reqid unmaps at once
+                **dict(SYNC, policy={**MAPPER_OFF, "deferred_reclaim": False})) as engine:
         fault = FailingCalls(engine.kv, "free_reqid", host_faults, "unmap")
         # reqid 0: 28 tokens (1 page); reqid 1: 64 tokens (2 pages), finishing first: its unmap fails
         assert engine.generate([prompt[:20], prompt[:60]], max_new_tokens=[8, 4])
@@ -254,7 +256,7 @@ def test_the_prefix_cache_under_preemption(model):
         counts = torch.randint(1, 30, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         for cached in (False, True):
             with Engine(model, max_batch_size=8, max_context_len=128, page_size=PAGE, physical_memory=36 * PAGE,
-                        prefix_cache=cached, **MAPPER_OFF) as engine:
+                        prefix_cache=cached, policy=MAPPER_OFF) as engine:
                 outs = engine.generate(ps, max_new_tokens=counts, n=3)
                 runs[cached].append((outs, engine.stats()["preemptions"], sum(h["tokens"] for h in engine.history)))
                 assert_clean(engine)

@@ -39,11 +39,12 @@ FAULT_RATE = 0.35  # share of iterations with a fault armed somewhere inside
 
 CONFIGS = {
     # the mapper off: every map and unmap happens inside the engine's own calls
-    "sync": dict(background=False, eager=False, deferred_reclaim=True),
+    "sync": dict(policy={"background": False, "eager": False, "deferred_reclaim": True}),
     # the mapper on: faults also land in its batches and surface at the next step
-    "mapper": dict(background=True, eager=True, eager_tokens=32, deferred_reclaim=True, reclaim_threshold=0.3),
+    "mapper": dict(policy={"background": True, "eager": True, "eager_tokens": 32, "deferred_reclaim": True,
+                           "reclaim_threshold": 0.3}),
     # free_reqid unmaps at once: faults land in frees too
-    "eager-free": dict(background=False, eager=False, deferred_reclaim=False),
+    "eager-free": dict(policy={"background": False, "eager": False, "deferred_reclaim": False}),
 }
 
 

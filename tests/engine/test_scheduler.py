@@ -23,7 +23,7 @@ PAGE_TOKENS = 32  # 4 KiB pages of 128-byte tokens (1 KV head x 32 x fp32)
 def make(pool_ids: int) -> tuple[vattn.KVCacheManager, Scheduler]:
     kv = vattn.KVCacheManager(num_layers=1, num_kv_heads=1, head_dim=32, dtype=torch.float32, max_batch_size=4,
                               max_context_len=128, page_size=4096, physical_memory=pool_ids * 2 * 4096,
-                              background=False, eager=False)
+                              policy={"background": False, "eager": False})
     return kv, Scheduler(kv, PrefixCache(PAGE_TOKENS), prefill_chunk_size=None)
 
 

@@ -26,7 +26,7 @@ def decode_trace_cache(layout: str, layers: int = 2, batch: int = 3) -> vattn.KV
     # 128.9 pages for 2 layers (129 pages: 2064 rows)
     return vattn.KVCacheManager(num_layers=layers, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float16,
                                 max_batch_size=batch, max_context_len=2063, page_size=64 * KiB,
-                                layout=layout, background=False, eager=False)
+                                layout=layout, policy={"background": False, "eager": False})
 
 
 @pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
@@ -51,7 +51,7 @@ def test_cache_rows_refuses_slots_of_partial_rows():
     # all_layers, 3 layers: 6 KiB per token, and 64 KiB pages end inside a token's row
     with vattn.KVCacheManager(num_layers=3, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_batch_size=2,
                               max_context_len=100, page_size=64 * KiB, layout="all_layers",
-                              background=False, eager=False) as kv:
+                              policy={"background": False, "eager": False}) as kv:
         with pytest.raises(ValueError, match="whole number"):
             cache_rows(kv.layer(0)[0])
 
