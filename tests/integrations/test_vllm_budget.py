@@ -237,3 +237,88 @@ def test_pipeline_parallel_2_under_a_budget_serves_stock_tokens(tmp_path):
     assert sum(p["preemptions"] for p in ours["phases"].values()) + pool["waits_recorded"] > 0
     assert ours["budget_idle"]["held_bytes"] <= stock["block_bytes"]
     assert sum(v["bytes_created"] for v in ours["vattn"]) <= stock["block_bytes"]
+
+
+WAITS = Path(__file__).with_name("vllm_budget_waits.py")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    model = tmp_path_factory.mktemp("waits") / "model"
+    subprocess.run([vllm_python(), str(SCENARIO), "make-model", str(model)], check=True, capture_output=True,
+                   timeout=300)
+    return model
+
+
+def run_waits(mode: str, model: Path, tmp_path: Path, limit_blocks: int, **env: str) -> tuple[dict, str]:
+    """``vllm_budget_waits.py MODE`` under a budget of ``limit_blocks`` blocks: its result and its log."""
+    budget = vattn.Budget.create(f"waits-{mode}-{os.getpid()}", limit_blocks * BLOCK_BYTES)
+    try:
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(("VATTN_VLLM", "VATTN_BUDGET"))}
+        environ.update(VATTN_VLLM="1", VATTN_BUDGET=budget.name, VLLM_CPU_KVCACHE_SPACE="1", **env)
+        proc = subprocess.run([vllm_python(), str(WAITS), mode, str(model)], capture_output=True, text=True,
+                              timeout=600, env=environ, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-4000:]
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"mode"')][-1]
+        return json.loads(line), proc.stdout + proc.stderr
+    finally:
+        try:
+            budget.remove(force=True)  # teardown: whatever the engine left (gone already when removed)
+        except vattn.BudgetError:
+            pass
+
+
+@needs_vllm
+def test_a_request_over_the_limit_fails_after_the_wait_and_the_others_run(tiny_model, tmp_path):
+    """vLLM's default layout under 5 blocks: a request of 7 blocks is set aside (vLLM's queue would stop
+    at it), the three 1-block requests behind it finish at once, and it finishes with an error naming the
+    limit and its need once VATTN_BUDGET_WAIT_S (3 s) passed. Start-up said the budget cannot hold one
+    request of max-model-len. Idle, the budget holds exactly what the worker created (no padding block
+    is charged that no worker created)."""
+    result, log = run_waits("over-limit", tiny_model, tmp_path, 5, VATTN_BUDGET_WAIT_S="3",
+                            VATTN_VLLM_IDLE_RELEASE_S="1")
+    done = result["requests"]
+    assert {rid: reason for rid, (reason, _, _) in done.items()} == {"0": "error", "1": "length", "2": "length",
+                                                                     "3": "length"}
+    assert max(done[r][1] for r in "123") < 2.5, done  # not behind the request over the limit
+    assert 3.0 <= done["0"][1] < 8.0, done
+    assert done["0"][2].startswith(f"vattn: budget 'waits-over-limit-{os.getpid()}': this request needs "
+                                   f"{7 * BLOCK_BYTES} bytes (200 tokens) alone, more than the budget's limit of "
+                                   f"{5 * BLOCK_BYTES} bytes, and the limit did not rise within 3 s"), done["0"]
+    assert (f"cannot hold one request of max-model-len 256 tokens: that needs {8 * BLOCK_BYTES} bytes (8 blocks "
+            f"of {BLOCK_BYTES} bytes on every rank, and 0 bytes of padding)") in log
+    pool = result["budget"]
+    assert pool["requests_over_limit"] == pool["requests_failed_over_limit"] == 1 and not pool["detached"]
+    assert pool["padding_bytes"] == 0 and result["held_bytes"] == sum(result["bytes_created"]), result
+
+
+@needs_vllm
+@pytest.mark.parametrize("layout", [
+    "in-process", pytest.param("default", marks=pytest.mark.skipif(
+        os.environ.get("VATTN_LONG_TESTS") != "1", reason="long test: set VATTN_LONG_TESTS=1 (a vLLM start-up)"))])
+def test_a_request_waiting_on_the_budget_costs_no_cpu(layout, tiny_model, tmp_path):
+    """Another member holds the whole budget for 5 s while one request waits: the engine's processes
+    (engine core and worker, in one process or three) use under 0.1 CPU-seconds a second meanwhile (a
+    step per refusal took a core and more), and the request runs once the memory comes back."""
+    env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0") if layout == "in-process" else {}
+    result, _ = run_waits("idle-wait", tiny_model, tmp_path, 8, VATTN_VLLM_IDLE_RELEASE_S="0.5", **env)
+    cpu = sum(result["cpu_s"].values())
+    print(f"{layout}: {cpu:.3f} CPU-s in {result['window_s']:.2f} s of waiting: {result['cpu_s']}")
+    assert cpu / result["window_s"] < 0.1, result["cpu_s"]
+    assert result["requests"]["0"][0] == "length" and result["requests"]["0"][1] >= 4.9
+    assert result["budget"]["idle_waits"] >= 1 and result["budget"]["waits_recorded"] >= 1
+    assert result["waited_s"] and result["waited_s"][0] >= 4.0, result["waited_s"]  # top's "for", not 0.0s
+
+
+@needs_vllm
+@pytest.mark.parametrize("damage,layout", [("removed", "default"), ("truncated", "in-process")])
+def test_a_removed_or_truncated_budget_leaves_the_engine_serving(damage, layout, tiny_model, tmp_path):
+    """The budget removed (rm --force) or its segment truncated while 12 requests run under it: the engine
+    core says once that it goes on without the budget, and every request finishes."""
+    env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0") if layout == "in-process" else {}
+    result, log = run_waits(damage, tiny_model, tmp_path, 8, **env)
+    done = result["requests"]
+    assert len(done) == 12 and all(reason == "length" for reason, _, _ in done.values()), done
+    assert max(t for _, t, _ in done.values()) > result["damaged_s"]  # requests were still running
+    assert result["budget"]["detached"] and log.count("can no longer be used") == 1, result["budget"]
+    assert ("was removed" if damage == "removed" else "truncated") in result["budget"]["detached"]

@@ -51,6 +51,12 @@ at start-up (every rank's block bytes, in any layout), block ids on a step's
 worker's :class:`~vattn.integrations.vllm.worker_budget.WorkerPages` handle,
 asked of the executor when the pool is attached.
 
+- **Waits** (requests over the limit, an engine idle while refused): :mod:`.engine_wait`.
+- **A budget removed or damaged** never stops the engine: at the first
+  ``BudgetError`` it logs once that it serves on without it (vLLM's own pool).
+- **Padding.** vLLM's null block is charged only where a worker created its
+  pages (the padding slice of a kernel that runs in CUDA graphs).
+
 Threads: the scheduler's block operations (``schedule``, ``update_from_output``,
 ``finish_requests``, ``reset_prefix_cache``) and the keeper take one lock.
 """
@@ -67,8 +73,10 @@ import numpy as np
 
 from vattn.budget.membership import (DEFAULT_IDLE_RELEASE_S, ENV_VAR, budget_name_from_environment,
                                      idle_release_seconds, join_budget)
+from vattn.common.errors import BudgetError
 
 from . import runtime
+from .engine_wait import BudgetWaits
 from .worker_budget import RELEASE_ATTRIBUTE, WorkerPages
 
 IDLE_SETTING = "VATTN_VLLM_IDLE_RELEASE_S"
@@ -91,9 +99,11 @@ def idle_release_setting() -> float:
     return idle_release_seconds(value)
 
 
-def member_label(served_model_name: Any, tensor_parallel: int, pipeline_parallel: int) -> str:
-    """What ``python -m vattn top`` shows for an engine: its served model name and its ranks,
-    e.g. ``vllm llama-8b rank 0`` or ``vllm llama-8b ranks 0-3 tp2 pp2``."""
+def member_label(served_model_name: Any, tensor_parallel: int, pipeline_parallel: int,
+                 data_parallel_rank: int | None = None) -> str:
+    """What ``python -m vattn top`` shows for an engine: its served model name, its data-parallel rank
+    when it is one engine core of several, and its ranks, e.g. ``vllm llama-8b rank 0``,
+    ``vllm llama-8b dp1 rank 0`` or ``vllm llama-8b ranks 0-3 tp2 pp2``."""
     if isinstance(served_model_name, (list, tuple)):
         served_model_name = served_model_name[0] if served_model_name else ""
     name = os.path.basename(str(served_model_name).rstrip("/")) or "model"
@@ -101,6 +111,8 @@ def member_label(served_model_name: Any, tensor_parallel: int, pipeline_parallel
     ranks = " rank 0" if world == 1 else f" ranks 0-{world - 1}"
     ranks += (f" tp{tensor_parallel}" if tensor_parallel > 1 else "") + (
         f" pp{pipeline_parallel}" if pipeline_parallel > 1 else "")
+    if data_parallel_rank is not None:
+        ranks = f" dp{data_parallel_rank}{ranks}"
     name = "".join(c if " " <= c <= "~" else "?" for c in name)  # a label is printable ASCII
     room = LABEL_CHARACTERS - len("vllm ") - len(ranks)
     if len(name) > room:
@@ -108,10 +120,23 @@ def member_label(served_model_name: Any, tensor_parallel: int, pipeline_parallel
     return f"vllm {name}{ranks}"
 
 
+def data_parallel_rank(parallel_config: Any) -> int | None:
+    """The engine core's data-parallel rank when it is one of several (``--data-parallel-size``);
+    None otherwise. vLLM 0.32 sets a dense model's DP engine cores to ``data_parallel_size`` 1, as
+    independent engines, and keeps the rank in ``data_parallel_index``; ``data_parallel_rank_local``
+    is set only in a DP engine core."""
+    index = getattr(parallel_config, "data_parallel_index", 0)
+    if parallel_config.data_parallel_size > 1 or parallel_config.data_parallel_rank_local is not None or index:
+        return int(index)
+    return None
+
+
 class BudgetedBlockPool:
     """The budget's view of one vLLM scheduler's ``BlockPool``; the engine core's membership.
 
     ``block_bytes``: the pages one block id holds on every rank together.
+    ``padding_bytes``: the pages the workers created for vLLM's null block
+    (charged from start-up; 0 where none did).
     ``confirm``: called (in the engine core's thread) before uncharging the
     release of a step without a forward, when several ranks ran it; returns
     once every rank has processed the step. ``wake``: makes an idle engine
@@ -121,13 +146,16 @@ class BudgetedBlockPool:
 
     def __init__(self, scheduler: Any, member: Any, budget: Any, block_bytes: int, world_size: int,
                  idle_release_s: float, confirm: Callable[[], None] | None = None,
-                 wake: Callable[[], None] | None = None, local_pages: WorkerPages | None = None) -> None:
+                 wake: Callable[[], None] | None = None, local_pages: WorkerPages | None = None,
+                 padding_bytes: int = 0) -> None:
         self.scheduler = scheduler
         self.kv_manager = scheduler.kv_cache_manager
         self.pool = self.kv_manager.block_pool
         self.member = member
         self.budget = budget
         self.block_bytes = block_bytes
+        self.padding_bytes = padding_bytes
+        self.detached: str | None = None  # why the budget can no longer be used; None while it can
         self.world_size = world_size
         self.idle_release_s = idle_release_s
         self.confirm = confirm
@@ -135,8 +163,8 @@ class BudgetedBlockPool:
         self.local_pages = local_pages
         self.block_size = scheduler.block_size
         self.num_groups = len(scheduler.kv_cache_config.kv_cache_groups)
-        # blocks charged in the budget (pages exist in the workers, or may from the next forward on); the
-        # null block counts as such (warm-up and padding rows map it) and is never free
+        # blocks with pages in the workers, or that may have them from the next forward on (charged); the
+        # null block counts as such (never free; charged as ``padding_bytes``)
         self.with_pages = np.zeros(self.pool.num_gpu_blocks, dtype=bool)
         self.with_pages[self.pool.null_block.block_id] = True
         self.num_with_pages = 1
@@ -152,6 +180,7 @@ class BudgetedBlockPool:
         self.counters = dict(blocks_released=0, cached_blocks_dropped=0, budget_limited_allocations=0,
                              waits_recorded=0, releases_sent=0, releases_confirmed=0, direct_releases=0,
                              grant_waits=0, sleeps=0)
+        self.waits = BudgetWaits(scheduler, budget, member, self.blocks_alone, block_bytes, padding_bytes)
         self._stock_get_new_blocks = self.pool.get_new_blocks
         self.pool.get_num_free_blocks = self.num_free_blocks  # instance attributes: this pool only
         self.pool.get_new_blocks = self.get_new_blocks
@@ -171,14 +200,16 @@ class BudgetedBlockPool:
         @functools.wraps(stock_allocate)
         def allocate_slots(request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
             with self.lock:
+                if self.detached:
+                    return stock_allocate(request, num_new_tokens, *args, **kwargs)
                 self.headroom_cap = self._blocks_wanted(request, num_new_tokens, args, kwargs)
                 try:
                     blocks = stock_allocate(request, num_new_tokens, *args, **kwargs)
                 finally:
                     self.headroom_cap = 0
-                    self._return_headroom()
+                    self.guarded(self._return_headroom)
                 if blocks is None:
-                    self._note_refusal(num_new_tokens)
+                    self.guarded(self._note_refusal, num_new_tokens)
                 return blocks
 
         self.headroom_cap = 0
@@ -191,15 +222,48 @@ class BudgetedBlockPool:
     # ---- what the scheduler sees ----------------------------------------------------------
 
     def _charge_null_block(self) -> None:
+        """Charges the null block's pages where workers created them (none: nothing to charge)."""
         deadline = time.monotonic() + START_WAIT_S
-        while not self.member.try_grant(self.block_bytes):
+        while self.padding_bytes and not self.member.try_grant(self.padding_bytes):
             if time.monotonic() >= deadline:
                 self.member.leave()
                 raise RuntimeError(
                     f"vattn: budget '{self.budget.name}' has {self.budget.available_bytes} bytes free, and this "
-                    f"engine needs {self.block_bytes} bytes (one block on every rank) to start; raise its limit "
+                    f"engine needs {self.padding_bytes} bytes (its padding block) to start; raise its limit "
                     f"(python -m vattn budget set {self.budget.name} --limit ...) or unset {ENV_VAR}")
             self.member.wait_for_memory(1.0)
+
+    # ---- a budget removed or damaged -----------------------------------------------------------
+
+    def guarded(self, operation: Callable[..., Any], *args: Any) -> Any:
+        """``operation(*args)``; a ``BudgetError`` (the budget removed, its segment truncated or
+        damaged) detaches the engine from the budget instead of escaping into vLLM's engine core."""
+        try:
+            return operation(*args)
+        except BudgetError as e:
+            self.detach(e)
+            return None
+
+    def detach(self, error: BaseException) -> None:
+        """The budget can no longer be used: the engine serves without it from now on (vLLM's own
+        block pool, nothing charged), and says so once. Caller holds the lock (or the keeper)."""
+        if self.detached:
+            return
+        self.detached = str(error)
+        self.headroom = self.credit = self.in_flight = 0  # nothing more to uncharge: releases still go out
+        try:
+            self.waits.give_back()  # requests set aside over the limit wait in vLLM's queue again
+        except BudgetError:
+            pass
+        for name in ("get_num_free_blocks", "get_new_blocks", "reset_prefix_cache"):
+            self.pool.__dict__.pop(name, None)  # vLLM's own methods again
+        self.member.leave()  # quiet on a removed or truncated segment
+        from vllm.logger import init_logger
+
+        init_logger("vllm.vattn").warning(
+            "vattn: budget '%s' can no longer be used (%s); this engine goes on serving without it: vLLM's "
+            "own block pool from now on, nothing charged (python -m vattn budget ls / top show what became of "
+            "the budget; restart the engine to join one again)", self.budget.name, error)
 
     def _excess_blocks(self) -> int:
         """Blocks the members hold above a lowered limit (0 within it)."""
@@ -220,6 +284,14 @@ class BudgetedBlockPool:
     def num_free_blocks(self) -> int:
         """``BlockPool.get_num_free_blocks`` under the budget: blocks vLLM can really get now. Inside
         ``allocate_slots`` the bytes of the blocks the request may take are granted first."""
+        if not self.detached:
+            try:
+                return self._budgeted_free_blocks()
+            except BudgetError as e:
+                self.detach(e)
+        return self.pool.free_block_queue.num_free_blocks
+
+    def _budgeted_free_blocks(self) -> int:
         with_pages, without = self._free_split()
         excess = self._excess_blocks()
         transferable = self._transferable(excess)
@@ -231,6 +303,18 @@ class BudgetedBlockPool:
         owed = max(0, excess - self.credit - self.in_flight)  # what releases under way do not cover yet
         grantable = self.budget.available_bytes // self.block_bytes + transferable + self.headroom
         return max(0, with_pages + min(without, grantable) - owed)
+
+    def blocks_alone(self, tokens: int) -> int:
+        """Blocks one request of ``tokens`` tokens needs on its own, every KV cache group (a
+        sliding-window group at most its window's blocks and one more)."""
+        total = 0
+        for manager in self.kv_manager.coordinator.single_type_managers:
+            blocks = -(-tokens // self.block_size)
+            window = getattr(manager.kv_cache_spec, "sliding_window", None)
+            if window:
+                blocks = min(blocks, -(-window // self.block_size) + 1)
+            total += blocks
+        return total
 
     def _blocks_wanted(self, request: Any, num_new_tokens: int, args: tuple, kwargs: dict) -> int:
         """At most how many blocks ``allocate_slots`` may hand out for ``request`` (every KV cache group)."""
@@ -254,29 +338,37 @@ class BudgetedBlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
         with self.lock:
             blocks = self._stock_get_new_blocks(num_blocks)  # checks num_free_blocks()
-            fresh = [b.block_id for b in blocks if not self.with_pages[b.block_id]]
-            need = len(fresh)
-            if need:
-                need = self._cover(need)
-            if need:
-                # the pool's order handed out blocks without pages: other free blocks' pages make room
-                self.counters["budget_limited_allocations"] += 1
-                self.release(need)
-                need = self._cover(need)
-            deadline = time.monotonic() + GRANT_WAIT_S
-            while need and not self.member.try_grant(need * self.block_bytes):
-                # another process took the bytes since the scheduler counted them: it is asked (a wait
-                # recorded) to give memory back; no worker creates these pages before they are charged
-                self.counters["grant_waits"] += 1
-                if time.monotonic() >= deadline:
-                    raise RuntimeError(
-                        f"vattn: vLLM's scheduler handed out {need} blocks whose {need * self.block_bytes} bytes "
-                        f"budget '{self.budget.name}' no longer grants: another process took them after the "
-                        f"scheduler counted them and gave nothing back within {GRANT_WAIT_S} s")
-                self.member.wait_for_memory(0.2)
-            self.with_pages[fresh] = True
-            self.num_with_pages += len(fresh)
+            if not self.detached:
+                try:
+                    self._charge_new(blocks)
+                except BudgetError as e:
+                    self.detach(e)
             return blocks
+
+    def _charge_new(self, blocks: list[Any]) -> None:
+        """Charges the blocks handed out that have no pages yet, before any worker can create them."""
+        fresh = [b.block_id for b in blocks if not self.with_pages[b.block_id]]
+        need = len(fresh)
+        if need:
+            need = self._cover(need)
+        if need:
+            # the pool's order handed out blocks without pages: other free blocks' pages make room
+            self.counters["budget_limited_allocations"] += 1
+            self.release(need)
+            need = self._cover(need)
+        deadline = time.monotonic() + GRANT_WAIT_S
+        while need and not self.member.try_grant(need * self.block_bytes):
+            # another process took the bytes since the scheduler counted them: it is asked (a wait
+            # recorded) to give memory back; no worker creates these pages before they are charged
+            self.counters["grant_waits"] += 1
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"vattn: vLLM's scheduler handed out {need} blocks whose {need * self.block_bytes} bytes "
+                    f"budget '{self.budget.name}' no longer grants: another process took them after the "
+                    f"scheduler counted them and gave nothing back within {GRANT_WAIT_S} s")
+            self.member.wait_for_memory(0.2)
+        self.with_pages[fresh] = True
+        self.num_with_pages += len(fresh)
 
     def _cover(self, need: int) -> int:
         """Charges ``need`` blocks handed out from pending releases' charge and the headroom; returns how
@@ -298,6 +390,7 @@ class BudgetedBlockPool:
             self.member.release(want)
         else:
             self.counters["waits_recorded"] += 1
+            self.waits.refused = want
 
     # ---- giving pages back ----------------------------------------------------------------
 
@@ -352,8 +445,8 @@ class BudgetedBlockPool:
             return
         if self.world_size > 1 and not scheduler_output.total_num_scheduled_tokens and self.confirm:
             self.confirm()  # no forward: no collective proved that every rank processed the step
-        if blocks:
-            self.member.release(blocks * self.block_bytes)
+        if blocks and not self.detached:
+            self.guarded(self.member.release, blocks * self.block_bytes)
             self.in_flight -= blocks
         self.counters["releases_confirmed"] += 1
 
@@ -363,8 +456,8 @@ class BudgetedBlockPool:
         ids, blocks = self.pending, self.credit
         self.pending, self.credit = [], 0
         self.local_pages.release(ids)
-        if blocks:
-            self.member.release(blocks * self.block_bytes)
+        if blocks and not self.detached:
+            self.guarded(self.member.release, blocks * self.block_bytes)
         self.counters["direct_releases"] += 1
 
     def kick(self) -> None:
@@ -384,11 +477,16 @@ class BudgetedBlockPool:
         return bool(self.scheduler.running) or bool(len(self.scheduler.waiting))
 
     def _keeper_loop(self) -> None:
-        while not self.closed:
+        while not self.closed and not self.detached:
             time.sleep(KEEPER_INTERVAL_S)
             try:
                 self._keeper_tick()
-            except Exception as e:  # noqa: BLE001 - a budget removed under us, shutdown; logged
+            except BudgetError as e:  # removed or damaged: the engine serves without it
+                with self.lock:
+                    self.detach(e)
+                self.kick()
+                return
+            except Exception as e:  # noqa: BLE001 - shutdown; logged
                 if self.closed:
                     return
                 from vllm.logger import init_logger
@@ -397,6 +495,10 @@ class BudgetedBlockPool:
                 time.sleep(1.0)
 
     def _keeper_tick(self) -> None:
+        with self.lock:
+            wake = self.waits.keeper_tick()
+        if wake and self.wake is not None:
+            self.wake()  # an engine idle while the budget refused: something changed
         want = self.member.pressure()
         idle = not self.idle_released and time.monotonic() - self.last_active >= self.idle_release_s
         with self.lock:
@@ -442,10 +544,11 @@ class BudgetedBlockPool:
     def stats(self) -> dict[str, Any]:
         with self.lock:
             with_pages, without = self._free_split()
-            return dict(self.counters, blocks_with_pages=int(self.num_with_pages), free_blocks_with_pages=with_pages,
-                        free_blocks_without_pages=without, block_bytes=self.block_bytes,
+            return dict(self.counters, **self.waits.stats(), blocks_with_pages=int(self.num_with_pages),
+                        free_blocks_with_pages=with_pages, free_blocks_without_pages=without,
+                        block_bytes=self.block_bytes, padding_bytes=self.padding_bytes,
                         held_bytes=self.member.held_bytes, budget=self.budget.name, label=self.member.label,
-                        world_size=self.world_size, idle_release_s=self.idle_release_s)
+                        world_size=self.world_size, idle_release_s=self.idle_release_s, detached=self.detached)
 
 
 def check_config(vllm_config: Any) -> None:
@@ -497,7 +600,7 @@ def attach(engine: Any) -> None:
     config = engine.vllm_config
     parallel = config.parallel_config
     label = member_label(config.model_config.served_model_name, parallel.tensor_parallel_size,
-                         parallel.pipeline_parallel_size)
+                         parallel.pipeline_parallel_size, data_parallel_rank(parallel))
     import torch
 
     budget, member = join_budget(None, torch.device(runtime.platform_device()), label)
@@ -511,10 +614,12 @@ def attach(engine: Any) -> None:
         wake = functools.partial(queue.put_nowait, (EngineCoreRequestType.WAKEUP, None))
 
     world = len(sizes)
+    padding = int(sum(executor.collective_rpc("vattn_padding_bytes")))
     pool = BudgetedBlockPool(engine.scheduler, member, budget, int(sum(sizes)), world, idle_release_setting(),
                              confirm=lambda: executor.collective_rpc(_processed), wake=wake,
-                             local_pages=worker_pages_here(executor) if world == 1 else None)
+                             local_pages=worker_pages_here(executor) if world == 1 else None, padding_bytes=padding)
     setattr(engine.scheduler, POOL_ATTRIBUTE, pool)
+    pool.waits.start_up_warning(config.model_config.max_model_len)
 
 
 def _processed(worker: Any) -> None:
@@ -535,15 +640,11 @@ def after_sleep(engine: Any, level: int) -> None:
         pool.release_all()
 
 
-def has_pending(scheduler: Any) -> bool:
-    """Releases wait to ride on a step (``Scheduler.has_requests`` says so, so that the engine steps)."""
-    pool = pool_of(scheduler)
-    return pool is not None and pool.has_pending()
-
-
-def locked(method: Any, after: Callable[[BudgetedBlockPool, Any, tuple, dict], None] | None = None) -> Any:
-    """``method`` of the scheduler under the budget's lock; then, still under it, ``after(pool, result,
-    args, kwargs)`` (the step's releases) and the engine's activity noted."""
+def locked(method: Any, before: Callable[[BudgetedBlockPool, tuple, dict], None] | None = None,
+           after: Callable[[BudgetedBlockPool, Any, tuple, dict], None] | None = None) -> Any:
+    """``method`` of the scheduler under the budget's lock, after ``before(pool, args, kwargs)``; then,
+    still under it, ``after(pool, result, args, kwargs)`` (the step's releases) and the engine's
+    activity noted."""
 
     @functools.wraps(method)
     def wrapper(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
@@ -551,6 +652,8 @@ def locked(method: Any, after: Callable[[BudgetedBlockPool, Any, tuple, dict], N
         if pool is None:
             return method(scheduler, *args, **kwargs)
         with pool.lock:
+            if before is not None:
+                before(pool, args, kwargs)
             out = method(scheduler, *args, **kwargs)
             if after is not None:
                 after(pool, out, args, kwargs)
@@ -560,14 +663,27 @@ def locked(method: Any, after: Callable[[BudgetedBlockPool, Any, tuple, dict], N
     return wrapper
 
 
+def before_schedule(pool: BudgetedBlockPool, args: tuple, kwargs: dict) -> None:
+    if not pool.detached:
+        pool.guarded(pool.waits.before_schedule)  # requests over the limit aside, back, or failed
+
+
 def after_schedule(pool: BudgetedBlockPool, scheduler_output: Any, args: tuple, kwargs: dict) -> None:
     pool.attach_release(scheduler_output)  # schedule's result: the step's output
+    if not pool.detached:
+        pool.guarded(pool.waits.after_schedule, scheduler_output.total_num_scheduled_tokens)
 
 
-def after_update_from_output(pool: BudgetedBlockPool, _: Any, args: tuple, kwargs: dict) -> None:
+def after_update_from_output(pool: BudgetedBlockPool, outputs: Any, args: tuple, kwargs: dict) -> None:
     pool.confirm_release(args[0] if args else kwargs["scheduler_output"])  # update_from_output's argument
+    pool.waits.report_failed(outputs)
 
 
-SCHEDULER_METHODS = (("schedule", after_schedule), ("update_from_output", after_update_from_output),
-                     ("finish_requests", None), ("reset_prefix_cache", None))
-"""The scheduler's block operations run under the budget's lock, each with what follows it."""
+def before_finish_requests(pool: BudgetedBlockPool, args: tuple, kwargs: dict) -> None:
+    pool.waits.take_back(args[0] if args else kwargs.get("request_ids"))  # aborted while set aside
+
+
+SCHEDULER_METHODS = (("schedule", before_schedule, after_schedule),
+                     ("update_from_output", None, after_update_from_output),
+                     ("finish_requests", before_finish_requests, None), ("reset_prefix_cache", None, None))
+"""The scheduler's block operations run under the budget's lock, each with what precedes and follows it."""

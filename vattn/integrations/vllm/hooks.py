@@ -10,11 +10,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from . import engine_budget
+from . import engine_budget, engine_wait
 from .attention import BACKEND_PATH
 from .configuration import configure
 from .worker import cleanup_profiling_kv_cache, initialize_kv_cache_tensors, update_states, worker_block_bytes
-from .worker import worker_pages, worker_stats
+from .worker import worker_padding_bytes, worker_pages, worker_stats
 
 _hooks_installed = False  # read and set by install_hooks alone
 
@@ -68,6 +68,7 @@ def _install_worker() -> None:
         CPUModelRunner._zero_block_ids = _skip_zeroing
     Worker.vattn_stats = worker_stats
     Worker.vattn_block_bytes = worker_block_bytes
+    Worker.vattn_padding_bytes = worker_padding_bytes
     Worker.vattn_worker_pages = worker_pages
 
 
@@ -110,12 +111,21 @@ def _install_engine_core() -> None:
                 pool.close()  # the engine core leaves the budget
 
     EngineCore.shutdown = shutdown
-    for name, after in engine_budget.SCHEDULER_METHODS:
-        setattr(Scheduler, name, engine_budget.locked(getattr(Scheduler, name), after))
+    for name, before, after in engine_budget.SCHEDULER_METHODS:
+        setattr(Scheduler, name, engine_budget.locked(getattr(Scheduler, name), before, after))
     stock_has_requests = Scheduler.has_requests
 
     @functools.wraps(stock_has_requests)
     def has_requests(scheduler: Any) -> bool:
-        return stock_has_requests(scheduler) or engine_budget.has_pending(scheduler)
+        return engine_wait.has_requests(engine_budget.pool_of(scheduler), stock_has_requests(scheduler))
 
     Scheduler.has_requests = has_requests
+    stock_step = EngineCore.step
+
+    @functools.wraps(stock_step)
+    def step(engine: Any) -> Any:
+        # the engine core in the caller's process: no busy loop while the budget refuses
+        engine_wait.block_before_step(engine_budget.pool_of(getattr(engine, "scheduler", None)))
+        return stock_step(engine)
+
+    EngineCore.step = step

@@ -21,7 +21,7 @@ from vattn.kernels import host as host_kernel
 from vattn.kernels.flash_attn import FlashAttentionKernel
 
 from .configuration import LAYOUT_SETTING, SWITCH, choose_layout, granularity, loaded_kernel, serving_kernel
-from .worker_budget import RELEASE_ATTRIBUTE, WorkerPages, block_bytes, release_blocks
+from .worker_budget import RELEASE_ATTRIBUTE, WorkerPages, block_bytes, padding_bytes, release_blocks
 from .worker_cache import WorkerCache
 
 RUNNER_ATTRIBUTE = "vattn_cache"  # the model runner holds its WorkerCache here
@@ -285,6 +285,13 @@ def worker_block_bytes(worker: Any) -> int | None:
     rank's to charge a block to a budget."""
     cache = getattr(worker.model_runner, RUNNER_ATTRIBUTE, None)
     return None if cache is None else block_bytes(cache)
+
+
+def worker_padding_bytes(worker: Any) -> int:
+    """``collective_rpc("vattn_padding_bytes")``: the bytes of vLLM's null block this worker created
+    (its padding slices map it from start-up), 0 where none; the engine core charges their sum."""
+    cache = getattr(worker.model_runner, RUNNER_ATTRIBUTE, None)
+    return 0 if cache is None else padding_bytes(cache)
 
 
 def worker_pages(worker: Any) -> WorkerPages | None:

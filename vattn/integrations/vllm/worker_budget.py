@@ -22,26 +22,47 @@ def block_bytes(cache: WorkerCache) -> int:
     return cache.manager.page_size * cache.manager.config.num_buffers
 
 
+def padding_bytes(cache: WorkerCache) -> int:
+    """The bytes of the pages this worker's padding slices map from start-up (a kernel that runs in
+    CUDA graphs: the framework's null block, and a scratch page where the kernel reads past a row):
+    one block's bytes per distinct page id; 0 without padding slices."""
+    ids: set[int] = set()
+    for group in cache.groups:
+        if group.padding is not None:
+            ids.update(cache.manager.page_ids(group.placer.first_reqid + group.padding))
+    return len(ids) * block_bytes(cache)
+
+
 def release_blocks(cache: WorkerCache, ids: Sequence[int]) -> int:
     """In a worker, before its forward: gives back the pages of block ids the scheduler freed and
-    decided to release. Finished requests' slices still map their last blocks (deferred
-    reclamation): they are unmapped first. A slice that still maps one of them (a preempted
-    request's, which vLLM resumes with new blocks; a block behind a sliding window not unmapped
-    yet) is given up: its request gets a fresh slice, mapped again from its block table, at its next
-    forward. Returns how many ids were mapped nowhere at the end (released, or never created)."""
+    decided to release, without waiting for the device. Finished requests' slices still map their
+    last blocks (deferred reclamation): those the device is done reading are unmapped first. A slice
+    that still maps one of them (a preempted request's, which vLLM resumes with new blocks; a block
+    behind a sliding window not unmapped yet) is given up: its request gets a fresh slice, mapped
+    again from its block table, at its next forward. Ids a slice the device still reads keeps mapped
+    (its read fence not passed: the forward before this one, under asynchronous scheduling) wait in
+    ``cache.release_backlog`` for the next release, counted in ``cache.releases_deferred``; a step
+    never waits for the device here. Returns how many ids were mapped nowhere at the end (released,
+    or never created)."""
     manager = cache.manager
-    ids = [int(i) for i in ids]
-    for group in cache.groups:
-        group.placer.reclaim_free()
-    released = set(manager.release_pages(ids))
-    rest = {i for i in ids if i not in released}
+    wanted = sorted({int(i) for i in ids} | cache.release_backlog)
+    manager.reclaim_freed(wait=False)  # only slices whose readers the device has finished
+    released = set(manager.release_pages(wanted))
+    rest = {i for i in wanted if i not in released}
+    backlog: set[int] = set()
     if rest:
         for group in cache.groups:
             group.placer.release_holding(rest)
-        for group in cache.groups:
-            group.placer.reclaim_free()
-        manager.release_pages(sorted(rest))
-    return len(ids)
+        _, still_read = manager.reclaim_freed(wait=False)
+        released.update(manager.release_pages(sorted(rest)))
+        rest -= released
+        if still_read:  # freed slices the device still reads keep some mapped; the rest was never created
+            mapped = {page for group in cache.groups for reqid in group.placer.all_reqids.tolist()
+                      for page in manager.page_ids(reqid)}
+            backlog = rest & mapped
+    cache.releases_deferred += len(backlog - cache.release_backlog)
+    cache.release_backlog = backlog
+    return len(wanted) - len(backlog)
 
 
 @dataclasses.dataclass(frozen=True)

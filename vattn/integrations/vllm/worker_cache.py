@@ -92,6 +92,9 @@ class WorkerCache:
     map_ns: int = 0  # time spent mapping and unmapping, all forwards
     forwards: int = 0
     padding_tokens: int = 0  # rows of each padding slice that are mapped (whole blocks); 0: no padding slices
+    # a budget's released block ids whose pages a slice the device still reads kept: released at a later step
+    release_backlog: set[int] = dataclasses.field(default_factory=set)
+    releases_deferred: int = 0  # block ids whose release waited for a later step that way
     _warm_up_rows: bool = False  # the last forward had rows without a request
 
     @classmethod
@@ -212,4 +215,5 @@ class WorkerCache:
         return dict(stats, layout=self.manager.config.layout, kernel=self.kernel.name, map_ns=self.map_ns,
                     mapping=mapping, time_s_series=list(self.time_s), bytes_mapped_series=list(self.bytes_in_requests),
                     tokens_series=list(self.tokens), bytes_behind_windows_series=list(self.behind_windows),
-                    groups=[dict(layers=len(g.layer_names), window=g.window) for g in self.groups])
+                    groups=[dict(layers=len(g.layer_names), window=g.window) for g in self.groups],
+                    releases_deferred=self.releases_deferred, release_backlog=len(self.release_backlog))
