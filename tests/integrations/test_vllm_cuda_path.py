@@ -540,3 +540,33 @@ def test_flash_attention_3_declares_a_key_tile_of_footprint_and_the_masking_kern
         assert not fa2.read_footprint(case)
         for key in ("flash_attn", "torch_flash", "sdpa", "host", "flashinfer"):
             assert not KERNELS[key].read_footprint(case), key
+
+
+def test_the_scratch_page_holds_zeros_whatever_its_fresh_memory_held(fake_vllm_build, monkeypatch):
+    """FlashAttention-3's tiles read the scratch page past a request's end and
+    weigh its rows by zero: a NaN there would still reach the output. A
+    device's fresh memory holds whatever it held, so the build zeroes the page
+    (stood in for here by filling every page the build maps with NaN as it is
+    mapped)."""
+    real_map_pages = vattn.KVCacheManager.map_pages
+
+    def map_pages_onto_garbage(manager, reqids, starts, page_ids, counts=None):
+        real_map_pages(manager, reqids, starts, page_ids, counts)
+        for buffer in manager.buffers():
+            for reqid in np.atleast_1d(reqids):
+                buffer[int(reqid)].fill_(float("nan"))  # the padding slice is mapped whole (4 blocks of 16 rows)
+
+    kernel = plugin.loaded_kernel(KERNELS["flash_attn"], head_size=32)
+    spec = types.SimpleNamespace(num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=16)
+    runner = fake_runner(torch.device("cpu"), 4, 64, 4)
+    case = AttentionCase("cpu", 32, torch.float32, torch.float32, num_kv_heads=2, max_context_len=64)
+    monkeypatch.setattr(vattn.KVCacheManager, "map_pages", map_pages_onto_garbage)
+    cache = vllm_worker.build_cache(runner, one_group_config(spec, 40), spec, kernel, case)
+    try:
+        pad = cache.groups[0].padding
+        assert cache.manager.page_ids(pad) == [plugin.NULL_BLOCK_ID, 40, 40, 40]
+        for buffer in cache.manager.buffers():
+            assert torch.isnan(buffer[pad, :16]).all()  # the null block: never read as keys, left as it is
+            assert torch.equal(buffer[pad, 16:], torch.zeros_like(buffer[pad, 16:]))  # the scratch page, thrice
+    finally:
+        cache.manager.cleanup()
