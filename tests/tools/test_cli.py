@@ -119,6 +119,21 @@ def test_demo_options_that_give_no_cache_end_in_one_line(capsys):
         "physical_memory must be at least one page per buffer" in line and "got 4096" in line
 
 
+def test_demo_gives_the_cache_its_eager_tokens(monkeypatch, capsys):
+    import vattn.engine
+
+    built_engine, policies = vattn.engine.Engine, []
+
+    def engine_then_stop(*args, **options):  # the demo's engine, read, closed, and the demo stopped there
+        with built_engine(*args, **options) as built:
+            policies.append(built.kv.policy)
+        raise ValueError("stopped after the cache was built")
+
+    monkeypatch.setattr(vattn.engine, "Engine", engine_then_stop)
+    assert main(["demo", "--quick", "--eager-tokens", "48"]) == 2
+    assert [p["eager_tokens"] for p in policies] == [48]
+    assert "stopped after the cache was built" in capsys.readouterr().err
+
 def test_import_vattn_leaves_torch_to_first_use():
     """`import vattn` (the first thing `python -m vattn` does) loads no torch; the names
     that need it load it when first used, with KVCacheManager's parameter list for init."""
