@@ -4,6 +4,7 @@ and ``StaticCache``.
 
     python benchmarks/engine_e2e.py                  # bf16 on the GPU (fp32 on the CPU)
     python benchmarks/engine_e2e.py --tiny           # a 2-layer model, for a smoke run
+    python benchmarks/engine_e2e.py --dtype bfloat16 --rounds 5 --aa vattn   # the committed CPU run
 
 Model: the shape of Llama-3.2-1B (16 layers, hidden 2048, 32 query heads,
 8 KV heads x 64, MLP 8192, vocabulary 128256, tied embeddings), random
@@ -15,7 +16,10 @@ off and every request generates exactly ``--new-tokens`` tokens. Workload:
   vattn    vattn.engine.Engine: continuous batching of up to
            ``--batch`` requests, K/V written into the vattn cache (per-layer
            pages) and read in place by the kernel select_kernel picks, named
-           in the result (no padding, no block table)
+           in the result (no padding, no block table); on CUDA its decode
+           iterations replay CUDA graphs (the engine's default)
+  vattn-nographs  the same with every iteration eager (cuda_graphs=False;
+           on the CPU the same as vattn)
   vattn-all_layers  the same with the all_layers layout: a page holds a
            token's rows of every layer, so it holds num_layers times fewer
            tokens (less memory past each request's end, more pages)
@@ -27,13 +31,24 @@ off and every request generates exactly ``--new-tokens`` tokens. Workload:
 Reported per run: generated tokens per second (wall clock, prefill
 included, after one warm-up run of each), and KV bytes: vattn the peak
 bytes mapped (pages_mapped_peak x page_size); dynamic and static the K/V
-tensors' bytes at the end of the largest group. Writes
-benchmarks/results/engine_e2e_<machine>.json and a plot.
+tensors' bytes at the end of the largest group.
+
+Rounds. ``--rounds R`` runs every cache R times, the order reversed every
+other round, so that a machine whose speed drifts (a shared one) favours no
+cache; ``--aa CACHE`` runs that cache a second time in each round, at the
+other end of the order, labelled ``CACHE-again``. Reported: per cache the
+median tokens per second, and per pair (each vattn cache against dynamic
+and static, and the A/A pair) the median of the per-round ratios with their
+minimum and maximum. The A/A pair's interval is the noise floor: a ratio
+whose interval lies within it is no difference.
+
+Writes benchmarks/results/engine_e2e[_<tag>]_<machine>.json and a plot.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from typing import Any
@@ -70,9 +85,9 @@ def sync(device: torch.device) -> None:
 
 
 def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, device: torch.device,
-              layout: str = "per_layer") -> dict:
+              layout: str = "per_layer", graphs: bool | None = None) -> dict:
     from vattn.engine import engine as engine_module
-    options: dict[str, Any] = {"layout": layout}
+    options: dict[str, Any] = {"layout": layout, "cuda_graphs": graphs}
     if device.type == "cuda":
         options["sync_streams"] = torch.cuda.current_stream()  # reclaim waits for the model's stream only
     with engine_module.Engine(model, max_batch_size=args.batch, max_context_len=args.prompt_len + args.new_tokens,
@@ -85,9 +100,10 @@ def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, de
         seconds = time.perf_counter() - t
         stats = engine.stats()
     tokens = sum(len(o) for o in outputs)
-    return {"cache": "vattn" if layout == "per_layer" else f"vattn-{layout}", "kernel": stats["attention_kernel"], "seconds": seconds, "generated_tokens": tokens, "tokens_per_s": tokens / seconds,
-            "kv_bytes": stats["pages_mapped_peak"] * stats["page_size"], "kv_bytes_what": "peak bytes mapped",
-            "page_size": stats["page_size"], "preemptions": stats["preemptions"], "iterations": stats["iterations"]}
+    return {"kernel": stats["attention_kernel"], "seconds": seconds, "generated_tokens": tokens,
+            "tokens_per_s": tokens / seconds, "kv_bytes": stats["pages_mapped_peak"] * stats["page_size"],
+            "kv_bytes_what": "peak bytes mapped", "page_size": stats["page_size"], "preemptions": stats["preemptions"],
+            "iterations": stats["iterations"], "decode_graph_replays": stats["decode_graph_replays"]}
 
 
 def cache_bytes(cache: Any) -> int:
@@ -122,8 +138,54 @@ def run_hf(model: Any, prompts: list[list[int]], args: argparse.Namespace, devic
         kv_bytes = max(kv_bytes, cache_bytes(out.past_key_values))
     sync(device)
     seconds = time.perf_counter() - t
-    return {"cache": kind, "seconds": seconds, "generated_tokens": tokens, "tokens_per_s": tokens / seconds,
+    return {"seconds": seconds, "generated_tokens": tokens, "tokens_per_s": tokens / seconds,
             "kv_bytes": kv_bytes, "kv_bytes_what": "K/V tensors at the end of the largest group"}
+
+
+def run_cache(kind: str, model: Any, prompts: list[list[int]], args: argparse.Namespace,
+              device: torch.device) -> dict:
+    """One run of ``kind``: vattn[-LAYOUT][-nographs], dynamic or static."""
+    if kind.startswith("vattn"):
+        parts = kind.split("-")[1:]
+        layouts = [p for p in parts if p != "nographs"]
+        return run_vattn(model, prompts, args, device, layouts[0] if layouts else "per_layer",
+                         False if "nographs" in parts else None)
+    return run_hf(model, prompts, args, device, kind)
+
+
+def order_of(caches: list[str], aa: str | None, round_index: int) -> list[str]:
+    """The runs of one round: every cache, then the A/A cache again; reversed every other round."""
+    order = caches + ([f"{aa}-again"] if aa else [])
+    return order if round_index % 2 == 0 else order[::-1]
+
+
+def ratio_pairs(caches: list[str], aa: str | None) -> list[tuple[str, str]]:
+    """(numerator, denominator): each vattn cache against each transformers cache, and the A/A pair."""
+    pairs = [(v, h) for v in caches if v.startswith("vattn") for h in caches if not h.startswith("vattn")]
+    if "vattn" in caches:
+        pairs += [(v, "vattn") for v in caches if v.startswith("vattn") and v != "vattn"]
+    if aa:
+        pairs.append((f"{aa}-again", aa))
+    return pairs
+
+
+def summarize(runs: list[dict], caches: list[str], aa: str | None) -> tuple[dict, dict]:
+    """Per cache: median, min and max tokens/s over rounds; per pair: the
+    per-round ratios of tokens/s, their median, min and max."""
+    by_round: dict[int, dict[str, float]] = {}
+    for r in runs:
+        by_round.setdefault(r["round"], {})[r["cache"]] = r["tokens_per_s"]
+    per_cache = {}
+    for cache in caches + ([f"{aa}-again"] if aa else []):
+        values = [rates[cache] for rates in by_round.values() if cache in rates]
+        per_cache[cache] = {"tokens_per_s_median": statistics.median(values), "tokens_per_s_min": min(values),
+                            "tokens_per_s_max": max(values), "rounds": len(values)}
+    ratios = {}
+    for num, den in ratio_pairs(caches, aa):
+        values = [rates[num] / rates[den] for rates in by_round.values() if num in rates and den in rates]
+        ratios[f"{num} / {den}"] = {"median": statistics.median(values), "min": min(values), "max": max(values),
+                                    "per_round": values}
+    return per_cache, ratios
 
 
 def main() -> int:
@@ -136,38 +198,60 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=1024 if gpu else 128, help="longest prompt (tokens)")
     p.add_argument("--new-tokens", type=int, default=128 if gpu else 16)
     p.add_argument("--tiny", action="store_true", help="a 2-layer model instead of the 1B shape")
-    p.add_argument("--caches", default="vattn,vattn-all_layers,dynamic,static")
+    p.add_argument("--caches", default="vattn,vattn-all_layers,dynamic,static",
+                   help="comma-separated: vattn[-all_layers][-nographs], dynamic, static")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every cache, the order reversed every other round")
+    p.add_argument("--aa", default=None, help="a cache of --caches run twice per round (the A/A pair)")
+    p.add_argument("--tag", default="", help="a name part for the result files: engine_e2e_<tag>_<machine>")
     args = p.parse_args()
+    caches = args.caches.split(",")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.aa is not None and args.aa not in caches:
+        p.error(f"--aa must name one of --caches ({args.caches}), got {args.aa!r}")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     shape = TINY if args.tiny else LLAMA_3_2_1B
     model = make_model(shape, device, dtype)
     prompts = prompts_for(args.requests, args.prompt_len, shape["vocab_size"])
-    results = []
-    for kind in args.caches.split(","):
-        if kind.startswith("vattn"):
-            r = run_vattn(model, prompts, args, device, kind.partition("-")[2] or "per_layer")
-        else:
-            r = run_hf(model, prompts, args, device, kind)
-        results.append(r)
-        print(f"{kind:8s}: {r['tokens_per_s']:9.1f} tokens/s ({r['generated_tokens']} tokens in {r['seconds']:.2f} s), "
-              f"KV {r['kv_bytes'] / 2**20:9.1f} MiB ({r['kv_bytes_what']})", flush=True)
+    runs = []
+    for round_index in range(args.rounds):
+        for label in order_of(caches, args.aa, round_index):
+            r = dict(cache=label, round=round_index,
+                     **run_cache(label.removesuffix("-again"), model, prompts, args, device))
+            runs.append(r)
+            print(f"round {round_index} {label:16s}: {r['tokens_per_s']:9.1f} tokens/s ({r['generated_tokens']} "
+                  f"tokens in {r['seconds']:.2f} s), KV {r['kv_bytes'] / 2**20:9.1f} MiB ({r['kv_bytes_what']})",
+                  flush=True)
+    per_cache, ratios = summarize(runs, caches, args.aa)
+    for pair, q in ratios.items():
+        print(f"{pair:32s}: median {q['median']:.3f}x over {len(q['per_round'])} rounds "
+              f"(min {q['min']:.3f}x, max {q['max']:.3f}x)")
     m = machine()
-    slug = machine_slug(m)
-    path = write_json(f"engine_e2e_{slug}", {
+    name = f"engine_e2e_{args.tag + '_' if args.tag else ''}{machine_slug(m)}"
+    path = write_json(name, {
         "benchmark": "engine_e2e", "machine": m, "model": "tiny" if args.tiny else "Llama-3.2-1B shape, random weights",
         "config": shape, "device": str(device), "dtype": args.dtype, "requests": args.requests, "batch": args.batch,
-        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "results": results})
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "rounds": args.rounds, "aa": args.aa,
+        "order": "every cache once per round, the order reversed every other round",
+        "caches": per_cache, "ratios": ratios, "results": runs})
     print(f"wrote {path}")
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    names = [r["cache"] for r in results]
-    axes[0].bar(names, [r["tokens_per_s"] for r in results])
-    axes[0].set_ylabel("generated tokens / s")
-    axes[1].bar(names, [r["kv_bytes"] / 2**20 for r in results])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    names = list(per_cache)
+    medians = [per_cache[c]["tokens_per_s_median"] for c in names]
+    spans = [[med - per_cache[c]["tokens_per_s_min"] for c, med in zip(names, medians)],
+             [per_cache[c]["tokens_per_s_max"] - med for c, med in zip(names, medians)]]
+    axes[0].bar(names, medians, yerr=spans, capsize=4)
+    axes[0].set_ylabel(f"generated tokens / s (median, min-max of {args.rounds})")
+    kv = {r["cache"]: r["kv_bytes"] for r in runs}
+    axes[1].bar(names, [kv[c] / 2**20 for c in names])
     axes[1].set_ylabel("KV MiB")
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=30, labelsize=7)
     fig.suptitle(f"{'tiny model' if args.tiny else 'Llama-3.2-1B shape'} {args.dtype}, {args.requests} requests, "
-                 f"batch {args.batch} — {m['gpu'] or m['cpu']}", fontsize=9)
-    save_plot(fig, f"engine_e2e_{slug}")
+                 f"batch {args.batch}, {args.rounds} alternated rounds — {m['gpu'] or m['cpu']}", fontsize=9)
+    fig.tight_layout()
+    save_plot(fig, name)
     return 0
 
 

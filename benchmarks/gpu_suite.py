@@ -27,7 +27,12 @@ Stages, each a subprocess with a time limit, its output in OUTDIR/gpu_suite.log:
                 FlashAttention-2 varlen over the cache), mapper on/off, CUDA
                 graphs on/off
   prefill       admitting a prompt: synchronous mapping vs the policies
-  engine_e2e    Llama-3.2-1B-shaped engine vs transformers' caches
+  engine_e2e    Llama-3.2-1B-shaped engine vs transformers' caches (the
+                engine's decode iterations replay CUDA graphs, its default)
+  engine_e2e_graphs  the same engine with CUDA graphs and without
+                (cuda_graphs=False), 3 alternated rounds and an A/A pair
+                (the engine with graphs twice): what the graphs gain, against
+                the noise between two runs of one engine
   host_kernel   the host attention kernel's tests on this machine's CPU
                 (last, if time is left: a GPU server's CPU may have
                 AVX-512 or AMX-BF16, which the kernel's development CPU
@@ -153,6 +158,8 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
                               "both", "--batch", "16", "--stagger", "--iterations", "600"], 180),
             ("prefill", [py, str(BENCH / "prefill.py"), "--device", "cuda"], 120),
             ("engine_e2e", [py, str(BENCH / "engine_e2e.py")], 240),
+            ("engine_e2e_graphs", [py, str(BENCH / "engine_e2e.py"), "--caches", "vattn,vattn-nographs", "--rounds",
+                                   "3", "--aa", "vattn", "--requests", "32", "--tag", "graphs"], 150),
             ("host_kernel", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml",
                              "{out}/host_kernel_tests.xml", *HOST_KERNEL_TESTS, "-k", "not qemu and not sve256"], 150),
         ]
@@ -177,6 +184,10 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
         ("prefill", [py, str(BENCH / "prefill.py"), "--device", device, "--prompts", "1024", "--reps", "1"], 120),
         ("engine_e2e", [py, str(BENCH / "engine_e2e.py"), "--tiny", "--requests", "4", "--batch", "2",
                         "--prompt-len", "32", "--new-tokens", "4"], 120),
+        # on the CPU both caches run eagerly: the stage's rounds and A/A pair, not its graphs
+        ("engine_e2e_graphs", [py, str(BENCH / "engine_e2e.py"), "--tiny", "--requests", "4", "--batch", "2",
+                               "--prompt-len", "32", "--new-tokens", "4", "--caches", "vattn,vattn-nographs",
+                               "--rounds", "2", "--aa", "vattn", "--tag", "graphs"], 120),
         ("host_kernel", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml",
                          "{out}/host_kernel_tests.xml", HOST_KERNEL_TESTS[0], "-k", "nan_reaches"], 120),
     ]

@@ -109,7 +109,7 @@ def test_every_stage_runs(dry_run):
     assert summary["dry_run"] is True
     assert [s["name"] for s in summary["stages"]] == ["build", "tests", "vmm_latency", "flashinfer_jit", "attention_ab",
                                                        "decode_trace", "decode_trace_host_model", "prefill",
-                                                       "engine_e2e", "host_kernel"]
+                                                       "engine_e2e", "engine_e2e_graphs", "host_kernel"]
     assert all(s["status"] == "ok" for s in summary["stages"]), summary["stages"]
     # the GPU tests ran on the host and the fake driver (the GPU variants skipped, with their reason)
     assert summary["tests"]["failed"] == summary["tests"]["errors"] == 0
@@ -123,7 +123,7 @@ def test_every_stage_runs(dry_run):
 def test_each_benchmark_writes_json_naming_the_machine(dry_run):
     out, _ = dry_run
     for name in BENCHMARKS:
-        files = [p for p in out.glob(f"{name}_*.json") if "_host_model_" not in p.name]
+        files = [p for p in out.glob(f"{name}_*.json") if "_host_model_" not in p.name and "_graphs_" not in p.name]
         assert len(files) == 1, f"{name}: {sorted(p.name for p in out.iterdir())}"
         data = json.loads(files[0].read_text())
         assert data["dry_run"] is True and data["benchmark"] == name
@@ -133,6 +133,21 @@ def test_each_benchmark_writes_json_naming_the_machine(dry_run):
         assert (out / f"{files[0].stem}.png").exists()
     summary = json.loads((out / "gpu_suite.json").read_text())
     assert MACHINE_FIELDS <= set(summary["machine"])
+
+
+def test_the_engine_graphs_stage_alternates_rounds_with_an_aa_pair(dry_run):
+    """engine_e2e_graphs: the engine with and without CUDA graphs (on the CPU
+    both eager), 2 rounds in alternating order, the engine with graphs twice."""
+    out, _ = dry_run
+    data = json.loads(next(out.glob("engine_e2e_graphs_*.json")).read_text())
+    assert data["dry_run"] is True and data["rounds"] == 2 and data["aa"] == "vattn"
+    orders = [[r["cache"] for r in data["results"] if r["round"] == i] for i in range(2)]
+    assert orders == [["vattn", "vattn-nographs", "vattn-again"], ["vattn-again", "vattn-nographs", "vattn"]]
+    assert set(data["ratios"]) == {"vattn-nographs / vattn", "vattn-again / vattn"}
+    aa = data["ratios"]["vattn-again / vattn"]
+    assert len(aa["per_round"]) == 2 and aa["min"] <= aa["median"] <= aa["max"]
+    assert all(r["decode_graph_replays"] is None for r in data["results"])  # no graphs on the CPU
+    assert (out / f"{next(out.glob('engine_e2e_graphs_*.json')).stem}.png").exists()
 
 
 def test_the_model_forward_ran_on_the_host(dry_run):
