@@ -258,7 +258,7 @@ class EagerGraph:
         EagerGraph.made.append(self)
 
     def capture(self, run, kv):
-        with kv.graph_capture():  # the mapper's batch in flight lands on entry; nothing maps after
+        with kv.graph_capture():  # the mapper's round in flight lands on entry; nothing maps after
             mapped = kv.stats()["page_mappings"]
             self.output = run()
             assert kv.stats()["page_mappings"] == mapped, "a capture mapped pages"
