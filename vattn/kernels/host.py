@@ -15,7 +15,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from .batch import AttentionBatch
-from .protocol import AttentionCase, Kernel, KernelPlan, Support, check_layer
+from .protocol import AttentionCase, Kernel, KernelPlan, LayerViews, Support, check_layer
 
 _native_module: Any = None
 
@@ -101,6 +101,19 @@ class HostKernel(Kernel):
             None if k is None else to_dlpack(k), None if v is None else to_dlpack(v),
             None if lse is None else to_dlpack(lse), scale, logits_soft_cap or 0.0, sliding_window or 0, isa)
         return (out, lse) if return_lse else out
+
+
+    def run_layer(self, plan: KernelPlan, views: LayerViews, q: torch.Tensor, k: torch.Tensor | None,
+                  v: torch.Tensor | None, out: torch.Tensor, softmax_scale: float | None,
+                  sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+        """:meth:`Kernel.run_layer`: the extension's one call (it writes the
+        new K/V and checks the shapes itself), with no check of vattn's."""
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        _native_module.attention(
+            plan.native, to_dlpack(q), to_dlpack(views.k_cache), to_dlpack(views.v_cache), to_dlpack(out),
+            None if k is None else to_dlpack(k), None if v is None else to_dlpack(v), None, scale,
+            logits_soft_cap or 0.0, sliding_window or 0, None)
+        return out
 
 
 def info() -> dict[str, Any]:

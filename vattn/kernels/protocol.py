@@ -121,6 +121,23 @@ class ReadFootprint(NamedTuple):
 NO_FOOTPRINT = ReadFootprint()
 
 
+class LayerViews(NamedTuple):
+    """One layer's cache as a kernel reads and writes it, made once per
+    cache (:meth:`Kernel.layer_views`), not per forward or per layer call:
+    what :meth:`Kernel.run_layer` takes in place of the cache views. Valid
+    as long as the cache's memory (a :class:`vattn.KVCacheManager` keeps
+    its address range for its life)."""
+
+    k_cache: torch.Tensor  # [B_max, L, H_kv, D]: the layer's K view the views were made of
+    v_cache: torch.Tensor  # [B_max, L, H_kv, D]: its V view
+    k_read: torch.Tensor  # what the kernel reads K from (FlashAttention: pages; torch's: token rows; else k_cache)
+    v_read: torch.Tensor  # the same for V
+    k_rows: torch.Tensor | None = None  # [B_max * S, H_kv, D] token rows new K is written into; None: not written so
+    v_rows: torch.Tensor | None = None  # the same for V
+    rows_per_slice: int = 0  # S, token rows from one slice's row 0 to the next's; 0: not a whole number
+    library: Any = None  # the kernel's loaded library (FlashAttention's module), looked up once
+
+
 class KernelPlan:
     """A forward's batch as one kernel prepared it: made by
     :meth:`Kernel.plan` once per forward, read by every layer's
@@ -217,6 +234,35 @@ class Kernel(abc.ABC):
             raise WrongDevice(f"{what} needs {' or '.join(d.upper() for d in self.devices)} tensors, "
                                      f"got {on}")
 
+    def layer_views(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> LayerViews:
+        """``k_cache`` and ``v_cache`` (one layer's ``[B_max, L, H_kv, D]``
+        views) as :meth:`run_layer` reads and writes them, made once per
+        cache. Raises ``ValueError`` where the kernel cannot read this
+        cache's geometry. By default the views themselves."""
+        check_cache_shapes(k_cache, v_cache)
+        return LayerViews(k_cache, v_cache, k_cache, v_cache)
+
+    def check_forward(self, plan: KernelPlan, views: LayerViews) -> None:
+        """What :meth:`run` checks per layer and depends on the forward and
+        the cache alone, once per forward for every layer whose views share
+        ``views``' geometry and mapping (the layers of one cache): the caches'
+        shapes against the plan's batch and the plan's mapping check
+        (:func:`check_views`). Raises as :meth:`run` would."""
+        check_views(self, plan, views.k_cache, views.v_cache)
+
+    def run_layer(self, plan: KernelPlan, views: LayerViews, q: torch.Tensor, k: torch.Tensor | None,
+                  v: torch.Tensor | None, out: torch.Tensor, softmax_scale: float | None,
+                  sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+        """:meth:`run` for a caller that checked the forward once
+        (:meth:`check_forward` on ``views``, the options and tensors' devices
+        and shapes at start-up): one layer with no check of vattn's, the
+        kernel's own call and the one cache write it needs, into ``out``
+        (``[T, H_q, D]``). Tensors the kernel's library takes are still
+        checked by it. By default :meth:`run`, checks included (kernels that
+        have nothing to save per layer)."""
+        return self.run(plan, q, views.k_cache, views.v_cache, k, v, out=out, softmax_scale=softmax_scale,
+                        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+
     def read_footprint(self, case: AttentionCase) -> ReadFootprint:
         """The rows :meth:`run` may read beyond each request's visible rows
         for ``case`` (:class:`ReadFootprint`); whoever maps the cache for
@@ -298,6 +344,19 @@ def check_layer(kernel: Kernel, plan: KernelPlan, q: torch.Tensor, k_cache: torc
         check_query(q, k_cache, tokens)
         if k is not None or v is not None:
             check_new_kv(k_cache, tokens, k, v)
+    if plan.check is not None:
+        plan.check(k_cache, v_cache, kernel.name)
+
+
+def check_views(kernel: Kernel, plan: KernelPlan, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The part of :func:`check_layer` that depends on the caches and the
+    plan alone: the caches' shapes against the plan's batch (any batch when
+    the plan is padding only), then the plan's mapping check. What
+    :meth:`Kernel.check_forward` runs once per forward."""
+    if plan.batch is not None:
+        plan.batch.check_cache(k_cache, v_cache)
+    else:
+        check_cache_shapes(k_cache, v_cache)
     if plan.check is not None:
         plan.check(k_cache, v_cache, kernel.name)
 

@@ -13,7 +13,11 @@ cache is such a tensor already: every slice is the same number of token rows
 reqid order. Queries of any lengths share the call (``cu_seqlens_q``).
 
 This is the kernel vattn runs on CUDA where the flash-attn package is not
-installed, instead of a loop of SDPA calls over the batch's requests.
+installed, instead of a loop of SDPA calls over the batch's requests. Run
+through :meth:`TorchFlashKernel.run_layer` (the cache's token rows made once,
+:meth:`TorchFlashKernel.layer_views`; the key starts and each new token's row
+made by the plan, once per forward) a layer is two ``index_copy_``, the op and
+the copy of its result into ``out``.
 """
 
 from __future__ import annotations
@@ -23,34 +27,19 @@ from typing import Any
 import torch
 
 from .batch import AttentionBatch, token_rows
-from .flash_attn import FlashAttentionBuffers
-from .protocol import AttentionCase, Kernel, KernelPlan, Support, check_layer
+from .flash_attn import FlashAttentionBuffers, cache_rows, flat_token_rows
+from .protocol import AttentionCase, Kernel, KernelPlan, LayerViews, Support, check_layer
 
-
-def cache_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A ``[B, L, H, D]`` cache view (a layer of either layout) as the token
-    rows of every slice, ``[B * S, H, D]``, and ``S``: request ``r``'s rows
-    start at row ``r * S``. ``S`` (slice stride over token stride) is at least
-    ``L`` and in general not ``L``, so ``view(-1, H, D)`` would not do.
-    Raises ``ValueError`` where a slice is not a whole number of token rows
-    (an all_layers page that ends inside a token's row of all layers): no
-    varlen kernel reads such a cache."""
-    slice_elements, row = cache.stride(0), cache.stride(1)
-    if slice_elements % row:
-        raise ValueError(f"a slice of {slice_elements} elements is not a whole number of {row}-element token rows, so the "
-                         "cache has no [rows, H, D] view for varlen kernels")
-    rows_per_slice = slice_elements // row
-    flat = cache.as_strided((cache.shape[0] * rows_per_slice, *cache.shape[2:]), (row, *cache.stride()[2:]))
-    return flat, rows_per_slice
+__all__ = ["TorchFlashKernel", "TorchFlashPlan", "cache_rows"]
 
 
 class TorchFlashPlan(KernelPlan):
     """The batch as one varlen call of torch's FlashAttention-2."""
 
     __slots__ = ("cu_seqlens_q", "seqused_k", "reqids", "max_seqlen_q", "max_seqlen_k", "token_reqids",
-                 "token_positions", "num_tokens", "_key_starts")
+                 "token_positions", "num_tokens", "flat_rows", "rows_per_slice", "_key_starts")
 
-    def __init__(self, batch: AttentionBatch) -> None:
+    def __init__(self, batch: AttentionBatch, case: AttentionCase | None = None) -> None:
         super().__init__(batch)
         starts, seq_lens, reqids = batch.tensors(("query_starts", "seq_lens", "reqids"))
         self.cu_seqlens_q = starts  # [n + 1] int32
@@ -61,6 +50,10 @@ class TorchFlashPlan(KernelPlan):
         self.token_reqids, self.token_positions = token_rows(batch)  # [T] int64: where new K/V go
         self.num_tokens = batch.num_tokens  # T: rows of q, k, v and out
         self._key_starts: tuple[int, torch.Tensor] | None = None
+        # with the cache's geometry in case: each new token's token row, and the key starts, once per forward
+        self.rows_per_slice, self.flat_rows = flat_token_rows(self.token_reqids, self.token_positions, case)
+        if self.rows_per_slice:  # the last start, read by no request (seqused_k): the end of the last slice read
+            self.key_starts(self.rows_per_slice, (batch.max_reqid + 1) * self.rows_per_slice)
 
     def key_starts(self, rows_per_slice: int, total_rows: int) -> torch.Tensor:
         """``[n + 1]`` int32: request i's first key row, ``reqid * S``; the
@@ -114,23 +107,28 @@ class TorchFlashKernel(Kernel):
         return support
 
     def plan(self, batch: AttentionBatch, case: AttentionCase | None = None) -> TorchFlashPlan:
-        return TorchFlashPlan(batch)
+        """The batch's index tensors; with ``case`` giving the cache's
+        strides, also the key starts and each new token's token row, for
+        :meth:`run_layer`."""
+        return TorchFlashPlan(batch, case)
 
     def plan_into(self, buffers: FlashAttentionBuffers, batch: AttentionBatch | None, *, num_rows: int,
                   num_tokens: int, padding_reqid: int, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
-                  max_seqlen_q: int, max_seqlen_k: int) -> TorchFlashPlan:
+                  max_seqlen_q: int, max_seqlen_k: int, rows_per_slice: int = 0) -> TorchFlashPlan:
         """A plan whose tensors lie at the same addresses every forward (CUDA
         graphs): :meth:`vattn.kernels.FlashAttentionKernel.plan_into`'s
         arguments and buffers (the block-table column is the rows' reqids).
-        A padded row's keys start in ``padding_reqid``'s slice. The key starts
-        (``reqid * S``) are computed by each run's first layer from the
-        buffers, so a captured run recomputes them at every replay: run a copy
-        of the plan (``copy.copy``) in each forward. Writes the indices with
-        one host-to-device copy."""
+        A padded row's keys start in ``padding_reqid``'s slice. With
+        ``rows_per_slice`` (S of the cache it runs on) the key starts
+        (``reqid * S``) and each new token's token row are written into the
+        buffers with the rest; without, the key starts are computed by each
+        run's first layer from the buffers, so a captured run recomputes them
+        at every replay: run a copy of the plan (``copy.copy``) in each
+        forward. Writes the indices with one host-to-device copy."""
         for name, t, n in (("cu_seqlens_q", cu_seqlens_q, num_rows + 1), ("seqused_k", seqused_k, num_rows)):
             if t.dtype != torch.int32 or tuple(t.shape) != (n,):
                 raise ValueError(f"{name} must be [{n}] int32, got {tuple(t.shape)} {t.dtype}")
-        buffers.fill(batch, num_rows, num_tokens, padding_reqid)
+        buffers.fill(batch, num_rows, num_tokens, padding_reqid, rows_per_slice)
         plan = TorchFlashPlan.__new__(TorchFlashPlan)
         plan.batch = batch
         plan.check = None if batch is None else batch.mapped
@@ -140,8 +138,43 @@ class TorchFlashKernel(Kernel):
         rows = buffers.token_rows[:num_tokens]
         plan.token_reqids, plan.token_positions = rows[:, 0], rows[:, 1]
         plan.num_tokens = num_tokens
-        plan._key_starts = None
+        plan.rows_per_slice = rows_per_slice
+        plan.flat_rows = rows[:, 2] if rows_per_slice else None
+        plan._key_starts = (rows_per_slice, buffers.key_starts[:num_rows + 1]) if rows_per_slice else None
         return plan
+
+    def layer_views(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> LayerViews:
+        """The cache as the op reads it and the new K/V are written, its
+        token rows (:func:`cache_rows`), made once per cache. Raises
+        ``ValueError`` where the op cannot read this cache."""
+        if k_cache.shape[-1] % self.head_dim_multiple:
+            raise ValueError(f"{self.name} needs head_dim % {self.head_dim_multiple} == 0, got {k_cache.shape[-1]}")
+        super().layer_views(k_cache, v_cache)  # shapes
+        (k_rows, rows_per_slice), (v_rows, _) = cache_rows(k_cache), cache_rows(v_cache)
+        if k_rows.shape[0] > self.max_rows:
+            raise ValueError(f"{self.name} addresses at most {self.max_rows} token rows, this cache has "
+                             f"{k_rows.shape[0]}")
+        return LayerViews(k_cache, v_cache, k_rows, v_rows, k_rows, v_rows, rows_per_slice, self.op())
+
+    def run_layer(self, plan: KernelPlan, views: LayerViews, q: torch.Tensor, k: torch.Tensor | None,
+                  v: torch.Tensor | None, out: torch.Tensor, softmax_scale: float | None,
+                  sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+        """:meth:`Kernel.run_layer`: the new K/V written with one
+        ``index_copy_`` each into the token rows, the op, its result copied
+        into ``out``; a plan made without this cache's geometry runs
+        :meth:`run`, checks included."""
+        if plan.rows_per_slice != views.rows_per_slice:
+            return self.run(plan, q, views.k_cache, views.v_cache, k, v, out=out, softmax_scale=softmax_scale,
+                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+        if k is not None:
+            views.k_rows.index_copy_(0, plan.flat_rows, k)
+            views.v_rows.index_copy_(0, plan.flat_rows, v)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out.copy_(views.library(q, views.k_read, views.v_read, plan.cu_seqlens_q, plan._key_starts[1],
+                                plan.max_seqlen_q, plan.max_seqlen_k, 0.0, True, False, scale=softmax_scale,
+                                seqused_k=plan.seqused_k)[0])
+        return out
 
     def run(self, plan: KernelPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             k: torch.Tensor | None = None, v: torch.Tensor | None = None, *, out: torch.Tensor | None = None,

@@ -19,8 +19,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from vattn.kernels import AttentionBatch, AttentionCase, FlashAttentionKernel, Kernel, KernelPlan
+from vattn.common.errors import BackendUnavailable
+from vattn.kernels import AttentionBatch, AttentionCase, FlashAttentionKernel, Kernel, KernelPlan, TorchFlashKernel
 from vattn.kernels.flash_attn import FlashAttentionBuffers
+from vattn.kernels.protocol import LayerViews
 
 from . import configuration, runtime
 from .configuration import SWITCH, check_kernel
@@ -57,6 +59,9 @@ class VAttnMetadata:
     kernel: Kernel  # the worker's attention kernel
     plan: KernelPlan  # the forward's batch as the kernel planned it; its reqids are the requests' slices
     num_tokens: int  # rows of q, k, v and the output the kernel reads and writes (padded in CUDA graphs)
+    # each layer's cache as the kernel reads it, by the address of the layer's [2, S, L, H, D] view: made once
+    # per cache (the planner's), checked against this plan once per forward
+    views: dict[int, LayerViews] = dataclasses.field(default_factory=dict)
 
 
 def graph_splits(vllm_config: Any, kernel: Kernel) -> tuple[int, int]:
@@ -88,6 +93,14 @@ class ForwardPlanner:
     block-table entry is the group's padding slice; padded tokens write
     their K/V into row 0 of the padding slice (vLLM's ``positions`` of padded
     tokens are left from earlier forwards, so positions are vattn's own).
+
+    Per layer :func:`attend` runs only the kernel's call and its cache write
+    (:meth:`vattn.kernels.Kernel.run_layer`): the group's layers' views are
+    made here once (:meth:`vattn.kernels.Kernel.layer_views`), each new
+    token's row in them is part of the plan, and the checks a layer's run
+    makes (the caches against the batch, the mapping) run once per forward,
+    in :meth:`build`, on the group's first layer (every layer of a group
+    maps the same pages at the same positions).
     """
 
     def __init__(self, cache: WorkerCache, group: int, device: torch.device, max_num_reqs: int,
@@ -101,6 +114,20 @@ class ForwardPlanner:
             if self.padding is None:
                 raise RuntimeError("vattn: the cache has no padding slice for CUDA graphs")
             self.buffers = FlashAttentionBuffers(max_num_reqs, max_num_tokens, device)
+        self.views: dict[int, LayerViews] = {}
+        self.first_views: LayerViews | None = None  # what build checks each forward
+        self.case = cache.case
+        try:
+            kv_caches = cache.kv_caches()
+        except BackendUnavailable:  # a CUDA cache in a torch without CUDA: no views, nothing can attend
+            return
+        for name in cache.groups[group].layer_names:
+            kv = kv_caches[name]
+            self.views[kv.data_ptr()] = cache.kernel.layer_views(kv[0], kv[1])
+        self.first_views = next(iter(self.views.values()))
+        k_cache = self.first_views.k_cache
+        # the plans' case: the cache's geometry too, so that plans hold the new tokens' rows in the views
+        self.case = cache.case._replace(slice_stride=k_cache.stride(0), row_stride=k_cache.stride(1))
 
     @property
     def graphs(self) -> bool:
@@ -119,8 +146,12 @@ class ForwardPlanner:
         batch = AttentionBatch.of_arrays(reqids, inputs.seq_lens - inputs.query_lens, inputs.query_lens,
                                          device=self.device)
         if inputs.padded is None:
-            return VAttnMetadata(cache.kernel, cache.kernel.plan(batch, cache.case), batch.num_tokens)
-        return self._plan_into(batch, inputs.padded)
+            md = VAttnMetadata(cache.kernel, cache.kernel.plan(batch, self.case), batch.num_tokens, self.views)
+        else:
+            md = self._plan_into(batch, inputs.padded)
+        if self.first_views is not None:
+            cache.kernel.check_forward(md.plan, self.first_views)
+        return md
 
     def build_for_capture(self, padded: PaddedBatch, longest_seq_len: int) -> VAttnMetadata:
         """The metadata of a batch vLLM captures a graph with (or replays one
@@ -136,14 +167,16 @@ class ForwardPlanner:
 
     def _plan_into(self, batch: AttentionBatch | None, padded: PaddedBatch) -> VAttnMetadata:
         kernel = self.cache.kernel
-        assert isinstance(kernel, FlashAttentionKernel) and self.buffers is not None
+        assert isinstance(kernel, (FlashAttentionKernel, TorchFlashKernel)) and self.buffers is not None
         num_tokens = padded.num_tokens
-        splits = self.num_splits if num_tokens <= self.split_tokens else 0
-        plan = kernel.plan_into(self.buffers, batch, num_rows=padded.num_rows, num_tokens=num_tokens,
-                                padding_reqid=self.padding, cu_seqlens_q=padded.query_start_loc,
-                                seqused_k=padded.seq_lens, max_seqlen_q=padded.max_query_len,
-                                max_seqlen_k=padded.max_seq_len, num_splits=splits)
-        return VAttnMetadata(kernel, plan, num_tokens)
+        arguments = dict(num_rows=padded.num_rows, num_tokens=num_tokens, padding_reqid=self.padding,
+                         cu_seqlens_q=padded.query_start_loc, seqused_k=padded.seq_lens,
+                         max_seqlen_q=padded.max_query_len, max_seqlen_k=padded.max_seq_len,
+                         rows_per_slice=self.first_views.rows_per_slice if self.first_views else 0)
+        if isinstance(kernel, FlashAttentionKernel):
+            arguments["num_splits"] = self.num_splits if num_tokens <= self.split_tokens else 0
+        plan = kernel.plan_into(self.buffers, batch, **arguments)
+        return VAttnMetadata(kernel, plan, num_tokens, self.views)
 
 
 def capture_metadata(planner: ForwardPlanner, reader: ForwardReader, m: Any) -> VAttnMetadata:
@@ -163,16 +196,24 @@ def attend(md: VAttnMetadata, query: torch.Tensor, key: torch.Tensor, value: tor
     ``[2, S, L, H_kv, D]`` cache ``kv_cache`` and the result of ``query``
     written into ``output`` (``[>= T, H_q, D]``; rows past ``md.num_tokens``,
     a CUDA graph's padding, are not the batch's). Once per layer per forward:
-    views are made only where rows are padding. The kernel's limits were
-    checked at start-up; under CUDA graph capture this runs once and is
-    replayed, reading only the plan's persistent tensors."""
+    the kernel's call and its cache write (:meth:`vattn.kernels.Kernel.run_layer`
+    on the views the planner made of ``kv_cache``), no check (the kernel's
+    limits were checked at start-up, the forward by the planner's build);
+    views of ``query`` and the rest are made only where rows are padding. A
+    ``kv_cache`` the planner has no views of runs the kernel's checked
+    :meth:`vattn.kernels.Kernel.run`. Under CUDA graph capture this runs once
+    and is replayed, reading only the plan's persistent tensors."""
     t = md.num_tokens
     out = output
     if t != query.shape[0]:
         query, key, value, out = query[:t], key[:t], value[:t], output[:t]
-    k_cache, v_cache = kv_cache.unbind(0)
-    md.kernel.run(md.plan, query, k_cache, v_cache, key, value, out=out, softmax_scale=scale,
-                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    views = md.views.get(kv_cache.data_ptr())
+    if views is None:
+        k_cache, v_cache = kv_cache.unbind(0)
+        md.kernel.run(md.plan, query, k_cache, v_cache, key, value, out=out, softmax_scale=scale,
+                      sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+        return
+    md.kernel.run_layer(md.plan, views, query, key, value, out, scale, sliding_window, logits_soft_cap)
 
 
 def _builder_cls() -> type:
