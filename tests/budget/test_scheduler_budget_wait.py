@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 from budget_helpers import budget_name  # noqa: F401 (fixture)
+from budget_reference import check_outcomes
 
 import vattn
 from vattn.engine.requests import Request
@@ -76,44 +77,13 @@ def _simulate(kv: vattn.KVCacheManager, budget: vattn.Budget, arrivals: list[tup
     return outcome, history
 
 
-def _over_stretch_start(need: int, history: list[int], since: int, until: int) -> int | None:
-    """The first iteration of the stretch of iterations over the limit that reaches ``until``
-    (inclusive), starting no earlier than ``since``; None when ``until`` is within the limit."""
-    if need <= history[until]:
-        return None
-    start = until
-    while start > since and need > history[start - 1]:
-        start -= 1
-    return start
-
-
 def _check_against_reference(arrivals, history, outcome, last_change: int) -> None:
-    iterations = len(history)
-    wait_its = round(WAIT_S / STEP_S)
-    n = len(arrivals)
-    for rid, (at, tokens) in enumerate(arrivals):
-        need = _need_bytes(tokens)
-        got = outcome.get(rid)
-        if got is not None and got[0] == "error":
-            # never early: over the limit at every iteration of the last WAIT_S seconds before failing
-            _, it, error = got
-            start = _over_stretch_start(need, history, at, it)
-            assert start is not None and it - start >= wait_its, (rid, tokens, it, start, history[at:it + 1])
-            assert it - start <= wait_its + 1, (rid, it, start)  # and on time
-            assert error.startswith("OutOfPages:") and f"needs {need} bytes" in error, error
-            assert f"limit of {history[it]} bytes" in error, error
-            continue
-        if got is not None:
-            assert got[0] == "length" and need <= history[got[1]], (rid, tokens, got, history[got[1]])  # ran within the limit
-        if need > history[-1]:
-            if got is None:  # waits over the final limit: not due yet
-                start = _over_stretch_start(need, history, at, iterations - 1)
-                assert start + wait_its + 1 >= iterations, (rid, tokens, start, history[-1])
-            continue
-        # fits the final limit: it runs within a few iterations of the last change (or of its arrival),
-        # whatever waits over the limit ahead of it
-        bound = max(last_change, at) + n + 2
-        assert got is not None and got[1] <= bound, (rid, tokens, got, bound, history[-1])
+    check_outcomes(arrivals, history, outcome, last_change, _need_bytes, round(WAIT_S / STEP_S), "error", "length")
+    for rid, got in outcome.items():
+        if got[0] == "error":
+            need = _need_bytes(arrivals[rid][1])
+            assert got[2].startswith("OutOfPages:") and f"needs {need} bytes" in got[2], got[2]
+            assert f"limit of {history[got[1]]} bytes" in got[2], got[2]
 
 
 def test_scheduler_against_the_reference_over_random_limits(budget_name):

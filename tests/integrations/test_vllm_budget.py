@@ -322,3 +322,35 @@ def test_a_removed_or_truncated_budget_leaves_the_engine_serving(damage, layout,
     assert max(t for _, t, _ in done.values()) > result["damaged_s"]  # requests were still running
     assert result["budget"]["detached"] and log.count("can no longer be used") == 1, result["budget"]
     assert ("was removed" if damage == "removed" else "truncated") in result["budget"]["detached"]
+
+
+@needs_vllm
+def test_vllms_scheduler_under_the_hooks_against_the_reference(tiny_model, tmp_path):
+    """vLLM's own scheduler with vattn's budget hooks, in one process without a model
+    (vllm_scheduler_budget.py): 10 random runs of requests of 1-200 tokens arriving over 3 s, the limit
+    set 1-4 times to 1-7 blocks (some half a block more), VATTN_BUDGET_WAIT_S=3 on a simulated clock;
+    every outcome as tests/budget_reference.py says: a request over the limit never holds up the ones
+    behind it, fails only after the wait and on time, every request within the final limit runs."""
+    from budget_reference import check_outcomes
+
+    budget = vattn.Budget.create(f"vllm-sim-{os.getpid()}", 8 * BLOCK_BYTES)
+    try:
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(("VATTN_VLLM", "VATTN_BUDGET"))}
+        proc = subprocess.run([vllm_python(), str(Path(__file__).with_name("vllm_scheduler_budget.py")),
+                               str(tiny_model), budget.name, "10"], capture_output=True, text=True, timeout=600,
+                              env=dict(environ, VATTN_BUDGET_WAIT_S="3"), cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("[")][-1])
+    finally:
+        budget.remove(force=True)
+    reasons = []
+    for run in runs:
+        outcome = {int(rid): got for rid, got in run["outcome"].items()}
+        check_outcomes([tuple(a) for a in run["arrivals"]], run["history"], outcome, run["last_change"],
+                       lambda tokens: -(-tokens // BLOCK) * BLOCK_BYTES, 30, "error", "length")
+        assert sorted(outcome) == list(range(len(run["arrivals"]))), run  # each ended, once
+        for got in outcome.values():
+            reasons.append(got[0])
+            if got[0] == "error":
+                assert "more than the budget's limit of" in got[2], got
+    assert reasons.count("error") >= 3 and reasons.count("length") >= 20, reasons  # both sides exercised

@@ -40,10 +40,12 @@ class BudgetWaits:
     ``blocks_alone(tokens)``: the blocks one request of ``tokens`` tokens needs on its own.
     ``block_bytes``: a block on every rank; ``padding_bytes``: what this
     engine's padding block holds (0 when no worker created one).
+    ``clock``: seconds, monotonic (``time.monotonic``; a test passes its own).
     """
 
     def __init__(self, scheduler: Any, budget: Any, member: Any, blocks_alone: Callable[[int], int],
-                 block_bytes: int, padding_bytes: int) -> None:
+                 block_bytes: int, padding_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.scheduler = scheduler
         self.budget = budget
         self.member = member
@@ -92,7 +94,7 @@ class BudgetWaits:
         if not self.over_limit and not waiting:
             return
         limit = self.budget.limit
-        now = time.monotonic()
+        now = self.clock()
         back, due = [], []
         for rid, (request, since) in list(self.over_limit.items()):
             if self.need_bytes(request) <= limit:
@@ -165,7 +167,7 @@ class BudgetWaits:
         if not self.over_limit:
             return False
         limit = self.budget.limit
-        now = time.monotonic()
+        now = self.clock()
         return any(self.need_bytes(r) <= limit or now - since >= self.wait_s
                    for r, since in self.over_limit.values())
 
@@ -173,7 +175,7 @@ class BudgetWaits:
         """Seconds until the first request set aside is due to fail (inf when none is)."""
         if not self.over_limit:
             return float("inf")
-        return max(0.0, min(since for _, since in self.over_limit.values()) + self.wait_s - time.monotonic())
+        return max(0.0, min(since for _, since in self.over_limit.values()) + self.wait_s - self.clock())
 
     # ---- idle while the budget refuses -------------------------------------------------------
 
