@@ -16,7 +16,9 @@ Stages, each a subprocess with a time limit, its output in OUTDIR/gpu_suite.log:
   tests         the CUDA test files: tests/backends/test_cuda_real.py on the
                 host backend, the fake driver and the GPU, the driver rules on
                 the fake driver, the cuda.h check (with the header the machine
-                has), the attention adapters; JUnit XML kept, counts in the summary
+                has), the attention adapters, vLLM's forward planner with torch's
+                FlashAttention in a CUDA graph (no vLLM needed); JUnit XML kept,
+                counts in the summary
   vmm_latency   per-call driver latency per page size, vattn vs raw calls
   flashinfer_jit  FlashInfer's first-use JIT compile of every kernel
                 attention_ab times, with progress, so that no timed stage
@@ -128,7 +130,8 @@ DEADLINE_S = 540  # every stage ends by then: with the wheels, summary and archi
 BENCH = ROOT / "benchmarks"
 CUDA_TESTS = ["tests/backends/test_cuda_real.py", "tests/backends/test_cuda_driver_rules.py",
               "tests/backends/test_cuda_fake_rules.py", "tests/backends/test_cuda_fake_driver.py",
-              "tests/backends/test_cuda_header_abi.py", "tests/kernels/test_attention.py"]
+              "tests/backends/test_cuda_header_abi.py", "tests/kernels/test_attention.py",
+              "tests/integrations/test_vllm_planner_gpu.py"]
 # packages the stages may use, reported with their versions (None: not importable)
 PACKAGES = ["torch", "triton", "transformers", "flash_attn", "flashinfer", "vllm"]
 TRANSFORMERS_CHECKED = ((5, 22), (5, 24))  # pyproject.toml's range: >= 5.22, < 5.24

@@ -241,3 +241,14 @@ def test_the_build_is_skipped_only_while_no_source_is_newer(tmp_path, monkeypatc
     new_so.unlink()
     old_so.unlink()
     assert not suite.extension_up_to_date()
+
+
+def test_the_gpu_tests_stage_runs_every_cuda_test_file_and_they_exist():
+    """One call of the suite runs the CUDA test files, vLLM's planner in a
+    CUDA graph among them (it needs no vLLM); every file named exists."""
+    from conftest import load_benchmark
+
+    suite = load_benchmark("gpu_suite")
+    command = dict((name, cmd) for name, cmd, _ in suite.stages(dry=False, have_fake_cuda=False))["tests"]
+    assert "tests/integrations/test_vllm_planner_gpu.py" in command
+    assert all((ROOT / path).is_file() for path in suite.CUDA_TESTS)
