@@ -114,7 +114,7 @@ def test_tensor_shapes_and_strides():
         assert k.stride(-1) == 1 and k.stride(2) == 32 and k.stride(1) == 64
         assert k.stride(0) * 4 == kv.slice_bytes
         assert k.data_ptr() == kv.buffer_address(2) and v.data_ptr() == kv.buffer_address(3)
-        with pytest.warns(DeprecationWarning, match="slot_bytes is deprecated; use slice_bytes"):
+        with pytest.warns(DeprecationWarning, match="slot_bytes is deprecated; use KVCacheManager.slice_bytes"):
             assert kv.slot_bytes == kv.slice_bytes  # the old name of a reqid's slice, kept for callers
     with make(layout="all_layers") as kv:
         k, v = kv.layer(1)

@@ -98,8 +98,19 @@ def test_retired_policy_knob_names_are_taken_with_a_warning():
 
 
 def test_block_mapper_is_block_placer_with_a_warning():
-    vllm_integration = pytest.importorskip("vattn.integrations.vllm", reason="the vLLM integration's package")
+    from vattn.integrations import vllm as vllm_integration  # imports no vLLM until its hooks are installed
     from vattn.integrations.block_placer import BlockPlacer
 
     with pytest.warns(DeprecationWarning, match=r"BlockMapper is deprecated; use vattn\.integrations\.vllm\.BlockPlacer"):
         assert vllm_integration.BlockMapper is BlockPlacer
+
+
+def test_a_deprecated_knob_through_a_wrapper_is_attributed_to_the_callers_line():
+    """vattn.init forwards to KVCacheManager: the warning names this file, not vattn's."""
+    with pytest.warns(DeprecationWarning, match=r"KVCacheManager\(background=\.\.\.\) is deprecated") as caught:
+        vattn.init(num_layers=1, num_kv_heads=1, head_dim=16, dtype=torch.float32, max_batch_size=2,
+                   max_context_len=64, device="cpu", background=False)
+    try:
+        assert [Path(w.filename).name for w in caught] == [Path(__file__).name]
+    finally:
+        vattn.cleanup()

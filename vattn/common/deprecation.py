@@ -6,15 +6,30 @@ the new object and raises a ``DeprecationWarning`` that names the new one.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 
-def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
-    """Warns that ``old`` is a deprecated name of ``new``."""
-    warnings.warn(f"{old} is deprecated; use {new} (the same thing under the glossary's word)",
-                  DeprecationWarning, stacklevel=stacklevel)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # vattn/
+
+
+def warn_deprecated(message: str) -> None:
+    """A ``DeprecationWarning`` attributed to the first caller outside vattn:
+    a user reaching a deprecated name through a wrapper (``vattn.init``, the
+    engine, ``VAttnCache``) sees the line that used it, and Python's default
+    filters, which show such warnings for ``__main__`` only, show it there."""
+    frame, level = sys._getframe(1), 1  # level 1: the line that called this function
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE + os.sep):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level + 1)  # + 1: this function's own frame
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """Warns that ``old`` is a deprecated name of ``new`` (see :func:`warn_deprecated`)."""
+    warn_deprecated(f"{old} is deprecated; use {new} (the same thing under the glossary's word)")
 
 
 def module_aliases(module: str, renamed: Mapping[str, str], lookup: Callable[[str], Any]) -> Callable[[str], Any]:

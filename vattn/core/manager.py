@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,7 +18,7 @@ from vattn.common.argument_checks import int_array as _int_array
 from vattn.common.argument_checks import page_id_rows as _page_id_rows
 from vattn.common.argument_checks import stream_handles as _stream_handles
 from vattn.backends import BackendSpec, parse_device, resolve_backend, torch_device
-from vattn.common.deprecation import Stats
+from vattn.common.deprecation import Stats, warn_renamed
 from vattn.common.config import KVCacheConfig
 from .cuda_streams import CudaStreams, watch_captures
 from .mapped_check import MappedCheck, ViewsCheck
@@ -226,8 +225,7 @@ class KVCacheManager(CudaStreams):
     @property
     def slot_bytes(self) -> int:
         """Deprecated name of :attr:`slice_bytes` (bytes of one reqid's slice of one buffer)."""
-        warnings.warn("KVCacheManager.slot_bytes is deprecated; use slice_bytes (the same bytes)",
-                      DeprecationWarning, stacklevel=2)
+        warn_renamed("KVCacheManager.slot_bytes", "KVCacheManager.slice_bytes")
         return self.slice_bytes
 
     @property

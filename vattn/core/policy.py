@@ -13,12 +13,11 @@ no line here unless it brings logic of its own (docs/design.md section 3).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from vattn import _C
-from vattn.common.deprecation import warn_renamed
+from vattn.common.deprecation import warn_deprecated, warn_renamed
 
 # name -> {name, type ("bool", "int", "float"), range ("bool", "tokens",
 # "fraction", "count"), accepts (the range in words), default (the core's), doc}
@@ -77,14 +76,13 @@ def resolve_policy(policy: Any, *, keywords: Mapping[str, Any], max_context_len:
     runs ahead of it.
     """
     for name in keywords:
-        warnings.warn(f"KVCacheManager({name}=...) is deprecated; use policy=vattn.Policy({name}=...)",
-                      DeprecationWarning, stacklevel=3)
+        warn_deprecated(f"KVCacheManager({name}=...) is deprecated; use policy=vattn.Policy({name}=...)")
     if isinstance(policy, Policy):
         named = dataclasses.asdict(policy)
     elif policy is None or isinstance(policy, Mapping):
         named = dict(policy or {})
         for old in RENAMED_KNOBS.keys() & named.keys():
-            warn_renamed(f"policy[{old!r}]", f"policy[{RENAMED_KNOBS[old]!r}]", stacklevel=4)
+            warn_renamed(f"policy[{old!r}]", f"policy[{RENAMED_KNOBS[old]!r}]")
             named.setdefault(RENAMED_KNOBS[old], named.pop(old))
     else:
         raise TypeError(f"policy must be a vattn.Policy or a mapping of knob names to values, "
