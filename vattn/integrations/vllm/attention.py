@@ -123,7 +123,10 @@ class ForwardPlanner:
             return
         for name in cache.groups[group].layer_names:
             kv = kv_caches[name]
-            self.views[kv.data_ptr()] = cache.kernel.layer_views(kv[0], kv[1])
+            if kv.dim() == 5:  # [2, S, L, H, D]; a layer without views (none such in vLLM) runs the checked path
+                self.views[kv.data_ptr()] = cache.kernel.layer_views(kv[0], kv[1])
+        if not self.views:
+            return
         self.first_views = next(iter(self.views.values()))
         k_cache = self.first_views.k_cache
         # the plans' case: the cache's geometry too, so that plans hold the new tokens' rows in the views
