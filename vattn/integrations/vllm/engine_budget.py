@@ -556,6 +556,13 @@ def check_config(vllm_config: Any) -> None:
     if not budget_name_from_environment():
         return
     parallel = vllm_config.parallel_config
+    if parallel.distributed_executor_backend == "ray":
+        # the engine core charges every rank's pages to the budget of its own host; Ray's ranks may lie on
+        # other machines, whose memory only a budget there, charged by the workers there, could govern
+        raise ValueError(f"vattn: {ENV_VAR} is one machine's budget, charged by the engine core for every "
+                         f"rank; vLLM's executor 'ray' places ranks on other machines, whose pages it cannot "
+                         f"count or take back (that needs a budget per machine); use the mp executor on one "
+                         f"machine, or unset {ENV_VAR} to serve on vattn without a budget")
     if parallel.distributed_executor_backend not in ("uni", "mp", None):
         raise ValueError(f"vattn: {ENV_VAR} with vLLM works with its own executors (uni, mp), not "
                          f"{parallel.distributed_executor_backend!r}; or unset {ENV_VAR}")
