@@ -140,9 +140,10 @@ class WorkerCache:
                 zeros = np.zeros(len(reqids), dtype=np.int64)
                 manager.map_pages(reqids, zeros, np.tile(np.array(ids, dtype=np.int64), len(reqids)),
                                   np.full(len(reqids), len(ids), dtype=np.int64))
-                if reach > padding_blocks:
+                if reach > padding_blocks and (manager.device.type == "cpu" or torch.cuda.is_available()):
                     # A tile multiplies the rows it reads past a request's end by zero weights: they must hold
-                    # finite values, and a device's fresh memory (cuMemCreate's) holds whatever it held.
+                    # finite values, and a device's fresh memory (cuMemCreate's) holds whatever it held. (A
+                    # torch without CUDA cannot view a CUDA cache: only the fake driver's tests make one.)
                     rows = slice(padding_blocks * block_size, (padding_blocks + 1) * block_size)
                     for buffer in manager.buffers():
                         buffer[int(reqids[0]), rows].zero_()
