@@ -2,8 +2,14 @@
 
 
 #include <algorithm>
+#include <cstdio>
+#include <limits>
+#include <mutex>
 #include <stdexcept>
+#include <string>
 #include <utility>
+
+#include "budget/budget_error.h"
 
 namespace vattn {
 
@@ -28,9 +34,30 @@ bool PageBudget::charge(size_t ids, bool demand) {
   if (ids == 0) return true;
   uint64_t bytes = 0;
   if (__builtin_mul_overflow(static_cast<uint64_t>(ids), id_bytes_, &bytes)) return false;
-  if (!member_->try_grant(bytes, demand)) return false;
+  if (!detached_.load(std::memory_order_acquire)) {
+    try {
+      if (!member_->try_grant(bytes, demand)) return false;
+    } catch (const BudgetError& e) {
+      // A budget no one can use any more must not stop a cache's requests
+      // (docs/elastic.md, "When a budget is removed or damaged"): the cache
+      // goes on as if it had none, its pages bounded by its own pool.
+      detach(e.what());
+    }
+  }
   charged_.fetch_add(ids, std::memory_order_acq_rel);
   return true;
+}
+
+void PageBudget::detach(const std::string& why) noexcept {
+  std::lock_guard<std::mutex> lock(detached_mu_);
+  if (detached_.exchange(true, std::memory_order_acq_rel)) return;
+  detached_reason_ = why;
+  std::fprintf(stderr, "vattn: %s; this cache goes on without a budget, within its own pool\n", why.c_str());
+}
+
+std::string PageBudget::detached_reason() const {
+  std::lock_guard<std::mutex> lock(detached_mu_);
+  return detached_reason_;
 }
 
 void PageBudget::uncharge(size_t ids) noexcept {
@@ -54,7 +81,8 @@ size_t PageBudget::pressure_ids() {
 }
 
 size_t PageBudget::grantable_ids() const {
-  if (!unusable_reason().empty()) return 0;
+  if (detached_.load(std::memory_order_acquire) || !unusable_reason().empty())
+    return std::numeric_limits<size_t>::max();
   return static_cast<size_t>(member_->budget()->available_bytes() / id_bytes_);
 }
 

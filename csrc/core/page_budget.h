@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "budget/budget.h"
@@ -29,8 +30,10 @@ class PageBudget {
   // Charges `ids` page ids before their pages are created. False when the
   // budget refuses; `demand` (a caller needs them now, not the mapper ahead
   // of time) records the refusal as a wait, which makes the budget's other
-  // members give free pages back. Throws BudgetError when the budget cannot
-  // be used (a corrupt segment, a stuck lock holder, this member dropped).
+  // members give free pages back. When the budget cannot be used (removed,
+  // truncated, corrupt, a stuck lock holder, this member dropped) the cache
+  // detaches from it, once and logged, and goes on without a budget: every
+  // charge after that is granted (the pool bounds it) and counted here only.
   bool charge(size_t ids, bool demand);
   // Gives `ids` charged ids back (their pages were released, or never
   // created). Never throws: a budget that cannot be reached has nothing to
@@ -42,8 +45,10 @@ class PageBudget {
   // Lock-free: whether anyone waits or the total is above the limit.
   bool contended() const { return member_->contended(); }
   // Lock-free: ids a charge could get now (stale by the time it is used);
-  // 0 when the budget cannot be used.
+  // unbounded once detached or when the budget cannot be used (the pool decides).
   size_t grantable_ids() const;
+  // Why the cache went on without its budget ("" while it draws from it).
+  std::string detached_reason() const;
   // Empty while the budget can be used; otherwise why not (truncated,
   // overwritten, removed by force). The keeper stops drawing from it then.
   std::string unusable_reason() const noexcept { return member_->budget()->unusable_reason(); }
@@ -70,6 +75,10 @@ class PageBudget {
   std::shared_ptr<BudgetMember> member_;
   const uint64_t id_bytes_;
   std::atomic<size_t> charged_{0};
+  std::atomic<bool> detached_{false};
+  mutable std::mutex detached_mu_;
+  std::string detached_reason_;  // guarded by detached_mu_
+  void detach(const std::string& why) noexcept;
 };
 
 }  // namespace vattn

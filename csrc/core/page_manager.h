@@ -108,6 +108,7 @@ struct BudgetShare {
   uint64_t held_bytes = 0;       // charged: every created page
   uint64_t in_use_bytes = 0;     // of held: pages under requests, prefix handles or orphans
   uint64_t free_held_bytes = 0;  // of held: free pages kept for reuse
+  std::string detached;          // why the cache went on without its budget ("" while it draws from it)
 };
 
 // One mapping the table believes exists (for tests and diagnostics).

@@ -120,7 +120,7 @@ BudgetShare PageManager::budget_share() const {
   check_process();
   Lock lock(sync_->mu);
   check_open();
-  sync_->round_done.wait(lock, [&] { return !inflight_; });  // charges and the table agree between batches
+  sync_->round_done.wait(lock, [&] { return !inflight_; });  // charges and the table agree between rounds
   return budget_share_locked();
 }
 
@@ -132,6 +132,7 @@ BudgetShare PageManager::budget_share_locked() const {
   // External ids keep their contents while unmapped: free-held, but never released.
   const size_t idle = config_.external_ids ? created - stats.pages_in_use / config_.num_buffers : table_.idle_ids();
   share.budget = budget_->budget_name();
+  share.detached = budget_->detached_reason();
   share.held_bytes = budget_->charged_ids() * budget_->id_bytes();
   share.in_use_bytes = (created - std::min(idle, created)) * budget_->id_bytes();
   share.free_held_bytes = std::min(idle, created) * budget_->id_bytes();

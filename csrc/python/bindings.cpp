@@ -525,6 +525,7 @@ PYBIND11_MODULE(_C, m) {
              d["held_bytes"] = share.held_bytes;
              d["in_use_bytes"] = share.in_use_bytes;
              d["free_held_bytes"] = share.free_held_bytes;
+             d["detached"] = share.detached;
              return d;
            })
       .def("reclaim_freed", &PageManager::reclaim_freed, py::arg("wait"), py::call_guard<py::gil_scoped_release>())

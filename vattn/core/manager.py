@@ -414,7 +414,9 @@ class KVCacheManager(CudaStreams):
         """This manager's share of its budget now, in bytes: ``held_bytes``
         (every created page), of which ``in_use_bytes`` (under requests,
         prefix handles) and ``free_held_bytes`` (kept for reuse); with
-        ``budget`` (its name). None outside a budget. :meth:`vattn.Budget.usage`
+        ``budget`` (its name) and ``detached`` (why the manager went on
+        without it: the budget was removed or damaged; "" while it draws from
+        it). None outside a budget. :meth:`vattn.Budget.usage`
         shows what every manager last reported (within 20 ms)."""
         share = self._pages.budget_share()
         return share if share["budget"] else None
