@@ -4,7 +4,7 @@ blocks as pages, requests as slices.
 A framework that allocates KV blocks itself (vLLM, SGLang) keeps doing so;
 vattn makes one block one page of every K/V buffer (:func:`choose_layout`)
 and keeps each request's blocks mapped at their positions in the request's
-own contiguous slice (:class:`BlockMapper`), so attention kernels read
+own contiguous slice (:class:`BlockPlacer`), so attention kernels read
 ``k[reqid, :seq_len]`` and never a block table. A request keeps its slice
 for its whole life, whatever row of the framework's batch it sits in: when
 the framework compacts or reorders its batch, nothing is mapped or
@@ -23,7 +23,7 @@ import numpy as np
 from vattn.common.config import LAYOUTS
 from vattn.core import KVCacheManager
 
-__all__ = ["LAYOUTS", "NULL_BLOCK_ID", "BlockMapper", "choose_layout"]
+__all__ = ["LAYOUTS", "NULL_BLOCK_ID", "BlockPlacer", "choose_layout"]
 
 NULL_BLOCK_ID = 0  # the framework's padding block (vLLM's null block): never handed to a request
 
@@ -70,10 +70,10 @@ def smallest_block_size(token_bytes: int, granularity: int) -> int:
     return granularity // math.gcd(granularity, token_bytes)
 
 
-class BlockMapper:
+class BlockPlacer:
     """Keeps each request's blocks mapped at their positions in the request's slice.
 
-    The mapper owns reqids ``first_reqid .. first_reqid + slices - 1`` of the
+    The placer owns reqids ``first_reqid .. first_reqid + slices - 1`` of the
     manager (several block tables, e.g. vLLM's KV cache groups, each get a
     range of one manager's reqids). A request, named by any hashable key
     (vLLM's request id), gets one of them when it is first seen
@@ -133,7 +133,7 @@ class BlockMapper:
                  first_reqid: int = 0, slices: int | None = None, window: int | None = None,
                  rows_past_end: int = 0, rows_below_start: int = 0, scratch_page_id: int | None = None) -> None:
         if manager.page_allocator != "external":
-            raise ValueError("BlockMapper needs a manager with page_allocator='external'")
+            raise ValueError("BlockPlacer needs a manager with page_allocator='external'")
         if rows_past_end < 0 or rows_below_start < 0:
             raise ValueError(f"BlockPlacer: rows_past_end and rows_below_start must be >= 0, got {rows_past_end}, "
                              f"{rows_below_start}")
@@ -146,7 +146,7 @@ class BlockMapper:
         reqids = manager.config.max_batch_size
         slices = reqids - first_reqid if slices is None else slices
         if first_reqid < 0 or slices < 1 or first_reqid + slices > reqids:
-            raise ValueError(f"BlockMapper: reqids first_reqid .. first_reqid + slices - 1 must lie in "
+            raise ValueError(f"BlockPlacer: reqids first_reqid .. first_reqid + slices - 1 must lie in "
                              f"[0, {reqids - 1}], got first_reqid={first_reqid}, slices={slices}")
         self.manager = manager
         self.block_size = block_size  # tokens per block = per page
@@ -286,7 +286,7 @@ class BlockMapper:
             self._last_keys = None
 
     def reclaim_free(self) -> None:
-        """Unmaps the free slices' pages (of every mapper on the manager), after
+        """Unmaps the free slices' pages (of every placer on the manager), after
         the device is done with them, so that the blocks they held can give
         their memory back (a budget's :meth:`KVCacheManager.release_pages`).
         Forwards never call it: a free slice is unmapped when it is reused."""
@@ -294,7 +294,7 @@ class BlockMapper:
 
     @property
     def all_reqids(self) -> np.ndarray:
-        """Every reqid of the mapper's range, live or free."""
+        """Every reqid of the placer's range, live or free."""
         return np.arange(self.first_reqid, self.first_reqid + self.slices, dtype=np.int64)
 
     def release_holding(self, page_ids: set[int]) -> int:
