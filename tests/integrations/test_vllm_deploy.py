@@ -5,7 +5,7 @@ engine core per DP rank behind the API servers) with and without a budget, and v
 Data parallel: the texts of concurrent ``openai`` clients equal a stock DP server's; under a budget each DP
 engine core is a member, labelled with its DP rank, and the limit halved and restored mid-load fails no
 request an API server received and is never passed (vLLM's DP front end drops a few connections under load,
-stock or not: ``served``). Ray: a two-node Ray cluster on loopback addresses (127.0.0.1 and 127.0.0.2);
+stock or not: ``served``). Ray: a two-node Ray cluster on loopback addresses (127.0.0.3 and 127.0.0.2);
 vLLM's CPU build refuses its Ray executor with and without vattn alike, and vattn refuses a budget under
 Ray at configuration, before Ray is asked for anything."""
 
