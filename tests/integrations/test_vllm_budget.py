@@ -181,7 +181,7 @@ def test_a_budget_works_with_vllms_own_executors_and_synchronous_scheduling(monk
     vllm_budget.check_config(config("mp"))
     with pytest.raises(ValueError, match="2 GPUs"):  # one budget governs one device
         vllm_budget.check_config(config("mp", 2))
-    with pytest.raises(ValueError, match="not 'ray'"):
+    with pytest.raises(ValueError, match="executor 'ray' places ranks on other machines"):
         vllm_budget.check_config(config("ray", 2))
     with pytest.raises(ValueError, match="async_scheduling"):
         vllm_budget.check_config(config("mp", async_scheduling=True))
@@ -191,7 +191,7 @@ def test_a_budget_works_with_vllms_own_executors_and_synchronous_scheduling(monk
 
 
 def test_a_members_label_names_the_served_model_and_its_ranks():
-    from vattn.integrations.vllm.engine_budget import LABEL_CHARACTERS, member_label
+    from vattn.integrations.vllm.engine_member import LABEL_CHARACTERS, member_label
 
     assert member_label(["llama-8b"], 1, 1) == "vllm llama-8b rank 0"
     assert member_label("/models/llama-8b/", 2, 1) == "vllm llama-8b ranks 0-1 tp2"

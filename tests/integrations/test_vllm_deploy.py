@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import subprocess
 import time
@@ -32,8 +33,8 @@ RAY_REFUSAL = "current platform cpu does not support ray."  # vLLM 0.32's ray_ut
 RAY_START_S = 120  # seconds a Ray node gets to join the cluster
 
 
-def test_member_label_names_the_data_parallel_rank() -> None:
-    from vattn.integrations.vllm.engine_budget import data_parallel_rank, member_label
+def test_member_label_names_the_data_parallel_rank(monkeypatch) -> None:
+    from vattn.integrations.vllm.engine_member import data_parallel_rank, member_label
 
     assert member_label("tiny-llama", 1, 1, 1) == "vllm tiny-llama dp1 rank 0"
     assert member_label("m", 2, 1, 0) == "vllm m dp0 ranks 0-1 tp2"
@@ -45,9 +46,11 @@ def test_member_label_names_the_data_parallel_rank() -> None:
         return SimpleNamespace(data_parallel_size=size, data_parallel_rank_local=local, data_parallel_index=index)
 
     assert data_parallel_rank(parallel(1, None, 0)) is None  # no data parallel
+    assert data_parallel_rank(parallel(1, 0, 0)) is None  # a lone engine core: vLLM's default local rank is 0
     # a dense model's DP engine core: vLLM sets its size to 1 and keeps the rank as data_parallel_index
-    assert data_parallel_rank(parallel(1, 0, 0)) == 0
     assert data_parallel_rank(parallel(1, 1, 1)) == 1
+    monkeypatch.setattr(multiprocessing.current_process(), "name", "EngineCore_DP0")  # vLLM names its process so
+    assert data_parallel_rank(parallel(1, 0, 0)) == 0
     assert data_parallel_rank(parallel(4, None, 3)) == 3  # an MoE model's DP engine core keeps its size
 
 

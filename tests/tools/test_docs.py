@@ -290,14 +290,23 @@ def test_the_vllm_walkthrough_is_found_in_order():
         "curl localhost:1234/x; --port 1234; 80000; b"
 
 
+RAN_BY = re.compile(r"<!-- ran by ([^>]+?) -->\s*\n```bash\n(.*?)^```", re.M | re.S)
+
+
 def test_every_block_of_the_vllm_page_runs_or_is_the_readmes():
-    """The walkthrough runs its blocks, the plain python blocks run above; the one block left, vLLM's
-    environment, is the README's test command (run by CI) and the activation the walkthrough runs in."""
+    """The walkthrough runs its blocks, the plain python blocks run above, a block marked ``<!-- ran by
+    FILE ... -->`` is what those long tests run (every option it shows is theirs); the one block left,
+    vLLM's environment, is the README's test command (run by CI) and the activation the walkthrough runs in."""
     text = VLLM_PAGE.read_text()
     fences = [m for m in re.finditer(r"^```(\w+)[ \t]*\n(.*?)^```[ \t]*$", text, re.M | re.S)]
     walked = {m.start("code") for m in WALKTHROUGH.finditer(text)}
     plain = {m.start("code") for m in BLOCK.finditer(text)}
-    rest = [m for m in fences if m.start(2) not in walked | plain]
+    ran_by = {m.start(2) for m in RAN_BY.finditer(text)}
+    for m in RAN_BY.finditer(text):
+        tests = "".join((ROOT / name).read_text() for name in m.group(1).split())
+        for option in re.findall(r"(--[a-z][a-z-]+)", m.group(2)):
+            assert option in tests, f"{option} is shown as run by {m.group(1)}, which never pass it"
+    rest = [m for m in fences if m.start(2) not in walked | plain | ran_by]
     assert len(rest) == 1 and rest[0].group(1) == "bash", [m.group(0)[:80] for m in rest]
     lines = rest[0].group(2).replace("\\\n", " ").splitlines()
     assert lines[-1].split("#")[0].strip() == "source .venv-vllm/bin/activate"

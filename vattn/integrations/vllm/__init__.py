@@ -82,7 +82,9 @@ pages, else ``all_layers``).
 Modules, by the process that runs them (docs/design.md section 8):
 ``hooks`` installs every patch, in every process; ``configuration`` (what
 is served, decided at start-up; every process); the engine core's
-``engine_budget`` (its scheduler's block pool under a budget); the
+``engine_budget`` (its scheduler's block pool under a budget),
+``engine_wait`` (bounded waits for the limit) and ``engine_member`` (its
+label in ``python -m vattn top``); the
 worker's ``worker`` (the cache tensors vLLM's runner gets, the worker's
 RPCs), ``forward_inputs`` (the adapter: vLLM's forward read into one typed
 value), ``attention`` (the metadata builder and the attention

@@ -76,6 +76,7 @@ from vattn.budget.membership import (DEFAULT_IDLE_RELEASE_S, ENV_VAR, budget_nam
 from vattn.common.errors import BudgetError
 
 from . import runtime
+from .engine_member import data_parallel_rank, member_label
 from .engine_wait import BudgetWaits
 from .worker_budget import RELEASE_ATTRIBUTE, WorkerPages
 
@@ -84,7 +85,6 @@ KEEPER_INTERVAL_S = 0.05  # how often the keeper looks at the budget (a lock-fre
 GRANT_WAIT_S = 5.0  # how long a hand-out the budget still refuses waits for other members to give back
 START_WAIT_S = 30.0  # how long start-up waits for the null block's bytes
 UNCHARGE_ATTRIBUTE = "vattn_uncharge"  # on the engine core's SchedulerOutput: bytes to uncharge at its output
-LABEL_CHARACTERS = 40  # what `python -m vattn top` shows of a label
 
 
 def idle_release_setting() -> float:
@@ -97,38 +97,6 @@ def idle_release_setting() -> float:
     except ValueError:
         raise ValueError(f"{IDLE_SETTING} must be a number of seconds, got {raw!r}") from None
     return idle_release_seconds(value)
-
-
-def member_label(served_model_name: Any, tensor_parallel: int, pipeline_parallel: int,
-                 data_parallel_rank: int | None = None) -> str:
-    """What ``python -m vattn top`` shows for an engine: its served model name, its data-parallel rank
-    when it is one engine core of several, and its ranks, e.g. ``vllm llama-8b rank 0``,
-    ``vllm llama-8b dp1 rank 0`` or ``vllm llama-8b ranks 0-3 tp2 pp2``."""
-    if isinstance(served_model_name, (list, tuple)):
-        served_model_name = served_model_name[0] if served_model_name else ""
-    name = os.path.basename(str(served_model_name).rstrip("/")) or "model"
-    world = tensor_parallel * pipeline_parallel
-    ranks = " rank 0" if world == 1 else f" ranks 0-{world - 1}"
-    ranks += (f" tp{tensor_parallel}" if tensor_parallel > 1 else "") + (
-        f" pp{pipeline_parallel}" if pipeline_parallel > 1 else "")
-    if data_parallel_rank is not None:
-        ranks = f" dp{data_parallel_rank}{ranks}"
-    name = "".join(c if " " <= c <= "~" else "?" for c in name)  # a label is printable ASCII
-    room = LABEL_CHARACTERS - len("vllm ") - len(ranks)
-    if len(name) > room:
-        name = name[: room - 1] + "~"
-    return f"vllm {name}{ranks}"
-
-
-def data_parallel_rank(parallel_config: Any) -> int | None:
-    """The engine core's data-parallel rank when it is one of several (``--data-parallel-size``);
-    None otherwise. vLLM 0.32 sets a dense model's DP engine cores to ``data_parallel_size`` 1, as
-    independent engines, and keeps the rank in ``data_parallel_index``; ``data_parallel_rank_local``
-    is set only in a DP engine core."""
-    index = getattr(parallel_config, "data_parallel_index", 0)
-    if parallel_config.data_parallel_size > 1 or parallel_config.data_parallel_rank_local is not None or index:
-        return int(index)
-    return None
 
 
 class BudgetedBlockPool:

@@ -1,0 +1,46 @@
+"""How an engine core appears in ``python -m vattn top``: its member label
+(served model, data-parallel rank, tensor and pipeline ranks)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from typing import Any
+
+LABEL_CHARACTERS = 40  # what `python -m vattn top` shows of a label
+DP_ENGINE_PROCESS = "EngineCore_DP"  # vLLM's process name for a data-parallel engine core (v1/engine/utils.py)
+
+
+def member_label(served_model_name: Any, tensor_parallel: int, pipeline_parallel: int,
+                 data_parallel_rank: int | None = None) -> str:
+    """What ``python -m vattn top`` shows for an engine: its served model name, its data-parallel rank
+    when it is one engine core of several, and its ranks, e.g. ``vllm llama-8b rank 0``,
+    ``vllm llama-8b dp1 rank 0`` or ``vllm llama-8b ranks 0-3 tp2 pp2``."""
+    if isinstance(served_model_name, (list, tuple)):
+        served_model_name = served_model_name[0] if served_model_name else ""
+    name = os.path.basename(str(served_model_name).rstrip("/")) or "model"
+    world = tensor_parallel * pipeline_parallel
+    ranks = " rank 0" if world == 1 else f" ranks 0-{world - 1}"
+    ranks += (f" tp{tensor_parallel}" if tensor_parallel > 1 else "") + (
+        f" pp{pipeline_parallel}" if pipeline_parallel > 1 else "")
+    if data_parallel_rank is not None:
+        ranks = f" dp{data_parallel_rank}{ranks}"
+    name = "".join(c if " " <= c <= "~" else "?" for c in name)  # a label is printable ASCII
+    room = LABEL_CHARACTERS - len("vllm ") - len(ranks)
+    if len(name) > room:
+        name = name[: room - 1] + "~"
+    return f"vllm {name}{ranks}"
+
+
+def data_parallel_rank(parallel_config: Any) -> int | None:
+    """The engine core's data-parallel rank when it is one of several (``--data-parallel-size``);
+    None otherwise. vLLM 0.32 sets a dense model's DP engine cores to ``data_parallel_size`` 1, as
+    independent engines, and keeps the rank in ``data_parallel_index``, so rank 0's config reads as a
+    lone engine's (whose ``data_parallel_rank_local`` is vLLM's environment default, 0, too); vLLM
+    names a DP engine core's process ``EngineCore_DP<rank>`` and a lone one's ``EngineCore``."""
+    index = getattr(parallel_config, "data_parallel_index", 0)
+    if parallel_config.data_parallel_size > 1 or index:
+        return int(index)
+    if multiprocessing.current_process().name.startswith(DP_ENGINE_PROCESS):
+        return int(index)
+    return None
