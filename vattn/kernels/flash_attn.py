@@ -142,6 +142,16 @@ class FlashAttentionBuffers:
         tokens = raw[self._rows_at:].view(torch.int64).view(-1, 3)
         return ints[:rows], ints[rows:2 * rows + 1], ints[2 * rows + 1:], tokens
 
+    def fill_checked(self, batch: AttentionBatch | None, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
+                     num_rows: int, num_tokens: int, padding_reqid: int, rows_per_slice: int = 0) -> None:
+        """:meth:`fill`, after checking the framework's own persistent index
+        tensors a plan into these buffers reads (``[num_rows + 1]`` and
+        ``[num_rows]`` int32): ``ValueError`` naming the one that is not."""
+        for name, t, n in (("cu_seqlens_q", cu_seqlens_q, num_rows + 1), ("seqused_k", seqused_k, num_rows)):
+            if t.dtype != torch.int32 or tuple(t.shape) != (n,):
+                raise ValueError(f"{name} must be [{n}] int32, got {tuple(t.shape)} {t.dtype}")
+        self.fill(batch, num_rows, num_tokens, padding_reqid, rows_per_slice)
+
     def fill(self, batch: AttentionBatch | None, num_rows: int, num_tokens: int, padding_reqid: int,
              rows_per_slice: int = 0) -> None:
         """Writes ``batch`` (rows ``0 .. n-1``, tokens ``0 .. T-1``; None: no
@@ -273,10 +283,7 @@ class FlashAttentionKernel(Kernel):
 
         Writes the indices with one host-to-device copy and allocates nothing.
         """
-        for name, t, n in (("cu_seqlens_q", cu_seqlens_q, num_rows + 1), ("seqused_k", seqused_k, num_rows)):
-            if t.dtype != torch.int32 or tuple(t.shape) != (n,):
-                raise ValueError(f"{name} must be [{n}] int32, got {tuple(t.shape)} {t.dtype}")
-        buffers.fill(batch, num_rows, num_tokens, padding_reqid, rows_per_slice)
+        buffers.fill_checked(batch, cu_seqlens_q, seqused_k, num_rows, num_tokens, padding_reqid, rows_per_slice)
         plan = FlashAttentionPlan.__new__(FlashAttentionPlan)
         plan.batch = batch
         plan.check = None if batch is None else batch.mapped

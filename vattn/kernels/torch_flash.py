@@ -125,10 +125,7 @@ class TorchFlashKernel(Kernel):
         run's first layer from the buffers, so a captured run recomputes them
         at every replay: run a copy of the plan (``copy.copy``) in each
         forward. Writes the indices with one host-to-device copy."""
-        for name, t, n in (("cu_seqlens_q", cu_seqlens_q, num_rows + 1), ("seqused_k", seqused_k, num_rows)):
-            if t.dtype != torch.int32 or tuple(t.shape) != (n,):
-                raise ValueError(f"{name} must be [{n}] int32, got {tuple(t.shape)} {t.dtype}")
-        buffers.fill(batch, num_rows, num_tokens, padding_reqid, rows_per_slice)
+        buffers.fill_checked(batch, cu_seqlens_q, seqused_k, num_rows, num_tokens, padding_reqid, rows_per_slice)
         plan = TorchFlashPlan.__new__(TorchFlashPlan)
         plan.batch = batch
         plan.check = None if batch is None else batch.mapped
