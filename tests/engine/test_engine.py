@@ -10,36 +10,22 @@ import vattn
 
 pytest.importorskip("transformers", reason="needs transformers: pip install -e \".[transformers]\"")
 
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from engine import engine_models  # noqa: E402
+from engine.engine_models import VOCAB, alone, tiny_llama  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 from vattn.engine import Engine  # noqa: E402
 
-VOCAB = 96
 PAGE = 4096
 
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=None)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(3)
 
 
 def workload(n: int, seed: int) -> tuple[list[list[int]], list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(3, 60, (n,), generator=g).tolist()
-    prompts = [torch.randint(2, VOCAB, (m,), generator=g).tolist() for m in lengths]
-    return prompts, torch.randint(1, 30, (n,), generator=g).tolist()
-
-
-def alone(model, prompt: list[int], new_tokens: int) -> list[int]:
-    """Greedy generation of one request with transformers and DynamicCache."""
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                         past_key_values=DynamicCache(config=model.config))
-    return out[0, len(prompt):].tolist()
+    return engine_models.workload(n, seed, prompt_tokens=(3, 60), new_tokens=(1, 30))
 
 
 @pytest.fixture(scope="module")

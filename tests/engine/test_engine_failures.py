@@ -11,8 +11,6 @@ import errno
 import pytest
 import torch
 
-import vattn
-
 pytest.importorskip("transformers", reason="needs transformers: pip install -e \".[transformers]\"")
 
 from conftest import assert_invariants  # noqa: E402

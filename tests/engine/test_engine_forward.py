@@ -13,7 +13,9 @@ import torch
 
 pytest.importorskip("transformers", reason="needs transformers: pip install -e \".[transformers]\"")
 
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from engine import engine_models  # noqa: E402
+from engine.engine_models import VOCAB, alone, tiny_llama  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from vattn.engine import Engine  # noqa: E402
 from vattn.engine import engine as engine_module  # noqa: E402
@@ -21,7 +23,6 @@ from vattn.engine import graphs as graphs_module  # noqa: E402
 from vattn.kernels import KERNELS, AttentionBatch  # noqa: E402
 from vattn.kernels import batch as batch_module  # noqa: E402
 
-VOCAB = 96
 PAGE = 4096
 LAYERS = 3
 CUDA_REASON = "needs a CUDA GPU: real pinned copies and CUDA graph captures"
@@ -29,25 +30,11 @@ CUDA_REASON = "needs a CUDA GPU: real pinned copies and CUDA graph captures"
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=None)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(LAYERS)
 
 
 def workload(n: int, seed: int) -> tuple[list[list[int]], list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(3, 40, (n,), generator=g).tolist()
-    prompts = [torch.randint(2, VOCAB, (m,), generator=g).tolist() for m in lengths]
-    return prompts, torch.randint(2, 12, (n,), generator=g).tolist()
-
-
-def alone(model, prompt: list[int], new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                         past_key_values=DynamicCache(config=model.config))
-    return out[0, len(prompt):].tolist()
+    return engine_models.workload(n, seed, prompt_tokens=(3, 40), new_tokens=(2, 12))
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,6 @@ from vattn.integrations.vllm import configuration
 from vattn.integrations.vllm import worker as vllm_worker
 from vattn.integrations.vllm.forward_inputs import ForwardReader
 from vattn.integrations.vllm.worker_cache import WorkerCache
-from vattn.kernels import KERNELS
 
 GIB, TIB = 1 << 30, 1 << 40
 
