@@ -10,8 +10,13 @@ SPEC: ``prompts`` (texts), ``max_tokens``, ``concurrency`` (clients at once),
 plain completion, a streamed completion and a completion with ``n=2``, greedy
 (temperature 0; ``n=2``: top-k 1, as vLLM refuses ``n > 1`` at temperature 0),
 ``ignore_eos`` so every answer has ``max_tokens`` tokens.
+``connection_retries`` (default 0): how many times a request whose
+connection failed before any answer (the ``openai`` client's
+``APIConnectionError``) is sent again, as the ``openai`` client's own
+retries would; nothing else is retried (an error answer is a failure).
 OUT: per kind, the texts in prompt order (each round's; ``n=2``: both
-choices), the errors (any failed request), and the seconds the run took.
+choices), the errors (any failed request), the connections retried, and
+the seconds the run took.
 """
 
 from __future__ import annotations
@@ -48,17 +53,29 @@ def run(base_url: str, model: str, spec: dict) -> dict:
     out: dict = {kind: {} for kind in kinds}
     errors: list[str] = []
 
+    from openai import APIConnectionError
+
+    retried: list[str] = []
+
     def one(job: tuple) -> None:
         kind, r, i, prompt = job
-        try:
-            out[kind][f"{r}:{i}"] = kinds[kind](prompt)
-        except Exception as e:  # noqa: BLE001 - every failure is reported, none may happen
-            errors.append(f"{kind} {r}:{i}: {type(e).__name__}: {e}")
+        for attempt in range(spec.get("connection_retries", 0) + 1):
+            try:
+                out[kind][f"{r}:{i}"] = kinds[kind](prompt)
+                return
+            except APIConnectionError as e:  # the connection failed before any answer: sent again, if allowed
+                if attempt == spec.get("connection_retries", 0):
+                    errors.append(f"{kind} {r}:{i}: {type(e).__name__}: {e}")
+                else:
+                    retried.append(f"{kind} {r}:{i}")
+            except Exception as e:  # noqa: BLE001 - every failure is reported, none may happen
+                errors.append(f"{kind} {r}:{i}: {type(e).__name__}: {e}")
+                return
 
     start = time.monotonic()
     with ThreadPoolExecutor(spec.get("concurrency", 4)) as pool:
         list(pool.map(one, jobs))
-    return {"texts": out, "errors": errors, "seconds": time.monotonic() - start}
+    return {"texts": out, "errors": errors, "retried": retried, "seconds": time.monotonic() - start}
 
 
 if __name__ == "__main__":

@@ -80,23 +80,23 @@ ANSWERED = '"POST /v1/completions HTTP/1.1" 200 OK'  # an API server's access lo
 
 
 def served(proc: subprocess.Popen, tmp: Path, tag: str, log: Path) -> dict:
-    """The clients' result (``finished`` of test_vllm_serve.py), where the only failures allowed are
-    connections vLLM 0.32's data-parallel front end (two API server processes on one port) dropped before any
-    API server read the request: the openai client's ``APIConnectionError``, with no access-log line. A stock
-    DP server drops them alike (3 of 768 requests in a run of this load); every request that reached a server
-    was answered (200)."""
+    """The clients' result (``finished`` of test_vllm_serve.py), with every request answered. The clients
+    send a request again when its connection failed before any answer (``connection_retries``, as the openai
+    client's own retries do): vLLM 0.32's data-parallel front end (two API server processes on one port)
+    drops a few connections under load before any API server reads them, a stock DP server alike (3 of 768
+    requests in a run of this load, up to 17 on a busy machine). Each request was answered exactly once: the
+    API servers logged as many answered requests as were sent (a retry of a request a server had read would
+    show as one more)."""
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
     result = json.loads((tmp / f"{tag}.json").read_text())
-    dropped = result["errors"]
-    assert all("APIConnectionError" in e for e in dropped), dropped[:5]
-    sent = sum(len(answers) for answers in result["texts"].values()) + len(dropped)
-    assert len(dropped) <= max(1, sent // 50), dropped[:5]
+    assert result["errors"] == [], result["errors"][:5]
+    sent = sum(len(answers) for answers in result["texts"].values())
     # an API server logs a request just after answering it
-    wait_until(lambda: log.read_text().count('"POST /v1/completions HTTP/1.1"') >= sent - len(dropped), 30,
-               f"fewer requests logged than answered: {sent - len(dropped)}")
+    wait_until(lambda: log.read_text().count('"POST /v1/completions HTTP/1.1"') >= sent, 30,
+               f"fewer requests logged than answered: {sent}")
     text = log.read_text()
-    assert text.count(ANSWERED) == text.count('"POST /v1/completions HTTP/1.1"') == sent - len(dropped)
+    assert text.count(ANSWERED) == text.count('"POST /v1/completions HTTP/1.1"') == sent
     return result
 
 
@@ -124,7 +124,8 @@ def dp_stock_texts(model, tmp_path_factory) -> dict:  # noqa: F811 - model is th
     tmp = tmp_path_factory.mktemp("dp-stock")
     with server(model, "tiny-llama", tmp / "stock.log", False, command="serve", args=DATA_PARALLEL,
                 VLLM_CPU_OMP_THREADS_BIND=two_cpus_bind()) as url:
-        texts = served(clients(url, "tiny-llama", tmp, "stock"), tmp, "stock", tmp / "stock.log")["texts"]
+        run = clients(url, "tiny-llama", tmp, "stock", connection_retries=2)
+        texts = served(run, tmp, "stock", tmp / "stock.log")["texts"]
     assert sum(len(answers) for answers in texts.values()) >= 3 * len(PROMPTS) - 1
     return texts
 
@@ -136,7 +137,8 @@ def test_data_parallel_server_on_vattn_answers_stocks_texts(model, dp_stock_text
     their cache on vattn, and the greedy texts of every kind of request equal the stock DP server's."""
     with server(model, "tiny-llama", tmp_path / "vattn.log", True, command="serve", args=DATA_PARALLEL,
                 VLLM_CPU_OMP_THREADS_BIND=two_cpus_bind()) as url:
-        texts = served(clients(url, "tiny-llama", tmp_path, "vattn", rounds=2), tmp_path, "vattn",
+        run = clients(url, "tiny-llama", tmp_path, "vattn", rounds=2, connection_retries=2)
+        texts = served(run, tmp_path, "vattn",
                        tmp_path / "vattn.log")["texts"]
     assert engine_cores_on_vattn(tmp_path / "vattn.log") == 2
     assert all(t[0] for t in texts["plain"].values())
@@ -161,7 +163,8 @@ def test_data_parallel_engine_cores_are_members_through_a_halved_limit(model, dp
             labels = sorted(m.label for m in budget.usage().members)
             assert labels == ["vllm tiny-llama dp0 rank 0", "vllm tiny-llama dp1 rank 0"]
             sampler = Sampler(budget)
-            run = clients(url, "tiny-llama", tmp_path, "load", rounds=32, concurrency=16)
+            run = clients(url, "tiny-llama", tmp_path, "load", rounds=32, concurrency=16,
+                          connection_retries=2)
             wait_until(lambda: budget.held_bytes > half, 120, "the engine cores never held half the limit")
             under_load = {m.label: m.held_bytes for m in budget.usage().members}
             assert all(held > 0 for held in under_load.values()), under_load  # the load reached both DP ranks
