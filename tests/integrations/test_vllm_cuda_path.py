@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import types
+from typing import Any
 
 import numpy as np
 import pytest
@@ -269,6 +270,15 @@ def plan_pointers(plan) -> tuple[int, ...]:
                                         plan.cu_seqlens_q, plan.seqused_k))
 
 
+def host_worker_cache(kernel: Any) -> tuple[types.SimpleNamespace, Any]:
+    """(runner, cache): vLLM's worker cache as the worker builds it, on the host backend, for ``kernel``:
+    2 KV heads of 32 fp32, 16-token blocks, 40 blocks, a runner of 4 rows of 64 tokens."""
+    spec = types.SimpleNamespace(num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=16)
+    runner = fake_runner(torch.device("cpu"), 4, 64, 4)
+    case = AttentionCase("cpu", 32, torch.float32, torch.float32, num_kv_heads=2, max_context_len=64)
+    return runner, vllm_worker.build_cache(runner, one_group_config(spec, 40), spec, kernel, case)
+
+
 def test_graph_plans_keep_their_addresses_and_padding_touches_only_the_padding_slice(fake_vllm_build, monkeypatch):
     """Four forwards of different batches through the builder's planner on a
     host cache, with vLLM's FlashAttention build: two prefills, a decode
@@ -287,10 +297,7 @@ def test_graph_plans_keep_their_addresses_and_padding_touches_only_the_padding_s
 
     monkeypatch.setattr(fake_vllm_build, "flash_attn_varlen_func", recording)
     kernel = plugin.loaded_kernel(KERNELS["flash_attn"], head_size=32)
-    spec = types.SimpleNamespace(num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=16)
-    runner = fake_runner(torch.device("cpu"), 4, 64, 4)
-    case = AttentionCase("cpu", 32, torch.float32, torch.float32, num_kv_heads=2, max_context_len=64)
-    cache = vllm_worker.build_cache(runner, one_group_config(spec, 40), spec, kernel, case)
+    runner, cache = host_worker_cache(kernel)
     try:
         group = cache.groups[0]
         pad = group.padding
@@ -386,6 +393,18 @@ def test_plans_into_buffers_refuse_what_does_not_fit(fake_vllm_build):
         kernel.run(plan, torch.zeros(4, 2, 32), cache, cache.clone())
 
 
+def vllm_on_a_fake_stream(fake_cuda: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Framework, Any]:
+    """The fake driver's framework, initialised, and a stream of it that vLLM's ``current_stream`` returns
+    (the stream the worker's cache fences its unmaps on)."""
+    fw = Framework(fake_cuda)
+    fw.init()
+    stream = fw.stream()
+    torch_utils = types.ModuleType("vllm.utils.torch_utils")
+    torch_utils.current_stream = lambda: stream
+    monkeypatch.setitem(sys.modules, "vllm.utils.torch_utils", torch_utils)
+    return fw, stream
+
+
 def test_a_capture_build_maps_nothing_inside_a_cuda_graph_capture(fake_cuda, fake_vllm_build, monkeypatch):
     """On the fake CUDA driver, the worker's cache as vLLM's CUDA worker
     builds it: the padding slice is mapped at start-up; a build for a graph
@@ -395,12 +414,7 @@ def test_a_capture_build_maps_nothing_inside_a_cuda_graph_capture(fake_cuda, fak
     slice. The ordinary build of the same batch without requests (vLLM's
     warm-up rows) would map, and invalidates the capture: what the test
     would see if a capture build mapped."""
-    fw = Framework(fake_cuda)
-    fw.init()
-    stream = fw.stream()
-    torch_utils = types.ModuleType("vllm.utils.torch_utils")
-    torch_utils.current_stream = lambda: stream
-    monkeypatch.setitem(sys.modules, "vllm.utils.torch_utils", torch_utils)
+    fw, stream = vllm_on_a_fake_stream(fake_cuda, monkeypatch)
     block = 2048  # 4 KV heads x 128 x fp16 = 1 KiB per token: one 2 MiB page per block and buffer
     spec = types.SimpleNamespace(num_kv_heads=4, head_size=128, dtype=torch.float16, block_size=block)
     runner = fake_runner(torch.device("cuda", 0), 4, 4 * block, 4)
@@ -559,11 +573,8 @@ def test_the_scratch_page_holds_zeros_whatever_its_fresh_memory_held(fake_vllm_b
                 buffer[int(reqid)].fill_(float("nan"))  # the padding slice is mapped whole (4 blocks of 16 rows)
 
     kernel = plugin.loaded_kernel(KERNELS["flash_attn"], head_size=32)
-    spec = types.SimpleNamespace(num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=16)
-    runner = fake_runner(torch.device("cpu"), 4, 64, 4)
-    case = AttentionCase("cpu", 32, torch.float32, torch.float32, num_kv_heads=2, max_context_len=64)
     monkeypatch.setattr(vattn.KVCacheManager, "map_pages", map_pages_onto_garbage)
-    cache = vllm_worker.build_cache(runner, one_group_config(spec, 40), spec, kernel, case)
+    _, cache = host_worker_cache(kernel)
     try:
         pad = cache.groups[0].padding
         assert cache.manager.page_ids(pad) == [plugin.NULL_BLOCK_ID, 40, 40, 40]
@@ -623,10 +634,7 @@ def test_a_layer_of_vllms_build_is_its_cache_write_and_its_call(fake_vllm_build,
     call. The outputs stay exact (the build's reference then runs)."""
     torch.manual_seed(0)
     kernel = plugin.loaded_kernel(KERNELS["flash_attn"], head_size=32)
-    spec = types.SimpleNamespace(num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=16)
-    runner = fake_runner(torch.device("cpu"), 4, 64, 4)
-    case = AttentionCase("cpu", 32, torch.float32, torch.float32, num_kv_heads=2, max_context_len=64)
-    cache = vllm_worker.build_cache(runner, one_group_config(spec, 40), spec, kernel, case)
+    runner, cache = host_worker_cache(kernel)
     try:
         kv_caches = cache.kv_caches()
         planner = vllm_attention.ForwardPlanner(cache, 0, torch.device("cpu"), 4, 32)
@@ -658,10 +666,7 @@ def test_a_layer_of_the_host_kernel_is_its_one_call():
     the DLPack handles it takes, at most ``LAYER_CALLS`` calls of vattn's
     own; the result equals SDPA's on the cache."""
     torch.manual_seed(0)
-    spec = types.SimpleNamespace(num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=16)
-    runner = fake_runner(torch.device("cpu"), 4, 64, 4)
-    case = AttentionCase("cpu", 32, torch.float32, torch.float32, num_kv_heads=2, max_context_len=64)
-    cache = vllm_worker.build_cache(runner, one_group_config(spec, 40), spec, KERNELS["host"], case)
+    runner, cache = host_worker_cache(KERNELS["host"])
     try:
         kv_caches = cache.kv_caches()
         planner = vllm_attention.ForwardPlanner(cache, 0, torch.device("cpu"), 4, 32)

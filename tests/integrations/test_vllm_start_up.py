@@ -24,6 +24,7 @@ import torch
 
 from backends.cuda_framework import Capture, Framework
 from integrations.test_vllm_cuda_path import VllmInputs, fake_runner, fake_vllm_build, set_rows  # noqa: F401
+from integrations.test_vllm_cuda_path import vllm_on_a_fake_stream
 from vattn.integrations import block_placer
 from vattn.integrations import vllm as plugin
 from vattn.integrations.vllm import attention as vllm_attention
@@ -106,12 +107,7 @@ def test_cuda_graph_memory_profiling_builds_a_minimal_cache_vattn_drops_and_capt
     warm-up and the capture of 4096-token rows (8192 // 2) raise nothing and the capture maps nothing;
     after vLLM's cleanup the profiling cache's address range is released, and the real cache is the one
     reservation alive."""
-    fw = Framework(fake_cuda)
-    fw.init()
-    stream = fw.stream()
-    torch_utils = types.ModuleType("vllm.utils.torch_utils")
-    torch_utils.current_stream = lambda: stream
-    monkeypatch.setitem(sys.modules, "vllm.utils.torch_utils", torch_utils)
+    fw, stream = vllm_on_a_fake_stream(fake_cuda, monkeypatch)
     block = 2048  # 4 KV heads x 128 x fp16 = 1 KiB per token: one 2 MiB page per block and buffer
     spec = FullAttentionSpec(num_kv_heads=4, head_size=128, dtype=torch.float16, block_size=block)
     runner = fake_runner(torch.device("cuda", 0), 2, 4 * block, 4, full_graph_sizes=(2, 1), max_num_tokens=8192)
