@@ -22,7 +22,7 @@ import types
 import pytest
 import torch
 
-from backends.cuda_framework import Capture, Framework
+from backends.cuda_framework import Capture
 from integrations.test_vllm_cuda_path import VllmInputs, fake_runner, fake_vllm_build, set_rows  # noqa: F401
 from integrations.test_vllm_cuda_path import vllm_on_a_fake_stream
 from vattn.integrations import block_placer
