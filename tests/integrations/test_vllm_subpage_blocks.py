@@ -1,0 +1,257 @@
+"""Blocks smaller than a page (SubPageBlockPlacer): a framework's prefix
+cache hits at block granularity while each request's slice still holds its
+own rows at their positions.
+
+The tests write every token's K/V through its request's slice and read every
+request's rows back against what its tokens should hold, so a wrong page, a
+missed copy or a copy from the wrong rows shows up as wrong values. A small
+model of vLLM's block pool (prefix-cache hits of full blocks, hashes set when
+a block is scheduled, freed blocks evicted oldest first) hands out the
+blocks.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import vattn
+from conftest import assert_invariants
+from vattn.integrations.block_placer import NULL_BLOCK_ID, SubPageBlockPlacer
+
+PAGE = 4096
+SLICES, MAX_LEN, NUM_BLOCKS = 6, 128, 40
+STAGING = SLICES  # the reqid past the placer's slices
+# per_layer: fp32, 2 KV heads x 32 = 256 bytes per token and buffer, 16 tokens a page: 4 blocks of 4
+# all_layers: 2 layers of that, 512 bytes, 8 tokens a page: 4 blocks of 2
+BLOCK = {"per_layer": 4, "all_layers": 2}
+PER_PAGE = 4
+
+
+def make_kv(layout: str) -> vattn.KVCacheManager:
+    buffers = 4 if layout == "per_layer" else 2
+    return vattn.KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+                                max_batch_size=SLICES + 1, max_context_len=MAX_LEN, page_size=PAGE,
+                                physical_memory=(NUM_BLOCKS + 1) * buffers * PAGE, layout=layout,
+                                page_allocator="external",
+                                policy={"background": False, "deferred_reclaim": False, "eager": False})
+
+
+def value(tokens: tuple[int, ...]) -> float:
+    """What the row of the last of ``tokens`` holds: a function of the whole prefix, as K/V are."""
+    return float(hash(tokens) % 100003)
+
+
+def write(kv, reqid: int, start: int, tokens: list[int]) -> None:
+    for t in range(start, len(tokens)):
+        x = value(tuple(tokens[:t + 1]))
+        for layer in range(2):
+            k, v = kv.layer(layer)
+            k[reqid, t] = x + layer
+            v[reqid, t] = -(x + layer)
+
+
+def rows_hold(kv, reqid: int, tokens: list[int]) -> bool:
+    want = torch.tensor([value(tuple(tokens[:t + 1])) for t in range(len(tokens))])
+    for layer in range(2):
+        k, v = kv.layer(layer)
+        n = len(tokens)
+        if not (torch.equal(k[reqid, :n], (want + layer)[:, None, None].expand_as(k[reqid, :n]))
+                and torch.equal(v[reqid, :n], -k[reqid, :n])):
+            return False
+    return True
+
+
+def apply_late_copies(kv, placer: SubPageBlockPlacer) -> None:
+    """What the forward does after each layer's K/V writes, here for every buffer at once."""
+    if placer.late_copies is not None:
+        dst_r, dst, src_r, src = (torch.from_numpy(a) for a in placer.late_copies)
+        rows = kv.token_rows()
+        rows[:, dst_r, dst] = rows[:, src_r, src]
+
+
+class BlockPool:
+    """vLLM's block pool in small: full blocks are cached by the hash of
+    every token up to their end from the step that schedules them; a hit is
+    the longest run of cached blocks below the prompt's last token; freed
+    blocks keep their hash until handed out again, oldest freed first."""
+
+    def __init__(self, num_blocks: int, block: int) -> None:
+        self.block = block
+        self.free = collections.deque(range(1, num_blocks))  # block 0: the null block
+        self.cached: dict[tuple[int, ...], int] = {}
+        self.hash_of: dict[int, tuple[int, ...]] = {}
+        self.refs = collections.Counter()
+        self.hit_tokens = 0
+
+    def take(self) -> int:
+        b = self.free.popleft()
+        h = self.hash_of.pop(b, None)
+        if h is not None:
+            del self.cached[h]
+        self.refs[b] += 1
+        return b
+
+    def admit(self, tokens: list[int]) -> tuple[list[int], int]:
+        """The blocks of a new prompt and its hit tokens; None when the pool is short."""
+        blocks = []
+        for j in range((len(tokens) - 1) // self.block):
+            b = self.cached.get(tuple(tokens[:(j + 1) * self.block]))
+            if b is None:
+                break
+            blocks.append(b)
+        fresh = -(-len(tokens) // self.block) - len(blocks)
+        if fresh > sum(1 for b in self.free if b not in blocks):
+            return None
+        for b in blocks:
+            if self.refs[b] == 0:
+                self.free.remove(b)
+            self.refs[b] += 1
+        hits = len(blocks) * self.block
+        blocks += [self.take() for _ in range(fresh)]
+        self.cache_full(tokens, blocks)
+        self.hit_tokens += hits
+        return blocks, hits
+
+    def cache_full(self, tokens: list[int], blocks: list[int]) -> None:
+        for j in range(len(tokens) // self.block):
+            h = tuple(tokens[:(j + 1) * self.block])
+            if blocks[j] not in self.hash_of and h not in self.cached:
+                self.cached[h], self.hash_of[blocks[j]] = blocks[j], h
+
+    def release(self, blocks: list[int]) -> None:
+        for b in reversed(blocks):  # vLLM frees a request's tail first
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
+
+
+def table(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    out = np.zeros((max(len(rows), 1), MAX_LEN // 2), dtype=np.int32)
+    for r, ids in enumerate(rows):
+        out[r, :len(ids)] = ids
+    return out, np.array([len(ids) for ids in rows] or [0], dtype=np.int32)
+
+
+def forward(kv, placer, requests: dict[str, dict]) -> dict[str, int]:
+    """One forward of ``requests`` (key -> tokens, blocks, computed tokens): map, write the new rows,
+    the late copies, then every request's rows must hold its tokens."""
+    keys = list(requests)
+    rows, counts = table([r["blocks"] for r in requests.values()])
+    seq = np.array([len(r["tokens"]) for r in requests.values()])
+    query = seq - np.array([r["computed"] for r in requests.values()])
+    reqids = placer.reqids_of(keys, rows, counts)
+    placer.map(reqids, rows, counts, seq, query)
+    for key, reqid in zip(keys, reqids.tolist()):
+        write(kv, reqid, requests[key]["computed"], requests[key]["tokens"])
+        requests[key]["computed"] = len(requests[key]["tokens"])
+    apply_late_copies(kv, placer)
+    for key, reqid in zip(keys, reqids.tolist()):
+        assert rows_hold(kv, reqid, requests[key]["tokens"]), key
+    return dict(zip(keys, reqids.tolist()))
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
+def test_a_hit_ending_inside_a_page_copies_the_rows_and_a_whole_page_of_hits_is_shared(layout):
+    block = BLOCK[layout]
+    page_tokens = block * PER_PAGE
+    with make_kv(layout) as kv:
+        placer = SubPageBlockPlacer(kv, block, PER_PAGE, NUM_BLOCKS, STAGING, slices=SLICES)
+        pool = BlockPool(NUM_BLOCKS, block)
+        a = list(range(100, 100 + 2 * page_tokens + 3))
+        blocks, hits = pool.admit(a)
+        ra = forward(kv, placer, {"a": dict(tokens=a, blocks=blocks, computed=hits)})["a"]
+        # b shares a's first page and one block more: the page is mapped, the block's rows copied
+        b = a[:page_tokens + block] + [7, 8, 9]
+        blocks_b, hits_b = pool.admit(b)
+        assert hits_b == page_tokens + block
+        rb = forward(kv, placer, {"b": dict(tokens=b, blocks=blocks_b, computed=hits_b)})["b"]
+        assert kv.page_ids(rb)[0] == kv.page_ids(ra)[0] and kv.page_ids(rb)[1] != kv.page_ids(ra)[1]
+        assert placer.pages_shared == 1 and placer.rows_copied == block and placer.late_copies is None
+        assert rows_hold(kv, ra, a)  # b's own rows went to its own page
+        assert_invariants(kv)
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
+def test_a_hit_on_blocks_the_same_forward_computes_is_copied_after_the_writes(layout):
+    """vLLM caches a block when it schedules it, so a request of the same
+    step can hit it before any forward wrote it: the copy waits for the
+    writes (late_copies)."""
+    block = BLOCK[layout]
+    with make_kv(layout) as kv:
+        placer = SubPageBlockPlacer(kv, block, PER_PAGE, NUM_BLOCKS, STAGING, slices=SLICES)
+        pool = BlockPool(NUM_BLOCKS, block)
+        a = list(range(50, 50 + 3 * block + 1))
+        b = a[:2 * block + 1] + [5]
+        requests = {"a": dict(zip(("blocks", "computed"), pool.admit(a)), tokens=a),
+                    "b": dict(zip(("blocks", "computed"), pool.admit(b)), tokens=b)}
+        assert requests["b"]["computed"] == 2 * block
+        rows, counts = table([r["blocks"] for r in requests.values()])
+        seq = np.array([len(a), len(b)])
+        reqids = placer.reqids_of(["a", "b"], rows, counts)
+        placer.map(reqids, rows, counts, seq, seq - np.array([0, 2 * block]))
+        dst_r, dst, src_r, src = placer.late_copies
+        assert dst_r.tolist() == [reqids[1]] * 2 * block and src_r.tolist() == [reqids[0]] * 2 * block
+        assert dst.tolist() == src.tolist() == list(range(2 * block))
+        for key, reqid in zip(["a", "b"], reqids.tolist()):
+            write(kv, reqid, requests[key]["computed"], requests[key]["tokens"])
+        assert not rows_hold(kv, reqids[1], b)  # the hit rows are not there before the late copy
+        apply_late_copies(kv, placer)
+        assert rows_hold(kv, reqids[0], a) and rows_hold(kv, reqids[1], b)
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "all_layers"])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_prompts_sharing_prefixes_read_their_own_rows_under_a_small_pool(layout, seed):
+    """Requests arrive, decode and finish; prompts share prefixes of every
+    length; the pool is small, so blocks are evicted and handed out again
+    while pages of finished requests still hold hit rows."""
+    rng = random.Random(seed)
+    block = BLOCK[layout]
+    stems = [[rng.randrange(1000) for _ in range(rng.randint(4, 40))] for _ in range(4)]
+    with make_kv(layout) as kv:
+        placer = SubPageBlockPlacer(kv, block, PER_PAGE, NUM_BLOCKS, STAGING, slices=SLICES)
+        pool = BlockPool(NUM_BLOCKS, block)
+        running: dict[str, dict] = {}
+        for n in range(120):
+            if len(running) < SLICES and rng.random() < 0.6:
+                for _ in range(rng.randint(1, 2)):
+                    stem = rng.choice(stems)
+                    tokens = stem[:rng.randint(1, len(stem))] + [rng.randrange(1000) for _ in range(rng.randint(1, 6))]
+                    got = pool.admit(tokens) if len(running) < SLICES else None
+                    if got is not None:
+                        running[f"r{n}.{_}"] = dict(tokens=tokens, blocks=got[0], computed=got[1], left=rng.randint(1, 12))
+            for r in running.values():
+                if r["computed"] == len(r["tokens"]):  # decode: one token, a block when the last is full
+                    r["tokens"].append(rng.randrange(1000))
+                    if len(r["tokens"]) > len(r["blocks"]) * block:
+                        if not pool.free:
+                            r["tokens"].pop()
+                            continue
+                        r["blocks"].append(pool.take())
+                    pool.cache_full(r["tokens"], r["blocks"])
+            batch = {k: r for k, r in running.items() if r["computed"] < len(r["tokens"])}
+            if batch:
+                forward(kv, placer, batch)
+            for key in [k for k, r in running.items() if (r.__setitem__("left", r["left"] - 1) or r["left"] <= 0)]:
+                pool.release(running.pop(key)["blocks"])
+                placer.release([key])
+        assert pool.hit_tokens > 0 and placer.rows_copied > 0
+        assert_invariants(kv)
+
+
+def test_bad_arguments_are_refused_naming_the_range():
+    with make_kv("per_layer") as kv:
+        with pytest.raises(ValueError, match="blocks_per_page must be the manager's 16 tokens per page"):
+            SubPageBlockPlacer(kv, 4, 3, NUM_BLOCKS, STAGING, slices=SLICES)
+        with pytest.raises(ValueError, match=r"staging_reqid must be a reqid in \[0, 6\] outside"):
+            SubPageBlockPlacer(kv, 4, PER_PAGE, NUM_BLOCKS, 2, slices=SLICES)
+        placer = SubPageBlockPlacer(kv, 4, PER_PAGE, NUM_BLOCKS, STAGING, slices=SLICES)
+        rows, counts = table([[1]])
+        with pytest.raises(ValueError, match="query_lens is required"):
+            placer.map(placer.reqids_of(["a"], rows, counts), rows, counts, np.array([3]))
+        assert NULL_BLOCK_ID not in kv.page_ids(STAGING)
