@@ -54,7 +54,7 @@ import time
 from typing import Any
 
 import torch
-from harness import machine, machine_slug, pyplot, save_plot, write_json
+from harness import describe_ratio, machine, machine_slug, pyplot, ratio_summary, round_order, save_plot, write_json
 
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
@@ -153,12 +153,6 @@ def run_cache(kind: str, model: Any, prompts: list[list[int]], args: argparse.Na
     return run_hf(model, prompts, args, device, kind)
 
 
-def order_of(caches: list[str], aa: str | None, round_index: int) -> list[str]:
-    """The runs of one round: every cache, then the A/A cache again; reversed every other round."""
-    order = caches + ([f"{aa}-again"] if aa else [])
-    return order if round_index % 2 == 0 else order[::-1]
-
-
 def ratio_pairs(caches: list[str], aa: str | None) -> list[tuple[str, str]]:
     """(numerator, denominator): each vattn cache against each transformers cache, and the A/A pair."""
     pairs = [(v, h) for v in caches if v.startswith("vattn") for h in caches if not h.startswith("vattn")]
@@ -171,7 +165,8 @@ def ratio_pairs(caches: list[str], aa: str | None) -> list[tuple[str, str]]:
 
 def summarize(runs: list[dict], caches: list[str], aa: str | None) -> tuple[dict, dict]:
     """Per cache: median, min and max tokens/s over rounds; per pair: the
-    per-round ratios of tokens/s, their median, min and max."""
+    per-round ratios of tokens/s, their median, min, max and 95% interval
+    (harness.ratio_summary)."""
     by_round: dict[int, dict[str, float]] = {}
     for r in runs:
         by_round.setdefault(r["round"], {})[r["cache"]] = r["tokens_per_s"]
@@ -183,8 +178,7 @@ def summarize(runs: list[dict], caches: list[str], aa: str | None) -> tuple[dict
     ratios = {}
     for num, den in ratio_pairs(caches, aa):
         values = [rates[num] / rates[den] for rates in by_round.values() if num in rates and den in rates]
-        ratios[f"{num} / {den}"] = {"median": statistics.median(values), "min": min(values), "max": max(values),
-                                    "per_round": values}
+        ratios[f"{num} / {den}"] = ratio_summary(values)
     return per_cache, ratios
 
 
@@ -215,7 +209,7 @@ def main() -> int:
     prompts = prompts_for(args.requests, args.prompt_len, shape["vocab_size"])
     runs = []
     for round_index in range(args.rounds):
-        for label in order_of(caches, args.aa, round_index):
+        for label in round_order(caches, args.aa, round_index):
             r = dict(cache=label, round=round_index,
                      **run_cache(label.removesuffix("-again"), model, prompts, args, device))
             runs.append(r)
@@ -224,8 +218,7 @@ def main() -> int:
                   flush=True)
     per_cache, ratios = summarize(runs, caches, args.aa)
     for pair, q in ratios.items():
-        print(f"{pair:32s}: median {q['median']:.3f}x over {len(q['per_round'])} rounds "
-              f"(min {q['min']:.3f}x, max {q['max']:.3f}x)")
+        print(describe_ratio(pair, q))
     m = machine()
     name = f"engine_e2e_{args.tag + '_' if args.tag else ''}{machine_slug(m)}"
     path = write_json(name, {

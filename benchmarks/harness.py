@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import re
 import shutil
 import statistics
@@ -110,6 +111,54 @@ def summarize(seconds: list[float]) -> dict[str, float]:
     return {"mean_us": statistics.fmean(us), "p50_us": statistics.median(us), "p99_us": p99, "samples": len(us)}
 
 
+def git_revision(checkout: Path) -> str:
+    """``checkout``'s commit (short), marked when its tracked files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=checkout,
+                           capture_output=True, text=True).stdout.strip()
+    return (head.stdout.strip() or "unknown") + (" (with uncommitted changes)" if dirty else "")
+
+
+def round_order(engines: list[str], aa: str | None, round_index: int) -> list[str]:
+    """The runs of one round of an A/B: every engine, then the A/A engine
+    (``aa``) a second time as ``<aa>-again``; reversed every other round, so
+    that a machine whose speed drifts favours no engine and the A/A pair
+    stands as far apart in the order as any pair."""
+    order = list(engines) + ([f"{aa}-again"] if aa else [])
+    return order if round_index % 2 == 0 else order[::-1]
+
+
+MIN_ROUNDS = 3  # fewer rounds make no interval worth judging by
+
+
+def ratio_summary(per_round: list[float], resamples: int = 10000, seed: int = 0) -> dict[str, Any]:
+    """A ratio measured once per round (B / A of the same round): its
+    median, minimum and maximum, and the 95% bootstrap interval of the
+    median (percentile method, ``resamples`` resamplings of the rounds,
+    seeded). ``verdict``: "ahead" where the interval lies above 1.0,
+    "behind" where below, "within noise" where it holds 1.0 (an A/A pair's
+    interval, measured beside, shows how wide noise alone makes it); with
+    fewer than ``MIN_ROUNDS`` rounds there is no interval to judge by, and
+    the verdict says so."""
+    if not per_round:
+        raise ValueError("ratio_summary needs at least one round")
+    rng = random.Random(seed)
+    n = len(per_round)
+    medians = sorted(statistics.median(rng.choices(per_round, k=n)) for _ in range(resamples))
+    low, high = medians[int(0.025 * resamples)], medians[min(resamples - 1, int(0.975 * resamples))]
+    verdict = ("ahead" if low > 1.0 else "behind" if high < 1.0 else "within noise") if n >= MIN_ROUNDS else \
+        f"no verdict: {n} round{'s' if n > 1 else ''}, fewer than {MIN_ROUNDS}"
+    return {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round),
+            "interval_95": [low, high], "verdict": verdict, "per_round": [round(r, 4) for r in per_round]}
+
+
+def describe_ratio(name: str, q: dict[str, Any]) -> str:
+    """One line for a ratio_summary: median, interval, range and verdict."""
+    low, high = q["interval_95"]
+    return (f"{name}: median {q['median']:.3f}x, 95% interval [{low:.3f}, {high:.3f}], rounds {q['min']:.3f}-"
+            f"{q['max']:.3f} ({len(q['per_round'])}): {q['verdict']}")
+
+
 def _compact_lists(text: str) -> str:
     """Puts every list of plain numbers on one line (per-iteration series stay readable)."""
     return re.sub(r"\[\s*([-0-9.eE+,\s]+?)\s*\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
@@ -126,12 +175,13 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
 
 def publish(name: str, payload: dict[str, Any], plot: Any, shown: Any = None) -> Path:
     """Writes results/<name>.json, prints ``shown`` (a summary, as JSON) and
-    the path, and draws the figure: ``plot(payload, name)``."""
+    the path, and draws the figure: ``plot(payload, name)`` (where
+    matplotlib is missing, says how to draw it later instead of failing)."""
     path = write_json(name, payload)
     if shown is not None:
         print(json.dumps(shown, indent=2))
     print(f"wrote {path}")
-    plot(payload, name)
+    draw(plot, payload, name, Path(sys.argv[0]).name)
     return path
 
 

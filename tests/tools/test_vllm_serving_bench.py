@@ -49,18 +49,47 @@ def test_the_budget_and_the_default_layout_get_files_of_their_own():
     assert name("serving", "short", "bfloat16", "cpu-2core", label="avx2") == "vllm_serving_avx2_cpu-2core"
 
 
-def test_the_budgets_cost_is_per_round_against_vattn_alone():
-    def run(rate_per_trace: dict[str, float], outputs: list) -> dict:
-        return {"phases": {t: {"generated_tokens": 100, "generate_s": 100 / r, "outputs": outputs}
-                           for t, r in rate_per_trace.items()}}
+def fake_run(rates: dict[str, float], outputs: list, vattn: bool = False) -> dict:
+    """What one engine's run returns, with ``rates`` tokens/s per trace (100 tokens each)."""
+    phases = {t: {"generated_tokens": 100, "generate_s": 100 / r, "outputs": outputs, "ttft_s": [0.1, 0.3],
+                  "prefix_cache_hits": 0, "preemptions": 0, "start": 0.0} for t, r in rates.items()}
+    return {"phases": phases, "block_bytes": 4096, "usage_series": [],
+            "vattn": [{"time_s_series": [], "bytes_mapped_series": []}] if vattn else None}
 
-    alone = [run({"a": 10.0, "b": 20.0}, [[1, 2]]), run({"a": 12.0, "b": 20.0}, [[1, 2]])]
-    budgeted = [run({"a": 9.0, "b": 20.0}, [[1, 2]]), run({"a": 12.0, "b": 22.0}, [[1, 3]])]
-    cost = vllm_serving.budget_cost(alone, budgeted, ("a", "b"))
-    assert cost["a"]["ratio_budget_over_vattn_per_round"] == [0.9, 1.0]
-    assert cost["a"]["ratio_budget_over_vattn"] == pytest.approx(10.5 / 11.0)
-    assert cost["b"]["vattn_budget_tokens_per_s_rounds"] == [20.0, 22.0]
-    assert cost["a"]["identical_outputs_to_vattn"] == 1  # first rounds' outputs compared
+
+def test_every_ratio_is_per_round_with_its_median_interval_and_the_aa_pair():
+    runs = {"stock": [fake_run({"a": 10.0}, [[1, 2]]), fake_run({"a": 20.0}, [[1, 2]]),
+                      fake_run({"a": 10.0}, [[1, 2]])],
+            "vattn": [fake_run({"a": 12.0}, [[1, 2]], True), fake_run({"a": 22.0}, [[1, 3]], True),
+                      fake_run({"a": 13.0}, [[1, 2]], True)],
+            "vattn+budget": [fake_run({"a": 12.0}, [[1, 2]], True), fake_run({"a": 11.0}, [[1, 2]], True),
+                             fake_run({"a": 13.0}, [[1, 2]], True)],
+            "stock-again": [fake_run({"a": 11.0}, [[1, 2]]), fake_run({"a": 18.0}, [[1, 2]]),
+                            fake_run({"a": 10.0}, [[1, 2]])]}
+    row = vllm_serving.summarize(runs, ("a",), "stock", low_precision=False)["a"]
+    assert set(row["ratios"]) == {"vattn / stock", "vattn+budget / vattn", "stock-again / stock"}
+    ours = row["ratios"]["vattn / stock"]
+    assert ours["per_round"] == [1.2, 1.1, 1.3]  # within each round, not of means over rounds
+    assert ours["median"] == pytest.approx(1.2) and row["tokens_per_s_ratio_vattn_over_stock"] == ours["median"]
+    assert ours["verdict"] == "ahead" and ours["interval_95"] == pytest.approx([1.1, 1.3])
+    assert row["ratios"]["vattn+budget / vattn"]["per_round"] == [1.0, 0.5, 1.0]
+    assert row["ratios"]["stock-again / stock"]["verdict"] == "within noise"
+    assert row["stock_tokens_per_s"] == 10.0 and row["vattn_tokens_per_s_rounds"] == [12.0, 22.0, 13.0]
+    assert row["identical_outputs"] == "1/1 (first token 1/1)" and row["vattn+budget_identical_outputs_to_vattn"] == 1
+
+
+def test_the_base_checkout_is_the_denominator_of_this_checkouts_vattn():
+    assert vllm_serving.ratio_pairs(["stock", "vattn", "vattn-base"], None) == [("vattn", "stock"),
+                                                                               ("vattn", "vattn-base")]
+    assert vllm_serving.ratio_pairs(["stock", "vattn"], "vattn") == [("vattn", "stock"), ("vattn-again", "vattn")]
+
+
+def test_a_bad_aa_engine_or_base_checkout_is_refused_by_name(tmp_path):
+    for flags, message in ((["--aa", "dynamic"], "--aa must be one of stock, vattn or none"),
+                           (["--base", str(tmp_path)], "--base must be a vattn checkout")):
+        bad = subprocess.run([sys.executable, str(BENCHMARKS / "vllm_serving.py"), *flags],
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
 
 
 def outer_part():

@@ -1,0 +1,61 @@
+"""benchmarks/harness.py: the order of an A/B's rounds, the statistics every
+A/B reports, and results published where matplotlib is missing."""
+
+from __future__ import annotations
+
+import builtins
+import json
+
+import pytest
+
+from conftest import load_benchmark
+
+harness = load_benchmark("harness")
+
+
+def test_rounds_alternate_and_the_aa_run_stands_at_the_far_end():
+    assert harness.round_order(["stock", "vattn"], "stock", 0) == ["stock", "vattn", "stock-again"]
+    assert harness.round_order(["stock", "vattn"], "stock", 1) == ["stock-again", "vattn", "stock"]
+    assert harness.round_order(["a", "b"], None, 3) == ["b", "a"]
+
+
+@pytest.mark.parametrize("per_round,verdict", [([1.10, 1.20, 1.15, 1.30, 1.12, 1.18], "ahead"),
+                                               ([0.80, 0.90, 0.85, 0.88, 0.92, 0.83], "behind"),
+                                               ([0.90, 1.10, 1.00, 0.95, 1.05, 1.02], "within noise")])
+def test_the_verdict_follows_the_medians_interval(per_round, verdict):
+    q = harness.ratio_summary(per_round)
+    low, high = q["interval_95"]
+    assert min(per_round) <= low <= q["median"] <= high <= max(per_round)
+    assert q["verdict"] == verdict and q["per_round"] == per_round
+    assert harness.ratio_summary(per_round) == q  # seeded: the same rounds give the same interval
+    assert verdict in harness.describe_ratio("x", q)
+
+
+def test_one_outlier_round_does_not_move_the_interval_past_the_others():
+    q = harness.ratio_summary([1.10, 1.12, 1.15, 1.11, 1.14, 3.0])
+    assert q["interval_95"][1] < 3.0 and q["verdict"] == "ahead"
+
+
+def test_a_ratio_needs_a_round_and_a_verdict_three():
+    with pytest.raises(ValueError, match="at least one round"):
+        harness.ratio_summary([])
+    assert harness.ratio_summary([1.5, 1.6])["verdict"] == "no verdict: 2 rounds, fewer than 3"
+
+
+def test_results_are_written_and_the_figure_deferred_without_matplotlib(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(harness, "RESULTS", tmp_path)
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+
+    def plot(payload, name):
+        harness.pyplot()
+
+    harness.publish("r", {"x": [1, 2]}, plot, {"shown": 1})
+    assert json.loads((tmp_path / "r.json").read_text()) == {"x": [1, 2]}
+    assert "--replot" in capsys.readouterr().out
