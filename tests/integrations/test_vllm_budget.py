@@ -178,9 +178,8 @@ def test_a_budget_works_with_vllms_own_executors_and_synchronous_scheduling(monk
     for fine in (config("uni"), config("mp"), config(None), config("mp", 2), config("mp", 4)):  # CPU ranks
         vllm_budget.check_config(fine)
     device = "cuda"
-    vllm_budget.check_config(config("mp"))
-    with pytest.raises(ValueError, match="2 GPUs"):  # one budget governs one device
-        vllm_budget.check_config(config("mp", 2))
+    for fine in (config("mp"), config("mp", 2)):  # GPU ranks: each device's own budget is charged
+        vllm_budget.check_config(fine)
     with pytest.raises(ValueError, match="executor 'ray' places ranks on other machines"):
         vllm_budget.check_config(config("ray", 2))
     with pytest.raises(ValueError, match="async_scheduling"):

@@ -12,6 +12,7 @@ from vattn.common.errors import BudgetError, VAttnError
 from vattn.common.sizes import format_bytes, parse_size
 
 from .budget import DEFAULT_MAX_MEMBERS, Budget, BudgetUsage, names, remove, remove_leftovers
+from .devices import create_for_devices, family
 from .top import run_top
 
 SET_RULE = ("Changes a budget's limit, live. Nothing is taken from members: below what they hold, grants are "
@@ -119,16 +120,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     create.add_argument("name", help=NAME_RULE)
     create.add_argument("--limit", type=_limit, required=True,
                         help="bytes, at least 1: 4GiB, 512MiB, 4G (= 4 GiB), 2e9, 1.5GB ...")
-    create.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, or a GPU UUID (GPU-...)")
+    create.add_argument("--device", action="append",
+                        help="cpu (default), cuda, cuda:N, or a GPU UUID (GPU-...); given several times, one budget "
+                             "per GPU, each of --limit, named NAME.GPU-<the UUID's last 12 hex digits>")
+    create.add_argument("--per-device", action="store_true",
+                        help="name the budget of one GPU NAME.GPU-... too (a GPU added to NAME's per-device budgets)")
     create.add_argument("--max-members", type=int, default=DEFAULT_MAX_MEMBERS,
                         help=f"managers it has room for (default {DEFAULT_MAX_MEMBERS})")
     change = actions.add_parser("set", help="change a budget's limit, live", description=SET_RULE)
-    change.add_argument("name")
+    change.add_argument("name", help="a budget, or a name and its per-device budgets (NAME.GPU-...): each one's limit")
     change.add_argument("--limit", type=_size, required=True,
                         help="bytes: 2GiB, 512MiB, 2e9 ...; below what members cannot give back, the budget "
                              "stays above it (see above)")
     rm = actions.add_parser("rm", help="remove a budget (also a corrupt one); refused while processes use it")
-    rm.add_argument("name")
+    rm.add_argument("name", help="a budget, or a name and its per-device budgets (NAME.GPU-...)")
     rm.add_argument("--force", action="store_true",
                     help="remove it although processes use it: they are refused new memory from it from then on")
     ls = actions.add_parser("ls", help="list the budgets on this machine (and remove what killed creators left)")
@@ -136,7 +141,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     budget.set_defaults(run_command=run_budget)
 
     top = sub.add_parser("top", help="live table of budgets: per process and manager, bytes in use and free-held")
-    top.add_argument("name", nargs="?", help="one budget (default: every budget on this machine)")
+    top.add_argument("name", nargs="?",
+                     help="one budget and its per-device budgets (default: every budget on this machine)")
     top.add_argument("--once", action="store_true", help="print one snapshot and exit")
     top.add_argument("--json", action="store_true", help="print JSON (with --once: one snapshot for scripts)")
     top.add_argument("--interval", type=_positive(float), default=1.0, help="seconds between refreshes (default 1)")
@@ -153,27 +159,33 @@ def run_budget(args: argparse.Namespace) -> int:
 
 
 def _create(args: argparse.Namespace) -> int:
-    b = Budget.create(args.name, args.limit, args.device, args.max_members)
-    print(f"created budget {b.name}: limit {format_bytes(b.limit)} ({b.limit} bytes), device {b.device}, "
-          f"room for {b.max_members} members")
+    for b in create_for_devices(args.name, args.limit, args.device or ["cpu"], args.per_device or None,
+                                max_members=args.max_members):
+        print(f"created budget {b.name}: limit {format_bytes(b.limit)} ({b.limit} bytes), device {b.device}, "
+              f"room for {b.max_members} members")
     return 0
 
 
 def _set(args: argparse.Namespace) -> int:
-    b = Budget.attach(args.name)
+    for name in family(args.name) or [args.name]:  # none: attach names what is missing
+        _set_one(name, args.limit)
+    return 0
+
+
+def _set_one(name: str, limit: int) -> None:
+    b = Budget.attach(name)
     before = b.limit
-    b.set_limit(args.limit)
+    b.set_limit(limit)
     usage = b.usage()
     held = usage.held_bytes
-    print(f"budget {b.name}: limit {format_bytes(before)} -> {format_bytes(args.limit)} ({args.limit} bytes); "
+    print(f"budget {b.name}: limit {format_bytes(before)} -> {format_bytes(limit)} ({limit} bytes); "
           f"members hold {format_bytes(held)}")
-    if held > args.limit:
-        print(f"members hold {format_bytes(held - args.limit)} more than the new limit: grants are refused "
+    if held > limit:
+        print(f"members hold {format_bytes(held - limit)} more than the new limit: grants are refused "
               f"until they have released that much (pages under requests are never taken)")
-    warning = pinned_warning(usage, args.limit)
+    warning = pinned_warning(usage, limit)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
-    return 0
 
 
 def pinned_warning(usage: BudgetUsage, limit_bytes: int) -> str | None:
@@ -200,15 +212,16 @@ def pinned_warning(usage: BudgetUsage, limit_bytes: int) -> str | None:
 
 
 def _rm(args: argparse.Namespace) -> int:
-    processes = 0
-    try:
-        processes = len(Budget.attach(args.name).usage().processes)
-    except BudgetError:
-        pass  # missing (remove says so) or corrupt (removed all the same)
-    members = remove(args.name, args.force)
-    note = (f"; {members} member(s) in {processes} process(es) were told it is gone: they are refused new memory "
-            f"from it and keep what they hold") if members else ""
-    print(f"removed budget {args.name}{note}")
+    for name in family(args.name) or [args.name]:  # none: remove names what is missing
+        processes = 0
+        try:
+            processes = len(Budget.attach(name).usage().processes)
+        except BudgetError:
+            pass  # missing (remove says so) or corrupt (removed all the same)
+        members = remove(name, args.force)
+        note = (f"; {members} member(s) in {processes} process(es) were told it is gone: they are refused new "
+                f"memory from it and keep what they hold") if members else ""
+        print(f"removed budget {name}{note}")
     return 0
 
 

@@ -15,6 +15,7 @@ from vattn.common.config import KVCacheConfig
 from vattn.common.errors import BudgetError
 
 from .budget import Budget, BudgetMember, resolve_device
+from .devices import attach_for_device
 
 ENV_VAR = "VATTN_BUDGET"
 # Seconds without a step after which a manager in a budget gives its free
@@ -79,7 +80,9 @@ def join_budget(budget: Any, device: torch.device, label: str) -> tuple[Budget |
     budget named by ``VATTN_BUDGET`` when that is set and not empty, else
     none) or ``False`` (none, whatever the environment says). Raises
     :class:`vattn.BudgetError` when the named budget does not exist or cannot
-    be joined, ``ValueError`` when it governs another device.
+    be joined, ``ValueError`` when it governs another device. A name finds
+    the budget of ``device`` among one name's per-device budgets
+    (:func:`vattn.budget.devices.attach_for_device`).
     """
     source = "budget"
     if budget is False:
@@ -89,9 +92,10 @@ def join_budget(budget: Any, device: torch.device, label: str) -> tuple[Budget |
         if not name:
             return None, None
         budget, source = name, f"environment variable {ENV_VAR}={name}"
+    wanted = resolve_device(device)
     if isinstance(budget, str):
         try:
-            budget = Budget.attach(budget)
+            budget = attach_for_device(budget, wanted)  # the name itself, or its segment for this GPU
         except (BudgetError, ValueError) as e:
             if source == "budget":
                 raise
@@ -99,7 +103,6 @@ def join_budget(budget: Any, device: torch.device, label: str) -> tuple[Budget |
     elif not isinstance(budget, Budget):
         raise TypeError(f"budget must be a vattn.Budget, a budget's name, None or False, "
                         f"got {type(budget).__name__}")
-    wanted = resolve_device(device)
     if budget.device != wanted:
         raise ValueError(f"{source}: budget '{budget.name}' governs device {budget.device}, but this cache "
                          f"lives on {device} ({wanted}); create a budget for that device")

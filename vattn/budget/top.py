@@ -8,6 +8,7 @@ import time
 from typing import Any, TextIO
 
 from .budget import Budget, BudgetUsage, names
+from .devices import family
 from vattn.common.errors import BudgetError
 from vattn.common.sizes import format_bytes
 
@@ -86,18 +87,19 @@ def as_json(usages: list[BudgetUsage], errors: list[dict[str, str]]) -> str:
 
 def run_top(budget_name: str | None, once: bool, as_json_output: bool, interval_s: float,
             iterations: int | None, out: TextIO | None = None) -> int:
-    """Shows ``budget_name`` (every budget when None) once, ``iterations``
+    """Shows ``budget_name`` and its per-device budgets (every budget when None) once, ``iterations``
     times, or until Ctrl-C; every ``interval_s`` seconds. On a terminal the
     table is redrawn in place, elsewhere each refresh is printed after the
     last (to ``out``, default stdout). Returns the exit status: 1 when a
     named budget cannot be read."""
     out = sys.stdout if out is None else out
-    wanted = None if budget_name is None else [budget_name]
     tty = out.isatty() and not as_json_output
     shown = 0
     status = 0
     try:
         while True:
+            # a name shows its per-device budgets (NAME.GPU-...) too, those created since included
+            wanted = None if budget_name is None else (family(budget_name) or [budget_name])
             usages, errors = snapshot(wanted)
             status = 1 if wanted and errors else 0
             text = as_json(usages, errors) if as_json_output else render(usages, errors, wanted is None)

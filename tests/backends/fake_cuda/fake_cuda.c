@@ -230,11 +230,38 @@ CUresult cuDeviceGetName(char* name, int len, CUdevice d) {
   return CUDA_SUCCESS;
 }
 CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice d) { (void)d; *bytes = fc_total_mem(); return CUDA_SUCCESS; }
-/* Device d's UUID: "vattn-fake-gpu" and the ordinal in the last byte. */
+/* Device d's UUID: "vattn-fake-gpu" and the ordinal in the last byte, or
+ * the d-th of FAKE_CUDA_UUIDS (comma-separated, 32 hex digits each), so a
+ * test can give devices UUIDs of its own and number them as another process's
+ * CUDA_VISIBLE_DEVICES would. */
 typedef struct { char bytes[16]; } CUuuid;
+static int fc_hex_digit(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+/* The d-th UUID of FAKE_CUDA_UUIDS into out: 1; 0 when it has none for d or it is malformed. */
+static int fc_uuid_from_env(CUdevice d, char out[16]) {
+  const char* v = getenv("FAKE_CUDA_UUIDS");
+  if (!v || !*v) return 0;
+  for (int i = 0; i < d; i++) {
+    v = strchr(v, ',');
+    if (!v) return 0;
+    v++;
+  }
+  for (int i = 0; i < 16; i++) {
+    int hi = fc_hex_digit(v[2 * i]), lo = hi < 0 ? -1 : fc_hex_digit(v[2 * i + 1]);
+    if (hi < 0 || lo < 0) return 0;
+    out[i] = (char)(hi << 4 | lo);
+  }
+  return v[32] == '\0' || v[32] == ',';
+}
 CUresult cuDeviceGetUuid_v2(CUuuid* uuid, CUdevice d) {
   if (!fc_initialized) return CUDA_ERROR_NOT_INITIALIZED;
   if (d < 0 || d >= fc_device_count()) return CUDA_ERROR_INVALID_DEVICE;
+  const char* listed = getenv("FAKE_CUDA_UUIDS");
+  if (listed && *listed) return fc_uuid_from_env(d, uuid->bytes) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
   memcpy(uuid->bytes, "vattn-fake-gpu\0\0", 16);
   uuid->bytes[15] = (char)d;
   return CUDA_SUCCESS;

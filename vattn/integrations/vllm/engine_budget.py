@@ -12,8 +12,12 @@ block's pages when a forward first maps it, with no budget check, and give
 them back when the scheduler says so. vLLM's ``num_blocks`` is only the
 virtual size of the pool.
 
-- **Charging.** A block's bytes are the sum, over every rank, of the pages
-  one block id holds there (each worker reports its own at start-up). The
+- **Charging.** Each device's budget is charged the pages one block id
+  holds on the ranks on that device (each worker reports its device, by
+  UUID, and its bytes at start-up; on the host every rank's go to the host's
+  budget): :class:`vattn.budget.devices.DeviceMember`, which grants a block
+  only when every device has room and undoes a grant one device refused on
+  the others. ``block_bytes`` is a block on every rank together. The
   scheduler charges them when ``get_new_blocks`` hands out a block without
   pages, before any worker can create them; inside ``allocate_slots`` the
   bytes the request may take are granted first (``headroom``), so the free
@@ -44,8 +48,8 @@ virtual size of the pool.
   (``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the worker in it
   too, the keeper releases directly.
 
-How the engine core reaches the workers: ``collective_rpc("vattn_block_bytes")``
-at start-up (every rank's block bytes, in any layout), block ids on a step's
+How the engine core reaches the workers: ``collective_rpc(worker_rank_charge)``
+at start-up (every rank's device and bytes, in any layout), block ids on a step's
 ``SchedulerOutput`` (``worker_budget.RELEASE_ATTRIBUTE``), a no-op
 ``collective_rpc`` as a barrier; and with vLLM's in-process executor, the
 worker's :class:`~vattn.integrations.vllm.worker_budget.WorkerPages` handle,
@@ -71,14 +75,14 @@ from typing import Any, Callable
 
 import numpy as np
 
+from vattn.budget.devices import DeviceMember, DeviceShare
 from vattn.budget.membership import (DEFAULT_IDLE_RELEASE_S, ENV_VAR, budget_name_from_environment,
-                                     idle_release_seconds, join_budget)
+                                     idle_release_seconds)
 from vattn.common.errors import BudgetError
 
-from . import runtime
-from .engine_member import data_parallel_rank, member_label
+from .engine_member import bytes_by_device, data_parallel_rank, join_ranks, member_label
 from .engine_wait import BudgetWaits
-from .worker_budget import RELEASE_ATTRIBUTE, WorkerPages
+from .worker_budget import RELEASE_ATTRIBUTE, WorkerPages, worker_rank_charge
 
 IDLE_SETTING = "VATTN_VLLM_IDLE_RELEASE_S"
 KEEPER_INTERVAL_S = 0.05  # how often the keeper looks at the budget (a lock-free read when nothing is asked)
@@ -102,6 +106,8 @@ def idle_release_setting() -> float:
 class BudgetedBlockPool:
     """The budget's view of one vLLM scheduler's ``BlockPool``; the engine core's membership.
 
+    ``member``: a :class:`~vattn.budget.devices.DeviceMember` (the ranks'
+    devices' budgets), or one device's ``BudgetMember`` of ``budget``.
     ``block_bytes``: the pages one block id holds on every rank together.
     ``padding_bytes``: the pages the workers created for vLLM's null block
     (charged from start-up; 0 where none did).
@@ -119,8 +125,10 @@ class BudgetedBlockPool:
         self.scheduler = scheduler
         self.kv_manager = scheduler.kv_cache_manager
         self.pool = self.kv_manager.block_pool
+        if not isinstance(member, DeviceMember):  # one device: its budget's figures, unscaled
+            member = DeviceMember(budget.name, [DeviceShare(budget, member, block_bytes)])
         self.member = member
-        self.budget = budget
+        self.budget = member.budget  # every device's budget as one, in bytes over every rank
         self.block_bytes = block_bytes
         self.padding_bytes = padding_bytes
         self.detached: str | None = None  # why the budget can no longer be used; None while it can
@@ -515,7 +523,9 @@ class BudgetedBlockPool:
             return dict(self.counters, **self.waits.stats(), blocks_with_pages=int(self.num_with_pages),
                         free_blocks_with_pages=with_pages, free_blocks_without_pages=without,
                         block_bytes=self.block_bytes, padding_bytes=self.padding_bytes,
-                        held_bytes=self.member.held_bytes, budget=self.budget.name, label=self.member.label,
+                        held_bytes=self.member.held_bytes, held_by_device=self.member.held_by_device(),
+                        grants_undone=self.member.counters["grants_undone"], budget=self.budget.name,
+                        label=self.member.label,
                         world_size=self.world_size, idle_release_s=self.idle_release_s, detached=self.detached)
 
 
@@ -536,9 +546,11 @@ def check_config(vllm_config: Any) -> None:
                          f"{parallel.distributed_executor_backend!r}; or unset {ENV_VAR}")
     if getattr(vllm_config.scheduler_config, "async_scheduling", False):
         raise ValueError(f"vattn: {ENV_VAR} with vLLM needs synchronous scheduling; drop async_scheduling")
-    if runtime.platform_device() != "cpu" and parallel.world_size > 1:
-        raise ValueError(f"vattn: {ENV_VAR} governs one device; with {parallel.world_size} GPUs (tensor or "
-                         f"pipeline parallel) the ranks' pages lie on several; unset {ENV_VAR}")
+    if getattr(parallel, "nnodes", 1) > 1:
+        # the same reason as Ray's: the budgets are this machine's; the engine core cannot charge another's
+        raise ValueError(f"vattn: {ENV_VAR} names this machine's budgets (one per device), charged by the engine "
+                         f"core; with nnodes={parallel.nnodes} ranks lie on other machines, whose pages it cannot "
+                         f"count or take back; serve on one machine, or unset {ENV_VAR}")
 
 
 # ---- attaching to an engine core, and the scheduler's wrappers (installed by hooks.py) ------------
@@ -565,22 +577,20 @@ def worker_pages_here(executor: Any) -> WorkerPages | None:
 
 def attach(engine: Any) -> None:
     """Gives ``engine``'s scheduler the budget's view of its block pool, when ``VATTN_BUDGET`` is set
-    and the workers serve on vattn: the engine core joins the budget for every rank. Once per engine."""
-    if pool_of(engine.scheduler) is not None or not budget_name_from_environment():
+    and the workers serve on vattn: the engine core joins the budget of every device its ranks lie
+    on, each charged for the ranks there. Once per engine."""
+    name = budget_name_from_environment()
+    if pool_of(engine.scheduler) is not None or not name:
         return
     executor = engine.model_executor
-    sizes = executor.collective_rpc("vattn_block_bytes")
-    if not sizes or any(s is None for s in sizes):
+    charges = executor.collective_rpc(worker_rank_charge)
+    if not charges or any(c is None for c in charges):
         return  # a worker without vattn's cache
     config = engine.vllm_config
     parallel = config.parallel_config
     label = member_label(config.model_config.served_model_name, parallel.tensor_parallel_size,
                          parallel.pipeline_parallel_size, data_parallel_rank(parallel))
-    import torch
-
-    budget, member = join_budget(None, torch.device(runtime.platform_device()), label)
-    if budget is None:
-        return
+    member = join_ranks(name, charges, label, f"environment variable {ENV_VAR}={name}")
     queue = getattr(engine, "input_queue", None)
     wake = None
     if queue is not None:
@@ -588,9 +598,9 @@ def attach(engine: Any) -> None:
 
         wake = functools.partial(queue.put_nowait, (EngineCoreRequestType.WAKEUP, None))
 
-    world = len(sizes)
-    padding = int(sum(executor.collective_rpc("vattn_padding_bytes")))
-    pool = BudgetedBlockPool(engine.scheduler, member, budget, int(sum(sizes)), world, idle_release_setting(),
+    world = len(charges)
+    _, padding = bytes_by_device(charges)
+    pool = BudgetedBlockPool(engine.scheduler, member, member.budget, member.unit_bytes, world, idle_release_setting(),
                              confirm=lambda: executor.collective_rpc(_processed), wake=wake,
                              local_pages=worker_pages_here(executor) if world == 1 else None, padding_bytes=padding)
     setattr(engine.scheduler, POOL_ATTRIBUTE, pool)

@@ -1,11 +1,19 @@
-"""How an engine core appears in ``python -m vattn top``: its member label
-(served model, data-parallel rank, tensor and pipeline ranks)."""
+"""The engine core's membership of a budget: how it appears in ``python -m
+vattn top`` (its label: served model, data-parallel rank, tensor and
+pipeline ranks), and which devices' budgets it joins for its ranks (each
+device's budget is charged the pages of the ranks on that device)."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+from collections.abc import Sequence
 from typing import Any
+
+from vattn.budget.devices import DeviceMember, join_devices
+from vattn.common.errors import BudgetError
+
+from .worker_budget import RankCharge
 
 LABEL_CHARACTERS = 40  # what `python -m vattn top` shows of a label
 DP_ENGINE_PROCESS = "EngineCore_DP"  # vLLM's process name for a data-parallel engine core (v1/engine/utils.py)
@@ -44,3 +52,33 @@ def data_parallel_rank(parallel_config: Any) -> int | None:
     if multiprocessing.current_process().name.startswith(DP_ENGINE_PROCESS):
         return int(index)
     return None
+
+
+def bytes_by_device(charges: Sequence[RankCharge]) -> tuple[dict[str, int], int]:
+    """The ranks grouped by device: (device -> bytes one block id holds on it, every rank there
+    together; the padding's bytes over every rank). With several devices each device must hold
+    the same number of padding blocks (the same kernel on every rank), so that the padding splits
+    among them as blocks do; ValueError otherwise."""
+    block: dict[str, int] = {}
+    padding: dict[str, int] = {}
+    for charge in charges:
+        block[charge.device] = block.get(charge.device, 0) + charge.block_bytes
+        padding[charge.device] = padding.get(charge.device, 0) + charge.padding_bytes
+    if len(block) > 1:
+        blocks = {device: divmod(padding[device], block[device]) for device in block}
+        if len({b for b, _ in blocks.values()}) > 1 or any(rest for _, rest in blocks.values()):
+            raise ValueError(f"vattn: the ranks' padding is not the same number of blocks on every device "
+                             f"({padding} bytes of padding, {block} bytes a block); a budget per device cannot "
+                             f"split it")
+    return block, sum(padding.values())
+
+
+def join_ranks(name: str, charges: Sequence[RankCharge], label: str, source: str) -> DeviceMember:
+    """The engine core's membership for ranks ``charges`` (one per rank, from the workers): budget
+    ``name`` on every device a rank lies on, each charged that device's ranks' bytes. ``source``
+    says where ``name`` came from, for errors (BudgetError: a device without a budget; ValueError)."""
+    block, _ = bytes_by_device(charges)
+    try:
+        return join_devices(name, block, label)
+    except (BudgetError, ValueError) as e:
+        raise type(e)(f"{source}: {e}") from None

@@ -5,12 +5,15 @@ the engine core's scheduler released. The engine core decides and charges
 budget. It reaches a worker's cache in one of two ways: the block ids ride
 on a step's ``SchedulerOutput`` (``RELEASE_ATTRIBUTE``, every process
 layout), or, with the worker in the engine core's process, through the
-:class:`WorkerPages` handle the worker hands it at start-up."""
+:class:`WorkerPages` handle the worker hands it at start-up. At start-up each
+rank tells the engine core what it costs which device (:func:`worker_rank_charge`,
+a ``collective_rpc``), so that each device's budget is charged its own share."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from .worker_cache import WorkerCache
 
@@ -82,3 +85,27 @@ class WorkerPages:
     def release(self, ids: Sequence[int]) -> int:
         """Gives back the pages of block ids ``ids`` now (:func:`release_blocks`)."""
         return release_blocks(self.cache, ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankCharge:
+    """What one rank's cache costs its device's budget, as the worker reports it to the engine core."""
+
+    device: str  # "cpu", or the GPU's UUID: the same in every process on that GPU, whatever its numbering
+    block_bytes: int  # the pages one block id holds in this rank's cache
+    padding_bytes: int  # the pages this rank's padding slices hold from start-up (0 where none)
+
+
+def rank_charge(cache: WorkerCache) -> RankCharge:
+    """This rank's :class:`RankCharge`: its cache's device by UUID, a block's and the padding's bytes."""
+    from vattn.budget.budget import resolve_device
+
+    return RankCharge(resolve_device(cache.manager.device), block_bytes(cache), padding_bytes(cache))
+
+
+def worker_rank_charge(worker: Any) -> RankCharge | None:
+    """``collective_rpc(worker_rank_charge)``: this rank's :class:`RankCharge`; None without vattn's cache."""
+    from .worker import RUNNER_ATTRIBUTE  # worker.py imports this module
+
+    cache = getattr(worker.model_runner, RUNNER_ATTRIBUTE, None)
+    return None if cache is None else rank_charge(cache)
