@@ -156,7 +156,7 @@ class BudgetedBlockPool:
         self.counters = dict(blocks_released=0, cached_blocks_dropped=0, budget_limited_allocations=0,
                              waits_recorded=0, releases_sent=0, releases_confirmed=0, direct_releases=0,
                              grant_waits=0, sleeps=0)
-        self.waits = BudgetWaits(scheduler, budget, member, self.blocks_alone, block_bytes, padding_bytes)
+        self.waits = BudgetWaits(scheduler, self.budget, self.member, self.blocks_alone, block_bytes, padding_bytes)
         self._stock_get_new_blocks = self.pool.get_new_blocks
         self.pool.get_num_free_blocks = self.num_free_blocks  # instance attributes: this pool only
         self.pool.get_new_blocks = self.get_new_blocks
