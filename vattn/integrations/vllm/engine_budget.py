@@ -80,9 +80,9 @@ from vattn.budget.membership import (DEFAULT_IDLE_RELEASE_S, ENV_VAR, budget_nam
                                      idle_release_seconds)
 from vattn.common.errors import BudgetError
 
-from .engine_member import bytes_by_device, data_parallel_rank, join_ranks, member_label
+from .engine_member import bytes_by_device, data_parallel_rank, join_ranks, member_label, worker_rank_charge
 from .engine_wait import BudgetWaits
-from .worker_budget import RELEASE_ATTRIBUTE, WorkerPages, worker_rank_charge
+from .worker_budget import RELEASE_ATTRIBUTE, WorkerPages
 
 IDLE_SETTING = "VATTN_VLLM_IDLE_RELEASE_S"
 KEEPER_INTERVAL_S = 0.05  # how often the keeper looks at the budget (a lock-free read when nothing is asked)

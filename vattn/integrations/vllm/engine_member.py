@@ -13,7 +13,7 @@ from typing import Any
 from vattn.budget.devices import DeviceMember, join_devices
 from vattn.common.errors import BudgetError
 
-from .worker_budget import RankCharge
+from .worker_budget import RUNNER_ATTRIBUTE, RankCharge, rank_charge
 
 LABEL_CHARACTERS = 40  # what `python -m vattn top` shows of a label
 DP_ENGINE_PROCESS = "EngineCore_DP"  # vLLM's process name for a data-parallel engine core (v1/engine/utils.py)
@@ -52,6 +52,13 @@ def data_parallel_rank(parallel_config: Any) -> int | None:
     if multiprocessing.current_process().name.startswith(DP_ENGINE_PROCESS):
         return int(index)
     return None
+
+
+def worker_rank_charge(worker: Any) -> RankCharge | None:
+    """Run on every rank by ``collective_rpc(worker_rank_charge)`` at start-up: the rank's device and
+    bytes (:class:`RankCharge`); None without vattn's cache."""
+    cache = getattr(worker.model_runner, RUNNER_ATTRIBUTE, None)
+    return None if cache is None else rank_charge(cache)
 
 
 def bytes_by_device(charges: Sequence[RankCharge]) -> tuple[dict[str, int], int]:

@@ -21,10 +21,8 @@ from vattn.kernels import host as host_kernel
 from vattn.kernels.flash_attn import FlashAttentionKernel
 
 from .configuration import LAYOUT_SETTING, SWITCH, choose_layout, granularity, loaded_kernel, serving_kernel
-from .worker_budget import RELEASE_ATTRIBUTE, WorkerPages, block_bytes, padding_bytes, release_blocks
+from .worker_budget import RELEASE_ATTRIBUTE, RUNNER_ATTRIBUTE, WorkerPages, block_bytes, padding_bytes, release_blocks
 from .worker_cache import WorkerCache
-
-RUNNER_ATTRIBUTE = "vattn_cache"  # the model runner holds its WorkerCache here
 
 
 def forward_streams(device: torch.device) -> list[Any] | None:

@@ -6,18 +6,18 @@ budget. It reaches a worker's cache in one of two ways: the block ids ride
 on a step's ``SchedulerOutput`` (``RELEASE_ATTRIBUTE``, every process
 layout), or, with the worker in the engine core's process, through the
 :class:`WorkerPages` handle the worker hands it at start-up. At start-up each
-rank tells the engine core what it costs which device (:func:`worker_rank_charge`,
-a ``collective_rpc``), so that each device's budget is charged its own share."""
+rank tells the engine core what it costs which device (:class:`RankCharge`),
+so that each device's budget is charged its own share."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from .worker_cache import WorkerCache
 
 RELEASE_ATTRIBUTE = "vattn_release"  # on a SchedulerOutput: block ids whose pages every worker gives back
+RUNNER_ATTRIBUTE = "vattn_cache"  # vLLM's model runner holds its WorkerCache here (set by worker.py)
 
 
 def block_bytes(cache: WorkerCache) -> int:
@@ -101,11 +101,3 @@ def rank_charge(cache: WorkerCache) -> RankCharge:
     from vattn.budget.budget import resolve_device
 
     return RankCharge(resolve_device(cache.manager.device), block_bytes(cache), padding_bytes(cache))
-
-
-def worker_rank_charge(worker: Any) -> RankCharge | None:
-    """``collective_rpc(worker_rank_charge)``: this rank's :class:`RankCharge`; None without vattn's cache."""
-    from .worker import RUNNER_ATTRIBUTE  # worker.py imports this module
-
-    cache = getattr(worker.model_runner, RUNNER_ATTRIBUTE, None)
-    return None if cache is None else rank_charge(cache)
