@@ -40,7 +40,11 @@ over rounds, each round's listed); per pair of engines (vattn / stock, the
 A/A pair stock-again / stock, and the pairs below) the ratio of tokens per
 second within each round, its median over rounds, the 95% bootstrap
 interval of that median and a verdict: "within noise" where the interval
-holds 1.0 (docs/benchmarks.md, "Reading an A/B"); mean and median time to
+holds 1.0 (docs/benchmarks.md, "Reading an A/B"); where each engine's
+forwards spent their time, by clocks in the worker (workloads/forward_clocks.py:
+attention, attention metadata, the rest, with the rest's vattn / stock per
+round, which should hold 1.0); page faults and modules imported during each
+trace (first-use costs); mean and median time to
 first token (all requests arrive at once, so it includes
 queueing), and KV bytes in use over time: stock = blocks held by requests x
 block bytes (the scheduler's block pool, sampled every step), vattn = bytes
@@ -173,8 +177,21 @@ def run_traces(python: str, model: Path, spec_path: Path, out: Path, vattn: bool
         p = result["phases"][name]
         print(f"  {name:12s} {p['generated_tokens'] / p['generate_s']:6.1f} generated tokens/s, "
               f"TTFT mean {statistics.fmean(p['ttft_s']):.2f} s, {p['prefix_cache_hits']} prefix-cache hit tokens, "
-              f"{p['preemptions']} preemptions ({p['generate_s']:.0f} s)", flush=True)
+              f"{p['preemptions']} preemptions ({p['generate_s']:.0f} s)"
+              + (f", {p['minor_faults']} minor faults, {len(p['modules_imported'])} modules imported"
+                 if "minor_faults" in p else ""), flush=True)
+        if "forward_clocks" in p:
+            parts = forward_parts(p)
+            print(f"  {'':12s} forwards: attention {parts['attention_s']:.2f} s, metadata {parts['metadata_s']:.2f} s, "
+                  f"the rest {parts['rest_s']:.2f} s of {parts['step_s']:.2f} s", flush=True)
     return result
+
+
+def forward_parts(phase: dict) -> dict[str, float]:
+    """A phase's forward clocks (workloads/forward_clocks.py) summed over the workers: seconds in
+    attention, attention metadata, the rest, and the whole step."""
+    return {part: sum(w[part] for w in phase["forward_clocks"]) for part in ("attention_s", "metadata_s", "rest_s",
+                                                                            "step_s")}
 
 
 def series(result: dict, trace: str, block_bytes: int) -> dict:
@@ -236,7 +253,19 @@ def summarize(runs: dict[str, list[dict]], traces: tuple[str, ...], aa: str | No
             rates = [rate(r, trace) for r in engine_runs]
             row[f"{engine}_tokens_per_s"] = statistics.median(rates)
             row[f"{engine}_tokens_per_s_rounds"] = [round(x, 2) for x in rates]
+            if all("minor_faults" in r["phases"][trace] for r in engine_runs):  # older checkouts' runners: none
+                row[f"{engine}_minor_faults_rounds"] = [r["phases"][trace]["minor_faults"] for r in engine_runs]
+                row[f"{engine}_modules_imported_rounds"] = [r["phases"][trace]["modules_imported"]
+                                                            for r in engine_runs]
+        for engine, engine_runs in runs.items():
+            if all("forward_clocks" in r["phases"][trace] for r in engine_runs):  # older checkouts' runners: none
+                parts = [forward_parts(r["phases"][trace]) for r in engine_runs]
+                row[f"{engine}_forward_s_rounds"] = {k: [round(p[k], 4) for p in parts] for k in parts[0]}
         row["ratios"] = {f"{num} / {den}": pair_ratio(runs, num, den, trace) for num, den in ratio_pairs(engines, aa)}
+        if "stock_forward_s_rounds" in row and "vattn_forward_s_rounds" in row:
+            # what both engines share, which vattn should leave as it is: its ratio within each round
+            row["forward_rest_vattn_over_stock"] = ratio_summary(
+                [v / s for s, v in zip(row["stock_forward_s_rounds"]["rest_s"], row["vattn_forward_s_rounds"]["rest_s"])])
         row["tokens_per_s_ratio_vattn_over_stock"] = row["ratios"]["vattn / stock"]["median"]
         for engine in ("stock", "vattn"):
             ttft = [t for r in runs[engine] for t in r["phases"][trace]["ttft_s"]]
@@ -395,7 +424,7 @@ def main() -> None:
         specs = []  # one per round: fresh prompts, the same for every engine of the round
         for i in range(args.rounds):
             specs.append(dict(engine=engine, phases=suite["phases"](requests, seed=i),
-                              record_usage=args.layout == "inprocess"))
+                              record_usage=args.layout == "inprocess", clocks=True))
             (tmp / f"spec{i}.json").write_text(json.dumps(specs[-1]))
         runs: dict[str, list[dict]] = {}  # per engine (and A/A repeat) its results, one per round
         order = [(i, e) for i in range(args.rounds) for e in round_order(engines, aa, i)]

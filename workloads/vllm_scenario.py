@@ -26,7 +26,9 @@ PROFILE_PARTS and the functions with the most time of their own
 this process and the scheduler's blocks in use are recorded at every step,
 with the bytes one block holds (the layers of one KV cache group); with
 ``record_batches`` it runs in this process and each phase gets its forwards'
-batches (``batches``: per forward, the requests' computed and scheduled tokens).
+batches (``batches``: per forward, the requests' computed and scheduled tokens);
+``clocks``: each phase gets, per worker, the seconds its forwards spent in
+attention, attention metadata and the rest (workloads/forward_clocks.py).
 
 OUT: per phase the generated ids, seconds, generated tokens, time to first
 token of every request, and the phase's prefix-cache hits, queries and
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 
@@ -215,6 +218,11 @@ def run(model: str, spec: dict) -> dict:
     start = time.perf_counter()
     llm = make_llm(model, spec["engine"])
     result: dict = {"startup_s": time.perf_counter() - start, "phases": {}}
+    clocks = None
+    if spec.get("clocks"):
+        import forward_clocks as clocks  # workloads/forward_clocks.py (this script's folder is on sys.path)
+
+        llm.collective_rpc(clocks.install)
     if spec.get("barrier"):
         wait_for_parties(**spec["barrier"])
     for phase in spec["phases"]:
@@ -230,9 +238,13 @@ def run(model: str, spec: dict) -> dict:
 
             profiler = cProfile.Profile()
             profiler.enable()
+        if clocks is not None:
+            llm.collective_rpc(clocks.take)  # what earlier phases left on the clocks
+        modules, usage = set(sys.modules), resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.monotonic()
         outs = llm.generate(prompts, params, use_tqdm=False)
         t1 = time.monotonic()
+        usage_after = resource.getrusage(resource.RUSAGE_SELF)
         if profiler is not None:
             profiler.disable()
             result.setdefault("profile", {})[phase["name"]] = profile_summary(profiler, t1 - t0)
@@ -247,9 +259,17 @@ def run(model: str, spec: dict) -> dict:
             "prefix_cache_hits": counter(llm, "vllm:prefix_cache_hits") - before["vllm:prefix_cache_hits"],
             "prefix_cache_queries": counter(llm, "vllm:prefix_cache_queries") - before["vllm:prefix_cache_queries"],
             "preemptions": counter(llm, "vllm:num_preemptions") - before["vllm:num_preemptions"],
+            # what this process paid during the phase beside the forwards' work (its threads; in vLLM's
+            # default layout the engine core's process is another): first-use costs show here
+            "modules_imported": sorted(set(sys.modules) - modules),
+            "minor_faults": usage_after.ru_minflt - usage.ru_minflt,
+            "major_faults": usage_after.ru_majflt - usage.ru_majflt,
+            "cpu_s": (usage_after.ru_utime + usage_after.ru_stime) - (usage.ru_utime + usage.ru_stime),
         }
         if batches is not None:
             result["phases"][phase["name"]]["batches"] = batches.take()
+        if clocks is not None:  # per worker (rank)
+            result["phases"][phase["name"]]["forward_clocks"] = llm.collective_rpc(clocks.take)
     if spec.get("sleep"):
         llm.sleep()
         time.sleep(spec.get("sleep_settle_s", 0.5))  # the engine core's release runs as its next step

@@ -1,0 +1,83 @@
+"""Where a vLLM forward's time goes, by clocks in the worker instead of a
+profiler: a profiler slows Python code more than kernels and so distorts the
+shares it reports; two ``perf_counter`` reads around a few calls per layer do
+not.
+
+Installed into every worker of an engine, stock or vattn alike, by
+``llm.collective_rpc(forward_clocks.install)`` (vLLM calls the function with
+the worker, in whatever process the worker runs), read and reset with
+``llm.collective_rpc(forward_clocks.take)``. Parts, in seconds summed over
+the forwards since the last ``take``:
+
+- ``step_s``: the model runner's ``execute_model`` and ``sample_tokens``
+  (inputs, attention metadata, the layers, sampling);
+- ``attention_s``: every attention layer's kernel call (``impl.forward``) and
+  cache write (``impl.do_kv_cache_update``, where the backend does it apart);
+- ``metadata_s``: every attention metadata builder's ``build`` (vattn's
+  includes mapping the forward's pages);
+- ``rest_s``: the step less those two: the model's other layers, sampling,
+  input preparation; what both engines share, so equal where vattn adds
+  nothing outside attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable
+
+CLOCKS = "_vattn_forward_clocks"  # on the worker: its seconds per part and call counts
+
+
+PARTS = ("step", "attention", "metadata")
+
+
+def _timed(clocks: dict[str, float], part: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` adding its seconds to ``clocks[part + "_s"]`` and its calls to ``part + "_calls"``."""
+    seconds, calls = f"{part}_s", f"{part}_calls"
+
+    @functools.wraps(method)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            clocks[seconds] += time.perf_counter() - start
+            clocks[calls] += 1
+    return timed
+
+
+def install(worker: Any) -> int:
+    """Wraps the worker's model runner, attention layers and metadata builders with clocks (instance
+    attributes: this worker only); returns the number of attention layers clocked. Installing twice is
+    refused: the clocks would count every call twice."""
+    if hasattr(worker, CLOCKS):
+        raise RuntimeError("forward clocks are already installed in this worker")
+    clocks = dict.fromkeys((f"{part}_{unit}" for part in PARTS for unit in ("s", "calls")), 0.0)
+    runner = worker.model_runner
+    for name in ("execute_model", "sample_tokens"):
+        setattr(runner, name, _timed(clocks, "step", getattr(runner, name)))
+    layers = 0
+    for layer in runner.compilation_config.static_forward_context.values():
+        impl = getattr(layer, "impl", None)
+        if impl is None:
+            continue
+        layers += 1
+        for name in ("forward", "do_kv_cache_update"):
+            if hasattr(impl, name):
+                setattr(impl, name, _timed(clocks, "attention", getattr(impl, name)))
+    for groups in runner.attn_groups:
+        for group in groups:
+            for builder in group.metadata_builders:
+                builder.build = _timed(clocks, "metadata", builder.build)
+    setattr(worker, CLOCKS, clocks)
+    return layers
+
+
+def take(worker: Any) -> dict[str, float]:
+    """The worker's seconds per part since the last take (``rest_s`` derived), and resets them."""
+    clocks = getattr(worker, CLOCKS)
+    out = dict(clocks, rest_s=clocks["step_s"] - clocks["attention_s"] - clocks["metadata_s"])
+    for key in clocks:
+        clocks[key] = 0.0
+    return out
