@@ -255,3 +255,114 @@ def test_bad_arguments_are_refused_naming_the_range():
         with pytest.raises(ValueError, match="query_lens is required"):
             placer.map(placer.reqids_of(["a"], rows, counts), rows, counts, np.array([3]))
         assert NULL_BLOCK_ID not in kv.page_ids(STAGING)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last ``len(q)`` of ``len(k)`` tokens, GQA: ``[T, Hq, D]`` over ``[N, Hkv, D]``."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = torch.einsum("thd,nhd->htn", q, k) * scale
+    first = k.shape[0] - q.shape[0]
+    visible = torch.arange(k.shape[0])[None, :] <= (first + torch.arange(q.shape[0]))[:, None]
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("htn,nhd->thd", weights, v)
+
+
+def test_the_forward_attends_over_hit_rows_its_own_batch_writes():
+    """vLLM's worker cache with 4 blocks of 4 tokens per page: request b
+    hits 2 blocks that a, in the same forward, computes; the attention
+    layer writes the new K/V, copies b's hit rows from a's, then attends:
+    both outputs equal a reference over the tokens' K/V."""
+    from vattn.integrations.vllm import attention as vllm_attention
+    from vattn.integrations.vllm import configuration
+    from vattn.integrations.vllm.forward_inputs import ForwardInputs
+    from vattn.integrations.vllm.worker_cache import WorkerCache
+    from vattn.kernels import AttentionCase
+
+    torch.manual_seed(0)
+    case = AttentionCase("cpu", 32, torch.float32, torch.float32, num_kv_heads=2, max_context_len=64)
+    kernel = configuration.loaded_kernel(configuration.serving_kernel(case), 32)
+    arguments = dict(num_layers=1, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=4,
+                     max_context_len=64, page_size=PAGE, physical_memory=20 * 2 * PAGE, layout="per_layer",
+                     page_allocator="external", policy={"background": False, "deferred_reclaim": False, "eager": False})
+    cache = WorkerCache.build(arguments, [(["layer.0"], None)], 4, 20, kernel, case)
+    try:
+        placer = cache.groups[0].placer
+        assert isinstance(placer, SubPageBlockPlacer) and placer.staging_reqid == 3 and placer.slices == 3
+        planner = vllm_attention.ForwardPlanner(cache, 0, torch.device("cpu"), 4, 64)
+        # a: 13 tokens in blocks 1..4; b: a's first 8 tokens (blocks 1, 2: hits) and 3 of its own (block 5)
+        rows, counts = table([[1, 2, 3, 4], [1, 2, 5]])
+        seq, query = np.array([13, 11]), np.array([13, 3], dtype=np.int32)
+        inputs = ForwardInputs(["a", "b"], False, ["a", "b"], seq, query, rows, counts, None)
+        md = planner.build(inputs)
+        assert md.late is not None and placer.rows_copied == 8
+        k_a, v_a = torch.randn(13, 2, 32), torch.randn(13, 2, 32)
+        k_b, v_b = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+        q = torch.randn(16, 4, 32)
+        out = torch.zeros(16, 4, 32)
+        kv_cache = cache.kv_caches()["layer.0"]
+        vllm_attention.attend(md, q, torch.cat([k_a, k_b]), torch.cat([v_a, v_b]), kv_cache, out, 0.25)
+        want_a = reference_attention(q[:13], k_a, v_a, 0.25)
+        want_b = reference_attention(q[13:], torch.cat([k_a[:8], k_b]), torch.cat([v_a[:8], v_b]), 0.25)
+        torch.testing.assert_close(out[:13], want_a, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[13:], want_b, rtol=1e-5, atol=1e-5)
+        slices = planner.build(ForwardInputs(["a", "b"], False, ["a", "b"], seq + 1, np.array([1, 1], dtype=np.int32),
+                                             rows, counts, None))
+        assert slices.late is None  # decodes copy nothing
+    finally:
+        cache.manager.cleanup()
+
+
+def test_the_page_setting_gives_whole_blocks_per_page_or_is_refused_naming_why(monkeypatch):
+    from vattn.integrations.vllm import configuration
+
+    geometry = configuration.page_geometry  # (layers, KV heads, head dim, bytes, block, granularity, layout, page bytes)
+    assert geometry(2, 2, 32, 4, 32, 4096, None, None) == configuration.PageGeometry("per_layer", 8192, 1)
+    assert geometry(2, 2, 32, 4, 32, 4096, None, 16384) == configuration.PageGeometry("per_layer", 16384, 2)
+    # Qwen2-0.5B's 16-token blocks on CUDA's 2 MiB: all_layers blocks of 96 KiB do not divide 2 MiB, 6 MiB do
+    assert geometry(24, 2, 64, 2, 16, 2 << 20, "all_layers", 6 << 20).blocks_per_page == 64
+    with pytest.raises(ValueError, match="VATTN_VLLM_PAGE_BYTES=6144 must be a multiple of the backend's 4096"):
+        geometry(2, 2, 32, 4, 32, 4096, None, 6144)
+    with pytest.raises(ValueError, match=r"must hold whole blocks of block_size=48: 12288-byte blocks \(per_layer\) "
+                                         r"or 24576-byte blocks \(all_layers\)"):
+        geometry(2, 2, 32, 4, 48, 4096, None, 16384)
+    monkeypatch.setenv("VATTN_VLLM_PAGE_BYTES", "16k")
+    with pytest.raises(ValueError, match="VATTN_VLLM_PAGE_BYTES must be a positive number of bytes, got '16k'"):
+        configuration.page_bytes_setting()
+    monkeypatch.setenv("VATTN_VLLM_PAGE_BYTES", "16384")
+    assert configuration.page_bytes_setting() == 16384
+    configuration.check_subpage_blocks("cpu", None, "")
+    with pytest.raises(ValueError, match=r"does not serve a GPU \(vattn's host kernel only\), sliding-window models, "
+                                         r"a memory budget \(VATTN_BUDGET\); unset VATTN_VLLM_PAGE_BYTES"):
+        configuration.check_subpage_blocks("cuda", 4096, "kv")
+
+
+# ---- under vLLM ------------------------------------------------------------------------------------------------
+
+from test_vllm import Runs, engine, needs_vllm, outputs  # noqa: E402
+
+# the test model's per_layer pages: 256 bytes per token and buffer, 64 tokens, 2 blocks of 32 (vLLM-CPU's attention
+# takes multiples of 32 tokens: stock runs with the same blocks)
+SUBPAGE_BYTES = 16384
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("vllm_subpage"))
+
+
+@needs_vllm
+def test_prompts_sharing_less_than_a_page_hit_the_prefix_cache_with_stock_outputs(runs):
+    """VATTN_VLLM_PAGE_BYTES makes pages of 2 vLLM blocks: prompts over
+    shared system prompts of 70-110 tokens hit at 32-token blocks, as stock
+    vLLM's do (96 tokens: a page and half of the next, copied), and every
+    output (fp32) is stock's."""
+    stock = runs.get("stock", engine(), vattn=False)
+    ours = runs.get("subpage", engine(), vattn=True, VATTN_VLLM_PAGE_BYTES=str(SUBPAGE_BYTES))
+    assert outputs(ours) == outputs(stock)
+    for name, phase in ours["phases"].items():  # vLLM's scheduler decides alike: the same hits
+        assert phase["prefix_cache_hits"] == stock["phases"][name]["prefix_cache_hits"], name
+    assert ours["phases"]["shared"]["prefix_cache_hits"] > 0 and ours["phases"]["shared-again"]["prefix_cache_hits"] > 0
+    (v,) = ours["vattn"]
+    assert v["page_size"] == SUBPAGE_BYTES and v["layout"] == "per_layer" and ours["block_size"] == 32
+    assert v["mapping"]["rows_copied"] > 0 and v["mapping"]["pages_shared"] > 0

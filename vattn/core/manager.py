@@ -271,17 +271,10 @@ class KVCacheManager(CudaStreams):
         return [self._buffer_tensor(b) for b in range(self.config.num_buffers)]
 
     def token_rows(self) -> torch.Tensor:
-        """Every buffer's token rows as one ``[num_buffers, B, R, row_bytes]``
-        uint8 view (``R``: the rows of a slice's whole pages, ``>= L``;
-        ``row_bytes``: one token of one buffer, every layer of it in
-        all_layers), so that one indexed copy moves rows of every buffer at
-        once. Same rules as :meth:`layer`."""
-        self._check_process()
-        cfg, nbytes = self.config, self._pages.buffer_bytes
-        raw = torch.from_dlpack(self._pages.memory.dlpack(0, cfg.num_buffers * nbytes))
-        row = cfg.token_bytes_per_buffer
-        return raw.as_strided((cfg.num_buffers, cfg.max_batch_size, self.slice_bytes // row, row),
-                              (nbytes, self.slice_bytes, row, 1))
+        """Every buffer's token rows as one ``[num_buffers, B, R, row_bytes]`` uint8 view (``R``: a slice's rows)."""
+        size, row, n = self._pages.buffer_bytes, self.config.token_bytes_per_buffer, self.config.num_buffers
+        return torch.from_dlpack(self._pages.memory.dlpack(0, n * size)).as_strided(
+            (n, self.config.max_batch_size, self.slice_bytes // row, row), (size, self.slice_bytes, row, 1))
 
     def buffer_address(self, buffer: int) -> int:
         """Virtual address (int) of buffer ``buffer``'s first byte, for custom kernels."""

@@ -5,7 +5,9 @@ A framework that allocates KV blocks itself (vLLM, SGLang) keeps doing so;
 vattn makes one block one page of every K/V buffer (:func:`choose_layout`)
 and keeps each request's blocks mapped at their positions in the request's
 own contiguous slice (:class:`BlockPlacer`), so attention kernels read
-``k[reqid, :seq_len]`` and never a block table. A request keeps its slice
+``k[reqid, :seq_len]`` and never a block table (or, with blocks a fraction
+of a page, :class:`SubPageBlockPlacer` keeps each request's blocks at their
+rows of its own or shared pages). A request keeps its slice
 for its whole life, whatever row of the framework's batch it sits in: when
 the framework compacts or reorders its batch, nothing is mapped or
 unmapped. Needs no framework import.
@@ -416,16 +418,16 @@ class SubPageBlockPlacer(BlockPlacer):
     Block ids are not page ids. The placer hands out the pages itself (every
     id of the manager's pool but the null block's and the scratch page) and
     records where each block's rows live, ``location[block] = page *
-    blocks_per_page + slot``. The rule that keeps kernels reading
+    blocks_per_page + offset``. The rule that keeps kernels reading
     ``k[reqid, :seq_len]``: the page at a request's position ``k`` holds that
     request's blocks ``k * P .. k * P + P - 1`` (``P = blocks_per_page``) at
-    slots ``0 .. P - 1``, and nothing else is written there.
+    offsets ``0 .. P - 1``, and nothing else is written there.
 
     - A block the request computes itself lives in its own page at that
       position (a block id the framework hands out again moves: its old
       rows are dead).
     - A position whose ``P`` blocks are all prefix-cache hits lying in one
-      page at slots ``0 .. P - 1`` maps that page: one physical page in
+      page at offsets ``0 .. P - 1`` maps that page: one physical page in
       several slices, as block-sized pages are shared.
     - A position the hit covers only in part (the hit ends inside the page,
       or its blocks lie in several pages) gets a page of its own, and the
@@ -439,7 +441,7 @@ class SubPageBlockPlacer(BlockPlacer):
       layer's new K/V are written and before it attends.
 
     A page goes back to the placer's pool when no slice maps it and none of
-    its slots is a block's location. A pool of ``num_blocks`` page ids plus
+    its offsets is a block's location. A pool of ``num_blocks`` page ids plus
     the null block's never runs out (every page in use holds at least one
     block's rows, once free slices are unmapped), though its pages then
     hold up to ``blocks_per_page`` times the framework's blocks in the worst
@@ -468,7 +470,7 @@ class SubPageBlockPlacer(BlockPlacer):
         self.page_tokens = manager.page_tokens
         self.staging_reqid = staging_reqid
         manager.alloc_reqid(reqid=staging_reqid)
-        self.location = np.full(num_blocks, -1, dtype=np.int64)  # page * blocks_per_page + slot; -1: unknown
+        self.location = np.full(num_blocks, -1, dtype=np.int64)  # page * blocks_per_page + offset; -1: unknown
         self._located_in = np.zeros(num_blocks, dtype=np.int64)  # the forward that located each block
         self._forward = 0
         self._page_at = np.full((self.slices, self._positions), -1, dtype=np.int64)  # page mapped per position
@@ -642,19 +644,19 @@ class SubPageBlockPlacer(BlockPlacer):
         offsets = np.arange(block)
         dst_reqid = np.repeat(reqids[rows], block)
         dst_row = (js[:, None] * block + offsets).ravel()
-        src_page, src_slot = where // per, where % per
+        src_page, src_offset = where // per, where % per
         late = np.repeat(self._located_in[blocks] == self._forward, block)
         self.rows_copied += len(dst_row)
         if late.any():
             # blocks located this forward live in a live request's slice: read them there once written
             owner_slice, owner_position = self._slices_mapping(src_page)
             src_reqid = np.repeat(owner_slice + self.first_reqid, block)
-            src_row = ((owner_position * self.page_tokens + src_slot * block)[:, None] + offsets).ravel()
+            src_row = ((owner_position * self.page_tokens + src_offset * block)[:, None] + offsets).ravel()
             self.late_copies = (dst_reqid[late], dst_row[late], src_reqid[late], src_row[late])
         early = ~late
         if early.any():
             self._staged_copy(dst_reqid[early], dst_row[early], np.repeat(src_page, block)[early],
-                              (src_slot[:, None] * block + offsets).ravel()[early])
+                              (src_offset[:, None] * block + offsets).ravel()[early])
 
     def _slices_mapping(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For each page, a (slice, position) of the placer that maps it; (-1, -1) where none does."""
@@ -670,14 +672,14 @@ class SubPageBlockPlacer(BlockPlacer):
         if self._rows is None:
             self._rows = self.manager.token_rows()
         rows, device = self._rows, self.manager.device
-        distinct, slot_of = np.unique(src_page, return_inverse=True)
+        distinct, position_of = np.unique(src_page, return_inverse=True)
         for lo in range(0, len(distinct), self._positions):
             pages = distinct[lo:lo + self._positions]
-            take = (slot_of >= lo) & (slot_of < lo + len(pages))
+            take = (position_of >= lo) & (position_of < lo + len(pages))
             self.manager.map_pages(np.array([self.staging_reqid], dtype=np.int64), np.zeros(1, dtype=np.int64),
                                    pages, np.array([len(pages)], dtype=np.int64))
             self._staged = pages
-            src = torch.from_numpy((slot_of[take] - lo) * self.page_tokens + src_row_in_page[take]).to(device)
+            src = torch.from_numpy((position_of[take] - lo) * self.page_tokens + src_row_in_page[take]).to(device)
             dst_r = torch.from_numpy(dst_reqid[take]).to(device)
             dst = torch.from_numpy(dst_row[take]).to(device)
             rows[:, dst_r, dst] = rows[:, self.staging_reqid, src]

@@ -77,7 +77,10 @@ on every rank.
 
 Environment: ``VATTN_VLLM_LAYOUT`` (``per_layer`` or ``all_layers``; default:
 ``per_layer`` when one block of one layer is a whole number of the backend's
-pages, else ``all_layers``).
+pages, else ``all_layers``); ``VATTN_VLLM_PAGE_BYTES`` (bytes of a page of
+one K/V buffer holding several blocks, so that prefix-cache hits keep vLLM's
+block granularity: the host backend, one full-attention KV cache group, no
+budget; docs/vllm.md).
 
 Modules, by the process that runs them (docs/design.md section 8):
 ``hooks`` installs every patch, in every process; ``configuration`` (what

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from vattn.common.errors import BackendUnavailable
@@ -62,6 +63,37 @@ class VAttnMetadata:
     # each layer's cache as the kernel reads it, by the address of the layer's [2, S, L, H, D] view: made once
     # per cache (the planner's), checked against this plan once per forward
     views: dict[int, LayerViews] = dataclasses.field(default_factory=dict)
+    late: LateCopies | None = None  # rows copied after each layer's K/V writes; None: the kernel writes them
+
+
+@dataclasses.dataclass(frozen=True)
+class LateCopies:
+    """A forward whose requests hit blocks that the same forward computes
+    (several blocks per page: :class:`vattn.integrations.block_placer.SubPageBlockPlacer`):
+    each layer writes the new K/V itself, copies the hit rows, then attends.
+    ``[n]`` int64 tensors on the cache's device, slices of the group's views."""
+
+    new_slice: torch.Tensor  # [T] the slice of each new token, in the batch's token order
+    new_row: torch.Tensor  # [T] its row
+    dst_slice: torch.Tensor  # [C] the rows the hit blocks are copied to
+    dst_row: torch.Tensor
+    src_slice: torch.Tensor  # [C] the rows they are read from, written by this forward
+    src_row: torch.Tensor
+
+    @classmethod
+    def of(cls, copies: tuple[np.ndarray, ...], reqids: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
+           device: torch.device) -> LateCopies:
+        query_lens = np.asarray(query_lens, dtype=np.int64)
+        starts = np.repeat(seq_lens - query_lens, query_lens)
+        rows = starts + np.arange(len(starts)) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
+        arrays = (np.repeat(reqids, query_lens), rows, *copies)
+        return cls(*(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device) for a in arrays))
+
+    def write_and_copy(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The layer's new K/V (``[T, H_kv, D]``) into ``kv_cache`` (``[2, S, L, H_kv, D]``), then the hit rows."""
+        kv_cache[0][self.new_slice, self.new_row] = key
+        kv_cache[1][self.new_slice, self.new_row] = value
+        kv_cache[:, self.dst_slice, self.dst_row] = kv_cache[:, self.src_slice, self.src_row]
 
 
 def graph_splits(vllm_config: Any, kernel: Kernel) -> tuple[int, int]:
@@ -154,6 +186,9 @@ class ForwardPlanner:
             md = self._plan_into(batch, inputs.padded)
         if self.first_views is not None:
             cache.kernel.check_forward(md.plan, self.first_views)
+        late = cache.late_copies(self.group)
+        if late is not None:
+            md.late = LateCopies.of(late, reqids, inputs.seq_lens, inputs.query_lens, self.device)
         return md
 
     def build_for_capture(self, padded: PaddedBatch, longest_seq_len: int) -> VAttnMetadata:
@@ -210,6 +245,9 @@ def attend(md: VAttnMetadata, query: torch.Tensor, key: torch.Tensor, value: tor
     out = output
     if t != query.shape[0]:
         query, key, value, out = query[:t], key[:t], value[:t], output[:t]
+    if md.late is not None:  # hits on rows this forward writes: written and copied here, before attending
+        md.late.write_and_copy(kv_cache, key, value)
+        key = value = None
     views = md.views.get(kv_cache.data_ptr())
     if views is None:
         k_cache, v_cache = kv_cache.unbind(0)

@@ -5,6 +5,7 @@ serve."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from vattn.budget.membership import budget_name_from_environment
 from vattn.integrations import block_placer
 from vattn.kernels import AttentionCase, Kernel, NoKernel, select_kernel
 from vattn.kernels.flash_attn import FlashAttentionKernel
@@ -24,6 +26,7 @@ SWITCH = "VATTN_VLLM"
 ALLOW_UNTESTED = "VATTN_VLLM_ALLOW_UNTESTED"
 TESTED_VLLM_VERSIONS = ("0.32.0",)
 LAYOUT_SETTING = "VATTN_VLLM_LAYOUT"
+PAGE_BYTES_SETTING = "VATTN_VLLM_PAGE_BYTES"
 
 
 def enabled() -> bool:
@@ -107,13 +110,18 @@ def configure(vllm_config: Any) -> None:
     window = getattr(hf, "sliding_window", None) if not model.is_hybrid else None
     check_kernel(model.get_head_size(), device, sliding_window=window,
                  logits_soft_cap=getattr(hf, "attn_logit_softcapping", None))
+    page_bytes = page_bytes_setting()
+    parallel = vllm_config.parallel_config
+    shape = (model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
+             model.dtype.itemsize)
+    if page_bytes is not None:
+        check_subpage_blocks(device, window, budget_name_from_environment())
+        page_geometry(*shape, cache.block_size, config_granularity(device), os.environ.get(LAYOUT_SETTING),
+                      page_bytes)
     # Models whose sliding-window and global layers form several KV cache groups are checked in the
     # worker, which knows the groups (a page holds one group's layers); a single group is fitted here.
-    if not window:
-        parallel = vllm_config.parallel_config
-        fit_block_size(cache, model.get_num_layers(parallel), model.get_num_kv_heads(parallel),
-                       model.get_head_size(), model.dtype.itemsize, config_granularity(device),
-                       os.environ.get(LAYOUT_SETTING))
+    elif not window:
+        fit_block_size(cache, *shape, config_granularity(device), os.environ.get(LAYOUT_SETTING))
     if device != "cpu" or window:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -190,3 +198,66 @@ def fit_block_size(cache: Any, num_layers: int, num_kv_heads: int, head_dim: int
                        "fewer than %d tokens share no KV; %s.", fits[chosen], fits[chosen], how)
     cache.block_size = fits[chosen]
     return fits[chosen]
+
+
+def page_bytes_setting() -> int | None:
+    """``VATTN_VLLM_PAGE_BYTES``: bytes of a vattn page of one K/V buffer,
+    holding several vLLM blocks (None: unset, one block is one page).
+    Raises ValueError naming the setting unless it is a positive integer."""
+    raw = os.environ.get(PAGE_BYTES_SETTING, "")
+    if not raw:
+        return None
+    value = int(raw) if raw.isdigit() else 0
+    if value <= 0:
+        raise ValueError(f"{PAGE_BYTES_SETTING} must be a positive number of bytes, got {raw!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class PageGeometry:
+    """How vLLM's blocks lie in vattn's pages."""
+
+    layout: str  # the vattn layout
+    page_size: int  # bytes of one page of one K/V buffer
+    blocks_per_page: int  # vLLM blocks per page: 1 unless VATTN_VLLM_PAGE_BYTES asks for larger pages
+
+
+def page_geometry(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, block_size: int,
+                  page_granularity: int, layout: str | None, page_bytes: int | None) -> PageGeometry:
+    """The layout and pages for vLLM's blocks of ``block_size`` tokens:
+    one block per page (:func:`choose_layout`) without ``page_bytes``,
+    else pages of ``page_bytes`` (a multiple of ``page_granularity``) that
+    hold whole blocks, in ``layout`` or the first layout where they do
+    (per_layer, then all_layers). Raises ValueError naming the setting and
+    the block bytes of each layout otherwise."""
+    if page_bytes is None:
+        name, page = choose_layout(num_layers, num_kv_heads, head_dim, dtype_bytes, block_size, page_granularity,
+                                   layout)
+        return PageGeometry(name, page, 1)
+    if layout is not None and layout not in block_placer.LAYOUTS:
+        raise ValueError(f"{LAYOUT_SETTING} must be one of {block_placer.LAYOUTS}, got {layout!r}")
+    if page_bytes % page_granularity:
+        raise ValueError(f"{PAGE_BYTES_SETTING}={page_bytes} must be a multiple of the backend's "
+                         f"{page_granularity}-byte granularity")
+    per_layer = num_kv_heads * head_dim * dtype_bytes
+    block_bytes = {"per_layer": block_size * per_layer, "all_layers": block_size * per_layer * num_layers}
+    candidates = [layout] if layout else list(block_placer.LAYOUTS)
+    for name in candidates:
+        if page_bytes % block_bytes[name] == 0:
+            return PageGeometry(name, page_bytes, page_bytes // block_bytes[name])
+    raise ValueError(f"{PAGE_BYTES_SETTING}={page_bytes} must hold whole blocks of block_size={block_size}: "
+                     + " or ".join(f"{block_bytes[n]}-byte blocks ({n})" for n in candidates))
+
+
+def check_subpage_blocks(device: str, window: int | None, budget: str | None) -> None:
+    """Raises ValueError naming what ``VATTN_VLLM_PAGE_BYTES`` (several
+    blocks per page, :class:`vattn.integrations.block_placer.SubPageBlockPlacer`)
+    cannot serve: a GPU (its FlashAttention kernel reads rows past a
+    request's end, which that placer does not map), sliding windows, a
+    memory budget (it charges pages per block id)."""
+    refused = {"a GPU (vattn's host kernel only)": device != "cpu", "sliding-window models": bool(window),
+               "a memory budget (VATTN_BUDGET)": bool(budget)}
+    reasons = [name for name, present in refused.items() if present]
+    if reasons:
+        raise ValueError(f"vattn: {PAGE_BYTES_SETTING} (several vLLM blocks per page) does not serve "
+                         f"{', '.join(reasons)}; unset {PAGE_BYTES_SETTING}")

@@ -20,7 +20,8 @@ from vattn.kernels import AttentionCase, Kernel
 from vattn.kernels import host as host_kernel
 from vattn.kernels.flash_attn import FlashAttentionKernel
 
-from .configuration import LAYOUT_SETTING, SWITCH, choose_layout, granularity, loaded_kernel, serving_kernel
+from .configuration import (LAYOUT_SETTING, SWITCH, granularity, loaded_kernel, page_bytes_setting, page_geometry,
+                            serving_kernel)
 from .worker_budget import RELEASE_ATTRIBUTE, RUNNER_ATTRIBUTE, WorkerPages, block_bytes, padding_bytes, release_blocks
 from .worker_cache import WorkerCache
 
@@ -109,9 +110,9 @@ def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, nu
     fences on vLLM's stream. Raises ValueError, with the arithmetic and the
     flags that change it, where the reservation would pass
     ``ADDRESS_SPACE_BUDGET``."""
-    layout, page_size = choose_layout(num_layers, spec.num_kv_heads, spec.head_size,
-                                     spec.dtype.itemsize, spec.block_size, granularity(runner.device),
-                                     os.environ.get(LAYOUT_SETTING))
+    geometry = page_geometry(num_layers, spec.num_kv_heads, spec.head_size, spec.dtype.itemsize, spec.block_size,
+                             granularity(runner.device), os.environ.get(LAYOUT_SETTING), page_bytes_setting())
+    layout, page_size = geometry.layout, geometry.page_size
     num_buffers = 2 * num_layers if layout == "per_layer" else 2
     shape = slice_shape(runner.input_batch.max_num_reqs, runner.max_model_len, num_blocks, spec.block_size,
                         all_windows, padding_slices, padding_tokens)
@@ -128,7 +129,9 @@ def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, nu
                      # budget. Without one vLLM holds its whole block pool, as stock allocates its cache tensor at
                      # start-up: created now, so no forward creates (on the host: zeroes) the pages of a block's
                      # first use
-                     budget=False, preallocate=not budget_name_from_environment())
+                     # with several blocks per page the pool's ids bound the worst case (a page per block:
+                     # SubPageBlockPlacer), not what it holds: its pages are created as they are used
+                     budget=False, preallocate=not budget_name_from_environment() and geometry.blocks_per_page == 1)
     check_address_space(arguments, shape, num_groups)
     return arguments
 

@@ -46,7 +46,7 @@ import torch
 
 from vattn.core import KVCacheManager
 from vattn.integrations import block_placer
-from vattn.integrations.block_placer import BlockPlacer
+from vattn.integrations.block_placer import BlockPlacer, SubPageBlockPlacer
 from vattn.kernels import AttentionCase, Kernel
 
 from .forward_inputs import ForwardInputs
@@ -120,12 +120,16 @@ class WorkerCache:
             raise RuntimeError(f"vattn: {kernel.name} reads rows past a request's (its read footprint) but has no "
                                f"padding slice to hold the scratch page those rows map")
         per = manager.config.max_batch_size // len(groups)
-        slices = [GroupSlices(list(names), window,
-                              BlockPlacer(manager, block_size, first_reqid=i * per, slices=per - pad, window=window,
-                                          rows_past_end=footprint.past_end, rows_below_start=footprint.below_start,
-                                          scratch_page_id=scratch),
-                              padding=per - 1 if pad else None)
-                  for i, (names, window) in enumerate(groups)]
+        blocks_per_page = manager.page_tokens // block_size
+        if blocks_per_page > 1:
+            slices = [cls._subpage_group(manager, groups, block_size, blocks_per_page, num_blocks, footprint, pad, per)]
+        else:
+            slices = [GroupSlices(list(names), window,
+                                  BlockPlacer(manager, block_size, first_reqid=i * per, slices=per - pad, window=window,
+                                              rows_past_end=footprint.past_end,
+                                              rows_below_start=footprint.below_start, scratch_page_id=scratch),
+                                  padding=per - 1 if pad else None)
+                      for i, (names, window) in enumerate(groups)]
         padding_blocks = -(-max(1, padding_tokens) // block_size) if pad else 0
         if pad:
             try:  # at start-up, so that no forward (a graph capture least of all) maps for padding
@@ -152,6 +156,39 @@ class WorkerCache:
                 raise
         group_of = {name: i for i, g in enumerate(slices) for name in g.layer_names}
         return cls(manager, slices, kernel, case, group_of, padding_tokens=padding_blocks * block_size)
+
+    @staticmethod
+    def _subpage_group(manager: KVCacheManager, groups: Sequence[tuple[list[str], int | None]], block_size: int,
+                       blocks_per_page: int, num_blocks: int, footprint: object, pad: int, per: int) -> GroupSlices:
+        """The one group of a cache whose pages hold several blocks
+        (:class:`SubPageBlockPlacer`); its last slice, one of the spares, is
+        the placer's staging slice. Raises RuntimeError for what that placer
+        does not serve (start-up refuses it first: ``check_subpage_blocks``)."""
+        if len(groups) != 1 or groups[0][1] or footprint or pad:
+            manager.cleanup()
+            raise RuntimeError(f"vattn: {blocks_per_page} blocks per page serve one full-attention KV cache group "
+                               f"and a kernel without CUDA graphs that reads no rows past a request's, not "
+                               f"{len(groups)} group(s) with windows {[w for _, w in groups]}, footprint {footprint}, "
+                               f"{pad} padding slice(s)")
+        try:
+            placer = SubPageBlockPlacer(manager, block_size, blocks_per_page, num_blocks, staging_reqid=per - 1,
+                                        slices=per - 1)
+        except BaseException:
+            manager.cleanup()
+            raise
+        return GroupSlices(list(groups[0][0]), None, placer)
+
+    def late_copies(self, group: int) -> tuple[np.ndarray, ...] | None:
+        """Rows the forward mapped last must copy after each layer's K/V
+        writes (:attr:`SubPageBlockPlacer.late_copies`), as slices of the
+        group's cache views: ``(dst_slice, dst_row, src_slice, src_row)``,
+        ``[n]`` int64 each; None where there are none."""
+        placer = self.groups[group].placer
+        late = getattr(placer, "late_copies", None)
+        if late is None:
+            return None
+        dst_reqid, dst_row, src_reqid, src_row = late
+        return dst_reqid - placer.first_reqid, dst_row, src_reqid - placer.first_reqid, src_row
 
     @functools.cached_property
     def has_windows(self) -> bool:
@@ -218,7 +255,10 @@ class WorkerCache:
                        positions_reused=sum(g.placer.positions_reused for g in self.groups),
                        forwards=self.forwards,
                        forwards_mapping=sum(g.placer.forwards_mapping for g in self.groups),
-                       live_requests=max(g.placer.live_requests for g in self.groups))
+                       live_requests=max(g.placer.live_requests for g in self.groups),
+                       # several blocks per page: rows of partially hit pages copied, whole pages of hits mapped
+                       rows_copied=sum(getattr(g.placer, "rows_copied", 0) for g in self.groups),
+                       pages_shared=sum(getattr(g.placer, "pages_shared", 0) for g in self.groups))
         return dict(stats, layout=self.manager.config.layout, kernel=self.kernel.name, map_ns=self.map_ns,
                     mapping=mapping, time_s_series=list(self.time_s), bytes_mapped_series=list(self.bytes_in_requests),
                     tokens_series=list(self.tokens), bytes_behind_windows_series=list(self.behind_windows),
