@@ -40,11 +40,15 @@ def engine_environment(vattn: bool, budget: str | None = None, checkout: Path = 
 
 
 def scenario_runner(checkout: Path) -> Path:
-    """``checkout``'s scenario runner (older checkouts kept it under tests/integrations/)."""
-    for path in (checkout / "workloads" / "vllm_scenario.py", checkout / "tests" / "integrations" / "vllm_scenario.py"):
-        if path.exists():
-            return path
-    raise FileNotFoundError(f"no vllm_scenario.py in {checkout}/workloads or {checkout}/tests/integrations")
+    """``checkout``'s scenario runner: workloads/vllm_scenario.py, or where an older checkout kept it, the
+    one file of that name git tracks there."""
+    if (checkout / "workloads" / "vllm_scenario.py").exists():
+        return checkout / "workloads" / "vllm_scenario.py"
+    tracked = subprocess.run(["git", "ls-files", "*vllm_scenario.py"], cwd=checkout, capture_output=True,
+                             text=True).stdout.split()
+    if len(tracked) != 1:
+        raise FileNotFoundError(f"no single vllm_scenario.py in {checkout} (git tracks {tracked or 'none'})")
+    return checkout / tracked[0]
 
 
 def run_engine(python: str, model: Path, spec_path: Path, out: Path, vattn: bool, budget: str | None = None,
