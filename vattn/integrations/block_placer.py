@@ -650,6 +650,8 @@ class SubPageBlockPlacer(BlockPlacer):
         if late.any():
             # blocks located this forward live in a live request's slice: read them there once written
             owner_slice, owner_position = self._slices_mapping(src_page)
+            if (owner_slice[late[::block]] < 0).any():
+                raise RuntimeError("vattn: a block this forward computes lies in a page no request maps")
             src_reqid = np.repeat(owner_slice + self.first_reqid, block)
             src_row = ((owner_position * self.page_tokens + src_offset * block)[:, None] + offsets).ravel()
             self.late_copies = (dst_reqid[late], dst_row[late], src_reqid[late], src_row[late])
