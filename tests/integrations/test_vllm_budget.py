@@ -159,7 +159,7 @@ def test_a_hybrid_model_under_a_budget_serves_stock_tokens(arch, limit_blocks, t
     assert ours["budget_idle"]["held_bytes"] <= block_bytes
 
 
-def test_a_budget_works_with_vllms_own_executors_and_synchronous_scheduling(monkeypatch):
+def test_a_budget_works_with_vllms_own_executors_and_either_scheduling(monkeypatch):
     from types import SimpleNamespace
 
     from vattn.integrations.vllm import engine_budget as vllm_budget
@@ -182,8 +182,7 @@ def test_a_budget_works_with_vllms_own_executors_and_synchronous_scheduling(monk
         vllm_budget.check_config(fine)
     with pytest.raises(ValueError, match="executor 'ray' places ranks on other machines"):
         vllm_budget.check_config(config("ray", 2))
-    with pytest.raises(ValueError, match="async_scheduling"):
-        vllm_budget.check_config(config("mp", async_scheduling=True))
+    vllm_budget.check_config(config("mp", async_scheduling=True))  # vLLM's default on a GPU
     monkeypatch.setenv("VATTN_VLLM_IDLE_RELEASE_S", "soon")
     with pytest.raises(ValueError, match="VATTN_VLLM_IDLE_RELEASE_S"):
         vllm_budget.idle_release_setting()

@@ -26,7 +26,14 @@ virtual size of the pool.
 - **What the scheduler sees.** ``BlockPool.get_num_free_blocks()`` is the free
   blocks with pages plus as many free blocks without pages as the budget can
   grant, less the blocks owed when the limit was lowered below what the
-  members hold: vLLM waits or preempts, as for a full pool.
+  members hold: vLLM waits or preempts, as for a full pool. Inside
+  ``allocate_slots`` blocks without pages count only as far as the headroom
+  and pending releases back them (bytes another process took between a look
+  and a grant leave the request waiting), with the limit as at the call's
+  start; when vLLM's free queue would hand out more of them than that, free
+  blocks with pages move to its head first. So a hand-out never lacks its
+  grant; one outside ``allocate_slots`` that does waits ``GRANT_WAIT_S`` and
+  then detaches the engine from the budget rather than end it.
 - **Giving back.** The scheduler picks free blocks (those serving no cached
   prefix first, then cached ones in vLLM's eviction order, each dropped from
   vLLM's cached-block map first) and their ids ride on the next
@@ -39,8 +46,12 @@ virtual size of the pool.
   sending on); a step without a forward is confirmed by a no-op call on
   every rank. Blocks handed out in the same step as a release take over the
   released blocks' charge: every rank releases before it creates.
-- **When.** When ``get_new_blocks`` hands out more blocks without pages than
-  the budget grants, when another member waits or the limit is lowered (a
+- **Overlapping steps** (asynchronous scheduling: vLLM's batch queue keeps
+  two steps in flight). A block freed while steps are in flight (its request
+  finished or preempted while the next step's forward reads it) is given
+  back only once the last step scheduled before it was freed has its output
+  back: until then neither its pages nor its charge go anywhere.
+- **When.** When another member waits or the limit is lowered (a
   keeper thread polls the budget every 50 ms), and for every free block
   after ``VATTN_VLLM_IDLE_RELEASE_S`` seconds (default 30) without a request.
   An idle engine core is woken through its input queue to run one step that
@@ -89,6 +100,7 @@ KEEPER_INTERVAL_S = 0.05  # how often the keeper looks at the budget (a lock-fre
 GRANT_WAIT_S = 5.0  # how long a hand-out the budget still refuses waits for other members to give back
 START_WAIT_S = 30.0  # how long start-up waits for the null block's bytes
 UNCHARGE_ATTRIBUTE = "vattn_uncharge"  # on the engine core's SchedulerOutput: bytes to uncharge at its output
+STEP_ATTRIBUTE = "vattn_step"  # on the engine core's SchedulerOutput: its step's number (from 1)
 
 
 def idle_release_setting() -> float:
@@ -148,7 +160,11 @@ class BudgetedBlockPool:
         self.credit = 0  # of the pending blocks, those whose charge no block handed out took over yet
         self.in_flight = 0  # blocks released by outputs not back yet, still charged
         self.headroom = 0  # blocks granted ahead of one allocate_slots call
-        self.steps_in_flight = 0
+        # steps numbered from 1 as schedule() makes them; a block freed after step k was scheduled may be
+        # read by forwards up to k (vLLM's batch queue keeps two in flight under asynchronous scheduling)
+        self.steps_scheduled = 0
+        self.steps_confirmed = 0  # the last step whose output is back (outputs come back in order)
+        self.freed_after_step = np.zeros(self.pool.num_gpu_blocks, dtype=np.int64)
         self.lock = threading.RLock()
         self.last_active = time.monotonic()
         self.idle_released = False
@@ -160,6 +176,15 @@ class BudgetedBlockPool:
         self._stock_get_new_blocks = self.pool.get_new_blocks
         self.pool.get_num_free_blocks = self.num_free_blocks  # instance attributes: this pool only
         self.pool.get_new_blocks = self.get_new_blocks
+        stock_free = self.pool.free_blocks
+
+        @functools.wraps(stock_free)
+        def free_blocks(ordered_blocks: Any) -> None:
+            blocks = list(ordered_blocks)  # vLLM may pass an iterator
+            self.freed_after_step[[b.block_id for b in blocks]] = self.steps_scheduled
+            stock_free(blocks)
+
+        self.pool.free_blocks = free_blocks
         stock_reset = self.pool.reset_prefix_cache
 
         @functools.wraps(stock_reset)
@@ -179,16 +204,20 @@ class BudgetedBlockPool:
                 if self.detached:
                     return stock_allocate(request, num_new_tokens, *args, **kwargs)
                 self.headroom_cap = self._blocks_wanted(request, num_new_tokens, args, kwargs)
+                # one figure for the whole call: a limit lowered meanwhile must not shrink what it counted
+                self.allocation_excess = self.guarded(self._excess_blocks)
                 try:
                     blocks = stock_allocate(request, num_new_tokens, *args, **kwargs)
                 finally:
                     self.headroom_cap = 0
+                    self.allocation_excess = None
                     self.guarded(self._return_headroom)
                 if blocks is None:
                     self.guarded(self._note_refusal, num_new_tokens)
                 return blocks
 
         self.headroom_cap = 0
+        self.allocation_excess: int | None = None  # inside allocate_slots: blocks held above the limit at its start
         self.kv_manager.allocate_slots = allocate_slots
         self._charge_null_block()
         self.keeper = threading.Thread(target=self._keeper_loop, name="vattn-vllm-budget", daemon=True)
@@ -241,6 +270,11 @@ class BudgetedBlockPool:
             "own block pool from now on, nothing charged (python -m vattn budget ls / top show what became of "
             "the budget; restart the engine to join one again)", self.budget.name, error)
 
+    def _excess_now(self) -> int:
+        """Blocks held above the limit as this engine counts them now: inside ``allocate_slots``, as at
+        its start."""
+        return self._excess_blocks() if self.allocation_excess is None else self.allocation_excess
+
     def _excess_blocks(self) -> int:
         """Blocks the members hold above a lowered limit (0 within it)."""
         excess = self.budget.held_bytes - self.budget.limit
@@ -269,7 +303,7 @@ class BudgetedBlockPool:
 
     def _budgeted_free_blocks(self) -> int:
         with_pages, without = self._free_split()
-        excess = self._excess_blocks()
+        excess = self._excess_now()
         transferable = self._transferable(excess)
         if self.headroom_cap and not excess:
             want = min(without, self.headroom_cap) - transferable - self.headroom
@@ -277,7 +311,14 @@ class BudgetedBlockPool:
             if grant > 0 and self.member.try_grant(grant * self.block_bytes, record_wait=False):
                 self.headroom += grant
         owed = max(0, excess - self.credit - self.in_flight)  # what releases under way do not cover yet
-        grantable = self.budget.available_bytes // self.block_bytes + transferable + self.headroom
+        grantable = transferable + self.headroom
+        if grantable < min(without, self.headroom_cap):
+            # inside allocate_slots, short of a grant (another process took the bytes meanwhile): only
+            # what is reserved counts, so nothing handed out can find its bytes taken
+            return max(0, with_pages + min(without, grantable) - owed)
+        # every block this allocation may take without pages is backed: free bytes beyond count toward
+        # vLLM's margins (its watermark, blocks kept for requests in flight), never handed out here
+        grantable += self.budget.available_bytes // self.block_bytes
         return max(0, with_pages + min(without, grantable) - owed)
 
     def blocks_alone(self, tokens: int) -> int:
@@ -313,6 +354,8 @@ class BudgetedBlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
         with self.lock:
+            if not self.detached:
+                self._pages_first(num_blocks)
             blocks = self._stock_get_new_blocks(num_blocks)  # checks num_free_blocks()
             if not self.detached:
                 try:
@@ -321,39 +364,67 @@ class BudgetedBlockPool:
                     self.detach(e)
             return blocks
 
+    def _pages_first(self, num_blocks: int) -> None:
+        """Before vLLM takes ``num_blocks`` from the head of its free queue: when the blocks without
+        pages among them are more than the engine's own charge covers (headroom, pending releases),
+        free blocks with pages move to the head, so that vLLM reuses them instead (blocks serving no
+        cached prefix first, then cached ones in eviction order). The free count promised vLLM no
+        more than that: it counts the free blocks with pages, and blocks without pages only as far as
+        the budget backs them. Reusing a block a forward in flight still reads is vLLM's own reuse (the
+        device orders the writes after the reads); giving its pages back is not (``freed_after_step``)."""
+        queue = self.pool.free_block_queue
+        head, block = [], queue.fake_free_list_head.next_free_block
+        while len(head) < num_blocks and block is not None and block is not queue.fake_free_list_tail:
+            head.append(block)
+            block = block.next_free_block
+        with_pages = [b for b in head if self.with_pages[b.block_id]]
+        covered = self.headroom + self._transferable(self._excess_now())
+        missing = len(head) - len(with_pages) - covered  # blocks without pages the engine's charge does not cover
+        if missing <= 0:
+            return
+        plain, cached = [], []
+        while block is not None and block is not queue.fake_free_list_tail:
+            if self.with_pages[block.block_id]:
+                (cached if block.block_hash is not None else plain).append(block)
+            block = block.next_free_block
+        front = with_pages + (plain + cached)[:missing]
+        if len(front) == len(with_pages):
+            return  # no other free block has pages
+        for b in front:
+            queue.remove(b)
+        queue.prepend_n(front)
+        self.counters["budget_limited_allocations"] += 1
+
     def _charge_new(self, blocks: list[Any]) -> None:
-        """Charges the blocks handed out that have no pages yet, before any worker can create them."""
+        """Charges the blocks handed out that have no pages yet, before any worker can create them: from
+        the headroom and pending releases (what the free count inside ``allocate_slots`` promised
+        rests on those alone), otherwise granted now. A hand-out past what the count backed (vLLM
+        taking blocks outside ``allocate_slots``) waits up to ``GRANT_WAIT_S`` for other members to
+        give memory back, then detaches the engine from the budget rather than end it."""
         fresh = [b.block_id for b in blocks if not self.with_pages[b.block_id]]
-        need = len(fresh)
-        if need:
-            need = self._cover(need)
-        if need:
-            # the pool's order handed out blocks without pages: other free blocks' pages make room
-            self.counters["budget_limited_allocations"] += 1
-            self.release(need)
-            need = self._cover(need)
+        need = self._cover(len(fresh))
         deadline = time.monotonic() + GRANT_WAIT_S
         while need and not self.member.try_grant(need * self.block_bytes):
-            # another process took the bytes since the scheduler counted them: it is asked (a wait
-            # recorded) to give memory back; no worker creates these pages before they are charged
+            # the refusal is recorded as a wait: other members give free pages back
             self.counters["grant_waits"] += 1
             if time.monotonic() >= deadline:
-                raise RuntimeError(
-                    f"vattn: vLLM's scheduler handed out {need} blocks whose {need * self.block_bytes} bytes "
-                    f"budget '{self.budget.name}' no longer grants: another process took them after the "
-                    f"scheduler counted them and gave nothing back within {GRANT_WAIT_S} s")
+                self.detach(BudgetError(
+                    f"vLLM's scheduler handed out {need} blocks without pages past what the budget backed, "
+                    f"and their {need * self.block_bytes} bytes were not granted within {GRANT_WAIT_S:g} s"))
+                return
             self.member.wait_for_memory(0.2)
         self.with_pages[fresh] = True
         self.num_with_pages += len(fresh)
 
     def _cover(self, need: int) -> int:
-        """Charges ``need`` blocks handed out from pending releases' charge and the headroom; returns how
-        many are still to be granted."""
-        take = min(need, self._transferable(self._excess_blocks()))
-        self.credit -= take
-        need -= take
+        """Charges ``need`` blocks handed out from the headroom, then from pending releases' charge (the
+        workers release those blocks before they create these); returns how many are still to be
+        granted."""
         take = min(need, self.headroom)
         self.headroom -= take
+        need -= take
+        take = min(need, self._transferable(self._excess_now()))
+        self.credit -= take
         return need - take
 
     def _note_refusal(self, num_new_tokens: int) -> None:
@@ -370,14 +441,22 @@ class BudgetedBlockPool:
 
     # ---- giving pages back ----------------------------------------------------------------
 
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps scheduled whose output is not back yet (0-2 with vLLM's batch queue)."""
+        return self.steps_scheduled - self.steps_confirmed
+
     def _free_blocks_with_pages(self) -> list[Any]:
-        """Free blocks that have pages, in the order they go back: blocks serving no cached prefix
-        first, then cached ones in vLLM's eviction order (the free queue's)."""
+        """Free blocks that have pages and that no forward in flight reads, in the order they go back:
+        blocks serving no cached prefix first, then cached ones in vLLM's eviction order (the free
+        queue's). A block freed while a step was in flight (under asynchronous scheduling a request
+        finishes, or is preempted, while the step after it reads its blocks) waits for that step's
+        output: its pages are not given back, nor its charge handed on, before the device is done."""
         plain, cached = [], []
         block = self.pool.free_block_queue.fake_free_list_head.next_free_block
         tail = self.pool.free_block_queue.fake_free_list_tail
         while block is not None and block is not tail:
-            if self.with_pages[block.block_id]:
+            if self.with_pages[block.block_id] and self.freed_after_step[block.block_id] <= self.steps_confirmed:
                 (cached if block.block_hash is not None else plain).append(block)
             block = block.next_free_block
         return plain + cached
@@ -402,8 +481,9 @@ class BudgetedBlockPool:
         return len(ids)
 
     def attach_release(self, scheduler_output: Any) -> None:
-        """In ``schedule``: the pending releases ride on this step's output."""
-        self.steps_in_flight += 1
+        """In ``schedule``: the pending releases ride on this step's output, numbered."""
+        self.steps_scheduled += 1
+        setattr(scheduler_output, STEP_ATTRIBUTE, self.steps_scheduled)
         self._return_headroom()
         if not self.pending:
             return
@@ -414,8 +494,9 @@ class BudgetedBlockPool:
         self.counters["releases_sent"] += 1
 
     def confirm_release(self, scheduler_output: Any) -> None:
-        """In ``update_from_output``: the step's output is back, so every rank released its blocks."""
-        self.steps_in_flight = max(0, self.steps_in_flight - 1)
+        """In ``update_from_output``: the step's output is back, so every rank released its blocks and
+        finished the forward (the device too: the output holds its sampled tokens)."""
+        self.steps_confirmed = max(self.steps_confirmed, getattr(scheduler_output, STEP_ATTRIBUTE, 0))
         blocks = getattr(scheduler_output, UNCHARGE_ATTRIBUTE, 0)
         if not getattr(scheduler_output, RELEASE_ATTRIBUTE, None):
             return
@@ -544,8 +625,6 @@ def check_config(vllm_config: Any) -> None:
     if parallel.distributed_executor_backend not in ("uni", "mp", None):
         raise ValueError(f"vattn: {ENV_VAR} with vLLM works with its own executors (uni, mp), not "
                          f"{parallel.distributed_executor_backend!r}; or unset {ENV_VAR}")
-    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
-        raise ValueError(f"vattn: {ENV_VAR} with vLLM needs synchronous scheduling; drop async_scheduling")
     if getattr(parallel, "nnodes", 1) > 1:
         # the same reason as Ray's: the budgets are this machine's; the engine core cannot charge another's
         raise ValueError(f"vattn: {ENV_VAR} names this machine's budgets (one per device), charged by the engine "

@@ -1,0 +1,85 @@
+"""vLLM's scheduler under a budget with steps that overlap (asynchronous scheduling: two batches in flight),
+and a grant whose bytes another process takes after the scheduler counted on them: what
+vattn/integrations/vllm/engine_budget.py promises there (docs/vllm.md "Asynchronous scheduling",
+docs/elastic.md "Liveness"). Each case runs vllm_budget_async.py in vLLM's environment, in one process
+without a model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import vattn
+from test_vllm import needs_vllm, vllm_python
+from workloads.vllm_launch import SCENARIO
+
+BLOCK_BYTES = 16 * 1024  # vllm_budget_async.BLOCK tokens of the test model's 1 KiB
+SCRIPT = Path(__file__).with_name("vllm_budget_async.py")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    model = tmp_path_factory.mktemp("async") / "model"
+    subprocess.run([vllm_python(), str(SCENARIO), "make-model", str(model)], check=True, capture_output=True,
+                   timeout=300)
+    return model
+
+
+def run_case(mode: str, model: Path, tmp_path: Path, limit_blocks: int) -> dict:
+    budget = vattn.Budget.create(f"vllm-{mode}-{os.getpid()}", limit_blocks * BLOCK_BYTES)
+    try:
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(("VATTN_VLLM", "VATTN_BUDGET"))}
+        proc = subprocess.run([vllm_python(), str(SCRIPT), mode, str(model), budget.name], capture_output=True,
+                              text=True, timeout=600, env=environ, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        result = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+        assert budget.held_bytes == 0  # every member left
+    finally:
+        budget.remove(force=True)
+    return result
+
+
+@needs_vllm
+def test_overlapping_steps_never_give_back_pages_a_forward_in_flight_reads(tiny_model, tmp_path):
+    """AsyncScheduler stepped as EngineCore.step_with_batch_queue steps it (two batches in flight), 24
+    requests (a third sharing a prefix, some stopping on a token the scheduler learns a step late) in
+    a budget of 14 blocks, another member asking for memory after every output: no release carries a
+    block a forward still in flight reads (a request finished or preempted while the next step reads
+    its blocks), the worker's pages never exceed the engine's charge, the budget never its limit, and
+    every request finishes."""
+    result = run_case("overlap", tiny_model, tmp_path, 14)
+    assert result["released_while_read"] == [], result
+    assert result["num_above_charge"] == 0, result["above_charge"]
+    assert result["grant_waits"] == 0 and result["detached"] is None, result  # the count backed every hand-out
+    assert result["peak"] <= result["limit"] == 14 * BLOCK_BYTES
+    assert len(result["finished"]) == 24 and set(result["finished"].values()) == {"stop", "length"}, result
+    assert result["blocks_released"] >= 20 and result["releases_sent"] >= 5, result  # releases all the time
+
+
+@needs_vllm
+def test_bytes_taken_between_the_count_and_the_grant_leave_the_request_waiting(tiny_model, tmp_path):
+    """Another member takes a block's bytes just before each of the engine's grants while a 4-block
+    request is scheduled in a budget of 6 blocks (2 free blocks with pages): the engine core goes on (no
+    exception out of schedule()), the request waits with its refusal recorded, and it runs at the first
+    step after the memory comes back; the budget never passes its limit."""
+    result = run_case("race", tiny_model, tmp_path, 6)
+    assert result["error"] is None, result
+    assert result["taken"] > 0 and result["detached"] is None, result
+    assert result["finished"] == {"x": ["length", 0], "y": ["length", 6]}, result
+    assert result["waits_recorded"] >= 1 and result["grant_waits"] == 0, result
+    assert result["peak"] <= result["limit"] and result["num_above_charge"] == 0, result
+
+
+@needs_vllm
+def test_a_hand_out_past_the_count_detaches_instead_of_ending_the_engine(tiny_model, tmp_path):
+    """Blocks handed out outside allocate_slots, whose bytes another member takes before the grant: after
+    the bounded wait (0.5 s in the case) the engine detaches from the budget, with the reason, and keeps
+    the blocks, instead of raising into vLLM's engine core."""
+    result = run_case("outside", tiny_model, tmp_path, 10)
+    assert result["error"] is None and result["handed_out"] == 2, result
+    assert "not granted within 0.5 s" in result["detached"], result
+    assert 0.5 <= result["waited_s"] < 3.0 and result["grant_waits"] >= 1, result
