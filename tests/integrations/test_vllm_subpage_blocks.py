@@ -13,6 +13,7 @@ blocks.
 from __future__ import annotations
 
 import collections
+import os
 import random
 
 import numpy as np
@@ -339,7 +340,7 @@ def test_the_page_setting_gives_whole_blocks_per_page_or_is_refused_naming_why(m
 
 # ---- under vLLM ------------------------------------------------------------------------------------------------
 
-from test_vllm import Runs, engine, needs_vllm, outputs  # noqa: E402
+from test_vllm import SMALL_POOL, Runs, engine, needs_vllm, outputs  # noqa: E402
 
 # the test model's per_layer pages: 256 bytes per token and buffer, 64 tokens, 2 blocks of 32 (vLLM-CPU's attention
 # takes multiples of 32 tokens: stock runs with the same blocks)
@@ -366,3 +367,20 @@ def test_prompts_sharing_less_than_a_page_hit_the_prefix_cache_with_stock_output
     (v,) = ours["vattn"]
     assert v["page_size"] == SUBPAGE_BYTES and v["layout"] == "per_layer" and ours["block_size"] == 32
     assert v["mapping"]["rows_copied"] > 0 and v["mapping"]["pages_shared"] > 0
+
+
+@needs_vllm
+@pytest.mark.skipif(os.environ.get("VATTN_LONG_TESTS") != "1",
+                    reason="long test: set VATTN_LONG_TESTS=1 (a third vLLM start-up)")
+def test_a_pool_too_small_for_the_batch_preempts_and_outputs_stay_stock(runs):
+    """12 blocks of 32 tokens for 4 requests of up to 256: vLLM preempts,
+    evicts cached blocks and hands their ids out again while pages of
+    finished requests still hold hit rows; every output is stock's."""
+    stock = runs.get("stock", engine(), vattn=False)
+    small = runs.get("subpage-small", engine(kv_cache_memory_bytes=SMALL_POOL), vattn=True,
+                     VATTN_VLLM_PAGE_BYTES=str(SUBPAGE_BYTES))
+    assert small["block_size"] == 32 and small["num_blocks"] <= 13
+    assert sum(p["preemptions"] for p in small["phases"].values()) > 0
+    assert outputs(small) == outputs(stock)
+    (v,) = small["vattn"]
+    assert v["page_size"] == SUBPAGE_BYTES and v["mapping"]["rows_copied"] > 0

@@ -482,6 +482,7 @@ class SubPageBlockPlacer(BlockPlacer):
         self.late_copies: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self.rows_copied = 0  # token rows copied into partially hit pages (before or during forwards)
         self.pages_shared = 0  # positions that mapped a page of hit blocks instead of a copy
+        self.late_copy_forwards = 0  # forwards that hit blocks they compute themselves (late_copies)
 
     def _pool(self) -> np.ndarray:
         ids = np.arange(self.manager.num_page_ids, dtype=np.int64)
@@ -655,6 +656,7 @@ class SubPageBlockPlacer(BlockPlacer):
             src_reqid = np.repeat(owner_slice + self.first_reqid, block)
             src_row = ((owner_position * self.page_tokens + src_offset * block)[:, None] + offsets).ravel()
             self.late_copies = (dst_reqid[late], dst_row[late], src_reqid[late], src_row[late])
+            self.late_copy_forwards += 1
         early = ~late
         if early.any():
             self._staged_copy(dst_reqid[early], dst_row[early], np.repeat(src_page, block)[early],

@@ -258,7 +258,8 @@ class WorkerCache:
                        live_requests=max(g.placer.live_requests for g in self.groups),
                        # several blocks per page: rows of partially hit pages copied, whole pages of hits mapped
                        rows_copied=sum(getattr(g.placer, "rows_copied", 0) for g in self.groups),
-                       pages_shared=sum(getattr(g.placer, "pages_shared", 0) for g in self.groups))
+                       pages_shared=sum(getattr(g.placer, "pages_shared", 0) for g in self.groups),
+                       late_copy_forwards=sum(getattr(g.placer, "late_copy_forwards", 0) for g in self.groups))
         return dict(stats, layout=self.manager.config.layout, kernel=self.kernel.name, map_ns=self.map_ns,
                     mapping=mapping, time_s_series=list(self.time_s), bytes_mapped_series=list(self.bytes_in_requests),
                     tokens_series=list(self.tokens), bytes_behind_windows_series=list(self.behind_windows),
