@@ -46,7 +46,8 @@ import torch
 
 from vattn.core import KVCacheManager
 from vattn.integrations import block_placer
-from vattn.integrations.block_placer import BlockPlacer, SubPageBlockPlacer
+from vattn.integrations.block_placer import BlockPlacer
+from vattn.integrations.subpage_placer import SubPageBlockPlacer
 from vattn.kernels import AttentionCase, Kernel
 
 from .forward_inputs import ForwardInputs
