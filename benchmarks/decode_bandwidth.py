@@ -1,0 +1,241 @@
+"""The host kernel's decode against a plain read of the same K/V bytes, per ISA:
+how much of the read bandwidth a decode reaches on this machine.
+
+    python benchmarks/decode_bandwidth.py                        # every vector ISA this CPU runs
+    python benchmarks/decode_bandwidth.py --isa avx512_bf16 --points 8:4096:bfloat16
+    python benchmarks/decode_bandwidth.py --replot --isa avx2    # redraw that ISA's plot from its JSON
+
+For every point (``batch:ctx:dtype``, one decode token per request over ``ctx``
+cached ones, one layer of ``--model``, per_layer cache) and ISA, two calls read
+the same vattn cache: the kernel of this checkout (``vattn._cpu_attn``, built
+in place) on that ISA's path, and benchmarks/kv_read_probe.cpp, a loop that
+loads every K and V byte of the batch once with that ISA's vector width (built
+with setup.py's flags of the ISA's kernel unit) and adds them as integers.
+Both run on one thread (VATTN_CPU_ATTN_THREADS=1, set here): the probe has no
+thread pool, and on a shared 2-core machine a second thread measures the
+neighbours. Rounds alternate the order; in each, a call runs once after
+``--flush-mb`` MiB were written (``cold``: K/V from the last-level cache or
+memory) and once straight after (``warm``). Reported per point: median, min
+and max microseconds of each, the GB/s of the medians, and the decode's share
+of the read bandwidth (read time / decode time; the goal is at least 2/3).
+Writes benchmarks/results/decode_bandwidth_<isa>[_<tag>]_<machine>.json and a
+plot for each ISA.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["VATTN_CPU_ATTN_THREADS"] = "1"  # read when the kernel's pool starts, at its first call
+
+import argparse
+import ctypes
+import importlib.util
+import json
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from attention_ab import Case, model_shape
+from harness import RESULTS, draw, machine, machine_slug, pyplot, save_plot, write_json
+from torch.utils.dlpack import to_dlpack
+
+from vattn import _cpu_attn
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE_SOURCE = Path(__file__).resolve().parent / "kv_read_probe.cpp"
+CXX = "g++"
+# the kernel unit whose setup.py flags build the probe for each x86 path, and the vector bytes it must load
+PROBE_UNIT = {"avx2": ("kernel_avx2.cpp", 32), "avx512": ("kernel_avx512.cpp", 64),
+              "avx512_bf16": ("kernel_avx512.cpp", 64), "amx": ("kernel_avx512.cpp", 64)}
+GOAL_SHARE = 2 / 3
+
+
+def setup_flags() -> dict[str, list[str]]:
+    """setup.py's per-unit ISA flags on this machine."""
+    spec = importlib.util.spec_from_file_location("vattn_setup", ROOT / "setup.py")
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)  # its setup() runs only as __main__
+    return setup.isa_flags(platform.machine())
+
+
+def build_probe(isa: str, out: Path) -> ctypes.CDLL:
+    """kv_read_probe.cpp built with the flags of ``isa``'s kernel unit; refuses a build that loads
+    another vector width than that ISA's."""
+    unit, vector_bytes = PROBE_UNIT[isa]
+    library = out / f"kv_read_probe_{isa}.so"
+    built = subprocess.run([CXX, "-std=c++17", "-O3", "-shared", "-fPIC", *setup_flags().get(unit, []),
+                            str(PROBE_SOURCE), "-o", str(library)], capture_output=True, text=True)
+    if built.returncode != 0:
+        raise SystemExit(f"{CXX} failed on {PROBE_SOURCE}:\n{built.stderr[-3000:]}")
+    probe = ctypes.CDLL(str(library))
+    probe.kv_read.restype = ctypes.c_int64
+    probe.kv_read.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
+                              ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    if probe.kv_read_vector_bytes() != vector_bytes:
+        raise SystemExit(f"the {isa} probe loads {probe.kv_read_vector_bytes()}-byte vectors, not {vector_bytes}")
+    return probe
+
+
+def spread(seconds: list[float]) -> dict[str, float]:
+    """Median, min and max of ``seconds`` in microseconds."""
+    return {k: round(f(seconds) * 1e6, 2) for k, f in (("median", statistics.median), ("min", min), ("max", max))}
+
+
+def measure(probe: ctypes.CDLL, isa: str, batch: int, ctx: int, dtype: torch.dtype, shape: tuple[int, int, int],
+            flush: torch.Tensor, rounds: int) -> dict[str, Any]:
+    """One point: the probe's read and the kernel's decode on ``isa``, cold and warm, alternated."""
+    case = Case("decode", "per_layer", batch, ctx, 1, "cpu", dtype, [], shape)
+    try:
+        b, k, v = case.batch, case.k_cache, case.v_cache
+        if k.stride(3) != 1 or k.stride(2) != k.shape[3] or k.stride() != v.stride():
+            raise SystemExit(f"the probe reads whole token rows; K/V strides {k.stride()} / {v.stride()} are not")
+        row_bytes = k.shape[2] * k.shape[3] * k.element_size()
+        seq_lens = [c + q for c, q in zip(b.cached_lens, b.query_lens)]
+        k_rows = (ctypes.c_void_p * batch)(*[k[r].data_ptr() for r in b.reqids])
+        v_rows = (ctypes.c_void_p * batch)(*[v[r].data_ptr() for r in b.reqids])
+        tokens = (ctypes.c_int64 * batch)(*seq_lens)
+        token_stride = k.stride(1) * k.element_size()
+        plan = _cpu_attn.Plan(list(b.reqids), list(b.cached_lens), list(b.query_lens))
+        out = torch.empty_like(case.q)
+        args = (plan, to_dlpack(case.q), to_dlpack(k), to_dlpack(v), to_dlpack(out), None, None, None,
+                shape[2] ** -0.5, 0.0, 0, isa)
+
+        def decode() -> None:
+            if _cpu_attn.attention(*args) != isa:
+                raise SystemExit(f"the kernel did not run the {isa} path")
+
+        def read() -> None:
+            probe.kv_read(k_rows, v_rows, tokens, batch, token_stride, row_bytes)
+
+        sides = {"read": read, "decode": decode}
+        for call in sides.values():
+            call()
+        cold: dict[str, list[float]] = {s: [] for s in sides}
+        warm: dict[str, list[float]] = {s: [] for s in sides}
+        for r in range(rounds):
+            for side in (sides if r % 2 == 0 else reversed(list(sides))):
+                flush.add_(1.0)
+                t = time.perf_counter()
+                sides[side]()
+                cold[side].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                sides[side]()
+                warm[side].append(time.perf_counter() - t)
+        kv_bytes = 2 * sum(seq_lens) * row_bytes
+        row: dict[str, Any] = {"batch": batch, "ctx": ctx, "dtype": str(dtype).removeprefix("torch."),
+                               "kv_bytes": kv_bytes, "rounds": rounds}
+        for temp, times in (("cold", cold), ("warm", warm)):
+            us = {s: spread(times[s]) for s in sides}
+            row[temp] = {"us": us, "gb_per_s": {s: round(kv_bytes / us[s]["median"] / 1e3, 2) for s in sides},
+                         "decode_share": round(us["read"]["median"] / us["decode"]["median"], 3)}
+        return row
+    finally:
+        case.close()
+
+
+def parse_point(spec: str) -> tuple[int, int, str]:
+    """``batch:ctx:dtype`` -> (batch, ctx, dtype)."""
+    parts = spec.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or not hasattr(torch, parts[2]):
+        raise SystemExit(f"--points: {spec!r} is not batch:ctx:dtype (e.g. 8:2048:bfloat16)")
+    return int(parts[0]), int(parts[1]), parts[2]
+
+
+def result_name(isa: str, tag: str) -> str:
+    return f"decode_bandwidth_{isa}{'_' + tag if tag else ''}_{machine_slug(machine())}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--points", default="1:2048:bfloat16,4:512:bfloat16,8:2048:bfloat16,8:4096:bfloat16,"
+                                        "16:1024:bfloat16,8:2048:float32,8:4096:float32",
+                   help="decode points, batch:ctx:dtype, comma-separated")
+    p.add_argument("--model", default="small-8q2kv", help="a model name of attention_ab.py or name:heads_q:heads_kv:head_dim")
+    p.add_argument("--isa", default=None,
+                   help=f"comma-separated paths of {sorted(PROBE_UNIT)} (default: each one this CPU runs)")
+    p.add_argument("--flush-mb", type=int, default=64, help="MiB written before each cold call")
+    p.add_argument("--rounds", type=int, default=100, help="rounds per point")
+    p.add_argument("--tag", default="", help="names the result files decode_bandwidth_<isa>_<tag>_<machine>.*")
+    p.add_argument("--replot", action="store_true", help="only redraw the plots from this machine's JSON")
+    args = p.parse_args()
+    supported = _cpu_attn.info()["supported"]
+    isas = args.isa.split(",") if args.isa else [i for i in PROBE_UNIT if i in supported]
+    for isa in isas:
+        if isa not in PROBE_UNIT:
+            raise SystemExit(f"--isa: {isa!r} is not one of {sorted(PROBE_UNIT)}")
+        if not args.replot and isa not in supported:
+            raise SystemExit(f"--isa: this CPU does not run {isa!r} (it runs {supported})")
+    if args.replot:
+        for isa in isas:
+            name = result_name(isa, args.tag)
+            plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
+        return
+    shape = model_shape(args.model)
+    points = [parse_point(s) for s in args.points.split(",")]
+    flush = torch.zeros(args.flush_mb << 18)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "csrc/cpu_attn"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="vattn-probe-") as tmp:
+        for isa in isas:
+            probe = build_probe(isa, Path(tmp))
+            rows = []
+            for batch, ctx, dtype in points:
+                row = measure(probe, isa, batch, ctx, getattr(torch, dtype), shape, flush, args.rounds)
+                rows.append(row)
+                print(f"[{time.perf_counter() - started:5.0f}s] {isa:11s} {dtype:8s} B={batch:<3d} ctx={ctx:<6d} "
+                      + "  ".join(f"{t} read {row[t]['gb_per_s']['read']:6.1f} decode {row[t]['gb_per_s']['decode']:6.1f}"
+                                  f" GB/s ({row[t]['decode_share']:.2f})" for t in ("cold", "warm")), flush=True)
+            payload = {
+                "benchmark": "decode_bandwidth",
+                "machine": machine(),
+                "model": args.model,
+                "isa": isa,
+                "probe_vector_bytes": PROBE_UNIT[isa][1],
+                "commit": commit + (" + uncommitted csrc/cpu_attn changes" if dirty else ""),
+                "threads": 1,
+                "flush_mb": args.flush_mb,
+                "unit": "us per call (median, min, max over rounds); GB/s of the medians; decode_share: read time / "
+                        "decode time (1: the decode reads as fast as a plain read)",
+                "results": rows,
+            }
+            name = result_name(isa, args.tag)
+            print(f"wrote {write_json(name, payload)}")
+            draw(plot, payload, name, "decode_bandwidth.py")
+
+
+def plot(payload: dict, name: str) -> None:
+    """GB/s of the read and the decode per point (cold, warm), and the decode's share with the 2/3 goal."""
+    plt = pyplot()
+    rows = payload["results"]
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    labels = [f"{short.get(r['dtype'], r['dtype'])} B={r['batch']}\nctx={r['ctx']}" for r in rows]
+    xs = range(len(rows))
+    fig, (bw, share) = plt.subplots(1, 2, figsize=(max(9, 1.6 * len(rows)), 4))
+    for i, (temp, side) in enumerate((("cold", "read"), ("cold", "decode"), ("warm", "read"), ("warm", "decode"))):
+        bw.bar([x - 0.3 + 0.2 * i for x in xs], [r[temp]["gb_per_s"][side] for r in rows], 0.2,
+               label=f"{side} ({temp})")
+    bw.set_xticks(list(xs), labels, fontsize=7)
+    bw.set_ylabel("GB/s of K/V (medians)")
+    bw.legend(fontsize=7)
+    share.bar([x - 0.2 for x in xs], [r["cold"]["decode_share"] for r in rows], 0.4, label="cold")
+    share.bar([x + 0.2 for x in xs], [r["warm"]["decode_share"] for r in rows], 0.4, label="warm")
+    share.axhline(GOAL_SHARE, color="black", linewidth=0.8, linestyle="--", label="2/3")
+    share.set_xticks(list(xs), labels, fontsize=7)
+    share.set_ylabel("decode's share of the read bandwidth")
+    share.legend(fontsize=7)
+    fig.suptitle(f"decode against a plain read of its K/V: {payload['isa']} ({payload['model']}, one thread, "
+                 f"{payload['commit']})", fontsize=9)
+    save_plot(fig, name)
+
+
+if __name__ == "__main__":
+    main()
