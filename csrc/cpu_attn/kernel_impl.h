@@ -408,10 +408,11 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // that the next tile's lines, requested while this one computes (below), sit in L1 or L2 beside it: 16 KiB
   // on 8-float vectors, 32 KiB on 16-float ones. On 8 floats, against 64 KiB, alone: 1.04-1.21x on fp32 and
   // bf16 decode of 4 q / 2 kv heads of 128 (1 KiB and 512 B per token; 4-16 requests of 256-512 tokens, K/V
-  // from memory) in an in-process sweep on a 2-core AVX2 VM. On 16 floats (AVX-512, where a tile's work is
-  // shorter) 16 KiB cost bf16 decode of 8 q / 2 kv heads of 64 3-4% against 64 KiB (B=8, ctx 2048-4096) and
-  // 64 KiB cost fp32 decode 5-15%; 32 KiB read 0.97-1.04x against 16 KiB on those points and 1.04-1.12x on
-  // fp32 decode of 4 q / 2 kv heads of 128 (benchmarks/host_kernel_ab.py, one thread, a 2-core AVX-512 VM).
+  // from memory) in an in-process sweep on a 2-core AVX2 VM. On 16 floats (AVX-512) 16 KiB cost bf16 decode
+  // of 8 q / 2 kv heads of 64 3-4% against 64 KiB (B=8, ctx 2048-4096), and against 16 KiB, 64 KiB made fp32
+  // decode of those heads 1-12% slower and of 4 q / 2 kv heads of 128 7-15% faster; 32 KiB read 0.97-1.04x
+  // against 16 KiB on the former and made the latter's fp32 decode 1.04-1.12x faster
+  // (benchmarks/host_kernel_ab.py, one thread, alternated, on a 2-core AVX-512 BF16 VM; docs/kernels.md).
   const bool cold_narrow = !widen && !wide_rows && c.beyond_l2;
   const int64_t cold_narrow_bytes = int64_t{W >= 16 ? 32 : 16} << 10;
   const int64_t tile =
