@@ -1,6 +1,6 @@
 """`step` on the fast path, this checkout against another build, in one run.
 
-    python benchmarks/step_overhead_ab.py BASE_CHECKOUT [--rounds 2]
+    python benchmarks/step_overhead_ab.py BASE_CHECKOUT [--rounds 6]
 
 BASE_CHECKOUT is another checkout of vattn with its extension built in place
 (e.g. ``git worktree add ../base <commit>`` and ``python setup.py build_ext
@@ -8,7 +8,10 @@ BASE_CHECKOUT is another checkout of vattn with its extension built in place
 checkouts, each in a fresh process importing its own vattn, in the order
 base, test, test, base (so drift in the machine's speed falls on both
 alike). Per batch size and mapper setting it reports the median over rounds
-of each side's `step` time and their ratio (test / base: below 1 is faster).
+of each side's `step` time, and within each round their ratio (test / base:
+below 1 is faster) and the A/A pair (the base's second run against its
+first), each as the median over rounds with its 95% interval and verdict
+(docs/benchmarks.md, "Reading an A/B").
 Writes benchmarks/results/step_overhead_ab_<machine>.json and a plot.
 """
 
@@ -23,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import git_revision, machine, machine_slug, pyplot, save_plot, write_json
+from harness import describe_ratio, git_revision, machine, machine_slug, pyplot, ratio_summary, save_plot, write_json
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -47,29 +50,42 @@ def run_side(checkout: Path, out: Path) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("base", type=Path, help="another checkout of vattn, its extension built in place")
-    p.add_argument("--rounds", type=int, default=2, help="rounds of base, test, test, base (default 2)")
+    p.add_argument("--rounds", type=int, default=6, help="rounds of base, test, test, base (default 6)")
     args = p.parse_args()
     base = args.base.resolve()
     if not (base / "benchmarks" / "step_overhead.py").is_file() or not list((base / "vattn").glob("_C*.so")):
         p.error(f"base: {base} is not a checkout of vattn with its extension built in place")
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
-    samples: dict[str, dict[tuple[int, bool], list[float]]] = {"base": {}, "test": {}}
+    # per (B, mapper): each run's step time in microseconds, in run order, per round
+    samples: dict[tuple[int, bool], list[list[tuple[str, float]]]] = {}
     order = ["base", "test", "test", "base"]
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for i, side in enumerate(order):
                 print(f"[round {r + 1}/{args.rounds}, run {i + 1}/4] {side}", flush=True)
                 for row in run_side(base if side == "base" else ROOT, Path(tmp) / f"{r}-{i}"):
-                    samples[side].setdefault((row["batch"], row["background"]), []).append(row["step_us"])
+                    runs = samples.setdefault((row["batch"], row["background"]), [])
+                    if len(runs) <= r:
+                        runs.append([])
+                    runs[r].append((side, row["step_us"]))
     rows = []
-    for key in sorted(samples["test"]):
-        b_us, t_us = statistics.median(samples["base"][key]), statistics.median(samples["test"][key])
+    for key in sorted(samples):
+        rounds = samples[key]
+        side_us = {side: [us for one in rounds for s, us in one if s == side] for side in ("base", "test")}
+        b_us, t_us = statistics.median(side_us["base"]), statistics.median(side_us["test"])
+        # within each round: test / base (means of its two runs each), and the A/A pair, the base's
+        # second run against its first (the runs furthest apart in the round)
+        ratio = ratio_summary([statistics.fmean(us for s, us in one if s == "test") /
+                               statistics.fmean(us for s, us in one if s == "base") for one in rounds])
+        aa = ratio_summary([[us for s, us in one if s == "base"][1] / [us for s, us in one if s == "base"][0]
+                            for one in rounds])
         rows.append({"batch": key[0], "background": key[1], "base_step_us": b_us, "test_step_us": t_us,
-                     "test_over_base": t_us / b_us, "base_samples_us": samples["base"][key],
-                     "test_samples_us": samples["test"][key]})
-        print(f"B={key[0]:3d} mapper {'on ' if key[1] else 'off'}: base {b_us:.2f} us, test {t_us:.2f} us, "
-              f"test/base {t_us / b_us:.2f}")
+                     "test_over_base": ratio["median"], "test_over_base_rounds": ratio, "base_again_over_base": aa,
+                     "base_samples_us": side_us["base"], "test_samples_us": side_us["test"]})
+        print(f"B={key[0]:3d} mapper {'on ' if key[1] else 'off'}: base {b_us:.2f} us, test {t_us:.2f} us; "
+              f"{describe_ratio('test/base', ratio)}; A/A {aa['median']:.3f}x [{aa['interval_95'][0]:.3f}, "
+              f"{aa['interval_95'][1]:.3f}]")
     m = machine()
     slug = machine_slug(m)
     path = write_json(f"step_overhead_ab_{slug}", {
@@ -85,7 +101,7 @@ def main() -> int:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size B")
-    ax.set_ylabel("step time, test / base (median)")
+    ax.set_ylabel("step time, test / base (median of rounds)")
     ax.set_title(f"step fast path: {git_revision(ROOT)} vs {git_revision(base)} — {m['cpu']}", fontsize=8)
     ax.legend(fontsize=8)
     save_plot(fig, f"step_overhead_ab_{slug}")
