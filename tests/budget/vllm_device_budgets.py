@@ -38,7 +38,8 @@ def main(model: str, name: str) -> dict:
     from vllm.v1.request import Request
 
     from vattn.budget.devices import join_devices
-    from vattn.integrations.vllm.engine_budget import POOL_ATTRIBUTE, BudgetedBlockPool
+    from vattn.integrations.vllm.engine_attach import POOL_ATTRIBUTE
+    from vattn.integrations.vllm.engine_budget import BudgetedBlockPool
     from vattn.integrations.vllm.hooks import install_hooks
 
     install_hooks()

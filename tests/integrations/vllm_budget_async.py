@@ -135,7 +135,8 @@ def overlap(model: str, budget_name: str) -> dict:
     import vattn
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    from vattn.integrations.vllm.engine_budget import POOL_ATTRIBUTE, BudgetedBlockPool
+    from vattn.integrations.vllm.engine_attach import POOL_ATTRIBUTE
+    from vattn.integrations.vllm.engine_budget import BudgetedBlockPool
 
     config = make_config(model)
     budget = vattn.Budget.attach(budget_name)
@@ -220,7 +221,8 @@ def race(model: str, budget_name: str) -> dict:
     import vattn
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vattn.integrations.vllm.engine_budget import POOL_ATTRIBUTE, BudgetedBlockPool
+    from vattn.integrations.vllm.engine_attach import POOL_ATTRIBUTE
+    from vattn.integrations.vllm.engine_budget import BudgetedBlockPool
 
     config = make_config(model)
     budget = vattn.Budget.attach(budget_name)
@@ -269,7 +271,8 @@ def outside(model: str, budget_name: str) -> dict:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from vattn.integrations.vllm import engine_budget
-    from vattn.integrations.vllm.engine_budget import POOL_ATTRIBUTE, BudgetedBlockPool
+    from vattn.integrations.vllm.engine_attach import POOL_ATTRIBUTE
+    from vattn.integrations.vllm.engine_budget import BudgetedBlockPool
 
     engine_budget.GRANT_WAIT_S = 0.5
     config = make_config(model)

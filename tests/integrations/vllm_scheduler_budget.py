@@ -51,7 +51,8 @@ def simulate(config, budget, block_bytes: int, arrivals, limits, iterations: int
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
-    from vattn.integrations.vllm.engine_budget import POOL_ATTRIBUTE, BudgetedBlockPool
+    from vattn.integrations.vllm.engine_attach import POOL_ATTRIBUTE
+    from vattn.integrations.vllm.engine_budget import BudgetedBlockPool
 
     scheduler = make_scheduler(config, 64)
     clock = Clock()

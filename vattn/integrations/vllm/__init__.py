@@ -85,7 +85,8 @@ budget; docs/vllm.md).
 Modules, by the process that runs them (docs/design.md section 8):
 ``hooks`` installs every patch, in every process; ``configuration`` (what
 is served, decided at start-up; every process); the engine core's
-``engine_budget`` (its scheduler's block pool under a budget),
+``engine_attach`` (joining the budget at start-up, the scheduler's
+wrappers), ``engine_budget`` (its scheduler's block pool under a budget),
 ``engine_wait`` (bounded waits for the limit) and ``engine_member`` (its
 label in ``python -m vattn top``); the
 worker's ``worker`` (the cache tensors vLLM's runner gets, the worker's

@@ -2,15 +2,15 @@
 by :func:`vattn.integrations.vllm.register`. The list with what each hook
 does is in the package's docstring; which process role each runs in is
 docs/design.md section 8. The hooks' logic lives in the module of the role
-that runs it (``configuration``: every process; ``engine_budget``: the
-engine core; ``worker``: the workers); this module only wires it in."""
+that runs it (``configuration``: every process; ``engine_attach``, ``engine_budget``:
+the engine core; ``worker``: the workers); this module only wires it in."""
 
 from __future__ import annotations
 
 import functools
 from typing import Any
 
-from . import engine_budget, engine_wait
+from . import engine_attach, engine_wait
 from .attention import BACKEND_PATH
 from .configuration import configure
 from .worker import cleanup_profiling_kv_cache, initialize_kv_cache_tensors, update_states, worker_block_bytes
@@ -85,17 +85,17 @@ def _install_engine_core() -> None:
     @functools.wraps(stock_scheduler_ready)
     def scheduler_ready(engine: Any, *args: Any, **kwargs: Any) -> Any:
         out = stock_scheduler_ready(engine, *args, **kwargs)
-        engine_budget.attach(engine)
+        engine_attach.attach(engine)
         return out
 
     EngineCore._initialize_effective_attention_block_size = scheduler_ready
-    EngineCore.vattn_budget_stats = engine_budget.engine_stats
+    EngineCore.vattn_budget_stats = engine_attach.engine_stats
     stock_sleep = EngineCore.sleep
 
     @functools.wraps(stock_sleep)
     def sleep(engine: Any, level: int = 1, *args: Any, **kwargs: Any) -> Any:
         out = stock_sleep(engine, level, *args, **kwargs)
-        engine_budget.after_sleep(engine, level)
+        engine_attach.after_sleep(engine, level)
         return out
 
     EngineCore.sleep = sleep
@@ -103,7 +103,7 @@ def _install_engine_core() -> None:
 
     @functools.wraps(stock_shutdown)
     def shutdown(engine: Any) -> None:
-        pool = engine_budget.pool_of(getattr(engine, "scheduler", None))  # before vLLM tears the scheduler down
+        pool = engine_attach.pool_of(getattr(engine, "scheduler", None))  # before vLLM tears the scheduler down
         try:
             stock_shutdown(engine)
         finally:
@@ -111,13 +111,13 @@ def _install_engine_core() -> None:
                 pool.close()  # the engine core leaves the budget
 
     EngineCore.shutdown = shutdown
-    for name, before, after in engine_budget.SCHEDULER_METHODS:
-        setattr(Scheduler, name, engine_budget.locked(getattr(Scheduler, name), before, after))
+    for name, before, after in engine_attach.SCHEDULER_METHODS:
+        setattr(Scheduler, name, engine_attach.locked(getattr(Scheduler, name), before, after))
     stock_has_requests = Scheduler.has_requests
 
     @functools.wraps(stock_has_requests)
     def has_requests(scheduler: Any) -> bool:
-        return engine_wait.has_requests(engine_budget.pool_of(scheduler), stock_has_requests(scheduler))
+        return engine_wait.has_requests(engine_attach.pool_of(scheduler), stock_has_requests(scheduler))
 
     Scheduler.has_requests = has_requests
     for name in ("step", "step_with_batch_queue"):  # the second with asynchronous scheduling
@@ -130,7 +130,7 @@ def _blocking_before(stock_step: Any) -> Any:
 
     @functools.wraps(stock_step)
     def step(engine: Any) -> Any:
-        engine_wait.block_before_step(engine_budget.pool_of(getattr(engine, "scheduler", None)))
+        engine_wait.block_before_step(engine_attach.pool_of(getattr(engine, "scheduler", None)))
         return stock_step(engine)
 
     return step
