@@ -112,10 +112,11 @@ def summarize(seconds: list[float]) -> dict[str, float]:
 
 
 def git_revision(checkout: Path) -> str:
-    """``checkout``'s commit (short), marked when its tracked files differ from it."""
+    """``checkout``'s commit (short), marked when its tracked files but results (a run in progress
+    writes them) differ from it."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=checkout,
-                           capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":!benchmarks/results"], cwd=checkout, capture_output=True, text=True).stdout.strip()
     return (head.stdout.strip() or "unknown") + (" (with uncommitted changes)" if dirty else "")
 
 
