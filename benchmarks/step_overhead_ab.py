@@ -8,9 +8,10 @@ BASE_CHECKOUT is another checkout of vattn with its extension built in place
 checkouts, each in a fresh process importing its own vattn, in the order
 base, test, test, base (so drift in the machine's speed falls on both
 alike). Per batch size and mapper setting it reports the median over rounds
-of each side's `step` time, and within each round their ratio (test / base:
-below 1 is faster) and the A/A pair (the base's second run against its
-first), each as the median over rounds with its 95% interval and verdict
+of each side's `step` time (and their ratio, test / base: below 1 is
+faster), and within each round the speed ratio (base time / test time: above
+1 is faster) and the A/A pair (the base's first run's time over its second's),
+each as the median over rounds with its 95% interval and verdict
 (docs/benchmarks.md, "Reading an A/B").
 Writes benchmarks/results/step_overhead_ab_<machine>.json and a plot.
 """
@@ -74,17 +75,18 @@ def main() -> int:
         rounds = samples[key]
         side_us = {side: [us for one in rounds for s, us in one if s == side] for side in ("base", "test")}
         b_us, t_us = statistics.median(side_us["base"]), statistics.median(side_us["test"])
-        # within each round: test / base (means of its two runs each), and the A/A pair, the base's
-        # second run against its first (the runs furthest apart in the round)
-        ratio = ratio_summary([statistics.fmean(us for s, us in one if s == "test") /
-                               statistics.fmean(us for s, us in one if s == "base") for one in rounds])
-        aa = ratio_summary([[us for s, us in one if s == "base"][1] / [us for s, us in one if s == "base"][0]
+        # within each round, as speeds (above 1: faster, so that the verdict reads as for throughput):
+        # base time / test time (means of its two runs each), and the A/A pair, the base's first run's
+        # time over its second's (the runs furthest apart in the round)
+        speed = ratio_summary([statistics.fmean(us for s, us in one if s == "base") /
+                               statistics.fmean(us for s, us in one if s == "test") for one in rounds])
+        aa = ratio_summary([[us for s, us in one if s == "base"][0] / [us for s, us in one if s == "base"][1]
                             for one in rounds])
         rows.append({"batch": key[0], "background": key[1], "base_step_us": b_us, "test_step_us": t_us,
-                     "test_over_base": ratio["median"], "test_over_base_rounds": ratio, "base_again_over_base": aa,
+                     "test_over_base": t_us / b_us, "test_speed_over_base": speed, "base_again_speed_over_base": aa,
                      "base_samples_us": side_us["base"], "test_samples_us": side_us["test"]})
         print(f"B={key[0]:3d} mapper {'on ' if key[1] else 'off'}: base {b_us:.2f} us, test {t_us:.2f} us; "
-              f"{describe_ratio('test/base', ratio)}; A/A {aa['median']:.3f}x [{aa['interval_95'][0]:.3f}, "
+              f"{describe_ratio('speed test/base', speed)}; A/A {aa['median']:.3f}x [{aa['interval_95'][0]:.3f}, "
               f"{aa['interval_95'][1]:.3f}]")
     m = machine()
     slug = machine_slug(m)
