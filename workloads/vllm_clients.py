@@ -17,6 +17,16 @@ retries would; nothing else is retried (an error answer is a failure).
 OUT: per kind, the texts in prompt order (each round's; ``n=2``: both
 choices), the errors (any failed request), the connections retried, and
 the seconds the run took.
+
+A SPEC with ``requests`` instead (:func:`timed`) sends each of them once
+as a plain greedy completion and times it: each is ``{"tag", "prompt"
+(text or token ids), "max_tokens", "delay_s" (seconds after the start it
+is sent, default 0)}``, ``concurrency`` clients at once. OUT:
+``answers``, one per request in SPEC's order: its tag, when it was sent
+and answered (seconds after the start), and its text or its error (the
+exception's type, the HTTP status when there was an answer, the
+message); the seconds the run took, and ``time.monotonic()`` at its
+start (``started_monotonic_s``: CLOCK_MONOTONIC, the same in every process).
 """
 
 from __future__ import annotations
@@ -78,9 +88,37 @@ def run(base_url: str, model: str, spec: dict) -> dict:
     return {"texts": out, "errors": errors, "retried": retried, "seconds": time.monotonic() - start}
 
 
+def timed(base_url: str, model: str, spec: dict) -> dict:
+    """Each of ``spec["requests"]`` once, as a plain greedy completion (no retries): when it was sent and
+    answered, and its text or its error (a failed connection included), in seconds from the start."""
+    from openai import APIStatusError, OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
+    start = time.monotonic()
+
+    def one(request: dict) -> dict:
+        time.sleep(max(0.0, start + request.get("delay_s", 0.0) - time.monotonic()))
+        answer = dict(tag=request["tag"], sent_s=time.monotonic() - start)
+        try:
+            completion = client.completions.create(model=model, prompt=request["prompt"],
+                                                   max_tokens=request["max_tokens"], temperature=0,
+                                                   extra_body={"ignore_eos": True})
+            answer.update(text=completion.choices[0].text, finish_reason=completion.choices[0].finish_reason)
+        except Exception as e:  # noqa: BLE001 - every failure is the caller's to judge
+            answer["error"] = dict(type=type(e).__name__, message=str(e),
+                                   status=e.status_code if isinstance(e, APIStatusError) else None)
+        answer["answered_s"] = time.monotonic() - start
+        return answer
+
+    with ThreadPoolExecutor(spec.get("concurrency", 4)) as pool:
+        answers = list(pool.map(one, spec["requests"]))
+    return {"answers": answers, "seconds": time.monotonic() - start, "started_monotonic_s": start}
+
+
 if __name__ == "__main__":
     url, name, spec_path, out_path = sys.argv[1:]
     with open(spec_path) as f:
-        result = run(url, name, json.load(f))
+        spec = json.load(f)
+    result = timed(url, name, spec) if "requests" in spec else run(url, name, spec)
     with open(out_path, "w") as f:
         json.dump(result, f)
