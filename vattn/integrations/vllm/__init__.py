@@ -68,6 +68,10 @@ other versions are refused unless ``VATTN_VLLM_ALLOW_UNTESTED=1``):
   ``has_requests``. Inert without ``VATTN_BUDGET``; with it the engine core
   joins the budget and its scheduler's block pool hands out what the budget
   grants (:mod:`vattn.integrations.vllm.engine_budget`).
+- ``AsyncLLM.generate`` (wrapped; the API server's engine client): a
+  request the engine core finished over the budget's limit is answered
+  with its reason, status 400, where vLLM's server says "Internal server
+  error" (:func:`vattn.integrations.vllm.engine_wait.over_limit_error`).
 
 vLLM's model runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``) keeps its block tables
 elsewhere and is not supported; the plugin asks for the V1 runner, which the

@@ -8,9 +8,12 @@
   scheduled past it (vLLM's queue stops at the first request it cannot
   allocate). It goes back to the head of the queue as soon as the limit
   fits it, and after ``VATTN_BUDGET_WAIT_S`` seconds (default 30) without
-  that it finishes with vLLM's ``FINISHED_ERROR`` (the API server answers
-  it with an error; the reason, naming the limit and what it needs, is the
-  output's ``stop_reason`` and a warning in the engine core's log).
+  that it finishes with vLLM's ``FINISHED_ERROR`` (the reason, naming the
+  limit and what it needs, is the output's ``stop_reason``, the API
+  server's answer, status 400, and a warning in the engine core's log).
+  A request preempted past the limit (it grew) is set aside at the next
+  step. While requests wait set aside the keeper renews a wait for the
+  largest one's bytes, which ``python -m vattn top`` shows.
 - **Idle while refused.** When a step scheduled nothing because the budget
   refused the blocks (nothing running, requests waiting), the engine core
   does not step again until something may have changed: the waiting queue,
@@ -30,6 +33,7 @@ from vattn.budget.membership import WAIT_ENV_VAR, budget_wait_seconds
 
 RENEW_S = 0.5  # how often the keeper renews a recorded wait: within the budget's 1 s expiry
 IDLE_WAIT_S = 0.25  # the longest one block on the budget's futex, with the engine core in the caller's process
+REASON_PREFIX = "vattn: budget "  # how a request's error reason over the limit begins
 LIMIT_POLL_S = 0.1  # between looks at the limit while only requests over it wait, in the caller's process
 
 
@@ -59,6 +63,7 @@ class BudgetWaits:
         self.idle_since: tuple | None = None  # what the engine saw when it went idle waiting for the budget
         self.want = 0  # bytes the idle engine's wait is for
         self.renewed = 0.0
+        self.over_limit_renewed = 0.0  # when the keeper last renewed the wait of the requests set aside (0: not)
         self.counters = dict(requests_over_limit=0, requests_failed_over_limit=0, idle_waits=0)
 
     def need_bytes(self, request: Any) -> int:
@@ -121,7 +126,7 @@ class BudgetWaits:
             from vllm.v1.request import RequestStatus
 
             for request in due:
-                reason = (f"vattn: budget '{self.budget.name}': this request needs {self.need_bytes(request)} "
+                reason = (f"{REASON_PREFIX}'{self.budget.name}': this request needs {self.need_bytes(request)} "
                           f"bytes ({request.num_tokens} tokens) alone, more than the budget's limit of {limit} "
                           f"bytes, and the limit did not rise within {self.wait_s:g} s ({WAIT_ENV_VAR}); raise "
                           f"the limit (python -m vattn budget set {self.budget.name} --limit ...) or send less")
@@ -190,6 +195,13 @@ class BudgetWaits:
         if scheduled_tokens or self.scheduler.running or not self.scheduler.waiting or not refused:
             self.idle_since = None
             return
+        limit = self.budget.limit
+        if any(self.need_bytes(r) > limit for r in self.scheduler.waiting):
+            # preempted in this step past the limit (it grew to need more than the limit alone): the next
+            # step sets it aside and its bounded wait starts; idling here would leave it in the queue until
+            # something else moved
+            self.idle_since = None
+            return
         if self.idle_since is None:
             self.counters["idle_waits"] += 1
         self.idle_since = self._view()
@@ -218,7 +230,27 @@ class BudgetWaits:
                     self.member.release(self.want)
                     self.idle_since = None
                     return True
+        self.renew_over_limit()
         return self.due()
+
+    def renew_over_limit(self) -> None:
+        """From the keeper: requests set aside over the limit wait too. Every ``RENEW_S`` the largest one's
+        need is asked of the budget as this member's wait, so ``python -m vattn top`` shows the engine
+        waiting, and for how long, until they run or fail (the other members see it as pressure, as any
+        wait). Refused while the limit stays below it; granted, the limit rose: the grant goes straight
+        back and the next step takes the request back. Once none is set aside the wait is cleared."""
+        if not self.over_limit:
+            if self.over_limit_renewed:
+                self.over_limit_renewed = 0.0
+                if self.idle_since is None:
+                    self.member.clear_wait()
+            return
+        if time.monotonic() - self.over_limit_renewed < RENEW_S:
+            return
+        self.over_limit_renewed = time.monotonic()
+        need = max(self.need_bytes(request) for request, _ in self.over_limit.values())
+        if self.member.try_grant(need):
+            self.member.release(need)
 
     def block(self) -> None:
         """With the engine core in the caller's process (stepped in a loop): before a step, blocks while
@@ -231,6 +263,31 @@ class BudgetWaits:
 
     def stats(self) -> dict[str, Any]:
         return dict(self.counters, requests_waiting_over_limit=len(self.over_limit), budget_wait_s=self.wait_s)
+
+
+def over_limit_reason(output: Any) -> str | None:
+    """In the API server's process: the reason a finished ``RequestOutput`` carries when the engine core
+    finished it over the budget's limit (its ``stop_reason``, set by :meth:`BudgetWaits.before_schedule`),
+    else None."""
+    if not output.finished:
+        return None
+    for completion in output.outputs:
+        reason = completion.stop_reason
+        if completion.finish_reason == "error" and isinstance(reason, str) and reason.startswith(REASON_PREFIX):
+            return reason
+    return None
+
+
+def over_limit_error(reason: str) -> Exception:
+    """The exception vLLM's API server answers with the reason itself, as status 400 (the request alone
+    exceeds what the server may hold now, as a prompt longer than ``--max-model-len`` does): vLLM's own
+    answer to an error finish is status 500 "Internal server error", without the reason, and clients such
+    as ``openai`` send a request answered 500 again, each time waiting out the bounded wait."""
+    from http import HTTPStatus
+
+    from vllm.exceptions import GracefulHTTPError
+
+    return GracefulHTTPError(reason, HTTPStatus.BAD_REQUEST)
 
 
 def has_requests(pool: Any, stock: bool) -> bool:

@@ -33,6 +33,7 @@ def install_hooks() -> None:
     _install_configuration()
     _install_worker()
     _install_engine_core()
+    _install_api_server()
 
 
 def _install_configuration() -> None:
@@ -134,3 +135,24 @@ def _blocking_before(stock_step: Any) -> Any:
         return stock_step(engine)
 
     return step
+
+
+def _install_api_server() -> None:
+    """The API server's process (vLLM's ``AsyncLLM``): a request the engine core finished over the
+    budget's limit is answered with the reason, which names the limit and what it needs
+    (:func:`engine_wait.over_limit_error`), where vLLM says only "Internal server error"."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    stock_generate = AsyncLLM.generate
+
+    @functools.wraps(stock_generate)
+    async def generate(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        reason = None
+        async for output in stock_generate(engine, *args, **kwargs):
+            reason = engine_wait.over_limit_reason(output)
+            if reason is None:
+                yield output
+        if reason is not None:  # the request's last output: its stream has ended
+            raise engine_wait.over_limit_error(reason)
+
+    AsyncLLM.generate = generate
