@@ -36,12 +36,12 @@ def isa_flags() -> dict[str, list[str]]:
 def probe(request, tmp_path) -> tuple[ctypes.CDLL, int]:
     unit, isa, vector_bytes = request.param
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip("the probe's vector widths are x86's")
+        pytest.skip(f"needs an x86-64 CPU: the probe's vector widths are x86's, this is {platform.machine()}")
     if isa not in host_attention_info()["supported"]:
-        pytest.skip(f"this CPU does not run {isa}")
+        pytest.skip(f"needs a CPU with {isa}: this one does not run it")
     cxx = shutil.which("g++")
     if cxx is None:
-        pytest.skip("needs g++")
+        pytest.skip("needs g++: the probe is built per ISA with the kernel's flags")
     library = tmp_path / f"probe_{isa}.so"
     flags = isa_flags().get(unit, []) if unit else []
     proc = subprocess.run([cxx, "-std=c++17", "-O2", "-Wall", "-Werror", "-shared", "-fPIC", *flags, str(PROBE),
