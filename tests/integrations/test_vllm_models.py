@@ -73,6 +73,9 @@ def test_vattn_serves_the_tokens_stock_vllm_serves(arch, tmp_path):
     block_bytes = v["num_buffers"] * v["page_size"]
     assert block_bytes == stock["usage_block_bytes"] == ours["usage_block_bytes"]
     stock_peak = max(blocks for _, blocks in stock["usage_series"]) * block_bytes
-    assert 0 < v["bytes_mapped_peak"] <= stock_peak  # vattn maps the blocks vLLM holds, never more
-    behind = max(v["bytes_behind_windows_series"])
+    # behind the running requests vattn maps the blocks vLLM holds for them, never more; freed slices keep
+    # their pages mapped for reuse (cached blocks among them), within the pool stock allocates as well
+    assert 0 < max(v["bytes_mapped_series"]) <= stock_peak
+    assert v["bytes_mapped_peak"] <= ours["kv_bytes_allocated"]
+    behind = max(v["bytes_behind_windows_series"], default=0)  # recorded only where a group has a window
     assert (behind > 0) == any(windows)  # the pages behind the windows were unmapped, and only there
