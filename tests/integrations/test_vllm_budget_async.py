@@ -11,22 +11,14 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
 
 import vattn
 from test_vllm import needs_vllm, vllm_python
-from workloads.vllm_launch import SCENARIO
+from test_vllm_budget import tiny_model  # noqa: F401  (the module's tiny checkpoint, one fixture for both)
 
 BLOCK_BYTES = 16 * 1024  # vllm_budget_async.BLOCK tokens of the test model's 1 KiB
 SCRIPT = Path(__file__).with_name("vllm_budget_async.py")
 
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    model = tmp_path_factory.mktemp("async") / "model"
-    subprocess.run([vllm_python(), str(SCENARIO), "make-model", str(model)], check=True, capture_output=True,
-                   timeout=300)
-    return model
 
 
 def run_case(mode: str, model: Path, tmp_path: Path, limit_blocks: int) -> dict:

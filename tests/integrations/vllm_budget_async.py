@@ -213,24 +213,31 @@ class HostileMember:
         return self._member.try_grant(nbytes, record_wait=record_wait)
 
 
-def race(model: str, budget_name: str) -> dict:
-    """A budget of 6 blocks: request "x" (2 blocks) runs and finishes, leaving 2 free blocks with pages;
-    then, while another member takes one block's bytes before each of the engine's grants, request "y"
-    needs 4 blocks of which at most 2 can have pages; after 5 steps the other member gives everything
-    back."""
+def raced_pool(model: str, budget_name: str, label: str) -> tuple:
+    """A scheduler of ``model`` whose block pool is under the budget through a :class:`HostileMember`
+    labelled ``label`` (another member, ``taker``, takes a block's bytes before each of its grants);
+    returns ``(budget, scheduler, taker, hostile, pool)``."""
     import vattn
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from vattn.integrations.vllm.engine_attach import POOL_ATTRIBUTE
     from vattn.integrations.vllm.engine_budget import BudgetedBlockPool
 
-    config = make_config(model)
     budget = vattn.Budget.attach(budget_name)
-    scheduler = make_scheduler(config, 64, Scheduler)
+    scheduler = make_scheduler(make_config(model), 64, Scheduler)
     taker = budget.join("other model")
-    hostile = HostileMember(budget.join("vllm race"), taker)
+    hostile = HostileMember(budget.join(label), taker)
     pool = BudgetedBlockPool(scheduler, hostile, budget, BLOCK_BYTES, 1, idle_release_s=1e9)
     setattr(scheduler, POOL_ATTRIBUTE, pool)
+    return budget, scheduler, taker, hostile, pool
+
+
+def race(model: str, budget_name: str) -> dict:
+    """A budget of 6 blocks: request "x" (2 blocks) runs and finishes, leaving 2 free blocks with pages;
+    then, while another member takes one block's bytes before each of the engine's grants, request "y"
+    needs 4 blocks of which at most 2 can have pages; after 5 steps the other member gives everything
+    back."""
+    budget, scheduler, taker, hostile, pool = raced_pool(model, budget_name, "vllm race")
     hasher = block_hasher()
     finished: dict[str, list] = {}
     error, peak = None, 0
@@ -267,21 +274,10 @@ def race(model: str, budget_name: str) -> dict:
 
 
 def outside(model: str, budget_name: str) -> dict:
-    import vattn
-    from vllm.v1.core.sched.scheduler import Scheduler
-
     from vattn.integrations.vllm import engine_budget
-    from vattn.integrations.vllm.engine_attach import POOL_ATTRIBUTE
-    from vattn.integrations.vllm.engine_budget import BudgetedBlockPool
 
     engine_budget.GRANT_WAIT_S = 0.5
-    config = make_config(model)
-    budget = vattn.Budget.attach(budget_name)
-    scheduler = make_scheduler(config, 64, Scheduler)
-    taker = budget.join("other model")
-    hostile = HostileMember(budget.join("vllm outside"), taker)
-    pool = BudgetedBlockPool(scheduler, hostile, budget, BLOCK_BYTES, 1, idle_release_s=1e9)
-    setattr(scheduler, POOL_ATTRIBUTE, pool)
+    budget, scheduler, taker, hostile, pool = raced_pool(model, budget_name, "vllm outside")
     error = None
     try:
         taker.try_grant(budget.available_bytes - 2 * BLOCK_BYTES)
