@@ -135,7 +135,9 @@ def run_in_child(fn: Callable[[], Any], timeout_s: float) -> str:
             fn()
             c.send("ok")
         except Exception as e:  # reported to the parent, which asserts on it
-            c.send(f"{type(e).__name__}: {e}")
+            import traceback
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            c.send(f"{type(e).__name__}: {e} (at {os.path.basename(where.filename)}:{where.lineno})")
 
     child = Child(body)
     try:

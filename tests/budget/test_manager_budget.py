@@ -341,17 +341,23 @@ def _budget_gone_while_in_use(budget_name: str, budget_device: str, gone: str, *
     lens = [0] * kv.config.max_batch_size
     lens[a], lens[b] = 2 * tokens, tokens
     assert kv.step(lens)
-    kv.free_reqid(b)  # a free page the keeper would give back to a live budget
-    lens[b] = 0
     kv.wait_idle()  # the mapper's pages ahead of need are made
-    held = kv.budget_share()["held_bytes"]
     if gone == "removed":
         vattn.budget.remove(budget_name, force=True)
         why = "was removed"
     else:
         os.truncate(segment_path(budget_name), 0)
         why = "truncated"
-    time.sleep(0.2)  # ten keeper ticks on a budget that is gone
+    # A keeper tick that began before the budget went is over after this;
+    # only then is b's page freed, so that every tick that could give it
+    # back sees the budget gone (the keeper releases idle free pages of a
+    # live budget after idle_release_s).
+    time.sleep(0.2)
+    kv.free_reqid(b)  # a free page the keeper would give back to a live budget
+    lens[b] = 0
+    held = kv.budget_share()["held_bytes"]
+    assert held == kv.stats()["bytes_created"] and kv.stats()["pages_free"] > 0, kv.stats()
+    time.sleep(0.2)  # ten idle keeper ticks on a budget that is gone
     lens[a] = 2 * tokens - 1  # within what it holds
     assert kv.step(lens)
     assert kv.step(lens)
@@ -362,6 +368,7 @@ def _budget_gone_while_in_use(budget_name: str, budget_device: str, gone: str, *
     lens[a] = 12 * tokens  # more pages than it holds: the cache goes on without the budget, within its pool
     assert kv.step(lens)
     assert kv.page_ids(a)[:len(before)] == before and kv.mapped_tokens(a) >= 12 * tokens
+    kv.wait_idle()  # the mapper's pages ahead of need, made after the step returned, are counted below
     share = kv.budget_share()
     assert re.search(rf"'{budget_name}'.*{why}", share["detached"]), share
     assert share["held_bytes"] == kv.stats()["bytes_created"] > held  # counted by the cache alone now
