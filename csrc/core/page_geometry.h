@@ -17,8 +17,12 @@ struct PageGeometry {
 
   // Positions (pages per buffer) that hold the first `tokens` tokens;
   // tokens in [0, max_tokens], so bytes <= slice_bytes: no overflow.
+  // step() asks this twice per request on its fast path: a page size that is
+  // a power of two (every backend's granularity and the sizes users pick)
+  // takes a shift instead of a 64-bit division.
   size_t positions_for_tokens(int64_t tokens) const {
     size_t bytes = static_cast<size_t>(tokens) * bytes_per_token;
+    if ((page_size & (page_size - 1)) == 0) return (bytes + page_size - 1) >> __builtin_ctzll(page_size);
     return (bytes + page_size - 1) / page_size;
   }
 

@@ -492,6 +492,22 @@ def test_lookahead_positions():
         assert T.lookahead_positions(t, 0, **GEOMETRY, policy=_C.PolicyConfig(lookahead_tokens=lookahead)) == positions
 
 
+@pytest.mark.parametrize("page_size", [4096, 65536, 2 << 20, 3 * 4096, 12345 * 64])
+def test_positions_for_tokens_is_the_ceiling_for_any_page_size(page_size):
+    """Pages of a power of two take a shift, the others a division: both are
+    ceil(tokens * bytes_per_token / page_size), at every page boundary."""
+    t = table_with([1, 0])
+    t.allocate(0)
+    bytes_per_token, max_tokens = 96, 1 << 22
+    per_page = page_size / bytes_per_token
+    boundaries = {int(k * per_page) + d for k in (1, 2, 7, 100) for d in (-1, 0, 1)}
+    for tokens in sorted({0, 1, 2, max_tokens} | {n for n in boundaries if n <= max_tokens}):
+        t.set_tokens(0, tokens)
+        got = T.lookahead_positions(t, 0, page_size=page_size, bytes_per_token=bytes_per_token, max_tokens=max_tokens,
+                                    policy=_C.PolicyConfig(lookahead_tokens=0))
+        assert got == -(-tokens * bytes_per_token // page_size), (page_size, tokens)
+
+
 def test_mapper_grows_active_slots_within_the_batch_budget():
     t = table_with([1, 1, 0])
     assert plan(t)["kind"] == "idle"
