@@ -34,6 +34,8 @@ def bounded_int(name: str, value: object, count: int) -> int:
 def int_array(name: str, values: object) -> Any:
     """What the core reads as a 1-D int array: lists, tuples and numpy arrays
     pass as they are; tensors must be CPU integer tensors (any stride)."""
+    if type(values) is list or type(values) is tuple:  # before isinstance(torch.Tensor), ~0.1 us through torch's metaclass
+        return values
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise ValueError(f"{name} must be a CPU tensor or a list, got a tensor on {values.device}")

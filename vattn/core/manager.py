@@ -359,7 +359,9 @@ class KVCacheManager(CudaStreams):
             is out of memory); no active request lost a page. The caller
             preempts a request and steps again.
         """
-        return self._pages.step(_int_array("seq_lens", seq_lens))
+        if type(seq_lens) is not list:  # a list (the usual case) goes as it is: the core checks it
+            seq_lens = _int_array("seq_lens", seq_lens)
+        return self._pages.step(seq_lens)
 
     def reclaim(self, max_pages: int | None = None) -> int:
         """Unmaps up to ``max_pages`` pages (all buffers counted) held by freed
