@@ -12,11 +12,8 @@ import numpy as np
 import torch
 
 from vattn import _C
-from vattn.common.argument_checks import as_int as _as_int
-from vattn.common.argument_checks import bounded_int as _bounded_int
-from vattn.common.argument_checks import int_array as _int_array
-from vattn.common.argument_checks import page_id_rows as _page_id_rows
-from vattn.common.argument_checks import stream_handles as _stream_handles
+from vattn.common.argument_checks import (as_int as _as_int, bounded_int as _bounded_int, int_array as _int_array,
+                                          page_id_rows as _page_id_rows, stream_handles as _stream_handles)
 from vattn.backends import BackendSpec, parse_device, resolve_backend, torch_device
 from vattn.common.deprecation import Stats, warn_renamed
 from vattn.common.config import KVCacheConfig
