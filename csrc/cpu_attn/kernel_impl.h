@@ -493,6 +493,12 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // calls and after 64 MiB (the K and V then come from memory, as in a forward over many layers).
   const bool spread = (wide_rows && (streaming || sizeof(T) == 2)) || (!widen && c.beyond_l2);
   const bool first_tile = widen || spread;  // whether the first tile is requested up front
+  // A prefill block's P V re-reads the V tile once per 4 rows. An fp32 V tile is read where it lies, not
+  // copied, unless its tokens are a multiple of 1 KiB apart (8 kv heads of 128: 4 KiB), where the rows
+  // would share L1 sets and evict each other between re-reads. Against the copy, fp32 prefill of 8 q / 2 kv
+  // heads of 64 ran 1.01-1.03x as fast on a 2-core AVX-512 EPYC, an A/A pair of equal builds 1.00-1.01x
+  // (benchmarks/host_kernel_ab.py, results host_kernel_ab_v_in_place*).
+  const bool v_in_place = lanes && IsFloat<T>::value && (ldv * static_cast<int64_t>(sizeof(T))) % 1024 != 0;
 #ifdef VATTN_AMX_BF16
   // Prefill blocks of a bf16 cache (one kv head) go through the tiles: K and V
   // tiles packed into the widening buffers, Q (once) and P (per tile) in bf16.
@@ -594,8 +600,12 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
       } else
 #endif
       if (lanes) {
-        widen_rows(vt, ldv, n, d, v_wide);
-        pv<float>(s, 1, ld_rows, alh, rows, v_wide, d, n, d, ah, d);
+        if (v_in_place) {
+          pv<float>(s, 1, ld_rows, alh, rows, reinterpret_cast<const float*>(vt), ldv, n, d, ah, d);
+        } else {
+          widen_rows(vt, ldv, n, d, v_wide);
+          pv<float>(s, 1, ld_rows, alh, rows, v_wide, d, n, d, ah, d);
+        }
       } else {
         pv<T>(s, kMaxKeyTile, 1, alh, rows, vt, ldv, n, d, ah, d, n * ldv, spread ? n_next : 0);
       }
