@@ -47,7 +47,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import pybind11
 import torch
 from attention_ab import MODELS, Case, model_shape
 from harness import RESULTS, draw, machine, machine_slug, pyplot, save_plot, write_json
@@ -81,6 +80,7 @@ def accepts(flag: str) -> bool:
 
 def build(tree: Path, name: str, out: Path) -> Path:
     """vattn._cpu_attn of ``tree`` as module ``name`` (C++ namespace renamed alike), in ``out``."""
+    import pybind11  # only to build: the interpreters that import parse_point need not have it
     spec = importlib.util.spec_from_file_location(f"setup_of_{name}", tree / "setup.py")
     setup = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(setup)  # its setup() runs only as __main__
