@@ -183,15 +183,21 @@ def run_traces(python: str, model: Path, spec_path: Path, out: Path, vattn: bool
         if "forward_clocks" in p:
             parts = forward_parts(p)
             print(f"  {'':12s} forwards: attention {parts['attention_s']:.2f} s, metadata {parts['metadata_s']:.2f} s, "
-                  f"the rest {parts['rest_s']:.2f} s of {parts['step_s']:.2f} s", flush=True)
+                  f"the rest {parts['rest_s']:.2f} s of {parts['step_s']:.2f} s"
+                  + (f"; attention layers {parts['layer_s']:.2f} s, outside them {parts['outside_layers_s']:.2f} s"
+                     if "layer_s" in parts else ""), flush=True)
     return result
 
 
 def forward_parts(phase: dict) -> dict[str, float]:
     """A phase's forward clocks (workloads/forward_clocks.py) summed over the workers: seconds in
-    attention, attention metadata, the rest, and the whole step."""
-    return {part: sum(w[part] for w in phase["forward_clocks"]) for part in ("attention_s", "metadata_s", "rest_s",
-                                                                            "step_s")}
+    attention, attention metadata, the rest, the whole step, and where the layers were clocked, the
+    attention layers' whole calls and what lies outside them."""
+    clocks = phase["forward_clocks"]
+    parts = ["attention_s", "metadata_s", "rest_s", "step_s"]
+    if all("outside_layers_s" in w for w in clocks):
+        parts += ["layer_s", "outside_layers_s"]
+    return {part: sum(w[part] for w in clocks) for part in parts}
 
 
 def series(result: dict, trace: str, block_bytes: int) -> dict:
@@ -266,6 +272,10 @@ def summarize(runs: dict[str, list[dict]], traces: tuple[str, ...], aa: str | No
             # what both engines share, which vattn should leave as it is: its ratio within each round
             row["forward_rest_vattn_over_stock"] = ratio_summary(
                 [v / s for s, v in zip(row["stock_forward_s_rounds"]["rest_s"], row["vattn_forward_s_rounds"]["rest_s"])])
+            if "outside_layers_s" in row["stock_forward_s_rounds"] and "outside_layers_s" in row["vattn_forward_s_rounds"]:
+                row["forward_outside_layers_vattn_over_stock"] = ratio_summary(
+                    [v / s for s, v in zip(row["stock_forward_s_rounds"]["outside_layers_s"],
+                                           row["vattn_forward_s_rounds"]["outside_layers_s"])])
         row["tokens_per_s_ratio_vattn_over_stock"] = row["ratios"]["vattn / stock"]["median"]
         for engine in ("stock", "vattn"):
             ttft = [t for r in runs[engine] for t in r["phases"][trace]["ttft_s"]]

@@ -17,7 +17,14 @@ the forwards since the last ``take``:
   includes mapping the forward's pages);
 - ``rest_s``: the step less those two: the model's other layers, sampling,
   input preparation; what both engines share, so equal where vattn adds
-  nothing outside attention.
+  nothing outside attention;
+- ``layer_s``: every attention layer's whole call (vLLM's ``Attention.forward``:
+  its output allocation and views, the custom ops it dispatches, the cache
+  write and the kernel), where the engine runs eagerly;
+- ``outside_layers_s``: the step less ``layer_s`` and ``metadata_s``: the part
+  neither attention backend reaches. A backend whose cache write is a separate
+  op (stock vLLM-CPU's ``unified_kv_cache_update``) pays that op's dispatch in
+  ``rest_s`` but in ``layer_s``.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import Any, Callable
 CLOCKS = "_vattn_forward_clocks"  # on the worker: its seconds per part and call counts
 
 
-PARTS = ("step", "attention", "metadata")
+PARTS = ("step", "attention", "metadata", "layer")
 
 
 def _timed(clocks: dict[str, float], part: str, method: Callable[..., Any]) -> Callable[..., Any]:
@@ -58,11 +65,15 @@ def install(worker: Any) -> int:
     for name in ("execute_model", "sample_tokens"):
         setattr(runner, name, _timed(clocks, "step", getattr(runner, name)))
     layers = 0
+    # a Python clock inside a compiled graph would break it: layers are clocked in eager runs only
+    eager = bool(getattr(getattr(runner, "model_config", None), "enforce_eager", False))
     for layer in runner.compilation_config.static_forward_context.values():
         impl = getattr(layer, "impl", None)
         if impl is None:
             continue
         layers += 1
+        if eager:
+            layer.forward = _timed(clocks, "layer", layer.forward)
         for name in ("forward", "do_kv_cache_update"):
             if hasattr(impl, name):
                 setattr(impl, name, _timed(clocks, "attention", getattr(impl, name)))
@@ -78,6 +89,8 @@ def take(worker: Any) -> dict[str, float]:
     """The worker's seconds per part since the last take (``rest_s`` derived), and resets them."""
     clocks = getattr(worker, CLOCKS)
     out = dict(clocks, rest_s=clocks["step_s"] - clocks["attention_s"] - clocks["metadata_s"])
+    if clocks["layer_calls"]:
+        out["outside_layers_s"] = clocks["step_s"] - clocks["layer_s"] - clocks["metadata_s"]
     for key in clocks:
         clocks[key] = 0.0
     return out

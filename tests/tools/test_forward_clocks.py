@@ -1,5 +1,6 @@
 """workloads/forward_clocks.py: the worker's clocks count every clocked call
-once, in its part, and the rest is the step less attention and metadata."""
+once, in its part, and the rest is the step less attention and metadata; in
+an eager run the attention layers' whole calls are clocked too."""
 
 from __future__ import annotations
 
@@ -26,9 +27,22 @@ class Builder:
         return "metadata"
 
 
+class Layer:
+    """vLLM's Attention layer: its own work (output allocation, op dispatch) around the impl's calls."""
+
+    def __init__(self) -> None:
+        self.impl = Impl()
+
+    def forward(self):
+        time.sleep(0.001)
+        self.impl.do_kv_cache_update()
+        return self.impl.forward()
+
+
 class Runner:
-    def __init__(self, layers: int) -> None:
-        self.layers = [SimpleNamespace(impl=Impl()) for _ in range(layers)]
+    def __init__(self, layers: int, eager: bool = False) -> None:
+        self.layers = [Layer() for _ in range(layers)]
+        self.model_config = SimpleNamespace(enforce_eager=eager)
         context = {f"layer.{i}": layer for i, layer in enumerate(self.layers)}
         context["no_attention"] = SimpleNamespace()  # other static-context entries have no impl
         self.compilation_config = SimpleNamespace(static_forward_context=context)
@@ -38,8 +52,7 @@ class Runner:
     def execute_model(self):
         assert self.builder.build() == "metadata"
         for layer in self.layers:
-            layer.impl.do_kv_cache_update()
-            assert layer.impl.forward() == "out"
+            assert layer.forward() == "out"
         time.sleep(0.003)  # the rest of the model
 
     def sample_tokens(self):
@@ -58,6 +71,20 @@ def test_each_part_counts_its_calls_and_the_rest_is_what_remains():
     assert parts["rest_s"] == pytest.approx(parts["step_s"] - parts["attention_s"] - parts["metadata_s"])
     assert parts["rest_s"] >= 2 * (0.003 + 0.001)
     assert forward_clocks.take(worker)["step_calls"] == 0  # taken: reset
+    assert parts["layer_calls"] == 0 and "outside_layers_s" not in parts  # not eager: layers not clocked
+
+
+def test_an_eager_run_clocks_the_attention_layers_whole_calls():
+    worker = SimpleNamespace(model_runner=Runner(layers=3, eager=True))
+    assert forward_clocks.install(worker) == 3
+    worker.model_runner.execute_model()
+    worker.model_runner.sample_tokens()
+    parts = forward_clocks.take(worker)
+    assert parts["layer_calls"] == 3 and parts["attention_calls"] == 6
+    # a layer's call holds its impl's calls and its own work (1 ms a layer here)
+    assert parts["layer_s"] >= parts["attention_s"] + 3 * 0.001
+    assert parts["outside_layers_s"] == pytest.approx(parts["step_s"] - parts["layer_s"] - parts["metadata_s"])
+    assert parts["outside_layers_s"] >= 0.003 + 0.001 and parts["outside_layers_s"] < parts["rest_s"]
 
 
 def test_installing_twice_is_refused():
