@@ -413,8 +413,13 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // decode of those heads 1-12% slower and of 4 q / 2 kv heads of 128 7-15% faster; 32 KiB read 0.97-1.04x
   // against 16 KiB on the former and made the latter's fp32 decode 1.04-1.12x faster
   // (benchmarks/host_kernel_ab.py, one thread, alternated, on a 2-core AVX-512 BF16 VM; docs/kernels.md).
+  // On 8 floats, items whose tokens take at most 256 B (a tile of 128 keys) take 32 KiB too: on that
+  // AVX-512 BF16 VM, forced to the AVX2 path, bf16 decode of 8 q / 2 kv heads of 64 (256 B) read 0.94-0.96x
+  // c355c6f's 64 KiB cap with 16 KiB tiles (B=8-16; an A/A pair 0.99-1.00x) and 0.96-1.00x with 32 KiB,
+  // while fp32 decode of those heads (512 B) and both dtypes of 4 q / 2 kv heads of 128 ran 1.02-1.10x
+  // faster with 16 KiB than with 32 KiB.
   const bool cold_narrow = !widen && !wide_rows && c.beyond_l2;
-  const int64_t cold_narrow_bytes = int64_t{W >= 16 ? 32 : 16} << 10;
+  const int64_t cold_narrow_bytes = int64_t{W >= 16 || token_bytes <= 256 ? 32 : 16} << 10;
   const int64_t tile =
       key_tile(rows, token_bytes, streaming ? int64_t{32} << 10 : cold_narrow ? cold_narrow_bytes : int64_t{64} << 10);
 
