@@ -272,12 +272,11 @@ def summarize(runs: dict[str, list[dict]], traces: tuple[str, ...], aa: str | No
         row["ratios"] = {f"{num} / {den}": pair_ratio(runs, num, den, trace) for num, den in ratio_pairs(engines, aa)}
         if "stock_forward_s_rounds" in row and "vattn_forward_s_rounds" in row:
             # what both engines share, which vattn should leave as it is: its ratio within each round
-            row["forward_rest_vattn_over_stock"] = ratio_summary(
-                [v / s for s, v in zip(row["stock_forward_s_rounds"]["rest_s"], row["vattn_forward_s_rounds"]["rest_s"])])
-            if "outside_layers_s" in row["stock_forward_s_rounds"] and "outside_layers_s" in row["vattn_forward_s_rounds"]:
-                row["forward_outside_layers_vattn_over_stock"] = ratio_summary(
-                    [v / s for s, v in zip(row["stock_forward_s_rounds"]["outside_layers_s"],
-                                           row["vattn_forward_s_rounds"]["outside_layers_s"])])
+            stock_parts, vattn_parts = row["stock_forward_s_rounds"], row["vattn_forward_s_rounds"]
+            for part, key in (("rest_s", "forward_rest_vattn_over_stock"),
+                              ("outside_layers_s", "forward_outside_layers_vattn_over_stock")):
+                if part in stock_parts and part in vattn_parts:
+                    row[key] = ratio_summary([b / a for a, b in zip(stock_parts[part], vattn_parts[part])])
         row["tokens_per_s_ratio_vattn_over_stock"] = row["ratios"]["vattn / stock"]["median"]
         for engine in ("stock", "vattn"):
             ttft = [t for r in runs[engine] for t in r["phases"][trace]["ttft_s"]]

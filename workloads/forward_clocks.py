@@ -22,9 +22,9 @@ the forwards since the last ``take``:
   its output allocation and views, the custom ops it dispatches, the cache
   write and the kernel), where the engine runs eagerly;
 - ``outside_layers_s``: the step less ``layer_s`` and ``metadata_s``: the part
-  neither attention backend reaches. A backend whose cache write is a separate
-  op (stock vLLM-CPU's ``unified_kv_cache_update``) pays that op's dispatch in
-  ``rest_s`` but in ``layer_s``.
+  neither attention backend reaches. Where a backend's cache write is an op of
+  its own (stock vLLM-CPU's ``unified_kv_cache_update``), that op's dispatch
+  falls in ``rest_s`` but inside ``layer_s``.
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def run_engine(python: str, model: Path, spec_path: Path, out: Path, vattn: bool
     log = out.with_suffix(".log")
     with open(log, "w") as f:
         proc = subprocess.run([python, str(scenario_runner(checkout)), "run", str(model), str(spec_path), str(out)],
-                              stdout=f, stderr=subprocess.STDOUT, env=engine_environment(vattn, budget, checkout, kv_cache_space_gib),
+                              stdout=f, stderr=subprocess.STDOUT,
+                              env=engine_environment(vattn, budget, checkout, kv_cache_space_gib),
                               cwd=out.parent, timeout=timeout_s)
     if proc.returncode:
         raise EngineFailed(proc.returncode, log.read_text())

@@ -78,6 +78,29 @@ def test_every_ratio_is_per_round_with_its_median_interval_and_the_aa_pair():
     assert row["identical_outputs"] == "1/1 (first token 1/1)" and row["vattn+budget_identical_outputs_to_vattn"] == 1
 
 
+def clocked_run(rate: float, rest_s: float, layers: tuple[float, float] | None, vattn: bool = False) -> dict:
+    """A run whose one trace ("a") carries the worker's forward clocks; ``layers``: (layer_s,
+    outside_layers_s) where the layers were clocked."""
+    run = fake_run({"a": rate}, [[1]], vattn)
+    clocks = {"attention_s": 1.0, "metadata_s": 0.1, "rest_s": rest_s, "step_s": 1.1 + rest_s}
+    if layers:
+        clocks |= {"layer_s": layers[0], "outside_layers_s": layers[1]}
+    run["phases"]["a"]["forward_clocks"] = [clocks]
+    return run
+
+
+def test_the_forward_parts_are_compared_within_each_round_and_the_layers_where_clocked():
+    runs = {"stock": [clocked_run(10.0, 2.0, (1.2, 1.8)), clocked_run(10.0, 4.0, (1.2, 3.6))],
+            "vattn": [clocked_run(12.0, 1.0, (1.1, 0.9), True), clocked_run(12.0, 3.0, (1.1, 2.7), True)]}
+    row = vllm_serving.summarize(runs, ("a",), None, low_precision=False)["a"]
+    assert row["stock_forward_s_rounds"]["outside_layers_s"] == [1.8, 3.6]
+    assert row["forward_rest_vattn_over_stock"]["per_round"] == [0.5, 0.75]  # vattn / stock, round by round
+    assert row["forward_outside_layers_vattn_over_stock"]["per_round"] == [0.5, 0.75]
+    unclocked = {"stock": [clocked_run(10.0, 2.0, None)] * 2, "vattn": [clocked_run(12.0, 1.0, (1.1, 0.9), True)] * 2}
+    row = vllm_serving.summarize(unclocked, ("a",), None, low_precision=False)["a"]
+    assert "forward_outside_layers_vattn_over_stock" not in row and "forward_rest_vattn_over_stock" in row
+
+
 def test_the_base_checkout_is_the_denominator_of_this_checkouts_vattn():
     assert vllm_serving.ratio_pairs(["stock", "vattn", "vattn-base"], None) == [("vattn", "stock"),
                                                                                ("vattn", "vattn-base")]

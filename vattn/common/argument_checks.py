@@ -34,7 +34,7 @@ def bounded_int(name: str, value: object, count: int) -> int:
 def int_array(name: str, values: object) -> Any:
     """What the core reads as a 1-D int array: lists, tuples and numpy arrays
     pass as they are; tensors must be CPU integer tensors (any stride)."""
-    if type(values) is list or type(values) is tuple:  # before isinstance(torch.Tensor), ~0.1 us through torch's metaclass
+    if type(values) is list or type(values) is tuple:  # first: isinstance(torch.Tensor) costs ~0.06 us
         return values
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
