@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 from attention_ab import Case, model_shape
-from harness import RESULTS, draw, machine, machine_slug, pyplot, save_plot, write_json
+from harness import RESULTS, draw, machine, machine_slug, point_label, pyplot, save_plot, write_json
 from torch.utils.dlpack import to_dlpack
 
 from vattn import _cpu_attn
@@ -216,8 +216,7 @@ def plot(payload: dict, name: str) -> None:
     """GB/s of the read and the decode per point (cold, warm), and the decode's share with the 2/3 goal."""
     plt = pyplot()
     rows = payload["results"]
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    labels = [f"{short.get(r['dtype'], r['dtype'])} B={r['batch']}\nctx={r['ctx']}" for r in rows]
+    labels = [point_label(r) for r in rows]
     xs = range(len(rows))
     fig, (bw, share) = plt.subplots(1, 2, figsize=(max(9, 1.6 * len(rows)), 4))
     for i, (temp, side) in enumerate((("cold", "read"), ("cold", "decode"), ("warm", "read"), ("warm", "decode"))):

@@ -153,6 +153,12 @@ def ratio_summary(per_round: list[float], resamples: int = 10000, seed: int = 0)
             "interval_95": [low, high], "verdict": verdict, "per_round": [round(r, 4) for r in per_round]}
 
 
+def point_label(row: dict[str, Any]) -> str:
+    """A kernel point's x-axis label: dtype (short), "pre" for prefill, batch and context."""
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(row["dtype"], row["dtype"])
+    return f"{dtype}{' pre' if row.get('phase') == 'prefill' else ''} B={row['batch']}\nctx={row['ctx']}"
+
+
 def describe_ratio(name: str, q: dict[str, Any]) -> str:
     """One line for a ratio_summary: median, interval, range and verdict."""
     low, high = q["interval_95"]

@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from attention_ab import MODELS, Case, model_shape
 from attention_host import vllm_available, vllm_kernels
-from harness import RESULTS, describe_ratio, draw, git_revision, machine, machine_slug, pyplot, ratio_summary, \
-    save_plot, write_json
+from harness import (RESULTS, describe_ratio, draw, git_revision, machine, machine_slug, point_label, pyplot,
+                     ratio_summary, save_plot, write_json)
 from host_kernel_ab import parse_point
 
 from vattn.attention import host_attention, host_attention_info
@@ -159,8 +159,7 @@ def plot(payload: dict, name: str) -> None:
     """vllm / host per point with its interval, cold and warm, the A/A beside."""
     plt = pyplot()
     rows = payload["results"]
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    labels = [f"{short.get(r['dtype'], r['dtype'])} {r['phase'][:3]} B={r['batch']}\nctx={r['ctx']}" for r in rows]
+    labels = [point_label(r) for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
     for offset, (state, key, label) in zip((-0.3, -0.1, 0.1, 0.3), (
             ("cold", "vllm_over_host", "vllm / host, cold"), ("warm", "vllm_over_host", "vllm / host, warm"),
