@@ -24,7 +24,10 @@ Rounds alternate the order (base first, then test first); in each, a side's
 call runs once after ``--flush-mb`` MiB were written (``cold``: the K/V come
 from the last-level cache or DRAM, as for a layer whose cache other layers
 evicted) and once straight after (``warm``). Reported: median microseconds
-per call and base / test (above 1: the test build is faster). Writes
+per call and base / test (above 1: the test build is faster), both of the
+medians and within each round: the per-round ratio's median with its 95%
+bootstrap interval and verdict (harness.ratio_summary). Run ``HEAD HEAD`` for
+the A/A pair beside an A/B. Writes
 benchmarks/results/host_kernel_ab_<machine>.json (``--tag T``:
 host_kernel_ab_T_<machine>.json) and a plot.
 """
@@ -49,7 +52,8 @@ from typing import Any
 
 import torch
 from attention_ab import MODELS, Case, model_shape
-from harness import RESULTS, draw, machine, machine_slug, pyplot, save_plot, write_json
+from harness import (RESULTS, describe_ratio, draw, machine, machine_slug, point_label, pyplot, ratio_summary, save_plot,
+                     write_json)
 from torch.utils.dlpack import to_dlpack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,8 +120,10 @@ def load(name: str, library: Path) -> ModuleType:
 def measure(modules: list[ModuleType], batch: int, ctx: int, dtype: torch.dtype, shape: tuple[int, int, int],
             flush: torch.Tensor, rounds: int, phase: str = "decode", isa: str | None = None) -> dict[str, Any]:
     """Median us per call, cold and warm, of each module on one point (``phase``
-    decode or prefill) on the path ``isa`` (None: each module's default), and
-    the rounds run: ``rounds``, or fewer where a call takes over 8 ms."""
+    decode or prefill) on the path ``isa`` (None: each module's default); the
+    base's time over the test's within each round, as a ratio_summary (median,
+    95% interval, verdict); and the rounds run: ``rounds``, or fewer where a
+    call takes over 8 ms."""
     case = Case(phase, "per_layer", batch, ctx, 1, "cpu", dtype, [], shape)
     try:
         b = case.batch
@@ -148,7 +154,9 @@ def measure(modules: list[ModuleType], batch: int, ctx: int, dtype: torch.dtype,
                 calls[i]()
                 warm[i].append(time.perf_counter() - t)
         return {"rounds": rounds, "cold_us": [round(statistics.median(c) * 1e6, 2) for c in cold],
-                "warm_us": [round(statistics.median(w) * 1e6, 2) for w in warm]}
+                "warm_us": [round(statistics.median(w) * 1e6, 2) for w in warm],
+                "base_over_test_per_round": {state: ratio_summary([b / t for b, t in zip(times[0], times[1])])
+                                             for state, times in (("cold", cold), ("warm", warm))}}
     finally:
         case.close()
 
@@ -205,6 +213,8 @@ def main() -> None:
               f"cold {times['cold_us'][0]:9.1f} -> {times['cold_us'][1]:9.1f} us ({row['base_over_test']['cold']:.2f}x)  "
               f"warm {times['warm_us'][0]:9.1f} -> {times['warm_us'][1]:9.1f} us ({row['base_over_test']['warm']:.2f}x)",
               flush=True)
+        for state, q in times["base_over_test_per_round"].items():
+            print(f"    {describe_ratio(f'{state} base/test per round', q)}", flush=True)
     payload = {
         "benchmark": "host_kernel_ab",
         "machine": machine(),
@@ -214,7 +224,9 @@ def main() -> None:
         "threads": modules[0].info()["threads"],
         "isa": args.isa or modules[0].info()["isa"],
         "flush_mb": args.flush_mb,
-        "unit": "median us per call (one layer, per_layer cache); base_over_test above 1: the test build is faster",
+        "unit": "median us per call (one layer, per_layer cache); base_over_test (of the medians) above 1: the test "
+                "build is faster; base_over_test_per_round: the ratio within each round, its median, 95% interval "
+                "and verdict",
         "results": rows,
     }
     print(f"wrote {write_json(name, payload)}")
@@ -225,9 +237,7 @@ def plot(payload: dict, name: str) -> None:
     """base / test per point, cold and warm bars, 1 marked."""
     plt = pyplot()
     rows = payload["results"]
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    labels = [f"{short.get(r['dtype'], r['dtype'])}{' pre' if r.get('phase') == 'prefill' else ''} B={r['batch']}"
-              f"\nctx={r['ctx']}" for r in rows]
+    labels = [point_label(r) for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r["base_over_test"]["cold"] for r in rows], 0.4, label="cold")

@@ -415,9 +415,10 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // (benchmarks/host_kernel_ab.py, one thread, alternated, on a 2-core AVX-512 BF16 VM; docs/kernels.md).
   // On 8 floats, items whose tokens take at most 256 B (a tile of 128 keys) take 32 KiB too: on that
   // AVX-512 BF16 VM, forced to the AVX2 path, bf16 decode of 8 q / 2 kv heads of 64 (256 B) read 0.94-0.96x
-  // c355c6f's 64 KiB cap with 16 KiB tiles (B=8-16; an A/A pair 0.99-1.00x) and 0.96-1.00x with 32 KiB,
-  // while fp32 decode of those heads (512 B) and both dtypes of 4 q / 2 kv heads of 128 ran 1.02-1.10x
-  // faster with 16 KiB than with 32 KiB.
+  // c355c6f's 64 KiB cap with 16 KiB tiles (B=8-16, ratios of medians) and 0.97-0.99x with 32 KiB (medians of
+  // per-round ratios, every interval below 1.0; an A/A pair 0.997-1.004x), while fp32 decode of those heads
+  // (512 B) and both dtypes of 4 q / 2 kv heads of 128 ran 1.02-1.10x faster with 16 KiB than with 32 KiB
+  // (ratios of medians, one run each).
   const bool cold_narrow = !widen && !wide_rows && c.beyond_l2;
   const int64_t cold_narrow_bytes = int64_t{W >= 16 || token_bytes <= 256 ? 32 : 16} << 10;
   const int64_t tile =
@@ -501,8 +502,8 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // A prefill block's P V re-reads the V tile once per 4 rows. An fp32 V tile is read where it lies, not
   // copied, unless its tokens are a multiple of 1 KiB apart (8 kv heads of 128: 4 KiB), where the rows
   // would share L1 sets and evict each other between re-reads. Against the copy, fp32 prefill of 8 q / 2 kv
-  // heads of 64 ran 1.01-1.03x as fast on a 2-core AVX-512 EPYC, an A/A pair of equal builds 1.00-1.01x
-  // (benchmarks/host_kernel_ab.py, results host_kernel_ab_v_in_place*).
+  // heads of 64 ran 1.03x as fast on a 2-core AVX-512 EPYC (medians of per-round ratios, intervals 1.01-1.06),
+  // an A/A pair of equal builds 0.98-1.01x (benchmarks/host_kernel_ab.py, results host_kernel_ab_v_in_place*).
   const bool v_in_place = lanes && IsFloat<T>::value && (ldv * static_cast<int64_t>(sizeof(T))) % 1024 != 0;
 #ifdef VATTN_AMX_BF16
   // Prefill blocks of a bf16 cache (one kv head) go through the tiles: K and V
