@@ -404,23 +404,21 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // split in two) the same change measured 0.79-0.96x, so they keep the defaults.
   const bool wide_rows = !widen && token_bytes >= 2048;  // a decode item reading >= 2 KiB of each token's K
   const bool streaming = wide_rows && it.k_end - it.k_begin >= 512;
-  // A decode item over narrower rows whose call outgrows L2 (its K/V come from memory) takes smaller tiles, so
-  // that the next tile's lines, requested while this one computes (below), sit in L1 or L2 beside it: 16 KiB
-  // on 8-float vectors, 32 KiB on 16-float ones. On 8 floats, against 64 KiB, alone: 1.04-1.21x on fp32 and
-  // bf16 decode of 4 q / 2 kv heads of 128 (1 KiB and 512 B per token; 4-16 requests of 256-512 tokens, K/V
-  // from memory) in an in-process sweep on a 2-core AVX2 VM. On 16 floats (AVX-512) 16 KiB cost bf16 decode
-  // of 8 q / 2 kv heads of 64 3-4% against 64 KiB (B=8, ctx 2048-4096), and against 16 KiB, 64 KiB made fp32
-  // decode of those heads 1-12% slower and of 4 q / 2 kv heads of 128 7-15% faster; 32 KiB read 0.97-1.04x
-  // against 16 KiB on the former and made the latter's fp32 decode 1.04-1.12x faster
-  // (benchmarks/host_kernel_ab.py, one thread, alternated, on a 2-core AVX-512 BF16 VM; docs/kernels.md).
-  // On 8 floats, items whose tokens take at most 256 B (a tile of 128 keys) take 32 KiB too: on that
-  // AVX-512 BF16 VM, forced to the AVX2 path, bf16 decode of 8 q / 2 kv heads of 64 (256 B) read 0.94-0.96x
-  // c355c6f's 64 KiB cap with 16 KiB tiles (B=8-16, ratios of medians) and 0.97-0.99x with 32 KiB (medians of
-  // per-round ratios, every interval below 1.0; an A/A pair 0.997-1.004x), while fp32 decode of those heads
-  // (512 B) and both dtypes of 4 q / 2 kv heads of 128 ran 1.02-1.10x faster with 16 KiB than with 32 KiB
-  // (ratios of medians, one run each).
-  const bool cold_narrow = !widen && !wide_rows && c.beyond_l2;
-  const int64_t cold_narrow_bytes = int64_t{W >= 16 || token_bytes <= 256 ? 32 : 16} << 10;
+  // A decode item over narrower rows whose call outgrows L2 (its K/V come from memory) takes smaller tiles on
+  // 8-float vectors, so that the next tile's lines, requested while this one computes (below), sit in L1 or L2
+  // beside it: 16 KiB, or 32 KiB where a token takes at most 256 B (a tile of 128 keys). Against 64 KiB,
+  // alone: 1.04-1.21x on fp32 and bf16 decode of 4 q / 2 kv heads of 128 (1 KiB and 512 B per token; 4-16
+  // requests of 256-512 tokens, K/V from memory) in an in-process sweep on a 2-core AVX2 VM. On that VM's
+  // AVX-512 BF16 sibling, forced to the AVX2 path, bf16 decode of 8 q / 2 kv heads of 64 (256 B) read
+  // 0.94-0.96x c355c6f's 64 KiB with 16 KiB tiles and about level with 32 KiB. On 16-float vectors the
+  // tiles stay at 64 KiB: against 32 KiB, fp32 decode of 8 q / 2 kv heads of 64 at B=8 ctx 4096 and of
+  // 4 q / 2 kv heads of 128 at B=8 ctx 2048 ran 1.02-1.06x as fast, the other decode points 0.99-1.02x
+  // (within noise; benchmarks/host_kernel_ab.py, one thread, medians of per-round ratios, on a 2-core
+  // AVX-512 BF16 EPYC, results host_kernel_ab_avx512_cold64k_*; docs/kernels.md). Earlier tile choices here were measured before the kernel units aligned their
+  // functions (setup.py KERNEL_FLAGS), when a hot loop's place against the fetch windows moved with each
+  // build.
+  const bool cold_narrow = W < 16 && !widen && !wide_rows && c.beyond_l2;
+  const int64_t cold_narrow_bytes = int64_t{token_bytes <= 256 ? 32 : 16} << 10;
   const int64_t tile =
       key_tile(rows, token_bytes, streaming ? int64_t{32} << 10 : cold_narrow ? cold_narrow_bytes : int64_t{64} << 10);
 
