@@ -43,7 +43,7 @@ interval of that median and a verdict: "within noise" where the interval
 holds 1.0 (docs/benchmarks.md, "Reading an A/B"); where each engine's
 forwards spent their time, by clocks in the worker (workloads/forward_clocks.py:
 attention, attention metadata, the rest, with the rest's vattn / stock per
-round, which should hold 1.0); page faults and modules imported during each
+round, which should hold 1.0, and the A/A engine's against itself beside it); page faults and modules imported during each
 trace (first-use costs); mean and median time to
 first token (all requests arrive at once, so it includes
 queueing), and KV bytes in use over time: stock = blocks held by requests x
@@ -270,13 +270,16 @@ def summarize(runs: dict[str, list[dict]], traces: tuple[str, ...], aa: str | No
                 parts = [forward_parts(r["phases"][trace]) for r in engine_runs]
                 row[f"{engine}_forward_s_rounds"] = {k: [round(p[k], 4) for p in parts] for k in parts[0]}
         row["ratios"] = {f"{num} / {den}": pair_ratio(runs, num, den, trace) for num, den in ratio_pairs(engines, aa)}
-        if "stock_forward_s_rounds" in row and "vattn_forward_s_rounds" in row:
-            # what both engines share, which vattn should leave as it is: its ratio within each round
-            stock_parts, vattn_parts = row["stock_forward_s_rounds"], row["vattn_forward_s_rounds"]
-            for part, key in (("rest_s", "forward_rest_vattn_over_stock"),
-                              ("outside_layers_s", "forward_outside_layers_vattn_over_stock")):
-                if part in stock_parts and part in vattn_parts:
-                    row[key] = ratio_summary([b / a for a, b in zip(stock_parts[part], vattn_parts[part])])
+        # what both engines share, which vattn should leave as it is: its time within each round against
+        # stock's, and the A/A engine's against itself (how far those parts move with no change at all)
+        for num, den in (("vattn", "stock"), (f"{aa}-again", aa)) if aa else (("vattn", "stock"),):
+            num_parts, den_parts = row.get(f"{num}_forward_s_rounds"), row.get(f"{den}_forward_s_rounds")
+            if num_parts is None or den_parts is None:
+                continue
+            for part, name in (("rest_s", "rest"), ("outside_layers_s", "outside_layers")):
+                if part in num_parts and part in den_parts:
+                    row[f"forward_{name}_{num}_over_{den}"] = ratio_summary(
+                        [b / a for a, b in zip(den_parts[part], num_parts[part])])
         row["tokens_per_s_ratio_vattn_over_stock"] = row["ratios"]["vattn / stock"]["median"]
         for engine in ("stock", "vattn"):
             ttft = [t for r in runs[engine] for t in r["phases"][trace]["ttft_s"]]
@@ -465,6 +468,9 @@ def main() -> None:
     for trace in traces:
         for pair, q in summary[trace]["ratios"].items():
             print(describe_ratio(f"{trace:14s} {pair}", q))
+        for key, q in summary[trace].items():
+            if key.startswith("forward_rest_"):
+                print(describe_ratio(f"{trace:14s} the rest of the forward, {key[len('forward_rest_'):]}", q))
     stock, ours = runs["stock"][0], runs["vattn"][0]
     v = ours["vattn"][0]
     payload = {

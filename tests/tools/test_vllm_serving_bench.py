@@ -96,6 +96,11 @@ def test_the_forward_parts_are_compared_within_each_round_and_the_layers_where_c
     assert row["stock_forward_s_rounds"]["outside_layers_s"] == [1.8, 3.6]
     assert row["forward_rest_vattn_over_stock"]["per_round"] == [0.5, 0.75]  # vattn / stock, round by round
     assert row["forward_outside_layers_vattn_over_stock"]["per_round"] == [0.5, 0.75]
+    runs["stock-again"] = [clocked_run(10.0, 1.0, (1.2, 0.9)), clocked_run(10.0, 2.0, (1.2, 3.6))]
+    row = vllm_serving.summarize(runs, ("a",), "stock", low_precision=False)["a"]  # the A/A engine's parts too
+    assert row["forward_rest_stock-again_over_stock"]["per_round"] == [0.5, 0.5]
+    assert row["forward_outside_layers_stock-again_over_stock"]["per_round"] == [0.5, 1.0]
+    assert row["forward_rest_vattn_over_stock"]["per_round"] == [0.5, 0.75]
     unclocked = {"stock": [clocked_run(10.0, 2.0, None)] * 2, "vattn": [clocked_run(12.0, 1.0, (1.1, 0.9), True)] * 2}
     row = vllm_serving.summarize(unclocked, ("a",), None, low_precision=False)["a"]
     assert "forward_outside_layers_vattn_over_stock" not in row and "forward_rest_vattn_over_stock" in row
