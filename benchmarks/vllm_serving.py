@@ -187,7 +187,9 @@ def run_traces(python: str, model: Path, spec_path: Path, out: Path, vattn: bool
             print(f"  {'':12s} forwards: attention {parts['attention_s']:.2f} s, metadata {parts['metadata_s']:.2f} s, "
                   f"the rest {parts['rest_s']:.2f} s of {parts['step_s']:.2f} s"
                   + (f"; attention layers {parts['layer_s']:.2f} s, outside them {parts['outside_layers_s']:.2f} s"
-                     if "layer_s" in parts else ""), flush=True)
+                     if "layer_s" in parts else "")
+                  + (f"; the rest's CPU time {parts['rest_cpu_s']:.2f} s, the step's thread taken off its core "
+                     f"{parts['step_involuntary_switches']:.0f} times" if "rest_cpu_s" in parts else ""), flush=True)
     return result
 
 
@@ -199,6 +201,8 @@ def forward_parts(phase: dict) -> dict[str, float]:
     parts = ["attention_s", "metadata_s", "rest_s", "step_s"]
     if all("outside_layers_s" in w for w in clocks):
         parts += ["layer_s", "outside_layers_s"]
+    if all("rest_cpu_s" in w for w in clocks):  # (older checkouts' clocks: wall time only)
+        parts += ["rest_cpu_s", "step_involuntary_switches"]
     return {part: sum(w[part] for w in clocks) for part in parts}
 
 
@@ -276,7 +280,8 @@ def summarize(runs: dict[str, list[dict]], traces: tuple[str, ...], aa: str | No
             num_parts, den_parts = row.get(f"{num}_forward_s_rounds"), row.get(f"{den}_forward_s_rounds")
             if num_parts is None or den_parts is None:
                 continue
-            for part, name in (("rest_s", "rest"), ("outside_layers_s", "outside_layers")):
+            for part, name in (("rest_s", "rest"), ("outside_layers_s", "outside_layers"),
+                               ("rest_cpu_s", "rest_cpu")):
                 if part in num_parts and part in den_parts:
                     row[f"forward_{name}_{num}_over_{den}"] = ratio_summary(
                         [b / a for a, b in zip(den_parts[part], num_parts[part])])
@@ -469,8 +474,9 @@ def main() -> None:
         for pair, q in summary[trace]["ratios"].items():
             print(describe_ratio(f"{trace:14s} {pair}", q))
         for key, q in summary[trace].items():
-            if key.startswith("forward_rest_"):
-                print(describe_ratio(f"{trace:14s} the rest of the forward, {key[len('forward_rest_'):]}", q))
+            if key.startswith("forward_rest_"):  # the rest's wall time, then its CPU time
+                what = key[len("forward_rest_"):].replace("cpu_", "CPU time, ")
+                print(describe_ratio(f"{trace:14s} the rest of the forward, {what}", q))
     stock, ours = runs["stock"][0], runs["vattn"][0]
     v = ours["vattn"][0]
     payload = {

@@ -24,12 +24,20 @@ the forwards since the last ``take``:
 - ``outside_layers_s``: the step less ``layer_s`` and ``metadata_s``: the part
   neither attention backend reaches. Where a backend's cache write is an op of
   its own (stock vLLM-CPU's ``unified_kv_cache_update``), that op's dispatch
-  falls in ``rest_s`` but inside ``layer_s``.
+  falls in ``rest_s`` but inside ``layer_s``;
+- ``<part>_cpu_s`` and ``rest_cpu_s``: the same parts in CPU time of the
+  thread that runs the step (``time.thread_time``), beside their wall time:
+  where a part's wall time grows and its CPU time does not, the thread was
+  waiting (for other threads of its parallel regions, or off its core);
+- ``step_involuntary_switches``: times the step's thread was taken off its
+  core while it could have run (Linux ``getrusage(RUSAGE_THREAD)``), which
+  another busy thread or process on the same cores causes.
 """
 
 from __future__ import annotations
 
 import functools
+import resource
 import time
 from typing import Any, Callable
 
@@ -37,20 +45,31 @@ CLOCKS = "_vattn_forward_clocks"  # on the worker: its seconds per part and call
 
 
 PARTS = ("step", "attention", "metadata", "layer")
+RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
 
 
-def _timed(clocks: dict[str, float], part: str, method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` adding its seconds to ``clocks[part + "_s"]`` and its calls to ``part + "_calls"``."""
-    seconds, calls = f"{part}_s", f"{part}_calls"
+def _involuntary_switches() -> int:
+    return resource.getrusage(RUSAGE_THREAD).ru_nivcsw if RUSAGE_THREAD is not None else 0
+
+
+def _timed(clocks: dict[str, float], part: str, method: Callable[..., Any], switches: bool = False) -> Callable[..., Any]:
+    """``method`` adding its seconds to ``clocks[part + "_s"]``, its thread's CPU seconds to
+    ``part + "_cpu_s"``, its calls to ``part + "_calls"`` and, with ``switches``, the times its thread was
+    taken off its core to ``part + "_involuntary_switches"``."""
+    seconds, cpu, calls, switched = f"{part}_s", f"{part}_cpu_s", f"{part}_calls", f"{part}_involuntary_switches"
 
     @functools.wraps(method)
     def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        before = _involuntary_switches() if switches else 0
+        start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             return method(*args, **kwargs)
         finally:
             clocks[seconds] += time.perf_counter() - start
+            clocks[cpu] += time.thread_time() - start_cpu
             clocks[calls] += 1
+            if switches:
+                clocks[switched] += _involuntary_switches() - before
     return timed
 
 
@@ -60,10 +79,11 @@ def install(worker: Any) -> int:
     refused: the clocks would count every call twice."""
     if hasattr(worker, CLOCKS):
         raise RuntimeError("forward clocks are already installed in this worker")
-    clocks = dict.fromkeys((f"{part}_{unit}" for part in PARTS for unit in ("s", "calls")), 0.0)
+    clocks = dict.fromkeys((f"{part}_{unit}" for part in PARTS for unit in ("s", "cpu_s", "calls")), 0.0)
+    clocks["step_involuntary_switches"] = 0
     runner = worker.model_runner
     for name in ("execute_model", "sample_tokens"):
-        setattr(runner, name, _timed(clocks, "step", getattr(runner, name)))
+        setattr(runner, name, _timed(clocks, "step", getattr(runner, name), switches=True))
     layers = 0
     # a Python clock inside a compiled graph would break it: layers are clocked in eager runs only
     eager = bool(getattr(getattr(runner, "model_config", None), "enforce_eager", False))
@@ -88,7 +108,8 @@ def install(worker: Any) -> int:
 def take(worker: Any) -> dict[str, float]:
     """The worker's seconds per part since the last take (``rest_s`` derived), and resets them."""
     clocks = getattr(worker, CLOCKS)
-    out = dict(clocks, rest_s=clocks["step_s"] - clocks["attention_s"] - clocks["metadata_s"])
+    out = dict(clocks, rest_s=clocks["step_s"] - clocks["attention_s"] - clocks["metadata_s"],
+               rest_cpu_s=clocks["step_cpu_s"] - clocks["attention_cpu_s"] - clocks["metadata_cpu_s"])
     if clocks["layer_calls"]:
         out["outside_layers_s"] = clocks["step_s"] - clocks["layer_s"] - clocks["metadata_s"]
     for key in clocks:

@@ -72,6 +72,28 @@ def test_each_part_counts_its_calls_and_the_rest_is_what_remains():
     assert parts["rest_s"] >= 2 * (0.003 + 0.001)
     assert forward_clocks.take(worker)["step_calls"] == 0  # taken: reset
     assert parts["layer_calls"] == 0 and "outside_layers_s" not in parts  # not eager: layers not clocked
+    # sleeping is wall time, not CPU time: the thread's CPU clock barely moves
+    assert 0.0 <= parts["rest_cpu_s"] < parts["rest_s"] / 2 and 0.0 <= parts["attention_cpu_s"] < parts["attention_s"] / 2
+    assert parts["step_involuntary_switches"] >= 0
+
+
+class BusyRunner(Runner):
+    """A runner whose rest of the model computes for 20 ms of its thread's CPU time."""
+
+    def execute_model(self):
+        super().execute_model()
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+
+
+def test_the_rests_cpu_time_counts_the_steps_own_work():
+    worker = SimpleNamespace(model_runner=BusyRunner(layers=1))
+    forward_clocks.install(worker)
+    worker.model_runner.execute_model()
+    parts = forward_clocks.take(worker)
+    assert 0.02 <= parts["rest_cpu_s"] <= parts["rest_s"] + 1e-3
+    assert parts["step_cpu_s"] == pytest.approx(parts["rest_cpu_s"] + parts["attention_cpu_s"] + parts["metadata_cpu_s"])
 
 
 def test_an_eager_run_clocks_the_attention_layers_whole_calls():

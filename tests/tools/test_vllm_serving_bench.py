@@ -82,7 +82,8 @@ def clocked_run(rate: float, rest_s: float, layers: tuple[float, float] | None, 
     """A run whose one trace ("a") carries the worker's forward clocks; ``layers``: (layer_s,
     outside_layers_s) where the layers were clocked."""
     run = fake_run({"a": rate}, [[1]], vattn)
-    clocks = {"attention_s": 1.0, "metadata_s": 0.1, "rest_s": rest_s, "step_s": 1.1 + rest_s}
+    clocks = {"attention_s": 1.0, "metadata_s": 0.1, "rest_s": rest_s, "step_s": 1.1 + rest_s,
+              "rest_cpu_s": rest_s / 2, "step_involuntary_switches": 3}
     if layers:
         clocks |= {"layer_s": layers[0], "outside_layers_s": layers[1]}
     run["phases"]["a"]["forward_clocks"] = [clocks]
@@ -96,6 +97,8 @@ def test_the_forward_parts_are_compared_within_each_round_and_the_layers_where_c
     assert row["stock_forward_s_rounds"]["outside_layers_s"] == [1.8, 3.6]
     assert row["forward_rest_vattn_over_stock"]["per_round"] == [0.5, 0.75]  # vattn / stock, round by round
     assert row["forward_outside_layers_vattn_over_stock"]["per_round"] == [0.5, 0.75]
+    assert row["forward_rest_cpu_vattn_over_stock"]["per_round"] == [0.5, 0.75]  # the rest in CPU time too
+    assert row["stock_forward_s_rounds"]["step_involuntary_switches"] == [3, 3]
     runs["stock-again"] = [clocked_run(10.0, 1.0, (1.2, 0.9)), clocked_run(10.0, 2.0, (1.2, 3.6))]
     row = vllm_serving.summarize(runs, ("a",), "stock", low_precision=False)["a"]  # the A/A engine's parts too
     assert row["forward_rest_stock-again_over_stock"]["per_round"] == [0.5, 0.5]
