@@ -6,6 +6,8 @@ benchmarks/attention_ab.py's (the GPU-first A/B of the vattn cache against
 paged kernels); this script adds the CPU kernels.
 
     python benchmarks/attention_host.py            # the grid below, ~15 minutes on 2 CPU cores
+    # only the host kernel against vLLM's (the SDPA baselines' copies outgrow 24 GiB in fp32)
+    PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/attention_host.py --kernels host,vllm
     python benchmarks/attention_host.py --quick    # a smoke run
     # with vLLM's kernel: run it with vLLM's interpreter on this checkout
     PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/attention_host.py
@@ -90,6 +92,9 @@ def padded_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torc
         return out.transpose(1, 2).reshape(n * q_len, case.heads_q, case.head_dim)
 
     return {"padded": run}
+
+
+FAMILIES = {"vattn": sdpa_kernels, "host": host_kernels, "padded": padded_kernels}  # vllm's: when installed
 
 
 def vllm_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, reqids: list[int], length: int, block: int,
@@ -181,6 +186,10 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=1 << 11, help="largest batch x ctx measured in prefill")
     p.add_argument("--blocks", type=ints, default=[16], help="block sizes (tokens) of the paged baselines (0: none)")
     p.add_argument("--vllm-block", type=int, default=128, help="tokens per block of vLLM's paged cache")
+    p.add_argument("--kernels", type=lambda s: s.split(","), default=list(FAMILIES) + ["vllm"],
+                   help="kernels to time, comma-separated, of " + ", ".join([*FAMILIES, "vllm"]) +
+                        " (the SDPA baselines hold dense or fp32 copies: a Llama-3-8B fp32 grid needs more "
+                        "than 24 GiB with them)")
     p.add_argument("--min-seconds", type=float, default=0.3)
     p.add_argument("--flush-mb", type=int, default=0,
                    help="MiB written before every timed call (0: warm, back-to-back calls); results go to "
@@ -200,13 +209,16 @@ def main() -> None:
     args.models = [args.model]  # attention_ab's grid walks models
     shape = model_shape(args.model)
 
+    unknown = sorted(set(args.kernels) - {*FAMILIES, "vllm"})
+    if unknown:
+        p.error(f"--kernels: {', '.join(unknown)} unknown (choose from {', '.join([*FAMILIES, 'vllm'])})")
     families: list[Callable[[Case, list[int]], dict[str, Callable[[], torch.Tensor]]]] = [
-        sdpa_kernels, host_kernels, padded_kernels]
+        FAMILIES[k] for k in FAMILIES if k in args.kernels]
     skipped = []
-    why_not = vllm_available()
+    why_not = vllm_available() if "vllm" in args.kernels else None
     if why_not:
         skipped.append(f"vllm: {why_not}")
-    else:
+    elif "vllm" in args.kernels:
         families.append(functools.partial(vllm_kernels, block=args.vllm_block))
 
     flush = torch.zeros(args.flush_mb << 18) if args.flush_mb > 0 else None
@@ -263,7 +275,8 @@ def plot(rows: list[dict], name: str) -> None:
     if any("host" in r["ms"] for r in rows):
         if any("vllm_over" in r for r in rows):
             panels.append(("vLLM kernel time / host kernel time", lambda r: r.get("vllm_over", {}).get("host"), None))
-        panels.append(("SDPA time / host kernel time", None, ("vattn", "padded")))
+        if any(k in r["ms"] for r in rows for k in ("vattn", "padded")):
+            panels.append(("SDPA time / host kernel time", None, ("vattn", "padded")))
     if any(r.get("paged_over_vattn") for r in rows):
         panels.append(("paged gather time / vattn SDPA time", None, None))
     fig, axes = plt.subplots(len(panels), len(phases), figsize=(6.5 * len(phases), 3.8 * len(panels)),
