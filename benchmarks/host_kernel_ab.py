@@ -92,7 +92,8 @@ def build(tree: Path, name: str, out: Path) -> Path:
     kernel_flags = getattr(setup, "KERNEL_FLAGS", [])  # (trees before it had none)
     # as setup.py builds it: Python's CFLAGS first (-fwrapv among them), then the extension's, then the unit's
     python_flags = (sysconfig.get_config_var("CFLAGS") or "").split()
-    common = [*python_flags, "-std=c++17", "-O3", *kernel_flags, "-fPIC", "-fvisibility=hidden", f"-Dvattn={name}_ns", f"-D_cpu_attn={name}",
+    common = [*python_flags, "-std=c++17", "-O3", *kernel_flags, "-fPIC", "-fvisibility=hidden",
+              f"-Dvattn={name}_ns", f"-D_cpu_attn={name}",
               f"-I{tree / 'csrc' / 'cpu_attn'}", f"-I{tree / 'csrc'}", f"-I{tree / 'csrc' / 'cuda_vmm'}", f"-I{pybind11.get_include()}",
               f"-I{sysconfig.get_paths()['include']}"]
     sources = [tree / s for s in setup.CPU_ATTN_SOURCES]

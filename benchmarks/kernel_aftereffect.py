@@ -125,11 +125,12 @@ def main() -> None:
         finally:
             case.close()
         rows.append(row)
-        print(f"[{n}/{len(points)} {time.perf_counter() - started:5.0f}s] {point_label(row).replace(chr(10), ' ')}: kernels "
+        label = point_label(row).replace("\n", " ")
+        print(f"[{n}/{len(points)} {time.perf_counter() - started:5.0f}s] {label}: kernels "
               f"{row['kernel_us']} us, the rest after each {row['rest_us']} us", flush=True)
         print(f"    {describe_ratio('rest after vllm / after vattn', row['rest_after_vllm_over_after_host'])}")
-        print(f"    {describe_ratio('A/A: after vllm / after vllm again', row['aa_rest_after_vllm_over_after_vllm_again'])}",
-              flush=True)
+        aa = row["aa_rest_after_vllm_over_after_vllm_again"]
+        print(f"    {describe_ratio('A/A: after vllm / after vllm again', aa)}", flush=True)
     payload = {"benchmark": "kernel_aftereffect", "machine": machine(),
                "commit": git_revision(ROOT), "vllm": __import__("vllm").__version__,
                "model": "small-8q2kv", "rest": {"hidden": HIDDEN, "intermediate": INTERMEDIATE},

@@ -52,7 +52,8 @@ def _involuntary_switches() -> int:
     return resource.getrusage(RUSAGE_THREAD).ru_nivcsw if RUSAGE_THREAD is not None else 0
 
 
-def _timed(clocks: dict[str, float], part: str, method: Callable[..., Any], switches: bool = False) -> Callable[..., Any]:
+def _timed(clocks: dict[str, float], part: str, method: Callable[..., Any],
+           switches: bool = False) -> Callable[..., Any]:
     """``method`` adding its seconds to ``clocks[part + "_s"]``, its thread's CPU seconds to
     ``part + "_cpu_s"``, its calls to ``part + "_calls"`` and, with ``switches``, the times its thread was
     taken off its core to ``part + "_involuntary_switches"``."""
