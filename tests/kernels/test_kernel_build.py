@@ -28,7 +28,7 @@ def kernel_flags() -> list[str]:
     return setup.KERNEL_FLAGS
 
 
-@pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm to list the extension's symbols")
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm: binutils' nm lists the extension's symbols")
 def test_every_kernel_function_starts_on_a_cache_line():
     listing = subprocess.run(["nm", "--defined-only", "-C", cpu_attn.__file__], capture_output=True, text=True,
                              check=True).stdout
@@ -39,7 +39,7 @@ def test_every_kernel_function_starts_on_a_cache_line():
     assert not misplaced, f"{len(misplaced)} of {len(kernel)} kernel functions off a 64-byte line: {misplaced[:3]}"
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++, the compiler setup.py builds the kernel with")
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++: the compiler setup.py builds the kernel with")
 def test_signed_overflow_is_undefined_in_the_kernel_units_despite_pythons_cflags(tmp_path):
     # x + 1 > x folds to true only where signed overflow is undefined; under -fwrapv it must be computed
     probe = tmp_path / "probe.cpp"
