@@ -25,18 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from typing import Any
 
 import torch
 from attention_ab import Case, model_shape
-from attention_host import vllm_available
 from harness import (RESULTS, ROOT, describe_ratio, draw, git_revision, machine, machine_slug, point_label, pyplot,
                      ratio_summary, save_plot, write_json)
 from host_kernel_ab import parse_point
-from kernel_vs_vllm import KERNELS, kernels
+from kernel_vs_vllm import KERNELS, beside_vllm, kernels
 
 HIDDEN, INTERMEDIATE = 512, 1024  # benchmarks/vllm_serving.py's long model (vattn.cli.make_model: 2 x hidden)
 
@@ -102,14 +100,7 @@ def main() -> None:
     if args.replot:
         plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
         return
-    why = vllm_available()
-    if why:
-        raise SystemExit(f"kernel_aftereffect needs vLLM's CPU build: {why} (run it with vLLM's interpreter, "
-                         "e.g. PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/kernel_aftereffect.py)")
-    if args.threads < 1:
-        raise SystemExit(f"--threads must be at least 1, got {args.threads}")
-    os.environ["VATTN_CPU_ATTN_THREADS"] = str(args.threads)  # read at the kernel's first call
-    torch.set_num_threads(args.threads)
+    beside_vllm("kernel_aftereffect", args.threads)
     shape = model_shape("small-8q2kv")
     rows, started = [], time.perf_counter()
     points = [parse_point(spec) for spec in args.points.split(",")]

@@ -58,6 +58,19 @@ def kernels(case: Case, block: int) -> dict[str, Callable[[], torch.Tensor]]:
             "vllm_again": vllm_kernels(case, [], block)["vllm"]}
 
 
+def beside_vllm(script: str, threads: int) -> None:
+    """Refuses to go on without vLLM's CPU build (naming ``script``, the benchmark asking), and runs both
+    kernels, vattn's and torch's (vLLM's) OpenMP threads, on ``threads`` threads."""
+    why = vllm_available()
+    if why:
+        raise SystemExit(f"{script} needs vLLM's CPU build: {why} (run it with vLLM's interpreter, "
+                         f"e.g. PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/{script}.py)")
+    if threads < 1:
+        raise SystemExit(f"--threads must be at least 1, got {threads}")
+    os.environ["VATTN_CPU_ATTN_THREADS"] = str(threads)  # read at the kernel's first call
+    torch.set_num_threads(threads)
+
+
 def measure(case: Case, block: int, rounds: int, flush: torch.Tensor) -> dict[str, Any]:
     """Per-round times (us) of the three calls, cold and warm, and the ratios'
     summaries; ``rounds`` fewer where one call takes over 20 ms."""
@@ -106,14 +119,7 @@ def main() -> None:
     if args.replot:
         plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
         return
-    why = vllm_available()
-    if why:
-        raise SystemExit(f"kernel_vs_vllm needs vLLM's CPU build: {why} (run it with vLLM's interpreter, "
-                         "e.g. PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/kernel_vs_vllm.py)")
-    if args.threads < 1:
-        raise SystemExit(f"--threads must be at least 1, got {args.threads}")
-    os.environ["VATTN_CPU_ATTN_THREADS"] = str(args.threads)  # read at the kernel's first call
-    torch.set_num_threads(args.threads)
+    beside_vllm("kernel_vs_vllm", args.threads)
     shape = model_shape(args.model)
     points = [parse_point(spec) for spec in args.points.split(",")]
     flush = torch.zeros(args.flush_mb << 18)

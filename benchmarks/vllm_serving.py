@@ -43,7 +43,8 @@ interval of that median and a verdict: "within noise" where the interval
 holds 1.0 (docs/benchmarks.md, "Reading an A/B"); where each engine's
 forwards spent their time, by clocks in the worker (workloads/forward_clocks.py:
 attention, attention metadata, the rest, with the rest's vattn / stock per
-round, which should hold 1.0, and the A/A engine's against itself beside it); page faults and modules imported during each
+round, which should hold 1.0, and the A/A engine's against itself beside it,
+in wall and CPU time); page faults and modules imported during each
 trace (first-use costs); mean and median time to
 first token (all requests arrive at once, so it includes
 queueing), and KV bytes in use over time: stock = blocks held by requests x
@@ -276,7 +277,7 @@ def summarize(runs: dict[str, list[dict]], traces: tuple[str, ...], aa: str | No
         row["ratios"] = {f"{num} / {den}": pair_ratio(runs, num, den, trace) for num, den in ratio_pairs(engines, aa)}
         # what both engines share, which vattn should leave as it is: its time within each round against
         # stock's, and the A/A engine's against itself (how far those parts move with no change at all)
-        for num, den in (("vattn", "stock"), (f"{aa}-again", aa)) if aa else (("vattn", "stock"),):
+        for num, den in [("vattn", "stock")] + ([(f"{aa}-again", aa)] if aa else []):
             num_parts, den_parts = row.get(f"{num}_forward_s_rounds"), row.get(f"{den}_forward_s_rounds")
             if num_parts is None or den_parts is None:
                 continue

@@ -408,15 +408,15 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // 8-float vectors, so that the next tile's lines, requested while this one computes (below), sit in L1 or L2
   // beside it: 16 KiB, or 32 KiB where a token takes at most 256 B (a tile of 128 keys). Against 64 KiB,
   // alone: 1.04-1.21x on fp32 and bf16 decode of 4 q / 2 kv heads of 128 (1 KiB and 512 B per token; 4-16
-  // requests of 256-512 tokens, K/V from memory) in an in-process sweep on a 2-core AVX2 VM. On that VM's
-  // AVX-512 BF16 sibling, forced to the AVX2 path, bf16 decode of 8 q / 2 kv heads of 64 (256 B) read
-  // 0.94-0.96x c355c6f's 64 KiB with 16 KiB tiles and about level with 32 KiB. On 16-float vectors the
-  // tiles stay at 64 KiB: against 32 KiB, fp32 decode of 8 q / 2 kv heads of 64 at B=8 ctx 4096 and of
-  // 4 q / 2 kv heads of 128 at B=8 ctx 2048 ran 1.02-1.06x as fast, the other decode points 0.99-1.02x
-  // (within noise; benchmarks/host_kernel_ab.py, one thread, medians of per-round ratios, on a 2-core
-  // AVX-512 BF16 EPYC, results host_kernel_ab_avx512_cold64k_*; docs/kernels.md). Earlier tile choices here were measured before the kernel units aligned their
-  // functions (setup.py KERNEL_FLAGS), when a hot loop's place against the fetch windows moved with each
-  // build.
+  // requests of 256-512 tokens, K/V from memory) in an in-process sweep on a 2-core AVX2 VM. On a 2-core
+  // AVX-512 BF16 EPYC forced to the AVX2 path, bf16 decode of 8 q / 2 kv heads of 64 (256 B) read 0.94-0.96x
+  // c355c6f's 64 KiB with 16 KiB tiles, and 1.00-1.02x with 32 KiB once the units aligned their functions
+  // (setup.py KERNEL_FLAGS); 32 KiB for every item there read 0.93-0.98x against this rule on fp32 decode of
+  // 4 q / 2 kv heads of 128. On 16-float vectors the tiles stay at 64 KiB: against 32 KiB, fp32 decode of
+  // 8 q / 2 kv heads of 64 at B=8 ctx 4096 and of 4 q / 2 kv heads of 128 at B=8 ctx 2048 ran 1.02-1.06x as
+  // fast, the other decode points 0.99-1.02x (within noise). All: benchmarks/host_kernel_ab.py, one thread,
+  // medians of per-round ratios (results host_kernel_ab_avx2_since_c355c6f_*, _avx512_cold64k_*;
+  // docs/kernels.md).
   const bool cold_narrow = W < 16 && !widen && !wide_rows && c.beyond_l2;
   const int64_t cold_narrow_bytes = int64_t{token_bytes <= 256 ? 32 : 16} << 10;
   const int64_t tile =
