@@ -57,6 +57,7 @@ constexpr int kItemsPerThread = 4;       // splitting aims at this many items pe
 constexpr double kMinThreadWork = 96 * 1024;
 
 std::atomic<uint64_t> call_counts[kNumIsas];  // completed attention() calls per ISA, since the module loaded
+std::atomic<uint64_t> packed_value_bytes{0};   // values packed (PackedValues), since the module loaded
 
 std::string shape_str(const TensorRef& t) {
   std::ostringstream s;
@@ -251,6 +252,88 @@ class SplitBuffers {
 };
 thread_local SplitBuffers split_buffers;
 
+// ---- values packed once per call -------------------------------------------------------
+
+// The most a call packs: requests past it keep widening their V tiles in every block.
+constexpr int64_t kMaxPackedBytes = int64_t{64} << 20;
+constexpr int64_t kPackTokens = 256;  // tokens of one kv head per packing task
+
+struct PackTask {
+  int32_t req, head;
+  int64_t t0, t1;
+  float* dst;
+};
+
+struct PackJob {
+  const Call* call;
+  const KernelTable* kernels;
+  const PackTask* tasks;
+};
+
+void run_pack_task(void* ctx, int64_t index, float*) {
+  const PackJob& job = *static_cast<const PackJob*>(ctx);
+  const PackTask& t = job.tasks[index];
+  job.kernels->widen_values(*job.call, t.req, t.head, t.t0, t.t1, t.dst);
+}
+
+// The packed values of the calling thread's calls: grown on demand, reused by its later calls.
+struct PackBuffers {
+  std::unique_ptr<float[]> values;
+  size_t capacity = 0;
+  std::vector<PackedValues> per_request;
+  std::vector<PackTask> tasks;
+};
+thread_local PackBuffers pack_buffers;
+
+// Packs the values of the requests with several query blocks (Schedule::multi_block_requests) where
+// their blocks would otherwise widen or copy every V tile they read, up to kMaxPackedBytes in all, on
+// the pool; returns Call::packed_values, or null where nothing was packed. Each kv head of such a
+// request is read by all of its blocks: packing reads its values once, where each block's copies
+// read them once per block (fp32 prefill of a 2048-token prompt with 8 kv heads of 128: 128 blocks).
+// The AMX tiles pack bf16 tiles of their own and are left to do so.
+const PackedValues* pack_values(const BatchPlan& plan, const Call& c, const Schedule& sched, Isa isa,
+                                const KernelTable* kernels, ThreadPool& pool) {
+  if (sched.multi_block_requests.empty()) return nullptr;
+  const int64_t token_bytes = c.v_cache.strides[1] * element_size(c.v_cache.dtype);
+  if (!values_copied(c.v_cache.dtype, token_bytes)) return nullptr;
+  if (isa == Isa::kAmx && c.v_cache.dtype == DType::kBF16) return nullptr;
+  const std::vector<Request>& requests = plan.requests();
+  PackBuffers& b = pack_buffers;
+  b.per_request.assign(requests.size(), PackedValues{});
+  b.tasks.clear();
+  // first the sizes, then one buffer for all
+  int64_t floats = 0;
+  std::vector<std::pair<int32_t, int64_t>> packed;  // (request, first token)
+  for (int32_t i : sched.multi_block_requests) {
+    const Request& r = requests[i];
+    const int64_t first = c.window > 0 ? std::max<int64_t>(0, r.cached_len - c.window + 1) : 0;
+    const int64_t size = (r.cached_len + r.query_len - first) * c.num_heads_kv * c.head_dim;
+    if ((floats + size) * static_cast<int64_t>(sizeof(float)) > kMaxPackedBytes) continue;
+    packed.emplace_back(i, first);
+    floats += size;
+  }
+  if (packed.empty()) return nullptr;
+  if (static_cast<size_t>(floats) > b.capacity) {
+    b.values.reset(new float[floats]);
+    b.capacity = static_cast<size_t>(floats);
+  }
+  float* at = b.values.get();
+  for (const auto& [i, first] : packed) {
+    const Request& r = requests[i];
+    const int64_t tokens = r.cached_len + r.query_len - first;
+    b.per_request[i] = PackedValues{at, first, tokens * c.head_dim};
+    for (int32_t h = 0; h < c.num_heads_kv; ++h)
+      for (int64_t t0 = first; t0 < first + tokens; t0 += kPackTokens)
+        b.tasks.push_back(PackTask{i, h, t0, std::min(first + tokens, t0 + kPackTokens),
+                                   at + h * tokens * c.head_dim + (t0 - first) * c.head_dim});
+    at += tokens * c.num_heads_kv * c.head_dim;
+  }
+  PackJob job{&c, kernels, b.tasks.data()};
+  pool.run(static_cast<int64_t>(b.tasks.size()), run_pack_task, &job, 0, sched.threads);
+  packed_value_bytes.fetch_add(static_cast<uint64_t>(floats) * sizeof(float), std::memory_order_relaxed);
+  return b.per_request.data();
+}
+
 // Bytes of L2 cache a core has (sysconf; 1 MiB where the C library cannot tell).
 int64_t l2_bytes_per_core() {
   static const int64_t bytes = [] {
@@ -339,6 +422,7 @@ std::shared_ptr<const Schedule> BatchPlan::schedule(int32_t group_size, int32_t 
     const Request& r = requests_[i];
     const bool decode = r.query_len * group_size <= kDecodeRows;
     const int64_t blocks = decode ? 1 : (r.query_len + block - 1) / block;
+    if (blocks > 1) sched->multi_block_requests.push_back(static_cast<int32_t>(i));
     const int64_t per_block = (r.query_len + blocks - 1) / blocks;  // balanced blocks
     for (int64_t q0 = 0; q0 < r.query_len; q0 += per_block) {
       const int64_t q1 = std::min(r.query_len, q0 + per_block);
@@ -433,6 +517,7 @@ Isa attention(const BatchPlan& plan, Call c, const TensorRef* k_new, const Tenso
   }
   const int64_t kv_bytes = 2 * plan.total_seq_len() * c.num_heads_kv * c.head_dim * element_size(c.k_cache.dtype);
   c.beyond_l2 = kv_bytes > l2_bytes_per_core() * sched->threads;
+  c.packed_values = pack_values(plan, c, *sched, isa, kernels_of(isa), pool);
   Job job{&c, kernels_of(isa), sched.get(), remaining};
   pool.run(static_cast<int64_t>(sched->items.size()), run_task, &job,
            scratch_floats(sched->max_rows, sched->max_rows_per_head, c.head_dim), sched->threads);
@@ -441,6 +526,8 @@ Isa attention(const BatchPlan& plan, Call c, const TensorRef* k_new, const Tenso
 }
 
 uint64_t calls(Isa isa) { return call_counts[static_cast<int>(isa)].load(std::memory_order_relaxed); }
+
+uint64_t packed_bytes() { return packed_value_bytes.load(std::memory_order_relaxed); }
 
 // ---- ISA choice -----------------------------------------------------------------------
 

@@ -43,6 +43,8 @@ struct Schedule {
   int64_t max_rows = 0;           // of any item, all its heads
   int32_t max_rows_per_head = 0;  // of any item
   int threads = 1;                // threads worth running it on (at most the pool's)
+  // requests whose queries make several blocks: each of their kv heads' values is read by several items
+  std::vector<int32_t> multi_block_requests;
 };
 
 // One forward's requests (vattn.attention.AttentionBatch), validated once and
@@ -78,6 +80,8 @@ Isa attention(const BatchPlan& plan, Call call, const TensorRef* k_new, const Te
 // Completed attention() calls that ran on `isa`, in this process (so a
 // framework's run can show that its layers went through this kernel).
 uint64_t calls(Isa isa);
+// Bytes of values packed for blocks of many rows (PackedValues) by the calls so far, in this process.
+uint64_t packed_bytes();
 
 // ---- ISA choice ---------------------------------------------------------------
 

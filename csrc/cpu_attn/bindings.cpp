@@ -114,6 +114,7 @@ py::dict info() {
   py::dict counts;
   for (int i = 0; i < kNumIsas; ++i) counts[isa_name(static_cast<Isa>(i))] = calls(static_cast<Isa>(i));
   d["calls"] = counts;
+  d["packed_value_bytes"] = packed_bytes();
   d["threads"] = pool_threads();
   d["pool"] = pool_kind();
   d["note"] = note;
@@ -151,5 +152,5 @@ PYBIND11_MODULE(_cpu_attn, m) {
   py::tuple dtypes(kNumDTypes);
   for (int i = 0; i < kNumDTypes; ++i) dtypes[i] = torch_dtype_name(static_cast<DType>(i));
   m.attr("DTYPES") = dtypes;
-  m.def("info", &info, "ISA chosen and supported, thread pool size, calls run per ISA.");
+  m.def("info", &info, "ISA chosen and supported, thread pool size, calls run per ISA, bytes of values packed.");
 }

@@ -10,7 +10,7 @@
 // This header is plain data shared by the generic code and every ISA unit:
 // no standard-library templates cross into the ISA units (they are compiled
 // with other target flags, and a template instantiated there could be the
-// copy the linker keeps for everyone).
+// copy the linker keeps for everyone); its functions are static, a copy per unit.
 #pragma once
 
 #include <cstdint>
@@ -59,6 +59,22 @@ struct WorkItem {
   int32_t partial;   // where a split item leaves its partial result
 };
 
+// The values of one request, widened once per call into fp32 rows [kv head][token][d] (attention.cpp
+// decides which requests): blocks of many rows then read V tiles there in place instead of widening
+// (or copying) each tile again in every block.
+struct PackedValues {
+  const float* data = nullptr;  // token first_token of kv head 0; null: this request is not packed
+  int64_t first_token = 0;
+  int64_t head_stride = 0;      // floats from one kv head's rows to the next's
+};
+
+// Whether blocks of many rows copy each V tile they read (run_item_typed): a 16-bit cache is widened
+// to fp32, and fp32 tokens a multiple of 1 KiB apart (8 kv heads of 128: 4 KiB) are copied, because
+// such rows share L1 sets and would evict each other between a block's re-reads of the tile.
+static inline bool values_copied(DType dtype, int64_t token_stride_bytes) {
+  return dtype != DType::kF32 || token_stride_bytes % 1024 == 0;
+}
+
 // Everything a kernel needs for one call. Plain pointers: the ISA units see
 // no containers.
 struct Call {
@@ -77,6 +93,8 @@ struct Call {
   float* partial_max = nullptr;
   float* partial_sum = nullptr;
   int32_t rows_per_partial = 0;
+  // per request, or null: values packed for this call
+  const PackedValues* packed_values = nullptr;
 };
 
 // Keys per tile. Prefill blocks (many rows per kv head share each K/V load)
@@ -92,7 +110,7 @@ struct Call {
 // host_kernel_ab.py single-threaded on a 2-core AVX-512 VM).
 constexpr int32_t kMaxKeyTile = 128;
 constexpr int32_t kPrefillKeyTile = 64;
-inline int32_t key_tile(int32_t rows_per_head, int64_t token_bytes, int64_t max_bytes) {
+static inline int32_t key_tile(int32_t rows_per_head, int64_t token_bytes, int64_t max_bytes) {
   if (rows_per_head > 16) return kPrefillKeyTile;
   int32_t tile = kMaxKeyTile;
   while (tile > 8 && tile * token_bytes > max_bytes) tile /= 2;
@@ -102,7 +120,7 @@ inline int32_t key_tile(int32_t rows_per_head, int64_t token_bytes, int64_t max_
 // Floats of per-thread scratch for an item of `rows` rows in all
 // (kv heads x rows_per_head) and head dim `d`. Non-decreasing in each
 // argument, so the maxima over a schedule's items bound every item.
-inline int64_t scratch_floats(int64_t rows, int32_t rows_per_head, int32_t d) {
+static inline int64_t scratch_floats(int64_t rows, int32_t rows_per_head, int32_t d) {
   // q, acc: rows x d; scores: rows (decode: every head's) or rows_per_head rounded up to 16,
   // x tile; max, sum, alpha: rows, or for blocks of more than 8 rows a head each head's rows
   // rounded up to a whole vector (at most 16 floats, under twice the rows from 9 rows on);
@@ -121,6 +139,9 @@ struct KernelTable {
   int32_t vector_floats;  // floats per vector register; head_dim must be a multiple
   // Runs one item; `scratch` holds scratch_floats(rows, D) floats.
   void (*run_item)(const Call& call, const WorkItem& item, float* scratch);
+  // Widens the values of tokens [t0, t1) of kv head `head` of request `req` into fp32 rows of head_dim
+  // floats at dst (PackedValues).
+  void (*widen_values)(const Call& call, int32_t req, int32_t head, int64_t t0, int64_t t1, float* dst);
 };
 
 // Defined by each ISA unit; null where the unit was built for another architecture.

@@ -193,8 +193,8 @@ template <class T>
 inline void prefetch_tokens(const T* first, int64_t ld, int64_t n, int64_t bytes) {
   for (int64_t t = 0; t < n; ++t) {
     const char* p = reinterpret_cast<const char*>(first + t * ld);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
-    __builtin_prefetch(p + bytes - 1, 0, 3);
+    const char* line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63});
+    for (; line < p + bytes; line += 64) __builtin_prefetch(line, 0, 3);
   }
 }
 
@@ -452,6 +452,8 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // bf16 queries over a bf16 cache, outside the AMX tiles: Q K^T by VDPBF16PS on the queries as they are
   const bool dot = kDot && IsBf16<T>::value && !tiles && c.q.dtype == DType::kBF16 && d % 32 == 0;
   bf16* q_bf16 = reinterpret_cast<bf16*>(q);  // [nh][rows][d], unscaled
+#else
+  constexpr bool dot = false;
 #endif
   for (int h = 0; h < nh; ++h)
     for (int j = 0; j < nq; ++j)
@@ -502,7 +504,12 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // would share L1 sets and evict each other between re-reads. Against the copy, fp32 prefill of 8 q / 2 kv
   // heads of 64 ran 1.03x as fast on a 2-core AVX-512 EPYC (medians of per-round ratios, intervals 1.01-1.06),
   // an A/A pair of equal builds 0.98-1.01x (benchmarks/host_kernel_ab.py, results host_kernel_ab_v_in_place*).
-  const bool v_in_place = lanes && IsFloat<T>::value && (ldv * static_cast<int64_t>(sizeof(T))) % 1024 != 0;
+  const bool v_in_place = lanes && !values_copied(vc.dtype, ldv * static_cast<int64_t>(sizeof(T)));
+  // Where a prompt makes several blocks, the call packs its values once instead (Call::packed_values) and
+  // the tile is read there in place: against copying each tile in every block, fp32 prefill of a 2048-token
+  // prompt with 8 kv heads of 128 ran 1.04x as fast (docs/kernels.md).
+  const PackedValues* packed = lanes && c.packed_values ? &c.packed_values[it.req] : nullptr;
+  const float* v_packed = packed ? packed->data : nullptr;  // token packed->first_token of kv head 0
 #ifdef VATTN_AMX_BF16
   // Prefill blocks of a bf16 cache (one kv head) go through the tiles: K and V
   // tiles packed into the widening buffers, Q (once) and P (per tile) in bf16.
@@ -551,9 +558,15 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
       }
     for (int h = 0; h < nh; ++h) {
       const int64_t p0 = imin(n_next, h * per_head), p1 = imin(n_next, p0 + per_head);
+      // this head's packed values (nh is 1 where the call packs: blocks of several query blocks take one kv head)
+      const float* vp = v_packed ? v_packed + (it.head_begin + h) * packed->head_stride + (k0 - packed->first_token) * d
+                                 : nullptr;  // token k0
       if (widen && p1 > p0) {  // a prefill block's burst
         prefetch_tokens(k_heads + (next + p0) * ldk, ldk, p1 - p0, k_span);
-        prefetch_tokens(v_heads + (next + p0) * ldv, ldv, p1 - p0, v_span);
+        if (vp)
+          prefetch_tokens(vp + (n + p0) * d, d, p1 - p0, d * static_cast<int64_t>(sizeof(float)));
+        else
+          prefetch_tokens(v_heads + (next + p0) * ldv, ldv, p1 - p0, v_span);
       }
       const T* kt = k_heads + k0 * ldk + h * kc.strides[2];
       const T* vt = v_heads + k0 * ldv + h * vc.strides[2];
@@ -563,6 +576,8 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
       float* alh = alpha + h * ld_rows;
       float* s = widen ? s_all : s_all + h * rows * kMaxKeyTile;  // this head's scores
       if (lanes) {
+        // a tile that every row sees whole, uncapped: Q K^T leaves each row's max in alh (softmax_lanes)
+        const bool tile_max = !dot && c.softcap == 0.0f && !tile_masked(n, k0, rows, G, first_pos, c.window);
 #ifdef VATTN_BF16_DOT
         if (dot)
           qk_lanes_dot(reinterpret_cast<const uint32_t*>(qt) + h * d * ld_rows, ld_rows, lane_vecs,
@@ -571,14 +586,14 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
 #endif
         if (IsFloat<T>::value && lane_vecs <= kLaneVecs) {  // each K element is read once: no copy
           qk_lanes(qt + h * d * ld_rows, ld_rows, lane_vecs, reinterpret_cast<const float*>(kt), ldk, n, d, s,
-                   ld_rows);
+                   ld_rows, tile_max ? alh : nullptr);
         } else {
           widen_rows(kt, ldk, n, d, k_wide);
-          qk_lanes(qt + h * d * ld_rows, ld_rows, lane_vecs, k_wide, d, n, d, s, ld_rows);
+          qk_lanes(qt + h * d * ld_rows, ld_rows, lane_vecs, k_wide, d, n, d, s, ld_rows, tile_max ? alh : nullptr);
         }
         if (c.softcap > 0.0f) softcap_lanes(s, ld_rows, n, lane_vecs, c.softcap);
         mask_lanes(s, ld_rows, n, k0, rows, G, first_pos, c.window);
-        softmax_lanes(s, ld_rows, n, lane_vecs, mh, lh, alh);
+        softmax_lanes(s, ld_rows, n, lane_vecs, mh, lh, alh, tile_max);
       } else {
 #ifdef VATTN_AMX_BF16
         if (tiles) {
@@ -604,7 +619,9 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
       } else
 #endif
       if (lanes) {
-        if (v_in_place) {
+        if (vp) {
+          pv<float>(s, 1, ld_rows, alh, rows, vp, d, n, d, ah, d);
+        } else if (v_in_place) {
           pv<float>(s, 1, ld_rows, alh, rows, reinterpret_cast<const float*>(vt), ldv, n, d, ah, d);
         } else {
           widen_rows(vt, ldv, n, d, v_wide);
@@ -641,6 +658,16 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
             l[hm] == 0.0f ? kNegInf : m[hm] + ::logf(l[hm]);
     }
   }
+}
+
+void widen_values(const Call& c, int32_t req, int32_t head, int64_t t0, int64_t t1, float* dst) {
+  const TensorRef& vc = c.v_cache;
+  with_storage_type(vc.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const T* src = reinterpret_cast<const T*>(vc.data) + c.requests[req].reqid * vc.strides[0] + t0 * vc.strides[1] +
+                   head * vc.strides[2];
+    widen_rows(src, vc.strides[1], t1 - t0, c.head_dim, dst);
+  });
 }
 
 template <bool kDot>

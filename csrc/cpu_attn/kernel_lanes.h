@@ -24,8 +24,10 @@ constexpr float kMaxFinite = 3.40282347e38f;
 constexpr int kLaneKeys = 4;
 constexpr int kLaneVecs = Vec::kRegisters >= 32 ? 4 : 2;
 
+// colmax (null: not kept): each vector of rows' running max over the keys, raised by this block's scores
 template <int MT, int NR>
-inline void qkt_block(const float* qt, int64_t ldqt, const float* k, int64_t ldk, int d, float* st, int64_t ldst) {
+inline void qkt_block(const float* qt, int64_t ldqt, const float* k, int64_t ldk, int d, float* st, int64_t ldst,
+                      float* colmax) {
   R acc[MT][NR];
   for (int t = 0; t < MT; ++t)
     for (int c = 0; c < NR; ++c) acc[t][c] = Vec::zero();
@@ -39,30 +41,42 @@ inline void qkt_block(const float* qt, int64_t ldqt, const float* k, int64_t ldk
   }
   for (int t = 0; t < MT; ++t)
     for (int c = 0; c < NR; ++c) Vec::store(st + t * ldst + c * W, acc[t][c]);
+  if (colmax)
+    for (int c = 0; c < NR; ++c) {
+      R mx = Vec::load(colmax + c * W);
+      for (int t = 0; t < MT; ++t) mx = Vec::max(mx, acc[t][c]);
+      Vec::store(colmax + c * W, mx);
+    }
 }
 
 template <int NR>
 inline void qkt_keys(const float* qt, int64_t ldqt, const float* k, int64_t ldk, int64_t n, int d, float* st,
-                     int64_t ldst) {
+                     int64_t ldst, float* colmax) {
   int64_t t = 0;
-  for (; t + kLaneKeys <= n; t += kLaneKeys) qkt_block<kLaneKeys, NR>(qt, ldqt, k + t * ldk, ldk, d, st + t * ldst, ldst);
+  for (; t + kLaneKeys <= n; t += kLaneKeys)
+    qkt_block<kLaneKeys, NR>(qt, ldqt, k + t * ldk, ldk, d, st + t * ldst, ldst, colmax);
   switch (n - t) {
-    case 3: qkt_block<3, NR>(qt, ldqt, k + t * ldk, ldk, d, st + t * ldst, ldst); break;
-    case 2: qkt_block<2, NR>(qt, ldqt, k + t * ldk, ldk, d, st + t * ldst, ldst); break;
-    case 1: qkt_block<1, NR>(qt, ldqt, k + t * ldk, ldk, d, st + t * ldst, ldst); break;
+    case 3: qkt_block<3, NR>(qt, ldqt, k + t * ldk, ldk, d, st + t * ldst, ldst, colmax); break;
+    case 2: qkt_block<2, NR>(qt, ldqt, k + t * ldk, ldk, d, st + t * ldst, ldst, colmax); break;
+    case 1: qkt_block<1, NR>(qt, ldqt, k + t * ldk, ldk, d, st + t * ldst, ldst, colmax); break;
     default: break;
   }
 }
 
-// st[t][r] = k[t] . q[r] for t < n and r < vecs * W (qt: [d][ldqt], rows padded with zeros)
+// st[t][r] = k[t] . q[r] for t < n and r < vecs * W (qt: [d][ldqt], rows padded with zeros); colmax (or
+// null): vecs * W floats that receive each row's max score over the n keys
 inline void qk_lanes(const float* qt, int64_t ldqt, int vecs, const float* k, int64_t ldk, int64_t n, int d,
-                     float* st, int64_t ldst) {
+                     float* st, int64_t ldst, float* colmax = nullptr) {
+  if (colmax)
+    for (int c = 0; c < vecs; ++c) Vec::store(colmax + c * W, Vec::set1(kNegInf));
+  auto at = [&](int vec) { return colmax ? colmax + vec * W : nullptr; };
   int c = 0;
-  for (; c + kLaneVecs <= vecs; c += kLaneVecs) qkt_keys<kLaneVecs>(qt + c * W, ldqt, k, ldk, n, d, st + c * W, ldst);
+  for (; c + kLaneVecs <= vecs; c += kLaneVecs)
+    qkt_keys<kLaneVecs>(qt + c * W, ldqt, k, ldk, n, d, st + c * W, ldst, at(c));
   switch (vecs - c) {
-    case 3: qkt_keys<3>(qt + c * W, ldqt, k, ldk, n, d, st + c * W, ldst); break;
-    case 2: qkt_keys<2>(qt + c * W, ldqt, k, ldk, n, d, st + c * W, ldst); break;
-    case 1: qkt_keys<1>(qt + c * W, ldqt, k, ldk, n, d, st + c * W, ldst); break;
+    case 3: qkt_keys<3>(qt + c * W, ldqt, k, ldk, n, d, st + c * W, ldst, at(c)); break;
+    case 2: qkt_keys<2>(qt + c * W, ldqt, k, ldk, n, d, st + c * W, ldst, at(c)); break;
+    case 1: qkt_keys<1>(qt + c * W, ldqt, k, ldk, n, d, st + c * W, ldst, at(c)); break;
     default: break;
   }
 }
@@ -129,14 +143,19 @@ inline void softcap_lanes(float* st, int64_t ldst, int64_t n, int vecs, float so
     }
 }
 
+// Whether some of the keys k0 .. k0 + n - 1 are hidden from some of the rows (mask_lanes)
+inline bool tile_masked(int64_t n, int64_t k0, int rows, int G, int64_t first_pos, int64_t window) {
+  const int64_t last_pos = first_pos + (rows - 1) / G;
+  const bool past_first = k0 + n - 1 > first_pos;                  // a key beyond the first row's position
+  const bool before_window = window > 0 && k0 <= last_pos - window;  // a key out of the last row's window
+  return past_first || before_window;
+}
+
 // Hides the keys k0 .. k0 + n - 1 from the rows that may not see them: row r is
 // query first_pos + r / G, which sees keys (pos - window, pos] (window 0: [0, pos]).
 inline void mask_lanes(float* st, int64_t ldst, int64_t n, int64_t k0, int rows, int G, int64_t first_pos,
                        int64_t window) {
-  const int64_t last_pos = first_pos + (rows - 1) / G;
-  const bool past_first = k0 + n - 1 > first_pos;                  // a key beyond the first row's position
-  const bool before_window = window > 0 && k0 <= last_pos - window;  // a key out of the last row's window
-  if (!past_first && !before_window) return;
+  if (!tile_masked(n, k0, rows, G, first_pos, window)) return;
   for (int64_t t = 0; t < n; ++t) {
     const int64_t key = k0 + t;
     // rows [lo, hi) see the key: pos >= key and (window: pos < key + window)
@@ -156,13 +175,19 @@ inline void mask_lanes(float* st, int64_t ldst, int64_t n, int64_t k0, int rows,
 // masked already) becomes P relative to the new running max; m, l and alpha (vecs * W
 // rows each) are updated as softmax_tile updates a row's. A row that has seen
 // no key keeps m = -inf, l = 0 (its P is 0: the shift is clamped to a finite
-// value); a NaN score makes the row's sum NaN, and m NaN from then on.
-inline void softmax_lanes(float* st, int64_t ldst, int64_t n, int vecs, float* m, float* l, float* alpha) {
+// value); a NaN score makes the row's sum NaN, and m NaN from then on. tile_max
+// true: alpha holds each row's max over the tile already (qk_lanes' colmax, of a
+// tile that nothing masked or capped after), so the scores are read once.
+inline void softmax_lanes(float* st, int64_t ldst, int64_t n, int vecs, float* m, float* l, float* alpha,
+                          bool tile_max = false) {
   const R lowest = Vec::set1(-kMaxFinite);
   for (int c = 0; c < vecs; ++c) {
     float* col = st + c * W;
     R mx = Vec::set1(kNegInf);
-    for (int64_t t = 0; t < n; ++t) mx = Vec::max(mx, Vec::load(col + t * ldst));
+    if (tile_max)
+      mx = Vec::load(alpha + c * W);
+    else
+      for (int64_t t = 0; t < n; ++t) mx = Vec::max(mx, Vec::load(col + t * ldst));
     const R m_old = Vec::load(m + c * W);
     const R m_new = Vec::max(mx, m_old);      // NaN where m_old is NaN
     const R shift = Vec::max(lowest, m_new);  // -inf (nothing seen yet) -> a finite shift, so P = e^-inf = 0

@@ -134,6 +134,46 @@ def test_small_model_head_shapes(dtype: torch.dtype, heads_q: int, heads_kv: int
             check(out, lse, expected, f"{isa} {dtype} {heads_q}/{heads_kv} window={window} cap={cap}")
 
 
+def packed_bytes() -> int:
+    return host_attention_info()["packed_value_bytes"]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype, layers, packs", [(torch.float32, 2, True), (torch.float32, 1, False),
+                                                  (torch.bfloat16, 1, True), (torch.float16, 1, True)],
+                         ids=["fp32-1KiB-tokens", "fp32-512B-tokens", "bf16", "fp16"])
+def test_prompt_blocks_read_values_packed_once(isa: str, dtype: torch.dtype, layers: int, packs: bool) -> None:
+    """A prompt of several query blocks packs each kv head's values once per call where its blocks would
+    widen or copy every V tile (16-bit caches; fp32 tokens a multiple of 1 KiB apart, here 2 kv heads of
+    64 in a 2-layer all_layers view), from the window's first key on; the rest read the cache as before.
+    Exactly those bytes are packed, and every output matches the reference."""
+    # 8 q / 2 kv heads of 64: 16 queries a block. Request 1: 70 new tokens over 30 (5 blocks, packed);
+    # request 0 a decode and request 2 one block of 10 (neither packed).
+    batch = AttentionBatch([1, 0, 2], [30, 200, 5], [70, 1, 10])
+    case = DenseCase(batch, 8, 2, 64, dtype, max_len=201, layers=layers, seed=layers)
+    packs = packs and not (isa == "amx" and dtype == torch.bfloat16)  # the AMX tiles pack bf16 tiles themselves
+    for window in (0, 20):
+        before = packed_bytes()
+        out, lse = host_attention(case.q, case.k_cache, case.v_cache, batch, k=case.k, v=case.v,
+                                  sliding_window=window, return_lse=True, isa=isa)
+        check(out, lse, reference(case.q, case.keys, case.values, batch, 1 / 8, window),
+              f"{isa} {dtype} layers={layers} window={window}")
+        first = max(0, 30 - window + 1) if window else 0  # the first key any of its queries sees
+        assert packed_bytes() - before == ((100 - first) * 2 * 64 * 4 if packs else 0)
+
+
+def test_packed_values_stop_at_64_mib() -> None:
+    """A call packs at most 64 MiB of values: of two prompts of 36 MiB each, the second keeps reading its
+    V tiles from the cache, and both are right."""
+    tokens = 36 * 1024  # 2 kv heads of 128 in fp32: 1 KiB a token
+    batch = AttentionBatch([0, 1], [tokens - 70, tokens - 70], [70, 70])
+    case = DenseCase(batch, 2, 2, 128, torch.float32, max_len=tokens)
+    before = packed_bytes()
+    out = host_attention(case.q, case.k_cache, case.v_cache, batch, k=case.k, v=case.v)
+    assert packed_bytes() - before == tokens * 1024
+    check(out, None, reference(case.q, case.keys, case.values, batch, 128 ** -0.5), "two 36 MiB prompts")
+
+
 def test_single_long_request_split_over_keys() -> None:
     """One request, one kv head: all parallelism comes from key splits, also
     for a prefill chunk after a long history."""

@@ -160,8 +160,10 @@ def host_attention(
 def host_attention_info() -> dict[str, Any]:
     """The host kernel's build and CPU (:func:`vattn.kernels.host.info`):
     ``isa`` (the path calls take), ``supported``, ``compiled``, ``threads``
-    (pool size), ``calls`` (calls completed in this process, per ISA) and
-    ``note`` (why ``VATTN_CPU_ATTN_ISA`` was not honoured, if it was not)."""
+    (pool size), ``calls`` (calls completed in this process, per ISA),
+    ``packed_value_bytes`` (bytes of values the calls packed once for their
+    prompts' query blocks, in this process: docs/kernels.md) and ``note``
+    (why ``VATTN_CPU_ATTN_ISA`` was not honoured, if it was not)."""
     return _host.info()
 
 
