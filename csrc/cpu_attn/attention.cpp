@@ -286,17 +286,18 @@ struct PackBuffers {
 thread_local PackBuffers pack_buffers;
 
 // Packs the values of the requests with several query blocks (Schedule::multi_block_requests) where
-// their blocks would otherwise widen or copy every V tile they read, up to kMaxPackedBytes in all, on
-// the pool; returns Call::packed_values, or null where nothing was packed. Each kv head of such a
-// request is read by all of its blocks: packing reads its values once, where each block's copies
-// read them once per block (fp32 prefill of a 2048-token prompt with 8 kv heads of 128: 128 blocks).
-// The AMX tiles pack bf16 tiles of their own and are left to do so.
-const PackedValues* pack_values(const BatchPlan& plan, const Call& c, const Schedule& sched, Isa isa,
+// their blocks would otherwise copy every fp32 V tile they read (tokens a multiple of 1 KiB apart), up
+// to kMaxPackedBytes in all, on the pool; returns Call::packed_values, or null where nothing was packed.
+// Each kv head of such a request is read by all of its blocks: packing copies its values once, where
+// the blocks copy them once each (a 2048-token prompt with 8 kv heads of 128: 128 blocks). 16-bit
+// caches are not packed: their blocks widen each tile from half the bytes packed fp32 rows would
+// stream, and packed, bf16 prefill of 4 prompts of 512 tokens (8 kv heads of 128) ran 0.97x as fast
+// on the AVX2 path (docs/kernels.md).
+const PackedValues* pack_values(const BatchPlan& plan, const Call& c, const Schedule& sched,
                                 const KernelTable* kernels, ThreadPool& pool) {
   if (sched.multi_block_requests.empty()) return nullptr;
   const int64_t token_bytes = c.v_cache.strides[1] * element_size(c.v_cache.dtype);
-  if (!values_copied(c.v_cache.dtype, token_bytes)) return nullptr;
-  if (isa == Isa::kAmx && c.v_cache.dtype == DType::kBF16) return nullptr;
+  if (c.v_cache.dtype != DType::kF32 || !values_copied(c.v_cache.dtype, token_bytes)) return nullptr;
   const std::vector<Request>& requests = plan.requests();
   PackBuffers& b = pack_buffers;
   b.per_request.assign(requests.size(), PackedValues{});
@@ -517,7 +518,7 @@ Isa attention(const BatchPlan& plan, Call c, const TensorRef* k_new, const Tenso
   }
   const int64_t kv_bytes = 2 * plan.total_seq_len() * c.num_heads_kv * c.head_dim * element_size(c.k_cache.dtype);
   c.beyond_l2 = kv_bytes > l2_bytes_per_core() * sched->threads;
-  c.packed_values = pack_values(plan, c, *sched, isa, kernels_of(isa), pool);
+  c.packed_values = pack_values(plan, c, *sched, kernels_of(isa), pool);
   Job job{&c, kernels_of(isa), sched.get(), remaining};
   pool.run(static_cast<int64_t>(sched->items.size()), run_task, &job,
            scratch_floats(sched->max_rows, sched->max_rows_per_head, c.head_dim), sched->threads);

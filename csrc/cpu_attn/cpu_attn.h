@@ -59,9 +59,9 @@ struct WorkItem {
   int32_t partial;   // where a split item leaves its partial result
 };
 
-// The values of one request, widened once per call into fp32 rows [kv head][token][d] (attention.cpp
-// decides which requests): blocks of many rows then read V tiles there in place instead of widening
-// (or copying) each tile again in every block.
+// The values of one request, copied once per call into fp32 rows [kv head][token][d] (attention.cpp
+// decides which requests): blocks of many rows then read V tiles there in place instead of copying
+// each tile again in every block.
 struct PackedValues {
   const float* data = nullptr;  // token first_token of kv head 0; null: this request is not packed
   int64_t first_token = 0;
@@ -139,8 +139,8 @@ struct KernelTable {
   int32_t vector_floats;  // floats per vector register; head_dim must be a multiple
   // Runs one item; `scratch` holds scratch_floats(rows, D) floats.
   void (*run_item)(const Call& call, const WorkItem& item, float* scratch);
-  // Widens the values of tokens [t0, t1) of kv head `head` of request `req` into fp32 rows of head_dim
-  // floats at dst (PackedValues).
+  // Copies the values of tokens [t0, t1) of kv head `head` of request `req` into fp32 rows of head_dim
+  // floats at dst (PackedValues), widened from a 16-bit cache.
   void (*widen_values)(const Call& call, int32_t req, int32_t head, int64_t t0, int64_t t1, float* dst);
 };
 
