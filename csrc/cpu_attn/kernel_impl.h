@@ -16,7 +16,8 @@
 // and the item ends with O / l (or, for a split, writes O, m, l for the merge).
 // K/V stay in their storage type in the cache and are widened to fp32 in
 // registers; prefill blocks widen each tile once into scratch instead, since
-// every row block re-reads it. A decode item (all kv heads) computes every
+// every row block re-reads it (or, for a prompt of several blocks in an fp32
+// cache, read V from the call's packed values: run_item_typed). A decode item (all kv heads) computes every
 // head's S for a tile before any softmax and P V, so the K tile and then the V
 // tile are each read in one pass (fp32 decode of 8 kv heads ran 1.1-1.3x
 // faster than with K and V interleaved head by head, on a 2-core AVX2 VM).
