@@ -49,7 +49,8 @@ def test_a_call_too_small_to_share_stays_on_one_thread() -> None:
 
 def test_concurrent_calls_from_many_threads_agree() -> None:
     """Callers on several threads at once (each its own batch, split-KV
-    decodes that use the per-thread split buffers, prefill chunks) get the
+    decodes that use the per-thread split buffers, prefill chunks, fp32
+    prompts whose values each call packs in its thread's buffer) get the
     same results as one call at a time."""
     cases = []
     for i in range(4):
@@ -57,6 +58,11 @@ def test_concurrent_calls_from_many_threads_agree() -> None:
         batch = AttentionBatch([0, 1, 2], [n - 1 for n in lens], [1, 1, 1]) if i % 2 else \
             AttentionBatch([0, 1], [1500 + 100 * i, 0], [1, 33])
         case = DenseCase(batch, 8, 2, 64, torch.bfloat16, max_len=3000, seed=i)
+        alone = host_attention(case.q, case.k_cache, case.v_cache, batch, k=case.k, v=case.v)
+        cases.append((case, alone))
+    for i in range(2):  # 2 kv heads of 64 in a 2-layer view: fp32 tokens 1 KiB apart, packed
+        batch = AttentionBatch([1, 0], [200 + 50 * i, 300], [150 - 40 * i, 1])
+        case = DenseCase(batch, 8, 2, 64, torch.float32, max_len=400, layers=2, seed=10 + i)
         alone = host_attention(case.q, case.k_cache, case.v_cache, batch, k=case.k, v=case.v)
         cases.append((case, alone))
     errors: list[str] = []
