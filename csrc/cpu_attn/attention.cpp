@@ -258,22 +258,24 @@ thread_local SplitBuffers split_buffers;
 constexpr int64_t kMaxPackedBytes = int64_t{64} << 20;
 constexpr int64_t kPackTokens = 256;  // tokens of one kv head per packing task
 
+// One packing task: `tokens` rows of head_dim floats from `src` (rows `ld` floats apart) to `dst` (contiguous).
 struct PackTask {
-  int32_t req, head;
-  int64_t t0, t1;
+  const float* src;
+  int64_t tokens;
   float* dst;
 };
 
 struct PackJob {
-  const Call* call;
-  const KernelTable* kernels;
   const PackTask* tasks;
+  int64_t ld;
+  int32_t head_dim;
 };
 
 void run_pack_task(void* ctx, int64_t index, float*) {
   const PackJob& job = *static_cast<const PackJob*>(ctx);
   const PackTask& t = job.tasks[index];
-  job.kernels->widen_values(*job.call, t.req, t.head, t.t0, t.t1, t.dst);
+  for (int64_t i = 0; i < t.tokens; ++i)
+    std::memcpy(t.dst + i * job.head_dim, t.src + i * job.ld, job.head_dim * sizeof(float));
 }
 
 // The packed values of the calling thread's calls: grown on demand, reused by its later calls.
@@ -293,43 +295,44 @@ thread_local PackBuffers pack_buffers;
 // caches are not packed: their blocks widen each tile from half the bytes packed fp32 rows would
 // stream, and packed, bf16 prefill of 4 prompts of 512 tokens (8 kv heads of 128) ran 0.97x as fast
 // on the AVX2 path (docs/kernels.md).
-const PackedValues* pack_values(const BatchPlan& plan, const Call& c, const Schedule& sched,
-                                const KernelTable* kernels, ThreadPool& pool) {
-  if (sched.multi_block_requests.empty()) return nullptr;
-  const int64_t token_bytes = c.v_cache.strides[1] * element_size(c.v_cache.dtype);
-  if (c.v_cache.dtype != DType::kF32 || !values_copied(c.v_cache.dtype, token_bytes)) return nullptr;
+const PackedValues* pack_values(const BatchPlan& plan, const Call& c, const Schedule& sched, ThreadPool& pool) {
+  if (sched.multi_block_requests.empty() || c.v_cache.dtype != DType::kF32) return nullptr;
+  const TensorRef& vc = c.v_cache;
+  if (!values_copied(vc.dtype, vc.strides[1] * static_cast<int64_t>(sizeof(float)))) return nullptr;
   const std::vector<Request>& requests = plan.requests();
   PackBuffers& b = pack_buffers;
   b.per_request.assign(requests.size(), PackedValues{});
   b.tasks.clear();
-  // first the sizes, then one buffer for all
+  // first the requests that fit and their sizes (head_stride > 0 marks them), then one buffer for all
   int64_t floats = 0;
-  std::vector<std::pair<int32_t, int64_t>> packed;  // (request, first token)
   for (int32_t i : sched.multi_block_requests) {
     const Request& r = requests[i];
     const int64_t first = c.window > 0 ? std::max<int64_t>(0, r.cached_len - c.window + 1) : 0;
-    const int64_t size = (r.cached_len + r.query_len - first) * c.num_heads_kv * c.head_dim;
-    if ((floats + size) * static_cast<int64_t>(sizeof(float)) > kMaxPackedBytes) continue;
-    packed.emplace_back(i, first);
-    floats += size;
+    const int64_t head_floats = (r.cached_len + r.query_len - first) * c.head_dim;
+    if ((floats + head_floats * c.num_heads_kv) * static_cast<int64_t>(sizeof(float)) > kMaxPackedBytes) continue;
+    b.per_request[i] = PackedValues{nullptr, first, head_floats};
+    floats += head_floats * c.num_heads_kv;
   }
-  if (packed.empty()) return nullptr;
+  if (floats == 0) return nullptr;
   if (static_cast<size_t>(floats) > b.capacity) {
     b.values.reset(new float[floats]);
     b.capacity = static_cast<size_t>(floats);
   }
   float* at = b.values.get();
-  for (const auto& [i, first] : packed) {
-    const Request& r = requests[i];
-    const int64_t tokens = r.cached_len + r.query_len - first;
-    b.per_request[i] = PackedValues{at, first, tokens * c.head_dim};
+  for (int32_t i : sched.multi_block_requests) {
+    PackedValues& p = b.per_request[i];
+    if (p.head_stride == 0) continue;
+    p.data = at;
+    const int64_t tokens = p.head_stride / c.head_dim;
     for (int32_t h = 0; h < c.num_heads_kv; ++h)
-      for (int64_t t0 = first; t0 < first + tokens; t0 += kPackTokens)
-        b.tasks.push_back(PackTask{i, h, t0, std::min(first + tokens, t0 + kPackTokens),
-                                   at + h * tokens * c.head_dim + (t0 - first) * c.head_dim});
-    at += tokens * c.num_heads_kv * c.head_dim;
+      for (int64_t t0 = 0; t0 < tokens; t0 += kPackTokens) {
+        const float* src = reinterpret_cast<const float*>(vc.data) + requests[i].reqid * vc.strides[0] +
+                           (p.first_token + t0) * vc.strides[1] + h * vc.strides[2];
+        b.tasks.push_back(PackTask{src, std::min(kPackTokens, tokens - t0), at + h * p.head_stride + t0 * c.head_dim});
+      }
+    at += p.head_stride * c.num_heads_kv;
   }
-  PackJob job{&c, kernels, b.tasks.data()};
+  PackJob job{b.tasks.data(), vc.strides[1], c.head_dim};
   pool.run(static_cast<int64_t>(b.tasks.size()), run_pack_task, &job, 0, sched.threads);
   packed_value_bytes.fetch_add(static_cast<uint64_t>(floats) * sizeof(float), std::memory_order_relaxed);
   return b.per_request.data();
@@ -518,7 +521,7 @@ Isa attention(const BatchPlan& plan, Call c, const TensorRef* k_new, const Tenso
   }
   const int64_t kv_bytes = 2 * plan.total_seq_len() * c.num_heads_kv * c.head_dim * element_size(c.k_cache.dtype);
   c.beyond_l2 = kv_bytes > l2_bytes_per_core() * sched->threads;
-  c.packed_values = pack_values(plan, c, *sched, kernels_of(isa), pool);
+  c.packed_values = pack_values(plan, c, *sched, pool);
   Job job{&c, kernels_of(isa), sched.get(), remaining};
   pool.run(static_cast<int64_t>(sched->items.size()), run_task, &job,
            scratch_floats(sched->max_rows, sched->max_rows_per_head, c.head_dim), sched->threads);

@@ -139,9 +139,6 @@ struct KernelTable {
   int32_t vector_floats;  // floats per vector register; head_dim must be a multiple
   // Runs one item; `scratch` holds scratch_floats(rows, D) floats.
   void (*run_item)(const Call& call, const WorkItem& item, float* scratch);
-  // Copies the values of tokens [t0, t1) of kv head `head` of request `req` into fp32 rows of head_dim
-  // floats at dst (PackedValues), widened from a 16-bit cache.
-  void (*widen_values)(const Call& call, int32_t req, int32_t head, int64_t t0, int64_t t1, float* dst);
 };
 
 // Defined by each ISA unit; null where the unit was built for another architecture.

@@ -662,16 +662,6 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   }
 }
 
-void widen_values(const Call& c, int32_t req, int32_t head, int64_t t0, int64_t t1, float* dst) {
-  const TensorRef& vc = c.v_cache;
-  with_storage_type(vc.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    const T* src = reinterpret_cast<const T*>(vc.data) + c.requests[req].reqid * vc.strides[0] + t0 * vc.strides[1] +
-                   head * vc.strides[2];
-    widen_rows(src, vc.strides[1], t1 - t0, c.head_dim, dst);
-  });
-}
-
 template <bool kDot>
 void run_item(const Call& c, const WorkItem& it, float* scratch) {
   with_storage_type(c.k_cache.dtype, [&](auto tag) { run_item_typed<decltype(tag), kDot>(c, it, scratch); });

@@ -36,18 +36,15 @@ namespace {
 
 const KernelTable* VATTN_KERNELS_FN() {
 #ifdef VATTN_BF16_DOT_ONLY
-  static const KernelTable table{VATTN_ISA_NAMESPACE::Vec::W, VATTN_ISA_NAMESPACE::run_item<true>,
-                                 VATTN_ISA_NAMESPACE::widen_values};
+  static const KernelTable table{VATTN_ISA_NAMESPACE::Vec::W, VATTN_ISA_NAMESPACE::run_item<true>};
 #else
-  static const KernelTable table{VATTN_ISA_NAMESPACE::Vec::W, VATTN_ISA_NAMESPACE::run_item<false>,
-                                 VATTN_ISA_NAMESPACE::widen_values};
+  static const KernelTable table{VATTN_ISA_NAMESPACE::Vec::W, VATTN_ISA_NAMESPACE::run_item<false>};
 #endif
   return &table;
 }
 #ifdef VATTN_BF16_DOT_KERNELS_FN
 const KernelTable* VATTN_BF16_DOT_KERNELS_FN() {
-  static const KernelTable table{VATTN_ISA_NAMESPACE::Vec::W, VATTN_ISA_NAMESPACE::run_item<true>,
-                                 VATTN_ISA_NAMESPACE::widen_values};
+  static const KernelTable table{VATTN_ISA_NAMESPACE::Vec::W, VATTN_ISA_NAMESPACE::run_item<true>};
   return &table;
 }
 #endif
