@@ -508,7 +508,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const bool v_in_place = lanes && !values_copied(vc.dtype, ldv * static_cast<int64_t>(sizeof(T)));
   // Where a prompt makes several blocks, the call packs its values once instead (Call::packed_values) and
   // the tile is read there in place: against copying each tile in every block, fp32 prefill of a 2048-token
-  // prompt with 8 kv heads of 128 ran 1.04x as fast, an A/A pair 0.98x (host_kernel_ab_packed_values*,
+  // prompt with 8 kv heads of 128 ran 1.03-1.05x as fast, its A/A pair 0.99x (host_kernel_ab_packed_values*,
   // docs/kernels.md).
   const PackedValues* packed = lanes && c.packed_values ? &c.packed_values[it.req] : nullptr;
   const float* v_packed = packed ? packed->data : nullptr;  // token packed->first_token of kv head 0
