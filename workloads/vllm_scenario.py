@@ -28,7 +28,10 @@ with the bytes one block holds (the layers of one KV cache group); with
 ``record_batches`` it runs in this process and each phase gets its forwards'
 batches (``batches``: per forward, the requests' computed and scheduled tokens);
 ``clocks``: each phase gets, per worker, the seconds its forwards spent in
-attention, attention metadata and the rest (workloads/forward_clocks.py).
+attention, attention metadata and the rest (workloads/forward_clocks.py);
+``pad_attention``: a factor above 1, every attention call stretched to that
+many times its length by a busy wait that touches no memory
+(workloads/attention_padding.py).
 
 OUT: per phase the generated ids, seconds, generated tokens, time to first
 token of every request, and the phase's prefix-cache hits, queries and
@@ -218,6 +221,10 @@ def run(model: str, spec: dict) -> dict:
     start = time.perf_counter()
     llm = make_llm(model, spec["engine"])
     result: dict = {"startup_s": time.perf_counter() - start, "phases": {}}
+    if spec.get("pad_attention"):  # before the clocks, so that the wait counts as attention
+        import attention_padding  # workloads/attention_padding.py
+
+        llm.collective_rpc(attention_padding.install, args=(spec["pad_attention"],))
     clocks = None
     if spec.get("clocks"):
         import forward_clocks as clocks  # workloads/forward_clocks.py (this script's folder is on sys.path)

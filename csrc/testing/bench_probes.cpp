@@ -146,7 +146,20 @@ std::vector<double> raw_cuda_seconds(const std::string& driver_path, int device,
   return out;
 }
 
+// Keeps the calling thread on its core for `seconds` without touching memory beyond its stack:
+// benchmarks/vllm_serving.py --pad-attention stretches an attention call's time with it, so that what
+// the call's length does to the work after it can be told from what the kernel's reads do.
+void busy_wait(double seconds) {
+  if (!(seconds >= 0.0 && seconds <= 60.0))
+    throw std::invalid_argument("seconds must be in [0, 60], got " + std::to_string(seconds));
+  const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  while (Clock::now() < end) {
+  }
+}
+
 void bind_bench_probes(py::module_& m) {
+  m.def("busy_wait", &busy_wait, py::arg("seconds"), py::call_guard<py::gil_scoped_release>(),
+        "Spins on the calling thread for `seconds` (0-60), touching no memory, with the GIL released.");
   m.def("raw_cuda_seconds", &raw_cuda_seconds, py::arg("driver_path"), py::arg("device"), py::arg("page_size"),
         py::arg("count"), py::call_guard<py::gil_scoped_release>(),
         "Benchmark floor: [create, map + set access, unmap, release] seconds per page of raw CUDA driver calls.");

@@ -115,9 +115,22 @@ def test_the_base_checkout_is_the_denominator_of_this_checkouts_vattn():
     assert vllm_serving.ratio_pairs(["stock", "vattn"], "vattn") == [("vattn", "stock"), ("vattn-again", "vattn")]
 
 
+def test_the_padded_engine_is_compared_with_vattn_and_its_rest_with_both_engines():
+    assert vllm_serving.ratio_pairs(["stock", "vattn", "vattn+padded"], "stock") == [
+        ("vattn", "stock"), ("vattn+padded", "vattn"), ("stock-again", "stock")]
+    runs = {"stock": [clocked_run(10.0, 2.0, None), clocked_run(10.0, 4.0, None)],
+            "vattn": [clocked_run(20.0, 1.0, None, True), clocked_run(20.0, 2.0, None, True)],
+            "vattn+padded": [clocked_run(10.0, 1.5, None, True), clocked_run(10.0, 3.0, None, True)]}
+    row = vllm_serving.summarize(runs, ("a",), None, low_precision=False)["a"]
+    assert row["ratios"]["vattn+padded / vattn"]["per_round"] == [0.5, 0.5]
+    assert row["forward_rest_vattn+padded_over_vattn"]["per_round"] == [1.5, 1.5]
+    assert row["forward_rest_vattn+padded_over_stock"]["per_round"] == [0.75, 0.75]
+
+
 def test_a_bad_aa_engine_or_base_checkout_is_refused_by_name(tmp_path):
     for flags, message in ((["--aa", "dynamic"], "--aa must be one of stock, vattn or none"),
-                           (["--base", str(tmp_path)], "--base must be a vattn checkout")):
+                           (["--base", str(tmp_path)], "--base must be a vattn checkout"),
+                           (["--pad-attention", "1"], "--pad-attention must be above 1")):
         bad = subprocess.run([sys.executable, str(BENCHMARKS / "vllm_serving.py"), *flags],
                              capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr

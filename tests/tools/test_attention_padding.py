@@ -1,0 +1,74 @@
+"""workloads/attention_padding.py and the busy wait under it: every attention
+call is stretched to the factor times its length on its own thread, with the
+GIL released, and bad factors or a second install are refused."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from vattn._testing import busy_wait
+from workloads import attention_padding
+
+
+class Impl:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def forward(self, *args):
+        self.calls += 1
+        time.sleep(0.01)
+        return "out"
+
+
+def worker_with(impls: list[Impl]) -> SimpleNamespace:
+    context = {f"layer.{i}": SimpleNamespace(impl=impl) for i, impl in enumerate(impls)}
+    context["no_attention"] = SimpleNamespace()  # other static-context entries have no impl
+    return SimpleNamespace(model_runner=SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context=context)))
+
+
+def test_every_attention_call_takes_the_factor_times_its_length():
+    impls = [Impl(), Impl()]
+    worker = worker_with(impls)
+    assert attention_padding.install(worker, 3.0) == 2
+    for impl in impls:
+        start = time.perf_counter()
+        assert impl.forward() == "out"  # the call's result passes through
+        elapsed = time.perf_counter() - start
+        assert impl.calls == 1 and elapsed >= 3 * 0.01
+    with pytest.raises(RuntimeError, match="already installed"):
+        attention_padding.install(worker, 2.0)
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.5, float("nan")])
+def test_a_factor_not_above_one_is_refused(factor):
+    impl = Impl()
+    with pytest.raises(ValueError, match="factor must be above 1"):
+        attention_padding.install(worker_with([impl]), factor)
+    assert impl.forward() == "out" and impl.calls == 1
+
+
+def test_the_busy_wait_spins_its_time_with_the_gil_released():
+    start = time.perf_counter()
+    busy_wait(0.05)
+    assert time.perf_counter() - start >= 0.05
+    counted = []
+
+    def count() -> None:  # Python work in another thread: it runs only while the wait holds no GIL
+        end = time.perf_counter() + 0.1
+        while time.perf_counter() < end:
+            counted.append(1)
+
+    other = threading.Thread(target=count)
+    other.start()
+    busy_wait(0.1)
+    seen_during_wait = len(counted)
+    other.join()
+    assert seen_during_wait > 1000
+    for bad in (-1.0, 61.0, float("nan")):
+        with pytest.raises(ValueError, match=r"seconds must be in \[0, 60\]"):
+            busy_wait(bad)
