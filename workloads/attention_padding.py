@@ -10,7 +10,9 @@ what the kernel's length alone does to the rest of the forward (the same
 model code after it) from what the kernel's reads and writes do. Installed
 into every worker before the forward clocks (workloads/forward_clocks.py),
 so the wait counts as attention, by
-``llm.collective_rpc(attention_padding.install, args=(factor,))``.
+``llm.collective_rpc(attention_padding.install, args=(factor, threads))``;
+``threads`` above 1 spins the wait on threads started beside the calling
+one, as a kernel's parallel region keeps several cores busy.
 """
 
 from __future__ import annotations
@@ -22,22 +24,27 @@ from typing import Any, Callable
 PADDED = "_vattn_attention_padding"  # on the worker: the factor installed
 
 
-def _padded(method: Callable[..., Any], extra: float, busy_wait: Callable[[float], None]) -> Callable[..., Any]:
+def _padded(method: Callable[..., Any], extra: float, threads: int,
+            busy_wait: Callable[[float, int], None]) -> Callable[..., Any]:
     @functools.wraps(method)
     def padded(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
             return method(*args, **kwargs)
         finally:
-            busy_wait(min(60.0, extra * (time.perf_counter() - start)))
+            busy_wait(min(60.0, extra * (time.perf_counter() - start)), threads)
     return padded
 
 
-def install(worker: Any, factor: float) -> int:
-    """Pads every attention layer's kernel call of ``worker`` to ``factor`` (> 1) times its length; returns
-    the number of layers padded. Installing twice is refused."""
+def install(worker: Any, factor: float, threads: int = 1) -> int:
+    """Pads every attention layer's kernel call of ``worker`` to ``factor`` (> 1) times its length, the wait
+    spun on ``threads`` threads at once (1: the calling thread; more: threads started beside it for the
+    wait, as a kernel's parallel region keeps several cores busy); returns the number of layers padded.
+    Installing twice is refused."""
     if not factor > 1.0:
         raise ValueError(f"factor must be above 1, got {factor}")
+    if not 1 <= threads <= 64:
+        raise ValueError(f"threads must be in [1, 64], got {threads}")
     if hasattr(worker, PADDED):
         raise RuntimeError("attention padding is already installed in this worker")
     from vattn._testing import busy_wait
@@ -46,7 +53,7 @@ def install(worker: Any, factor: float) -> int:
     for layer in worker.model_runner.compilation_config.static_forward_context.values():
         impl = getattr(layer, "impl", None)
         if impl is not None:
-            impl.forward = _padded(impl.forward, factor - 1.0, busy_wait)
+            impl.forward = _padded(impl.forward, factor - 1.0, threads, busy_wait)
             layers += 1
-    setattr(worker, PADDED, factor)
+    setattr(worker, PADDED, (factor, threads))
     return layers

@@ -30,8 +30,8 @@ batches (``batches``: per forward, the requests' computed and scheduled tokens);
 ``clocks``: each phase gets, per worker, the seconds its forwards spent in
 attention, attention metadata and the rest (workloads/forward_clocks.py);
 ``pad_attention``: a factor above 1, every attention call stretched to that
-many times its length by a busy wait that touches no memory
-(workloads/attention_padding.py).
+many times its length by a busy wait that touches no memory, on
+``pad_threads`` threads (1 by default; workloads/attention_padding.py).
 
 OUT: per phase the generated ids, seconds, generated tokens, time to first
 token of every request, and the phase's prefix-cache hits, queries and
@@ -224,7 +224,7 @@ def run(model: str, spec: dict) -> dict:
     if spec.get("pad_attention"):  # before the clocks, so that the wait counts as attention
         import attention_padding  # workloads/attention_padding.py
 
-        llm.collective_rpc(attention_padding.install, args=(spec["pad_attention"],))
+        llm.collective_rpc(attention_padding.install, args=(spec["pad_attention"], spec.get("pad_threads", 1)))
     clocks = None
     if spec.get("clocks"):
         import forward_clocks as clocks  # workloads/forward_clocks.py (this script's folder is on sys.path)

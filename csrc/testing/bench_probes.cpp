@@ -8,9 +8,12 @@
 
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backends/cuda_driver.h"
@@ -146,20 +149,80 @@ std::vector<double> raw_cuda_seconds(const std::string& driver_path, int device,
   return out;
 }
 
-// Keeps the calling thread on its core for `seconds` without touching memory beyond its stack:
-// benchmarks/vllm_serving.py --pad-attention stretches an attention call's time with it, so that what
-// the call's length does to the work after it can be told from what the kernel's reads do.
-void busy_wait(double seconds) {
+// Keeps `threads` threads (the calling one and threads - 1 helpers) on their cores until `seconds` from the
+// call, touching no memory beyond their stacks: benchmarks/vllm_serving.py --pad-attention stretches an
+// attention call's time with it, so that what the call's length does to the work after it can be told from
+// what the kernel's reads do. The helpers are started once and wait on a condition variable between calls
+// (a call costs a wake-up, not a thread's start); all spin to one deadline, so a late helper ends with the
+// calling thread and the call returns without waiting for it.
+namespace {
+
+class SpinHelpers {
+ public:
+  static SpinHelpers& instance() {
+    static SpinHelpers* helpers = new SpinHelpers();  // never destroyed: its detached threads outlive exit
+    return *helpers;
+  }
+
+  void spin_until(Clock::time_point deadline, int helpers) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      while (static_cast<int>(started_) < helpers) {
+        std::thread([this, index = started_] { run(index); }).detach();
+        ++started_;
+      }
+      deadline_ = deadline;
+      active_ = helpers;
+      ++generation_;
+    }
+    wake_.notify_all();
+    spin(deadline);
+  }
+
+ private:
+  static void spin(Clock::time_point deadline) {
+    while (Clock::now() < deadline) {
+    }
+  }
+
+  void run(size_t index) {
+    uint64_t seen = 0;
+    for (;;) {
+      Clock::time_point deadline;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (static_cast<int>(index) >= active_) continue;
+        deadline = deadline_;
+      }
+      spin(deadline);
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  size_t started_ = 0;
+  uint64_t generation_ = 0;
+  int active_ = 0;
+  Clock::time_point deadline_;
+};
+
+}  // namespace
+
+void busy_wait(double seconds, int threads) {
   if (!(seconds >= 0.0 && seconds <= 60.0))
     throw std::invalid_argument("seconds must be in [0, 60], got " + std::to_string(seconds));
-  const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-  while (Clock::now() < end) {
-  }
+  if (threads < 1 || threads > 64)
+    throw std::invalid_argument("threads must be in [1, 64], got " + std::to_string(threads));
+  SpinHelpers::instance().spin_until(
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds)), threads - 1);
 }
 
 void bind_bench_probes(py::module_& m) {
-  m.def("busy_wait", &busy_wait, py::arg("seconds"), py::call_guard<py::gil_scoped_release>(),
-        "Spins on the calling thread for `seconds` (0-60), touching no memory, with the GIL released.");
+  m.def("busy_wait", &busy_wait, py::arg("seconds"), py::arg("threads") = 1, py::call_guard<py::gil_scoped_release>(),
+        "Spins `threads` threads (1-64: the calling one, and threads - 1 helpers started once) until `seconds` "
+        "(0-60) from the call, touching no memory, with the GIL released.");
   m.def("raw_cuda_seconds", &raw_cuda_seconds, py::arg("driver_path"), py::arg("device"), py::arg("page_size"),
         py::arg("count"), py::call_guard<py::gil_scoped_release>(),
         "Benchmark floor: [create, map + set access, unmap, release] seconds per page of raw CUDA driver calls.");

@@ -4,6 +4,7 @@ GIL released, and bad factors or a second install are refused."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -44,11 +45,28 @@ def test_every_attention_call_takes_the_factor_times_its_length():
         attention_padding.install(worker, 2.0)
 
 
-@pytest.mark.parametrize("factor", [1.0, 0.5, float("nan")])
-def test_a_factor_not_above_one_is_refused(factor):
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores: two threads spinning at once")
+def test_more_threads_spin_the_wait_beside_the_calling_thread():
     impl = Impl()
-    with pytest.raises(ValueError, match="factor must be above 1"):
-        attention_padding.install(worker_with([impl]), factor)
+    assert attention_padding.install(worker_with([impl]), 2.0, threads=2) == 1
+    busy = []
+    for _ in range(3):
+        start_cpu, start = time.process_time(), time.perf_counter()
+        impl.forward()
+        busy.append((time.process_time() - start_cpu) / (time.perf_counter() - start))
+    # the process's CPU time over the call's wall time: the sleep is none of it, the wait (about half the
+    # call) two threads' worth, so close to 1; the calling thread alone spinning would make it about 0.5
+    assert max(busy) > 0.8, busy
+
+
+@pytest.mark.parametrize("factor,threads,message", [(1.0, 1, "factor must be above 1"),
+                                                    (0.5, 1, "factor must be above 1"),
+                                                    (float("nan"), 1, "factor must be above 1"),
+                                                    (2.0, 0, r"threads must be in \[1, 64\]")])
+def test_a_factor_not_above_one_or_no_thread_is_refused(factor, threads, message):
+    impl = Impl()
+    with pytest.raises(ValueError, match=message):
+        attention_padding.install(worker_with([impl]), factor, threads)
     assert impl.forward() == "out" and impl.calls == 1
 
 
@@ -72,3 +90,6 @@ def test_the_busy_wait_spins_its_time_with_the_gil_released():
     for bad in (-1.0, 61.0, float("nan")):
         with pytest.raises(ValueError, match=r"seconds must be in \[0, 60\]"):
             busy_wait(bad)
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match=r"threads must be in \[1, 64\]"):
+            busy_wait(0.0, bad)

@@ -130,7 +130,8 @@ def test_the_padded_engine_is_compared_with_vattn_and_its_rest_with_both_engines
 def test_a_bad_aa_engine_or_base_checkout_is_refused_by_name(tmp_path):
     for flags, message in ((["--aa", "dynamic"], "--aa must be one of stock, vattn or none"),
                            (["--base", str(tmp_path)], "--base must be a vattn checkout"),
-                           (["--pad-attention", "1"], "--pad-attention must be above 1")):
+                           (["--pad-attention", "1"], "--pad-attention must be above 1"),
+                           (["--pad-attention", "2", "--pad-threads", "0"], "--pad-threads must be in [1, 64]")):
         bad = subprocess.run([sys.executable, str(BENCHMARKS / "vllm_serving.py"), *flags],
                              capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
