@@ -65,9 +65,9 @@ there), reported as vattn / vattn-base: what a change cost or won.
 ``--pad-attention FACTOR``: a further engine, ``vattn+padded``, vattn with
 every attention call followed by a busy wait of FACTOR - 1 times its length
 that touches no memory (workloads/attention_padding.py; the wait counts as
-attention), spun on ``--pad-threads`` threads at once (1 by default): its rest of the forward against vattn's and stock's tells what
-a kernel's length alone does to the model code after it, apart from what its
-reads do.
+attention), spun on ``--pad-threads`` threads at once (1 by default): its
+rest of the forward against vattn's and stock's tells what a kernel's length
+alone does to the model code after it, apart from what its reads do.
 ``--layout default``: vLLM's default process layout (the engine core and its
 worker in a process of their own) instead of the engine core in the
 benchmark's process; there the scheduler's blocks in use are not sampled,

@@ -1,6 +1,7 @@
 """workloads/attention_padding.py and the busy wait under it: every attention
-call is stretched to the factor times its length on its own thread, with the
-GIL released, and bad factors or a second install are refused."""
+call is stretched to the factor times its length, on its own thread or on
+helper threads beside it too, with the GIL released; bad factors, thread
+counts or a second install are refused."""
 
 from __future__ import annotations
 
