@@ -2,7 +2,7 @@
 one elastic budget (vLLM + vattn), on the same bursty trace in one run.
 
     python benchmarks/multi_model.py [--models 2|3] [--rounds 2] [--budget-mib N] [--dtype auto|bfloat16|float32]
-                                     [--serve [--tp2]] [--replot]
+                                     [--serve [--tp2]] [--tag T] [--replot]
 
 Each model is a random-weight Llama-style checkpoint of its own width (4
 layers, 2 KV heads of 64, so the same KV bytes per token), served by its own
@@ -57,7 +57,7 @@ arrival to its first streamed token; preemptions from the servers'
 ``/metrics``; memory as the servers' process groups' resident memory and,
 under the budget, each engine core's account. ``--tp2``: the first model's
 server runs tensor parallel 2 (a worker process per rank, one CPU each).
-Writes ``..._serve[_tp2]_<machine>.json`` and .png.
+Writes ``..._serve[_tp2]_<machine>.json`` and .png (``--tag T``: ``..._T_<machine>``).
 
 SIGTERM or SIGINT (Ctrl-C) stops the engines and removes the budget's
 segment before the script exits (status 128 + the signal's number).
@@ -328,6 +328,13 @@ def plot(payload: dict, name: str) -> None:
     save_plot(fig, name)
 
 
+def result_name(models: int, dtype: str, serve: bool, tp2: bool, slug: str, tag: str = "") -> str:
+    """``multi_model_<k>models[_fp32][_serve[_tp2]][_TAG]_<machine>``: ``tag`` (``--tag``) tells apart runs on
+    machines of one size (their CPUs, say)."""
+    served = ("_serve" + ("_tp2" if tp2 else "")) if serve else ""
+    return f"multi_model_{models}models{DTYPE_TAGS[dtype]}{served}{'_' + tag if tag else ''}_{slug}"
+
+
 def main() -> None:
     stop_on_signals()
     try:
@@ -367,6 +374,7 @@ def run(argv: list[str]) -> None:
     p.add_argument("--serve", action="store_true",
                    help="API servers in vLLM's default layout, the trace over HTTP, TTFT from the first streamed token")
     p.add_argument("--tp2", action="store_true", help="--serve: the first model's server with tensor parallel 2")
+    p.add_argument("--tag", default="", help="a label in the result's name, before the machine (e.g. the CPU: avx512)")
     p.add_argument("--replot", action="store_true", help="redraw the figure from the JSON of an earlier run")
     args = p.parse_args(argv)
     for what, value, low in (("--bursts", args.bursts, args.models), ("--burst-requests", args.burst_requests, 1),
@@ -380,8 +388,9 @@ def run(argv: list[str]) -> None:
         args.dtype = auto_dtype(m["isa"])
     if args.tp2 and not args.serve:
         p.error("--tp2 needs --serve")
-    served = ("_serve" + ("_tp2" if args.tp2 else "")) if args.serve else ""
-    name = f"multi_model_{args.models}models{DTYPE_TAGS[args.dtype]}{served}_{machine_slug(m)}"
+    if args.tag and not args.tag.replace("-", "").isalnum():
+        p.error(f"--tag must be letters, digits and '-', got {args.tag!r}")
+    name = result_name(args.models, args.dtype, args.serve, args.tp2, machine_slug(m), args.tag)
     if args.replot:
         plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
         return

@@ -6,9 +6,12 @@ is taken per burst."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from conftest import load_benchmark
+from conftest import BENCHMARKS, load_benchmark
 
 multi_model = load_benchmark("multi_model")
 runs = load_benchmark("multi_model_runs")  # what both pipelines (in-process, --serve) share
@@ -132,3 +135,17 @@ def test_sigterm_stops_the_engines_and_removes_the_budget(tmp_path):
                 pass
         if budget in vattn.budget.names():
             vattn.budget.remove(budget)
+
+
+def test_result_names_keep_the_committed_files_and_a_tag_names_a_run_of_its_own():
+    name = multi_model.result_name
+    assert name(2, "bfloat16", False, False, "cpu-2core") == "multi_model_2models_cpu-2core"
+    assert name(2, "float32", True, False, "cpu-2core") == "multi_model_2models_fp32_serve_cpu-2core"
+    assert name(2, "float32", True, True, "cpu-2core") == "multi_model_2models_fp32_serve_tp2_cpu-2core"
+    assert name(2, "float32", True, False, "cpu-2core", "avx512") == "multi_model_2models_fp32_serve_avx512_cpu-2core"
+    for committed in ("multi_model_2models_cpu-2core", "multi_model_3models_cpu-2core",
+                      "multi_model_2models_fp32_serve_cpu-2core"):
+        assert (BENCHMARKS / "results" / f"{committed}.json").exists()
+    bad = subprocess.run([sys.executable, str(BENCHMARKS / "multi_model.py"), "--tag", "a b"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--tag must be letters, digits and '-'" in bad.stderr, bad.stderr
