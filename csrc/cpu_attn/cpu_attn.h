@@ -97,6 +97,11 @@ struct Call {
   const PackedValues* packed_values = nullptr;
 };
 
+// 2^f for f in [-1/2, 1/2] by a degree-6 minimax polynomial (relative error 1.1e-7 in fp32), highest
+// coefficient first for Horner's rule: the x86 Vec::exp of every unit (docs/kernels.md, "The exponential").
+constexpr float kExp2Poly[] = {1.534581242594868e-4f, 1.3399930903688073e-3f, 9.618489071726799e-3f,
+                               5.550328642129898e-2f, 2.4022646248340607e-1f, 6.931471824645996e-1f, 1.0f};
+
 // Keys per tile. Prefill blocks (many rows per kv head share each K/V load)
 // take 64. A decode item's tile spans all of its kv heads' rows of its
 // tokens, and its K tile's scores are all computed before the V tile is

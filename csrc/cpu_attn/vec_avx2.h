@@ -61,8 +61,8 @@ struct Vec {
     }
     for (int i = 0; i < n; ++i) out[i] = hsum(a[i]);
   }
-  // e^x = 2^n 2^f, t = x log2(e), n = round(t), f = t - n in [-1/2, 1/2], 2^f by a degree-6 minimax
-  // polynomial (relative error 1.1e-7 in fp32), 2^n built in the exponent bits. The kernel takes e^x of
+  // e^x = 2^n 2^f, t = x log2(e), n = round(t), f = t - n in [-1/2, 1/2], 2^f by kExp2Poly
+  // (cpu_attn.h; relative error 1.1e-7 in fp32), 2^n built in the exponent bits. The kernel takes e^x of
   // x <= 0 only (scores less their running max, tanh's -2|x|); rounding t = x log2(e) costs about |t| 2^-24
   // relative, what rounding the score itself costs. 0 below -87.33 (also -inf; n >= -126 above it, so 2^n
   // is a normal float), NaN passes through (its n's bits make 2^n = 1).
@@ -71,13 +71,8 @@ struct Vec {
     const R t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
     const R n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const R f = _mm256_sub_ps(t, n);
-    R p = _mm256_set1_ps(1.534581242594868e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3399930903688073e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618489071726799e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550328642129898e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022646248340607e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471824645996e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    R p = _mm256_set1_ps(kExp2Poly[0]);
+    for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
     const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n)));
   }

@@ -68,8 +68,8 @@ struct Vec {
     }
     _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1), sums);
   }
-  // e^x = 2^n 2^f, t = x log2(e), n = round(t), f = t - n in [-1/2, 1/2], 2^f by a degree-6 minimax
-  // polynomial (relative error 1.1e-7 in fp32): 12 operations. The kernel takes e^x of x <= 0 only (scores
+  // e^x = 2^n 2^f, t = x log2(e), n = round(t), f = t - n in [-1/2, 1/2], 2^f by kExp2Poly
+  // (cpu_attn.h; relative error 1.1e-7 in fp32): 12 operations. The kernel takes e^x of x <= 0 only (scores
   // less their running max, tanh's -2|x|); rounding t = x log2(e) costs about |t| 2^-24 relative, what
   // rounding the score itself costs. 0 below -87.33 (also -inf), NaN passes through.
   static R exp(R x) {
@@ -77,13 +77,8 @@ struct Vec {
     const R t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const R n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const R f = _mm512_sub_ps(t, n);
-    R p = _mm512_set1_ps(1.534581242594868e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399930903688073e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618489071726799e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550328642129898e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022646248340607e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471824645996e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    R p = _mm512_set1_ps(kExp2Poly[0]);
+    for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
     return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
   }
   static R tanh(R x) {
