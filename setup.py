@@ -194,10 +194,15 @@ class BuildExt(build_ext):
                 known[flag] = has_flag(self.compiler, flag)
             return known[flag]
 
+        # Every unit's flags are settled here, before any compiler runs: has_flag changes the process's
+        # working directory while it probes, and the parallel compiles name their sources relative to it
+        # (a probe from a compile thread made the others' sources "No such file" on a 16-core machine).
+        unit_flags = {unit: usable_flags(flags, accepts) for unit, flags in ISA_FLAGS.items()}
+
         def compile_with_isa(obj, src, ext, cc_args, extra_postargs, pp_opts):
             if "cpu_attn" not in Path(src).parts:
                 return compile_one(obj, src, ext, cc_args, extra_postargs, pp_opts)
-            flags = [*KERNEL_FLAGS, *usable_flags(ISA_FLAGS.get(Path(src).name, []), accepts)]
+            flags = [*KERNEL_FLAGS, *unit_flags.get(Path(src).name, [])]
             return compile_one(obj, src, ext, cc_args, [*extra_postargs, *flags], pp_opts)
 
         self.compiler._compile = compile_with_isa

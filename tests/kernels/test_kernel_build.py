@@ -21,11 +21,15 @@ import vattn._cpu_attn as cpu_attn
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def kernel_flags() -> list[str]:
+def load_setup():
     spec = importlib.util.spec_from_file_location("vattn_setup", ROOT / "setup.py")
     setup = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(setup)  # its setup() runs only as __main__
-    return setup.KERNEL_FLAGS
+    return setup
+
+
+def kernel_flags() -> list[str]:
+    return load_setup().KERNEL_FLAGS
 
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm: binutils' nm lists the extension's symbols")
@@ -55,3 +59,24 @@ def test_signed_overflow_is_undefined_in_the_kernel_units_despite_pythons_cflags
     assert folded in assembly(kernel_flags()), "the kernel units are built with wrapping signed overflow"
     if "-fwrapv" in python_flags:  # the probe tells the two apart: without the kernel's flags it is not folded
         assert folded not in assembly([])
+
+
+def test_isa_flags_are_probed_before_any_unit_compiles(monkeypatch):
+    """pybind11's has_flag changes the process's working directory while it
+    probes, and the parallel compiles name their sources relative to it: a
+    probe made from a compile thread left other threads' sources "No such
+    file" on a 16-core machine. Every unit's flags are probed before the
+    compiles start."""
+    from setuptools import Distribution
+
+    setup = load_setup()
+    probed: list[str] = []
+    probed_when_compiling: list[list[str]] = []
+    monkeypatch.setattr(setup, "has_flag", lambda compiler, flag: probed.append(flag) is None)
+    # the parent's build_extensions is where the (parallel) compiles run
+    monkeypatch.setattr(setup.build_ext, "build_extensions", lambda self: probed_when_compiling.append(list(probed)))
+    command = setup.BuildExt(Distribution())
+    command.compiler = type("Compiler", (), {"_compile": lambda *args: None})()
+    command.build_extensions()
+    assert set(probed_when_compiling[0]) == {flag for flags in setup.ISA_FLAGS.values() for flag in flags}
+
