@@ -416,6 +416,36 @@ def test_torch_flash_is_one_call_per_layer_on_the_caches_rows(reference_torch_fl
         sc.close()
 
 
+def test_torch_flash_key_starts_copy_nothing_from_the_host(reference_torch_flash):
+    """The key starts are made inside the engine's captured decode forward,
+    and CUDA graph capture refuses a copy from pageable host memory (an
+    element assignment, ``starts[n] = rows``, is one: it failed the engine's
+    first capture on an H200). They are made by kernels alone."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vattn.kernels import KERNELS
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    sc = Scenario("cpu", "per_layer", torch.float32, 8, 2, page_size=16384)
+    try:
+        plan = KERNELS["torch_flash"].plan(sc.batch)  # no case: the first layer makes the starts
+        with Ops() as ops:
+            starts = plan.key_starts(64, (max(sc.batch.reqids) + 1) * 64)
+        assert starts.tolist() == [r * 64 for r in sc.batch.reqids] + [(max(sc.batch.reqids) + 1) * 64]
+        host_copies = [name for name in ops.names if name.split(".")[1] in ("lift_fresh", "copy_", "_to_copy")]
+        assert not host_copies, f"the key starts copied from the host: {host_copies}"
+    finally:
+        sc.close()
+
+
 def test_torch_flash_writes_into_out_and_takes_a_scale(reference_torch_flash):
     from vattn.kernels import KERNELS
 
