@@ -39,6 +39,10 @@ Stages, each a subprocess with a time limit, its output in OUTDIR/gpu_suite.log:
                 (last, if time is left: a GPU server's CPU may have
                 AVX-512 or AMX-BF16, which the kernel's development CPU
                 lacks); the paths it supports are in the summary
+  <stage>_backtrace  only after a test stage died of a signal, and only
+                where gdb or cuda-gdb is found: that stage again under the
+                debugger, stopping at the first failure, its native stack
+                and registers in the log
 
 The stages share a deadline of DEADLINE_S seconds (each gets the smaller of
 its own limit and what is left; the attention grid also has a time budget),
@@ -196,6 +200,15 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
     ]
 
 
+def machine_info(env: dict[str, str]) -> dict:
+    """harness.machine() in a child with the stages' environment (the carried
+    wheels' packages, the fake driver); its ``driver`` is None until the
+    extension is built, since the cuda backend reads it."""
+    return json.loads(subprocess.run(
+        [sys.executable, "-c", "import json, harness; print(json.dumps(harness.machine()))"], cwd=BENCH, env=env,
+        capture_output=True, text=True, check=True).stdout)
+
+
 def extension_up_to_date() -> bool:
     """Whether the in-place build (vattn/*.so) is newer than every C++ source and setup.py:
     a build rewrites the extensions whose sources changed, so the newest one is
@@ -254,6 +267,33 @@ def run_stage(name: str, cmd: list[str], limit: int, env: dict[str, str], log) -
             f.seek(start)
             print("\n".join(f.read().splitlines()[-25:]), flush=True)
     return {"name": name, "command": cmd, "seconds": seconds, "returncode": rc, "status": status}
+
+
+def debugger() -> str | None:
+    """gdb, else CUDA's cuda-gdb (it debugs programs without GPU code too;
+    GPU images often carry it and no gdb), else None."""
+    for name in ("gdb", "cuda-gdb"):
+        found = shutil.which(name)
+        if found:
+            return found
+    bundled = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "cuda-gdb"
+    return str(bundled) if bundled.is_file() else None
+
+
+def crashed(result: dict) -> bool:
+    """Whether a stage's process died of a signal (a segfault in an
+    extension, say) rather than failing: subprocess gives -N, a shell 128+N."""
+    rc = result["returncode"]
+    return rc is not None and (rc < 0 or rc > 128)
+
+
+def backtrace_command(debugger_path: str, cmd: list[str]) -> list[str]:
+    """``cmd`` (a pytest run) again under the debugger in batch mode, stopping
+    at the first failure: at a fatal signal it prints the native stack, the
+    instructions at the faulting address and the registers, which Python's
+    faulthandler (the Python frames only) cannot."""
+    return [debugger_path, "-q", "-batch", "-ex", "set pagination off", "-ex", "run", "-ex", "bt 40",
+            "-ex", "x/8i $pc", "-ex", "info registers", "--args", *cmd, "-x", "-p", "no:faulthandler"]
 
 
 def test_counts(xml: Path) -> dict | None:
@@ -399,9 +439,7 @@ def main() -> int:
                 print("gpu_suite: torch sees no CUDA GPU; run with --dry-run for the CPU rehearsal", file=sys.stderr)
                 return 2
         wheels = install_wheels(args.wheels.resolve(), out, env, log) if args.wheels else []
-        machine = json.loads(subprocess.run(
-            [sys.executable, "-c", "import json, harness; print(json.dumps(harness.machine()))"], cwd=BENCH, env=env,
-            capture_output=True, text=True, check=True).stdout)
+        machine = machine_info(env)  # before the build: without the driver's details, which need the extension
         earlier = {} if args.fresh else finished_stages(out, dry)
         results: list[dict] = []
         for name, cmd, limit in stages(dry, fake is not None):
@@ -418,8 +456,17 @@ def main() -> int:
                 results.append({"name": name, "command": cmd, "seconds": 0, "returncode": None,
                                 "status": f"not run: the suite's {DEADLINE_S} s were spent"})
             else:
-                results.append(run_stage(name, [c.replace("{out}", str(out)) for c in cmd], min(limit, left), env,
-                                         log))
+                command = [c.replace("{out}", str(out)) for c in cmd]
+                results.append(run_stage(name, command, min(limit, left), env, log))
+                left = int(DEADLINE_S - (time.perf_counter() - started))
+                dbg = debugger()
+                if "pytest" in command and crashed(results[-1]) and dbg and left >= 30:
+                    # the crash's native stack, while the machine is still ours
+                    trace = run_stage(f"{name}_backtrace", backtrace_command(dbg, command), min(180, left), env, log)
+                    trace["status"] = "ok" if trace["returncode"] is not None else trace["status"]
+                    results.append(trace)
+            if name == "build":
+                machine = machine_info(env)
             summary = write_summary(out, dry, machine, started, results, env, wheels, complete=False)
     summary = write_summary(out, dry, machine, started, results, env, wheels, complete=True)
     failed = [r["name"] for r in results if r["status"] != "ok"]

@@ -77,8 +77,11 @@ def cuda_driver() -> dict[str, Any] | None:
     """The CUDA driver vattn's cuda backend would load: library, driver API
     version, the device it reports and the kernel module version
     (nvidia-smi); None where no driver loads."""
-    from vattn.backends import cuda_driver_path, cuda_info
-    from vattn.common.errors import VAttnError
+    try:
+        from vattn.backends import cuda_driver_path, cuda_info
+        from vattn.common.errors import VAttnError
+    except ImportError:  # the extension is not built yet (a fresh GPU machine, before the suite's build stage)
+        return None
 
     path = cuda_driver_path()
     try:

@@ -252,3 +252,25 @@ def test_the_gpu_tests_stage_runs_every_cuda_test_file_and_they_exist():
     command = dict((name, cmd) for name, cmd, _ in suite.stages(dry=False, have_fake_cuda=False))["tests"]
     assert "tests/integrations/test_vllm_planner_gpu.py" in command
     assert all((ROOT / path).is_file() for path in suite.CUDA_TESTS)
+
+
+def test_a_crashed_test_stage_is_run_again_under_a_debugger(tmp_path):
+    """A stage whose process died of a signal (not one whose tests failed)
+    is run again under gdb / cuda-gdb, and the native stack of the crash is
+    in what it printed."""
+    from conftest import load_benchmark
+
+    suite = load_benchmark("gpu_suite")
+    assert suite.crashed({"returncode": -11}) and suite.crashed({"returncode": 139})
+    assert not suite.crashed({"returncode": 1}) and not suite.crashed({"returncode": None})
+    dbg = suite.debugger()
+    if dbg is None:
+        pytest.skip("needs gdb or cuda-gdb: the debugger the stage runs under")
+    crash = tmp_path / "test_crash.py"
+    crash.write_text("import ctypes\n\n\ndef test_reads_address_zero():\n    ctypes.string_at(0)\n")
+    proc = subprocess.run(suite.backtrace_command(dbg, [sys.executable, "-m", "pytest", "-q", "-p",
+                                                        "no:cacheprovider", str(crash)]),
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert "SIGSEGV" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "#0 " in proc.stdout and "#1 " in proc.stdout, proc.stdout[-3000:]
+

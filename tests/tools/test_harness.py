@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import sys
 
 import pytest
 
@@ -59,3 +60,14 @@ def test_results_are_written_and_the_figure_deferred_without_matplotlib(tmp_path
     harness.publish("r", {"x": [1, 2]}, plot, {"shown": 1})
     assert json.loads((tmp_path / "r.json").read_text()) == {"x": [1, 2]}
     assert "--replot" in capsys.readouterr().out
+
+
+def test_the_machine_is_described_before_vattn_is_built(monkeypatch):
+    """The GPU suite describes the machine before its build stage, on a
+    fresh machine where vattn's extension does not exist yet: the driver's
+    details (which need it) are None then, the rest is there."""
+    monkeypatch.setitem(sys.modules, "vattn.backends", None)  # importing it raises ImportError
+    info = harness.machine()
+    assert info["driver"] is None
+    assert info["cpu"] and info["cores"] >= 1
+
