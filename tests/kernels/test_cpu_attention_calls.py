@@ -103,31 +103,37 @@ def test_bad_dtypes_raise_type_error(small: DenseCase) -> None:
         host_attention(c.q, c.k_cache, c.v_cache, b, out=torch.empty(c.q.shape))
 
 
-def test_bad_shapes_and_strides_raise_value_error(small: DenseCase) -> None:
-    c, b = small, small.batch
-    cases = [
-        (dict(q=c.q[:4]), r"q must have num_tokens = 5 rows"),
-        (dict(q=c.q[None]), r"q must be \[num_tokens, num_heads_q, head_dim\], got 4-D"),
-        (dict(q=c.q[:, :3]), r"q heads \(3\) must be a positive multiple of the cache's kv heads \(2\)"),
-        (dict(q=c.q.transpose(1, 2).contiguous().transpose(1, 2)), r"q must be contiguous in its last dimension"),
-        (dict(k_cache=c.k_cache[..., :32]), r"k_cache and v_cache shapes differ"),
-        (dict(k_cache=c.k_cache.transpose(2, 3), v_cache=c.v_cache.transpose(2, 3)),
-         r"k_cache must be contiguous in its last dimension"),
-        (dict(k_cache=c.k_cache[:1], v_cache=c.v_cache[:1]), r"reqids must be in \[0, 0\] for this cache"),
-        (dict(k_cache=c.k_cache[:, :3], v_cache=c.v_cache[:, :3]),
-         r"cached_lens \+ query_lens must be <= 3 \(the cache's max_context_len\), got 4"),
-        (dict(k=c.k), r"k and v must be given together"),
-        (dict(k=c.k[:, :1], v=c.v[:, :1]), r"k must be \[5, 2, 64\]"),
-        (dict(out=torch.empty(5, 4, 32, dtype=torch.float16)), r"out must have q's shape"),
-        (dict(sliding_window=-1), r"sliding_window must be >= 0"),
-        (dict(logits_soft_cap=-1.0), r"logits_soft_cap must be a finite value >= 0"),
-        (dict(softmax_scale=float("nan")), r"softmax_scale must be finite"),
-    ]
-    for override, message in cases:
-        args = dict(q=c.q, k_cache=c.k_cache, v_cache=c.v_cache, batch=b)
-        args.update(override)
-        with pytest.raises(ValueError, match=message):
-            host_attention(**args)
+# Each bad argument its own test, so that a crash names the case (faulthandler shows the test, not the loop).
+BAD_SHAPES = {
+    "q_rows": (lambda c: dict(q=c.q[:4]), r"q must have num_tokens = 5 rows"),
+    "q_rank": (lambda c: dict(q=c.q[None]), r"q must be \[num_tokens, num_heads_q, head_dim\], got 4-D"),
+    "q_heads": (lambda c: dict(q=c.q[:, :3]),
+                r"q heads \(3\) must be a positive multiple of the cache's kv heads \(2\)"),
+    "q_stride": (lambda c: dict(q=c.q.transpose(1, 2).contiguous().transpose(1, 2)),
+                 r"q must be contiguous in its last dimension"),
+    "cache_shapes": (lambda c: dict(k_cache=c.k_cache[..., :32]), r"k_cache and v_cache shapes differ"),
+    "cache_stride": (lambda c: dict(k_cache=c.k_cache.transpose(2, 3), v_cache=c.v_cache.transpose(2, 3)),
+                     r"k_cache must be contiguous in its last dimension"),
+    "cache_batch": (lambda c: dict(k_cache=c.k_cache[:1], v_cache=c.v_cache[:1]),
+                    r"reqids must be in \[0, 0\] for this cache"),
+    "cache_length": (lambda c: dict(k_cache=c.k_cache[:, :3], v_cache=c.v_cache[:, :3]),
+                     r"cached_lens \+ query_lens must be <= 3 \(the cache's max_context_len\), got 4"),
+    "k_alone": (lambda c: dict(k=c.k), r"k and v must be given together"),
+    "kv_heads": (lambda c: dict(k=c.k[:, :1], v=c.v[:, :1]), r"k must be \[5, 2, 64\]"),
+    "out_shape": (lambda c: dict(out=torch.empty(5, 4, 32, dtype=torch.float16)), r"out must have q's shape"),
+    "window": (lambda c: dict(sliding_window=-1), r"sliding_window must be >= 0"),
+    "soft_cap": (lambda c: dict(logits_soft_cap=-1.0), r"logits_soft_cap must be a finite value >= 0"),
+    "scale": (lambda c: dict(softmax_scale=float("nan")), r"softmax_scale must be finite"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SHAPES))
+def test_bad_shapes_and_strides_raise_value_error(small: DenseCase, case: str) -> None:
+    override, message = BAD_SHAPES[case]
+    args = dict(q=small.q, k_cache=small.k_cache, v_cache=small.v_cache, batch=small.batch)
+    args.update(override(small))
+    with pytest.raises(ValueError, match=message):
+        host_attention(**args)
 
 
 def test_bad_plans_raise(small: DenseCase) -> None:
