@@ -323,10 +323,32 @@ def driver_findings(out: Path) -> list[dict]:
     return found
 
 
+# The host kernel's paths, plus the C++ compiler the build used and the C++ runtime the process loaded: a
+# compiler newer than the runtime it runs against is the first suspect of a crash in the extension.
+HOST_KERNEL_PROBE = """
+import json, os, shlex, subprocess, sysconfig
+import vattn.attention as a
+info = a.host_attention_info()
+cxx = shlex.split(os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++")[0]
+try:
+    info["compiler"] = (subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()
+                        or [None])[0]
+except OSError:
+    info["compiler"] = None
+try:
+    with open("/proc/self/maps") as f:
+        info["runtime_libraries"] = sorted({line.split()[-1] for line in f
+                                            if any(n in line for n in ("libstdc++", "libgcc_s", "libgomp"))})
+except OSError:
+    info["runtime_libraries"] = None
+print(json.dumps(info))
+"""
+
+
 def host_kernel_info(env: dict[str, str]) -> dict:
-    """The host attention kernel's paths on this CPU (supported, compiled, the one calls take)."""
-    proc = subprocess.run([sys.executable, "-c", "import json, vattn.attention as a; "
-                           "print(json.dumps(a.host_attention_info()))"], cwd=ROOT, env=env, capture_output=True,
+    """The host attention kernel's paths on this CPU (supported, compiled, the one calls take), the
+    compiler that built it and the C++ runtime libraries the process loaded."""
+    proc = subprocess.run([sys.executable, "-c", HOST_KERNEL_PROBE], cwd=ROOT, env=env, capture_output=True,
                           text=True)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["unknown"])[-1]}

@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
 
 #include <unistd.h>
 
@@ -59,12 +58,12 @@ constexpr double kMinThreadWork = 96 * 1024;
 std::atomic<uint64_t> call_counts[kNumIsas];  // completed attention() calls per ISA, since the module loaded
 std::atomic<uint64_t> packed_value_bytes{0};   // values packed (PackedValues), since the module loaded
 
+// Plain string arithmetic: the extension's one iostream was here, on the error path where a crash was seen
+// on one machine (docs/gpu.md, the H200 run); without it the path needs no locale or stream state.
 std::string shape_str(const TensorRef& t) {
-  std::ostringstream s;
-  s << "[";
-  for (int i = 0; i < t.ndim; ++i) s << (i ? ", " : "") << t.shape[i];
-  s << "]";
-  return s.str();
+  std::string s = "[";
+  for (int i = 0; i < t.ndim; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
+  return s + "]";
 }
 
 [[noreturn]] void bad(const std::string& message) { throw std::invalid_argument(message); }

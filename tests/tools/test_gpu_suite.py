@@ -118,6 +118,9 @@ def test_every_stage_runs(dry_run):
     # the host kernel's tests ran on this CPU, and the summary names its paths
     assert summary["host_kernel_tests"]["passed"] > 0 and summary["host_kernel_tests"]["failed"] == 0
     assert "scalar" in summary["host_kernel"]["supported"], summary["host_kernel"]
+    # and the compiler that built it, with the C++ runtime the process loaded (a mismatch is a crash's suspect)
+    assert summary["host_kernel"]["compiler"], summary["host_kernel"]
+    assert any("libstdc++" in lib for lib in summary["host_kernel"]["runtime_libraries"]), summary["host_kernel"]
 
 
 def test_each_benchmark_writes_json_naming_the_machine(dry_run):
