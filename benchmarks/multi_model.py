@@ -1,8 +1,8 @@
 """Several models on one machine: static KV partitions (stock vLLM) against
 one elastic budget (vLLM + vattn), on the same bursty trace in one run.
 
-    python benchmarks/multi_model.py [--models 2|3] [--rounds 2] [--budget-mib N] [--dtype auto|bfloat16|float32]
-                                     [--serve [--tp2]] [--tag T] [--replot]
+    python benchmarks/multi_model.py [--models 2|3] [--rounds 2] [--aa] [--budget-mib N]
+                                     [--dtype auto|bfloat16|float32] [--serve [--tp2]] [--tag T] [--replot]
 
 Each model is a random-weight Llama-style checkpoint of its own width (4
 layers, 2 KV heads of 64, so the same KV bytes per token), served by its own
@@ -32,6 +32,10 @@ own prompts). Reported per model and configuration: time to first token
 (mean and p99 over all its requests; measured from the request's arrival, so
 queueing for KV memory counts) and throughput (generated tokens over the
 seconds from a burst's first arrival to its last answer, mean over bursts).
+The ratios of stock static to vattn elastic come pooled over the rounds and
+per round, as a median with its 95% bootstrap interval (three rounds or more
+give one); ``--aa`` runs stock static a second time in every round, and the
+same ratios of stock static to itself show how far noise alone moves them.
 KV memory over time: the budget's account (bytes of pages that exist, by
 engine; never above B), blocks in use in each engine's scheduler, and the
 engines' resident memory (VmRSS, and RssShmem: vattn's pages are shared
@@ -78,7 +82,8 @@ import threading
 import time
 from pathlib import Path
 
-from harness import RESULTS, ROOT, machine, machine_slug, publish, pyplot, save_plot, write_json
+from harness import (RESULTS, ROOT, describe_ratio, machine, machine_slug, publish, pyplot, ratio_summary, round_order,
+                     save_plot, write_json)
 from multi_model_runs import (BLOCK, MAX_MODEL_LEN, SAMPLE_S, MiB, burst_throughput, late_bursts, percentile,
                               read_rss, run_outcome)
 from multi_model_serve import run_config_serve
@@ -93,6 +98,8 @@ MODELS = [  # name, layers, hidden, query heads (KV heads: 2 of hidden / query h
 """Models of different widths, with the same KV bytes per token (4 layers, 2 KV heads of 64), so one B / k
 share is as tight for each."""
 CONFIGS = ("stock static", "vattn static", "vattn elastic")
+STOCK, ELASTIC = "stock static", "vattn elastic"
+AGAIN = f"{STOCK}-again"  # --aa: stock static a second time in every round, the A/A pair's other half
 PROMPT_TOKENS = (256, 1024)  # per request, uniform
 OUTPUT_TOKENS = (128, 256)  # chat-like answers: a request holds its blocks for a few seconds
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
@@ -258,10 +265,15 @@ def blocks_in_use(engines: list[dict]) -> dict[str, list]:
 
 
 def summarize(models: list[tuple], runs: dict[str, list[dict]]) -> dict:
+    """Per model and configuration, the time to first token over every round's requests and the
+    throughput; then the ratios of stock static to vattn elastic, pooled over the rounds and, per round
+    (each round its own trace, the same for every configuration), as a median with its interval
+    (harness.ratio_summary); with the A/A pair (``AGAIN`` in ``runs``), the same ratios of stock static
+    to itself."""
     out: dict = {}
     for i, (name, *_) in enumerate(models):
         row: dict = {}
-        for config in CONFIGS:
+        for config in runs:
             requests = [q for run in runs[config] for q in run["engines"][i]["requests"]]
             ttft = [q["ttft_s"] for q in requests]
             row[config] = {
@@ -271,13 +283,20 @@ def summarize(models: list[tuple], runs: dict[str, list[dict]]) -> dict:
                                        for run in runs[config]],
                 "tokens_per_s_per_burst": statistics.fmean(burst_throughput(run["engines"][i]["requests"])
                                                            for run in runs[config]),
+                "tokens_per_s_rounds": [round(burst_throughput(run["engines"][i]["requests"]), 3)
+                                        for run in runs[config]],
                 "preemptions": sum(run["engines"][i]["preemptions"] for run in runs[config]),
             }
-        stock, elastic = row["stock static"], row["vattn elastic"]
+        stock, elastic = row[STOCK], row[ELASTIC]
         row["ttft_mean_ratio_stock_static_over_vattn_elastic"] = stock["ttft_mean_s"] / elastic["ttft_mean_s"]
         row["ttft_p99_ratio_stock_static_over_vattn_elastic"] = stock["ttft_p99_s"] / elastic["ttft_p99_s"]
         row["throughput_ratio_vattn_elastic_over_stock_static"] = (elastic["tokens_per_s_per_burst"]
                                                                    / stock["tokens_per_s_per_burst"])
+        pairs = [("ttft", STOCK, ELASTIC, "ttft_mean_s_rounds"), ("throughput", ELASTIC, STOCK, "tokens_per_s_rounds")]
+        for what, top, bottom, key in pairs:  # > 1: vattn elastic ahead
+            row[f"{what}_rounds"] = ratio_summary([t / b for t, b in zip(row[top][key], row[bottom][key])])
+            if AGAIN in runs:
+                row[f"{what}_rounds_aa"] = ratio_summary([t / b for t, b in zip(row[STOCK][key], row[AGAIN][key])])
         out[name] = row
     return out
 
@@ -368,7 +387,10 @@ def run(argv: list[str]) -> None:
                    help="total KV memory B, MiB (default: the largest burst's peak)")
     p.add_argument("--idle-release-s", type=float, default=2.0,
                    help="vattn elastic: seconds without a request after which an engine gives its free pages back")
-    p.add_argument("--rounds", type=int, default=2, help="runs of each configuration, in alternating order")
+    p.add_argument("--rounds", type=int, default=2, help="runs of each configuration, in alternating order "
+                   "(3 or more give the per-round ratios an interval)")
+    p.add_argument("--aa", action="store_true",
+                   help="run stock static twice in every round: the A/A pair, the noise floor beside the ratios")
     p.add_argument("--dtype", choices=("auto", *DTYPE_BYTES), default="auto",
                    help="the engines' dtype; auto: bfloat16 where the CPU has AVX-512 BF16 or AMX, else float32")
     p.add_argument("--serve", action="store_true",
@@ -403,7 +425,7 @@ def run(argv: list[str]) -> None:
     budget_bytes = int(args.budget_mib * MiB) if args.budget_mib else peak
     print(f"{args.dtype}; budget B = {budget_bytes / MiB:.1f} MiB (largest burst at full length: {peak / MiB:.1f} "
           f"MiB); static partitions: {budget_bytes / args.models / MiB:.1f} MiB each", flush=True)
-    runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    runs: dict[str, list[dict]] = {c: [] for c in CONFIGS + ((AGAIN,) if args.aa else ())}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for model_name, layers, hidden, heads in models:
@@ -416,12 +438,11 @@ def run(argv: list[str]) -> None:
                 subprocess.run([args.python, str(SCENARIO), "make-model", str(tmp / model_name), str(layers),
                                 str(hidden), str(heads), str(MAX_MODEL_LEN)], check=True, capture_output=True)
         for i in range(args.rounds):
-            order = CONFIGS if i % 2 == 0 else tuple(reversed(CONFIGS))
-            for config in order:
+            for config in round_order(list(CONFIGS), STOCK if args.aa else None, i):
                 runner = run_config_serve if args.serve else run_config
-                runs[config].append(runner(config, args, models, traces[i], budget_bytes, tmp,
-                                           f"{config} (round {i + 1})"))
-    for config in CONFIGS:
+                runs[config].append(runner(config.removesuffix("-again"), args, models, traces[i], budget_bytes,
+                                           tmp, f"{config} (round {i + 1})"))
+    for config in runs:
         for run in runs[config]:
             if not args.serve:
                 run["memory"].update(blocks_in_use(run["engines"]))
@@ -447,9 +468,10 @@ def run(argv: list[str]) -> None:
                     "vattn static": f"vLLM + vattn, kv_cache_memory_bytes = B / {args.models} each",
                     "vattn elastic": f"vLLM + vattn, one budget of B (VATTN_BUDGET), virtual pools of 1 GiB, "
                                      f"VATTN_VLLM_IDLE_RELEASE_S={args.idle_release_s}"},
-        "rounds": args.rounds,
-        "order": "round 1: stock static, vattn static, vattn elastic; round 2 reversed; fresh processes; each "
-                 "round its own prompts, the same for the three configurations",
+        "rounds": args.rounds, "aa": f"{STOCK} twice per round" if args.aa else None,
+        "order": "round 1: stock static, vattn static, vattn elastic (then stock static again with --aa); every "
+                 "other round reversed; fresh processes; each round its own prompts, the same for every "
+                 "configuration",
         "summary": summary,
         "budget_held_peak_bytes": max(max(r["memory"]["budget_held_bytes"], default=0)
                                       for r in runs["vattn elastic"]),
@@ -465,6 +487,12 @@ def run(argv: list[str]) -> None:
                  f"that queue, not KV memory; no comparison is reported. Try a longer --period-s, fewer "
                  f"--burst-requests, or --dtype float32 where the CPU lacks AVX-512 BF16 (this run: {args.dtype}). "
                  f"The run's data: {path}")
+    for model, row in summary.items():
+        for what, label in (("ttft", "mean TTFT, stock static / vattn elastic"),
+                            ("throughput", "throughput, vattn elastic / stock static")):
+            print(describe_ratio(f"{model} {label}", row[f"{what}_rounds"]))
+            if f"{what}_rounds_aa" in row:
+                print(describe_ratio(f"{model} {what} A/A, stock static / stock static", row[f"{what}_rounds_aa"]))
     publish(name, payload, plot, summary)
 
 

@@ -149,3 +149,32 @@ def test_result_names_keep_the_committed_files_and_a_tag_names_a_run_of_its_own(
     bad = subprocess.run([sys.executable, str(BENCHMARKS / "multi_model.py"), "--tag", "a b"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--tag must be letters, digits and '-'" in bad.stderr, bad.stderr
+
+
+def _round(ttfts: list[float], tokens: int) -> dict:
+    """One configuration's run in one round: one engine, one burst of requests with these TTFTs."""
+    requests = [dict(burst=0, arrival_s=0.0, finish_s=2.0, generated_tokens=tokens, ttft_s=t) for t in ttfts]
+    return {"engines": [{"requests": requests, "preemptions": 0}]}
+
+
+def test_rounds_give_per_round_ratios_with_an_interval_and_the_aa_pair_beside_them():
+    """Each round's ratio is of that round's runs (its own trace); with three
+    rounds or more the median has an interval and a verdict; --aa's second
+    stock run gives the same ratios of stock static to itself."""
+    models = [("m0", 4, 256, 4)]
+    stock = [_round([2.0, 2.0], 100), _round([3.0, 3.0], 100), _round([2.0, 2.0], 100)]
+    again = [_round([2.2, 2.2], 100), _round([3.0, 3.0], 100), _round([1.8, 1.8], 100)]
+    elastic = [_round([1.0, 1.0], 200), _round([1.0, 1.0], 200), _round([0.5, 0.5], 200)]
+    runs_by_config = {"stock static": stock, "vattn static": stock, "vattn elastic": elastic,
+                      multi_model.AGAIN: again}
+    row = multi_model.summarize(models, runs_by_config)["m0"]
+    assert row["ttft_rounds"]["per_round"] == [2.0, 3.0, 4.0]
+    assert row["ttft_rounds"]["median"] == 3.0 and row["ttft_rounds"]["verdict"] == "ahead"
+    assert row["throughput_rounds"]["per_round"] == [2.0, 2.0, 2.0]
+    assert row["ttft_rounds_aa"]["per_round"] == pytest.approx([2.0 / 2.2, 1.0, 2.0 / 1.8], abs=1e-4)
+    assert row["ttft_rounds_aa"]["verdict"] == "within noise"
+    assert row[multi_model.AGAIN]["ttft_mean_s"] == pytest.approx(7.0 / 3)
+    without_aa = multi_model.summarize(models, {c: r for c, r in runs_by_config.items() if c != multi_model.AGAIN})
+    assert "ttft_rounds_aa" not in without_aa["m0"] and "ttft_rounds" in without_aa["m0"]
+    two_rounds = multi_model.summarize(models, {c: r[:2] for c, r in runs_by_config.items()})["m0"]
+    assert two_rounds["ttft_rounds"]["verdict"].startswith("no verdict")
