@@ -4,7 +4,6 @@ how much of the read bandwidth a decode reaches on this machine.
     python benchmarks/decode_bandwidth.py                        # every vector ISA this CPU runs
     python benchmarks/decode_bandwidth.py --isa avx512_bf16 --points 8:4096:bfloat16
     python benchmarks/decode_bandwidth.py --replot --isa avx2    # redraw that ISA's plot from its JSON
-    python benchmarks/decode_bandwidth.py --isa avx512_bf16 --p-bf16 --tag p_bf16   # and with bf16 weights in P V
 
 For every point (``batch:ctx:dtype``, one decode token per request over ``ctx``
 cached ones, one layer of ``--model``, per_layer cache) and ISA, two calls read
@@ -43,7 +42,7 @@ from typing import Any
 
 import torch
 from attention_ab import Case, model_shape
-from harness import RESULTS, draw, machine, machine_slug, point_label, pyplot, ratio_summary, save_plot, write_json
+from harness import RESULTS, draw, machine, machine_slug, point_label, pyplot, save_plot, write_json
 from torch.utils.dlpack import to_dlpack
 
 from vattn import _cpu_attn
@@ -89,10 +88,8 @@ def spread(seconds: list[float]) -> dict[str, float]:
 
 
 def measure(probe: ctypes.CDLL, isa: str, batch: int, ctx: int, dtype: torch.dtype, shape: tuple[int, int, int],
-            flush: torch.Tensor, rounds: int, p_bf16: bool = False) -> dict[str, Any]:
-    """One point: the probe's read and the kernel's decode on ``isa``, cold and warm, alternated; with
-    ``p_bf16`` also the decode with bf16 weights in P V (``decode_p_bf16``), its share, and its speed-up
-    over the default decode as the median of per-round ratios with its interval."""
+            flush: torch.Tensor, rounds: int) -> dict[str, Any]:
+    """One point: the probe's read and the kernel's decode on ``isa``, cold and warm, alternated."""
     case = Case("decode", "per_layer", batch, ctx, 1, "cpu", dtype, [], shape)
     try:
         b, k, v = case.batch, case.k_cache, case.v_cache
@@ -109,16 +106,14 @@ def measure(probe: ctypes.CDLL, isa: str, batch: int, ctx: int, dtype: torch.dty
         args = (plan, to_dlpack(case.q), to_dlpack(k), to_dlpack(v), to_dlpack(out), None, None, None,
                 shape[2] ** -0.5, 0.0, 0, isa)
 
-        def decode(bf16_weights: bool = False) -> None:
-            if _cpu_attn.attention(*args, bf16_weights) != isa:
+        def decode() -> None:
+            if _cpu_attn.attention(*args) != isa:
                 raise SystemExit(f"the kernel did not run the {isa} path")
 
         def read() -> None:
             probe.kv_read(k_rows, v_rows, tokens, batch, token_stride, row_bytes)
 
         sides = {"read": read, "decode": decode}
-        if p_bf16:
-            sides["decode_p_bf16"] = lambda: decode(True)
         for call in sides.values():
             call()
         cold: dict[str, list[float]] = {s: [] for s in sides}
@@ -139,10 +134,6 @@ def measure(probe: ctypes.CDLL, isa: str, batch: int, ctx: int, dtype: torch.dty
             us = {s: spread(times[s]) for s in sides}
             row[temp] = {"us": us, "gb_per_s": {s: round(kv_bytes / us[s]["median"] / 1e3, 2) for s in sides},
                          "decode_share": round(us["read"]["median"] / us["decode"]["median"], 3)}
-            if p_bf16:
-                row[temp]["decode_p_bf16_share"] = round(us["read"]["median"] / us["decode_p_bf16"]["median"], 3)
-                row[temp]["p_bf16_speedup"] = ratio_summary([a / b for a, b in zip(times["decode"],
-                                                                                   times["decode_p_bf16"])])
         return row
     finally:
         case.close()
@@ -171,8 +162,6 @@ def main() -> None:
     p.add_argument("--flush-mb", type=int, default=64, help="MiB written before each cold call")
     p.add_argument("--rounds", type=int, default=100, help="rounds per point")
     p.add_argument("--tag", default="", help="names the result files decode_bandwidth_<isa>_<tag>_<machine>.*")
-    p.add_argument("--p-bf16", action="store_true",
-                   help="also time the decode with bf16 weights in P V (the kernel's p_bf16; AVX512_BF16 paths)")
     p.add_argument("--replot", action="store_true", help="only redraw the plots from this machine's JSON")
     args = p.parse_args()
     supported = _cpu_attn.info()["supported"]
@@ -200,14 +189,11 @@ def main() -> None:
             probe = build_probe(isa, Path(tmp))
             rows = []
             for batch, ctx, dtype in points:
-                row = measure(probe, isa, batch, ctx, getattr(torch, dtype), shape, flush, args.rounds, args.p_bf16)
+                row = measure(probe, isa, batch, ctx, getattr(torch, dtype), shape, flush, args.rounds)
                 rows.append(row)
                 print(f"[{time.perf_counter() - started:5.0f}s] {isa:11s} {dtype:8s} B={batch:<3d} ctx={ctx:<6d} "
                       + "  ".join(f"{t} read {row[t]['gb_per_s']['read']:6.1f} decode {row[t]['gb_per_s']['decode']:6.1f}"
-                                  f" GB/s ({row[t]['decode_share']:.2f})"
-                                  + (f", bf16 P {row[t]['decode_p_bf16_share']:.2f} "
-                                     f"({row[t]['p_bf16_speedup']['median']:.3f}x)" if args.p_bf16 else "")
-                                  for t in ("cold", "warm")), flush=True)
+                                  f" GB/s ({row[t]['decode_share']:.2f})" for t in ("cold", "warm")), flush=True)
             payload = {
                 "benchmark": "decode_bandwidth",
                 "machine": machine(),
@@ -217,7 +203,6 @@ def main() -> None:
                 "commit": commit + (" + uncommitted csrc/cpu_attn changes" if dirty else ""),
                 "threads": 1,
                 "flush_mb": args.flush_mb,
-                "p_bf16": args.p_bf16,
                 "unit": "us per call (median, min, max over rounds); GB/s of the medians; decode_share: read time / "
                         "decode time (1: the decode reads as fast as a plain read)",
                 "results": rows,

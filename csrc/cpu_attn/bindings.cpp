@@ -76,7 +76,7 @@ Isa isa_arg(const py::object& isa) {
 
 std::string attention_binding(const BatchPlan& plan, py::handle q, py::handle k_cache, py::handle v_cache,
                               py::handle out, py::object k, py::object v, py::object lse, double scale,
-                              double softcap, int64_t window, py::object isa, bool p_bf16) {
+                              double softcap, int64_t window, py::object isa) {
   Call call;
   call.q = from_dlpack(q, "q");
   call.k_cache = from_dlpack(k_cache, "k_cache");
@@ -89,7 +89,6 @@ std::string attention_binding(const BatchPlan& plan, py::handle q, py::handle k_
   call.scale = static_cast<float>(scale);
   call.softcap = static_cast<float>(softcap);
   call.window = window;
-  call.p_bf16 = p_bf16;
   const Isa wanted = isa_arg(isa);
   Isa used;
   {
@@ -148,9 +147,7 @@ PYBIND11_MODULE(_cpu_attn, m) {
   m.def("attention", &attention_binding, py::arg("plan"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("out"), py::arg("k") = py::none(), py::arg("v") = py::none(), py::arg("lse") = py::none(),
         py::arg("scale"), py::arg("softcap") = 0.0, py::arg("window") = 0, py::arg("isa") = py::none(),
-        py::arg("p_bf16") = false,
-        "Attention of one layer over the cache (DLPack capsules); writes out (and lse). Returns the ISA used. "
-        "p_bf16: decode's P V with the weights rounded to bf16, on the AVX512_BF16 paths over a bf16 cache.");
+        "Attention of one layer over the cache (DLPack capsules); writes out (and lse). Returns the ISA used.");
   m.attr("MAX_HEAD_DIM") = kMaxHeadDim;
   py::tuple dtypes(kNumDTypes);
   for (int i = 0; i < kNumDTypes; ++i) dtypes[i] = torch_dtype_name(static_cast<DType>(i));

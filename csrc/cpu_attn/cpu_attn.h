@@ -95,9 +95,6 @@ struct Call {
   int32_t rows_per_partial = 0;
   // per request, or null: values packed for this call
   const PackedValues* packed_values = nullptr;
-  // decode items of the AVX512_BF16 paths over a bf16 cache with bf16 queries: P V by VDPBF16PS with the
-  // weights P rounded to bf16 (kernel_bf16_dot.h, pv_dot); elsewhere, and by default, P V in fp32
-  bool p_bf16 = false;
 };
 
 // 2^f for f in [-1/2, 1/2] by a degree-6 minimax polynomial (relative error 1.1e-7 in fp32), highest

@@ -11,8 +11,8 @@
 // to the order of the additions. The instruction reads denormal inputs as
 // zero and flushes denormal results (a product below 1e-38 next to scores of
 // order 1). It halves the multiply-adds of Q K^T against widening K to fp32,
-// and K is read as it is in the cache. P V stays in fp32 by default: P in bf16
-// rounds the weights to 8 bits, which a call asks for with Call::p_bf16 (below).
+// and K is read as it is in the cache. P V stays in fp32: P in bf16 would
+// round the weights to 8 bits.
 #pragma once
 
 #define VATTN_BF16_DOT_TARGET __attribute__((target("avx512bf16,avx512bw")))
@@ -126,101 +126,6 @@ VATTN_BF16_DOT_TARGET __attribute__((noinline)) void qk_lanes_dot(const uint32_t
     case 3: qkt_dot_keys<3>(qt2 + c * W, ldqt, k, ldk, n, d, scale, st + c * W, ldst); break;
     case 2: qkt_dot_keys<2>(qt2 + c * W, ldqt, k, ldk, n, d, scale, st + c * W, ldst); break;
     case 1: qkt_dot_keys<1>(qt2 + c * W, ldqt, k, ldk, n, d, scale, st + c * W, ldst); break;
-    default: break;
-  }
-}
-
-// ---- P V with P rounded to bf16 (Call::p_bf16, decode items) ------------------------------
-//
-// VDPBF16PS over pairs of keys: the V rows of keys t and t+1 interleaved element by element
-// (VPUNPCKLWD / VPUNPCKHWD: in each 128-bit lane L, head dims 8L + 0..3 and 8L + 4..7) against the
-// pair (p[t], p[t+1]) of bf16 weights broadcast, each fp32 lane adding both products to its
-// accumulator: half the multiply-adds of P V in fp32 and no widening of V. The weights lose their
-// low 16 bits (round to nearest even), as FlashAttention's P does; the row sums l stay those of the
-// fp32 weights. The accumulators hold a 32-dim chunk of a row in the unpacks' order, permuted from
-// and back to natural order once per tile.
-
-alignas(64) constexpr int32_t kPairLo[16] = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-alignas(64) constexpr int32_t kPairHi[16] = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-alignas(64) constexpr int32_t kNaturalLo[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-alignas(64) constexpr int32_t kNaturalHi[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
-
-inline __mmask16 first_lanes(int64_t k) { return k >= 16 ? __mmask16(0xFFFF) : k <= 0 ? __mmask16(0) : __mmask16((1u << k) - 1); }
-
-// p[0..n) fp32 -> the same row's first bytes as bf16, zero-padded to a whole 32: in place, each
-// 32-float chunk read before its 64 bytes are written at half its offset
-VATTN_BF16_DOT_TARGET inline void p_to_bf16(float* p, int64_t n) {
-  for (int64_t t = 0; t < n; t += 32) {
-    const __m512 a = _mm512_maskz_loadu_ps(first_lanes(n - t), p + t);
-    const __m512 b = _mm512_maskz_loadu_ps(first_lanes(n - t - 16), p + t + 16);
-    _mm512_storeu_si512(reinterpret_cast<bf16*>(p) + t, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
-  }
-}
-
-template <int MR, int NC>
-VATTN_BF16_DOT_TARGET inline void pv_dot_block(const uint32_t* pw, int64_t ldpw, const float* alpha, const bf16* v,
-                                               int64_t ldv, int64_t n, float* o, int64_t ldo, int64_t pf_off,
-                                               int64_t pf_n) {
-  const __m512i to_lo = _mm512_load_si512(kPairLo), to_hi = _mm512_load_si512(kPairHi);
-  __m512 lo[MR][NC], hi[MR][NC];
-  for (int r = 0; r < MR; ++r) {
-    const __m512 a = _mm512_set1_ps(alpha[r]);
-    for (int c = 0; c < NC; ++c) {
-      const __m512 o0 = _mm512_loadu_ps(o + r * ldo + 32 * c), o1 = _mm512_loadu_ps(o + r * ldo + 32 * c + 16);
-      lo[r][c] = _mm512_mul_ps(_mm512_permutex2var_ps(o0, to_lo, o1), a);
-      hi[r][c] = _mm512_mul_ps(_mm512_permutex2var_ps(o0, to_hi, o1), a);
-    }
-  }
-  for (int64_t t = 0; t < n; t += 2) {
-    const bool pair = t + 1 < n;  // the last key of an odd tile goes with a zero row (its pair's weight is 0)
-    for (int64_t u = t; u < t + 2 && u < pf_n; ++u)
-      for (int c = 0; c < NC; ++c) __builtin_prefetch(v + u * ldv + pf_off + 32 * c, 0, 3);
-    __m512i va[NC], vb[NC], ulo[NC], uhi[NC];
-    for (int c = 0; c < NC; ++c) va[c] = _mm512_loadu_si512(v + t * ldv + 32 * c);  // each row's lines in order
-    for (int c = 0; c < NC; ++c) vb[c] = pair ? _mm512_loadu_si512(v + (t + 1) * ldv + 32 * c) : _mm512_setzero_si512();
-    for (int c = 0; c < NC; ++c) {
-      ulo[c] = _mm512_unpacklo_epi16(va[c], vb[c]);
-      uhi[c] = _mm512_unpackhi_epi16(va[c], vb[c]);
-    }
-    for (int r = 0; r < MR; ++r) {
-      const __m512i pp = _mm512_set1_epi32(static_cast<int>(pw[r * ldpw + t / 2]));
-      for (int c = 0; c < NC; ++c) {
-        lo[r][c] = _mm512_dpbf16_ps(lo[r][c], reinterpret_cast<__m512bh>(ulo[c]), reinterpret_cast<__m512bh>(pp));
-        hi[r][c] = _mm512_dpbf16_ps(hi[r][c], reinterpret_cast<__m512bh>(uhi[c]), reinterpret_cast<__m512bh>(pp));
-      }
-    }
-  }
-  const __m512i back_lo = _mm512_load_si512(kNaturalLo), back_hi = _mm512_load_si512(kNaturalHi);
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NC; ++c) {
-      _mm512_storeu_ps(o + r * ldo + 32 * c, _mm512_permutex2var_ps(lo[r][c], back_lo, hi[r][c]));
-      _mm512_storeu_ps(o + r * ldo + 32 * c + 16, _mm512_permutex2var_ps(lo[r][c], back_hi, hi[r][c]));
-    }
-}
-
-template <int MR>
-VATTN_BF16_DOT_TARGET inline void pv_dot_rows(const uint32_t* pw, int64_t ldpw, const float* alpha, const bf16* v,
-                                              int64_t ldv, int64_t n, int d, float* o, int64_t ldo, int64_t pf_off,
-                                              int64_t pf_n) {
-  int x = 0;  // 64 head dims a pass (4 rows: 16 accumulators), then 32
-  for (; x + 64 <= d; x += 64) pv_dot_block<MR, 2>(pw, ldpw, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_n);
-  for (; x < d; x += 32) pv_dot_block<MR, 1>(pw, ldpw, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_n);
-}
-
-// o[r] = alpha[r] o[r] + sum_t bf16(p[r][t]) v[t] for r < rows (p rows ldp floats apart, rewritten as
-// bf16), head_dim d a multiple of 32; prefetches keys [0, pf_n) of the tile pf_off elements on, as pv does
-VATTN_BF16_DOT_TARGET __attribute__((noinline)) void pv_dot(float* p, int64_t ldp, const float* alpha, int rows,
-                                                            const bf16* v, int64_t ldv, int64_t n, int d, float* o,
-                                                            int64_t ldo, int64_t pf_off, int64_t pf_n) {
-  for (int r = 0; r < rows; ++r) p_to_bf16(p + r * ldp, n);
-  const uint32_t* pw = reinterpret_cast<const uint32_t*>(p);  // (p[r][2i], p[r][2i+1]) pairs, ldp words apart
-  int r = 0;
-  for (; r + 4 <= rows; r += 4, pf_n = 0)
-    pv_dot_rows<4>(pw + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n);
-  switch (rows - r) {
-    case 3: pv_dot_rows<3>(pw + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
-    case 2: pv_dot_rows<2>(pw + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
-    case 1: pv_dot_rows<1>(pw + r * ldp, ldp, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
     default: break;
   }
 }

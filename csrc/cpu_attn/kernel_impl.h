@@ -630,12 +630,6 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
           pv<float>(s, 1, ld_rows, alh, rows, v_wide, d, n, d, ah, d);
         }
       } else {
-#ifdef VATTN_BF16_DOT
-        if (dot && c.p_bf16)
-          pv_dot(s, kMaxKeyTile, alh, rows, reinterpret_cast<const bf16*>(vt), ldv, n, d, ah, d, n * ldv,
-                 spread ? n_next : 0);
-        else
-#endif
         pv<T>(s, kMaxKeyTile, 1, alh, rows, vt, ldv, n, d, ah, d, n * ldv, spread ? n_next : 0);
       }
     }

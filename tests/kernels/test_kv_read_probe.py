@@ -72,32 +72,3 @@ def test_reads_every_byte_of_every_row_once(probe, row_words: int, stride_words:
     v_rows = (ctypes.c_void_p * len(tokens))(*[v[r].data_ptr() for r in range(len(tokens))])
     counts = (ctypes.c_int64 * len(tokens))(*tokens)
     assert lib.kv_read(k_rows, v_rows, counts, len(tokens), stride_words * 4, row_words * 4) == expected
-
-
-@pytest.mark.skipif("avx512_bf16" not in host_attention_info()["supported"],
-                    reason="needs AVX512_BF16: the decode's bf16 weights run on that path")
-@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++: the probe is built per ISA with the kernel's flags")
-def test_decode_bandwidth_times_the_bf16_weights_beside_the_default_decode(tmp_path) -> None:
-    """decode_bandwidth.py --p-bf16: a third side in the same alternated
-    rounds, its share of the read, and its speed-up over the default decode
-    as a median of per-round ratios with its interval."""
-    import os
-
-    from conftest import load_benchmark
-
-    threads = os.environ.get("VATTN_CPU_ATTN_THREADS")
-    try:
-        bench = load_benchmark("decode_bandwidth")  # sets VATTN_CPU_ATTN_THREADS=1 for its own runs
-    finally:
-        if threads is None:
-            os.environ.pop("VATTN_CPU_ATTN_THREADS", None)
-        else:
-            os.environ["VATTN_CPU_ATTN_THREADS"] = threads
-    probe = bench.build_probe("avx512_bf16", tmp_path)
-    row = bench.measure(probe, "avx512_bf16", 2, 300, torch.bfloat16, (8, 2, 64), torch.zeros(1 << 16), 3,
-                        p_bf16=True)
-    for temp in ("cold", "warm"):
-        assert set(row[temp]["us"]) == {"read", "decode", "decode_p_bf16"}
-        assert row[temp]["decode_p_bf16_share"] > 0
-        speedup = row[temp]["p_bf16_speedup"]
-        assert len(speedup["per_round"]) == 3 and speedup["interval_95"][0] <= speedup["median"]

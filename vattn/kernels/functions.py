@@ -91,7 +91,6 @@ def host_attention(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     isa: str | None = None,
-    p_bf16: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """vattn's host attention kernel: one call serves a whole mixed batch.
 
@@ -130,13 +129,6 @@ def host_attention(
             256-bit vector length) to force a path (falls back to a lower
             supported one); None: the fastest this CPU supports, or the one
             ``VATTN_CPU_ATTN_ISA`` names.
-        p_bf16: decode rows' P V with the softmax weights rounded to bf16
-            (VDPBF16PS on pairs of keys: half the multiply-adds of P V, no
-            widening of V), as FlashAttention rounds P; only on the
-            ``avx512_bf16`` and ``amx`` paths with a bf16 cache and bf16
-            queries, elsewhere ignored. None: the default, off unless
-            ``VATTN_CPU_ATTN_P_BF16=1``. The row sums stay those of the fp32
-            weights.
 
     Returns:
         ``out`` ``[T, H_q, D]`` in ``q``'s dtype, or ``(out, lse)``.
@@ -162,7 +154,7 @@ def host_attention(
         out = host_attention(q, *kv.layer(i), batch, k=k_new, v=v_new)
     """
     return HOST.run(batch.plan(HOST), q, k_cache, v_cache, k, v, out, softmax_scale, sliding_window,
-                    logits_soft_cap, return_lse, isa, p_bf16)
+                    logits_soft_cap, return_lse, isa)
 
 
 def host_attention_info() -> dict[str, Any]:

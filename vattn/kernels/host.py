@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any
 
 import torch
@@ -59,11 +58,6 @@ class HostKernel(Kernel):
     has_sliding_window = True
     has_logits_soft_cap = True
     batched = True
-    # Decode's P V with the weights rounded to bf16 (VDPBF16PS on key pairs), where the path has
-    # AVX512_BF16 and cache and queries are bf16: half P V's multiply-adds, weights to 8 bits as
-    # FlashAttention's. Off by default; VATTN_CPU_ATTN_P_BF16=1 turns it on for every call
-    # (docs/kernels.md, "P in bf16").
-    p_bf16: bool = os.environ.get("VATTN_CPU_ATTN_P_BF16", "") == "1"
 
     @functools.cached_property
     def dtypes(self) -> tuple[torch.dtype, ...]:  # type: ignore[override]
@@ -87,11 +81,10 @@ class HostKernel(Kernel):
             k: torch.Tensor | None = None, v: torch.Tensor | None = None, out: torch.Tensor | None = None,
             softmax_scale: float | None = None, sliding_window: int | None = None,
             logits_soft_cap: float | None = None, return_lse: bool = False,
-            isa: str | None = None, p_bf16: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            isa: str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """:meth:`Kernel.run`, plus ``return_lse`` (also return the
-        log-sum-exp of the scaled, capped scores, ``[T, H_q]`` float32),
-        ``isa`` (force a path) and ``p_bf16`` (None: the kernel's
-        :attr:`p_bf16`), see :func:`vattn.attention.host_attention`.
+        log-sum-exp of the scaled, capped scores, ``[T, H_q]`` float32) and
+        ``isa`` (force a path, see :func:`vattn.attention.host_attention`).
         Every argument may also go in by position (host_attention's way:
         cheaper than keywords, once per layer per step)."""
         # once per layer per step: the arguments go in by position (keywords cost the binding a string
@@ -106,8 +99,7 @@ class HostKernel(Kernel):
         native().attention(
             plan.native, to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), to_dlpack(out),
             None if k is None else to_dlpack(k), None if v is None else to_dlpack(v),
-            None if lse is None else to_dlpack(lse), scale, logits_soft_cap or 0.0, sliding_window or 0, isa,
-            self.p_bf16 if p_bf16 is None else bool(p_bf16))
+            None if lse is None else to_dlpack(lse), scale, logits_soft_cap or 0.0, sliding_window or 0, isa)
         return (out, lse) if return_lse else out
 
 
@@ -120,7 +112,7 @@ class HostKernel(Kernel):
         _native_module.attention(
             plan.native, to_dlpack(q), to_dlpack(views.k_cache), to_dlpack(views.v_cache), to_dlpack(out),
             None if k is None else to_dlpack(k), None if v is None else to_dlpack(v), None, scale,
-            logits_soft_cap or 0.0, sliding_window or 0, None, self.p_bf16)
+            logits_soft_cap or 0.0, sliding_window or 0, None)
         return out
 
 
