@@ -25,6 +25,15 @@ FAKE_CUDA_SOURCES = sorted((HERE / "backends" / "fake_cuda").glob("*.c"))
 FAKE_UVM_SOURCE = HERE / "backends" / "fake_uvm" / "fake_uvm.c"
 
 
+def load_setup():
+    """The repository's setup.py as a module, for what it declares (extensions, each kernel unit's ISA
+    flags, the build command class): its setup() runs only as __main__."""
+    spec = importlib.util.spec_from_file_location("vattn_setup", HERE.parent / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_benchmark(name: str):
     """benchmarks/<name>.py as a module, loaded by path (the benchmarks are
     scripts, not a package). What it imports from benchmarks/ (the harness,

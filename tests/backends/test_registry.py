@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import importlib.util
 import json
 import os
 import re
@@ -18,7 +17,7 @@ import torch
 
 import vattn
 import vattn.cli.info
-from conftest import assert_invariants, assert_table_is_real
+from conftest import assert_invariants, assert_table_is_real, load_setup
 from host_faults import FAULTY_HOST, faulty_host_backend
 from vattn import _C, _testing
 from vattn.backends import (
@@ -253,9 +252,7 @@ def test_a_backend_and_its_probes_are_one_file_even_outside_the_library():
 def test_the_test_module_links_the_library_instead_of_copying_it():
     """One library per process: vattn._C and vattn._testing compile only their
     bindings and link libvattn.so, which the process maps once."""
-    spec = importlib.util.spec_from_file_location("vattn_setup", ROOT / "setup.py")
-    setup = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(setup)
+    setup = load_setup()
     assert not hasattr(setup, "TESTING_LIBRARY_SOURCES")
     assert all(s.startswith("csrc/testing/") for s in setup.testing.sources)
     assert all(s.startswith("csrc/python/") for s in setup.ext.sources)

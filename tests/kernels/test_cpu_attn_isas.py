@@ -17,7 +17,6 @@ or qemu-aarch64 (Debian: g++-aarch64-linux-gnu, qemu-user).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import platform
 import shutil
 import subprocess
@@ -25,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import load_setup
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "csrc" / "cpu_attn"
@@ -32,14 +32,6 @@ UNITS = ["attention", "kernel_amx", "kernel_avx2", "kernel_avx512", "kernel_neon
          "thread_pool"]
 CROSS = "aarch64-linux-gnu-g++"
 QEMU = "qemu-aarch64"
-
-
-def load_setup():
-    """setup.py as a module (its setup() runs only as __main__)."""
-    spec = importlib.util.spec_from_file_location("vattn_setup", ROOT / "setup.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 SETUP = load_setup()

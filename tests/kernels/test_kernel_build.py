@@ -8,24 +8,14 @@ docs/kernels.md, "How the kernel is built"."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sysconfig
-from pathlib import Path
 
 import pytest
 
 import vattn._cpu_attn as cpu_attn
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_setup():
-    spec = importlib.util.spec_from_file_location("vattn_setup", ROOT / "setup.py")
-    setup = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(setup)  # its setup() runs only as __main__
-    return setup
+from conftest import load_setup
 
 
 def kernel_flags() -> list[str]:

@@ -8,7 +8,6 @@ twice changes it), for contiguous and strided rows of any length."""
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import platform
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_setup
 
 from vattn.attention import host_attention_info
 
@@ -26,10 +26,7 @@ BUILDS = [(None, "scalar", 16), ("kernel_avx2.cpp", "avx2", 32), ("kernel_avx512
 
 
 def isa_flags() -> dict[str, list[str]]:
-    spec = importlib.util.spec_from_file_location("vattn_setup", ROOT / "setup.py")
-    setup = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(setup)
-    return setup.isa_flags(platform.machine())
+    return load_setup().isa_flags(platform.machine())
 
 
 @pytest.fixture(params=BUILDS, ids=[b[1] for b in BUILDS])

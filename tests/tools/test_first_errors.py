@@ -7,13 +7,14 @@ matplotlib), a mistyped ``--model`` path, an install without torch.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 import venv
 from pathlib import Path
+
+from conftest import load_setup
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,13 +83,6 @@ def test_demo_plot_without_matplotlib_says_so_before_the_run(tmp_path):
     assert "finished" not in proc.stdout  # checked before the trace, not after it
     proc = demo("--quick", "--plot", str(tmp_path / "no-such-folder" / "demo.png"))
     assert proc.returncode == 2 and "does not exist" in proc.stderr and "finished" not in proc.stdout
-
-
-def load_setup():
-    spec = importlib.util.spec_from_file_location("vattn_setup", ROOT / "setup.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_install_without_torch_warns_to_install_torch_first(tmp_path):
