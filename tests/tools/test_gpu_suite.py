@@ -277,3 +277,18 @@ def test_a_crashed_test_stage_is_run_again_under_a_debugger(tmp_path):
     assert "SIGSEGV" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "#0 " in proc.stdout and "#1 " in proc.stdout, proc.stdout[-3000:]
 
+
+def test_the_gpu_engine_stage_gives_its_ratios_an_interval_and_an_aa_pair():
+    """On a GPU the engine against transformers' caches runs alternated
+    rounds (three or more: harness.ratio_summary's minimum for a verdict)
+    with the engine twice per round, on a trace short enough that the
+    stages after it still run within the suite's deadline."""
+    from conftest import load_benchmark
+
+    suite = load_benchmark("gpu_suite")
+    harness = load_benchmark("harness")
+    command = dict((name, cmd) for name, cmd, _ in suite.stages(dry=False, have_fake_cuda=False))["engine_e2e"]
+    option = lambda name: command[command.index(name) + 1]  # noqa: E731
+    assert int(option("--rounds")) >= harness.MIN_ROUNDS and option("--aa") == "vattn"
+    assert int(option("--requests")) * int(option("--new-tokens")) <= 32 * 64
+
