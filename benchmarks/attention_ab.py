@@ -143,6 +143,27 @@ def paged_sdpa(case: Case, block: int) -> torch.Tensor:
     return out
 
 
+def sdpa_backend(case: Case) -> str | None:
+    """The kernel torch's SDPA picks for the point's first request, called as
+    vattn's SDPA kernel calls it (``torch._fused_sdp_choice`` with
+    :func:`vattn.kernels.sdpa.sdpa_call`'s arguments): FLASH_ATTENTION,
+    EFFICIENT_ATTENTION, CUDNN_ATTENTION, MATH...; None where this torch
+    cannot say."""
+    from torch.nn.attention import SDPBackend
+
+    from vattn.kernels.sdpa import sdpa_call
+
+    b = case.batch
+    s, e = b.query_starts[0], b.query_starts[1]
+    seq_len = b.seq_lens[0]
+    tensors, options, _ = sdpa_call(case.q[s:e], case.k_cache[b.reqids[0], :seq_len],
+                                    case.v_cache[b.reqids[0], :seq_len])
+    try:
+        return SDPBackend(torch._fused_sdp_choice(*tensors, dropout_p=0.0, **options)).name
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+
+
 def sdpa_kernels(case: Case, blocks: list[int]) -> dict[str, Callable[[], torch.Tensor]]:
     fns = {"vattn": lambda: sdpa_attention(case.q, case.k_cache, case.v_cache, case.batch)}
     # On a GPU the gather baseline is a Python loop per request: one block size says enough.
@@ -420,9 +441,12 @@ def main() -> None:
         try:
             times = measure(case, families, args.blocks, args.min_seconds,
                             f"{model} {dtype_name} {phase} {layout} B={batch} ctx={ctx}", skipped)
+            backend = sdpa_backend(case)
         finally:
             case.close()
-        row = dict(model=model, dtype=dtype_name, phase=phase, layout=layout, batch=batch, ctx=ctx, ms=times)
+        # sdpa_backend: which of torch's kernels the "vattn" (SDPA) time is of
+        row = dict(model=model, dtype=dtype_name, phase=phase, layout=layout, batch=batch, ctx=ctx, ms=times,
+                   sdpa_backend=backend)
         row["paged_over_vattn"] = paged_ratios(times)
         rows.append(row)
         shown = "  ".join(f"{k} {v:.3f}" for k, v in times.items() if v is not None)

@@ -138,6 +138,18 @@ def test_each_benchmark_writes_json_naming_the_machine(dry_run):
     assert MACHINE_FIELDS <= set(summary["machine"])
 
 
+def test_the_attention_grid_names_the_kernel_sdpa_picked(dry_run):
+    """The SDPA times are of whichever kernel torch picked for the call: each
+    grid point names it (on the H200 SDPA beat torch's FlashAttention-2 op
+    in prefill, and which kernel it was went unrecorded)."""
+    from torch.nn.attention import SDPBackend
+
+    out, _ = dry_run
+    (grid,) = out.glob("attention_ab_*.json")
+    rows = json.loads(grid.read_text())["results"]
+    assert rows and all(r["sdpa_backend"] in SDPBackend.__members__ for r in rows), rows
+
+
 def test_the_engine_graphs_stage_alternates_rounds_with_an_aa_pair(dry_run):
     """engine_e2e_graphs: the engine with and without CUDA graphs (on the CPU
     both eager), 2 rounds in alternating order, the engine with graphs twice."""

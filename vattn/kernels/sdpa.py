@@ -5,6 +5,8 @@ fallback where no batched kernel serves a case."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -46,6 +48,17 @@ def sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale:
     """SDPA of one request: ``q`` ``[q_len, H_q, D]`` over ``k``/``v``
     ``[seq_len, H_kv, D]`` (any strides), causal with the queries at the last
     ``q_len`` positions. Returns ``[q_len, H_q, D]``."""
+    tensors, options, upcast = sdpa_call(q, k, v, softmax_scale)
+    out = F.scaled_dot_product_attention(*tensors, **options)
+    return out[0].transpose(0, 1).to(q.dtype) if upcast else out[0].transpose(0, 1)
+
+
+def sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None
+              ) -> tuple[list[torch.Tensor], dict[str, Any], bool]:
+    """The arguments :func:`sdpa_dense` gives torch's SDPA for one request:
+    (q, k, v as ``[1, H, tokens, D]``, the keyword options, whether the rows
+    were upcast to fp32). Also what asks torch which kernel SDPA picks
+    (``torch._fused_sdp_choice``) for the same call."""
     q_len, seq_len = q.shape[0], k.shape[0]
     mask = None
     if 1 < q_len < seq_len:  # causal, aligned to the end of the request
@@ -56,9 +69,9 @@ def sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale:
     upcast = _cpu_half_is_slow(q)
     if upcast:  # copies only this request's rows
         heads_first = [t.float() for t in heads_first]
-    out = F.scaled_dot_product_attention(*heads_first, attn_mask=mask, is_causal=1 < q_len == seq_len,
-                                         scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out[0].transpose(0, 1).to(q.dtype) if upcast else out[0].transpose(0, 1)
+    options = dict(attn_mask=mask, is_causal=1 < q_len == seq_len, scale=softmax_scale,
+                   enable_gqa=q.shape[1] != k.shape[1])
+    return heads_first, options, upcast
 
 
 def _cpu_half_is_slow(q: torch.Tensor) -> bool:
