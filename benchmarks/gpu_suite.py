@@ -162,8 +162,8 @@ def stages(dry: bool, have_fake_cuda: bool) -> list[tuple[str, list[str], int]]:
             ("vmm_latency", [py, str(BENCH / "vmm_latency.py"), "--backends", "cuda", "--pages", "256"], 120),
             ("flashinfer_jit", [py, str(BENCH / "attention_ab.py"), "--compile-only"], 240),
             # Stage budgets from the H200 run (attention_ab's 170 s covered 41 points; the engine's default
-            # trace takes transformers' caches minutes): 120 s for the grid, and the engine on half its
-            # default trace in three rounds with an A/A pair, so that every stage fits the deadline
+            # trace takes transformers' caches minutes): 120 s for the grid, and the engine on a quarter of its
+            # default trace's tokens in three rounds with an A/A pair, so that every stage fits the deadline
             ("attention_ab", [py, str(BENCH / "attention_ab.py"), "--time-budget-s", "120", "--min-seconds", "0.1"],
              300),
             ("decode_trace", [py, str(BENCH / "decode_trace.py"), "--device", "cuda", "--forward", "model", "--graphs",
@@ -487,9 +487,8 @@ def main() -> int:
                 command = [c.replace("{out}", str(out)) for c in cmd]
                 results.append(run_stage(name, command, min(limit, left), env, log))
                 left = int(DEADLINE_S - (time.perf_counter() - started))
-                dbg = debugger()
-                if "pytest" in command and crashed(results[-1]) and dbg and left >= 30:
-                    # the crash's native stack, while the machine is still ours
+                dbg = debugger() if "pytest" in command and crashed(results[-1]) and left >= 30 else None
+                if dbg:  # the crash's native stack, while the machine is still ours
                     trace = run_stage(f"{name}_backtrace", backtrace_command(dbg, command), min(180, left), env, log)
                     trace["status"] = "ok" if trace["returncode"] is not None else trace["status"]
                     results.append(trace)

@@ -57,8 +57,8 @@ def sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
               ) -> tuple[list[torch.Tensor], dict[str, Any], bool]:
     """The arguments :func:`sdpa_dense` gives torch's SDPA for one request:
     (q, k, v as ``[1, H, tokens, D]``, the keyword options, whether the rows
-    were upcast to fp32). Also what asks torch which kernel SDPA picks
-    (``torch._fused_sdp_choice``) for the same call."""
+    were upcast to fp32). benchmarks/attention_ab.py asks torch with the same
+    arguments which kernel SDPA picks (``torch._fused_sdp_choice``)."""
     q_len, seq_len = q.shape[0], k.shape[0]
     mask = None
     if 1 < q_len < seq_len:  # causal, aligned to the end of the request

@@ -66,7 +66,8 @@ class TorchFlashPlan(KernelPlan):
         n = self.reqids.shape[0]
         starts = torch.empty(n + 1, dtype=torch.int32, device=self.reqids.device)
         torch.mul(self.reqids, rows_per_slice, out=starts[:n])
-        starts[n:].fill_(total_rows)  # a fill kernel: an element assignment copies from the host, which CUDA graph capture refuses
+        # a fill kernel: an element assignment copies from the host, which CUDA graph capture refuses
+        starts[n:].fill_(total_rows)
         self._key_starts = (rows_per_slice, starts)
         return starts
 
