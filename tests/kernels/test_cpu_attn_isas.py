@@ -8,7 +8,9 @@ per-unit flags) and checked against its double-precision reference.
   not be chosen;
 - with a 16-float vector emulated in plain C++ (tests/kernels/cpu_attn_wide16.h, the
   width of AVX-512) in place of the scalar unit, so the code that depends on
-  the vector width runs at AVX-512's width on any CPU.
+  the vector width runs at AVX-512's width on any CPU;
+- once more with every native path and the emulated AMX tiles under
+  AddressSanitizer and UndefinedBehaviorSanitizer.
 
 The AArch64 runs skip, naming what is missing, without aarch64-linux-gnu-g++
 or qemu-aarch64 (Debian: g++-aarch64-linux-gnu, qemu-user).
@@ -45,7 +47,7 @@ def compiler_accepts(compiler: str, flag: str) -> bool:
     return proc.returncode == 0
 
 
-_COMPILED: dict[tuple, Path] = {}  # (compiler, machine, source, flags) -> an object file built by an earlier test
+_COMPILED: dict[tuple, Path] = {}  # (compiler, machine, source, flags, sanitized) -> an earlier test's object file
 
 
 # AddressSanitizer and UndefinedBehaviorSanitizer, the first finding fatal. Without -Werror: their
