@@ -4,10 +4,12 @@ engine core per DP rank behind the API servers) with and without a budget, and v
 
 Data parallel: the texts of concurrent ``openai`` clients equal a stock DP server's; under a budget each DP
 engine core is a member, labelled with its DP rank, and the limit halved and restored mid-load fails no
-request an API server received and is never passed (vLLM's DP front end drops a few connections under load,
-stock or not: ``served``). Ray: a two-node Ray cluster on loopback addresses (127.0.0.3 and 127.0.0.2);
-vLLM's CPU build refuses its Ray executor with and without vattn alike, and vattn refuses a budget under
-Ray at configuration, before Ray is asked for anything."""
+request an API server received and is never passed (vLLM 0.32's DP front end, two API server processes on one
+port, drops a few connections under load before any API server reads them, stock or not: 3 of 768 requests in
+a run of this load, up to 17 on a busy machine; the clients send those again and every request is answered
+exactly once, ``finished`` of test_vllm_serve.py). Ray: a two-node Ray cluster on loopback addresses
+(127.0.0.3 and 127.0.0.2); vLLM's CPU build refuses its Ray executor with and without vattn alike, and vattn
+refuses a budget under Ray at configuration, before Ray is asked for anything."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import pytest
 
 import vattn
 from test_vllm import needs_vllm, run_scenario, two_cpus_bind, vllm_python
-from test_vllm_serve import BLOCK_BYTES, LONG, PROMPTS, Sampler, clients, server, set_limit, wait_until
+from test_vllm_serve import BLOCK_BYTES, LONG, PROMPTS, Sampler, clients, finished, server, set_limit, wait_until
 from test_vllm_serve import model  # noqa: F401 - the fp32 served model, a module fixture
 
 DATA_PARALLEL = ("--data-parallel-size", "2")
@@ -76,28 +78,6 @@ def test_a_budget_under_rays_executor_is_refused_with_the_reason(monkeypatch) ->
 # ---- data parallel: one API server command, two engine cores --------------------------------------------------
 
 
-ANSWERED = '"POST /v1/completions HTTP/1.1" 200 OK'  # an API server's access log line for an answered request
-
-
-def served(proc: subprocess.Popen, tmp: Path, tag: str, log: Path) -> dict:
-    """The clients' result (``finished`` of test_vllm_serve.py), with every request answered. The clients
-    send a request again when its connection failed before any answer (``connection_retries``, as the openai
-    client's own retries do): vLLM 0.32's data-parallel front end (two API server processes on one port)
-    drops a few connections under load before any API server reads them, a stock DP server alike (3 of 768
-    requests in a run of this load, up to 17 on a busy machine). Each request was answered exactly once: the
-    API servers logged as many answered requests as were sent (a retry of a request a server had read would
-    show as one more)."""
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-4000:]
-    result = json.loads((tmp / f"{tag}.json").read_text())
-    assert result["errors"] == [], result["errors"][:5]
-    sent = sum(len(answers) for answers in result["texts"].values())
-    # an API server logs a request just after answering it
-    wait_until(lambda: log.read_text().count('"POST /v1/completions HTTP/1.1"') >= sent, 30,
-               f"fewer requests logged than answered: {sent}")
-    text = log.read_text()
-    assert text.count(ANSWERED) == text.count('"POST /v1/completions HTTP/1.1"') == sent
-    return result
 
 
 def equals_stock(texts: dict, stock: dict) -> int:
@@ -125,7 +105,7 @@ def dp_stock_texts(model, tmp_path_factory) -> dict:  # noqa: F811 - model is th
     with server(model, "tiny-llama", tmp / "stock.log", False, command="serve", args=DATA_PARALLEL,
                 VLLM_CPU_OMP_THREADS_BIND=two_cpus_bind()) as url:
         run = clients(url, "tiny-llama", tmp, "stock", connection_retries=2)
-        texts = served(run, tmp, "stock", tmp / "stock.log")["texts"]
+        texts = finished(run, tmp, "stock", tmp / "stock.log")["texts"]
     assert sum(len(answers) for answers in texts.values()) >= 3 * len(PROMPTS) - 1
     return texts
 
@@ -138,7 +118,7 @@ def test_data_parallel_server_on_vattn_answers_stocks_texts(model, dp_stock_text
     with server(model, "tiny-llama", tmp_path / "vattn.log", True, command="serve", args=DATA_PARALLEL,
                 VLLM_CPU_OMP_THREADS_BIND=two_cpus_bind()) as url:
         run = clients(url, "tiny-llama", tmp_path, "vattn", rounds=2, connection_retries=2)
-        texts = served(run, tmp_path, "vattn",
+        texts = finished(run, tmp_path, "vattn",
                        tmp_path / "vattn.log")["texts"]
     assert engine_cores_on_vattn(tmp_path / "vattn.log") == 2
     assert all(t[0] for t in texts["plain"].values())
@@ -177,7 +157,7 @@ def test_data_parallel_engine_cores_are_members_through_a_halved_limit(model, dp
             print(f"restored in {set_limit(budget.name, limit):.1f} s")
             assert run.poll() is None  # still on: the engine cores grow again
             wait_until(lambda: budget.held_bytes > half, 60, "the engine cores did not grow again")
-            result = served(run, tmp_path, "load", tmp_path / "vattn.log")  # none failed that reached a server
+            result = finished(run, tmp_path, "load", tmp_path / "vattn.log")  # none failed that reached a server
             samples = sampler.stop()
             assert equals_stock(result["texts"], dp_stock_texts) >= 0.95 * 32 * 3 * len(PROMPTS)
             assert max(held for held, _ in samples) <= limit

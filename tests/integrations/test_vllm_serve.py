@@ -100,11 +100,26 @@ def clients(url: str, name: str, tmp: Path, tag: str, **spec) -> subprocess.Pope
                              str(tmp / f"{tag}.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finished(proc: subprocess.Popen, tmp: Path, tag: str) -> dict:
+POSTED = '"POST /v1/completions HTTP/1.1"'  # an API server's access-log line for a request it read
+ANSWERED = POSTED + " 200 OK"  # ... and answered
+
+
+def finished(proc: subprocess.Popen, tmp: Path, tag: str, log: Path | None = None) -> dict:
+    """The clients' result, with no request failed. With ``log`` (the API server's output), also each request
+    answered exactly once: clients given ``connection_retries`` send a request again when its connection failed
+    before any answer, as the openai client's own retries do (a loaded machine drops a few connections before
+    any API server reads them), and a retry of a request a server had read would show as one more access-log
+    line than requests sent."""
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
     result = json.loads((tmp / f"{tag}.json").read_text())
     assert not result["errors"], result["errors"][:5]
+    if log is not None:
+        sent = sum(len(answers) for answers in result["texts"].values())
+        # an API server logs a request just after answering it
+        wait_until(lambda: log.read_text().count(POSTED) >= sent, 30, f"fewer requests logged than answered: {sent}")
+        text = log.read_text()
+        assert text.count(ANSWERED) == text.count(POSTED) == sent
     return result
 
 
@@ -223,8 +238,9 @@ def test_two_api_servers_one_tensor_parallel_share_a_budget_through_a_lowered_li
             labels = sorted(m.label for m in budget.usage().members)
             assert labels == ["vllm tiny-llama rank 0", "vllm tiny-llama-tp ranks 0-1 tp2"]
             sampler = Sampler(budget)
-            runs = [clients(one, "tiny-llama", tmp_path, "one", rounds=32),
-                    clients(tp, "tiny-llama-tp", tmp_path, "tp", rounds=32)]
+            # a loaded machine drops a few connections before either API server reads them: sent again (finished)
+            runs = [clients(one, "tiny-llama", tmp_path, "one", rounds=32, connection_retries=2),
+                    clients(tp, "tiny-llama-tp", tmp_path, "tp", rounds=32, connection_retries=2)]
             wait_until(lambda: budget.held_bytes > half, 120, "the servers never held half the limit")
             lowering = set_limit(budget.name, half)
             lowered = time.monotonic()
@@ -236,7 +252,7 @@ def test_two_api_servers_one_tensor_parallel_share_a_budget_through_a_lowered_li
             print(f"restored in {set_limit(budget.name, limit):.1f} s")
             assert all(r.poll() is None for r in runs)  # still on: the servers grow again
             wait_until(lambda: budget.held_bytes > half, 60, "the servers did not grow again")
-            results = [finished(r, tmp_path, tag) for r, tag in zip(runs, ("one", "tp"))]
+            results = [finished(r, tmp_path, tag, tmp_path / f"{tag}.log") for r, tag in zip(runs, ("one", "tp"))]
             samples = sampler.stop()
             assert low
             for result in results:
