@@ -78,8 +78,6 @@ def test_a_budget_under_rays_executor_is_refused_with_the_reason(monkeypatch) ->
 # ---- data parallel: one API server command, two engine cores --------------------------------------------------
 
 
-
-
 def equals_stock(texts: dict, stock: dict) -> int:
     """Asserts every answer equals the stock server's to the same prompt (where stock answered it); returns how
     many were compared."""
@@ -118,8 +116,7 @@ def test_data_parallel_server_on_vattn_answers_stocks_texts(model, dp_stock_text
     with server(model, "tiny-llama", tmp_path / "vattn.log", True, command="serve", args=DATA_PARALLEL,
                 VLLM_CPU_OMP_THREADS_BIND=two_cpus_bind()) as url:
         run = clients(url, "tiny-llama", tmp_path, "vattn", rounds=2, connection_retries=2)
-        texts = finished(run, tmp_path, "vattn",
-                       tmp_path / "vattn.log")["texts"]
+        texts = finished(run, tmp_path, "vattn", tmp_path / "vattn.log")["texts"]
     assert engine_cores_on_vattn(tmp_path / "vattn.log") == 2
     assert all(t[0] for t in texts["plain"].values())
     assert equals_stock(texts, dp_stock_texts) >= 2 * 3 * len(PROMPTS) - 4
