@@ -64,16 +64,21 @@ def setup_flags() -> dict[str, list[str]]:
     return setup.isa_flags(platform.machine())
 
 
+def compile_probe(source: Path, unit: str, library: Path) -> ctypes.CDLL:
+    """``source`` (a probe beside this file) built into ``library`` with setup.py's flags of the kernel
+    unit ``unit``, and loaded."""
+    built = subprocess.run([CXX, "-std=c++17", "-O3", "-shared", "-fPIC", *setup_flags().get(unit, []),
+                            str(source), "-o", str(library)], capture_output=True, text=True)
+    if built.returncode != 0:
+        raise SystemExit(f"{CXX} failed on {source}:\n{built.stderr[-3000:]}")
+    return ctypes.CDLL(str(library))
+
+
 def build_probe(isa: str, out: Path) -> ctypes.CDLL:
     """kv_read_probe.cpp built with the flags of ``isa``'s kernel unit; refuses a build that loads
     another vector width than that ISA's."""
     unit, vector_bytes = PROBE_UNIT[isa]
-    library = out / f"kv_read_probe_{isa}.so"
-    built = subprocess.run([CXX, "-std=c++17", "-O3", "-shared", "-fPIC", *setup_flags().get(unit, []),
-                            str(PROBE_SOURCE), "-o", str(library)], capture_output=True, text=True)
-    if built.returncode != 0:
-        raise SystemExit(f"{CXX} failed on {PROBE_SOURCE}:\n{built.stderr[-3000:]}")
-    probe = ctypes.CDLL(str(library))
+    probe = compile_probe(PROBE_SOURCE, unit, out / f"kv_read_probe_{isa}.so")
     probe.kv_read.restype = ctypes.c_int64
     probe.kv_read.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
                               ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]

@@ -12,15 +12,10 @@
 
 #include <cstdint>
 
+#include "probe_vector.h"
+
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kVecBytes = 64;
-#elif defined(__AVX2__)
-constexpr int kVecBytes = 32;
-#else
-constexpr int kVecBytes = 16;
-#endif
 typedef float VecF __attribute__((vector_size(kVecBytes)));
 constexpr int kChains = 12;
 

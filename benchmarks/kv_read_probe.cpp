@@ -8,15 +8,10 @@
 #include <cstring>
 #include <initializer_list>
 
+#include "probe_vector.h"
+
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kVecBytes = 64;
-#elif defined(__AVX2__)
-constexpr int kVecBytes = 32;
-#else
-constexpr int kVecBytes = 16;
-#endif
 typedef uint32_t VecU __attribute__((vector_size(kVecBytes)));
 constexpr int kAccs = 4;  // independent accumulators, so that consecutive loads do not wait on each other
 

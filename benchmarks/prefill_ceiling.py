@@ -30,7 +30,6 @@ import argparse
 import ctypes
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -38,8 +37,8 @@ from typing import Any
 
 import torch
 from attention_ab import Case, model_shape
-from decode_bandwidth import CXX, setup_flags
-from harness import RESULTS, draw, machine, machine_slug, pyplot, save_plot, write_json
+from decode_bandwidth import CXX, compile_probe
+from harness import RESULTS, draw, git_revision, machine, machine_slug, pyplot, save_plot, write_json
 from torch.utils.dlpack import to_dlpack
 
 from vattn import _cpu_attn
@@ -60,12 +59,7 @@ def prefill_flops(batch: int, prompt: int, heads_q: int, head_dim: int) -> int:
 def build_probe(isa: str, out: Path) -> ctypes.CDLL:
     """fma_peak_probe.cpp built with the flags of ``isa``'s kernel unit; refuses a build of another width."""
     unit, floats = PROBE_UNIT[isa]
-    library = out / f"fma_peak_probe_{isa}.so"
-    built = subprocess.run([CXX, "-std=c++17", "-O3", "-shared", "-fPIC", *setup_flags().get(unit, []),
-                            str(PROBE_SOURCE), "-o", str(library)], capture_output=True, text=True)
-    if built.returncode != 0:
-        raise SystemExit(f"{CXX} failed on {PROBE_SOURCE}:\n{built.stderr[-3000:]}")
-    probe = ctypes.CDLL(str(library))
+    probe = compile_probe(PROBE_SOURCE, unit, out / f"fma_peak_probe_{isa}.so")
     probe.fma_run.restype = ctypes.c_double
     probe.fma_run.argtypes = [ctypes.c_int64]
     if probe.fma_vector_floats() != floats:
@@ -165,10 +159,6 @@ def main() -> None:
     if not isas:
         raise SystemExit(f"this CPU runs none of {sorted(PROBE_UNIT)} (it runs {supported})")
     points = [parse_point(s) for s in args.points.split(",")]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "csrc/cpu_attn"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
     started = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory(prefix="vattn-probe-") as tmp:
@@ -184,7 +174,7 @@ def main() -> None:
     payload = {
         "benchmark": "prefill_ceiling",
         "machine": machine(),
-        "commit": commit + (" + uncommitted csrc/cpu_attn changes" if dirty else ""),
+        "commit": git_revision(ROOT),
         "threads": 1,
         "unit": "GFLOP/s per call (median, min, max over rounds); share_of_peak: the prefill's GFLOP/s over the "
                 "probe's in the same round (1: every cycle a full-width multiply-add on each FMA pipe)",
