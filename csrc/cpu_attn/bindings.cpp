@@ -14,9 +14,11 @@
 
 #include "attention.h"
 #include "common/dlpack.h"
+#include "python/released_gil.h"
 
 namespace py = pybind11;
 using namespace vattn::cpu_attn;
+using vattn::python::ReleasedGil;
 
 namespace {
 
@@ -92,7 +94,7 @@ std::string attention_binding(const BatchPlan& plan, py::handle q, py::handle k_
   const Isa wanted = isa_arg(isa);
   Isa used;
   {
-    py::gil_scoped_release release;
+    ReleasedGil released;
     used = attention(plan, call, k.is_none() ? nullptr : &k_ref, v.is_none() ? nullptr : &v_ref, wanted);
   }
   return isa_name(used);

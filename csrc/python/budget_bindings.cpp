@@ -7,8 +7,10 @@
 #include <pybind11/stl.h>
 
 #include "budget/budget.h"
+#include "python/released_gil.h"
 
 namespace py = pybind11;
+using vattn::python::ReleasedGil;
 
 namespace vattn {
 
@@ -61,7 +63,7 @@ py::dict usage_dict(const BudgetUsage& u) {
 
 void bind_budget(py::module_& m) {
   register_budget_error();
-  using release_gil = py::call_guard<py::gil_scoped_release>;
+  using release_gil = py::call_guard<ReleasedGil>;
 
   py::class_<Budget, std::shared_ptr<Budget>>(m, "Budget",
                                               "A machine-wide memory budget in shared memory (see vattn.Budget).")
@@ -86,7 +88,7 @@ void bind_budget(py::module_& m) {
            [](Budget& b) {
              BudgetUsage u;
              {
-               py::gil_scoped_release release;
+               ReleasedGil released;
                u = b.usage();
              }
              return usage_dict(u);

@@ -1,0 +1,39 @@
+"""A process whose main thread returns while a daemon thread is inside a vattn call exits cleanly.
+
+Python (3.11-3.13) ends a thread that takes the GIL back after finalization began by unwinding its
+stack; where vattn took the GIL back in a noexcept destructor (pybind11's gil_scoped_release), that
+unwinding aborted the process ("terminate called without an active exception", exit -6): an
+in-process vLLM engine with vattn's budget keeper thread did so at exit now and then.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import vattn
+from vattn import budget as vbudget
+
+SCENARIOS = Path(__file__).with_name("exit_scenarios.py")
+
+
+@pytest.mark.parametrize("mode", [
+    "budget-wait",  # a binding whose whole call runs without the GIL (call_guard)
+    "attention",  # a binding that releases the GIL around its compute only (a scoped guard)
+    "raising",  # the call raises as the interpreter finalizes: the thread stops instead of unwinding twice
+])
+def test_a_daemon_thread_inside_vattn_does_not_abort_the_exit(mode, tmp_path):
+    name = f"exit-{mode}-{os.getpid()}"
+    vattn.Budget.create(name, 1 << 20)
+    try:
+        proc = subprocess.run([sys.executable, str(SCENARIOS), mode, name], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
+    finally:
+        vbudget.remove(name, force=True)
+    assert "exiting" in proc.stdout, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
