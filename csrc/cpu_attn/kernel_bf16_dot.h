@@ -40,12 +40,79 @@ VATTN_BF16_DOT_TARGET inline void qk_dot_block(const bf16* q, int64_t ldq, const
     for (int t = 0; t < NT; ++t) s[r * lds + t] = sums[r * NT + t] * scale;
 }
 
+// out[j] = scale x (sum of accumulator j / 2's lanes 8 (j % 2) .. 8 (j % 2) + 7) for j < 32: the 32
+// sums of 16 accumulators that each hold two keys' partial sums in their 256-bit halves. (Always
+// inlined, every index written out, as Vec::hsum_n: a loop here left the accumulators in a stack array.)
+VATTN_BF16_DOT_TARGET __attribute__((always_inline)) inline void pair_sums(const R* a, float scale, float* out) {
+  // 16 -> 8: each 128-bit lane of c[j] holds four partials of sum 4 j + lane
+  auto quarters = [](R x, R y) { return Vec::add(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xdd)); };
+  const R c0 = quarters(a[0], a[1]), c1 = quarters(a[2], a[3]), c2 = quarters(a[4], a[5]),
+          c3 = quarters(a[6], a[7]), c4 = quarters(a[8], a[9]), c5 = quarters(a[10], a[11]),
+          c6 = quarters(a[12], a[13]), c7 = quarters(a[14], a[15]);
+  // 8 -> 4 -> 2: element 4 lane + e of g is sum 16 n + 4 e + lane of its half n; the permutation sorts them
+  auto within = [](R e0, R e1, R e2, R e3) {
+    const R f0 = Vec::add(_mm512_unpacklo_ps(e0, e1), _mm512_unpackhi_ps(e0, e1));
+    const R f1 = Vec::add(_mm512_unpacklo_ps(e2, e3), _mm512_unpackhi_ps(e2, e3));
+    return Vec::add(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(f0), _mm512_castps_pd(f1))),
+                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(f0), _mm512_castps_pd(f1))));
+  };
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const R sc = Vec::set1(scale);
+  _mm512_storeu_ps(out, Vec::mul(_mm512_permutexvar_ps(order, within(c0, c1, c2, c3)), sc));
+  _mm512_storeu_ps(out + 16, Vec::mul(_mm512_permutexvar_ps(order, within(c4, c5, c6, c7)), sc));
+}
+
+// Two keys per accumulator: lanes 0-7 sum key 2p's products, lanes 8-15 key 2p + 1's, each over
+// 16 of head_dim's elements per VDPBF16PS (the query's half-line broadcast to both halves). The
+// instructions are the same number as one key per accumulator, but the reduction tree ends a level
+// early and yields 32 sums from 16 accumulators, in two vectors stored a row at a time: with
+// head_dim 64 a key takes two VDPBF16PS per query row, and reducing 16 sums took as many
+// instructions as the products (qk_dot_block). MR x NP = 16 accumulators; 2 NP keys.
+template <int MR, int NP>
+VATTN_BF16_DOT_TARGET inline void qk_dot_pairs_block(const bf16* q, int64_t ldq, const bf16* k, int64_t ldk, int d,
+                                                     float scale, float* s, int64_t lds, int64_t pf_off,
+                                                     int64_t pf_n) {
+  static_assert(MR * NP == 16, "one full reduction tree");
+  R acc[MR * NP];
+  for (int i = 0; i < MR * NP; ++i) acc[i] = Vec::zero();
+  for (int x = 0; x < d; x += 32) {  // a 64-byte line of each key row
+    for (int t = 0; t < 2 * NP && t < pf_n; ++t) __builtin_prefetch(k + t * ldk + x + pf_off, 0, 3);
+    __m512i qlo[MR], qhi[MR];  // q[r][x, x + 16) and q[r][x + 16, x + 32), in both halves
+    for (int r = 0; r < MR; ++r) {
+      qlo[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + x)));
+      qhi[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + x + 16)));
+    }
+    for (int p = 0; p < NP; ++p) {
+      const __m512i a = _mm512_loadu_si512(k + (2 * p) * ldk + x), b = _mm512_loadu_si512(k + (2 * p + 1) * ldk + x);
+      const __m512i lo = _mm512_shuffle_i64x2(a, b, 0x44);  // [a[x, x + 16), b[x, x + 16)]
+      const __m512i hi = _mm512_shuffle_i64x2(a, b, 0xee);  // [a[x + 16, x + 32), b[x + 16, x + 32)]
+      for (int r = 0; r < MR; ++r) {
+        acc[r * NP + p] = _mm512_dpbf16_ps(acc[r * NP + p], reinterpret_cast<__m512bh>(qlo[r]),
+                                           reinterpret_cast<__m512bh>(lo));
+        acc[r * NP + p] = _mm512_dpbf16_ps(acc[r * NP + p], reinterpret_cast<__m512bh>(qhi[r]),
+                                           reinterpret_cast<__m512bh>(hi));
+      }
+    }
+  }
+  float sums[32];
+  pair_sums(acc, scale, sums);
+  for (int r = 0; r < MR; ++r)
+    for (int t = 0; t < 2 * NP; t += 8) _mm256_storeu_ps(s + r * lds + t, _mm256_loadu_ps(sums + r * 2 * NP + t));
+}
+
 template <int MR>
 VATTN_BF16_DOT_TARGET inline void qk_dot_rows(const bf16* q, int64_t ldq, const bf16* k, int64_t ldk, int64_t n,
                                               int d, float scale, float* s, int64_t lds, int64_t pf_off,
                                               int64_t pf_n) {
   constexpr int NT = 16 / MR;  // a full hsum_n tree
   int64_t t = 0;
+  // head_dim 64 only: over 128 (4 lines a key row) the reduction weighs less, and Llama-3-8B's heads
+  // (8 kv of 128) ran 0.90-0.92x as fast with pairs at B=8 ctx 2048 and B=16 ctx 1024 (docs/kernels.md)
+  if constexpr (16 % MR == 0) {
+    if (d == 64)
+      for (; t + 32 / MR <= n; t += 32 / MR)
+        qk_dot_pairs_block<MR, 16 / MR>(q, ldq, k + t * ldk, ldk, d, scale, s + t, lds, pf_off, pf_n - t);
+  }
   for (; t + NT <= n; t += NT)
     qk_dot_block<MR, NT>(q, ldq, k + t * ldk, ldk, d, scale, s + t, lds, pf_off, pf_n - t);
   for (; t < n; ++t) qk_dot_block<MR, 1>(q, ldq, k + t * ldk, ldk, d, scale, s + t, lds, pf_off, pf_n - t);

@@ -38,7 +38,7 @@ LONG = os.environ.get("VATTN_LONG_TESTS") == "1"
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_dense_mixed_batches(isa: str, head_dim: int, dtype: torch.dtype) -> None:
     rng = random.Random(head_dim * 7 + DTYPES.index(dtype))
-    for heads_q, heads_kv in ((4, 4), (8, 2), (8, 1)):  # GQA ratios 1, 4, 8
+    for heads_q, heads_kv in ((4, 4), (4, 2), (8, 2), (8, 1)):  # GQA ratios 1, 2, 4, 8
         batch = mixed_batch(rng, max_len=300, requests=4)
         case = DenseCase(batch, heads_q, heads_kv, head_dim, dtype, max_len=300, layers=2,
                          seed=rng.randrange(1 << 30))
