@@ -14,11 +14,11 @@
 
 #include "attention.h"
 #include "common/dlpack.h"
-#include "python/released_gil.h"
+#include "common/released_gil.h"
 
 namespace py = pybind11;
 using namespace vattn::cpu_attn;
-using vattn::python::ReleasedGil;
+using vattn::ReleasedGil;
 
 namespace {
 

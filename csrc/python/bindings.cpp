@@ -12,14 +12,13 @@
 #include "backends/vmm_backend.h"
 #include "common/dlpack.h"
 #include "common/errors.h"
+#include "common/released_gil.h"
 #include "core/page_manager.h"
 #include "python/budget_bindings.h"
 #include "python/policy_bindings.h"
-#include "python/released_gil.h"
 
 namespace py = pybind11;
 using namespace vattn;
-using vattn::python::ReleasedGil;
 
 namespace {
 

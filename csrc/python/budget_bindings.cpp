@@ -7,10 +7,9 @@
 #include <pybind11/stl.h>
 
 #include "budget/budget.h"
-#include "python/released_gil.h"
+#include "common/released_gil.h"
 
 namespace py = pybind11;
-using vattn::python::ReleasedGil;
 
 namespace vattn {
 

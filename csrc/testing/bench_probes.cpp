@@ -18,7 +18,7 @@
 
 #include "backends/cuda_driver.h"
 #include "common/errors.h"
-#include "python/released_gil.h"
+#include "common/released_gil.h"
 #include "testing/testing.h"
 
 namespace vattn {
@@ -221,14 +221,14 @@ void busy_wait(double seconds, int threads) {
 }
 
 void bind_bench_probes(py::module_& m) {
-  m.def("busy_wait", &busy_wait, py::arg("seconds"), py::arg("threads") = 1, py::call_guard<python::ReleasedGil>(),
+  m.def("busy_wait", &busy_wait, py::arg("seconds"), py::arg("threads") = 1, py::call_guard<ReleasedGil>(),
         "Spins `threads` threads (1-64: the calling one, and threads - 1 helpers started once) until `seconds` "
         "(0-60) from the call, touching no memory, with the GIL released.");
   m.def("raw_cuda_seconds", &raw_cuda_seconds, py::arg("driver_path"), py::arg("device"), py::arg("page_size"),
-        py::arg("count"), py::call_guard<python::ReleasedGil>(),
+        py::arg("count"), py::call_guard<ReleasedGil>(),
         "Benchmark floor: [create, map + set access, unmap, release] seconds per page of raw CUDA driver calls.");
   m.def("raw_mmap_seconds", &raw_mmap_seconds, py::arg("page_size"), py::arg("count"),
-        py::call_guard<python::ReleasedGil>(),
+        py::call_guard<ReleasedGil>(),
         "Benchmark floor: [map, unmap] seconds per raw mmap call on a memfd.");
 }
 

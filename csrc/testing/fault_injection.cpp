@@ -8,7 +8,7 @@
 #include <stdexcept>
 
 #include "common/errors.h"
-#include "python/released_gil.h"
+#include "common/released_gil.h"
 #include "testing/testing.h"
 
 namespace vattn {
@@ -232,7 +232,7 @@ void bind_fault_injection(py::module_& m) {
         auto host = make_host_backend(page_size, num_pages, std::make_shared<FaultyHostCalls>(plan));
         return std::make_shared<FaultInjectingBackend>(std::move(host), std::move(plan));
       },
-      py::arg("page_size"), py::arg("num_pages"), py::arg("plan"), py::call_guard<python::ReleasedGil>(),
+      py::arg("page_size"), py::arg("num_pages"), py::arg("plan"), py::call_guard<ReleasedGil>(),
       "A host backend (pages of page_size bytes, a pool of num_pages) whose calls and system calls fail "
       "or are slow as `plan` says.");
 }

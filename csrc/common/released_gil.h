@@ -15,7 +15,7 @@
 
 #include <Python.h>
 
-namespace vattn::python {
+namespace vattn {
 
 class ReleasedGil {
  public:
@@ -30,4 +30,4 @@ class ReleasedGil {
   PyThreadState* state_;
 };
 
-}  // namespace vattn::python
+}  // namespace vattn
