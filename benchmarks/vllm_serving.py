@@ -197,7 +197,10 @@ def run_traces(python: str, model: Path, spec_path: Path, out: Path, vattn: bool
                   + (f"; attention layers {parts['layer_s']:.2f} s, outside them {parts['outside_layers_s']:.2f} s"
                      if "layer_s" in parts else "")
                   + (f"; the rest's CPU time {parts['rest_cpu_s']:.2f} s, the step's thread taken off its core "
-                     f"{parts['step_involuntary_switches']:.0f} times" if "rest_cpu_s" in parts else ""), flush=True)
+                     f"{parts['step_involuntary_switches']:.0f} times" if "rest_cpu_s" in parts else "")
+                  + (f"; garbage collections {parts['step_gc_s']:.2f} s inside steps ({parts['gc_s']:.2f} s in all, "
+                     f"{parts['gc_collections']:.0f} collections, {parts['gc_full_collections']:.0f} full)"
+                     if "step_gc_s" in parts else ""), flush=True)
     return result
 
 
@@ -211,6 +214,8 @@ def forward_parts(phase: dict) -> dict[str, float]:
         parts += ["layer_s", "outside_layers_s"]
     if all("rest_cpu_s" in w for w in clocks):  # (older checkouts' clocks: wall time only)
         parts += ["rest_cpu_s", "step_involuntary_switches"]
+    if all("step_gc_s" in w for w in clocks):  # (older checkouts' clocks: no collections)
+        parts += ["step_gc_s", "gc_s", "gc_collections", "gc_full_collections"]
     return {part: sum(w[part] for w in clocks) for part in parts}
 
 

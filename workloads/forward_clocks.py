@@ -31,12 +31,17 @@ the forwards since the last ``take``:
   waiting (for other threads of its parallel regions, or off its core);
 - ``step_involuntary_switches``: times the step's thread was taken off its
   core while it could have run (Linux ``getrusage(RUSAGE_THREAD)``), which
-  another busy thread or process on the same cores causes.
+  another busy thread or process on the same cores causes;
+- ``gc_s``, ``gc_collections``, ``gc_full_collections``: seconds the worker's
+  process spent in Python's garbage collections (``gc.callbacks``), how many,
+  and how many of the oldest generation; ``step_gc_s``: those seconds that
+  fell inside a step, which the step's parts (mostly the rest) include.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import resource
 import time
 from typing import Any, Callable
@@ -61,7 +66,7 @@ def _timed(clocks: dict[str, float], part: str, method: Callable[..., Any],
 
     @functools.wraps(method)
     def timed(*args: Any, **kwargs: Any) -> Any:
-        before = _involuntary_switches() if switches else 0
+        before, gc_before = (_involuntary_switches(), clocks["gc_s"]) if switches else (0, 0.0)
         start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             return method(*args, **kwargs)
@@ -71,7 +76,22 @@ def _timed(clocks: dict[str, float], part: str, method: Callable[..., Any],
             clocks[calls] += 1
             if switches:
                 clocks[switched] += _involuntary_switches() - before
+                clocks[f"{part}_gc_s"] += clocks["gc_s"] - gc_before
     return timed
+
+
+def _gc_clock(clocks: dict[str, float]) -> Callable[[str, dict[str, int]], None]:
+    """A ``gc.callbacks`` entry adding each collection's seconds to ``clocks["gc_s"]`` and counting it."""
+    started = [0.0]
+
+    def on_collection(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        clocks["gc_s"] += time.perf_counter() - started[0]
+        clocks["gc_collections"] += 1
+        clocks["gc_full_collections"] += info["generation"] == 2
+    return on_collection
 
 
 def install(worker: Any) -> int:
@@ -81,7 +101,8 @@ def install(worker: Any) -> int:
     if hasattr(worker, CLOCKS):
         raise RuntimeError("forward clocks are already installed in this worker")
     clocks = dict.fromkeys((f"{part}_{unit}" for part in PARTS for unit in ("s", "cpu_s", "calls")), 0.0)
-    clocks["step_involuntary_switches"] = 0
+    clocks.update(step_involuntary_switches=0, gc_s=0.0, gc_collections=0, gc_full_collections=0, step_gc_s=0.0)
+    gc.callbacks.append(_gc_clock(clocks))
     runner = worker.model_runner
     for name in ("execute_model", "sample_tokens"):
         setattr(runner, name, _timed(clocks, "step", getattr(runner, name), switches=True))

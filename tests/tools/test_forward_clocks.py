@@ -4,6 +4,7 @@ an eager run the attention layers' whole calls are clocked too."""
 
 from __future__ import annotations
 
+import gc
 import time
 from types import SimpleNamespace
 
@@ -115,3 +116,26 @@ def test_installing_twice_is_refused():
     forward_clocks.install(worker)
     with pytest.raises(RuntimeError, match="already installed"):
         forward_clocks.install(worker)
+
+
+class CollectingRunner(Runner):
+    """A runner whose rest of the model runs a full garbage collection over 20,000 objects in cycles."""
+
+    def execute_model(self):
+        super().execute_model()
+        garbage = [[] for _ in range(20000)]
+        for item in garbage:
+            item.append(item)
+        del garbage, item
+        gc.collect()
+
+
+def test_garbage_collections_inside_a_step_are_counted_apart():
+    worker = SimpleNamespace(model_runner=CollectingRunner(layers=1))
+    forward_clocks.install(worker)
+    worker.model_runner.execute_model()
+    gc.collect(0)  # outside any step: in the process's total only
+    parts = forward_clocks.take(worker)
+    assert parts["gc_full_collections"] >= 1 and parts["gc_collections"] >= 2
+    assert 0.0 < parts["step_gc_s"] < parts["gc_s"] and parts["step_gc_s"] <= parts["rest_s"]
+    assert forward_clocks.take(worker)["gc_s"] == 0.0  # taken: reset
