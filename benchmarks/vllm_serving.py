@@ -301,6 +301,14 @@ def summarize(runs: dict[str, list[dict]], traces: tuple[str, ...], aa: str | No
                 if part in num_parts and part in den_parts:
                     row[f"forward_{name}_{num}_over_{den}"] = ratio_summary(
                         [b / a for a, b in zip(den_parts[part], num_parts[part])])
+        fit = rest_against_faults(row)
+        if fit is not None:
+            row["rest_against_minor_faults"] = fit
+            for num, den in [("vattn", "stock")] + ([(f"{aa}-again", aa)] if aa else []):
+                less = fit["rest_less_faults_s_rounds"]
+                if num in less and den in less:
+                    row[f"forward_rest_less_faults_{num}_over_{den}"] = ratio_summary(
+                        [b / a for a, b in zip(less[den], less[num])])
         row["tokens_per_s_ratio_vattn_over_stock"] = row["ratios"]["vattn / stock"]["median"]
         for engine in ("stock", "vattn"):
             ttft = [t for r in runs[engine] for t in r["phases"][trace]["ttft_s"]]
@@ -320,6 +328,27 @@ def summarize(runs: dict[str, list[dict]], traces: tuple[str, ...], aa: str | No
                 a == b for a, b in zip(v["outputs"], runs["vattn+budget"][0]["phases"][trace]["outputs"]))
         out[trace] = row
     return out
+
+
+def rest_against_faults(row: dict) -> dict | None:
+    """The rest of the forward against the trace's minor page faults, over every engine's rounds: the
+    least-squares line (seconds per fault, seconds at none) and how much of the rest's spread it explains
+    (R squared), and each round's rest less its faults' share (the line's slope times its faults). The
+    allocator's faults (large activations mapped and unmapped per forward, more or fewer as glibc's
+    threshold moves) vary between runs of one engine as much as between engines. None where a trace has no
+    faults counted or no spread of them."""
+    engines = [k[: -len("_minor_faults_rounds")] for k in row if k.endswith("_minor_faults_rounds")]
+    engines = [e for e in engines if f"{e}_forward_s_rounds" in row]
+    faults = [f for e in engines for f in row[f"{e}_minor_faults_rounds"]]
+    rests = [r for e in engines for r in row[f"{e}_forward_s_rounds"]["rest_s"]]
+    if len(faults) < 3 or len(set(faults)) < 2 or len(set(rests)) < 2:
+        return None
+    slope, intercept = statistics.linear_regression(faults, rests)
+    r_squared = statistics.correlation(faults, rests) ** 2
+    less = {e: [round(r - slope * f, 4) for r, f in zip(row[f"{e}_forward_s_rounds"]["rest_s"],
+                                                       row[f"{e}_minor_faults_rounds"])] for e in engines}
+    return {"seconds_per_fault": slope, "intercept_s": intercept, "r_squared": r_squared,
+            "rest_less_faults_s_rounds": less}
 
 
 def plot(payload: dict, name: str) -> None:
@@ -506,9 +535,13 @@ def main() -> None:
         for pair, q in summary[trace]["ratios"].items():
             print(describe_ratio(f"{trace:14s} {pair}", q))
         for key, q in summary[trace].items():
-            if key.startswith("forward_rest_"):  # the rest's wall time, then its CPU time
-                what = key[len("forward_rest_"):].replace("cpu_", "CPU time, ")
+            if key.startswith("forward_rest_"):  # the rest's wall time, its CPU time, less its faults' share
+                what = key[len("forward_rest_"):].replace("cpu_", "CPU time, ").replace("less_faults_", "less faults, ")
                 print(describe_ratio(f"{trace:14s} the rest of the forward, {what}", q))
+        fit = summary[trace].get("rest_against_minor_faults")
+        if fit is not None:
+            print(f"{trace:14s} the rest against minor faults: {fit['seconds_per_fault'] * 1e6:.2f} us a fault, "
+                  f"{fit['intercept_s']:.3f} s at none, R squared {fit['r_squared']:.2f}")
     stock, ours = runs["stock"][0], runs["vattn"][0]
     v = ours["vattn"][0]
     payload = {

@@ -109,6 +109,30 @@ def test_the_forward_parts_are_compared_within_each_round_and_the_layers_where_c
     assert "forward_outside_layers_vattn_over_stock" not in row and "forward_rest_vattn_over_stock" in row
 
 
+def faulting_run(faults: int, vattn: bool = False) -> dict:
+    """A clocked run whose rest is 0.5 s plus 2 us per minor fault of its trace."""
+    run = clocked_run(10.0, 0.5 + 2e-6 * faults, None, vattn)
+    run["phases"]["a"] |= {"minor_faults": faults, "modules_imported": []}
+    return run
+
+
+def test_the_rest_is_set_against_the_minor_faults_of_every_round():
+    runs = {"stock": [faulting_run(100_000), faulting_run(400_000)],
+            "vattn": [faulting_run(50_000, True), faulting_run(300_000, True)],
+            "stock-again": [faulting_run(250_000), faulting_run(10_000)]}
+    row = vllm_serving.summarize(runs, ("a",), "stock", low_precision=False)["a"]
+    fit = row["rest_against_minor_faults"]
+    assert fit["seconds_per_fault"] == pytest.approx(2e-6) and fit["intercept_s"] == pytest.approx(0.5)
+    assert fit["r_squared"] == pytest.approx(1.0)
+    assert fit["rest_less_faults_s_rounds"]["vattn"] == pytest.approx([0.5, 0.5])
+    # the rest alone differs round by round with the faults; less their share, it is equal
+    assert row["forward_rest_vattn_over_stock"]["per_round"] != [1.0, 1.0]
+    assert row["forward_rest_less_faults_vattn_over_stock"]["per_round"] == pytest.approx([1.0, 1.0])
+    assert row["forward_rest_less_faults_stock-again_over_stock"]["per_round"] == pytest.approx([1.0, 1.0])
+    unfaulted = {"stock": [clocked_run(10.0, 1.0, None)] * 2, "vattn": [clocked_run(12.0, 1.0, None, True)] * 2}
+    assert "rest_against_minor_faults" not in vllm_serving.summarize(unfaulted, ("a",), None, False)["a"]
+
+
 def test_the_base_checkout_is_the_denominator_of_this_checkouts_vattn():
     assert vllm_serving.ratio_pairs(["stock", "vattn", "vattn-base"], None) == [("vattn", "stock"),
                                                                                ("vattn", "vattn-base")]
