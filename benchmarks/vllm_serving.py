@@ -305,7 +305,7 @@ def summarize(runs: dict[str, list[dict]], traces: tuple[str, ...], aa: str | No
         if fit is not None:
             row["rest_against_minor_faults"] = fit
             for num, den in [("vattn", "stock")] + ([(f"{aa}-again", aa)] if aa else []):
-                less = fit["rest_less_faults_s_rounds"]
+                less = fit.get("rest_less_faults_s_rounds", {})
                 if num in less and den in less:
                     row[f"forward_rest_less_faults_{num}_over_{den}"] = ratio_summary(
                         [b / a for a, b in zip(less[den], less[num])])
@@ -330,25 +330,36 @@ def summarize(runs: dict[str, list[dict]], traces: tuple[str, ...], aa: str | No
     return out
 
 
+MIN_FAULTS_R_SQUARED = 0.5  # below it the faults do not explain the rest's spread: nothing is subtracted
+
+
 def rest_against_faults(row: dict) -> dict | None:
-    """The rest of the forward against the trace's minor page faults, over every engine's rounds: the
-    least-squares line (seconds per fault, seconds at none) and how much of the rest's spread it explains
-    (R squared), and each round's rest less its faults' share (the line's slope times its faults). The
-    allocator's faults (large activations mapped and unmapped per forward, more or fewer as glibc's
-    threshold moves) vary between runs of one engine as much as between engines. None where a trace has no
-    faults counted or no spread of them."""
+    """The rest of the forward against the trace's minor page faults, within each engine's rounds: the
+    slope (seconds per fault) of the least-squares line through every round, each engine's rounds taken
+    about their own means (so that a difference between engines, faults and rest alike, cannot make the
+    slope), and how much of the rest's spread it explains (R squared). The allocator's faults (large
+    activations mapped and unmapped per forward, more or fewer as glibc's threshold moves) vary between
+    runs of one engine as much as between engines. Where R squared reaches ``MIN_FAULTS_R_SQUARED``, each
+    round's rest less its faults' share (slope times faults). None where a trace has no faults counted or
+    no spread of them within an engine."""
     engines = [k[: -len("_minor_faults_rounds")] for k in row if k.endswith("_minor_faults_rounds")]
-    engines = [e for e in engines if f"{e}_forward_s_rounds" in row]
-    faults = [f for e in engines for f in row[f"{e}_minor_faults_rounds"]]
-    rests = [r for e in engines for r in row[f"{e}_forward_s_rounds"]["rest_s"]]
-    if len(faults) < 3 or len(set(faults)) < 2 or len(set(rests)) < 2:
+    engines = [e for e in engines if f"{e}_forward_s_rounds" in row and len(row[f"{e}_minor_faults_rounds"]) > 1]
+    sxx = sxy = syy = 0.0
+    for e in engines:
+        faults, rests = row[f"{e}_minor_faults_rounds"], row[f"{e}_forward_s_rounds"]["rest_s"]
+        mf, mr = statistics.fmean(faults), statistics.fmean(rests)
+        sxx += sum((f - mf) ** 2 for f in faults)
+        sxy += sum((f - mf) * (r - mr) for f, r in zip(faults, rests))
+        syy += sum((r - mr) ** 2 for r in rests)
+    if sxx == 0 or syy == 0:
         return None
-    slope, intercept = statistics.linear_regression(faults, rests)
-    r_squared = statistics.correlation(faults, rests) ** 2
-    less = {e: [round(r - slope * f, 4) for r, f in zip(row[f"{e}_forward_s_rounds"]["rest_s"],
+    slope, r_squared = sxy / sxx, sxy * sxy / (sxx * syy)
+    fit = {"seconds_per_fault": slope, "r_squared": r_squared}
+    if r_squared >= MIN_FAULTS_R_SQUARED:
+        fit["rest_less_faults_s_rounds"] = {
+            e: [round(r - slope * f, 4) for r, f in zip(row[f"{e}_forward_s_rounds"]["rest_s"],
                                                        row[f"{e}_minor_faults_rounds"])] for e in engines}
-    return {"seconds_per_fault": slope, "intercept_s": intercept, "r_squared": r_squared,
-            "rest_less_faults_s_rounds": less}
+    return fit
 
 
 def plot(payload: dict, name: str) -> None:
@@ -540,8 +551,9 @@ def main() -> None:
                 print(describe_ratio(f"{trace:14s} the rest of the forward, {what}", q))
         fit = summary[trace].get("rest_against_minor_faults")
         if fit is not None:
-            print(f"{trace:14s} the rest against minor faults: {fit['seconds_per_fault'] * 1e6:.2f} us a fault, "
-                  f"{fit['intercept_s']:.3f} s at none, R squared {fit['r_squared']:.2f}")
+            print(f"{trace:14s} the rest against minor faults within each engine: {fit['seconds_per_fault'] * 1e6:.2f} "
+                  f"us a fault, R squared {fit['r_squared']:.2f}"
+                  + ("" if "rest_less_faults_s_rounds" in fit else " (they do not explain the rest: nothing subtracted)"))
     stock, ours = runs["stock"][0], runs["vattn"][0]
     v = ours["vattn"][0]
     payload = {
