@@ -45,21 +45,14 @@ VATTN_BF16_DOT_TARGET inline void qk_dot_block(const bf16* q, int64_t ldq, const
 // inlined, every index written out, as Vec::hsum_n: a loop here left the accumulators in a stack array.)
 VATTN_BF16_DOT_TARGET __attribute__((always_inline)) inline void pair_sums(const R* a, float scale, float* out) {
   // 16 -> 8: each 128-bit lane of c[j] holds four partials of sum 4 j + lane
-  auto quarters = [](R x, R y) { return Vec::add(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xdd)); };
-  const R c0 = quarters(a[0], a[1]), c1 = quarters(a[2], a[3]), c2 = quarters(a[4], a[5]),
-          c3 = quarters(a[6], a[7]), c4 = quarters(a[8], a[9]), c5 = quarters(a[10], a[11]),
-          c6 = quarters(a[12], a[13]), c7 = quarters(a[14], a[15]);
-  // 8 -> 4 -> 2: element 4 lane + e of g is sum 16 n + 4 e + lane of its half n; the permutation sorts them
-  auto within = [](R e0, R e1, R e2, R e3) {
-    const R f0 = Vec::add(_mm512_unpacklo_ps(e0, e1), _mm512_unpackhi_ps(e0, e1));
-    const R f1 = Vec::add(_mm512_unpacklo_ps(e2, e3), _mm512_unpackhi_ps(e2, e3));
-    return Vec::add(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(f0), _mm512_castps_pd(f1))),
-                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(f0), _mm512_castps_pd(f1))));
-  };
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const R c0 = Vec::pair_quarters(a[0], a[1]), c1 = Vec::pair_quarters(a[2], a[3]),
+          c2 = Vec::pair_quarters(a[4], a[5]), c3 = Vec::pair_quarters(a[6], a[7]),
+          c4 = Vec::pair_quarters(a[8], a[9]), c5 = Vec::pair_quarters(a[10], a[11]),
+          c6 = Vec::pair_quarters(a[12], a[13]), c7 = Vec::pair_quarters(a[14], a[15]);
+  // 8 -> 2: sums 0-15 from c0-c3, 16-31 from c4-c7
   const R sc = Vec::set1(scale);
-  _mm512_storeu_ps(out, Vec::mul(_mm512_permutexvar_ps(order, within(c0, c1, c2, c3)), sc));
-  _mm512_storeu_ps(out + 16, Vec::mul(_mm512_permutexvar_ps(order, within(c4, c5, c6, c7)), sc));
+  _mm512_storeu_ps(out, Vec::mul(Vec::quarter_sums(c0, c1, c2, c3), sc));
+  _mm512_storeu_ps(out + 16, Vec::mul(Vec::quarter_sums(c4, c5, c6, c7), sc));
 }
 
 // Two keys per accumulator: lanes 0-7 sum key 2p's products, lanes 8-15 key 2p + 1's, each over

@@ -54,19 +54,26 @@ struct Vec {
             c3 = halves(at(6), at(7)), c4 = halves(at(8), at(9)), c5 = halves(at(10), at(11)),
             c6 = halves(at(12), at(13)), c7 = halves(at(14), at(15));
     // 8 -> 4: lane j of e[k] holds four partial sums of a[4k + j]
-    auto quarters = [](R x, R y) { return add(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xdd)); };
-    const R e[4] = {quarters(c0, c1), quarters(c2, c3), quarters(c4, c5), quarters(c6, c7)};
-    // within each lane: [a[j], a[4 + j], a[8 + j], a[12 + j]] after two more add levels
-    const R f0 = add(_mm512_unpacklo_ps(e[0], e[1]), _mm512_unpackhi_ps(e[0], e[1]));
-    const R f1 = add(_mm512_unpacklo_ps(e[2], e[3]), _mm512_unpackhi_ps(e[2], e[3]));
-    const R g = add(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(f0), _mm512_castps_pd(f1))),
-                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(f0), _mm512_castps_pd(f1))));
-    const R sums = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), g);
+    const R e[4] = {pair_quarters(c0, c1), pair_quarters(c2, c3), pair_quarters(c4, c5), pair_quarters(c6, c7)};
+    const R sums = quarter_sums(e[0], e[1], e[2], e[3]);
     if (n == 16) {
       _mm512_storeu_ps(out, sums);
       return;
     }
     _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1), sums);
+  }
+  // [x.q0 + x.q1, x.q2 + x.q3, y.q0 + y.q1, y.q2 + y.q3] (128-bit lanes q)
+  static R pair_quarters(R x, R y) {
+    return add(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xdd));
+  }
+  // Element 4 k + j = the sum of e_k's 128-bit lane j (its four floats): two add levels within the
+  // lanes leave [e0.j, e1.j, e2.j, e3.j] in lane j, and one permutation sorts them.
+  __attribute__((always_inline)) static R quarter_sums(R e0, R e1, R e2, R e3) {
+    const R f0 = add(_mm512_unpacklo_ps(e0, e1), _mm512_unpackhi_ps(e0, e1));
+    const R f1 = add(_mm512_unpacklo_ps(e2, e3), _mm512_unpackhi_ps(e2, e3));
+    const R g = add(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(f0), _mm512_castps_pd(f1))),
+                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(f0), _mm512_castps_pd(f1))));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), g);
   }
   // e^x = 2^n 2^f, t = x log2(e), n = round(t), f = t - n in [-1/2, 1/2], 2^f by kExp2Poly
   // (cpu_attn.h; relative error 1.1e-7 in fp32): 12 operations. The kernel takes e^x of x <= 0 only (scores
