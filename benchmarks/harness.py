@@ -44,8 +44,11 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve", "bf16
 
 
 def machine() -> dict[str, Any]:
-    """CPU model, its vector extensions (ISA_FLAGS), cores, memory and GPU
-    (when torch sees one) of this machine."""
+    """CPU model, its family and model numbers, its vector extensions
+    (ISA_FLAGS), cores, memory and GPU (when torch sees one) of this machine.
+
+    The numbers tell CPU generations apart where a VM's model name does not
+    (on x86: AMD family 25 is Zen 3/Zen 4, 26 is Zen 5)."""
     fields: dict[str, str] = {}  # the first processor's /proc/cpuinfo lines
     try:
         with open("/proc/cpuinfo") as f:
@@ -57,7 +60,9 @@ def machine() -> dict[str, Any]:
     cpu = fields.get("model name") or platform.processor() or "unknown CPU"
     flags = set((fields.get("flags") or fields.get("Features") or "").split())
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    info: dict[str, Any] = {"cpu": cpu, "isa": [f for f in ISA_FLAGS if f in flags], "cores": os.cpu_count(),
+    info: dict[str, Any] = {"cpu": cpu, "cpu_family": _cpuinfo_int(fields, "cpu family"),
+                            "cpu_model": _cpuinfo_int(fields, "model"),
+                            "isa": [f for f in ISA_FLAGS if f in flags], "cores": os.cpu_count(),
                             "memory_gib": round(mem_gib, 1), "gpu": None, "torch": None, "cuda": None,
                             "driver": None}
     try:
@@ -71,6 +76,15 @@ def machine() -> dict[str, Any]:
         pass
     info["driver"] = cuda_driver()
     return info
+
+
+def _cpuinfo_int(fields: dict[str, str], key: str) -> int | None:
+    """A decimal /proc/cpuinfo field (x86's "cpu family", "model"); None
+    where absent (AArch64 names them differently) or not a number."""
+    try:
+        return int(fields[key])
+    except (KeyError, ValueError):
+        return None
 
 
 def cuda_driver() -> dict[str, Any] | None:

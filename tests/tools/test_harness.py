@@ -71,3 +71,21 @@ def test_the_machine_is_described_before_vattn_is_built(monkeypatch):
     assert info["driver"] is None
     assert info["cpu"] and info["cores"] >= 1
 
+
+
+def test_the_machine_names_the_cpu_generation():
+    """Zen 4 and Zen 5 VMs both call themselves "AMD EPYC": a result names
+    the CPU's family and model numbers as /proc/cpuinfo gives them."""
+    fields = {}
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    info = harness.machine()
+    if "cpu family" not in fields:
+        assert info["cpu_family"] is None and info["cpu_model"] is None
+    else:
+        assert info["cpu_family"] == int(fields["cpu family"])
+        assert info["cpu_model"] == int(fields["model"])
+    assert harness._cpuinfo_int({"model": "0x11"}, "model") is None
+    assert harness._cpuinfo_int({}, "cpu family") is None
