@@ -346,6 +346,16 @@ int64_t l2_bytes_per_core() {
   return bytes;
 }
 
+// Bytes of L1 data cache a core has (sysconf; 48 KiB, the size that keeps requests in L1, where the C
+// library cannot tell).
+int64_t l1d_bytes_per_core() {
+  static const int64_t bytes = [] {
+    const long n = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    return n > 0 ? static_cast<int64_t>(n) : int64_t{48} << 10;
+  }();
+  return bytes;
+}
+
 const KernelTable* kernels_of(Isa isa) {
   switch (isa) {
     case Isa::kScalar: return scalar_kernels();
@@ -520,6 +530,7 @@ Isa attention(const BatchPlan& plan, Call c, const TensorRef* k_new, const Tenso
   }
   const int64_t kv_bytes = 2 * plan.total_seq_len() * c.num_heads_kv * c.head_dim * element_size(c.k_cache.dtype);
   c.beyond_l2 = kv_bytes > l2_bytes_per_core() * sched->threads;
+  c.prefetch_to_l2 = decode_prefetch_to_l2();
   c.packed_values = pack_values(plan, c, *sched, pool);
   Job job{&c, kernels_of(isa), sched.get(), remaining};
   pool.run(static_cast<int64_t>(sched->items.size()), run_task, &job,
@@ -529,6 +540,8 @@ Isa attention(const BatchPlan& plan, Call c, const TensorRef* k_new, const Tenso
 }
 
 uint64_t calls(Isa isa) { return call_counts[static_cast<int>(isa)].load(std::memory_order_relaxed); }
+
+bool decode_prefetch_to_l2() { return l1d_bytes_per_core() < (int64_t{48} << 10); }
 
 uint64_t packed_bytes() { return packed_value_bytes.load(std::memory_order_relaxed); }
 

@@ -82,6 +82,9 @@ Isa attention(const BatchPlan& plan, Call call, const TensorRef* k_new, const Te
 uint64_t calls(Isa isa);
 // Bytes of values packed for blocks of many rows (PackedValues) by the calls so far, in this process.
 uint64_t packed_bytes();
+// Whether decode items that request the next tile's lines as they work request them into L2 only
+// (Call::prefetch_to_l2): on cores whose L1 data cache is under 48 KiB.
+bool decode_prefetch_to_l2();
 
 // ---- ISA choice ---------------------------------------------------------------
 

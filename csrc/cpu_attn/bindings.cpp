@@ -118,6 +118,7 @@ py::dict info() {
   d["calls"] = counts;
   d["packed_value_bytes"] = packed_bytes();
   d["threads"] = pool_threads();
+  d["decode_prefetch"] = decode_prefetch_to_l2() ? "l2" : "l1";
   d["pool"] = pool_kind();
   d["note"] = note;
   return d;
@@ -154,5 +155,5 @@ PYBIND11_MODULE(_cpu_attn, m) {
   py::tuple dtypes(kNumDTypes);
   for (int i = 0; i < kNumDTypes; ++i) dtypes[i] = torch_dtype_name(static_cast<DType>(i));
   m.attr("DTYPES") = dtypes;
-  m.def("info", &info, "ISA chosen and supported, thread pool size, calls run per ISA, bytes of values packed.");
+  m.def("info", &info, "ISA chosen and supported, thread pool size, calls run per ISA, bytes of values packed, where decode's in-loop requests go (l1 or l2).");
 }

@@ -88,6 +88,10 @@ struct Call {
   // the call's K and V outgrow the L2 caches of the threads that run it, so they come from L3 or
   // memory even in back-to-back calls: every decode item requests the next tile's lines as it works
   bool beyond_l2 = false;
+  // the lines those requests (and those of items over wide rows) ask for go to L2 only, not L1: on a
+  // core with a 32 KiB L1 data cache (AMD Zen 4) requests into L1 made decode from memory 1.02-1.7x
+  // slower; with a 48 KiB L1 (Zen 5) into L2 was level or slower (docs/kernels.md)
+  bool prefetch_to_l2 = false;
   // partial results of split items: [partial][row][D] accumulators, [partial][row] max and sum
   float* partial_acc = nullptr;
   float* partial_max = nullptr;

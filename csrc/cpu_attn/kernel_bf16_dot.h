@@ -17,13 +17,13 @@
 
 #define VATTN_BF16_DOT_TARGET __attribute__((target("avx512bf16,avx512bw")))
 
-template <int MR, int NT>
+template <int MR, int NT, bool kToL2>
 VATTN_BF16_DOT_TARGET inline void qk_dot_block(const bf16* q, int64_t ldq, const bf16* k, int64_t ldk, int d,
                                                float scale, float* s, int64_t lds, int64_t pf_off, int64_t pf_n) {
   R acc[MR * NT];
   for (int i = 0; i < MR * NT; ++i) acc[i] = Vec::zero();
   for (int x = 0; x < d; x += 32) {  // 32 bf16 = one 64-byte line of each key row
-    for (int t = 0; t < NT && t < pf_n; ++t) __builtin_prefetch(k + t * ldk + x + pf_off, 0, 3);
+    for (int t = 0; t < NT && t < pf_n; ++t) prefetch_line<kToL2>(k + t * ldk + x + pf_off);
     __m512i kv[NT];
     for (int t = 0; t < NT; ++t) kv[t] = _mm512_loadu_si512(k + t * ldk + x);
     for (int r = 0; r < MR; ++r) {
@@ -61,7 +61,7 @@ VATTN_BF16_DOT_TARGET __attribute__((always_inline)) inline void pair_sums(const
 // early and yields 32 sums from 16 accumulators, in two vectors stored a row at a time: with
 // head_dim 64 a key takes two VDPBF16PS per query row, and reducing 16 sums took as many
 // instructions as the products (qk_dot_block). MR x NP = 16 accumulators; 2 NP keys.
-template <int MR, int NP>
+template <int MR, int NP, bool kToL2>
 VATTN_BF16_DOT_TARGET inline void qk_dot_pairs_block(const bf16* q, int64_t ldq, const bf16* k, int64_t ldk, int d,
                                                      float scale, float* s, int64_t lds, int64_t pf_off,
                                                      int64_t pf_n) {
@@ -69,7 +69,7 @@ VATTN_BF16_DOT_TARGET inline void qk_dot_pairs_block(const bf16* q, int64_t ldq,
   R acc[MR * NP];
   for (int i = 0; i < MR * NP; ++i) acc[i] = Vec::zero();
   for (int x = 0; x < d; x += 32) {  // a 64-byte line of each key row
-    for (int t = 0; t < 2 * NP && t < pf_n; ++t) __builtin_prefetch(k + t * ldk + x + pf_off, 0, 3);
+    for (int t = 0; t < 2 * NP && t < pf_n; ++t) prefetch_line<kToL2>(k + t * ldk + x + pf_off);
     __m512i qlo[MR], qhi[MR];  // q[r][x, x + 16) and q[r][x + 16, x + 32), in both halves
     for (int r = 0; r < MR; ++r) {
       qlo[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + x)));
@@ -93,7 +93,7 @@ VATTN_BF16_DOT_TARGET inline void qk_dot_pairs_block(const bf16* q, int64_t ldq,
     for (int t = 0; t < 2 * NP; t += 8) _mm256_storeu_ps(s + r * lds + t, _mm256_loadu_ps(sums + r * 2 * NP + t));
 }
 
-template <int MR>
+template <int MR, bool kToL2>
 VATTN_BF16_DOT_TARGET inline void qk_dot_rows(const bf16* q, int64_t ldq, const bf16* k, int64_t ldk, int64_t n,
                                               int d, float scale, float* s, int64_t lds, int64_t pf_off,
                                               int64_t pf_n) {
@@ -104,25 +104,26 @@ VATTN_BF16_DOT_TARGET inline void qk_dot_rows(const bf16* q, int64_t ldq, const 
   if constexpr (16 % MR == 0) {
     if (d == 64)
       for (; t + 32 / MR <= n; t += 32 / MR)
-        qk_dot_pairs_block<MR, 16 / MR>(q, ldq, k + t * ldk, ldk, d, scale, s + t, lds, pf_off, pf_n - t);
+        qk_dot_pairs_block<MR, 16 / MR, kToL2>(q, ldq, k + t * ldk, ldk, d, scale, s + t, lds, pf_off, pf_n - t);
   }
   for (; t + NT <= n; t += NT)
-    qk_dot_block<MR, NT>(q, ldq, k + t * ldk, ldk, d, scale, s + t, lds, pf_off, pf_n - t);
-  for (; t < n; ++t) qk_dot_block<MR, 1>(q, ldq, k + t * ldk, ldk, d, scale, s + t, lds, pf_off, pf_n - t);
+    qk_dot_block<MR, NT, kToL2>(q, ldq, k + t * ldk, ldk, d, scale, s + t, lds, pf_off, pf_n - t);
+  for (; t < n; ++t) qk_dot_block<MR, 1, kToL2>(q, ldq, k + t * ldk, ldk, d, scale, s + t, lds, pf_off, pf_n - t);
 }
 
 // s[r][t] = scale (q[r] . k[t]) for r < rows, t < n, head_dim d a multiple of 32; prefetches keys
 // [0, pf_n) of the tile pf_off elements on, as qk does
+template <bool kToL2>
 VATTN_BF16_DOT_TARGET __attribute__((noinline)) void qk_dot(const bf16* q, int64_t ldq, int rows, const bf16* k,
                                                             int64_t ldk, int64_t n, int d, float scale, float* s,
                                                             int64_t lds, int64_t pf_off, int64_t pf_n) {
   int r = 0;
   for (; r + 4 <= rows; r += 4, pf_n = 0)
-    qk_dot_rows<4>(q + r * ldq, ldq, k, ldk, n, d, scale, s + r * lds, lds, pf_off, pf_n);
+    qk_dot_rows<4, kToL2>(q + r * ldq, ldq, k, ldk, n, d, scale, s + r * lds, lds, pf_off, pf_n);
   switch (rows - r) {
-    case 3: qk_dot_rows<3>(q + r * ldq, ldq, k, ldk, n, d, scale, s + r * lds, lds, pf_off, pf_n); break;
-    case 2: qk_dot_rows<2>(q + r * ldq, ldq, k, ldk, n, d, scale, s + r * lds, lds, pf_off, pf_n); break;
-    case 1: qk_dot_rows<1>(q + r * ldq, ldq, k, ldk, n, d, scale, s + r * lds, lds, pf_off, pf_n); break;
+    case 3: qk_dot_rows<3, kToL2>(q + r * ldq, ldq, k, ldk, n, d, scale, s + r * lds, lds, pf_off, pf_n); break;
+    case 2: qk_dot_rows<2, kToL2>(q + r * ldq, ldq, k, ldk, n, d, scale, s + r * lds, lds, pf_off, pf_n); break;
+    case 1: qk_dot_rows<1, kToL2>(q + r * ldq, ldq, k, ldk, n, d, scale, s + r * lds, lds, pf_off, pf_n); break;
     default: break;
   }
 }

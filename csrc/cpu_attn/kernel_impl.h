@@ -36,19 +36,37 @@ inline float* align64(float* p) {
 using R = Vec::R;
 constexpr int W = Vec::W;
 
+// Asks for the cache line holding p ahead of use, from inside the Q K^T and P V loops: into L2 only
+// where kToL2 (Call::prefetch_to_l2: cores whose L1 data cache is under 48 KiB), else into L1. A
+// template argument, not a run-time flag: a flag tested in the loops, or one more argument, cost
+// bf16 decode up to 7% where nothing was requested at all.
+template <bool kToL2>
+inline void prefetch_line(const void* p) {
+  __builtin_prefetch(p, 0, kToL2 ? 1 : 3);
+}
+
+// f(std::true_type) where to_l2, else f(std::false_type): the kToL2 of the Q K^T and P V called in f.
+template <class F>
+inline void with_prefetch_hint(bool to_l2, F&& f) {
+  if (to_l2)
+    f(std::true_type{});
+  else
+    f(std::false_type{});
+}
+
 // ---- Q K^T: dot products, MR rows x NT keys per register block -------------------
 
 // The first pf_n of the NT keys also ask for the lines of the row pf_off elements on (the next
 // tile's), one line at a time between the FMAs, so that the misses overlap the work (pf_n <= 0:
-// none). pv_block does the same for V.
-template <class T, int MR, int NT>
+// none), into L2 where kToL2 (prefetch_line). pv_block does the same for V.
+template <class T, int MR, int NT, bool kToL2>
 inline void qk_block(const float* q, int64_t ldq, const T* k, int64_t ldk, int d, float* s, int64_t lds,
                      int64_t pf_off, int64_t pf_n) {
   R acc[MR * NT];
   for (int i = 0; i < MR * NT; ++i) acc[i] = Vec::zero();
   for (int x = 0; x < d; x += W) {
     if (((x * static_cast<int64_t>(sizeof(T))) & 63) == 0)
-      for (int t = 0; t < NT && t < pf_n; ++t) __builtin_prefetch(k + t * ldk + x + pf_off, 0, 3);
+      for (int t = 0; t < NT && t < pf_n; ++t) prefetch_line<kToL2>(k + t * ldk + x + pf_off);
     R kv[NT];
     for (int t = 0; t < NT; ++t) kv[t] = Vec::load(k + t * ldk + x);
     for (int r = 0; r < MR; ++r) {
@@ -63,35 +81,36 @@ inline void qk_block(const float* q, int64_t ldq, const T* k, int64_t ldk, int d
     for (int t = 0; t < NT; ++t) s[r * lds + t] = sums[r * NT + t];
 }
 
-template <class T, int MR>
+template <class T, int MR, bool kToL2>
 inline void qk_rows(const float* q, int64_t ldq, const T* k, int64_t ldk, int64_t n, int d, float* s, int64_t lds,
                     int64_t pf_off, int64_t pf_n) {
   // as many sums per block as hsum_n reduces in one tree: 16 at AVX-512's width, else 8
   constexpr int kSums = W >= 16 ? 16 : 8;
   constexpr int NT = kSums / MR;
   int64_t t = 0;
-  for (; t + NT <= n; t += NT) qk_block<T, MR, NT>(q, ldq, k + t * ldk, ldk, d, s + t, lds, pf_off, pf_n - t);
-  for (; t < n; ++t) qk_block<T, MR, 1>(q, ldq, k + t * ldk, ldk, d, s + t, lds, pf_off, pf_n - t);
+  for (; t + NT <= n; t += NT) qk_block<T, MR, NT, kToL2>(q, ldq, k + t * ldk, ldk, d, s + t, lds, pf_off, pf_n - t);
+  for (; t < n; ++t) qk_block<T, MR, 1, kToL2>(q, ldq, k + t * ldk, ldk, d, s + t, lds, pf_off, pf_n - t);
 }
 
 // s[r][t] = q[r] . k[t] for r < rows, t < n; prefetches keys [0, pf_n) of the tile pf_off elements on
-template <class T>
+// (into L2 where kToL2)
+template <class T, bool kToL2 = false>
 void qk(const float* q, int64_t ldq, int rows, const T* k, int64_t ldk, int64_t n, int d, float* s, int64_t lds,
         int64_t pf_off = 0, int64_t pf_n = 0) {
   int r = 0;
   for (; r + 4 <= rows; r += 4, pf_n = 0)  // the first row block prefetches
-    qk_rows<T, 4>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n);
+    qk_rows<T, 4, kToL2>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n);
   switch (rows - r) {
-    case 3: qk_rows<T, 3>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
-    case 2: qk_rows<T, 2>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
-    case 1: qk_rows<T, 1>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
+    case 3: qk_rows<T, 3, kToL2>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
+    case 2: qk_rows<T, 2, kToL2>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
+    case 1: qk_rows<T, 1, kToL2>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
     default: break;
   }
 }
 
 // ---- P V: MR rows x NV vectors of head_dim per register block -------------------
 
-template <class T, int MR, int NV>
+template <class T, int MR, int NV, bool kToL2>
 inline void pv_block(const float* p, int64_t ldp, int64_t ldpt, const float* alpha, const T* v, int64_t ldv, int64_t n, float* o,
                      int64_t ldo, int64_t pf_off, int64_t pf_n) {
   constexpr int kBytes = NV * W * static_cast<int>(sizeof(T));  // of each key row this block reads
@@ -103,7 +122,7 @@ inline void pv_block(const float* p, int64_t ldp, int64_t ldpt, const float* alp
   for (int64_t t = 0; t < n; ++t) {
     if (t < pf_n)
       for (int b = 0; b < kBytes; b += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(v + t * ldv + pf_off) + b, 0, 3);
+        prefetch_line<kToL2>(reinterpret_cast<const char*>(v + t * ldv + pf_off) + b);
     R vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = Vec::load(v + t * ldv + c * W);
     for (int r = 0; r < MR; ++r) {
@@ -116,7 +135,7 @@ inline void pv_block(const float* p, int64_t ldp, int64_t ldpt, const float* alp
 }
 
 // (a block that starts mid-line leaves that line to the block before it)
-template <class T, int MR>
+template <class T, int MR, bool kToL2>
 inline void pv_rows(const float* p, int64_t ldp, int64_t ldpt, const float* alpha, const T* v, int64_t ldv, int64_t n, int d,
                     float* o, int64_t ldo, int64_t pf_off, int64_t pf_n) {
   // 16-float vectors (32 registers): 4 rows x 4 vectors, so that a head_dim of 64 takes one pass over the keys.
@@ -129,22 +148,22 @@ inline void pv_rows(const float* p, int64_t ldp, int64_t ldpt, const float* alph
   auto pf_at = [&](int x) { return ((x * static_cast<int64_t>(sizeof(T))) & 63) == 0 ? pf_n : 0; };
   int x = 0;
   for (; x + NV * W <= d; x += NV * W)
-    pv_block<T, MR, NV>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
-  for (; x < d; x += W) pv_block<T, MR, 1>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
+    pv_block<T, MR, NV, kToL2>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
+  for (; x < d; x += W) pv_block<T, MR, 1, kToL2>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
 }
 
 // o[r] = alpha[r] o[r] + sum_t p[r][t] v[t] for r < rows, p[r][t] at p + r * ldp + t * ldpt; prefetches
-// keys [0, pf_n) of the tile pf_off elements on
-template <class T>
+// keys [0, pf_n) of the tile pf_off elements on (into L2 where kToL2)
+template <class T, bool kToL2 = false>
 void pv(const float* p, int64_t ldp, int64_t ldpt, const float* alpha, int rows, const T* v, int64_t ldv, int64_t n, int d,
         float* o, int64_t ldo, int64_t pf_off = 0, int64_t pf_n = 0) {
   int r = 0;
   for (; r + 4 <= rows; r += 4, pf_n = 0)  // the first row block prefetches
-    pv_rows<T, 4>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n);
+    pv_rows<T, 4, kToL2>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n);
   switch (rows - r) {
-    case 3: pv_rows<T, 3>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
-    case 2: pv_rows<T, 2>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
-    case 1: pv_rows<T, 1>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
+    case 3: pv_rows<T, 3, kToL2>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
+    case 2: pv_rows<T, 2, kToL2>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
+    case 1: pv_rows<T, 1, kToL2>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
     default: break;
   }
 }
@@ -500,6 +519,10 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // calls and after 64 MiB (the K and V then come from memory, as in a forward over many layers).
   const bool spread = (wide_rows && (streaming || sizeof(T) == 2)) || (!widen && c.beyond_l2);
   const bool first_tile = widen || spread;  // whether the first tile is requested up front
+  // Where spreading ones go (Call::prefetch_to_l2). Measured with benchmarks/host_kernel_ab.py, one thread,
+  // small-8q2kv decode from memory: on a 2-core AMD EPYC Zen 4 (32 KiB L1D) into L2 ran 1.02-1.7x as fast
+  // as into L1 on both x86 paths; on a Zen 5 (48 KiB) it was level or slower (docs/kernels.md).
+  const bool to_l2 = spread && c.prefetch_to_l2;
   // A prefill block's P V re-reads the V tile once per 4 rows. An fp32 V tile is read where it lies, not
   // copied, unless its tokens are a multiple of 1 KiB apart (8 kv heads of 128: 4 KiB), where the rows
   // would share L1 sets and evict each other between re-reads. Against the copy, fp32 prefill of 8 q / 2 kv
@@ -550,13 +573,19 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
       for (int h = 0; h < nh; ++h) {
 #ifdef VATTN_BF16_DOT
         if (dot) {  // decode
-          qk_dot(q_bf16 + h * head_rows, d, rows, reinterpret_cast<const bf16*>(k_heads + k0 * ldk + h * kc.strides[2]),
-                 ldk, n, d, c.scale, s_all + h * rows * kMaxKeyTile, kMaxKeyTile, n * ldk, spread ? n_next : 0);
+          with_prefetch_hint(to_l2, [&](auto hint) {
+            qk_dot<decltype(hint)::value>(q_bf16 + h * head_rows, d, rows,
+                                          reinterpret_cast<const bf16*>(k_heads + k0 * ldk + h * kc.strides[2]), ldk,
+                                          n, d, c.scale, s_all + h * rows * kMaxKeyTile, kMaxKeyTile, n * ldk,
+                                          spread ? n_next : 0);
+          });
           continue;
         }
 #endif
-        qk<T>(q + h * head_rows, d, rows, k_heads + k0 * ldk + h * kc.strides[2], ldk, n, d,
-              s_all + h * rows * kMaxKeyTile, kMaxKeyTile, n * ldk, spread ? n_next : 0);
+        with_prefetch_hint(to_l2, [&](auto hint) {
+          qk<T, decltype(hint)::value>(q + h * head_rows, d, rows, k_heads + k0 * ldk + h * kc.strides[2], ldk, n, d,
+                                       s_all + h * rows * kMaxKeyTile, kMaxKeyTile, n * ldk, spread ? n_next : 0);
+        });
       }
     for (int h = 0; h < nh; ++h) {
       const int64_t p0 = imin(n_next, h * per_head), p1 = imin(n_next, p0 + per_head);
@@ -630,7 +659,9 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
           pv<float>(s, 1, ld_rows, alh, rows, v_wide, d, n, d, ah, d);
         }
       } else {
-        pv<T>(s, kMaxKeyTile, 1, alh, rows, vt, ldv, n, d, ah, d, n * ldv, spread ? n_next : 0);
+        with_prefetch_hint(to_l2, [&](auto hint) {
+          pv<T, decltype(hint)::value>(s, kMaxKeyTile, 1, alh, rows, vt, ldv, n, d, ah, d, n * ldv, spread ? n_next : 0);
+        });
       }
     }
   }

@@ -14,6 +14,7 @@
 // or a compiler without the flags): the function then returns null.
 #include <math.h>
 #include <stdint.h>
+#include <type_traits>  // std::true_type, std::false_type (kernel_impl.h's with_prefetch_hint)
 
 #include "convert.h"
 #include "cpu_attn.h"

@@ -162,8 +162,11 @@ def host_attention_info() -> dict[str, Any]:
     ``isa`` (the path calls take), ``supported``, ``compiled``, ``threads``
     (pool size), ``calls`` (calls completed in this process, per ISA),
     ``packed_value_bytes`` (bytes of values the calls packed once for their
-    prompts' query blocks, in this process: docs/kernels.md) and ``note``
-    (why ``VATTN_CPU_ATTN_ISA`` was not honoured, if it was not)."""
+    prompts' query blocks, in this process: docs/kernels.md),
+    ``decode_prefetch`` (``"l2"`` or ``"l1"``: the cache level decode items
+    from memory request their next key tile's lines into, ``"l2"`` on cores
+    whose L1 data cache is under 48 KiB) and ``note`` (why
+    ``VATTN_CPU_ATTN_ISA`` was not honoured, if it was not)."""
     return _host.info()
 
 
