@@ -89,8 +89,8 @@ struct Call {
   // memory even in back-to-back calls: every decode item requests the next tile's lines as it works
   bool beyond_l2 = false;
   // the lines those requests (and those of items over wide rows) ask for go to L2 only, not L1: on a
-  // core with a 32 KiB L1 data cache (AMD Zen 4) requests into L1 made decode from memory 1.02-1.7x
-  // slower; with a 48 KiB L1 (Zen 5) into L2 was level or slower (docs/kernels.md)
+  // core with a 32 KiB L1 data cache (AMD Zen 4) decode from memory ran 1.0-2.0x as fast so; with a
+  // 48 KiB L1 (a Zen 5, by the other EPYC's results) it ran level or slower (docs/kernels.md)
   bool prefetch_to_l2 = false;
   // partial results of split items: [partial][row][D] accumulators, [partial][row] max and sum
   float* partial_acc = nullptr;

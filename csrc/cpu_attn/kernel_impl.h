@@ -520,8 +520,9 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const bool spread = (wide_rows && (streaming || sizeof(T) == 2)) || (!widen && c.beyond_l2);
   const bool first_tile = widen || spread;  // whether the first tile is requested up front
   // Where spreading ones go (Call::prefetch_to_l2). Measured with benchmarks/host_kernel_ab.py, one thread,
-  // small-8q2kv decode from memory: on a 2-core AMD EPYC Zen 4 (32 KiB L1D) into L2 ran 1.02-1.7x as fast
-  // as into L1 on both x86 paths; on a Zen 5 (48 KiB) it was level or slower (docs/kernels.md).
+  // decode from memory (small-8q2kv, short-4q2kv, Llama-3-8B heads): on a 2-core AMD EPYC Zen 4 (32 KiB
+  // L1D) into L2 ran 1.0-2.0x as fast as into L1 on both x86 paths; on the other EPYC measured (a Zen 5,
+  // 48 KiB, by its results) it was level or slower (docs/kernels.md, "Zen 4: the decode's requests go to L2").
   const bool to_l2 = spread && c.prefetch_to_l2;
   // A prefill block's P V re-reads the V tile once per 4 rows. An fp32 V tile is read where it lies, not
   // copied, unless its tokens are a multiple of 1 KiB apart (8 kv heads of 128: 4 KiB), where the rows
