@@ -43,6 +43,9 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve", "bf16
 "model name" may not say which generation of a CPU it runs on)."""
 
 
+CPUINFO = "/proc/cpuinfo"  # where machine() reads the CPU's description
+
+
 def machine() -> dict[str, Any]:
     """CPU model, its family and model numbers, its vector extensions
     (ISA_FLAGS), cores, memory and GPU (when torch sees one) of this machine.
@@ -51,7 +54,7 @@ def machine() -> dict[str, Any]:
     (on x86: AMD family 25 is Zen 3/Zen 4, 26 is Zen 5)."""
     fields: dict[str, str] = {}  # the first processor's /proc/cpuinfo lines
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(CPUINFO) as f:
             for line in f:
                 key, _, value = line.partition(":")
                 fields.setdefault(key.strip(), value.strip())

@@ -85,8 +85,8 @@ def test_concurrent_calls_from_many_threads_agree() -> None:
 
 def test_decode_requests_go_to_l2_on_cores_with_a_small_l1() -> None:
     """Decode items from memory request their next tile's lines into L2 on
-    cores whose L1 data cache is under 48 KiB (a Zen 4's 32 KiB: 1.02-1.8x
-    as fast as into L1 there), into L1 on the others (a Zen 5's 48 KiB) and
+    cores whose L1 data cache is under 48 KiB (a Zen 4's 32 KiB: 1.0-2.0x
+    as fast as into L1 there), into L1 on the others (48 KiB and more) and
     where the C library cannot tell the size; the choice is in the info."""
     # glibc's sysconf, as the kernel asks it (Python's os.sysconf does not know this name)
     try:

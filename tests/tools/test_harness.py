@@ -73,19 +73,21 @@ def test_the_machine_is_described_before_vattn_is_built(monkeypatch):
 
 
 
-def test_the_machine_names_the_cpu_generation():
+ZEN4_CPUINFO = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n" \
+               "flags\t\t: avx2 avx512f avx512_bf16\n\nprocessor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\n"
+AARCH64_CPUINFO = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd sve\nCPU implementer\t: 0x41\n"
+
+
+@pytest.mark.parametrize("text,family,model,isa", [(ZEN4_CPUINFO, 25, 17, ["avx2", "avx512f", "avx512_bf16"]),
+                                                    (AARCH64_CPUINFO, None, None, ["asimd", "sve"])],
+                         ids=["zen4", "aarch64"])
+def test_the_machine_names_the_cpu_generation(tmp_path, monkeypatch, text, family, model, isa):
     """Zen 4 and Zen 5 VMs both call themselves "AMD EPYC": a result names
-    the CPU's family and model numbers as /proc/cpuinfo gives them."""
-    fields = {}
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
+    the first processor's family and model numbers as /proc/cpuinfo gives
+    them, and None where the CPU has no such fields (AArch64)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(text)
+    monkeypatch.setattr(harness, "CPUINFO", str(cpuinfo))
     info = harness.machine()
-    if "cpu family" not in fields:
-        assert info["cpu_family"] is None and info["cpu_model"] is None
-    else:
-        assert info["cpu_family"] == int(fields["cpu family"])
-        assert info["cpu_model"] == int(fields["model"])
+    assert (info["cpu_family"], info["cpu_model"], info["isa"]) == (family, model, isa)
     assert harness._cpuinfo_int({"model": "0x11"}, "model") is None
-    assert harness._cpuinfo_int({}, "cpu family") is None
