@@ -337,22 +337,21 @@ const PackedValues* pack_values(const BatchPlan& plan, const Call& c, const Sche
   return b.per_request.data();
 }
 
-// Bytes of L2 cache a core has (sysconf; 1 MiB where the C library cannot tell).
+// Bytes of a cache level a core has: sysconf's `name`, or `fallback` where the C library cannot tell.
+int64_t cache_bytes(int name, int64_t fallback) {
+  const long n = sysconf(name);
+  return n > 0 ? static_cast<int64_t>(n) : fallback;
+}
+
+// L2 (1 MiB where unknown).
 int64_t l2_bytes_per_core() {
-  static const int64_t bytes = [] {
-    const long n = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return n > 0 ? static_cast<int64_t>(n) : int64_t{1} << 20;
-  }();
+  static const int64_t bytes = cache_bytes(_SC_LEVEL2_CACHE_SIZE, int64_t{1} << 20);
   return bytes;
 }
 
-// Bytes of L1 data cache a core has (sysconf; 48 KiB, the size that keeps requests in L1, where the C
-// library cannot tell).
+// L1 data (48 KiB where unknown: the size that keeps the decode's requests in L1).
 int64_t l1d_bytes_per_core() {
-  static const int64_t bytes = [] {
-    const long n = sysconf(_SC_LEVEL1_DCACHE_SIZE);
-    return n > 0 ? static_cast<int64_t>(n) : int64_t{48} << 10;
-  }();
+  static const int64_t bytes = cache_bytes(_SC_LEVEL1_DCACHE_SIZE, int64_t{48} << 10);
   return bytes;
 }
 
