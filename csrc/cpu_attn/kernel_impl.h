@@ -110,7 +110,42 @@ void qk(const float* q, int64_t ldq, int rows, const T* k, int64_t ldk, int64_t 
 
 // ---- P V: MR rows x NV vectors of head_dim per register block -------------------
 
-template <class T, int MR, int NV, bool kToL2>
+// Whether Vec widens bf16 a dword pair at a time (Vec::load_bf16_pairs and kBf16Pairs: the x86 units)
+template <class V, class = void>
+struct HasBf16Pairs : std::false_type {};
+template <class V>
+struct HasBf16Pairs<V, std::void_t<decltype(V::kBf16Pairs)>> : std::bool_constant<V::kBf16Pairs> {};
+
+// vv[0, NV) = the NV W-element vectors of the value row at `row`, widened to fp32. kPairs (bf16 rows, NV
+// even): each 2W-element chunk c as its even elements in vv[2c] and its odd ones in vv[2c + 1], so that the
+// accumulators hold each chunk in that order (unpair_rows restores it). V is a parameter so that the name
+// is looked up only where kPairs is instantiated.
+template <bool kPairs, int NV, class T, class V = Vec>
+inline void load_values(const T* row, R* vv) {
+  if constexpr (kPairs) {
+    static_assert(NV % 2 == 0, "whole chunks of 2 W elements");
+    for (int c = 0; c < NV / 2; ++c) V::load_bf16_pairs(row + 2 * c * W, vv[2 * c], vv[2 * c + 1]);
+  } else {
+    for (int c = 0; c < NV; ++c) vv[c] = V::load(row + c * W);
+  }
+}
+
+// rows[r] of n rows of d floats: each 2W-element chunk from [even elements | odd elements] (P V in pairs)
+// back to element order
+inline void unpair_rows(float* rows, int64_t n, int d) {
+  float chunk[2 * W];
+  for (int64_t r = 0; r < n; ++r)
+    for (int x = 0; x < d; x += 2 * W) {
+      float* at = rows + r * d + x;
+      for (int i = 0; i < 2 * W; ++i) chunk[i] = at[i];
+      for (int i = 0; i < W; ++i) {
+        at[2 * i] = chunk[i];
+        at[2 * i + 1] = chunk[W + i];
+      }
+    }
+}
+
+template <class T, int MR, int NV, bool kToL2, bool kPairs = false>
 inline void pv_block(const float* p, int64_t ldp, int64_t ldpt, const float* alpha, const T* v, int64_t ldv, int64_t n, float* o,
                      int64_t ldo, int64_t pf_off, int64_t pf_n) {
   constexpr int kBytes = NV * W * static_cast<int>(sizeof(T));  // of each key row this block reads
@@ -124,7 +159,7 @@ inline void pv_block(const float* p, int64_t ldp, int64_t ldpt, const float* alp
       for (int b = 0; b < kBytes; b += 64)
         prefetch_line<kToL2>(reinterpret_cast<const char*>(v + t * ldv + pf_off) + b);
     R vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = Vec::load(v + t * ldv + c * W);
+    load_values<kPairs, NV>(v + t * ldv, vv);
     for (int r = 0; r < MR; ++r) {
       const R pr = Vec::set1(p[r * ldp + t * ldpt]);
       for (int c = 0; c < NV; ++c) acc[r][c] = Vec::fma(pr, vv[c], acc[r][c]);
@@ -135,7 +170,7 @@ inline void pv_block(const float* p, int64_t ldp, int64_t ldpt, const float* alp
 }
 
 // (a block that starts mid-line leaves that line to the block before it)
-template <class T, int MR, bool kToL2>
+template <class T, int MR, bool kToL2, bool kPairs>
 inline void pv_rows(const float* p, int64_t ldp, int64_t ldpt, const float* alpha, const T* v, int64_t ldv, int64_t n, int d,
                     float* o, int64_t ldo, int64_t pf_off, int64_t pf_n) {
   // 16-float vectors (32 registers): 4 rows x 4 vectors, so that a head_dim of 64 takes one pass over the keys.
@@ -148,22 +183,27 @@ inline void pv_rows(const float* p, int64_t ldp, int64_t ldpt, const float* alph
   auto pf_at = [&](int x) { return ((x * static_cast<int64_t>(sizeof(T))) & 63) == 0 ? pf_n : 0; };
   int x = 0;
   for (; x + NV * W <= d; x += NV * W)
-    pv_block<T, MR, NV, kToL2>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
-  for (; x < d; x += W) pv_block<T, MR, 1, kToL2>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
+    pv_block<T, MR, NV, kToL2, kPairs>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
+  if constexpr (kPairs)  // d a multiple of 2 W
+    for (; x < d; x += 2 * W)
+      pv_block<T, MR, 2, kToL2, true>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
+  else
+    for (; x < d; x += W) pv_block<T, MR, 1, kToL2>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
 }
 
 // o[r] = alpha[r] o[r] + sum_t p[r][t] v[t] for r < rows, p[r][t] at p + r * ldp + t * ldpt; prefetches
-// keys [0, pf_n) of the tile pf_off elements on (into L2 where kToL2)
-template <class T, bool kToL2 = false>
+// keys [0, pf_n) of the tile pf_off elements on (into L2 where kToL2). kPairs (bf16 V, d a multiple of
+// 2 W): o holds each 2W-element chunk as its even then its odd elements (load_values).
+template <class T, bool kToL2 = false, bool kPairs = false>
 void pv(const float* p, int64_t ldp, int64_t ldpt, const float* alpha, int rows, const T* v, int64_t ldv, int64_t n, int d,
         float* o, int64_t ldo, int64_t pf_off = 0, int64_t pf_n = 0) {
   int r = 0;
   for (; r + 4 <= rows; r += 4, pf_n = 0)  // the first row block prefetches
-    pv_rows<T, 4, kToL2>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n);
+    pv_rows<T, 4, kToL2, kPairs>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n);
   switch (rows - r) {
-    case 3: pv_rows<T, 3, kToL2>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
-    case 2: pv_rows<T, 2, kToL2>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
-    case 1: pv_rows<T, 1, kToL2>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
+    case 3: pv_rows<T, 3, kToL2, kPairs>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
+    case 2: pv_rows<T, 2, kToL2, kPairs>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
+    case 1: pv_rows<T, 1, kToL2, kPairs>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
     default: break;
   }
 }
@@ -468,6 +508,13 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   constexpr bool tiles = false;
 #endif
   const bool lanes = widen && !tiles;
+  // Decode's P V over a bf16 cache widens V a dword pair at a time (load_values): a shift and a mask per
+  // 2 W elements where load(bf16) takes a shuffle and a shift per W; the sums are the same, element by
+  // element. On AVX-512 (a 2-core Zen 4, where P V's 16 FMAs a key and kv head of 64 bound it) bf16
+  // decode of 8 q / 2 kv heads of 64 ran 1.02-1.07x as fast; on the AVX2 path it was within noise, so
+  // AVX2 keeps load(bf16) (docs/kernels.md, "V widened in pairs").
+  constexpr bool kCanPair = IsBf16<T>::value && HasBf16Pairs<Vec>::value;
+  const bool pairs = kCanPair && !lanes && !tiles && d % (2 * W) == 0;
 #ifdef VATTN_BF16_DOT
   // bf16 queries over a bf16 cache, outside the AMX tiles: Q K^T by VDPBF16PS on the queries as they are
   const bool dot = kDot && IsBf16<T>::value && !tiles && c.q.dtype == DType::kBF16 && d % 32 == 0;
@@ -661,6 +708,12 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
         }
       } else {
         with_prefetch_hint(to_l2, [&](auto hint) {
+          if constexpr (kCanPair)
+            if (pairs) {
+              pv<T, decltype(hint)::value, true>(s, kMaxKeyTile, 1, alh, rows, vt, ldv, n, d, ah, d, n * ldv,
+                                                 spread ? n_next : 0);
+              return;
+            }
           pv<T, decltype(hint)::value>(s, kMaxKeyTile, 1, alh, rows, vt, ldv, n, d, ah, d, n * ldv, spread ? n_next : 0);
         });
       }
@@ -670,6 +723,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
 #ifdef VATTN_AMX_BF16
   if (tiles) _tile_release();
 #endif
+  if (pairs) unpair_rows(acc, static_cast<int64_t>(nh) * rows, d);
   if (it.group >= 0) {  // a split: keep the unnormalized accumulator for the merge
     const int64_t base = static_cast<int64_t>(it.partial) * c.rows_per_partial;
     float* pacc = c.partial_acc + base * d;

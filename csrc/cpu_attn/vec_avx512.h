@@ -15,6 +15,15 @@ struct Vec {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
   static R load(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  // The 2 W bf16 at p as two fp32 vectors: even = p[0], p[2], .. and odd = p[1], p[3], ... Each dword
+  // holds a pair, so a shift and a mask widen a whole line with no shuffle (load(bf16) widens W by a
+  // zero-extending shuffle and a shift).
+  static constexpr bool kBf16Pairs = true;
+  static void load_bf16_pairs(const bf16* p, R& even, R& odd) {
+    const __m512i x = _mm512_loadu_si512(p);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
   static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
   static void store(bf16* p, R x) {
     const __m512i u = _mm512_castps_si512(x);
