@@ -343,12 +343,6 @@ int64_t cache_bytes(int name, int64_t fallback) {
   return n > 0 ? static_cast<int64_t>(n) : fallback;
 }
 
-// L2 (1 MiB where unknown).
-int64_t l2_bytes_per_core() {
-  static const int64_t bytes = cache_bytes(_SC_LEVEL2_CACHE_SIZE, int64_t{1} << 20);
-  return bytes;
-}
-
 // L1 data (48 KiB where unknown: the size that keeps the decode's requests in L1).
 int64_t l1d_bytes_per_core() {
   static const int64_t bytes = cache_bytes(_SC_LEVEL1_DCACHE_SIZE, int64_t{48} << 10);
@@ -406,7 +400,6 @@ BatchPlan::BatchPlan(const std::vector<int64_t>& reqids, const std::vector<int64
     requests_.push_back(Request{reqids[i], cached_lens[i], query_lens[i], start});
     start += query_lens[i];
     max_seq_len_ = std::max(max_seq_len_, cached_lens[i] + query_lens[i]);
-    total_seq_len_ += cached_lens[i] + query_lens[i];
   }
   if (start > (int64_t{1} << 31)) bad("at most 2^31 new tokens per batch");
   num_tokens_ = start;
@@ -527,8 +520,6 @@ Isa attention(const BatchPlan& plan, Call c, const TensorRef* k_new, const Tenso
     remaining = split_buffers.counters(sched->groups.size());
     for (size_t g = 0; g < sched->groups.size(); ++g) remaining[g].store(sched->groups[g].num_splits);
   }
-  const int64_t kv_bytes = 2 * plan.total_seq_len() * c.num_heads_kv * c.head_dim * element_size(c.k_cache.dtype);
-  c.beyond_l2 = kv_bytes > l2_bytes_per_core() * sched->threads;
   c.prefetch_to_l2 = decode_prefetch_to_l2();
   c.packed_values = pack_values(plan, c, *sched, pool);
   Job job{&c, kernels_of(isa), sched.get(), remaining};

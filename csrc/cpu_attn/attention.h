@@ -58,7 +58,6 @@ class BatchPlan {
   const std::vector<Request>& requests() const { return requests_; }
   int64_t num_tokens() const { return num_tokens_; }
   int64_t max_seq_len() const { return max_seq_len_; }
-  int64_t total_seq_len() const { return total_seq_len_; }  // tokens the calls read a kv head's rows of
   int64_t max_reqid() const { return max_reqid_; }
 
   std::shared_ptr<const Schedule> schedule(int32_t group_size, int32_t heads_kv, int64_t window, int threads,
@@ -66,7 +65,7 @@ class BatchPlan {
 
  private:
   std::vector<Request> requests_;
-  int64_t num_tokens_ = 0, max_seq_len_ = 0, max_reqid_ = 0, total_seq_len_ = 0;
+  int64_t num_tokens_ = 0, max_seq_len_ = 0, max_reqid_ = 0;
   mutable std::mutex mutex_;
   mutable std::map<std::tuple<int32_t, int32_t, int64_t, int, int32_t>, std::shared_ptr<const Schedule>> schedules_;
 };

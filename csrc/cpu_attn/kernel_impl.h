@@ -464,7 +464,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // split in two) the same change measured 0.79-0.96x, so they keep the defaults.
   const bool wide_rows = !widen && token_bytes >= 2048;  // a decode item reading >= 2 KiB of each token's K
   const bool streaming = wide_rows && it.k_end - it.k_begin >= 512;
-  // A decode item over narrower rows whose call outgrows L2 (its K/V come from memory) takes smaller tiles on
+  // A decode item over narrower rows (its K/V come from memory: below, at `spread`) takes smaller tiles on
   // 8-float vectors, so that the next tile's lines, requested while this one computes (below), sit in L1 or L2
   // beside it: 16 KiB, or 32 KiB where a token takes at most 256 B (a tile of 128 keys). Against 64 KiB,
   // alone: 1.04-1.21x on fp32 and bf16 decode of 4 q / 2 kv heads of 128 (1 KiB and 512 B per token; 4-16
@@ -477,7 +477,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // fast, the other decode points 0.99-1.02x (within noise). All: benchmarks/host_kernel_ab.py, one thread,
   // medians of per-round ratios (results host_kernel_ab_avx2_since_c355c6f_*, _avx512_cold64k_*;
   // docs/kernels.md).
-  const bool cold_narrow = W < 16 && !widen && !wide_rows && c.beyond_l2;
+  const bool cold_narrow = W < 16 && !widen && !wide_rows;
   const int64_t cold_narrow_bytes = int64_t{token_bytes <= 256 ? 32 : 16} << 10;
   const int64_t tile =
       key_tile(rows, token_bytes, streaming ? int64_t{32} << 10 : cold_narrow ? cold_narrow_bytes : int64_t{64} << 10);
@@ -551,26 +551,24 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const T* k_heads = k_req + it.head_begin * kc.strides[2];
   const T* v_heads = v_req + it.head_begin * vc.strides[2];
   const int64_t first_pos = rq.cached_len + it.q_begin;  // position of the item's first query
-  // Streaming items, and decode items over a 16-bit cache with at least 2 KiB of K per token, ask for
-  // the next tile's lines from inside the Q K^T and P V loops (spread over the work); prefill blocks ask
-  // for each head's share of the next tile in one burst per head; other decode items ask for nothing
-  // and leave it to the hardware prefetchers. Measured in alternation on a 2-core AVX2 VM
-  // (benchmarks/host_kernel_ab.py): against bursts, spreading made bf16 decode 1.18-1.30x faster from
-  // 512 tokens of context on and fp32 decode 0.75-0.94x as fast; asking for nothing made fp32 decode
-  // 1.03-1.14x faster (a burst stalls the core before any work on the tile starts). Against spreading,
-  // asking for nothing made bf16 items of 1-4 heads (256 B - 1 KiB per token) 1.03-1.09x faster, and
-  // 2 KiB ones 0.80-0.91x as fast. Those items read their K and V from L2 in back-to-back calls; where a
-  // call's K and V outgrow the L2 of its threads (Call::beyond_l2) every decode item spreads its
-  // requests: 8 q / 2 kv heads of 64 on a 2-core AVX-512 VM, one thread, against asking for nothing:
-  // 1.25-2.0x (bf16) and 1.05-1.6x (fp32) from 2 MiB of K and V on, after 4 MiB were written between
-  // calls and after 64 MiB (the K and V then come from memory, as in a forward over many layers).
-  const bool spread = (wide_rows && (streaming || sizeof(T) == 2)) || (!widen && c.beyond_l2);
-  const bool first_tile = widen || spread;  // whether the first tile is requested up front
-  // Where spreading ones go (Call::prefetch_to_l2). Measured with benchmarks/host_kernel_ab.py, one thread,
+  // Every decode item (!widen) asks for the next tile's lines from inside the Q K^T and P V loops (spread over the
+  // work); prefill blocks ask for each head's share of the next tile in one burst per head. Against bursts,
+  // spreading made bf16 decode 1.18-1.30x faster from 512 tokens of context on (a 2-core AVX2 VM; a burst
+  // stalls the core before any work on the tile starts). In a forward a layer's K and V were last read a
+  // whole forward earlier, with every other layer's K/V and weights read since, so they come from memory
+  // whatever their size: a decode item that asked for nothing (leaving the lines to the hardware
+  // prefetchers) was faster only where its call's K/V sat in L2 or L3, as in back-to-back calls of a
+  // benchmark (1.03-1.09x for bf16 items of 1-4 heads on that VM, 0.89-0.94x bf16 on a 2-core Zen 4).
+  // With the K/V from memory (64 MiB written between calls; benchmarks/host_kernel_ab.py, two threads, Zen
+  // 4) spreading ran bf16 decode of calls under 2 MiB 1.05-1.22x as fast on AVX-512 BF16 and 1.53-1.86x
+  // on the AVX2 path (with the tiles above), fp32 1.14-1.30x (docs/kernels.md, "Small decode calls from
+  // memory"). Before that, only items over wide rows and calls whose K/V outgrew their threads' L2
+  // spread: 1.25-2.0x (bf16) and 1.05-1.6x (fp32) against asking for nothing on AVX-512, from 2 MiB on.
+  // Where a decode item's requests go (Call::prefetch_to_l2). Measured with benchmarks/host_kernel_ab.py, one thread,
   // decode from memory (small-8q2kv, short-4q2kv, Llama-3-8B heads): on a 2-core AMD EPYC Zen 4 (32 KiB
   // L1D) into L2 ran 1.0-2.0x as fast as into L1 on both x86 paths; on the other EPYC measured (a Zen 5,
   // 48 KiB, by its results) it was level or slower (docs/kernels.md, "Zen 4: the decode's requests go to L2").
-  const bool to_l2 = spread && c.prefetch_to_l2;
+  const bool to_l2 = c.prefetch_to_l2;
   // A prefill block's P V re-reads the V tile once per 4 rows. An fp32 V tile is read where it lies, not
   // copied, unless its tokens are a multiple of 1 KiB apart (8 kv heads of 128: 4 KiB), where the rows
   // would share L1 sets and evict each other between re-reads. Against the copy, fp32 prefill of 8 q / 2 kv
@@ -609,10 +607,9 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
       transpose_rows(q + h * head_rows, d, rows, d, qt + h * d * ld_rows, ld_rows);
     }
 
-  if (first_tile) {
-    prefetch_tokens(k_heads + it.k_begin * ldk, ldk, imin(tile, it.k_end - it.k_begin), k_span);
-    prefetch_tokens(v_heads + it.k_begin * ldv, ldv, imin(tile, it.k_end - it.k_begin), v_span);
-  }
+  // the first tile, up front
+  prefetch_tokens(k_heads + it.k_begin * ldk, ldk, imin(tile, it.k_end - it.k_begin), k_span);
+  prefetch_tokens(v_heads + it.k_begin * ldv, ldv, imin(tile, it.k_end - it.k_begin), v_span);
   for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += tile) {
     const int64_t n = imin(tile, it.k_end - k0);
     const int64_t next = k0 + n, n_next = imin(tile, it.k_end - next);
@@ -625,14 +622,14 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
             qk_dot<decltype(hint)::value>(q_bf16 + h * head_rows, d, rows,
                                           reinterpret_cast<const bf16*>(k_heads + k0 * ldk + h * kc.strides[2]), ldk,
                                           n, d, c.scale, s_all + h * rows * kMaxKeyTile, kMaxKeyTile, n * ldk,
-                                          spread ? n_next : 0);
+                                          n_next);
           });
           continue;
         }
 #endif
         with_prefetch_hint(to_l2, [&](auto hint) {
           qk<T, decltype(hint)::value>(q + h * head_rows, d, rows, k_heads + k0 * ldk + h * kc.strides[2], ldk, n, d,
-                                       s_all + h * rows * kMaxKeyTile, kMaxKeyTile, n * ldk, spread ? n_next : 0);
+                                       s_all + h * rows * kMaxKeyTile, kMaxKeyTile, n * ldk, n_next);
         });
       }
     for (int h = 0; h < nh; ++h) {
@@ -711,10 +708,10 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
           if constexpr (kCanPair)
             if (pairs) {
               pv<T, decltype(hint)::value, true>(s, kMaxKeyTile, 1, alh, rows, vt, ldv, n, d, ah, d, n * ldv,
-                                                 spread ? n_next : 0);
+                                                 n_next);
               return;
             }
-          pv<T, decltype(hint)::value>(s, kMaxKeyTile, 1, alh, rows, vt, ldv, n, d, ah, d, n * ldv, spread ? n_next : 0);
+          pv<T, decltype(hint)::value>(s, kMaxKeyTile, 1, alh, rows, vt, ldv, n, d, ah, d, n * ldv, n_next);
         });
       }
     }
