@@ -85,7 +85,7 @@ struct Call {
   float scale = 1.0f;       // softmax scale, applied to q . k
   float softcap = 0.0f;     // > 0: scores become softcap * tanh(score / softcap)
   int64_t window = 0;       // > 0: a query at p sees keys (p - window, p]
-  // the lines a decode item requests as it works (kernel_impl.h, `spread`) go to L2 only, not L1: on a
+  // the lines a decode item requests as it works (kernel_impl.h's request rule) go to L2 only, not L1: on a
   // core with a 32 KiB L1 data cache (AMD Zen 4) decode from memory ran 1.0-2.0x as fast so; with a
   // 48 KiB L1 (a Zen 5, by the other EPYC's results) it ran level or slower (docs/kernels.md)
   bool prefetch_to_l2 = false;

@@ -110,7 +110,7 @@ void qk(const float* q, int64_t ldq, int rows, const T* k, int64_t ldk, int64_t 
 
 // ---- P V: MR rows x NV vectors of head_dim per register block -------------------
 
-// Whether Vec widens bf16 a dword pair at a time (Vec::load_bf16_pairs and kBf16Pairs: the x86 units)
+// Whether Vec widens bf16 a dword pair at a time (Vec::load_bf16_pairs and kBf16Pairs: vec_avx512.h)
 template <class V, class = void>
 struct HasBf16Pairs : std::false_type {};
 template <class V>
@@ -464,7 +464,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // split in two) the same change measured 0.79-0.96x, so they keep the defaults.
   const bool wide_rows = !widen && token_bytes >= 2048;  // a decode item reading >= 2 KiB of each token's K
   const bool streaming = wide_rows && it.k_end - it.k_begin >= 512;
-  // A decode item over narrower rows (its K/V come from memory: below, at `spread`) takes smaller tiles on
+  // A decode item over narrower rows (its K/V come from memory: the request rule below) takes smaller tiles on
   // 8-float vectors, so that the next tile's lines, requested while this one computes (below), sit in L1 or L2
   // beside it: 16 KiB, or 32 KiB where a token takes at most 256 B (a tile of 128 keys). Against 64 KiB,
   // alone: 1.04-1.21x on fp32 and bf16 decode of 4 q / 2 kv heads of 128 (1 KiB and 512 B per token; 4-16
