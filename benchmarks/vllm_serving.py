@@ -160,11 +160,11 @@ def suite_setup(suite: dict, dtype: str) -> tuple[str, dict]:
 def result_name(kind: str, suite: str, dtype: str, slug: str, budget: bool = False, layout: str = "inprocess",
                 label: str = "") -> str:
     """``vllm_serving[_long][_fp32][_budget][_mp][_LABEL]_<machine>`` (kind "serving") or
-    ``vllm_serving_<suite>[_fp32]_profile_<machine>`` (kind "profile"): bf16 keeps the committed names.
-    ``label`` (``--tag``) tells apart runs on machines of one size (their CPUs, say)."""
+    ``vllm_serving_<suite>[_fp32][_LABEL]_profile_<machine>`` (kind "profile"): bf16 keeps the committed
+    names. ``label`` (``--tag``) tells apart runs on machines of one size (their CPUs, say)."""
     tag = "" if dtype == "bfloat16" else f"{DTYPES[dtype]}_"
     if kind == "profile":
-        return f"vllm_serving_{suite}_{tag}profile_{slug}"
+        return f"vllm_serving_{suite}_{tag}{label + '_' if label else ''}profile_{slug}"
     tag += ("budget_" if budget else "") + ("mp_" if layout == "default" else "") + (f"{label}_" if label else "")
     return f"vllm_serving_{'' if suite == 'short' else suite + '_'}{tag}{slug}"
 
@@ -506,7 +506,8 @@ def main() -> None:
         print(f"replotted {RESULTS / name}.png")
         return
     if args.profile:
-        profile(args, suite, traces, requests, result_name("profile", args.suite, args.dtype, machine_slug(m)))
+        profile(args, suite, traces, requests,
+                result_name("profile", args.suite, args.dtype, machine_slug(m), label=args.tag))
         return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -47,6 +47,8 @@ def test_the_budget_and_the_default_layout_get_files_of_their_own():
         "vllm_serving_fp32_budget_mp_cpu-2core"
     assert name("serving", "long", "bfloat16", "cpu-2core", layout="default") == "vllm_serving_long_mp_cpu-2core"
     assert name("serving", "short", "bfloat16", "cpu-2core", label="avx2") == "vllm_serving_avx2_cpu-2core"
+    # a tagged profile run keeps the committed profile (--profile --tag once wrote over it)
+    assert name("profile", "long", "bfloat16", "cpu-2core", label="zen4") == "vllm_serving_long_zen4_profile_cpu-2core"
 
 
 def fake_run(rates: dict[str, float], outputs: list, vattn: bool = False) -> dict:
