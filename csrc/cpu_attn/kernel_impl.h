@@ -511,10 +511,12 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // Decode's P V over a bf16 cache widens V a dword pair at a time (load_values): a shift and a mask per
   // 2 W elements where load(bf16) takes a shuffle and a shift per W; the sums are the same, element by
   // element. On AVX-512 (a 2-core Zen 4, where P V's 16 FMAs a key and kv head of 64 bound it) bf16
-  // decode of 8 q / 2 kv heads of 64 ran 1.02-1.07x as fast; on the AVX2 path it was within noise, so
-  // AVX2 keeps load(bf16) (docs/kernels.md, "V widened in pairs").
+  // decode of 8 q / 2 kv heads of 64 ran 1.02-1.06x as fast with its K/V in L3 and 1.03-1.09x from memory
+  // from B=8 on (host_kernel_ab_zen4_v_pairs_*); on the AVX2 path it was within noise, so AVX2 keeps
+  // load(bf16) (docs/kernels.md, "V widened in pairs"). Decode items only (!widen: rows that are neither
+  // in the lanes nor in AMX tiles).
   constexpr bool kCanPair = IsBf16<T>::value && HasBf16Pairs<Vec>::value;
-  const bool pairs = kCanPair && !lanes && !tiles && d % (2 * W) == 0;
+  const bool pairs = kCanPair && !widen && d % (2 * W) == 0;
 #ifdef VATTN_BF16_DOT
   // bf16 queries over a bf16 cache, outside the AMX tiles: Q K^T by VDPBF16PS on the queries as they are
   const bool dot = kDot && IsBf16<T>::value && !tiles && c.q.dtype == DType::kBF16 && d % 32 == 0;
