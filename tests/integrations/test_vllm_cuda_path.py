@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import vattn
 from backends.cuda_framework import Capture, Framework
 from kernels.kernel_references import vllm_varlen
+from kernels.mapping_checks import count_mapping_checks
 from vattn.integrations import vllm as plugin
 from vattn.integrations.block_placer import BlockPlacer
 from vattn.integrations.vllm import attention as vllm_attention
@@ -488,6 +489,7 @@ import sys, types
 import numpy as np, torch
 import vattn
 from kernels.kernel_references import vllm_varlen
+from kernels.mapping_checks import count_mapping_checks
 from vattn.integrations.block_placer import BlockPlacer
 from vattn.integrations.vllm.flash_attn import VllmFlashAttentionKernel
 from vattn.kernels import AttentionBatch, AttentionCase, FlashAttentionKernel
@@ -656,6 +658,34 @@ def test_a_layer_of_vllms_build_is_its_cache_write_and_its_call(fake_vllm_build,
         want = sdpa_dense(q[:17], k_cache[reqids[0], :17], v_cache[reqids[0], :17], 0.125)
         forward(md, kv_caches, q, k, v, out, "layer.1")  # real: the reference build
         torch.testing.assert_close(out[:17], want)
+    finally:
+        cache.manager.cleanup()
+
+
+def test_a_forwards_mapping_check_is_bound_to_the_planners_cache(monkeypatch):
+    """The planner builds each forward's mapping check for its own cache and
+    views: the forward's check looks no view up by address and makes one
+    check of the core's for both buffers; a request whose rows are not
+    mapped still fails the forward, naming it."""
+    from vattn.core import mapped_check
+
+    made, lookups = count_mapping_checks(monkeypatch)
+    runner, cache = host_worker_cache(KERNELS["host"])
+    try:
+        planner = vllm_attention.ForwardPlanner(cache, 0, torch.device("cpu"), 4, 32)
+        reader = planner.reader(runner)
+        set_rows(runner, {"a": [3, 4], "b": [5]})
+        inputs = VllmInputs(4, 64)
+        for query_lens, seq_lens in (([17, 1], [17, 1]), ([1, 1], [18, 2]), ([1, 1], [19, 3])):
+            before = len(made)
+            plan = planner.build(reader.read(inputs.common(query_lens, seq_lens))).plan
+            checks = plan.check.mapped  # named apart: a failed assert's report shows no cache view (unmapped rows)
+            assert len(made) - before == 1 and checks is made[-1] and not lookups
+        # the same binding with rows past what the planner mapped (request a holds two 16-token blocks)
+        check = mapped_check.ViewsCheck(np.array(plan.batch.reqids), np.array([40, 3]), "attention",
+                                        plan.check.binding)
+        with pytest.raises(ValueError, match="would read 40 tokens but has 32 mapped"):
+            check(planner.first_views.k_cache, planner.first_views.v_cache, "attention")
     finally:
         cache.manager.cleanup()
 

@@ -10,6 +10,7 @@ import torch
 
 import vattn
 from vattn.attention import host_attention, sdpa_attention
+from kernels.mapping_checks import count_mapping_checks
 from vattn.core import mapped_check
 from vattn.kernels import AttentionBatch
 from vattn.kernels.select import HOST, SDPA
@@ -74,6 +75,23 @@ def test_the_function_api_checks_plain_views_by_address():
                 fn(q, *(t[:, 15:] for t in a.layer(0)), AttentionBatch([1], [1], [1]))
         plain = torch.zeros(4, L, 2, 64)  # no cache's memory: bounded by its shape only
         host_attention(q, plain, plain, AttentionBatch([3], [L - 1], [1]))
+
+
+def test_a_batch_without_its_cache_binds_to_the_first_views_and_asks_the_core_once_a_layer(monkeypatch):
+    """The K and V views of one layer, found by address, share one check of
+    the core's: the first binds the batch to their cache, the second is the
+    same cache at the same origin. The plan's check stays bound across
+    layers, with no further lookup."""
+    made, lookups = count_mapping_checks(monkeypatch)
+    q = torch.randn(1, 2, 64)
+    with manager() as a:
+        plan = SDPA.plan(AttentionBatch([1], [15], [1]))
+        SDPA.run(plan, q, *a.layer(0))
+        first = (len(made), len(lookups))
+        SDPA.run(plan, q, *a.layer(1))
+        assert first == (1, 2) and (len(made), len(lookups)) == (1, 2)
+        with pytest.raises(ValueError, match="reqid 0 would read 9 tokens but has 8 mapped"):
+            SDPA.run(SDPA.plan(AttentionBatch([0], [8], [1])), q, *a.layer(1))
 
 
 def test_another_caches_views_are_checked_against_that_cache():

@@ -18,7 +18,7 @@ from vattn.backends import BackendSpec, parse_device, resolve_backend, torch_dev
 from vattn.common.deprecation import Stats, warn_renamed
 from vattn.common.config import KVCacheConfig
 from .cuda_streams import CudaStreams, watch_captures
-from .mapped_check import MappedCheck, ViewsCheck
+from .mapped_check import MappedCheck, ViewsBinding, ViewsCheck
 from .policy import Policy, resolve_policy
 from vattn.common.errors import BackendUnavailable, ForkedError
 from vattn.budget.membership import DEFAULT_IDLE_RELEASE_S as _IDLE_S, default_label, idle_release_seconds, join_budget
@@ -200,6 +200,7 @@ class KVCacheManager(CudaStreams):
         self._span = CacheSpan(memory.base, memory.base + memory.nbytes, self.buffer_bytes, self.slice_bytes,
                                self.config.token_bytes_per_buffer, self.device.type, self._pages)
         remember_span(self._span)
+        self._bindings: dict[int, ViewsBinding] = {}  # mapped_check's, per first_reqid
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._closing = False  # set first thing in cleanup(): cached views are not handed out after it
         _live_managers.add(self)
@@ -490,7 +491,10 @@ class KVCacheManager(CudaStreams):
         strides and one read of that counter. Views of anything else are
         looked up by address (:class:`vattn.core.mapped_check.ViewsCheck`)."""
         first = _bounded_int("first_reqid", first_reqid, self.config.max_batch_size)
-        return ViewsCheck(reqids, seq_lens, what, self._span, (first, 0), self.config.element_bytes)
+        binding = self._bindings.get(first)
+        if binding is None:  # one per origin for the cache's life: a forward's check only points at it
+            binding = self._bindings[first] = ViewsBinding(self._span, (first, 0), self.config.element_bytes)
+        return ViewsCheck(reqids, seq_lens, what, binding)
 
     # ---- shared pages ------------------------------------------------------------
 

@@ -52,48 +52,60 @@ class MappedCheck:
             self.verified = shrinks
 
 
-class ViewsCheck:
-    """A forward's mapping check, carried by its plan: per layer,
-    ``check(k_cache, v_cache, what)`` raises ``ValueError`` (starting with
-    ``what``) unless every request's rows ``[0, seq_len)`` may be read.
+class ViewsBinding:
+    """Where one cache's layer views lie, as a :class:`ViewsCheck` compares
+    them: the cache's span, the (reqid, token) of the views' row 0 and their
+    strides. Fixed for the cache's life, so made once per origin
+    (:meth:`vattn.KVCacheManager.mapped_check`) and shared by every
+    forward's check."""
 
-    Built for a cache (``span`` and the ``origin`` of the views' row 0), a
-    layer's views cost an address and stride comparison and one read of the
-    core's shrink counter. Views elsewhere are found by address: another
-    cache's are checked against that cache, plain tensors are not checked
-    (their shape bounds what the kernels read). Built without a cache
-    (``span`` None), the first views handed decide which cache it is.
-    """
+    __slots__ = ("pages", "origin", "low", "end", "buffer_bytes", "first", "token_bytes", "strides")
 
-    __slots__ = ("reqids", "seq_lens", "what", "mapped", "low", "end", "buffer_bytes", "first", "token_bytes",
-                 "strides", "others")
-
-    def __init__(self, reqids: Sequence[int], seq_lens: Sequence[int], what: str, span: CacheSpan | None = None,
-                 origin: tuple[int, int] = (0, 0), element_size: int = 0) -> None:
-        self.reqids, self.seq_lens, self.what = reqids, seq_lens, what
-        self.others: dict[tuple[int, tuple[int, int]], MappedCheck] = {}  # found by address: (id of pages, origin)
-        self.mapped: MappedCheck | None = None
-        self.end = 0  # no cache yet: every view is looked up by address
-        if span is not None:
-            self._bind(span, origin, element_size)
-
-    def _bind(self, span: CacheSpan, origin: tuple[int, int], element_size: int) -> None:
-        self.mapped = MappedCheck(span.pages, self.reqids, self.seq_lens, origin, self.what)
+    def __init__(self, span: CacheSpan, origin: tuple[int, int], element_size: int) -> None:
+        self.pages, self.origin = span.pages, origin
         self.low, self.end = span.low, span.high
         self.buffer_bytes, self.token_bytes = span.buffer_bytes, span.token_bytes
         self.first = origin[0] * span.slice_bytes + origin[1] * span.token_bytes  # row 0's offset in a buffer
         self.strides = (span.slice_bytes // element_size, span.token_bytes // element_size)  # elements
 
-    def _holds(self, view: torch.Tensor) -> bool:
-        """Whether ``view`` is a view of the bound cache at its origin, with its strides (a layer of
+    def holds(self, view: torch.Tensor) -> bool:
+        """Whether ``view`` is a view of the cache at this origin, with its strides (a layer of
         all_layers starts inside the token row, hence the range)."""
         offset = view.data_ptr() - self.low
         return (0 <= offset < self.end - self.low and 0 <= offset % self.buffer_bytes - self.first < self.token_bytes
                 and view.stride()[:2] == self.strides)
 
+
+class ViewsCheck:
+    """A forward's mapping check, carried by its plan: per layer,
+    ``check(k_cache, v_cache, what)`` raises ``ValueError`` (starting with
+    ``what``) unless every request's rows ``[0, seq_len)`` may be read.
+
+    Built for a cache (its :class:`ViewsBinding`), a layer's views cost an
+    address and stride comparison and one read of the core's shrink counter.
+    Views elsewhere are found by address: another cache's are checked
+    against that cache, plain tensors are not checked (their shape bounds
+    what the kernels read). Built without a cache (``binding`` None), the
+    first views handed decide which cache it is.
+    """
+
+    __slots__ = ("reqids", "seq_lens", "what", "mapped", "binding", "others")
+
+    def __init__(self, reqids: IntArray, seq_lens: IntArray, what: str, binding: ViewsBinding | None = None) -> None:
+        self.reqids, self.seq_lens, self.what = reqids, seq_lens, what
+        self.others: dict[tuple[int, tuple[int, int]], MappedCheck] = {}  # found by address: (id of pages, origin)
+        self.mapped: MappedCheck | None = None
+        self.binding: ViewsBinding | None = None  # no cache yet: every view is looked up by address
+        if binding is not None:
+            self._bind(binding)
+
+    def _bind(self, binding: ViewsBinding) -> None:
+        self.binding = binding
+        self.mapped = MappedCheck(binding.pages, self.reqids, self.seq_lens, binding.origin, self.what)
+
     def __call__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
-        mapped = self.mapped
-        if mapped is not None and self._holds(k_cache) and self._holds(v_cache):
+        mapped, binding = self.mapped, self.binding
+        if mapped is not None and binding is not None and binding.holds(k_cache) and binding.holds(v_cache):
             mapped(what)
             return
         for check in {id(c): c for c in map(self._by_address, (k_cache, v_cache), (what, what)) if c}.values():
@@ -107,8 +119,10 @@ class ViewsCheck:
             return None
         span, origin = owner
         if self.mapped is None:  # built without a cache: the first cache's views are the forward's
-            self._bind(span, origin, view.element_size())
+            self._bind(ViewsBinding(span, origin, view.element_size()))
             return self.mapped
+        if self.binding is not None and self.binding.pages is span.pages and self.binding.origin == origin:
+            return self.mapped  # the bound cache at its origin (the V of the K that bound it): the same rows
         key = (id(span.pages), origin)  # the check keeps the pages, so the id stays theirs
         check = self.others.get(key)
         if check is None:

@@ -96,20 +96,23 @@ class AttentionBatch:
         ``[n]`` each), checked by array operations rather than per request
         in Python: the integrations' path, once per forward. Same checks
         and errors as the constructor."""
+        reqids = np.array(reqids, dtype=np.int64)  # a copy: an unbound check reads it at the first layer
         cached_lens, query_lens = np.asarray(cached_lens, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
-        ids, cached, query = np.asarray(reqids, dtype=np.int64).tolist(), cached_lens.tolist(), query_lens.tolist()
+        ids, cached, query = reqids.tolist(), cached_lens.tolist(), query_lens.tolist()
         n = len(ids)
         if not (0 < n == len(cached) == len(query) and min(ids) >= 0 and min(cached) >= 0 and min(query) >= 1
                 and len(set(ids)) == n):
             return cls(ids, cached, query, device)  # raises, naming the argument
         batch = cls.__new__(cls)
-        batch._fill(ids, cached, query, (cached_lens + query_lens).tolist(), [0, *itertools.accumulate(query)], device,
-                    cache, first_reqid)
+        seq_lens = cached_lens + query_lens
+        batch._fill(ids, cached, query, seq_lens.tolist(), [0, *itertools.accumulate(query)], device, cache,
+                    first_reqid, (reqids, seq_lens))
         return batch
 
     def _fill(self, reqids: list[int], cached_lens: list[int], query_lens: list[int], seq_lens: list[int],
               query_starts: list[int], device: str | torch.device, cache: KVCacheManager | None,
-              first_reqid: int) -> None:
+              first_reqid: int, arrays: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """``arrays``: ``reqids`` and ``seq_lens`` as int64 arrays too, which the mapping check takes as they are."""
         self.reqids = reqids
         self.cached_lens = cached_lens
         self.query_lens = query_lens
@@ -120,8 +123,9 @@ class AttentionBatch:
             raise TypeError(f"cache must be a vattn.KVCacheManager or None, got {type(cache).__name__}")
         self.max_reqid, self.max_seq_len = max(reqids), max(seq_lens)  # what every layer's shapes are checked against
         # the rows' mapping check, which every plan of the batch carries
-        self.mapped: ViewsCheck = (ViewsCheck(reqids, seq_lens, "attention") if cache is None
-                                   else cache.mapped_check(reqids, seq_lens, "attention", first_reqid))
+        rows, lens = arrays if arrays is not None else (reqids, seq_lens)
+        self.mapped: ViewsCheck = (ViewsCheck(rows, lens, "attention") if cache is None
+                                   else cache.mapped_check(rows, lens, "attention", first_reqid))
         self._tensors: dict[str, torch.Tensor] = {}
         self._plans: dict[Any, Any] = {}  # per (kernel, case key): see plan
 

@@ -138,6 +138,7 @@ class ForwardPlanner:
     def __init__(self, cache: WorkerCache, group: int, device: torch.device, max_num_reqs: int,
                  max_num_tokens: int, num_splits: int = 0, split_tokens: int = 0) -> None:
         self.cache, self.group, self.device = cache, group, device
+        self.first_reqid = cache.groups[group].placer.first_reqid  # the manager's reqid of the views' row 0
         self.num_splits, self.split_tokens = num_splits, split_tokens
         self.buffers: FlashAttentionBuffers | None = None
         self.padding: int | None = None  # the group's padding slice, in its cache views
@@ -179,7 +180,7 @@ class ForwardPlanner:
         cache = self.cache
         reqids = cache.map_forward(self.group, inputs)
         batch = AttentionBatch.of_arrays(reqids, inputs.seq_lens - inputs.query_lens, inputs.query_lens,
-                                         device=self.device)
+                                         device=self.device, cache=cache.manager, first_reqid=self.first_reqid)
         if inputs.padded is None:
             md = VAttnMetadata(cache.kernel, cache.kernel.plan(batch, self.case), batch.num_tokens, self.views)
         else:
