@@ -480,7 +480,7 @@ class KVCacheManager(CudaStreams):
         origin = view_origin(self._span, view, what)
         self._pages.check_mapped(*MappedCheck.rows(reqids, seq_lens, origin), what)
 
-    def mapped_check(self, reqids: Sequence[int], seq_lens: Sequence[int], what: str,
+    def mapped_check(self, reqids: IntArray, seq_lens: IntArray, what: str,
                      first_reqid: int = 0) -> ViewsCheck:
         """:meth:`check_mapped` prepared for one forward, built once and
         carried by its plan: ``check(k_cache, v_cache, what)`` raises as
