@@ -25,8 +25,7 @@ from vattn.budget.membership import DEFAULT_IDLE_RELEASE_S as _IDLE_S, default_l
 from .prefix_handle import PrefixHandle
 from .tensor_owners import CacheSpan, forget_span, remember_span, view_origin
 
-SeqLens = Sequence[int] | torch.Tensor | np.ndarray
-IntArray = Sequence[int] | torch.Tensor | np.ndarray
+IntArray = SeqLens = Sequence[int] | torch.Tensor | np.ndarray
 
 PAGE_ALLOCATORS = ("vattn", "external")
 _HOLE = 2**32 - 1  # a hole in page_ids (the core's PageTable::kHole)
@@ -480,8 +479,7 @@ class KVCacheManager(CudaStreams):
         origin = view_origin(self._span, view, what)
         self._pages.check_mapped(*MappedCheck.rows(reqids, seq_lens, origin), what)
 
-    def mapped_check(self, reqids: IntArray, seq_lens: IntArray, what: str,
-                     first_reqid: int = 0) -> ViewsCheck:
+    def mapped_check(self, reqids: IntArray, seq_lens: IntArray, what: str, first_reqid: int = 0) -> ViewsCheck:
         """:meth:`check_mapped` prepared for one forward, built once and
         carried by its plan: ``check(k_cache, v_cache, what)`` raises as
         :meth:`check_mapped` would for layer views whose row 0 is reqid
@@ -491,10 +489,9 @@ class KVCacheManager(CudaStreams):
         strides and one read of that counter. Views of anything else are
         looked up by address (:class:`vattn.core.mapped_check.ViewsCheck`)."""
         first = _bounded_int("first_reqid", first_reqid, self.config.max_batch_size)
-        binding = self._bindings.get(first)
-        if binding is None:  # one per origin for the cache's life: a forward's check only points at it
-            binding = self._bindings[first] = ViewsBinding(self._span, (first, 0), self.config.element_bytes)
-        return ViewsCheck(reqids, seq_lens, what, binding)
+        if first not in self._bindings:  # one per origin for the cache's life: a forward's check points at it
+            self._bindings[first] = ViewsBinding(self._span, (first, 0), self.config.element_bytes)
+        return ViewsCheck(reqids, seq_lens, what, self._bindings[first])
 
     # ---- shared pages ------------------------------------------------------------
 
