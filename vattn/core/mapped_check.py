@@ -102,6 +102,8 @@ class ViewsCheck:
     def _bind(self, binding: ViewsBinding) -> None:
         self.binding = binding
         self.mapped = MappedCheck(binding.pages, self.reqids, self.seq_lens, binding.origin, self.what)
+        # the bound cache at its origin, found by address (the V of the K that bound it): the same check
+        self.others[(id(binding.pages), binding.origin)] = self.mapped
 
     def __call__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
         mapped, binding = self.mapped, self.binding
@@ -121,8 +123,6 @@ class ViewsCheck:
         if self.mapped is None:  # built without a cache: the first cache's views are the forward's
             self._bind(ViewsBinding(span, origin, view.element_size()))
             return self.mapped
-        if self.binding is not None and self.binding.pages is span.pages and self.binding.origin == origin:
-            return self.mapped  # the bound cache at its origin (the V of the K that bound it): the same rows
         key = (id(span.pages), origin)  # the check keeps the pages, so the id stays theirs
         check = self.others.get(key)
         if check is None:
