@@ -6,8 +6,10 @@ forward's mapping check is built once, for the planner's own cache.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -61,6 +63,22 @@ class AtenOps(TorchDispatchMode):
 LAYER_CALLS = 12  # attend's own calls: the views' lookup, run_layer, two index_copy_, the build's call, and glue
 
 
+@contextlib.contextmanager
+def one_prefill(kernel) -> Iterator[tuple]:
+    """``(kv_caches, md, q, k, v, out)``: one forward of two requests (17 and 1 new tokens, 2 KV heads of 32)
+    planned by ``kernel``'s planner on a host worker cache, closed after."""
+    torch.manual_seed(0)
+    runner, cache = host_worker_cache(kernel)
+    try:
+        planner = vllm_attention.ForwardPlanner(cache, 0, torch.device("cpu"), 4, 32)
+        set_rows(runner, {"a": [3, 4], "b": [5]})
+        md = planner.build(planner.reader(runner).read(VllmInputs(4, 64).common([17, 1], [17, 1])))
+        q, k, v = torch.randn(18, 4, 32), torch.randn(18, 2, 32), torch.randn(18, 2, 32)
+        yield cache.kv_caches(), md, q, k, v, torch.zeros(18, 4, 32)
+    finally:
+        cache.manager.cleanup()
+
+
 def test_a_layer_of_vllms_build_is_its_cache_write_and_its_call(fake_vllm_build, monkeypatch):
     """vLLM's FlashAttention build, planned into the CUDA-graph buffers on a
     host cache: one layer's ``attend`` makes at most ``LAYER_CALLS`` calls of
@@ -68,16 +86,8 @@ def test_a_layer_of_vllms_build_is_its_cache_write_and_its_call(fake_vllm_build,
     per forward) and runs exactly two aten ops of its own, ``index_copy_``
     of the new K and V into the cache's token rows, besides the build's
     call. The outputs stay exact (the build's reference then runs)."""
-    torch.manual_seed(0)
     kernel = plugin.loaded_kernel(KERNELS["flash_attn"], head_size=32)
-    runner, cache = host_worker_cache(kernel)
-    try:
-        kv_caches = cache.kv_caches()
-        planner = vllm_attention.ForwardPlanner(cache, 0, torch.device("cpu"), 4, 32)
-        set_rows(runner, {"a": [3, 4], "b": [5]})
-        md = planner.build(planner.reader(runner).read(VllmInputs(4, 64).common([17, 1], [17, 1])))
-        q, k, v = torch.randn(18, 4, 32), torch.randn(18, 2, 32), torch.randn(18, 2, 32)
-        out = torch.zeros(18, 4, 32)
+    with one_prefill(kernel) as (kv_caches, md, q, k, v, out):
         with monkeypatch.context() as stubbed:  # the build's call costs nothing: what is left is vattn's
             stubbed.setattr(fake_vllm_build, "flash_attn_varlen_func", lambda *a, out, **kw: out)
             calls = calls_made_by_vattn(lambda: forward(md, kv_caches, q, k, v, out, "layer.1"))
@@ -92,8 +102,6 @@ def test_a_layer_of_vllms_build_is_its_cache_write_and_its_call(fake_vllm_build,
         want = sdpa_dense(q[:17], k_cache[reqids[0], :17], v_cache[reqids[0], :17], 0.125)
         forward(md, kv_caches, q, k, v, out, "layer.1")  # real: the reference build
         torch.testing.assert_close(out[:17], want)
-    finally:
-        cache.manager.cleanup()
 
 
 def test_a_forwards_mapping_check_is_bound_to_the_planners_cache(monkeypatch):
@@ -127,20 +135,10 @@ def test_a_layer_of_the_host_kernel_is_its_one_call():
     ``attend`` is the extension's call, which writes the new K/V too, and
     the DLPack handles it takes, at most ``LAYER_CALLS`` calls of vattn's
     own; the result equals SDPA's on the cache."""
-    torch.manual_seed(0)
-    runner, cache = host_worker_cache(KERNELS["host"])
-    try:
-        kv_caches = cache.kv_caches()
-        planner = vllm_attention.ForwardPlanner(cache, 0, torch.device("cpu"), 4, 32)
-        set_rows(runner, {"a": [3, 4], "b": [5]})
-        md = planner.build(planner.reader(runner).read(VllmInputs(4, 64).common([17, 1], [17, 1])))
-        q, k, v = torch.randn(18, 4, 32), torch.randn(18, 2, 32), torch.randn(18, 2, 32)
-        out = torch.zeros(18, 4, 32)
+    with one_prefill(KERNELS["host"]) as (kv_caches, md, q, k, v, out):
         calls = calls_made_by_vattn(lambda: forward(md, kv_caches, q, k, v, out, "layer.0"))
         assert len(calls) <= LAYER_CALLS and sum(c.endswith(".attention") for c in calls) == 1, " ".join(calls)
         k_cache, v_cache = kv_caches["layer.0"]
         reqid = md.plan.batch.reqids[0]
         assert torch.equal(k_cache[reqid, :17], k[:17])
         torch.testing.assert_close(out[:17], sdpa_dense(q[:17], k_cache[reqid, :17], v_cache[reqid, :17], 0.125))
-    finally:
-        cache.manager.cleanup()
