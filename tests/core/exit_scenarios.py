@@ -6,6 +6,8 @@ main thread returns.
 
 - ``budget-wait``: the thread waits on the full budget BUDGET (``wait_for_memory``, 50 ms at a time).
 - ``attention``: the thread runs the host attention kernel on a 2048-token prompt, call after call.
+- ``background-thread``: vattn's background thread (the one a vLLM engine's budget keeper runs in) ticks
+  a torch matmul, whose binding releases the GIL pybind11's way: it must be stopped before finalization.
 - ``raising``: another process holds BUDGET's lock; the thread's operations wait 50 ms for it and raise
   BudgetError, so the interpreter finalizes while a call unwinds its exception.
 """
@@ -53,6 +55,23 @@ def attention(_: str, inside: threading.Event) -> None:
         native().attention(plan, *tensors, None, None, None, 0.125, 0.0, 0, None)
 
 
+def background_thread(_: str, inside: threading.Event) -> threading.Thread:
+    import torch
+
+    from vattn.common.background_thread import BackgroundThread
+
+    a = torch.randn(384, 384)
+
+    def tick() -> None:
+        inside.set()
+        for _ in range(20):  # ~ms each: the thread is inside torch most of the time
+            torch.mm(a, a)
+
+    keeper = BackgroundThread(tick, 0.001, "vattn-exit-scenario")
+    keeper.start()
+    return keeper
+
+
 def raising(name: str, inside: threading.Event) -> None:
     while True:
         inside.set()
@@ -80,8 +99,11 @@ def main(mode: str, name: str) -> None:
         assert holder.stdout.readline().strip() == "held"
         os.dup(holder.stdin.fileno())  # never closed: the holder keeps the lock until this process is gone
     inside = threading.Event()
-    body = dict(budget_wait=budget_wait, attention=attention, raising=raising)[mode.replace("-", "_")]
-    threading.Thread(target=body, args=(name, inside), daemon=True).start()
+    if mode == "background-thread":
+        background_thread(name, inside)
+    else:
+        body = dict(budget_wait=budget_wait, attention=attention, raising=raising)[mode.replace("-", "_")]
+        threading.Thread(target=body, args=(name, inside), daemon=True).start()
     assert inside.wait(60)
     inside.clear()
     assert inside.wait(60)  # a second call began: the thread loops inside vattn now

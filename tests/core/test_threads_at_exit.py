@@ -1,4 +1,5 @@
-"""A process whose main thread returns while a daemon thread is inside a vattn call exits cleanly.
+"""A process whose main thread returns while a daemon thread is inside a vattn call exits cleanly, and
+vattn's own background thread is gone before the interpreter finalizes.
 
 Python (3.11-3.13) ends a thread that takes the GIL back after finalization began by unwinding its
 stack; where vattn took the GIL back in a noexcept destructor (pybind11's gil_scoped_release), that
@@ -17,6 +18,7 @@ import pytest
 
 import vattn
 from vattn import budget as vbudget
+from vattn.common.background_thread import BackgroundThread
 
 SCENARIOS = Path(__file__).with_name("exit_scenarios.py")
 
@@ -24,6 +26,7 @@ SCENARIOS = Path(__file__).with_name("exit_scenarios.py")
 @pytest.mark.parametrize("mode", [
     "budget-wait",  # a binding whose whole call runs without the GIL (call_guard)
     "attention",  # a binding that releases the GIL around its compute only (a scoped guard)
+    "background-thread",  # vattn's own background thread, inside a torch op: stopped before finalization
     "raising",  # the call raises as the interpreter finalizes: the thread stops instead of unwinding twice
 ])
 def test_a_daemon_thread_inside_vattn_does_not_abort_the_exit(mode, tmp_path):
@@ -37,3 +40,16 @@ def test_a_daemon_thread_inside_vattn_does_not_abort_the_exit(mode, tmp_path):
     assert "exiting" in proc.stdout, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_background_thread_ticks_until_its_tick_ends_it_or_it_is_stopped():
+    ticks = []
+    ended = BackgroundThread(lambda: ticks.append(1) or len(ticks) < 3, 0.001, "vattn-test-ends")
+    ended.start()
+    ended.thread.join(10)
+    assert not ended.thread.is_alive() and len(ticks) == 3 and not ended.stopping
+    stopped = BackgroundThread(lambda: None, 0.001, "vattn-test-stopped")
+    stopped.start()
+    assert stopped.stop() and stopped.stopping and not stopped.thread.is_alive()
+    with pytest.raises(ValueError, match="interval_s must be > 0 seconds, got 0"):
+        BackgroundThread(lambda: None, 0, "vattn-test-bad")

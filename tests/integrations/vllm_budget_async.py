@@ -27,11 +27,13 @@ raising.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import os
 import random
 import sys
+import threading
 import time
 
 BLOCK = 16
@@ -323,7 +325,6 @@ def engine(model: str, budget_name: str, scheduling: str) -> dict:
     """``LLM`` with the engine core in this process, greedy fp32, 10 prompts; ``scheduling`` "async" (with
     vattn under ``VATTN_BUDGET``, another member asking for 2 blocks every 0.05 s and holding them 0.3 s
     when granted, the budget's total sampled every 5 ms) or "sync" (stock vLLM)."""
-    import threading
 
     import vattn
 
@@ -404,8 +405,20 @@ def idle_wait(model: str) -> dict:
     return dict(result, scheduler=type(core.scheduler).__name__, batch_queue_size=core.batch_queue_size)
 
 
+def exit_without_vattn_threads() -> None:
+    """Registered first, so it runs after every exit handler vattn registers (the last registered runs
+    first): a vattn thread still running then meets the interpreter's finalization, where a call
+    returning into torch's or pybind11's GIL guard aborts the process (docs/design.md "Threads at exit")."""
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("vattn") and t.is_alive()]
+    if alive:
+        print(f"vattn threads still running at exit: {alive}", file=sys.stderr, flush=True)
+        os._exit(3)
+
+
 def main(mode: str, model: str, budget_name: str, *rest: str) -> dict:
     from vattn.integrations.vllm.hooks import install_hooks
+
+    atexit.register(exit_without_vattn_threads)
 
     if mode == "engine":
         return engine(model, budget_name, *rest)

@@ -87,6 +87,7 @@ from typing import Any, Callable
 import numpy as np
 
 from vattn.budget.devices import DeviceMember, DeviceShare
+from vattn.common.background_thread import BackgroundThread
 from vattn.budget.membership import (DEFAULT_IDLE_RELEASE_S, ENV_VAR, budget_name_from_environment,
                                      idle_release_seconds)
 from vattn.common.errors import BudgetError
@@ -219,8 +220,7 @@ class BudgetedBlockPool:
         self.allocation_excess: int | None = None  # inside allocate_slots: blocks held above the limit at its start
         self.kv_manager.allocate_slots = allocate_slots
         self._charge_null_block()
-        self.keeper = threading.Thread(target=self._keeper_loop, name="vattn-vllm-budget", daemon=True)
-        self.closed = False
+        self.keeper = BackgroundThread(self._keeper_step, KEEPER_INTERVAL_S, "vattn-vllm-budget")
         self.keeper.start()
 
     # ---- what the scheduler sees ----------------------------------------------------------
@@ -532,23 +532,25 @@ class BudgetedBlockPool:
     def _busy(self) -> bool:
         return bool(self.scheduler.running) or bool(len(self.scheduler.waiting))
 
-    def _keeper_loop(self) -> None:
-        while not self.closed and not self.detached:
-            time.sleep(KEEPER_INTERVAL_S)
-            try:
-                self._keeper_tick()
-            except BudgetError as e:  # removed or damaged: the engine serves without it
-                with self.lock:
-                    self.detach(e)
-                self.kick()
-                return
-            except Exception as e:  # noqa: BLE001 - shutdown; logged
-                if self.closed:
-                    return
-                from vllm.logger import init_logger
+    def _keeper_step(self) -> bool:
+        """One look of the keeper thread; False ends it (closed, or the budget can no longer be used)."""
+        if self.detached:
+            return False
+        try:
+            self._keeper_tick()
+        except BudgetError as e:  # removed or damaged: the engine serves without it
+            with self.lock:
+                self.detach(e)
+            self.kick()
+            return False
+        except Exception as e:  # noqa: BLE001 - shutdown; logged
+            if self.keeper.stopping:
+                return False
+            from vllm.logger import init_logger
 
-                init_logger("vllm.vattn").warning("vattn: giving KV pages back failed: %s", e)
-                time.sleep(1.0)
+            init_logger("vllm.vattn").warning("vattn: giving KV pages back failed: %s", e)
+            return not self.keeper.pause(1.0)
+        return True
 
     def _keeper_tick(self) -> None:
         with self.lock:
@@ -594,7 +596,7 @@ class BudgetedBlockPool:
             self.kick()
 
     def close(self) -> None:
-        self.closed = True
+        self.keeper.stop()
         self.member.leave()
 
     def stats(self) -> dict[str, Any]:
