@@ -55,7 +55,7 @@ def attention(_: str, inside: threading.Event) -> None:
         native().attention(plan, *tensors, None, None, None, 0.125, 0.0, 0, None)
 
 
-def background_thread(_: str, inside: threading.Event) -> threading.Thread:
+def background_thread(_: str, inside: threading.Event) -> None:
     import torch
 
     from vattn.common.background_thread import BackgroundThread
@@ -67,9 +67,7 @@ def background_thread(_: str, inside: threading.Event) -> threading.Thread:
         for _ in range(20):  # ~ms each: the thread is inside torch most of the time
             torch.mm(a, a)
 
-    keeper = BackgroundThread(tick, 0.001, "vattn-exit-scenario")
-    keeper.start()
-    return keeper
+    BackgroundThread(tick, 0.001, "vattn-exit-scenario").start()  # its thread keeps it alive
 
 
 def raising(name: str, inside: threading.Event) -> None:

@@ -87,9 +87,9 @@ from typing import Any, Callable
 import numpy as np
 
 from vattn.budget.devices import DeviceMember, DeviceShare
-from vattn.common.background_thread import BackgroundThread
 from vattn.budget.membership import (DEFAULT_IDLE_RELEASE_S, ENV_VAR, budget_name_from_environment,
                                      idle_release_seconds)
+from vattn.common.background_thread import BackgroundThread
 from vattn.common.errors import BudgetError
 
 from .engine_wait import BudgetWaits
