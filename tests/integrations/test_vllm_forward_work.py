@@ -64,19 +64,27 @@ LAYER_CALLS = 12  # attend's own calls: the views' lookup, run_layer, two index_
 
 
 @contextlib.contextmanager
-def one_prefill(kernel) -> Iterator[tuple]:
-    """``(kv_caches, md, q, k, v, out)``: one forward of two requests (17 and 1 new tokens, 2 KV heads of 32)
-    planned by ``kernel``'s planner on a host worker cache, closed after."""
-    torch.manual_seed(0)
+def two_requests_planned(kernel) -> Iterator[tuple]:
+    """``(cache, planner, reader)``: ``kernel``'s forward planner on a host worker cache whose requests
+    a and b hold blocks 3, 4 and 5 (16 tokens each), closed after."""
     runner, cache = host_worker_cache(kernel)
     try:
         planner = vllm_attention.ForwardPlanner(cache, 0, torch.device("cpu"), 4, 32)
         set_rows(runner, {"a": [3, 4], "b": [5]})
-        md = planner.build(planner.reader(runner).read(VllmInputs(4, 64).common([17, 1], [17, 1])))
-        q, k, v = torch.randn(18, 4, 32), torch.randn(18, 2, 32), torch.randn(18, 2, 32)
-        yield cache.kv_caches(), md, q, k, v, torch.zeros(18, 4, 32)
+        yield cache, planner, planner.reader(runner)
     finally:
         cache.manager.cleanup()
+
+
+@contextlib.contextmanager
+def one_prefill(kernel) -> Iterator[tuple]:
+    """``(kv_caches, md, q, k, v, out)``: one forward of two requests (17 and 1 new tokens, 2 KV heads of 32)
+    planned by ``kernel``'s planner on a host worker cache, closed after."""
+    torch.manual_seed(0)
+    with two_requests_planned(kernel) as (cache, planner, reader):
+        md = planner.build(reader.read(VllmInputs(4, 64).common([17, 1], [17, 1])))
+        q, k, v = torch.randn(18, 4, 32), torch.randn(18, 2, 32), torch.randn(18, 2, 32)
+        yield cache.kv_caches(), md, q, k, v, torch.zeros(18, 4, 32)
 
 
 def test_a_layer_of_vllms_build_is_its_cache_write_and_its_call(fake_vllm_build, monkeypatch):
@@ -110,11 +118,7 @@ def test_a_forwards_mapping_check_is_bound_to_the_planners_cache(monkeypatch):
     check of the core's for both buffers; a request whose rows are not
     mapped still fails the forward, naming it."""
     made, lookups = count_mapping_checks(monkeypatch)
-    runner, cache = host_worker_cache(KERNELS["host"])
-    try:
-        planner = vllm_attention.ForwardPlanner(cache, 0, torch.device("cpu"), 4, 32)
-        reader = planner.reader(runner)
-        set_rows(runner, {"a": [3, 4], "b": [5]})
+    with two_requests_planned(KERNELS["host"]) as (_, planner, reader):
         inputs = VllmInputs(4, 64)
         for query_lens, seq_lens in (([17, 1], [17, 1]), ([1, 1], [18, 2]), ([1, 1], [19, 3])):
             before = len(made)
@@ -126,8 +130,6 @@ def test_a_forwards_mapping_check_is_bound_to_the_planners_cache(monkeypatch):
                                         plan.check.binding)
         with pytest.raises(ValueError, match="would read 40 tokens but has 32 mapped"):
             check(planner.first_views.k_cache, planner.first_views.v_cache, "attention")
-    finally:
-        cache.manager.cleanup()
 
 
 def test_a_layer_of_the_host_kernel_is_its_one_call():
