@@ -62,7 +62,7 @@ VATTN_BF16_DOT_TARGET __attribute__((always_inline)) inline void pair_sums(const
 // head_dim 64 a key takes two VDPBF16PS per query row, and reducing 16 sums took as many
 // instructions as the products (qk_dot_block). MR x NP = 16 accumulators; 2 NP keys.
 template <int MR, int NP, bool kToL2>
-VATTN_BF16_DOT_TARGET inline void qk_dot_pairs_block(const bf16* q, int64_t ldq, const bf16* k, int64_t ldk, int d,
+VATTN_BF16_DOT_TARGET __attribute__((always_inline)) inline void qk_dot_pairs_block(const bf16* q, int64_t ldq, const bf16* k, int64_t ldk, int d,
                                                      float scale, float* s, int64_t lds, int64_t pf_off,
                                                      int64_t pf_n) {
   static_assert(MR * NP == 16, "one full reduction tree");
