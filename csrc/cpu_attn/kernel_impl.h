@@ -60,7 +60,7 @@ inline void with_prefetch_hint(bool to_l2, F&& f) {
 // tile's), one line at a time between the FMAs, so that the misses overlap the work (pf_n <= 0:
 // none), into L2 where kToL2 (prefetch_line). pv_block does the same for V.
 template <class T, int MR, int NT, bool kToL2>
-inline void qk_block(const float* q, int64_t ldq, const T* k, int64_t ldk, int d, float* s, int64_t lds,
+__attribute__((always_inline)) inline void qk_block(const float* q, int64_t ldq, const T* k, int64_t ldk, int d, float* s, int64_t lds,
                      int64_t pf_off, int64_t pf_n) {
   R acc[MR * NT];
   for (int i = 0; i < MR * NT; ++i) acc[i] = Vec::zero();
