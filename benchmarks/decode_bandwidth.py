@@ -14,8 +14,12 @@ with setup.py's flags of the ISA's kernel unit) and adds them as integers.
 Both run on one thread (VATTN_CPU_ATTN_THREADS=1, set here): the probe has no
 thread pool, and on a shared 2-core machine a second thread measures the
 neighbours. Rounds alternate the order; in each, a call runs once after
-``--flush-mb`` MiB were written (``cold``: K/V from the last-level cache or
-memory) and once straight after (``warm``). Reported per point: median, min
+``--flush-mb`` MiB were written (``cold``: K/V from memory) and once straight
+after (``warm``: from the caches). The default flush is 256 MiB, or eight times
+the last-level cache where that is larger: on a 2-core Zen 4 (32 MiB of L3) a
+64 MiB flush left part of a point's K/V in the L3, whose replacement keeps
+lines that were read before against a stream of new ones; the plain read of
+1-8 MiB ran 15-33 GB/s "cold" there against 9-17 GB/s after 256 MiB. Reported per point: median, min
 and max microseconds of each, the GB/s of the medians, and the decode's share
 of the read bandwidth (read time / decode time; the goal is at least 2/3).
 Writes benchmarks/results/decode_bandwidth_<isa>[_<tag>]_<machine>.json and a
@@ -144,6 +148,20 @@ def measure(probe: ctypes.CDLL, isa: str, batch: int, ctx: int, dtype: torch.dty
         case.close()
 
 
+def default_flush_mb() -> int:
+    """MiB to write before a cold call so that none of its K/V stay cached: 256, or eight times the
+    last-level cache (sysconf's L3, else L2) where that is larger."""
+    cache = 0
+    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        try:
+            cache = os.sysconf(name)
+        except (ValueError, OSError):
+            cache = 0
+        if cache > 0:
+            break
+    return max(256, 8 * (cache >> 20))
+
+
 def parse_point(spec: str) -> tuple[int, int, str]:
     """``batch:ctx:dtype`` -> (batch, ctx, dtype)."""
     parts = spec.split(":")
@@ -164,7 +182,8 @@ def main() -> None:
     p.add_argument("--model", default="small-8q2kv", help="a model name of attention_ab.py or name:heads_q:heads_kv:head_dim")
     p.add_argument("--isa", default=None,
                    help=f"comma-separated paths of {sorted(PROBE_UNIT)} (default: each one this CPU runs)")
-    p.add_argument("--flush-mb", type=int, default=64, help="MiB written before each cold call")
+    p.add_argument("--flush-mb", type=int, default=default_flush_mb(),
+                   help="MiB written before each cold call (default: 256, or 8 x the last-level cache if larger)")
     p.add_argument("--rounds", type=int, default=100, help="rounds per point")
     p.add_argument("--tag", default="", help="names the result files decode_bandwidth_<isa>_<tag>_<machine>.*")
     p.add_argument("--replot", action="store_true", help="only redraw the plots from this machine's JSON")
