@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 from attention_ab import Case, model_shape
-from harness import RESULTS, draw, machine, machine_slug, point_label, pyplot, save_plot, write_json
+from harness import (RESULTS, draw, git_revision, machine, machine_slug, point_label, pyplot, require_current_build,
+                     save_plot, write_json)
 from torch.utils.dlpack import to_dlpack
 
 from vattn import _cpu_attn
@@ -203,10 +204,8 @@ def main() -> None:
     shape = model_shape(args.model)
     points = [parse_point(s) for s in args.points.split(",")]
     flush = torch.zeros(args.flush_mb << 18)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "csrc/cpu_attn"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    require_current_build(ROOT)
+    commit = git_revision(ROOT)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vattn-probe-") as tmp:
         for isa in isas:
@@ -224,7 +223,7 @@ def main() -> None:
                 "model": args.model,
                 "isa": isa,
                 "probe_vector_bytes": PROBE_UNIT[isa][1],
-                "commit": commit + (" + uncommitted csrc/cpu_attn changes" if dirty else ""),
+                "commit": commit,
                 "threads": 1,
                 "flush_mb": args.flush_mb,
                 "unit": "us per call (median, min, max over rounds); GB/s of the medians; decode_share: read time / "

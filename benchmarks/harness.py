@@ -140,6 +140,23 @@ def git_revision(checkout: Path) -> str:
     return (head.stdout.strip() or "unknown") + (" (with uncommitted changes)" if dirty else "")
 
 
+def require_current_build(checkout: Path) -> None:
+    """Exits, naming the files, where a C++ source or setup.py of ``checkout`` changed after its last
+    build (the newest of ``vattn/*.so``; a build recompiles only the extensions whose sources changed):
+    a benchmark would time an earlier build's code and record the current commit for it. Rebuild
+    with ``python setup.py build_ext --inplace``."""
+    built = list((checkout / "vattn").glob("*.so"))
+    if not built:
+        raise SystemExit(f"{checkout}: no built extension in vattn/ (python setup.py build_ext --inplace)")
+    last_build = max(built, key=lambda p: p.stat().st_mtime)
+    sources = [p for p in (checkout / "csrc").rglob("*") if p.is_file()] + [checkout / "setup.py"]
+    newest = max(sources, key=lambda p: p.stat().st_mtime)
+    if newest.stat().st_mtime > last_build.stat().st_mtime:
+        raise SystemExit(f"{checkout}: {newest.relative_to(checkout)} changed after the last build "
+                         f"({last_build.relative_to(checkout)}); rebuild (python setup.py build_ext --inplace) "
+                         f"before timing it")
+
+
 def round_order(engines: list[str], aa: str | None, round_index: int) -> list[str]:
     """The runs of one round of an A/B: every engine, then the A/A engine
     (``aa``) a second time as ``<aa>-again``; reversed every other round, so

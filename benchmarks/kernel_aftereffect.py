@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from attention_ab import Case, model_shape
 from harness import (RESULTS, ROOT, describe_ratio, draw, git_revision, machine, machine_slug, point_label, pyplot,
+                     require_current_build,
                      ratio_summary, save_plot, write_json)
 from host_kernel_ab import parse_point
 from kernel_vs_vllm import KERNELS, beside_vllm, kernels
@@ -100,6 +101,7 @@ def main() -> None:
     if args.replot:
         plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
         return
+    require_current_build(ROOT)
     beside_vllm("kernel_aftereffect", args.threads)
     shape = model_shape("small-8q2kv")
     rows, started = [], time.perf_counter()

@@ -42,6 +42,7 @@ import torch
 from attention_ab import MODELS, Case, model_shape
 from attention_host import vllm_available, vllm_kernels
 from harness import (RESULTS, describe_ratio, draw, git_revision, machine, machine_slug, point_label, pyplot,
+                     require_current_build,
                      ratio_summary, save_plot, write_json)
 from host_kernel_ab import parse_point
 
@@ -119,6 +120,7 @@ def main() -> None:
     if args.replot:
         plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
         return
+    require_current_build(Path(__file__).resolve().parents[1])
     beside_vllm("kernel_vs_vllm", args.threads)
     shape = model_shape(args.model)
     points = [parse_point(spec) for spec in args.points.split(",")]

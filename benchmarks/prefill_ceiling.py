@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from attention_ab import Case, model_shape
 from decode_bandwidth import CXX, compile_probe
-from harness import RESULTS, draw, git_revision, machine, machine_slug, pyplot, save_plot, write_json
+from harness import (RESULTS, draw, git_revision, machine, machine_slug, pyplot, require_current_build, save_plot,
+                     write_json)
 from torch.utils.dlpack import to_dlpack
 
 from vattn import _cpu_attn
@@ -149,6 +150,7 @@ def main() -> None:
         return
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    require_current_build(ROOT)
     supported = _cpu_attn.info()["supported"]
     isas = args.isa.split(",") if args.isa else [i for i in PROBE_UNIT if i in supported]
     for isa in isas:

@@ -27,7 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import describe_ratio, git_revision, machine, machine_slug, pyplot, ratio_summary, save_plot, write_json
+from harness import (describe_ratio, git_revision, machine, machine_slug, pyplot, ratio_summary, require_current_build,
+                     save_plot, write_json)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -58,6 +59,8 @@ def main() -> int:
         p.error(f"base: {base} is not a checkout of vattn with its extension built in place")
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    for checkout in (base, ROOT):
+        require_current_build(checkout)
     # per (B, mapper): each run's step time in microseconds, in run order, per round
     samples: dict[tuple[int, bool], list[list[tuple[str, float]]]] = {}
     order = ["base", "test", "test", "base"]

@@ -98,7 +98,7 @@ import time
 from pathlib import Path
 
 from harness import (RESULTS, ROOT, describe_ratio, git_revision, machine, machine_slug, publish, pyplot,
-                     ratio_summary, round_order, save_plot, write_json)
+                     ratio_summary, require_current_build, round_order, save_plot, write_json)
 from workloads.vllm_launch import KV_CACHE_SPACE_GIB, SCENARIO, EngineFailed, run_engine
 
 MiB = 1 << 20
@@ -505,6 +505,8 @@ def main() -> None:
         plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
         print(f"replotted {RESULTS / name}.png")
         return
+    for checkout in [ROOT] + ([args.base] if args.base else []):
+        require_current_build(checkout)
     if args.profile:
         profile(args, suite, traces, requests,
                 result_name("profile", args.suite, args.dtype, machine_slug(m), label=args.tag))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import os
 import sys
 
 import pytest
@@ -91,3 +92,24 @@ def test_the_machine_names_the_cpu_generation(tmp_path, monkeypatch, text, famil
     info = harness.machine()
     assert (info["cpu_family"], info["cpu_model"], info["isa"]) == (family, model, isa)
     assert harness._cpuinfo_int({"model": "0x11"}, "model") is None
+
+
+def test_a_benchmark_refuses_a_build_older_than_its_sources(tmp_path):
+    (tmp_path / "vattn").mkdir()
+    (tmp_path / "csrc" / "core").mkdir(parents=True)
+    (tmp_path / "setup.py").write_text("")
+    source = tmp_path / "csrc" / "core" / "page_table.cpp"
+    source.write_text("")
+    older, newer = tmp_path / "vattn" / "_C.so", tmp_path / "vattn" / "_cpu_attn.so"
+    for path in (older, newer):
+        path.write_bytes(b"")
+    for path, when in ((tmp_path / "setup.py", 1000), (older, 1500), (source, 2000), (newer, 3000)):
+        os.utime(path, (when, when))
+    harness.require_current_build(tmp_path)  # the last build came after the last edit
+    os.utime(source, (4000, 4000))
+    with pytest.raises(SystemExit, match=r"csrc/core/page_table.cpp changed after the last build"):
+        harness.require_current_build(tmp_path)
+    for path in (older, newer):
+        path.unlink()
+    with pytest.raises(SystemExit, match="no built extension"):
+        harness.require_current_build(tmp_path)
