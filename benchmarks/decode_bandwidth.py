@@ -19,8 +19,8 @@ after (``warm``: from the caches). The default flush is 256 MiB, or eight times
 the last-level cache where that is larger: on a 2-core Zen 4 (32 MiB of L3) a
 64 MiB flush left part of a point's K/V in the L3, whose replacement keeps
 lines that were read before against a stream of new ones; the plain read of
-1-8 MiB ran 15-33 GB/s "cold" there against 9-17 GB/s after 256 MiB. Reported per point: median, min
-and max microseconds of each, the GB/s of the medians, and the decode's share
+1-8 MiB ran 15-36 GB/s "cold" there against 9-17 GB/s after 256 MiB.
+Reported per point: median, min and max microseconds of each, the GB/s of the medians, and the decode's share
 of the read bandwidth (read time / decode time; the goal is at least 2/3).
 Writes benchmarks/results/decode_bandwidth_<isa>[_<tag>]_<machine>.json and a
 plot for each ISA.

@@ -32,8 +32,7 @@ from typing import Any
 import torch
 from attention_ab import Case, model_shape
 from harness import (RESULTS, ROOT, describe_ratio, draw, git_revision, machine, machine_slug, point_label, pyplot,
-                     require_current_build,
-                     ratio_summary, save_plot, write_json)
+                     ratio_summary, require_current_build, save_plot, write_json)
 from host_kernel_ab import parse_point
 from kernel_vs_vllm import KERNELS, beside_vllm, kernels
 

@@ -42,8 +42,7 @@ import torch
 from attention_ab import MODELS, Case, model_shape
 from attention_host import vllm_available, vllm_kernels
 from harness import (RESULTS, describe_ratio, draw, git_revision, machine, machine_slug, point_label, pyplot,
-                     require_current_build,
-                     ratio_summary, save_plot, write_json)
+                     ratio_summary, require_current_build, save_plot, write_json)
 from host_kernel_ab import parse_point
 
 from vattn.attention import host_attention, host_attention_info

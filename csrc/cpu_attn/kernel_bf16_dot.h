@@ -61,10 +61,12 @@ VATTN_BF16_DOT_TARGET __attribute__((always_inline)) inline void pair_sums(const
 // early and yields 32 sums from 16 accumulators, in two vectors stored a row at a time: with
 // head_dim 64 a key takes two VDPBF16PS per query row, and reducing 16 sums took as many
 // instructions as the products (qk_dot_block). MR x NP = 16 accumulators; 2 NP keys.
+// (Always inlined into its key loop: out of line, every 8 keys paid a call that zeroed the 16
+// accumulators and spilled pointers, about a tenth of Q K^T's time; docs/kernels.md.)
 template <int MR, int NP, bool kToL2>
-VATTN_BF16_DOT_TARGET __attribute__((always_inline)) inline void qk_dot_pairs_block(const bf16* q, int64_t ldq, const bf16* k, int64_t ldk, int d,
-                                                     float scale, float* s, int64_t lds, int64_t pf_off,
-                                                     int64_t pf_n) {
+VATTN_BF16_DOT_TARGET __attribute__((always_inline)) inline void qk_dot_pairs_block(
+    const bf16* q, int64_t ldq, const bf16* k, int64_t ldk, int d, float scale, float* s, int64_t lds, int64_t pf_off,
+    int64_t pf_n) {
   static_assert(MR * NP == 16, "one full reduction tree");
   R acc[MR * NP];
   for (int i = 0; i < MR * NP; ++i) acc[i] = Vec::zero();

@@ -59,9 +59,11 @@ inline void with_prefetch_hint(bool to_l2, F&& f) {
 // The first pf_n of the NT keys also ask for the lines of the row pf_off elements on (the next
 // tile's), one line at a time between the FMAs, so that the misses overlap the work (pf_n <= 0:
 // none), into L2 where kToL2 (prefetch_line). pv_block does the same for V.
+// Always inlined into its key loop (qk_rows), as qk_dot_pairs_block is: out of line it was a call per
+// register block (2 keys on AVX2) with its accumulators zeroed and pointers spilled each time.
 template <class T, int MR, int NT, bool kToL2>
-__attribute__((always_inline)) inline void qk_block(const float* q, int64_t ldq, const T* k, int64_t ldk, int d, float* s, int64_t lds,
-                     int64_t pf_off, int64_t pf_n) {
+__attribute__((always_inline)) inline void qk_block(const float* q, int64_t ldq, const T* k, int64_t ldk, int d,
+                                                    float* s, int64_t lds, int64_t pf_off, int64_t pf_n) {
   R acc[MR * NT];
   for (int i = 0; i < MR * NT; ++i) acc[i] = Vec::zero();
   for (int x = 0; x < d; x += W) {
