@@ -20,8 +20,11 @@ the last-level cache where that is larger: on a 2-core Zen 4 (32 MiB of L3) a
 64 MiB flush left part of a point's K/V in the L3, whose replacement keeps
 lines that were read before against a stream of new ones; the plain read of
 1-8 MiB ran 15-36 GB/s "cold" there against 9-17 GB/s after 256 MiB.
-Reported per point: median, min and max microseconds of each, the GB/s of the medians, and the decode's share
-of the read bandwidth (read time / decode time; the goal is at least 2/3).
+The read runs twice a round (``read-again``: the A/A pair). Reported per point:
+median, min and max microseconds of each, the GB/s of the medians, and the
+decode's share of the read bandwidth (read time / decode time; the goal is at
+least 2/3), of the medians and within each round (median and 95% bootstrap
+interval, harness.ratio_summary) beside the read's A/A ratio.
 Writes benchmarks/results/decode_bandwidth_<isa>[_<tag>]_<machine>.json and a
 plot for each ISA.
 """
@@ -46,8 +49,8 @@ from typing import Any
 
 import torch
 from attention_ab import Case, model_shape
-from harness import (RESULTS, draw, git_revision, machine, machine_slug, point_label, pyplot, require_current_build,
-                     save_plot, write_json)
+from harness import (RESULTS, describe_ratio, draw, git_revision, machine, machine_slug, point_label, pyplot,
+                     ratio_summary, require_current_build, save_plot, write_json)
 from torch.utils.dlpack import to_dlpack
 
 from vattn import _cpu_attn
@@ -123,7 +126,7 @@ def measure(probe: ctypes.CDLL, isa: str, batch: int, ctx: int, dtype: torch.dty
         def read() -> None:
             probe.kv_read(k_rows, v_rows, tokens, batch, token_stride, row_bytes)
 
-        sides = {"read": read, "decode": decode}
+        sides = {"read": read, "decode": decode, "read-again": read}  # the read twice: the A/A pair
         for call in sides.values():
             call()
         cold: dict[str, list[float]] = {s: [] for s in sides}
@@ -143,7 +146,10 @@ def measure(probe: ctypes.CDLL, isa: str, batch: int, ctx: int, dtype: torch.dty
         for temp, times in (("cold", cold), ("warm", warm)):
             us = {s: spread(times[s]) for s in sides}
             row[temp] = {"us": us, "gb_per_s": {s: round(kv_bytes / us[s]["median"] / 1e3, 2) for s in sides},
-                         "decode_share": round(us["read"]["median"] / us["decode"]["median"], 3)}
+                         "decode_share": round(us["read"]["median"] / us["decode"]["median"], 3),
+                         # within each round: read time / decode time, and the A/A pair read / read-again
+                         "decode_share_per_round": ratio_summary([r / d for r, d in zip(times["read"], times["decode"])]),
+                         "read_aa_per_round": ratio_summary([r / a for r, a in zip(times["read"], times["read-again"])])}
         return row
     finally:
         case.close()
@@ -217,6 +223,9 @@ def main() -> None:
                 print(f"[{time.perf_counter() - started:5.0f}s] {isa:11s} {dtype:8s} B={batch:<3d} ctx={ctx:<6d} "
                       + "  ".join(f"{t} read {row[t]['gb_per_s']['read']:6.1f} decode {row[t]['gb_per_s']['decode']:6.1f}"
                                   f" GB/s ({row[t]['decode_share']:.2f})" for t in ("cold", "warm")), flush=True)
+                for t in ("cold", "warm"):
+                    print("    " + describe_ratio(f"{t} share per round", row[t]["decode_share_per_round"])
+                          + "; " + describe_ratio("A/A read / read-again", row[t]["read_aa_per_round"]), flush=True)
             payload = {
                 "benchmark": "decode_bandwidth",
                 "machine": machine(),
@@ -227,7 +236,9 @@ def main() -> None:
                 "threads": 1,
                 "flush_mb": args.flush_mb,
                 "unit": "us per call (median, min, max over rounds); GB/s of the medians; decode_share: read time / "
-                        "decode time (1: the decode reads as fast as a plain read)",
+                        "decode time of the medians (1: the decode reads as fast as a plain read); "
+                        "decode_share_per_round: the same within each round, median and 95% bootstrap interval; "
+                        "read_aa_per_round: the read against itself (read / read-again), the A/A pair",
                 "results": rows,
             }
             name = result_name(isa, args.tag)
