@@ -54,76 +54,20 @@ inline void with_prefetch_hint(bool to_l2, F&& f) {
     f(std::false_type{});
 }
 
-// ---- Q K^T: dot products, MR rows x NT keys per register block -------------------
-
-// The first pf_n of the NT keys also ask for the lines of the row pf_off elements on (the next
-// tile's), one line at a time between the FMAs, so that the misses overlap the work (pf_n <= 0:
-// none), into L2 where kToL2 (prefetch_line). pv_block does the same for V.
-// Always inlined into its key loop (qk_rows), as qk_dot_pairs_block is: out of line it was a call per
-// register block (2 keys on AVX2) with its accumulators zeroed and pointers spilled each time.
-template <class T, int MR, int NT, bool kToL2>
-__attribute__((always_inline)) inline void qk_block(const float* q, int64_t ldq, const T* k, int64_t ldk, int d,
-                                                    float* s, int64_t lds, int64_t pf_off, int64_t pf_n) {
-  R acc[MR * NT];
-  for (int i = 0; i < MR * NT; ++i) acc[i] = Vec::zero();
-  for (int x = 0; x < d; x += W) {
-    if (((x * static_cast<int64_t>(sizeof(T))) & 63) == 0)
-      for (int t = 0; t < NT && t < pf_n; ++t) prefetch_line<kToL2>(k + t * ldk + x + pf_off);
-    R kv[NT];
-    for (int t = 0; t < NT; ++t) kv[t] = Vec::load(k + t * ldk + x);
-    for (int r = 0; r < MR; ++r) {
-      R qv = Vec::load(q + r * ldq + x);
-      Vec::keep(qv);
-      for (int t = 0; t < NT; ++t) acc[r * NT + t] = Vec::fma(qv, kv[t], acc[r * NT + t]);
-    }
-  }
-  float sums[MR * NT];
-  Vec::hsum_n(acc, MR * NT, sums);
-  for (int r = 0; r < MR; ++r)
-    for (int t = 0; t < NT; ++t) s[r * lds + t] = sums[r * NT + t];
-}
-
-template <class T, int MR, bool kToL2>
-inline void qk_rows(const float* q, int64_t ldq, const T* k, int64_t ldk, int64_t n, int d, float* s, int64_t lds,
-                    int64_t pf_off, int64_t pf_n) {
-  // as many sums per block as hsum_n reduces in one tree: 16 at AVX-512's width, else 8
-  constexpr int kSums = W >= 16 ? 16 : 8;
-  constexpr int NT = kSums / MR;
-  int64_t t = 0;
-  for (; t + NT <= n; t += NT) qk_block<T, MR, NT, kToL2>(q, ldq, k + t * ldk, ldk, d, s + t, lds, pf_off, pf_n - t);
-  for (; t < n; ++t) qk_block<T, MR, 1, kToL2>(q, ldq, k + t * ldk, ldk, d, s + t, lds, pf_off, pf_n - t);
-}
-
-// s[r][t] = q[r] . k[t] for r < rows, t < n; prefetches keys [0, pf_n) of the tile pf_off elements on
-// (into L2 where kToL2)
-template <class T, bool kToL2 = false>
-void qk(const float* q, int64_t ldq, int rows, const T* k, int64_t ldk, int64_t n, int d, float* s, int64_t lds,
-        int64_t pf_off = 0, int64_t pf_n = 0) {
-  int r = 0;
-  for (; r + 4 <= rows; r += 4, pf_n = 0)  // the first row block prefetches
-    qk_rows<T, 4, kToL2>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n);
-  switch (rows - r) {
-    case 3: qk_rows<T, 3, kToL2>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
-    case 2: qk_rows<T, 2, kToL2>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
-    case 1: qk_rows<T, 1, kToL2>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
-    default: break;
-  }
-}
-
-// ---- P V: MR rows x NV vectors of head_dim per register block -------------------
-
-// Whether Vec widens bf16 a dword pair at a time (Vec::load_bf16_pairs and kBf16Pairs: vec_avx512.h)
+// Whether Vec widens bf16 2 W elements at a time into two vectors in an order of its own
+// (Vec::load_bf16_pairs, Vec::pair_element and kBf16Pairs: vec_avx2.h, vec_avx512.h)
 template <class V, class = void>
 struct HasBf16Pairs : std::false_type {};
 template <class V>
 struct HasBf16Pairs<V, std::void_t<decltype(V::kBf16Pairs)>> : std::bool_constant<V::kBf16Pairs> {};
 
-// vv[0, NV) = the NV W-element vectors of the value row at `row`, widened to fp32. kPairs (bf16 rows, NV
-// even): each 2W-element chunk c as its even elements in vv[2c] and its odd ones in vv[2c + 1], so that the
-// accumulators hold each chunk in that order (unpair_rows restores it). V is a parameter so that the name
-// is looked up only where kPairs is instantiated.
+// vv[0, NV) = the NV W-element vectors of the row at `row`, widened to fp32. kPairs (bf16 rows, NV
+// even): each 2W-element chunk c as two vectors vv[2c], vv[2c + 1] in Vec's pair order (position i of
+// the two holds element Vec::pair_element(i)), so that what is multiplied with them (the queries) or
+// accumulated from them (P V) holds each chunk in that order too (pair_rows). V is a parameter so that
+// the name is looked up only where kPairs is instantiated.
 template <bool kPairs, int NV, class T, class V = Vec>
-inline void load_values(const T* row, R* vv) {
+__attribute__((always_inline)) inline void load_values(const T* row, R* vv) {
   if constexpr (kPairs) {
     static_assert(NV % 2 == 0, "whole chunks of 2 W elements");
     for (int c = 0; c < NV / 2; ++c) V::load_bf16_pairs(row + 2 * c * W, vv[2 * c], vv[2 * c + 1]);
@@ -132,20 +76,85 @@ inline void load_values(const T* row, R* vv) {
   }
 }
 
-// rows[r] of n rows of d floats: each 2W-element chunk from [even elements | odd elements] (P V in pairs)
-// back to element order
-inline void unpair_rows(float* rows, int64_t n, int d) {
+// rows[r] of n rows of d floats, each 2W-element chunk reordered: into Vec's pair order (to_pairs: the
+// queries of a Q K^T in pairs) or from it back to element order (an accumulator of P V in pairs)
+template <class V = Vec>
+inline void pair_rows(float* rows, int64_t n, int d, bool to_pairs) {
   float chunk[2 * W];
   for (int64_t r = 0; r < n; ++r)
     for (int x = 0; x < d; x += 2 * W) {
       float* at = rows + r * d + x;
       for (int i = 0; i < 2 * W; ++i) chunk[i] = at[i];
-      for (int i = 0; i < W; ++i) {
-        at[2 * i] = chunk[i];
-        at[2 * i + 1] = chunk[W + i];
+      for (int i = 0; i < 2 * W; ++i) {
+        if (to_pairs)
+          at[i] = chunk[V::pair_element(i)];
+        else
+          at[V::pair_element(i)] = chunk[i];
       }
     }
 }
+
+// ---- Q K^T: dot products, MR rows x NT keys per register block -------------------
+
+// The first pf_n of the NT keys also ask for the lines of the row pf_off elements on (the next
+// tile's), one line at a time between the FMAs, so that the misses overlap the work (pf_n <= 0:
+// none), into L2 where kToL2 (prefetch_line). pv_block does the same for V.
+// Always inlined into its key loop (qk_rows), as qk_dot_pairs_block is: out of line it was a call per
+// register block (2 keys on AVX2) with its accumulators zeroed and pointers spilled each time.
+// kPairs (bf16 K, d a multiple of 2 W): K widened a chunk of 2 W at a time (load_values), q in pair order.
+template <class T, int MR, int NT, bool kToL2, bool kPairs>
+__attribute__((always_inline)) inline void qk_block(const float* q, int64_t ldq, const T* k, int64_t ldk, int d,
+                                                    float* s, int64_t lds, int64_t pf_off, int64_t pf_n) {
+  constexpr int KV = kPairs ? 2 : 1;  // vectors of each key per step
+  R acc[MR * NT];
+  for (int i = 0; i < MR * NT; ++i) acc[i] = Vec::zero();
+  for (int x = 0; x < d; x += KV * W) {
+    if (((x * static_cast<int64_t>(sizeof(T))) & 63) == 0)
+      for (int t = 0; t < NT && t < pf_n; ++t) prefetch_line<kToL2>(k + t * ldk + x + pf_off);
+    R kv[NT][KV];
+    for (int t = 0; t < NT; ++t) load_values<kPairs, KV>(k + t * ldk + x, kv[t]);
+    for (int c = 0; c < KV; ++c)
+      for (int r = 0; r < MR; ++r) {
+        R qv = Vec::load(q + r * ldq + x + c * W);
+        Vec::keep(qv);
+        for (int t = 0; t < NT; ++t) acc[r * NT + t] = Vec::fma(qv, kv[t][c], acc[r * NT + t]);
+      }
+  }
+  float sums[MR * NT];
+  Vec::hsum_n(acc, MR * NT, sums);
+  for (int r = 0; r < MR; ++r)
+    for (int t = 0; t < NT; ++t) s[r * lds + t] = sums[r * NT + t];
+}
+
+template <class T, int MR, bool kToL2, bool kPairs>
+inline void qk_rows(const float* q, int64_t ldq, const T* k, int64_t ldk, int64_t n, int d, float* s, int64_t lds,
+                    int64_t pf_off, int64_t pf_n) {
+  // as many sums per block as hsum_n reduces in one tree: 16 at AVX-512's width, else 8
+  constexpr int kSums = W >= 16 ? 16 : 8;
+  constexpr int NT = kSums / MR;
+  int64_t t = 0;
+  for (; t + NT <= n; t += NT)
+    qk_block<T, MR, NT, kToL2, kPairs>(q, ldq, k + t * ldk, ldk, d, s + t, lds, pf_off, pf_n - t);
+  for (; t < n; ++t) qk_block<T, MR, 1, kToL2, kPairs>(q, ldq, k + t * ldk, ldk, d, s + t, lds, pf_off, pf_n - t);
+}
+
+// s[r][t] = q[r] . k[t] for r < rows, t < n; prefetches keys [0, pf_n) of the tile pf_off elements on
+// (into L2 where kToL2). kPairs (bf16 K, d a multiple of 2 W): q's rows in Vec's pair order (pair_rows).
+template <class T, bool kToL2 = false, bool kPairs = false>
+void qk(const float* q, int64_t ldq, int rows, const T* k, int64_t ldk, int64_t n, int d, float* s, int64_t lds,
+        int64_t pf_off = 0, int64_t pf_n = 0) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4, pf_n = 0)  // the first row block prefetches
+    qk_rows<T, 4, kToL2, kPairs>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n);
+  switch (rows - r) {
+    case 3: qk_rows<T, 3, kToL2, kPairs>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
+    case 2: qk_rows<T, 2, kToL2, kPairs>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
+    case 1: qk_rows<T, 1, kToL2, kPairs>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
+    default: break;
+  }
+}
+
+// ---- P V: MR rows x NV vectors of head_dim per register block -------------------
 
 template <class T, int MR, int NV, bool kToL2, bool kPairs = false>
 inline void pv_block(const float* p, int64_t ldp, int64_t ldpt, const float* alpha, const T* v, int64_t ldv, int64_t n, float* o,
@@ -510,13 +519,16 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   constexpr bool tiles = false;
 #endif
   const bool lanes = widen && !tiles;
-  // Decode's P V over a bf16 cache widens V a dword pair at a time (load_values): a shift and a mask per
-  // 2 W elements where load(bf16) takes a shuffle and a shift per W; the sums are the same, element by
-  // element. On AVX-512 (a 2-core Zen 4, where P V's 16 FMAs a key and kv head of 64 bound it) bf16
-  // decode of 8 q / 2 kv heads of 64 ran 1.02-1.06x as fast with its K/V in L3 and 1.03-1.09x from memory
-  // from B=8 on (host_kernel_ab_zen4_v_pairs_*); on the AVX2 path it was within noise, so AVX2 keeps
-  // load(bf16) (docs/kernels.md, "V widened in pairs"). Decode items only (!widen: rows that are neither
-  // in the lanes nor in AMX tiles).
+  // Decode over a bf16 cache widens K and V 2 W elements at a time (load_values, Vec::load_bf16_pairs): on
+  // AVX-512 a shift and a mask (even and odd elements), on AVX2 one in-lane shuffle a vector, where
+  // load(bf16) takes a lane-crossing widen and a shift per W. The queries (Q K^T) and the accumulators
+  // (P V) hold each chunk in that order, restored once at the item's end (pair_rows); the sums are the
+  // same, element by element. P V in pairs on AVX-512 (a 2-core Zen 4, where P V's 16 FMAs a key and kv
+  // head of 64 bound it): bf16 decode of 8 q / 2 kv heads of 64 1.02-1.06x as fast with its K/V in L3
+  // and 1.03-1.09x from memory from B=8 on (host_kernel_ab_zen4_v_pairs_*). Q K^T and P V in pairs on
+  // the AVX2 path: docs/kernels.md, "AVX2: bf16 widened by in-lane shuffles". Decode items only
+  // (!widen: rows that are neither in the lanes nor in AMX tiles); Q K^T by VDPBF16PS (dot) takes the
+  // queries as they are.
   constexpr bool kCanPair = IsBf16<T>::value && HasBf16Pairs<Vec>::value;
   const bool pairs = kCanPair && !widen && d % (2 * W) == 0;
 #ifdef VATTN_BF16_DOT
@@ -538,6 +550,8 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
 #endif
         load_query_row(c.q, first_token + j, head, c.scale, d, q + row);
       }
+  if constexpr (kCanPair)
+    if (pairs && !dot) pair_rows(q, static_cast<int64_t>(nh) * rows, d, true);
   for (int64_t i = 0; i < nh * head_rows; ++i) acc[i] = 0.0f;
   for (int64_t r = 0; r < static_cast<int64_t>(nh) * ld_rows; ++r) {
     m[r] = kNegInf;
@@ -634,8 +648,15 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
         }
 #endif
         with_prefetch_hint(to_l2, [&](auto hint) {
-          qk<T, decltype(hint)::value>(q + h * head_rows, d, rows, k_heads + k0 * ldk + h * kc.strides[2], ldk, n, d,
-                                       s_all + h * rows * kMaxKeyTile, kMaxKeyTile, n * ldk, n_next);
+          const T* kh = k_heads + k0 * ldk + h * kc.strides[2];
+          float* sh = s_all + h * rows * kMaxKeyTile;
+          if constexpr (kCanPair)
+            if (pairs) {
+              qk<T, decltype(hint)::value, true>(q + h * head_rows, d, rows, kh, ldk, n, d, sh, kMaxKeyTile, n * ldk,
+                                                 n_next);
+              return;
+            }
+          qk<T, decltype(hint)::value>(q + h * head_rows, d, rows, kh, ldk, n, d, sh, kMaxKeyTile, n * ldk, n_next);
         });
       }
     for (int h = 0; h < nh; ++h) {
@@ -726,7 +747,8 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
 #ifdef VATTN_AMX_BF16
   if (tiles) _tile_release();
 #endif
-  if (pairs) unpair_rows(acc, static_cast<int64_t>(nh) * rows, d);
+  if constexpr (kCanPair)
+    if (pairs) pair_rows(acc, static_cast<int64_t>(nh) * rows, d, false);
   if (it.group >= 0) {  // a split: keep the unnormalized accumulator for the merge
     const int64_t base = static_cast<int64_t>(it.partial) * c.rows_per_partial;
     float* pacc = c.partial_acc + base * d;

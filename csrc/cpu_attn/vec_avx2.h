@@ -15,6 +15,17 @@ struct Vec {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
   static R load(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  // The 2 W bf16 at p as two fp32 vectors, each bf16 interleaved with a zero word inside its 128-bit lane:
+  // lo = p[0..3], p[8..11] and hi = p[4..7], p[12..15]. One in-lane shuffle a vector, where load(bf16)
+  // takes a lane-crossing widen and a shift.
+  static constexpr bool kBf16Pairs = true;
+  static void load_bf16_pairs(const bf16* p, R& lo, R& hi) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), zero = _mm256_setzero_si256();
+    lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x));
+    hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x));
+  }
+  // the element of a 2 W chunk at position i of [lo | hi]
+  static constexpr int pair_element(int i) { return (i & 3) + (i & 4 ? 8 : 0) + (i & 8 ? 4 : 0); }
   static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
   static void store(bf16* p, R x) {
     // round to nearest even; NaN keeps its top bits and turns quiet
@@ -49,8 +60,9 @@ struct Vec {
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  // out[i] = hsum(a[i]); eight at once with one transposing add tree
-  static void hsum_n(const R* a, int n, float* out) {
+  // out[i] = hsum(a[i]); eight at once with one transposing add tree. Always inlined: Q K^T's register
+  // block in pairs grew past GCC's inlining limit and called it once a block.
+  __attribute__((always_inline)) static void hsum_n(const R* a, int n, float* out) {
     if (n == 8) {
       const __m256 h0 = _mm256_hadd_ps(a[0], a[1]), h1 = _mm256_hadd_ps(a[2], a[3]);
       const __m256 h2 = _mm256_hadd_ps(a[4], a[5]), h3 = _mm256_hadd_ps(a[6], a[7]);

@@ -24,6 +24,8 @@ struct Vec {
     even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
     odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
   }
+  // the element of a 2 W chunk at position i of [even | odd]
+  static constexpr int pair_element(int i) { return i < W ? 2 * i : 2 * (i - W) + 1; }
   static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
   static void store(bf16* p, R x) {
     const __m512i u = _mm512_castps_si512(x);
