@@ -85,17 +85,20 @@ __attribute__((always_inline)) inline void load_values(const T* row, R* vv) {
   }
 }
 
-// rows[r] of n rows of d floats, each 2W-element chunk reordered: into Vec's pair order (to_pairs: the
-// queries of a Q K^T in pairs) or from it back to element order (an accumulator of P V in pairs)
-template <class V = Vec>
-inline void pair_rows(float* rows, int64_t n, int d, bool to_pairs) {
+// rows[r] of n rows of d floats, each 2W-element chunk reordered: into Vec's pair order (kToPairs: the
+// queries of a Q K^T in pairs) or from it back to element order (an accumulator of P V in pairs). Every
+// index a constant (the loop unrolled): a run-time order here cost small bf16 decodes (5-35 us) 2-5% on
+// the AVX-512 paths of a 2-core Zen 4.
+template <bool kToPairs, class V = Vec>
+inline void pair_rows(float* rows, int64_t n, int d) {
   float chunk[2 * W];
   for (int64_t r = 0; r < n; ++r)
     for (int x = 0; x < d; x += 2 * W) {
       float* at = rows + r * d + x;
       for (int i = 0; i < 2 * W; ++i) chunk[i] = at[i];
+#pragma GCC unroll 32
       for (int i = 0; i < 2 * W; ++i) {
-        if (to_pairs)
+        if constexpr (kToPairs)
           at[i] = chunk[V::pair_element(i)];
         else
           at[V::pair_element(i)] = chunk[i];
@@ -561,7 +564,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
         load_query_row(c.q, first_token + j, head, c.scale, d, q + row);
       }
   if constexpr (kCanPairQk)
-    if (pairs && !dot) pair_rows(q, static_cast<int64_t>(nh) * rows, d, true);
+    if (pairs && !dot) pair_rows<true>(q, static_cast<int64_t>(nh) * rows, d);
   for (int64_t i = 0; i < nh * head_rows; ++i) acc[i] = 0.0f;
   for (int64_t r = 0; r < static_cast<int64_t>(nh) * ld_rows; ++r) {
     m[r] = kNegInf;
@@ -758,7 +761,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   if (tiles) _tile_release();
 #endif
   if constexpr (kCanPair)
-    if (pairs) pair_rows(acc, static_cast<int64_t>(nh) * rows, d, false);
+    if (pairs) pair_rows<false>(acc, static_cast<int64_t>(nh) * rows, d);
   if (it.group >= 0) {  // a split: keep the unnormalized accumulator for the merge
     const int64_t base = static_cast<int64_t>(it.partial) * c.rows_per_partial;
     float* pacc = c.partial_acc + base * d;
