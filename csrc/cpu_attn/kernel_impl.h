@@ -61,15 +61,6 @@ struct HasBf16Pairs : std::false_type {};
 template <class V>
 struct HasBf16Pairs<V, std::void_t<decltype(V::kBf16Pairs)>> : std::bool_constant<V::kBf16Pairs> {};
 
-// Whether Q K^T widens bf16 keys in Vec's pairs too (Vec::kQkInPairs)
-template <class V>
-constexpr bool qk_in_pairs() {
-  if constexpr (HasBf16Pairs<V>::value)
-    return V::kQkInPairs;
-  else
-    return false;
-}
-
 // vv[0, NV) = the NV W-element vectors of the row at `row`, widened to fp32. kPairs (bf16 rows, NV
 // even): each 2W-element chunk c as two vectors vv[2c], vv[2c + 1] in Vec's pair order (position i of
 // the two holds element Vec::pair_element(i)), so that what is multiplied with them (the queries) or
@@ -531,19 +522,18 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   constexpr bool tiles = false;
 #endif
   const bool lanes = widen && !tiles;
-  // Decode over a bf16 cache widens V, and K where Vec::kQkInPairs (AVX2), 2 W elements at a time
-  // (load_values, Vec::load_bf16_pairs): on AVX-512 a shift and a mask (even and odd elements), on AVX2
-  // one in-lane shuffle a vector, where load(bf16) takes a lane-crossing widen and a shift per W. The queries (Q K^T) and the accumulators
+  // Decode over a bf16 cache widens K and V 2 W elements at a time (load_values, Vec::load_bf16_pairs): on
+  // AVX-512 a shift and a mask (even and odd elements), on AVX2 one in-lane shuffle a vector, where
+  // load(bf16) takes a lane-crossing widen and a shift per W. The queries (Q K^T) and the accumulators
   // (P V) hold each chunk in that order, restored once at the item's end (pair_rows); the sums are the
-  // same, element by element. P V in pairs on AVX-512 (a 2-core Zen 4, where P V's 16 FMAs a key and kv
-  // head of 64 bound it): bf16 decode of 8 q / 2 kv heads of 64 1.02-1.06x as fast with its K/V in L3
-  // and 1.03-1.09x from memory from B=8 on (host_kernel_ab_zen4_v_pairs_*). Q K^T and P V in pairs on
-  // the AVX2 path: docs/kernels.md, "AVX2: bf16 widened by in-lane shuffles". Decode items only
+  // same, element by element. On a 2-core Zen 4: P V in pairs on AVX-512, where P V's 16 FMAs a key and
+  // kv head of 64 bound it, ran bf16 decode of 8 q / 2 kv heads of 64 1.02-1.06x as fast with its K/V in
+  // L3 and 1.03-1.09x from memory from B=8 on (host_kernel_ab_zen4_v_pairs_*); Q K^T and P V in pairs on
+  // AVX2, and Q K^T on AVX-512: docs/kernels.md, "bf16 widened in pairs for Q K^T too". Decode items only
   // (!widen: rows that are neither in the lanes nor in AMX tiles); Q K^T by VDPBF16PS (dot) takes the
   // queries as they are.
   constexpr bool kCanPair = IsBf16<T>::value && HasBf16Pairs<Vec>::value;
   const bool pairs = kCanPair && !widen && d % (2 * W) == 0;
-  constexpr bool kCanPairQk = kCanPair && qk_in_pairs<Vec>();
 #ifdef VATTN_BF16_DOT
   // bf16 queries over a bf16 cache, outside the AMX tiles: Q K^T by VDPBF16PS on the queries as they are
   const bool dot = kDot && IsBf16<T>::value && !tiles && c.q.dtype == DType::kBF16 && d % 32 == 0;
@@ -563,7 +553,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
 #endif
         load_query_row(c.q, first_token + j, head, c.scale, d, q + row);
       }
-  if constexpr (kCanPairQk)
+  if constexpr (kCanPair)
     if (pairs && !dot) pair_rows<true>(q, static_cast<int64_t>(nh) * rows, d);
   for (int64_t i = 0; i < nh * head_rows; ++i) acc[i] = 0.0f;
   for (int64_t r = 0; r < static_cast<int64_t>(nh) * ld_rows; ++r) {
@@ -663,7 +653,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
         with_prefetch_hint(to_l2, [&](auto hint) {
           const T* kh = k_heads + k0 * ldk + h * kc.strides[2];
           float* sh = s_all + h * rows * kMaxKeyTile;
-          if constexpr (kCanPairQk)
+          if constexpr (kCanPair)
             if (pairs) {
               qk<T, decltype(hint)::value, true>(q + h * head_rows, d, rows, kh, ldk, n, d, sh, kMaxKeyTile, n * ldk,
                                                  n_next);

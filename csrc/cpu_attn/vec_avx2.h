@@ -19,7 +19,6 @@ struct Vec {
   // lo = p[0..3], p[8..11] and hi = p[4..7], p[12..15]. One in-lane shuffle a vector, where load(bf16)
   // takes a lane-crossing widen and a shift.
   static constexpr bool kBf16Pairs = true;
-  static constexpr bool kQkInPairs = true;  // Q K^T widens K this way too (P V always does)
   static void load_bf16_pairs(const bf16* p, R& lo, R& hi) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), zero = _mm256_setzero_si256();
     lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x));

@@ -24,9 +24,6 @@ struct Vec {
     even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
     odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
   }
-  // Q K^T keeps load(bf16): in pairs, bf16 decode of 8 q / 2 kv heads of 64 on this path ran 0.91-0.98x
-  // as fast up to B=4 ctx 512 and 1.02x from B=16 ctx 2048 on a 2-core Zen 4 (host_kernel_ab_zen4_pairs_avx512)
-  static constexpr bool kQkInPairs = false;
   // the element of a 2 W chunk at position i of [even | odd]
   static constexpr int pair_element(int i) { return i < W ? 2 * i : 2 * (i - W) + 1; }
   static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
