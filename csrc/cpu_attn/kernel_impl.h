@@ -525,13 +525,14 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // Decode over a bf16 cache widens K and V 2 W elements at a time (load_values, Vec::load_bf16_pairs): on
   // AVX-512 a shift and a mask (even and odd elements), on AVX2 one in-lane shuffle a vector, where
   // load(bf16) takes a lane-crossing widen and a shift per W. The queries (Q K^T) and the accumulators
-  // (P V) hold each chunk in that order, restored once at the item's end (pair_rows); the sums are the
-  // same, element by element. On a 2-core Zen 4: P V in pairs on AVX-512, where P V's 16 FMAs a key and
-  // kv head of 64 bound it, ran bf16 decode of 8 q / 2 kv heads of 64 1.02-1.06x as fast with its K/V in
-  // L3 and 1.03-1.09x from memory from B=8 on (host_kernel_ab_zen4_v_pairs_*); Q K^T and P V in pairs on
-  // AVX2, and Q K^T on AVX-512: docs/kernels.md, "bf16 widened in pairs for Q K^T too". Decode items only
-  // (!widen: rows that are neither in the lanes nor in AMX tiles); Q K^T by VDPBF16PS (dot) takes the
-  // queries as they are.
+  // (P V) hold each chunk in that order; the accumulators are put back once at the item's end (pair_rows).
+  // P V's sums are the same, element by element; a score adds the same products in other lanes, so its
+  // tree of partial sums differs (fp32 rounding). On a 2-core Zen 4: P V in pairs on AVX-512, where P V's
+  // 16 FMAs a key and kv head of 64 bound it, ran bf16 decode of 8 q / 2 kv heads of 64 1.02-1.06x as fast
+  // with its K/V in L3 and 1.03-1.09x from memory from B=8 on (host_kernel_ab_zen4_v_pairs_*); Q K^T and
+  // P V in pairs on AVX2, and Q K^T on AVX-512: docs/kernels.md, "bf16 widened in pairs for Q K^T too".
+  // Decode items only (!widen: rows that are neither in the lanes nor in AMX tiles); Q K^T by VDPBF16PS
+  // (dot) takes the queries as they are.
   constexpr bool kCanPair = IsBf16<T>::value && HasBf16Pairs<Vec>::value;
   const bool pairs = kCanPair && !widen && d % (2 * W) == 0;
 #ifdef VATTN_BF16_DOT
