@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from attention_ab import MODELS, Case, model_shape
 from attention_host import vllm_available, vllm_kernels
-from harness import (RESULTS, describe_ratio, draw, git_revision, machine, machine_slug, point_label, pyplot,
+from harness import (RESULTS, ROOT, describe_ratio, draw, git_revision, machine, machine_slug, point_label, pyplot,
                      ratio_summary, require_current_build, save_plot, write_json)
 from host_kernel_ab import parse_point
 
@@ -119,7 +119,7 @@ def main() -> None:
     if args.replot:
         plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
         return
-    require_current_build(Path(__file__).resolve().parents[1])
+    require_current_build(ROOT)
     beside_vllm("kernel_vs_vllm", args.threads)
     shape = model_shape(args.model)
     points = [parse_point(spec) for spec in args.points.split(",")]
@@ -145,7 +145,7 @@ def main() -> None:
     payload = {
         "benchmark": "kernel_vs_vllm",
         "machine": machine(),
-        "commit": git_revision(Path(__file__).resolve().parents[1]),
+        "commit": git_revision(ROOT),
         "vllm": __import__("vllm").__version__,
         "model": args.model,
         "heads": list(shape),

@@ -54,6 +54,19 @@ inline void with_prefetch_hint(bool to_l2, F&& f) {
     f(std::false_type{});
 }
 
+// f(std::true_type) where pairs, else f(std::false_type): the kPairs of the Q K^T and P V called in f.
+// kCan false (a unit whose Vec has no bf16 pairs, or a cache of another type) never instantiates the
+// pairs.
+template <bool kCan, class F>
+inline void with_pairs(bool pairs, F&& f) {
+  if constexpr (kCan)
+    if (pairs) {
+      f(std::true_type{});
+      return;
+    }
+  f(std::false_type{});
+}
+
 // Whether Vec widens bf16 2 W elements at a time into two vectors in an order of its own
 // (Vec::load_bf16_pairs, Vec::pair_element and kBf16Pairs: vec_avx2.h, vec_avx512.h)
 template <class V, class = void>
@@ -652,15 +665,12 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
         }
 #endif
         with_prefetch_hint(to_l2, [&](auto hint) {
-          const T* kh = k_heads + k0 * ldk + h * kc.strides[2];
-          float* sh = s_all + h * rows * kMaxKeyTile;
-          if constexpr (kCanPair)
-            if (pairs) {
-              qk<T, decltype(hint)::value, true>(q + h * head_rows, d, rows, kh, ldk, n, d, sh, kMaxKeyTile, n * ldk,
-                                                 n_next);
-              return;
-            }
-          qk<T, decltype(hint)::value>(q + h * head_rows, d, rows, kh, ldk, n, d, sh, kMaxKeyTile, n * ldk, n_next);
+          with_pairs<kCanPair>(pairs, [&](auto in_pairs) {
+            qk<T, decltype(hint)::value, decltype(in_pairs)::value>(q + h * head_rows, d, rows,
+                                                                    k_heads + k0 * ldk + h * kc.strides[2], ldk, n, d,
+                                                                    s_all + h * rows * kMaxKeyTile, kMaxKeyTile,
+                                                                    n * ldk, n_next);
+          });
         });
       }
     for (int h = 0; h < nh; ++h) {
@@ -736,13 +746,10 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
         }
       } else {
         with_prefetch_hint(to_l2, [&](auto hint) {
-          if constexpr (kCanPair)
-            if (pairs) {
-              pv<T, decltype(hint)::value, true>(s, kMaxKeyTile, 1, alh, rows, vt, ldv, n, d, ah, d, n * ldv,
-                                                 n_next);
-              return;
-            }
-          pv<T, decltype(hint)::value>(s, kMaxKeyTile, 1, alh, rows, vt, ldv, n, d, ah, d, n * ldv, n_next);
+          with_pairs<kCanPair>(pairs, [&](auto in_pairs) {
+            pv<T, decltype(hint)::value, decltype(in_pairs)::value>(s, kMaxKeyTile, 1, alh, rows, vt, ldv, n, d, ah,
+                                                                    d, n * ldv, n_next);
+          });
         });
       }
     }
