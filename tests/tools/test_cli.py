@@ -49,9 +49,11 @@ def test_demo_quick_serves_the_trace_and_reports_throughput_and_memory(tmp_path)
 
 
 def test_demo_preempts_under_a_small_budget():
-    # every request arrives at once, so the batch outgrows 1 MiB however fast the machine
-    # serves (at the default rate a fast machine finishes each request before the next comes)
-    out = run_cli("demo", "--quick", "--physical-memory", "1MiB", "--rate", "1000", "--page-size", "16KiB")
+    # every request arrives before the first step (1e9 a second: 12 arrivals within nanoseconds), so
+    # the batch outgrows 1 MiB whatever the machine's speed or load; at 1000 a second the arrivals
+    # spread over ~12 ms of wall-clock time and interleaved with the steps, and a loaded CI run once
+    # saw no preemption (at the default rate a fast machine finishes each request before the next comes)
+    out = run_cli("demo", "--quick", "--physical-memory", "1MiB", "--rate", "1e9", "--page-size", "16KiB")
     assert "pages of 16 KiB" in out
     assert "finished 12 requests" in out
     assert int(re.search(r"(\d+) preemptions", out).group(1)) > 0
