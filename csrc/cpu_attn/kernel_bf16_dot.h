@@ -19,11 +19,11 @@
 
 template <int MR, int NT, bool kToL2>
 VATTN_BF16_DOT_TARGET inline void qk_dot_block(const bf16* q, int64_t ldq, const bf16* k, int64_t ldk, int d,
-                                               float scale, float* s, int64_t lds, int64_t pf_off, int64_t pf_n) {
+                                               float scale, float* s, int64_t lds, int64_t pf_bytes, int64_t pf_n) {
   R acc[MR * NT];
   for (int i = 0; i < MR * NT; ++i) acc[i] = Vec::zero();
   for (int x = 0; x < d; x += 32) {  // 32 bf16 = one 64-byte line of each key row
-    for (int t = 0; t < NT && t < pf_n; ++t) prefetch_line<kToL2>(k + t * ldk + x + pf_off);
+    for (int t = 0; t < NT && t < pf_n; ++t) prefetch_line<kToL2>(bytes_on(k + t * ldk + x, pf_bytes));
     __m512i kv[NT];
     for (int t = 0; t < NT; ++t) kv[t] = _mm512_loadu_si512(k + t * ldk + x);
     for (int r = 0; r < MR; ++r) {
@@ -65,13 +65,13 @@ VATTN_BF16_DOT_TARGET __attribute__((always_inline)) inline void pair_sums(const
 // accumulators and spilled pointers, about a tenth of Q K^T's time; docs/kernels.md.)
 template <int MR, int NP, bool kToL2>
 VATTN_BF16_DOT_TARGET __attribute__((always_inline)) inline void qk_dot_pairs_block(
-    const bf16* q, int64_t ldq, const bf16* k, int64_t ldk, int d, float scale, float* s, int64_t lds, int64_t pf_off,
+    const bf16* q, int64_t ldq, const bf16* k, int64_t ldk, int d, float scale, float* s, int64_t lds, int64_t pf_bytes,
     int64_t pf_n) {
   static_assert(MR * NP == 16, "one full reduction tree");
   R acc[MR * NP];
   for (int i = 0; i < MR * NP; ++i) acc[i] = Vec::zero();
   for (int x = 0; x < d; x += 32) {  // a 64-byte line of each key row
-    for (int t = 0; t < 2 * NP && t < pf_n; ++t) prefetch_line<kToL2>(k + t * ldk + x + pf_off);
+    for (int t = 0; t < 2 * NP && t < pf_n; ++t) prefetch_line<kToL2>(bytes_on(k + t * ldk + x, pf_bytes));
     __m512i qlo[MR], qhi[MR];  // q[r][x, x + 16) and q[r][x + 16, x + 32), in both halves
     for (int r = 0; r < MR; ++r) {
       qlo[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + x)));
@@ -97,7 +97,7 @@ VATTN_BF16_DOT_TARGET __attribute__((always_inline)) inline void qk_dot_pairs_bl
 
 template <int MR, bool kToL2>
 VATTN_BF16_DOT_TARGET inline void qk_dot_rows(const bf16* q, int64_t ldq, const bf16* k, int64_t ldk, int64_t n,
-                                              int d, float scale, float* s, int64_t lds, int64_t pf_off,
+                                              int d, float scale, float* s, int64_t lds, int64_t pf_bytes,
                                               int64_t pf_n) {
   constexpr int NT = 16 / MR;  // a full hsum_n tree
   int64_t t = 0;
@@ -106,26 +106,26 @@ VATTN_BF16_DOT_TARGET inline void qk_dot_rows(const bf16* q, int64_t ldq, const 
   if constexpr (16 % MR == 0) {
     if (d == 64)
       for (; t + 32 / MR <= n; t += 32 / MR)
-        qk_dot_pairs_block<MR, 16 / MR, kToL2>(q, ldq, k + t * ldk, ldk, d, scale, s + t, lds, pf_off, pf_n - t);
+        qk_dot_pairs_block<MR, 16 / MR, kToL2>(q, ldq, k + t * ldk, ldk, d, scale, s + t, lds, pf_bytes, pf_n - t);
   }
   for (; t + NT <= n; t += NT)
-    qk_dot_block<MR, NT, kToL2>(q, ldq, k + t * ldk, ldk, d, scale, s + t, lds, pf_off, pf_n - t);
-  for (; t < n; ++t) qk_dot_block<MR, 1, kToL2>(q, ldq, k + t * ldk, ldk, d, scale, s + t, lds, pf_off, pf_n - t);
+    qk_dot_block<MR, NT, kToL2>(q, ldq, k + t * ldk, ldk, d, scale, s + t, lds, pf_bytes, pf_n - t);
+  for (; t < n; ++t) qk_dot_block<MR, 1, kToL2>(q, ldq, k + t * ldk, ldk, d, scale, s + t, lds, pf_bytes, pf_n - t);
 }
 
-// s[r][t] = scale (q[r] . k[t]) for r < rows, t < n, head_dim d a multiple of 32; prefetches keys
-// [0, pf_n) of the tile pf_off elements on, as qk does
+// s[r][t] = scale (q[r] . k[t]) for r < rows, t < n, head_dim d a multiple of 32; prefetches, for keys
+// [0, pf_n), the row pf_bytes bytes on, as qk does
 template <bool kToL2>
 VATTN_BF16_DOT_TARGET __attribute__((noinline)) void qk_dot(const bf16* q, int64_t ldq, int rows, const bf16* k,
                                                             int64_t ldk, int64_t n, int d, float scale, float* s,
-                                                            int64_t lds, int64_t pf_off, int64_t pf_n) {
+                                                            int64_t lds, int64_t pf_bytes, int64_t pf_n) {
   int r = 0;
   for (; r + 4 <= rows; r += 4, pf_n = 0)
-    qk_dot_rows<4, kToL2>(q + r * ldq, ldq, k, ldk, n, d, scale, s + r * lds, lds, pf_off, pf_n);
+    qk_dot_rows<4, kToL2>(q + r * ldq, ldq, k, ldk, n, d, scale, s + r * lds, lds, pf_bytes, pf_n);
   switch (rows - r) {
-    case 3: qk_dot_rows<3, kToL2>(q + r * ldq, ldq, k, ldk, n, d, scale, s + r * lds, lds, pf_off, pf_n); break;
-    case 2: qk_dot_rows<2, kToL2>(q + r * ldq, ldq, k, ldk, n, d, scale, s + r * lds, lds, pf_off, pf_n); break;
-    case 1: qk_dot_rows<1, kToL2>(q + r * ldq, ldq, k, ldk, n, d, scale, s + r * lds, lds, pf_off, pf_n); break;
+    case 3: qk_dot_rows<3, kToL2>(q + r * ldq, ldq, k, ldk, n, d, scale, s + r * lds, lds, pf_bytes, pf_n); break;
+    case 2: qk_dot_rows<2, kToL2>(q + r * ldq, ldq, k, ldk, n, d, scale, s + r * lds, lds, pf_bytes, pf_n); break;
+    case 1: qk_dot_rows<1, kToL2>(q + r * ldq, ldq, k, ldk, n, d, scale, s + r * lds, lds, pf_bytes, pf_n); break;
     default: break;
   }
 }

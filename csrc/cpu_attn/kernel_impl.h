@@ -45,6 +45,12 @@ inline void prefetch_line(const void* p) {
   __builtin_prefetch(p, 0, kToL2 ? 1 : 3);
 }
 
+// The address `bytes` on from p, as integers: a line requested from inside a loop over one of the K and V
+// allocations may lie in the other.
+inline const void* bytes_on(const void* p, int64_t bytes) {
+  return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes));
+}
+
 // f(std::true_type) where to_l2, else f(std::false_type): the kToL2 of the Q K^T and P V called in f.
 template <class F>
 inline void with_prefetch_hint(bool to_l2, F&& f) {
@@ -112,21 +118,22 @@ inline void pair_rows(float* rows, int64_t n, int d) {
 
 // ---- Q K^T: dot products, MR rows x NT keys per register block -------------------
 
-// The first pf_n of the NT keys also ask for the lines of the row pf_off elements on (the next
-// tile's), one line at a time between the FMAs, so that the misses overlap the work (pf_n <= 0:
-// none), into L2 where kToL2 (prefetch_line). pv_block does the same for V.
+// The first pf_n of the NT keys also ask for the lines of the row pf_bytes bytes on from each key's
+// row (a row of the V tile or of the next K tile: run_item_typed's request rule), one line at a time
+// between the FMAs, so that the misses overlap the work (pf_n <= 0: none), into L2 where kToL2
+// (prefetch_line). pv_block does the same from the V rows.
 // Always inlined into its key loop (qk_rows), as qk_dot_pairs_block is: out of line it was a call per
 // register block (2 keys on AVX2) with its accumulators zeroed and pointers spilled each time.
 // kPairs (bf16 K, d a multiple of 2 W): K widened a chunk of 2 W at a time (load_values), q in pair order.
 template <class T, int MR, int NT, bool kToL2, bool kPairs>
 __attribute__((always_inline)) inline void qk_block(const float* q, int64_t ldq, const T* k, int64_t ldk, int d,
-                                                    float* s, int64_t lds, int64_t pf_off, int64_t pf_n) {
+                                                    float* s, int64_t lds, int64_t pf_bytes, int64_t pf_n) {
   constexpr int KV = kPairs ? 2 : 1;  // vectors of each key per step
   R acc[MR * NT];
   for (int i = 0; i < MR * NT; ++i) acc[i] = Vec::zero();
   for (int x = 0; x < d; x += KV * W) {
     if (((x * static_cast<int64_t>(sizeof(T))) & 63) == 0)
-      for (int t = 0; t < NT && t < pf_n; ++t) prefetch_line<kToL2>(k + t * ldk + x + pf_off);
+      for (int t = 0; t < NT && t < pf_n; ++t) prefetch_line<kToL2>(bytes_on(k + t * ldk + x, pf_bytes));
     R kv[NT][KV];
     for (int t = 0; t < NT; ++t) load_values<kPairs, KV>(k + t * ldk + x, kv[t]);
     for (int c = 0; c < KV; ++c)
@@ -144,28 +151,28 @@ __attribute__((always_inline)) inline void qk_block(const float* q, int64_t ldq,
 
 template <class T, int MR, bool kToL2, bool kPairs>
 inline void qk_rows(const float* q, int64_t ldq, const T* k, int64_t ldk, int64_t n, int d, float* s, int64_t lds,
-                    int64_t pf_off, int64_t pf_n) {
+                    int64_t pf_bytes, int64_t pf_n) {
   // as many sums per block as hsum_n reduces in one tree: 16 at AVX-512's width, else 8
   constexpr int kSums = W >= 16 ? 16 : 8;
   constexpr int NT = kSums / MR;
   int64_t t = 0;
   for (; t + NT <= n; t += NT)
-    qk_block<T, MR, NT, kToL2, kPairs>(q, ldq, k + t * ldk, ldk, d, s + t, lds, pf_off, pf_n - t);
-  for (; t < n; ++t) qk_block<T, MR, 1, kToL2, kPairs>(q, ldq, k + t * ldk, ldk, d, s + t, lds, pf_off, pf_n - t);
+    qk_block<T, MR, NT, kToL2, kPairs>(q, ldq, k + t * ldk, ldk, d, s + t, lds, pf_bytes, pf_n - t);
+  for (; t < n; ++t) qk_block<T, MR, 1, kToL2, kPairs>(q, ldq, k + t * ldk, ldk, d, s + t, lds, pf_bytes, pf_n - t);
 }
 
-// s[r][t] = q[r] . k[t] for r < rows, t < n; prefetches keys [0, pf_n) of the tile pf_off elements on
+// s[r][t] = q[r] . k[t] for r < rows, t < n; prefetches, for keys [0, pf_n), the row pf_bytes bytes on
 // (into L2 where kToL2). kPairs (bf16 K, d a multiple of 2 W): q's rows in Vec's pair order (pair_rows).
 template <class T, bool kToL2 = false, bool kPairs = false>
 void qk(const float* q, int64_t ldq, int rows, const T* k, int64_t ldk, int64_t n, int d, float* s, int64_t lds,
-        int64_t pf_off = 0, int64_t pf_n = 0) {
+        int64_t pf_bytes = 0, int64_t pf_n = 0) {
   int r = 0;
   for (; r + 4 <= rows; r += 4, pf_n = 0)  // the first row block prefetches
-    qk_rows<T, 4, kToL2, kPairs>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n);
+    qk_rows<T, 4, kToL2, kPairs>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_bytes, pf_n);
   switch (rows - r) {
-    case 3: qk_rows<T, 3, kToL2, kPairs>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
-    case 2: qk_rows<T, 2, kToL2, kPairs>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
-    case 1: qk_rows<T, 1, kToL2, kPairs>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_off, pf_n); break;
+    case 3: qk_rows<T, 3, kToL2, kPairs>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_bytes, pf_n); break;
+    case 2: qk_rows<T, 2, kToL2, kPairs>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_bytes, pf_n); break;
+    case 1: qk_rows<T, 1, kToL2, kPairs>(q + r * ldq, ldq, k, ldk, n, d, s + r * lds, lds, pf_bytes, pf_n); break;
     default: break;
   }
 }
@@ -174,7 +181,7 @@ void qk(const float* q, int64_t ldq, int rows, const T* k, int64_t ldk, int64_t 
 
 template <class T, int MR, int NV, bool kToL2, bool kPairs = false>
 inline void pv_block(const float* p, int64_t ldp, int64_t ldpt, const float* alpha, const T* v, int64_t ldv, int64_t n, float* o,
-                     int64_t ldo, int64_t pf_off, int64_t pf_n) {
+                     int64_t ldo, int64_t pf_bytes, int64_t pf_n) {
   constexpr int kBytes = NV * W * static_cast<int>(sizeof(T));  // of each key row this block reads
   R acc[MR][NV];
   for (int r = 0; r < MR; ++r) {
@@ -184,7 +191,7 @@ inline void pv_block(const float* p, int64_t ldp, int64_t ldpt, const float* alp
   for (int64_t t = 0; t < n; ++t) {
     if (t < pf_n)
       for (int b = 0; b < kBytes; b += 64)
-        prefetch_line<kToL2>(reinterpret_cast<const char*>(v + t * ldv + pf_off) + b);
+        prefetch_line<kToL2>(bytes_on(v + t * ldv, pf_bytes + b));
     R vv[NV];
     load_values<kPairs, NV>(v + t * ldv, vv);
     for (int r = 0; r < MR; ++r) {
@@ -199,7 +206,7 @@ inline void pv_block(const float* p, int64_t ldp, int64_t ldpt, const float* alp
 // (a block that starts mid-line leaves that line to the block before it)
 template <class T, int MR, bool kToL2, bool kPairs>
 inline void pv_rows(const float* p, int64_t ldp, int64_t ldpt, const float* alpha, const T* v, int64_t ldv, int64_t n, int d,
-                    float* o, int64_t ldo, int64_t pf_off, int64_t pf_n) {
+                    float* o, int64_t ldo, int64_t pf_bytes, int64_t pf_n) {
   // 16-float vectors (32 registers): 4 rows x 4 vectors, so that a head_dim of 64 takes one pass over the keys.
   // 8-float vectors (16 registers): 4 vectors for up to 2 rows too (8 accumulators, 4 V vectors, a
   // broadcast), so that a decode item of a 2-query-head group reads each V tile in half the passes: against
@@ -210,27 +217,27 @@ inline void pv_rows(const float* p, int64_t ldp, int64_t ldpt, const float* alph
   auto pf_at = [&](int x) { return ((x * static_cast<int64_t>(sizeof(T))) & 63) == 0 ? pf_n : 0; };
   int x = 0;
   for (; x + NV * W <= d; x += NV * W)
-    pv_block<T, MR, NV, kToL2, kPairs>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
+    pv_block<T, MR, NV, kToL2, kPairs>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_bytes, pf_at(x));
   if constexpr (kPairs)  // d a multiple of 2 W
     for (; x < d; x += 2 * W)
-      pv_block<T, MR, 2, kToL2, true>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
+      pv_block<T, MR, 2, kToL2, true>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_bytes, pf_at(x));
   else
-    for (; x < d; x += W) pv_block<T, MR, 1, kToL2>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_off, pf_at(x));
+    for (; x < d; x += W) pv_block<T, MR, 1, kToL2>(p, ldp, ldpt, alpha, v + x, ldv, n, o + x, ldo, pf_bytes, pf_at(x));
 }
 
 // o[r] = alpha[r] o[r] + sum_t p[r][t] v[t] for r < rows, p[r][t] at p + r * ldp + t * ldpt; prefetches
-// keys [0, pf_n) of the tile pf_off elements on (into L2 where kToL2). kPairs (bf16 V, d a multiple of
+// for keys [0, pf_n) the row pf_bytes bytes on (into L2 where kToL2). kPairs (bf16 V, d a multiple of
 // 2 W): o holds each 2W-element chunk as its even then its odd elements (load_values).
 template <class T, bool kToL2 = false, bool kPairs = false>
 void pv(const float* p, int64_t ldp, int64_t ldpt, const float* alpha, int rows, const T* v, int64_t ldv, int64_t n, int d,
-        float* o, int64_t ldo, int64_t pf_off = 0, int64_t pf_n = 0) {
+        float* o, int64_t ldo, int64_t pf_bytes = 0, int64_t pf_n = 0) {
   int r = 0;
   for (; r + 4 <= rows; r += 4, pf_n = 0)  // the first row block prefetches
-    pv_rows<T, 4, kToL2, kPairs>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n);
+    pv_rows<T, 4, kToL2, kPairs>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_bytes, pf_n);
   switch (rows - r) {
-    case 3: pv_rows<T, 3, kToL2, kPairs>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
-    case 2: pv_rows<T, 2, kToL2, kPairs>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
-    case 1: pv_rows<T, 1, kToL2, kPairs>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_off, pf_n); break;
+    case 3: pv_rows<T, 3, kToL2, kPairs>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_bytes, pf_n); break;
+    case 2: pv_rows<T, 2, kToL2, kPairs>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_bytes, pf_n); break;
+    case 1: pv_rows<T, 1, kToL2, kPairs>(p + r * ldp, ldp, ldpt, alpha + r, v, ldv, n, d, o + r * ldo, ldo, pf_bytes, pf_n); break;
     default: break;
   }
 }
@@ -491,23 +498,21 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // split in two) the same change measured 0.79-0.96x, so they keep the defaults.
   const bool wide_rows = !widen && token_bytes >= 2048;  // a decode item reading >= 2 KiB of each token's K
   const bool streaming = wide_rows && it.k_end - it.k_begin >= 512;
-  // A decode item over narrower rows (its K/V come from memory: the request rule below) takes smaller tiles on
-  // 8-float vectors, so that the next tile's lines, requested while this one computes (below), sit in L1 or L2
-  // beside it: 16 KiB, or 32 KiB where a token takes at most 256 B (a tile of 128 keys). Against 64 KiB,
-  // alone: 1.04-1.21x on fp32 and bf16 decode of 4 q / 2 kv heads of 128 (1 KiB and 512 B per token; 4-16
-  // requests of 256-512 tokens, K/V from memory) in an in-process sweep on a 2-core AVX2 VM. On a 2-core
-  // AVX-512 BF16 EPYC forced to the AVX2 path, bf16 decode of 8 q / 2 kv heads of 64 (256 B) read 0.94-0.96x
-  // c355c6f's 64 KiB with 16 KiB tiles, and 1.00-1.02x with 32 KiB once the units aligned their functions
-  // (setup.py KERNEL_FLAGS); 32 KiB for every item there read 0.93-0.98x against this rule on fp32 decode of
-  // 4 q / 2 kv heads of 128. On 16-float vectors the tiles stay at 64 KiB: against 32 KiB, fp32 decode of
-  // 8 q / 2 kv heads of 64 at B=8 ctx 4096 and of 4 q / 2 kv heads of 128 at B=8 ctx 2048 ran 1.02-1.06x as
-  // fast, the other decode points 0.99-1.02x (within noise). All: benchmarks/host_kernel_ab.py, one thread,
-  // medians of per-round ratios (results host_kernel_ab_avx2_since_c355c6f_*, _avx512_cold64k_*;
-  // docs/kernels.md).
+  // A decode item over narrower rows (its K/V come from memory: the request rule below) takes 16 KiB tiles on
+  // 8-float vectors, so that the lines its loops request about half a tile ahead (below) sit in L1 or L2 beside
+  // it. Against 64 KiB, alone: 1.04-1.21x on fp32 and bf16 decode of 4 q / 2 kv heads of 128 (1 KiB and 512 B
+  // per token; 4-16 requests of 256-512 tokens, K/V from memory) in an in-process sweep on a 2-core AVX2 VM.
+  // Tokens of at most 256 B (8 q / 2 kv heads of 64 in bf16) took 32 KiB while the requests ran a whole tile
+  // ahead; with them half a tile ahead, 16 KiB read 1.09-1.11x as fast as 32 KiB from memory on a 2-core Zen 4
+  // forced to the AVX2 path (B=1 ctx 2048 level) and 0.96-0.99x warm, 8 KiB 1.05-1.15x and 0.93-0.96x
+  // (docs/kernels.md, "Half a tile ahead"). On 16-float vectors the tiles stay at 64 KiB: against 32 KiB, fp32
+  // decode of 8 q / 2 kv heads of 64 at B=8 ctx 4096 and of 4 q / 2 kv heads of 128 at B=8 ctx 2048 ran
+  // 1.02-1.06x as fast, the other decode points 0.99-1.02x (within noise); 16 KiB with the requests half a tile
+  // ahead read 0.96-1.08x from memory and 0.96-0.98x warm on bf16 decode of 8 q / 2 kv heads of 64 there. All:
+  // benchmarks/host_kernel_ab.py, one thread, medians of per-round ratios (docs/kernels.md).
   const bool cold_narrow = W < 16 && !widen && !wide_rows;
-  const int64_t cold_narrow_bytes = int64_t{token_bytes <= 256 ? 32 : 16} << 10;
   const int64_t tile =
-      key_tile(rows, token_bytes, streaming ? int64_t{32} << 10 : cold_narrow ? cold_narrow_bytes : int64_t{64} << 10);
+      key_tile(rows, token_bytes, streaming ? int64_t{32} << 10 : cold_narrow ? int64_t{16} << 10 : int64_t{64} << 10);
 
   float* q = align64(scratch);                // [nh][rows][d], pre-scaled
   float* acc = align64(q + nh * head_rows);   // [nh][rows][d]
@@ -586,8 +591,8 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const T* k_heads = k_req + it.head_begin * kc.strides[2];
   const T* v_heads = v_req + it.head_begin * vc.strides[2];
   const int64_t first_pos = rq.cached_len + it.q_begin;  // position of the item's first query
-  // Every decode item (!widen) asks for the next tile's lines from inside the Q K^T and P V loops (spread over the
-  // work); prefill blocks ask for each head's share of the next tile in one burst per head. Against bursts,
+  // Every decode item (!widen) asks for lines ahead from inside the Q K^T and P V loops (spread over the work;
+  // which lines: half_tile_ahead below); prefill blocks ask for each head's share of the next tile in one burst per head. Against bursts,
   // spreading made bf16 decode 1.18-1.30x faster from 512 tokens of context on (a 2-core AVX2 VM; a burst
   // stalls the core before any work on the tile starts). In a forward a layer's K and V were last read a
   // whole forward earlier, with every other layer's K/V and weights read since, so they come from memory
@@ -606,6 +611,16 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // L1D) into L2 ran 1.0-2.0x as fast as into L1 on both x86 paths; on the other EPYC measured (a Zen 5,
   // 48 KiB, by its results) it was level or slower (docs/kernels.md, "Zen 4: the decode's requests go to L2").
   const bool to_l2 = c.prefetch_to_l2;
+  // What a decode item's loops ask for: Q K^T of a tile the same tile's V rows, P V the next tile's K rows,
+  // so that each request runs about half a tile ahead of its use (the first tile's K up front). Against
+  // asking for the next tile's K and V a whole tile ahead, on a 2-core Zen 4 from memory: bf16 decode of 8 q /
+  // 2 kv heads of 64 1.04-1.17x on the AVX2 path (with its 16 KiB tiles, above) and 1.05-1.09x on AVX-512
+  // BF16, fp32 within noise; Llama-3-8B's heads 1.03-1.23x (docs/kernels.md, "Half a tile ahead"). Where K
+  // and V rows lie differently apart (strides of other tensors), Q K^T asks for the next K tile and P V for
+  // the next V tile, a whole tile ahead.
+  const bool half_tile_ahead = !widen && ldk == ldv && kc.strides[2] == vc.strides[2];
+  // bytes from a K row to the V row of the same token and head (as integers: K and V are two allocations)
+  const int64_t k_to_v = static_cast<int64_t>(reinterpret_cast<uintptr_t>(v_heads) - reinterpret_cast<uintptr_t>(k_heads));
   // A prefill block's P V re-reads the V tile once per 4 rows. An fp32 V tile is read where it lies, not
   // copied, unless its tokens are a multiple of 1 KiB apart (8 kv heads of 128: 4 KiB), where the rows
   // would share L1 sets and evict each other between re-reads. Against the copy, fp32 prefill of 8 q / 2 kv
@@ -644,12 +659,17 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
       transpose_rows(q + h * head_rows, d, rows, d, qt + h * d * ld_rows, ld_rows);
     }
 
-  // the first tile, up front
+  // the first tile, up front (its V: from its Q K^T where the requests run half a tile ahead)
   prefetch_tokens(k_heads + it.k_begin * ldk, ldk, imin(tile, it.k_end - it.k_begin), k_span);
-  prefetch_tokens(v_heads + it.k_begin * ldv, ldv, imin(tile, it.k_end - it.k_begin), v_span);
+  if (!half_tile_ahead) prefetch_tokens(v_heads + it.k_begin * ldv, ldv, imin(tile, it.k_end - it.k_begin), v_span);
   for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += tile) {
     const int64_t n = imin(tile, it.k_end - k0);
     const int64_t next = k0 + n, n_next = imin(tile, it.k_end - next);
+    // the decode loops' requests: Q K^T asks, for its first qk_pf_n keys, for the line qk_pf_bytes on from each
+    // K line it reads; P V, for its first n_next keys, pv_pf_bytes on from each V line
+    const int64_t k_tile_bytes = n * ldk * static_cast<int64_t>(sizeof(T)), v_tile_bytes = n * ldv * static_cast<int64_t>(sizeof(T));
+    const int64_t qk_pf_bytes = half_tile_ahead ? k_to_v : k_tile_bytes, qk_pf_n = half_tile_ahead ? n : n_next;
+    const int64_t pv_pf_bytes = half_tile_ahead ? k_tile_bytes - k_to_v : v_tile_bytes;
     const int64_t per_head = (n_next + nh - 1) / nh;  // next-tile tokens prefetched under each head
     if (!widen)  // decode: every head's scores first, so the K tile is read in one pass, then the V tile
       for (int h = 0; h < nh; ++h) {
@@ -658,8 +678,8 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
           with_prefetch_hint(to_l2, [&](auto hint) {
             qk_dot<decltype(hint)::value>(q_bf16 + h * head_rows, d, rows,
                                           reinterpret_cast<const bf16*>(k_heads + k0 * ldk + h * kc.strides[2]), ldk,
-                                          n, d, c.scale, s_all + h * rows * kMaxKeyTile, kMaxKeyTile, n * ldk,
-                                          n_next);
+                                          n, d, c.scale, s_all + h * rows * kMaxKeyTile, kMaxKeyTile, qk_pf_bytes,
+                                          qk_pf_n);
           });
           continue;
         }
@@ -669,7 +689,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
             qk<T, decltype(hint)::value, decltype(in_pairs)::value>(q + h * head_rows, d, rows,
                                                                     k_heads + k0 * ldk + h * kc.strides[2], ldk, n, d,
                                                                     s_all + h * rows * kMaxKeyTile, kMaxKeyTile,
-                                                                    n * ldk, n_next);
+                                                                    qk_pf_bytes, qk_pf_n);
           });
         });
       }
@@ -748,7 +768,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
         with_prefetch_hint(to_l2, [&](auto hint) {
           with_pairs<kCanPair>(pairs, [&](auto in_pairs) {
             pv<T, decltype(hint)::value, decltype(in_pairs)::value>(s, kMaxKeyTile, 1, alh, rows, vt, ldv, n, d, ah,
-                                                                    d, n * ldv, n_next);
+                                                                    d, pv_pf_bytes, n_next);
           });
         });
       }
