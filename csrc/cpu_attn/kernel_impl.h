@@ -614,11 +614,14 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // What a decode item's loops ask for: Q K^T of a tile the same tile's V rows, P V the next tile's K rows,
   // so that each request runs about half a tile ahead of its use (the first tile's K up front). Against
   // asking for the next tile's K and V a whole tile ahead, on a 2-core Zen 4 from memory: bf16 decode of 8 q /
-  // 2 kv heads of 64 1.04-1.17x on the AVX2 path (with its 16 KiB tiles, above) and 1.05-1.09x on AVX-512
-  // BF16, fp32 within noise; Llama-3-8B's heads 1.03-1.23x (docs/kernels.md, "Half a tile ahead"). Where K
-  // and V rows lie differently apart (strides of other tensors), Q K^T asks for the next K tile and P V for
-  // the next V tile, a whole tile ahead.
-  const bool half_tile_ahead = !widen && ldk == ldv && kc.strides[2] == vc.strides[2];
+  // 2 kv heads of 64 1.10-1.14x from B=4 on on the AVX2 path (with its 16 KiB tiles, above), 1.03-1.09x on
+  // the AVX-512 paths where outside noise; Llama-3-8B's heads (wide rows) 1.02-1.18x in fp32 and bf16
+  // (docs/kernels.md, "Half a tile ahead"). Narrow fp32 items, whose arithmetic per byte is half bf16's, read
+  // 0.93x and 0.97x that way at B=8 ctx 4096 on the AVX2 and AVX-512 BF16 paths, and, like items whose K and
+  // V rows lie differently apart (strides of other tensors), keep asking from Q K^T for the next K tile and
+  // from P V for the next V tile, a whole tile ahead.
+  const bool half_tile_ahead = !widen && (sizeof(T) < sizeof(float) || wide_rows) && ldk == ldv &&
+                               kc.strides[2] == vc.strides[2];
   // bytes from a K row to the V row of the same token and head (as integers: K and V are two allocations)
   const int64_t k_to_v = static_cast<int64_t>(reinterpret_cast<uintptr_t>(v_heads) - reinterpret_cast<uintptr_t>(k_heads));
   // A prefill block's P V re-reads the V tile once per 4 rows. An fp32 V tile is read where it lies, not
