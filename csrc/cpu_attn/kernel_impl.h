@@ -504,7 +504,7 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // per token; 4-16 requests of 256-512 tokens, K/V from memory) in an in-process sweep on a 2-core AVX2 VM.
   // Tokens of at most 256 B (8 q / 2 kv heads of 64 in bf16) took 32 KiB while the requests ran a whole tile
   // ahead; with them half a tile ahead, 16 KiB read 1.09-1.11x as fast as 32 KiB from memory on a 2-core Zen 4
-  // forced to the AVX2 path (B=1 ctx 2048 level) and 0.96-0.99x warm, 8 KiB 1.05-1.15x and 0.93-0.96x
+  // forced to the AVX2 path (B=1 ctx 2048 level) and 0.96-1.02x warm, 8 KiB 1.05-1.15x and 0.93-0.96x
   // (docs/kernels.md, "Half a tile ahead"). On 16-float vectors the tiles stay at 64 KiB: against 32 KiB, fp32
   // decode of 8 q / 2 kv heads of 64 at B=8 ctx 4096 and of 4 q / 2 kv heads of 128 at B=8 ctx 2048 ran
   // 1.02-1.06x as fast, the other decode points 0.99-1.02x (within noise); 16 KiB with the requests half a tile
