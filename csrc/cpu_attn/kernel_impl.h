@@ -498,21 +498,36 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // split in two) the same change measured 0.79-0.96x, so they keep the defaults.
   const bool wide_rows = !widen && token_bytes >= 2048;  // a decode item reading >= 2 KiB of each token's K
   const bool streaming = wide_rows && it.k_end - it.k_begin >= 512;
+  // What a decode item's loops ask for: Q K^T of a tile the same tile's V rows, P V the next tile's K rows,
+  // so that each request runs about half a tile ahead of its use (the first tile's K up front). Against
+  // asking for the next tile's K and V a whole tile ahead, on a 2-core Zen 4 from memory: bf16 decode of 8 q /
+  // 2 kv heads of 64 1.10-1.14x from B=4 on on the AVX2 path (with its 16 KiB tiles, below), 1.03-1.09x on
+  // the AVX-512 paths where outside noise; Llama-3-8B's heads (wide rows) 1.02-1.18x in fp32 and bf16
+  // (docs/kernels.md, "Half a tile ahead"). Narrow fp32 items, whose arithmetic per byte is half bf16's, read
+  // 0.93x and 0.97x that way at B=8 ctx 4096 on the AVX2 and AVX-512 BF16 paths, and, like items whose K and
+  // V rows lie differently apart (strides of other tensors), keep asking from Q K^T for the next K tile and
+  // from P V for the next V tile, a whole tile ahead.
+  const bool half_tile_ahead = !widen && (sizeof(T) < sizeof(float) || wide_rows) &&
+                               c.k_cache.strides[1] == c.v_cache.strides[1] &&
+                               c.k_cache.strides[2] == c.v_cache.strides[2];
   // A decode item over narrower rows (its K/V come from memory: the request rule below) takes 16 KiB tiles on
-  // 8-float vectors, so that the lines its loops request about half a tile ahead (below) sit in L1 or L2 beside
-  // it. Against 64 KiB, alone: 1.04-1.21x on fp32 and bf16 decode of 4 q / 2 kv heads of 128 (1 KiB and 512 B
-  // per token; 4-16 requests of 256-512 tokens, K/V from memory) in an in-process sweep on a 2-core AVX2 VM.
-  // Tokens of at most 256 B (8 q / 2 kv heads of 64 in bf16) took 32 KiB while the requests ran a whole tile
-  // ahead; with them half a tile ahead, 16 KiB read 1.09-1.11x as fast as 32 KiB from memory on a 2-core Zen 4
-  // forced to the AVX2 path (B=1 ctx 2048 level) and 0.96-1.02x warm, 8 KiB 1.05-1.15x and 0.93-0.96x
-  // (docs/kernels.md, "Half a tile ahead"). On 16-float vectors the tiles stay at 64 KiB: against 32 KiB, fp32
-  // decode of 8 q / 2 kv heads of 64 at B=8 ctx 4096 and of 4 q / 2 kv heads of 128 at B=8 ctx 2048 ran
-  // 1.02-1.06x as fast, the other decode points 0.99-1.02x (within noise); 16 KiB with the requests half a tile
-  // ahead read 0.96-1.08x from memory and 0.96-0.98x warm on bf16 decode of 8 q / 2 kv heads of 64 there. All:
+  // 8-float vectors, so that the lines its loops request ahead (above) sit in L1 or L2 beside it, or 32 KiB
+  // where a token takes at most 256 B and the requests run a whole tile ahead. Against 64 KiB, alone:
+  // 1.04-1.21x on fp32 and bf16 decode of 4 q / 2 kv heads of 128 (1 KiB and 512 B per token; 4-16 requests
+  // of 256-512 tokens, K/V from memory) in an in-process sweep on a 2-core AVX2 VM. Tokens of at most 256 B
+  // (8 q / 2 kv heads of 64 in bf16) took 32 KiB while every item's requests ran a whole tile ahead (16 KiB
+  // had read 0.94-0.96x c355c6f's 64 KiB there and 32 KiB 1.00-1.02x, on a 2-core Zen 4 forced to the AVX2
+  // path); with the requests half a tile ahead, 16 KiB read 1.09-1.11x as fast as 32 KiB from memory on that
+  // Zen 4 (B=1 ctx 2048 level) and 0.96-1.02x warm, 8 KiB 1.05-1.15x and 0.93-0.96x (docs/kernels.md, "Half a
+  // tile ahead"). On 16-float vectors the tiles stay at 64 KiB: against 32 KiB, fp32 decode of 8 q / 2 kv
+  // heads of 64 at B=8 ctx 4096 and of 4 q / 2 kv heads of 128 at B=8 ctx 2048 ran 1.02-1.06x as fast, the
+  // other decode points 0.99-1.02x (within noise); 16 KiB with the requests half a tile ahead read 0.96-1.08x
+  // from memory and 0.96-0.98x warm on bf16 decode of 8 q / 2 kv heads of 64 there. All:
   // benchmarks/host_kernel_ab.py, one thread, medians of per-round ratios (docs/kernels.md).
   const bool cold_narrow = W < 16 && !widen && !wide_rows;
+  const int64_t cold_narrow_bytes = int64_t{token_bytes <= 256 && !half_tile_ahead ? 32 : 16} << 10;
   const int64_t tile =
-      key_tile(rows, token_bytes, streaming ? int64_t{32} << 10 : cold_narrow ? int64_t{16} << 10 : int64_t{64} << 10);
+      key_tile(rows, token_bytes, streaming ? int64_t{32} << 10 : cold_narrow ? cold_narrow_bytes : int64_t{64} << 10);
 
   float* q = align64(scratch);                // [nh][rows][d], pre-scaled
   float* acc = align64(q + nh * head_rows);   // [nh][rows][d]
@@ -592,8 +607,8 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const T* v_heads = v_req + it.head_begin * vc.strides[2];
   const int64_t first_pos = rq.cached_len + it.q_begin;  // position of the item's first query
   // Every decode item (!widen) asks for lines ahead from inside the Q K^T and P V loops (spread over the work;
-  // which lines: half_tile_ahead below); prefill blocks ask for each head's share of the next tile in one burst per head. Against bursts,
-  // spreading made bf16 decode 1.18-1.30x faster from 512 tokens of context on (a 2-core AVX2 VM; a burst
+  // which lines: half_tile_ahead, above); prefill blocks ask for each head's share of the next tile in one
+  // burst per head. Against bursts, spreading made bf16 decode 1.18-1.30x faster from 512 tokens of context on (a 2-core AVX2 VM; a burst
   // stalls the core before any work on the tile starts). In a forward a layer's K and V were last read a
   // whole forward earlier, with every other layer's K/V and weights read since, so they come from memory
   // whatever their size: a decode item that asked for nothing (leaving the lines to the hardware
@@ -611,19 +626,9 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   // L1D) into L2 ran 1.0-2.0x as fast as into L1 on both x86 paths; on the other EPYC measured (a Zen 5,
   // 48 KiB, by its results) it was level or slower (docs/kernels.md, "Zen 4: the decode's requests go to L2").
   const bool to_l2 = c.prefetch_to_l2;
-  // What a decode item's loops ask for: Q K^T of a tile the same tile's V rows, P V the next tile's K rows,
-  // so that each request runs about half a tile ahead of its use (the first tile's K up front). Against
-  // asking for the next tile's K and V a whole tile ahead, on a 2-core Zen 4 from memory: bf16 decode of 8 q /
-  // 2 kv heads of 64 1.10-1.14x from B=4 on on the AVX2 path (with its 16 KiB tiles, above), 1.03-1.09x on
-  // the AVX-512 paths where outside noise; Llama-3-8B's heads (wide rows) 1.02-1.18x in fp32 and bf16
-  // (docs/kernels.md, "Half a tile ahead"). Narrow fp32 items, whose arithmetic per byte is half bf16's, read
-  // 0.93x and 0.97x that way at B=8 ctx 4096 on the AVX2 and AVX-512 BF16 paths, and, like items whose K and
-  // V rows lie differently apart (strides of other tensors), keep asking from Q K^T for the next K tile and
-  // from P V for the next V tile, a whole tile ahead.
-  const bool half_tile_ahead = !widen && (sizeof(T) < sizeof(float) || wide_rows) && ldk == ldv &&
-                               kc.strides[2] == vc.strides[2];
   // bytes from a K row to the V row of the same token and head (as integers: K and V are two allocations)
-  const int64_t k_to_v = static_cast<int64_t>(reinterpret_cast<uintptr_t>(v_heads) - reinterpret_cast<uintptr_t>(k_heads));
+  const int64_t k_to_v =
+      static_cast<int64_t>(reinterpret_cast<uintptr_t>(v_heads) - reinterpret_cast<uintptr_t>(k_heads));
   // A prefill block's P V re-reads the V tile once per 4 rows. An fp32 V tile is read where it lies, not
   // copied, unless its tokens are a multiple of 1 KiB apart (8 kv heads of 128: 4 KiB), where the rows
   // would share L1 sets and evict each other between re-reads. Against the copy, fp32 prefill of 8 q / 2 kv
@@ -670,7 +675,8 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
     const int64_t next = k0 + n, n_next = imin(tile, it.k_end - next);
     // the decode loops' requests: Q K^T asks, for its first qk_pf_n keys, for the line qk_pf_bytes on from each
     // K line it reads; P V, for its first n_next keys, pv_pf_bytes on from each V line
-    const int64_t k_tile_bytes = n * ldk * static_cast<int64_t>(sizeof(T)), v_tile_bytes = n * ldv * static_cast<int64_t>(sizeof(T));
+    const int64_t k_tile_bytes = n * ldk * static_cast<int64_t>(sizeof(T));
+    const int64_t v_tile_bytes = n * ldv * static_cast<int64_t>(sizeof(T));
     const int64_t qk_pf_bytes = half_tile_ahead ? k_to_v : k_tile_bytes, qk_pf_n = half_tile_ahead ? n : n_next;
     const int64_t pv_pf_bytes = half_tile_ahead ? k_tile_bytes - k_to_v : v_tile_bytes;
     const int64_t per_head = (n_next + nh - 1) / nh;  // next-tile tokens prefetched under each head
