@@ -608,8 +608,8 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const int64_t first_pos = rq.cached_len + it.q_begin;  // position of the item's first query
   // Every decode item (!widen) asks for lines ahead from inside the Q K^T and P V loops (spread over the work;
   // which lines: half_tile_ahead, above); prefill blocks ask for each head's share of the next tile in one
-  // burst per head. Against bursts, spreading made bf16 decode 1.18-1.30x faster from 512 tokens of context on (a 2-core AVX2 VM; a burst
-  // stalls the core before any work on the tile starts). In a forward a layer's K and V were last read a
+  // burst per head. Against bursts, spreading made bf16 decode 1.18-1.30x faster from 512 tokens of context
+  // on (a 2-core AVX2 VM; a burst stalls the core before any work on the tile starts). In a forward a layer's K and V were last read a
   // whole forward earlier, with every other layer's K/V and weights read since, so they come from memory
   // whatever their size: a decode item that asked for nothing (leaving the lines to the hardware
   // prefetchers) was faster only where its call's K/V sat in L2 or L3, as in back-to-back calls of a
