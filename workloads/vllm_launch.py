@@ -54,19 +54,25 @@ def scenario_runner(checkout: Path) -> Path:
 
 def run_engine(python: str, model: Path, spec_path: Path, out: Path, vattn: bool, budget: str | None = None,
                timeout_s: float | None = None, checkout: Path = ROOT,
-               kv_cache_space_gib: int = KV_CACHE_SPACE_GIB) -> dict:
+               kv_cache_space_gib: int = KV_CACHE_SPACE_GIB, cpus: list[int] | None = None) -> dict:
     """Runs the scenario ``spec_path`` on the checkpoint ``model`` in a fresh process of ``python`` (the
     vLLM environment's interpreter), in ``out``'s folder, and returns its result (``out``, JSON). What the
     process prints goes to ``out`` with the suffix .log. ``checkout``: the vattn checkout (its extension
     built in place) whose vattn and scenario runner the engine uses; this one by default. Raises
     :class:`EngineFailed` (with that log) when it fails, ``subprocess.TimeoutExpired`` when it runs past
-    ``timeout_s`` seconds (None: no limit). ``kv_cache_space_gib``: vLLM-CPU's pool, in GiB."""
+    ``timeout_s`` seconds (None: no limit). ``kv_cache_space_gib``: vLLM-CPU's pool, in GiB. ``cpus``: the
+    logical CPUs the engine runs on (``taskset``, inherited by every process and thread it starts; vLLM-CPU's
+    OpenMP threads bound to them and vattn's kernel threads one per CPU); None: wherever the OS puts it."""
     log = out.with_suffix(".log")
+    command = [python, str(scenario_runner(checkout)), "run", str(model), str(spec_path), str(out)]
+    environ = engine_environment(vattn, budget, checkout, kv_cache_space_gib)
+    if cpus is not None:
+        listed = ",".join(map(str, cpus))
+        command = ["taskset", "-c", listed, *command]
+        environ |= {"VLLM_CPU_OMP_THREADS_BIND": listed, "VATTN_CPU_ATTN_THREADS": str(len(cpus))}
     with open(log, "w") as f:
-        proc = subprocess.run([python, str(scenario_runner(checkout)), "run", str(model), str(spec_path), str(out)],
-                              stdout=f, stderr=subprocess.STDOUT,
-                              env=engine_environment(vattn, budget, checkout, kv_cache_space_gib),
-                              cwd=out.parent, timeout=timeout_s)
+        proc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=environ, cwd=out.parent,
+                              timeout=timeout_s)
     if proc.returncode:
         raise EngineFailed(proc.returncode, log.read_text())
     return json.loads(out.read_text())

@@ -172,10 +172,74 @@ def test_a_bad_aa_engine_or_base_checkout_is_refused_by_name(tmp_path):
     for flags, message in ((["--aa", "dynamic"], "--aa must be one of stock, vattn or none"),
                            (["--base", str(tmp_path)], "--base must be a vattn checkout"),
                            (["--pad-attention", "1"], "--pad-attention must be above 1"),
-                           (["--pad-attention", "2", "--pad-threads", "0"], "--pad-threads must be in [1, 64]")):
+                           (["--pad-attention", "2", "--pad-threads", "0"], "--pad-threads must be in [1, 64]"),
+                           (["--pinned", "--budget"], "--pinned runs stock and vattn in the in-process layout only")):
         bad = subprocess.run([sys.executable, str(BENCHMARKS / "vllm_serving.py"), *flags],
                              capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+
+
+def test_pinned_runs_get_files_of_their_own_and_their_aa_pair_ran_side_by_side():
+    name = vllm_serving.result_name
+    assert name("serving", "short", "bfloat16", "cpu-2core", pinned=True) == "vllm_serving_pinned_cpu-2core"
+    assert name("serving", "long", "bfloat16", "cpu-2core", label="zen4", pinned=True) == \
+        "vllm_serving_long_pinned_zen4_cpu-2core"
+    assert vllm_serving.ratio_pairs(["stock", "vattn", "stock-beside"], "stock", pinned=True) == [
+        ("vattn", "stock"), ("stock-again", "stock-beside")]
+    runs = {"stock": [clocked_run(10.0, 2.0, None), clocked_run(20.0, 2.0, None)],
+            "vattn": [clocked_run(12.0, 1.0, None, True), clocked_run(22.0, 1.0, None, True)],
+            "stock-beside": [clocked_run(8.0, 1.0, None), clocked_run(16.0, 4.0, None)],
+            "stock-again": [clocked_run(8.0, 2.0, None), clocked_run(20.0, 2.0, None)]}
+    row = vllm_serving.summarize(runs, ("a",), "stock", low_precision=False, pinned=True)["a"]
+    # the A/A pair is the two runs that shared the machine's moment, not stock-again against the stock beside vattn
+    assert set(row["ratios"]) == {"vattn / stock", "stock-again / stock-beside"}
+    assert row["ratios"]["stock-again / stock-beside"]["per_round"] == [1.0, 1.25]
+    assert row["forward_rest_stock-again_over_stock-beside"]["per_round"] == [2.0, 0.5]
+    assert row["stock-beside_tokens_per_s_rounds"] == [8.0, 16.0]
+
+
+def test_pinned_rounds_run_two_engines_at_once_on_cpus_of_their_own_swapped_every_other_round(monkeypatch, tmp_path):
+    import threading
+
+    started = threading.Barrier(2, timeout=30)  # each run waits for its partner: both run at once
+    calls = []
+
+    def fake_run_traces(python, model, spec, out, vattn, label, traces, kv_cache_space_gib, cpus):
+        calls.append((out.name, vattn, cpus, spec.name))
+        started.wait()
+        return clocked_run(10.0, 1.0, None, vattn)
+
+    monkeypatch.setattr(vllm_serving, "run_traces", fake_run_traces)
+    monkeypatch.setattr(vllm_serving.os, "sched_getaffinity", lambda pid: {3, 5, 7})
+    args = vllm_serving.argparse.Namespace(rounds=2, python="py", kv_cache_gib=1)
+    runs = vllm_serving.run_pinned(args, tmp_path, ("a",), "stock")
+    assert {arm: len(r) for arm, r in runs.items()} == {"stock": 2, "vattn": 2, "stock-beside": 2, "stock-again": 2}
+    by_run = {name: (vattn, cpus, spec) for name, vattn, cpus, spec in calls}
+    assert by_run["stock0.json"] == (False, [3], "spec0.json") and by_run["vattn0.json"] == (True, [5], "spec0.json")
+    assert by_run["stock-beside0.json"][1] == [3] and by_run["stock-again0.json"][1] == [5]
+    assert by_run["stock1.json"] == (False, [5], "spec1.json") and by_run["vattn1.json"] == (True, [3], "spec1.json")
+    assert not by_run["stock-again1.json"][0] and by_run["stock-again1.json"][1] == [3]
+    # round 2 runs the A/A pair first
+    assert [c[0] for c in calls].index("stock-again1.json") < [c[0] for c in calls].index("vattn1.json")
+
+
+def test_an_engine_on_given_cpus_runs_under_taskset_with_its_threads_bound_there(monkeypatch, tmp_path):
+    from workloads import vllm_launch
+
+    seen = {}
+
+    def fake_run(command, stdout, stderr, env, cwd, timeout):
+        seen.update(command=command, env=env)
+        (tmp_path / "out.json").write_text("{}")
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(vllm_launch.subprocess, "run", fake_run)
+    vllm_launch.run_engine("py", tmp_path / "model", tmp_path / "spec.json", tmp_path / "out.json", False, cpus=[1])
+    assert seen["command"][:4] == ["taskset", "-c", "1", "py"]
+    assert seen["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "1" and seen["env"]["VATTN_CPU_ATTN_THREADS"] == "1"
+    vllm_launch.run_engine("py", tmp_path / "model", tmp_path / "spec.json", tmp_path / "out.json", False)
+    assert seen["command"][0] == "py"  # without cpus: the engine's environment as it was
+    assert seen["env"].get("VLLM_CPU_OMP_THREADS_BIND") == vllm_launch.os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
 
 
 def outer_part():
