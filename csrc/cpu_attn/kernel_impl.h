@@ -606,20 +606,19 @@ void run_item_typed(const Call& c, const WorkItem& it, float* scratch) {
   const T* k_heads = k_req + it.head_begin * kc.strides[2];
   const T* v_heads = v_req + it.head_begin * vc.strides[2];
   const int64_t first_pos = rq.cached_len + it.q_begin;  // position of the item's first query
-  // Every decode item (!widen) asks for lines ahead from inside the Q K^T and P V loops (spread over the work;
-  // which lines: half_tile_ahead, above); prefill blocks ask for each head's share of the next tile in one
-  // burst per head. Against bursts, spreading made bf16 decode 1.18-1.30x faster from 512 tokens of context
-  // on (a 2-core AVX2 VM; a burst stalls the core before any work on the tile starts). In a forward a layer's K and V were last read a
-  // whole forward earlier, with every other layer's K/V and weights read since, so they come from memory
-  // whatever their size: a decode item that asked for nothing (leaving the lines to the hardware
-  // prefetchers) was faster only where its call's K/V sat in L2 or L3, as in back-to-back calls of a
-  // benchmark (1.03-1.09x faster for bf16 items of 1-4 heads on that VM, 1.04-1.12x on a 2-core Zen 4).
-  // Against that rule, with the K/V from memory (64 MiB written between calls; benchmarks/host_kernel_ab.py,
-  // two threads, a 2-core Zen 4, 8 q / 2 kv heads of 64, calls under 2 MiB): bf16 1.11-1.32x and fp32
-  // 1.19-1.36x on AVX-512 BF16, bf16 1.12-1.34x and fp32 1.07-1.57x on the AVX2 path (its tiles above
-  // too), one bf16 point of each path within noise; 4 q / 2 kv heads of 128 within noise; where they sat in L3
-  // (4 MiB written) 0.89-0.96x (docs/kernels.md, "Small decode calls from memory"). The rule it replaced
-  // (only items over wide rows, and calls whose K/V outgrew their threads' L2) had measured 1.25-2.0x
+  // Every decode item (!widen) asks for lines ahead from inside the Q K^T and P V loops (spread over the work; which
+  // lines: half_tile_ahead, above); prefill blocks ask for each head's share of the next tile in one burst per head.
+  // Against bursts, spreading made bf16 decode 1.18-1.30x faster from 512 tokens of context on (a 2-core AVX2 VM; a
+  // burst stalls the core before any work on the tile starts). In a forward a layer's K and V were last read a whole
+  // forward earlier, with every other layer's K/V and weights read since, so they come from memory whatever their
+  // size: a decode item that asked for nothing (leaving the lines to the hardware prefetchers) was faster only where
+  // its call's K/V sat in L2 or L3, as in back-to-back calls of a benchmark (1.03-1.09x faster for bf16 items of 1-4
+  // heads on that VM, 1.04-1.12x on a 2-core Zen 4). Against that rule, with the K/V from memory (64 MiB written
+  // between calls; benchmarks/host_kernel_ab.py, two threads, a 2-core Zen 4, 8 q / 2 kv heads of 64, calls under
+  // 2 MiB): bf16 1.11-1.32x and fp32 1.19-1.36x on AVX-512 BF16, bf16 1.12-1.34x and fp32 1.07-1.57x on the AVX2
+  // path (its tiles above too), one bf16 point of each path within noise; 4 q / 2 kv heads of 128 within noise;
+  // where they sat in L3 (4 MiB written) 0.89-0.96x (docs/kernels.md, "Small decode calls from memory"). The rule it
+  // replaced (only items over wide rows, and calls whose K/V outgrew their threads' L2) had measured 1.25-2.0x
   // (bf16) and 1.05-1.6x (fp32) against asking for nothing on AVX-512 from 2 MiB on.
   // Where a decode item's requests go (Call::prefetch_to_l2). Measured with benchmarks/host_kernel_ab.py, one thread,
   // decode from memory (small-8q2kv, short-4q2kv, Llama-3-8B heads): on a 2-core AMD EPYC Zen 4 (32 KiB
