@@ -25,22 +25,41 @@ What each figure is:
                    batched: `--pages` pages in one call, cost per page
   bandwidth        page_size / (batched map time per page): GB/s of pages mapped;
                    with create: page_size / (create + batched map) per page
-Host caveat: a host map does not touch memory; first touch then faults per 4 KiB.
+  first touch      (host) one byte written per OS page right after a batched map,
+                   per page: what a forward writing into new pages pays on top
+  populate         (host) the page-table entries made in one call after the map
+                   (VmmBackend::populate, which map_pages calls for a framework's
+                   blocks), per page; first touch after it
+
+The host map leaves page-table entries to first touch (a fault per OS page).
+In alternated rounds (the order reversed every other round) the host's map +
+first touch runs three ways: as step maps (map, then touch), as map_pages maps
+(map, populate, then touch), and the first again (the A/A pair); the ratio of
+the first to the second per round, its median and 95% interval. Beside them the
+raw mmap call, timed in C++, with the first touch after it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import mmap
 import sys
 import time
+from pathlib import Path
 
-from harness import machine, machine_slug, pyplot, save_plot, summarize, write_json
+import numpy as np
+from harness import (describe_ratio, git_revision, machine, machine_slug, pyplot, ratio_summary, save_plot,
+                     summarize, write_json)
 
 from vattn import _C, _testing
 from vattn.backends import cuda_driver_path, cuda_info
 from vattn.common.errors import VAttnError
 
+ROOT = Path(__file__).resolve().parents[1]
+
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
+ROUNDS = 9  # alternated rounds of the host's map + first touch comparison
 HOST_PAGE_SIZES = [64 * KiB, 256 * KiB, 2 * MiB]
 
 
@@ -60,6 +79,44 @@ def timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def touch_pages(addr: int, nbytes: int) -> None:
+    """Writes one byte into every OS page of [addr, addr + nbytes)."""
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+    view[::mmap.PAGESIZE] = 1
+
+
+def measure_first_touch(backend, base: int, scattered: list[tuple[int, int]], page_size: int, pages: int,
+                        out: dict) -> None:
+    """The host's map + first touch in alternated rounds (the order reversed every other round): the
+    backend's batched map of ``scattered`` (created pages) then one byte written per OS page, as step
+    maps; the same with ``populate`` between them, as map_pages maps; the first again (the A/A pair).
+    Adds ``first_touch_per_page``, ``populate_per_page`` and ``first_touch_after_populate_per_page`` to
+    ``out["ops"]`` and the per-round ratios to ``out``."""
+    addrs = [addr for addr, _ in scattered]
+
+    def round_trip(populate: bool) -> tuple[float, float, float]:
+        mapped = timed(lambda: backend.map(scattered)) / pages
+        populated = timed(lambda: backend.populate(addrs)) / pages if populate else 0.0
+        touched = timed(lambda: touch_pages(base, pages * page_size)) / pages
+        backend.unmap(addrs)
+        return mapped, populated, touched
+
+    sides = {"lazy": lambda: round_trip(False), "populate": lambda: round_trip(True),
+             "lazy-again": lambda: round_trip(False)}
+    times: dict[str, list] = {side: [] for side in sides}
+    for i in range(ROUNDS):
+        for side in (list(sides) if i % 2 == 0 else list(reversed(sides))):
+            times[side].append(sides[side]())
+    ops = out["ops"]
+    ops["first_touch_per_page"] = summarize([t for _, _, t in times["lazy"]])
+    ops["populate_per_page"] = summarize([p for _, p, _ in times["populate"]])
+    ops["first_touch_after_populate_per_page"] = summarize([t for _, _, t in times["populate"]])
+    # map + first touch as step maps / as map_pages maps (above 1: populating takes less)
+    out["map_and_touch_populate_gain"] = ratio_summary([sum(a) / sum(b) for a, b in zip(times["lazy"],
+                                                                                      times["populate"])])
+    out["map_and_touch_aa"] = ratio_summary([sum(a) / sum(b) for a, b in zip(times["lazy"], times["lazy-again"])])
 
 
 def measure(backend_name: str, page_size: int, pages: int) -> dict:
@@ -82,6 +139,11 @@ def measure(backend_name: str, page_size: int, pages: int) -> dict:
     base = backend.reserve(pages * page_size)
     addrs = [base + i * page_size for i in range(pages)]
     scattered = [(addrs[i], (i * 7919) % pages) for i in range(pages)]  # a recycled pool is not in order
+    # every page used once before the timing, as a cache's are after start-up: the host zeroes a page at its
+    # first use, which a recycled page does not pay again
+    backend.map(scattered)
+    backend.populate(addrs)
+    backend.unmap(addrs)
     map1, unmap1 = [], []
     for addr, page in scattered:
         map1.append(timed(lambda: backend.map([(addr, page)])))
@@ -94,19 +156,22 @@ def measure(backend_name: str, page_size: int, pages: int) -> dict:
         batch_map.append(timed(lambda: backend.map(scattered)) / pages)
         batch_unmap.append(timed(lambda: backend.unmap(addrs)) / pages)
     ops["map_batched_per_page"], ops["unmap_batched_per_page"] = summarize(batch_map), summarize(batch_unmap)
+    map_us = ops["map_batched_per_page"]["mean_us"]
+    if backend_name == "host":
+        measure_first_touch(backend, base, scattered, page_size, pages, out)
     backend.free_reservation(base, pages * page_size)
 
     release_s = [timed(lambda i=i: backend.release_pages(i, 1)) for i in range(pages)]
     ops["release"] = summarize(release_s)
 
-    map_us = ops["map_batched_per_page"]["mean_us"]
     out["bandwidth_gb_s"] = {
         "map": page_size / (map_us * 1e-6) / 1e9,
         "create_and_map": page_size / ((map_us + ops["create"]["mean_us"]) * 1e-6) / 1e9,
     }
     if backend_name == "host":
-        raw_map, raw_unmap = zip(*(_testing.raw_mmap_seconds(page_size, pages) for _ in range(5)))
-        out["floor"] = {"raw_mmap_map": summarize(list(raw_map)), "raw_mmap_unmap": summarize(list(raw_unmap))}
+        raw = [_testing.raw_mmap_seconds(page_size, pages) for _ in range(5)]
+        out["floor"] = {name: summarize([r[i] for r in raw])
+                        for i, name in enumerate(("raw_mmap_map", "raw_mmap_touch", "raw_mmap_unmap"))}
         out["map_over_floor"] = map_us / out["floor"]["raw_mmap_map"]["mean_us"]
     else:
         out["facts"] = dict(backend.facts)
@@ -176,7 +241,12 @@ def main() -> int:
                 f"(1/call {o['map_1_page_per_call']['mean_us']:.2f}), unmap {o['unmap_batched_per_page']['mean_us']:.2f} "
                 f"us/page, bandwidth {r['bandwidth_gb_s']['map']:.1f} GB/s")
         if name == "host":
-            line += f"; raw mmap floor {r['floor']['raw_mmap_map']['mean_us']:.2f} us ({r['map_over_floor']:.2f}x)"
+            line += (f"; raw mmap floor {r['floor']['raw_mmap_map']['mean_us']:.2f} us ({r['map_over_floor']:.2f}x); "
+                     f"first touch {o['first_touch_per_page']['mean_us']:.2f} us/page (raw "
+                     f"{r['floor']['raw_mmap_touch']['mean_us']:.2f}), populate {o['populate_per_page']['mean_us']:.2f}"
+                     f" us/page, first touch after it {o['first_touch_after_populate_per_page']['mean_us']:.2f}\n    "
+                     + describe_ratio("map + first touch, lazy / populated", r["map_and_touch_populate_gain"])
+                     + "\n    " + describe_ratio("A/A, lazy twice", r["map_and_touch_aa"]))
         else:
             line += (f"; raw cuMemMap+SetAccess {r['floor']['raw_cuda_map_set_access']['mean_us']:.2f} us "
                      f"({r['map_over_floor']:.2f}x), unmap {r['unmap_over_floor']:.2f}x raw; "
@@ -185,8 +255,8 @@ def main() -> int:
     for line in not_measured:
         print("not measured:", line)
     slug = machine_slug(m)
-    path = write_json(f"vmm_latency_{slug}", {"benchmark": "vmm_latency", "machine": m, "results": results,
-                                              "not_measured": not_measured})
+    path = write_json(f"vmm_latency_{slug}", {"benchmark": "vmm_latency", "machine": m, "commit": git_revision(ROOT),
+                                              "results": results, "not_measured": not_measured})
     print(f"wrote {path}")
     if not args.no_plot:
         plot(results, f"vmm_latency_{slug}", f"VMM operation latency — {m['gpu'] or m['cpu']} ({m['cores']} cores)")

@@ -70,6 +70,15 @@ class VmmBackend {
   // success; on failure it throws and entries [*done, count) are unmapped, the
   // caller undoes [0, *done).
   virtual void map(const PageMapping* mappings, size_t count, size_t* done) = 0;
+  // Makes the page-table entries of the mapped pages at `addrs` now, writable,
+  // so that the first write into them takes no fault (the host leaves them to
+  // first touch otherwise: a fault per OS page). A hint: where it cannot
+  // (another backend, whose map makes them; an old kernel; memory short) the
+  // pages fault in at first touch as without it. Never throws.
+  virtual void populate(const uintptr_t* addrs, size_t count) noexcept {
+    (void)addrs;
+    (void)count;
+  }
   // Unmaps the page-sized mappings at `addrs`, in order. Sets *done to the
   // number of leading entries now unmapped; on failure it throws and entries
   // [*done, count) are still mapped. Callers first make sure no device work

@@ -340,7 +340,9 @@ class PageManager {
                   bool background);
   // Creates `to_create` (ids the jobs claimed from the uncreated pool), then
   // maps the jobs on this thread; throws DriverError with the table exact.
-  void map_jobs_locked(std::vector<MapJob>& jobs, std::vector<uint32_t>& to_create);
+  // `populate`: their page-table entries are made now (VmmBackend::populate),
+  // for pages the caller writes at once (map_pages).
+  void map_jobs_locked(std::vector<MapJob>& jobs, std::vector<uint32_t>& to_create, bool populate = false);
   std::vector<uintptr_t> addresses_of(const std::vector<Cut>& cuts) const;
   // Drops the references of positions whose every address is among the first
   // `done` of `addrs`; the rest become orphans.

@@ -144,7 +144,7 @@ void PageManager::finish_map(std::vector<MapJob>& jobs, const std::vector<PageMa
   }
 }
 
-void PageManager::map_jobs_locked(std::vector<MapJob>& jobs, std::vector<uint32_t>& to_create) {
+void PageManager::map_jobs_locked(std::vector<MapJob>& jobs, std::vector<uint32_t>& to_create, bool populate) {
   if (!to_create.empty()) {
     try {
       create_ids(to_create, true);
@@ -164,6 +164,11 @@ void PageManager::map_jobs_locked(std::vector<MapJob>& jobs, std::vector<uint32_
   }
   finish_map(jobs, mappings, error ? done : mappings.size(), false);
   if (error) std::rethrow_exception(error);
+  if (populate) {
+    std::vector<uintptr_t> addrs(mappings.size());
+    for (size_t i = 0; i < mappings.size(); ++i) addrs[i] = mappings[i].addr;
+    backend_->populate(addrs.data(), addrs.size());
+  }
 }
 
 // ---- unmapping ------------------------------------------------------------------------

@@ -215,7 +215,7 @@ void PageManager::map_pages(const int64_t* reqids, const int64_t* starts, const 
     }
     unmap_tails_locked(cuts);
     std::vector<uint32_t> none;
-    map_jobs_locked(jobs, none);
+    map_jobs_locked(jobs, none, true);  // a framework writes the blocks it maps in the forward that follows
   } catch (...) {
     unpin();
     throw;

@@ -370,6 +370,15 @@ PYBIND11_MODULE(_C, m) {
             b.unmap(addrs.data(), addrs.size(), &done);
           },
           py::arg("addresses"))
+      .def(
+          "populate",
+          [](VmmBackend& b, const std::vector<uintptr_t>& addrs) {
+            ReleasedGil released;
+            b.populate(addrs.data(), addrs.size());
+          },
+          py::arg("addresses"),
+          "Make the page-table entries of the mapped pages at these addresses now (host: "
+          "MADV_POPULATE_READ; a hint, no error).")
       .def("synchronize", &VmmBackend::synchronize, py::call_guard<ReleasedGil>())
       .def("set_sync_streams", &VmmBackend::set_sync_streams, py::arg("streams"),
            py::call_guard<ReleasedGil>(),

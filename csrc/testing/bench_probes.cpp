@@ -23,20 +23,34 @@
 
 namespace vattn {
 
-// Seconds per call of mmap(MAP_FIXED | MAP_SHARED, memfd) for `count` pages of
-// `page_size` bytes at consecutive addresses, mapping page i to a scattered
-// pool offset so the kernel cannot merge neighbours. Element 0: map, 1: unmap
-// (mmap PROT_NONE anonymous over it), as the host backend does.
+// Seconds per page of mmap(MAP_FIXED | MAP_SHARED, memfd) for `count` pages of
+// `page_size` bytes at consecutive addresses, one call per page, mapping page i
+// to a scattered pool offset so the kernel cannot merge neighbours, as the host
+// backend maps. Element 0: map; 1: the first touch after it (a byte written per
+// OS page: the faults of the entries the map left to first touch); 2: unmap
+// (mmap PROT_NONE anonymous over it, as the host backend unmaps). The pool's
+// pages are written once before the timing: the kernel zeroes a fallocated
+// page at its first use, which a pool used before (a cache's after start-up)
+// no longer pays.
 std::vector<double> raw_mmap_seconds(size_t page_size, size_t count) {
   int fd = memfd_create("vattn-bench", MFD_CLOEXEC);
   if (fd < 0) throw_errno("memfd_create", errno);
-  if (ftruncate(fd, static_cast<off_t>(page_size * count)) != 0 ||
-      fallocate(fd, 0, 0, static_cast<off_t>(page_size * count)) != 0) {
+  const size_t pool = page_size * count;
+  if (ftruncate(fd, static_cast<off_t>(pool)) != 0 || fallocate(fd, 0, 0, static_cast<off_t>(pool)) != 0) {
     int err = errno;
     close(fd);
     throw_errno("fallocate", err);
   }
-  void* base = mmap(nullptr, page_size * count, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  const size_t os_page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  void* all = mmap(nullptr, pool, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (all == MAP_FAILED) {
+    int err = errno;
+    close(fd);
+    throw_errno("mmap(pool)", err);
+  }
+  for (size_t b = 0; b < pool; b += os_page) static_cast<volatile char*>(all)[b] = 0;
+  munmap(all, pool);
+  void* base = mmap(nullptr, pool, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (base == MAP_FAILED) {
     int err = errno;
     close(fd);
@@ -50,13 +64,15 @@ std::vector<double> raw_mmap_seconds(size_t page_size, size_t count) {
          static_cast<off_t>(page * page_size));
   }
   auto t1 = std::chrono::steady_clock::now();
+  for (size_t b = 0; b < pool; b += os_page) static_cast<volatile char*>(base)[b] = 1;
+  auto t2 = std::chrono::steady_clock::now();
   for (size_t i = 0; i < count; ++i)
     mmap(addr(i), page_size, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  auto t2 = std::chrono::steady_clock::now();
-  munmap(base, page_size * count);
+  auto t3 = std::chrono::steady_clock::now();
+  munmap(base, pool);
   close(fd);
-  std::chrono::duration<double> map_s = t1 - t0, unmap_s = t2 - t1;
-  return {map_s.count() / count, unmap_s.count() / count};
+  std::chrono::duration<double> map_s = t1 - t0, touch_s = t2 - t1, unmap_s = t3 - t2;
+  return {map_s.count() / count, touch_s.count() / count, unmap_s.count() / count};
 }
 
 namespace {
@@ -229,7 +245,7 @@ void bind_bench_probes(py::module_& m) {
         "Benchmark floor: [create, map + set access, unmap, release] seconds per page of raw CUDA driver calls.");
   m.def("raw_mmap_seconds", &raw_mmap_seconds, py::arg("page_size"), py::arg("count"),
         py::call_guard<ReleasedGil>(),
-        "Benchmark floor: [map, unmap] seconds per raw mmap call on a memfd.");
+        "Benchmark floor: [map, first touch, unmap] seconds per page of raw mmap calls on a memfd.");
 }
 
 }  // namespace vattn

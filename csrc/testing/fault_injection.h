@@ -76,6 +76,7 @@ class FaultInjectingBackend final : public VmmBackend {
   void create_pages(const uint32_t* ids, size_t count) override;
   size_t release_pages(const uint32_t* ids, size_t count, uint8_t* failed = nullptr) noexcept override;
   void map(const PageMapping* mappings, size_t count, size_t* done) override;
+  void populate(const uintptr_t* addrs, size_t count) noexcept override { inner_->populate(addrs, count); }
   void unmap(const uintptr_t* addrs, size_t count, size_t* done) override;
   void copy(uintptr_t dst, uintptr_t src, size_t bytes) override;
   void synchronize() override;

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import gc
+import mmap
 import os
+import resource
+import struct
 
+import pytest
 import torch
 
 import vattn
@@ -75,6 +79,68 @@ def test_committed_memory_follows_mapped_pages():
         assert 16 * page - 8 * 1024 * 1024 <= grown <= 16 * page + 16 * 1024 * 1024
     released = (proc_kib("/proc/meminfo", "Shmem") - shmem0) * 1024
     assert released < 8 * 1024 * 1024
+
+
+def present_os_pages(addr: int, nbytes: int) -> list[bool]:
+    """Whether each OS page of [addr, addr + nbytes) has a page-table entry (bit 63 of /proc/self/pagemap,
+    which an unprivileged process reads for itself)."""
+    first, count = addr // mmap.PAGESIZE, -(-(addr + nbytes) // mmap.PAGESIZE) - addr // mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = struct.unpack(f"<{count}Q", f.read(count * 8))
+    return [bool(e >> 63) for e in entries]
+
+
+def os_pages_state(kv: vattn.KVCacheManager, reqid: int, nbytes: int) -> tuple[list[int], list[int]]:
+    """For K and V of layer 1 of ``reqid``: OS pages of its first ``nbytes`` without a page-table entry,
+    and OS pages of the next 64 KiB with one."""
+    k, v = kv.layer(1)
+    starts = [k[reqid].data_ptr(), v[reqid].data_ptr()]
+    return ([present_os_pages(start, nbytes).count(False) for start in starts],
+            [present_os_pages(start + nbytes, 64 * 1024).count(True) for start in starts])
+
+
+def write_faults(kv: vattn.KVCacheManager, reqid: int, tokens: int) -> int:
+    """Minor page faults taken writing ``tokens`` tokens of K and V of layer 1 of ``reqid``; checks they read back."""
+    k, v = kv.layer(1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    k[reqid, :tokens] = 1.0
+    v[reqid, :tokens] = 2.0
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    sums = (float(k[reqid, :tokens].sum()), float(v[reqid, :tokens].sum()))
+    assert sums == (tokens * 2 * 64, 2 * tokens * 2 * 64)
+    return faults
+
+
+@pytest.mark.parametrize("page", [64 * 1024, 2 * 1024 * 1024])
+def test_map_pages_populates_the_page_table_and_step_leaves_it_to_first_touch(page):
+    # A framework writes the blocks it maps right away (a prefill's): map_pages makes their page-table entries
+    # in one pass, and the forward's writes take no fault per OS page. step's pages, which a decode fills a
+    # token at a time, fault in as written: populating them would put a whole page's entries (and a new
+    # page's zeroing) on the step that crosses into it. Plain numbers only in the asserts: pytest would print a
+    # tensor whose slice reads unmapped rows.
+    if not os.path.exists("/proc/self/pagemap"):
+        pytest.skip("needs /proc/self/pagemap: Linux shows a page-table entry there")
+    shape = dict(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32, max_batch_size=4,
+                 max_context_len=16384, page_size=page)
+    tokens = 4096  # x 512 B = 2 MiB per buffer
+    with vattn.KVCacheManager(**shape, page_allocator="external") as kv:
+        r = kv.alloc_reqid()
+        positions = tokens * 512 // page
+        kv.map_pages([r], [0], [list(range(1, 1 + positions))])
+        missing, beyond = os_pages_state(kv, r, tokens * 512)
+        assert missing == [0, 0], "map_pages left mapped OS pages without a page-table entry (K, V)"
+        assert beyond == [0, 0], "page-table entries past the mapping (K, V)"
+        faults = write_faults(kv, r, tokens)
+        assert faults < tokens * 512 // mmap.PAGESIZE // 8, f"{faults} page faults writing pages map_pages mapped"
+    with vattn.KVCacheManager(**shape, policy={"background": False}) as kv:
+        r = kv.alloc_reqid()
+        lens = [0] * 4
+        lens[r] = tokens
+        assert kv.step(lens)
+        missing, _ = os_pages_state(kv, r, tokens * 512)
+        assert missing == [tokens * 512 // mmap.PAGESIZE] * 2, "step populated page-table entries"
+        assert write_faults(kv, r, tokens) >= tokens * 512 // mmap.PAGESIZE
 
 
 def test_init_cleanup_cycles_leave_nothing_behind():

@@ -86,6 +86,12 @@ class SharedPages:
         ``"external"`` any id in ``[0, num_page_ids)`` is accepted; pages are
         created on first use (:class:`vattn.OutOfPages`, nothing changed, when
         they cannot be: the budget refuses, the device is out of memory).
+
+        The caller is taken to write the pages it maps (a framework's new
+        blocks, filled by the forward that follows): on the host their
+        page-table entries are made here, in one pass, so that those writes
+        take no page fault per OS page. Pages that :meth:`step` maps, which
+        a decode fills a token at a time, are left to fault in as written.
         """
         if counts is None:
             counts, page_ids = _page_id_rows(page_ids)
