@@ -1,6 +1,6 @@
 // Host backend: the page semantics of vmm_backend.h on CPU memory.
 //   pool        = one memfd of num_pages * page_size bytes (sparse until created)
-//   create      = fallocate the page's slice (commits memory)
+//   create      = fallocate the page's slice (commits memory), then write its zeros
 //   reserve     = mmap(PROT_NONE, MAP_NORESERVE) (address space only)
 //   map         = mmap(MAP_FIXED | MAP_SHARED, memfd, page offset); one call per
 //                 run of adjacent addresses backed by adjacent pages
@@ -137,6 +137,7 @@ class HostBackend final : public VmmBackend {
         throw_errno("fallocate", err);
       }
     }
+    for (size_t i = 0; i < count; ++i) clear(ids[i]);
   }
 
   size_t release_pages(const uint32_t* ids, size_t count, uint8_t* failed = nullptr) noexcept override {
@@ -237,6 +238,21 @@ class HostBackend final : public VmmBackend {
   }
 
   off_t offset(uint32_t page) const { return static_cast<off_t>(page) * page_size_; }
+
+  // fallocate commits a page's memory but leaves the kernel's zeroing of it to its first use: in a
+  // forward's fault, or in map_pages' populate (which took ten times as long on such pages as on pages
+  // used before, 16 MiB of 64 KiB pages on a Zen 4, one-off). Writing the zeros here puts that work
+  // where the page is created: at start-up for a pool created whole (as a dense cache is zeroed when it
+  // is allocated), or in the mapper's creation rounds. A write that fails leaves it to the first use.
+  void clear(uint32_t page) noexcept {
+    static const char zeros[64 << 10] = {};
+    for (size_t at = 0; at < page_size_;) {
+      const size_t n = std::min(sizeof(zeros), page_size_ - at);
+      const ssize_t wrote = pwrite(pool_->fd(), zeros, n, offset(page) + static_cast<off_t>(at));
+      if (wrote <= 0) return;
+      at += static_cast<size_t>(wrote);
+    }
+  }
 
   // Puts reserved, inaccessible memory back over [addr, addr + len): one
   // mmap that replaces the pages, so the range never has a hole another

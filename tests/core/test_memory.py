@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import mmap
 import os
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import vattn
+from vattn import _C
 
 GiB = 1024**3
 
@@ -141,6 +143,27 @@ def test_map_pages_populates_the_page_table_and_step_leaves_it_to_first_touch(pa
         missing, _ = os_pages_state(kv, r, tokens * 512)
         assert missing == [tokens * 512 // mmap.PAGESIZE] * 2, "step populated page-table entries"
         assert write_faults(kv, r, tokens) >= tokens * 512 // mmap.PAGESIZE
+
+
+def test_created_pages_are_cleared_when_created():
+    # fallocate commits a page but leaves its zeroing to the first use: a forward's fault (or map_pages'
+    # populate) would pay it. The host clears the pages it creates, so their first use finds them ready:
+    # mincore, which reports a shared memory page as resident once it is up to date, sees all of them.
+    page, pages = 64 * 1024, 32
+    backend = _C.make_backend("host", 0, page, pages, "")
+    backend.create_pages(0, pages)
+    base = backend.reserve(pages * page)
+    try:
+        backend.map([(base + i * page, i) for i in range(pages)])
+        count = pages * page // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * count)()
+        assert ctypes.CDLL(None, use_errno=True).mincore(ctypes.c_void_p(base), ctypes.c_size_t(pages * page), vec) == 0
+        assert sum(v & 1 for v in vec) == count, "created pages not yet cleared"
+        view = (ctypes.c_ubyte * (pages * page)).from_address(base)
+        assert bytes(view).count(0) == pages * page
+        backend.unmap([base + i * page for i in range(pages)])
+    finally:
+        backend.free_reservation(base, pages * page)
 
 
 def test_init_cleanup_cycles_leave_nothing_behind():
