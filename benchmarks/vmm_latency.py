@@ -139,8 +139,8 @@ def measure(backend_name: str, page_size: int, pages: int) -> dict:
     base = backend.reserve(pages * page_size)
     addrs = [base + i * page_size for i in range(pages)]
     scattered = [(addrs[i], (i * 7919) % pages) for i in range(pages)]  # a recycled pool is not in order
-    # every page used once before the timing, as a cache's are after start-up: the host zeroes a page at its
-    # first use, which a recycled page does not pay again
+    # every page used once before the timing, as a cache's are after start-up (a page's first use can cost
+    # more: where creation left the kernel's zeroing to it)
     backend.map(scattered)
     backend.populate(addrs)
     backend.unmap(addrs)

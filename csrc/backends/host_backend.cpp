@@ -184,13 +184,12 @@ class HostBackend final : public VmmBackend {
   }
 
   // The map leaves page-table entries to first touch, a fault per OS page: a decode writes a page over
-  // many steps, a fault at a time, where making them at once would put a whole page's (and a new page's
-  // zeroing) on the step that maps it. A framework that writes its blocks right after mapping them
-  // (PageManager::map_pages) has them made here in one pass instead: about 0.3 us per 4 KiB against 1.4
-  // for the faults on a Zen 4 (docs/benchmarks.md, "Mapping: the host backend"). MADV_POPULATE_READ maps
-  // up to 16 pages a fault where _WRITE takes one (twice the time, in a one-off probe there), and a shared
-  // memfd mapping needs no write notification, so its read-populated entries are writable: the first
-  // write takes no fault.
+  // many steps, a fault at a time, where making them at once would put a whole page's on the step that
+  // maps it. A framework that writes its blocks right after mapping them (PageManager::map_pages) has
+  // them made here in one pass instead: about 0.3 us per 4 KiB against 1.2-1.4 for the faults on a Zen 4
+  // (docs/benchmarks.md, "Mapping: the host backend"). MADV_POPULATE_READ maps up to 16 pages a fault
+  // where _WRITE takes one (twice the time, in a one-off probe there), and a shared memfd mapping needs
+  // no write notification, so its read-populated entries are writable: the first write takes no fault.
   void populate(const uintptr_t* addrs, size_t count) noexcept override {
     if (!populate_works_.load(std::memory_order_relaxed)) return;
     for (size_t i = 0; i < count;) {

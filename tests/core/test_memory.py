@@ -118,9 +118,9 @@ def write_faults(kv: vattn.KVCacheManager, reqid: int, tokens: int) -> int:
 def test_map_pages_populates_the_page_table_and_step_leaves_it_to_first_touch(page):
     # A framework writes the blocks it maps right away (a prefill's): map_pages makes their page-table entries
     # in one pass, and the forward's writes take no fault per OS page. step's pages, which a decode fills a
-    # token at a time, fault in as written: populating them would put a whole page's entries (and a new
-    # page's zeroing) on the step that crosses into it. Plain numbers only in the asserts: pytest would print a
-    # tensor whose slice reads unmapped rows.
+    # token at a time, fault in as written: populating them would put a whole page's entries on the step
+    # that crosses into it. Plain numbers only in the asserts: pytest would print a tensor whose slice
+    # reads unmapped rows.
     if not os.path.exists("/proc/self/pagemap"):
         pytest.skip("needs /proc/self/pagemap: Linux shows a page-table entry there")
     shape = dict(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32, max_batch_size=4,
