@@ -87,14 +87,13 @@ def touch_pages(addr: int, nbytes: int) -> None:
     view[::mmap.PAGESIZE] = 1
 
 
-def measure_first_touch(backend, base: int, scattered: list[tuple[int, int]], page_size: int, pages: int,
-                        out: dict) -> None:
+def measure_first_touch(backend, base: int, addrs: list[int], scattered: list[tuple[int, int]], page_size: int,
+                        pages: int, out: dict) -> None:
     """The host's map + first touch in alternated rounds (the order reversed every other round): the
     backend's batched map of ``scattered`` (created pages) then one byte written per OS page, as step
     maps; the same with ``populate`` between them, as map_pages maps; the first again (the A/A pair).
     Adds ``first_touch_per_page``, ``populate_per_page`` and ``first_touch_after_populate_per_page`` to
     ``out["ops"]`` and the per-round ratios to ``out``."""
-    addrs = [addr for addr, _ in scattered]
 
     def round_trip(populate: bool) -> tuple[float, float, float]:
         mapped = timed(lambda: backend.map(scattered)) / pages
@@ -158,7 +157,7 @@ def measure(backend_name: str, page_size: int, pages: int) -> dict:
     ops["map_batched_per_page"], ops["unmap_batched_per_page"] = summarize(batch_map), summarize(batch_unmap)
     map_us = ops["map_batched_per_page"]["mean_us"]
     if backend_name == "host":
-        measure_first_touch(backend, base, scattered, page_size, pages, out)
+        measure_first_touch(backend, base, addrs, scattered, page_size, pages, out)
     backend.free_reservation(base, pages * page_size)
 
     release_s = [timed(lambda i=i: backend.release_pages(i, 1)) for i in range(pages)]
