@@ -212,10 +212,10 @@ struct Job {
   std::atomic<int32_t>* remaining;  // per group: splits not finished yet
 };
 
-void run_task(void* ctx, int64_t index, float* scratch) {
+void run_task(void* ctx, int64_t index, int64_t next, float* scratch) {
   const Job& job = *static_cast<const Job*>(ctx);
   const WorkItem& it = job.schedule->items[index];
-  job.kernels->run_item(*job.call, it, scratch);
+  job.kernels->run_item(*job.call, it, next >= 0 ? &job.schedule->items[next] : nullptr, scratch);
   // the last split of a group merges it (acq_rel: it sees every other split's partials)
   if (it.group >= 0 && job.remaining[it.group].fetch_sub(1, std::memory_order_acq_rel) == 1)
     merge(*job.call, job.schedule->groups[it.group]);
@@ -270,7 +270,7 @@ struct PackJob {
   int32_t head_dim;
 };
 
-void run_pack_task(void* ctx, int64_t index, float*) {
+void run_pack_task(void* ctx, int64_t index, int64_t, float*) {
   const PackJob& job = *static_cast<const PackJob*>(ctx);
   const PackTask& t = job.tasks[index];
   for (int64_t i = 0; i < t.tokens; ++i)

@@ -143,8 +143,9 @@ static inline int64_t scratch_floats(int64_t rows, int32_t rows_per_head, int32_
 // One ISA's kernels.
 struct KernelTable {
   int32_t vector_floats;  // floats per vector register; head_dim must be a multiple
-  // Runs one item; `scratch` holds scratch_floats(rows, D) floats.
-  void (*run_item)(const Call& call, const WorkItem& item, float* scratch);
+  // Runs one item; `next` is the item the same thread runs after it (its first tile may be requested
+  // ahead), or null; `scratch` holds scratch_floats(rows, D) floats.
+  void (*run_item)(const Call& call, const WorkItem& item, const WorkItem* next, float* scratch);
 };
 
 // Defined by each ISA unit; null where the unit was built for another architecture.

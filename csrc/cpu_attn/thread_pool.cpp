@@ -85,6 +85,7 @@ struct OmpJob {
   ThreadPool::Task task;
   void* ctx;
   int64_t count;
+  int64_t ahead_below;  // tasks below this index may be claimed ahead
   std::atomic<int64_t> next{0};
   std::vector<std::unique_ptr<float[]>>* scratch;
   int (*thread_num)();
@@ -147,9 +148,17 @@ void ThreadPool::ensure_scratch(int threads, int64_t floats) {
 void ThreadPool::omp_body(void* data) {
   OmpJob& job = *static_cast<OmpJob*>(data);
   float* scratch = (*job.scratch)[job.thread_num()].get();
-  for (int64_t i = job.next.fetch_add(1, std::memory_order_relaxed); i < job.count;
-       i = job.next.fetch_add(1, std::memory_order_relaxed))
-    job.task(job.ctx, i, scratch);
+  auto claim_ahead = [&job] {
+    int64_t v = job.next.load(std::memory_order_relaxed);
+    while (v < job.ahead_below)
+      if (job.next.compare_exchange_weak(v, v + 1, std::memory_order_relaxed)) return v;
+    return int64_t{-1};
+  };
+  for (int64_t i = job.next.fetch_add(1, std::memory_order_relaxed); i < job.count;) {
+    const int64_t after = claim_ahead();
+    job.task(job.ctx, i, after, scratch);
+    i = after >= 0 ? after : job.next.fetch_add(1, std::memory_order_relaxed);
+  }
 }
 
 ThreadPool::~ThreadPool() {
@@ -169,21 +178,23 @@ void ThreadPool::run(int64_t count, Task task, void* ctx, int64_t scratch_floats
   std::lock_guard<std::mutex> job(run_mutex_);
   if (max_threads <= 1 || count == 1) {  // the calling thread alone: no team to start or wait for
     ensure_scratch(1, scratch_floats);
-    for (int64_t i = 0; i < count; ++i) task(ctx, i, scratch_for(0));
+    for (int64_t i = 0; i < count; ++i) task(ctx, i, i + 1 < count ? i + 1 : -1, scratch_for(0));
     return;
   }
   if (omp_) {
     const int n = std::min(threads(), max_threads);
     ensure_scratch(n, scratch_floats);
-    OmpJob omp_job{task, ctx, count, {0}, &scratch_, omp_->thread_num};
     // the team has at most n threads (fewer when the runtime has fewer to give)
-    omp_->parallel(&ThreadPool::omp_body, &omp_job, static_cast<unsigned>(std::min<int64_t>(n, count)), 0);
+    const int64_t team = std::min<int64_t>(n, count);
+    OmpJob omp_job{task, ctx, count, count - team, {0}, &scratch_, omp_->thread_num};
+    omp_->parallel(&ThreadPool::omp_body, &omp_job, static_cast<unsigned>(team), 0);
     return;
   }
   ensure_scratch(static_cast<int>(scratch_.size()), scratch_floats);
   task_ = task;
   ctx_ = ctx;
   count_.store(count, std::memory_order_relaxed);
+  ahead_below_.store(count - std::min<int64_t>(threads(), count), std::memory_order_relaxed);
   done_.store(0, std::memory_order_relaxed);
   const uint64_t gen = generation_.load(std::memory_order_relaxed) + 1;
   next_.store(gen << 32, std::memory_order_release);
@@ -203,17 +214,26 @@ void ThreadPool::run(int64_t count, Task task, void* ctx, int64_t scratch_floats
   }
 }
 
-void ThreadPool::work(uint64_t generation, float* scratch) {
+// The next unclaimed task of this generation's job (below ahead_below_ where `ahead`), or -1.
+int64_t ThreadPool::claim(uint64_t generation, bool ahead) {
   for (;;) {
     uint64_t v = next_.load(std::memory_order_acquire);
     // next_ holds the generation's low 32 bits only (the high ones shift out past 2^32 jobs)
-    if ((v >> 32) != (generation & 0xffffffffu)) return;  // a newer job replaced this one
+    if ((v >> 32) != (generation & 0xffffffffu)) return -1;  // a newer job replaced this one
     const int64_t index = static_cast<int64_t>(v & 0xffffffffu);
-    // count_ is this job's: the job cannot finish while index < count_ is unclaimed
-    if (index >= count_.load(std::memory_order_relaxed)) return;
-    if (!next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
-    task_(ctx_, index, scratch);
+    // count_ is this job's: the job cannot finish while index < count_ is unclaimed (and the
+    // compare-exchange fails where a newer job has replaced it since the load)
+    if (index >= (ahead ? ahead_below_ : count_).load(std::memory_order_relaxed)) return -1;
+    if (next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) return index;
+  }
+}
+
+void ThreadPool::work(uint64_t generation, float* scratch) {
+  for (int64_t index = claim(generation, false); index >= 0;) {
+    const int64_t after = claim(generation, true);  // runs on this thread next: the job waits for it
+    task_(ctx_, index, after, scratch);
     done_.fetch_add(1, std::memory_order_acq_rel);
+    index = after >= 0 ? after : claim(generation, false);
   }
 }
 

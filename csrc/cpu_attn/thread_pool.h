@@ -33,8 +33,9 @@ namespace cpu_attn {
 
 class ThreadPool {
  public:
-  // task(ctx, index, scratch) for index in [0, count)
-  using Task = void (*)(void* ctx, int64_t index, float* scratch);
+  // task(ctx, index, next, scratch) for index in [0, count); next is the index the same thread runs
+  // after this one (already claimed, so a task may ask for its data ahead), or -1
+  using Task = void (*)(void* ctx, int64_t index, int64_t next, float* scratch);
 
   struct Omp;  // an OpenMP runtime's entry points
 
@@ -56,12 +57,15 @@ class ThreadPool {
   // Runs every task once across the pool and the calling thread (at most
   // max_threads of them; 1: the calling thread alone); returns when all have
   // finished. Each thread's scratch holds at least scratch_floats floats. One
-  // job at a time: a concurrent caller waits.
+  // job at a time: a concurrent caller waits. A thread claims its next task
+  // before it runs the current one, except among the last `threads` tasks,
+  // which are claimed as threads come free so that the tail stays balanced.
   void run(int64_t count, Task task, void* ctx, int64_t scratch_floats, int max_threads);
 
  private:
   void worker_main(int index);
   void work(uint64_t generation, float* scratch);
+  int64_t claim(uint64_t generation, bool ahead);
   float* scratch_for(int thread);
   void ensure_scratch(int threads, int64_t floats);
   static void omp_body(void* job);
@@ -76,6 +80,7 @@ class ThreadPool {
   Task task_ = nullptr;
   void* ctx_ = nullptr;
   std::atomic<int64_t> count_{0};
+  std::atomic<int64_t> ahead_below_{0};  // tasks below this index may be claimed ahead
   // (generation << 32) | next task index: a worker claims an index with one
   // compare-exchange, which fails once a newer job has been published.
   std::atomic<uint64_t> next_{0};
