@@ -672,7 +672,7 @@ void run_item_typed(const Call& c, const WorkItem& it, const WorkItem* next_item
   // The thread's next item (the pool claimed it before this one started), where it is a decode item over as
   // many heads: this item's last tile asks for that item's first tile as it would for a tile of its own, so
   // that the requests do not stop between items. Against stopping there, on a 2-core Zen 4 with the K/V from
-  // memory (8 q / 2 kv heads of 64, one thread, 100 rounds): 1.03-1.08x on the AVX2 path and 1.03-1.13x on
+  // memory (8 q / 2 kv heads of 64, one thread, 100 rounds): 1.02-1.08x on the AVX2 path and 1.03-1.13x on
   // AVX-512 BF16 from B=4 on in bf16, 1.02-1.07x in fp32 from B=16 (AVX2) and B=4 (AVX-512 BF16), the A/A
   // pairs 0.99-1.02x (docs/kernels.md, "The next item's first tile").
   const T* next_k = nullptr;
