@@ -42,13 +42,16 @@ std::vector<double> raw_mmap_seconds(size_t page_size, size_t count) {
     throw_errno("fallocate", err);
   }
   const size_t os_page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  auto write_each_os_page = [&](void* at, char value) {
+    for (size_t b = 0; b < pool; b += os_page) static_cast<volatile char*>(at)[b] = value;
+  };
   void* all = mmap(nullptr, pool, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (all == MAP_FAILED) {
     int err = errno;
     close(fd);
     throw_errno("mmap(pool)", err);
   }
-  for (size_t b = 0; b < pool; b += os_page) static_cast<volatile char*>(all)[b] = 0;
+  write_each_os_page(all, 0);
   munmap(all, pool);
   void* base = mmap(nullptr, pool, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (base == MAP_FAILED) {
@@ -64,7 +67,7 @@ std::vector<double> raw_mmap_seconds(size_t page_size, size_t count) {
          static_cast<off_t>(page * page_size));
   }
   auto t1 = std::chrono::steady_clock::now();
-  for (size_t b = 0; b < pool; b += os_page) static_cast<volatile char*>(base)[b] = 1;
+  write_each_os_page(base, 1);
   auto t2 = std::chrono::steady_clock::now();
   for (size_t i = 0; i < count; ++i)
     mmap(addr(i), page_size, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);

@@ -4,6 +4,7 @@ is the one that thread runs next, never one of the last tasks, on the pool of it
 runtime's threads."""
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,22 @@ from test_cpu_attn_isas import ROOT, SRC, native_compiler, run
 
 def build(tmp_path: Path, openmp: bool) -> Path:
     exe = tmp_path / ("pool_check_omp" if openmp else "pool_check")
+    if openmp:
+        require_openmp(tmp_path)
     run([native_compiler(), "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{SRC}",
          *(["-fopenmp"] if openmp else []), str(SRC / "thread_pool.cpp"),
          str(ROOT / "tests" / "kernels" / "thread_pool_check.cpp"), "-o", str(exe), "-pthread", "-ldl"])
     return exe
+
+
+def require_openmp(tmp_path: Path) -> None:
+    """Skips where the compiler cannot build and link an OpenMP program (no libgomp installed)."""
+    probe = tmp_path / "omp_probe.cpp"
+    probe.write_text("#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
+    proc = subprocess.run([native_compiler(), "-fopenmp", str(probe), "-o", str(tmp_path / "omp_probe")],
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        pytest.skip(f"needs OpenMP: {native_compiler()} -fopenmp failed: {proc.stderr.strip()[-300:]}")
 
 
 @pytest.mark.parametrize("threads", ["1", "2", "3", "5"])
