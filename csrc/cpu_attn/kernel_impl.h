@@ -278,58 +278,116 @@ inline void store_output_row(const TensorRef& out, int64_t token, int64_t head, 
 }
 
 // Asks for tokens [0, n) of a tile ahead of use: `bytes` from each token's
-// start, tokens `ld` elements apart. A request's tokens are heads * head_dim
-// (per_layer) or layers * heads * head_dim (all_layers) elements apart, a
-// stride the hardware prefetchers follow poorly; requesting the next tile
-// while this one computes keeps many misses in flight. Prefetches never
-// fault, and these stay inside the request's mapped rows.
-template <class T>
+// start, tokens `ld` elements apart, into L2 where kToL2 (else L1). A request's
+// tokens are heads * head_dim (per_layer) or layers * heads * head_dim
+// (all_layers) elements apart, a stride the hardware prefetchers follow poorly;
+// requesting the next tile while this one computes keeps many misses in
+// flight. Where the rows lie back to back (an item over every kv head of a
+// per_layer cache) they are one range, asked for line by line without the
+// per-token loop: a small call's first tile is most of its requests.
+// Prefetches never fault, and these stay inside the request's mapped rows.
+template <class T, bool kToL2 = false>
 inline void prefetch_tokens(const T* first, int64_t ld, int64_t n, int64_t bytes) {
+  if (n > 0 && ld * static_cast<int64_t>(sizeof(T)) == bytes) {  // rows back to back: one range
+    const char* end = reinterpret_cast<const char*>(first + n * ld);
+    const char* line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(first) & ~uintptr_t{63});
+    for (; line < end; line += 64) __builtin_prefetch(line, 0, kToL2 ? 1 : 3);
+    return;
+  }
   for (int64_t t = 0; t < n; ++t) {
     const char* p = reinterpret_cast<const char*>(first + t * ld);
     const char* line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63});
-    for (; line < p + bytes; line += 64) __builtin_prefetch(line, 0, 3);
+    for (; line < p + bytes; line += 64) __builtin_prefetch(line, 0, kToL2 ? 1 : 3);
   }
 }
 
 // ---- online softmax over one tile ---------------------------------------------------
 
-// Row r's scores s[0, n) for keys k0 .. k0 + n - 1, of which [lo, hi) are
-// visible. Turns s into probabilities relative to the new running max
-// (0 outside [lo, hi) and up to the padded width), updates m and l and sets
-// alpha = e^(m_old - m_new), the factor the row's accumulator is scaled by.
-inline void softmax_tile(float* s, int64_t n, int64_t lo, int64_t hi, float softcap, float* m, float* l,
+// Rows r < RB of the scores (row r at s + r * lds: its keys k0 .. k0 + n - 1, of which [lo, hi) are
+// visible, visible(r, lo, hi)), each turned into probabilities relative to its new running max (0 outside [lo, hi) and
+// up to the padded width); m[r] and l[r] updated, alpha[r] = e^(m_old - m_new), the factor the row's
+// accumulator is scaled by. The RB rows go through each pass together, so that their dependency chains
+// (the max, the exponentials' sum, the reductions) overlap, and their alphas take one vector exponential
+// instead of a libm call each: one row at a time, a decode tile's softmax waited on each row's chains in
+// turn (about 2.7 ns a key and kv head in a loop of it alone on a 2-core Zen 4, AVX2 path, 8 q / 2 kv
+// heads of 64 and 64-key tiles; 1.5 ns this way). In the kernel the rest of the tile's work hides most
+// of that: the small and warm calls gain (docs/kernels.md, "Small warm calls").
+template <int RB, class Visible>
+inline void softmax_rows(float* s, int64_t lds, int64_t n, Visible visible, float softcap, float* m, float* l,
                          float* alpha) {
   const int64_t padded = (n + W - 1) / W * W;
-  if (hi <= lo) {  // nothing visible in this tile
-    for (int64_t i = 0; i < padded; ++i) s[i] = 0.0f;
-    *alpha = 1.0f;
-    return;
+  bool seen[RB];  // a visible key in this tile
+  for (int r = 0; r < RB; ++r) {
+    float* row = s + r * lds;
+    int64_t lo = 0, hi = 0;
+    visible(r, lo, hi);
+    seen[r] = hi > lo;
+    if (!seen[r]) {  // nothing visible: zeros, which the passes below keep (their shift is +inf)
+      for (int64_t i = 0; i < padded; ++i) row[i] = 0.0f;
+      continue;
+    }
+    if (softcap > 0.0f) {
+      const R cap = Vec::set1(softcap), inv = Vec::set1(1.0f / softcap);
+      for (int64_t i = 0; i < padded; i += W)
+        Vec::store(row + i, Vec::mul(cap, Vec::tanh(Vec::mul(Vec::load(row + i), inv))));
+    }
+    for (int64_t i = 0; i < lo; ++i) row[i] = kNegInf;
+    for (int64_t i = hi; i < padded; ++i) row[i] = kNegInf;
   }
-  if (softcap > 0.0f) {
-    const R cap = Vec::set1(softcap), inv = Vec::set1(1.0f / softcap);
-    for (int64_t i = 0; i < padded; i += W) Vec::store(s + i, Vec::mul(cap, Vec::tanh(Vec::mul(Vec::load(s + i), inv))));
+  R mv[RB];
+  for (int r = 0; r < RB; ++r) mv[r] = Vec::set1(kNegInf);
+  for (int64_t i = 0; i < padded; i += W)
+    for (int r = 0; r < RB; ++r) mv[r] = Vec::max(mv[r], Vec::load(s + r * lds + i));
+  float m_new[RB];
+  R shift[RB], sum[RB];
+  for (int r = 0; r < RB; ++r) {
+    const float tile_max = Vec::hmax(mv[r]);
+    m_new[r] = m[r] > tile_max ? m[r] : tile_max;
+    shift[r] = Vec::set1(seen[r] ? m_new[r] : __builtin_inff());
+    sum[r] = Vec::zero();
   }
-  for (int64_t i = 0; i < lo; ++i) s[i] = kNegInf;
-  for (int64_t i = hi; i < padded; ++i) s[i] = kNegInf;
-  R mv = Vec::set1(kNegInf);
-  for (int64_t i = 0; i < padded; i += W) mv = Vec::max(mv, Vec::load(s + i));
-  const float tile_max = Vec::hmax(mv);
-  const float m_new = *m > tile_max ? *m : tile_max;
-  const R shift = Vec::set1(m_new);
-  R sum = Vec::zero();
-  for (int64_t i = 0; i < padded; i += W) {
-    const R e = Vec::exp(Vec::sub(Vec::load(s + i), shift));
-    Vec::store(s + i, e);
-    sum = Vec::add(sum, e);
+  for (int64_t i = 0; i < padded; i += W)
+    for (int r = 0; r < RB; ++r) {
+      const R e = Vec::exp(Vec::sub(Vec::load(s + r * lds + i), shift[r]));
+      Vec::store(s + r * lds + i, e);
+      sum[r] = Vec::add(sum[r], e);
+    }
+  // the RB rows' e^(m_old - m_new) by vector exponentials (0 where m_old is -inf: Vec::exp)
+  constexpr int kDecay = (RB + W - 1) / W * W;
+  float decay[kDecay] = {};
+  for (int r = 0; r < RB; ++r) decay[r] = m[r] == kNegInf ? kNegInf : m[r] - m_new[r];
+  for (int i = 0; i < kDecay; i += W) Vec::store(decay + i, Vec::exp(Vec::load(decay + i)));
+  for (int r = 0; r < RB; ++r) {
+    if (!seen[r]) {
+      alpha[r] = 1.0f;
+      continue;
+    }
+    alpha[r] = decay[r];
+    const float tile_sum = Vec::hsum(sum[r]);
+    l[r] = l[r] * alpha[r] + tile_sum;
+    // A NaN score (a NaN in q or K) gives NaN probabilities, but x86's max drops NaN operands, so the
+    // max may not show it: make the row's max NaN from then on, or a split that read the NaN could
+    // report a max of -inf and be skipped by the merge.
+    m[r] = (tile_sum != tile_sum || m[r] != m[r]) ? __builtin_nanf("") : m_new[r];
   }
-  *alpha = *m == kNegInf ? 0.0f : ::expf(*m - m_new);
-  const float tile_sum = Vec::hsum(sum);
-  *l = *l * *alpha + tile_sum;
-  // A NaN score (a NaN in q or K) gives NaN probabilities, but x86's max drops NaN operands, so the
-  // max may not show it: make the row's max NaN from then on, or a split that read the NaN could
-  // report a max of -inf and be skipped by the merge.
-  *m = (tile_sum != tile_sum || *m != *m) ? __builtin_nanf("") : m_new;
+}
+
+// softmax_rows over `rows` rows, four at a time
+template <class Visible>
+inline void softmax_tile_rows(float* s, int64_t lds, int rows, int64_t n, Visible visible, float softcap, float* m,
+                              float* l, float* alpha) {
+  int r0 = 0;
+  const auto from = [&](int first) {
+    return [&visible, first](int r, int64_t& lo, int64_t& hi) { visible(first + r, lo, hi); };
+  };
+  for (; r0 + 4 <= rows; r0 += 4)
+    softmax_rows<4>(s + r0 * lds, lds, n, from(r0), softcap, m + r0, l + r0, alpha + r0);
+  switch (rows - r0) {
+    case 3: softmax_rows<3>(s + r0 * lds, lds, n, from(r0), softcap, m + r0, l + r0, alpha + r0); break;
+    case 2: softmax_rows<2>(s + r0 * lds, lds, n, from(r0), softcap, m + r0, l + r0, alpha + r0); break;
+    case 1: softmax_rows<1>(s + r0 * lds, lds, n, from(r0), softcap, m + r0, l + r0, alpha + r0); break;
+    default: break;
+  }
 }
 
 #ifdef VATTN_AMX_BF16
@@ -666,9 +724,15 @@ void run_item_typed(const Call& c, const WorkItem& it, const WorkItem* next_item
       transpose_rows(q + h * head_rows, d, rows, d, qt + h * d * ld_rows, ld_rows);
     }
 
-  // the first tile, up front (its V: from its Q K^T where the requests run half a tile ahead)
-  prefetch_tokens(k_heads + it.k_begin * ldk, ldk, imin(tile, it.k_end - it.k_begin), k_span);
-  if (!half_tile_ahead) prefetch_tokens(v_heads + it.k_begin * ldv, ldv, imin(tile, it.k_end - it.k_begin), v_span);
+  // The first tile, up front (its V: from its Q K^T where the requests run half a tile ahead). A decode
+  // item's go where its loops' requests go (to_l2): its first tile of K and V is up to 128 KiB, more than
+  // such an L1 (32 KiB) holds (docs/kernels.md, "Small warm calls").
+  with_prefetch_hint(to_l2 && !widen, [&](auto hint) {
+    constexpr bool kHint = decltype(hint)::value;
+    prefetch_tokens<T, kHint>(k_heads + it.k_begin * ldk, ldk, imin(tile, it.k_end - it.k_begin), k_span);
+    if (!half_tile_ahead)
+      prefetch_tokens<T, kHint>(v_heads + it.k_begin * ldv, ldv, imin(tile, it.k_end - it.k_begin), v_span);
+  });
   // The thread's next item (the pool claimed it before this one started), where it is a decode item over as
   // many heads: this item's last tile asks for that item's first tile as it would for a tile of its own, so
   // that the requests do not stop between items. Against stopping there, on a 2-core Zen 4 with the K/V from
@@ -780,12 +844,11 @@ void run_item_typed(const Call& c, const WorkItem& it, const WorkItem* next_item
           qk_tiles(q_hi, q_lo, d_pad, rows_pad, reinterpret_cast<const uint32_t*>(k_wide), n, s, kMaxKeyTile);
         }
 #endif
-        for (int r = 0; r < rows; ++r) {
+        softmax_tile_rows(s, kMaxKeyTile, rows, n, [&](int r, int64_t& lo, int64_t& hi) {
           const int64_t pos = first_pos + r / G;
-          const int64_t hi = imin(n, pos + 1 - k0);
-          const int64_t lo = c.window > 0 ? imax(0, pos - c.window + 1 - k0) : 0;
-          softmax_tile(s + r * kMaxKeyTile, n, lo, hi, c.softcap, mh + r, lh + r, alh + r);
-        }
+          hi = imin(n, pos + 1 - k0);
+          lo = c.window > 0 ? imax(0, pos - c.window + 1 - k0) : 0;
+        }, c.softcap, mh, lh, alh);
       }
 #ifdef VATTN_AMX_BF16
       if (tiles) {

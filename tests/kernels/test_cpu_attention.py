@@ -63,6 +63,24 @@ def test_window_softcap_scale(isa: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_short_chunks_whose_rows_see_different_keys(isa: str, dtype: torch.dtype) -> None:
+    """Chunks of 1-3 queries (at most 8 rows a kv head: the decode loop, whose softmax takes a tile's rows
+    four at a time) whose queries straddle key-tile edges (tiles of 8-128 keys end at 63/64 and 127/128),
+    under sliding windows of 1-3 and a soft cap: rows of one block see different keys, and in a tile one
+    row may see none while the rows beside it do. 2 and 3 query heads a kv head put two queries' rows in
+    one block of four."""
+    batch = AttentionBatch([0, 1, 2, 3], [63, 127, 31, 64], [2, 3, 2, 1])
+    for heads_q, heads_kv in ((4, 2), (12, 4), (8, 2)):  # 2, 3 and 4 query heads a kv head
+        case = DenseCase(batch, heads_q, heads_kv, 64, dtype, max_len=140, seed=heads_q)
+        for window, cap in ((1, 0.0), (2, 3.0), (3, 0.0), (0, 0.0)):
+            out, lse = host_attention(case.q, case.k_cache, case.v_cache, batch, k=case.k, v=case.v,
+                                      sliding_window=window, logits_soft_cap=cap, return_lse=True, isa=isa)
+            check(out, lse, reference(case.q, case.keys, case.values, batch, 1 / 8, window, cap),
+                  f"{isa} {dtype} {heads_q}/{heads_kv} window={window} cap={cap}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_long_decodes_split_and_merge(isa: str) -> None:
     """Long contexts are cut into key splits (several per request on a
     multi-core pool) whose partials merge; lengths sit at and around split
