@@ -281,19 +281,10 @@ inline void store_output_row(const TensorRef& out, int64_t token, int64_t head, 
 // start, tokens `ld` elements apart, into L1. A request's tokens are
 // heads * head_dim (per_layer) or layers * heads * head_dim (all_layers)
 // elements apart, a stride the hardware prefetchers follow poorly; requesting
-// the next tile while this one computes keeps many misses in flight. Where
-// the rows lie back to back (an item over every kv head of a per_layer
-// cache) they are one range, asked for line by line without the per-token
-// loop: a small call's first tile is most of its requests.
+// the next tile while this one computes keeps many misses in flight.
 // Prefetches never fault, and these stay inside the request's mapped rows.
 template <class T>
 inline void prefetch_tokens(const T* first, int64_t ld, int64_t n, int64_t bytes) {
-  if (n > 0 && ld * static_cast<int64_t>(sizeof(T)) == bytes) {  // rows back to back: one range
-    const char* end = reinterpret_cast<const char*>(first + n * ld);
-    const char* line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(first) & ~uintptr_t{63});
-    for (; line < end; line += 64) __builtin_prefetch(line, 0, 3);
-    return;
-  }
   for (int64_t t = 0; t < n; ++t) {
     const char* p = reinterpret_cast<const char*>(first + t * ld);
     const char* line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63});
@@ -724,9 +715,8 @@ void run_item_typed(const Call& c, const WorkItem& it, const WorkItem* next_item
       transpose_rows(q + h * head_rows, d, rows, d, qt + h * d * ld_rows, ld_rows);
     }
 
-  // The first tile, up front (its V: from its Q K^T where the requests run half a tile ahead), into L1: into
-  // L2, where the loops' requests go on a core with a 32 KiB L1, small calls from memory read 0.95-0.99x on
-  // the AVX-512 BF16 path of a 2-core Zen 4, against warm gains (docs/kernels.md, "Small warm calls").
+  // The first tile, up front (its V: from its Q K^T where the requests run half a tile ahead), into L1
+  // (docs/kernels.md, "Small warm calls": asked for into L2, or as one range, small calls from memory lost).
   prefetch_tokens(k_heads + it.k_begin * ldk, ldk, imin(tile, it.k_end - it.k_begin), k_span);
   if (!half_tile_ahead) prefetch_tokens(v_heads + it.k_begin * ldv, ldv, imin(tile, it.k_end - it.k_begin), v_span);
   // The thread's next item (the pool claimed it before this one started), where it is a decode item over as
