@@ -294,15 +294,16 @@ inline void prefetch_tokens(const T* first, int64_t ld, int64_t n, int64_t bytes
 
 // ---- online softmax over one tile ---------------------------------------------------
 
-// Rows r < RB of the scores (row r at s + r * lds: its keys k0 .. k0 + n - 1, of which [lo, hi) are
-// visible, visible(r, lo, hi)), each turned into probabilities relative to its new running max (0 outside [lo, hi) and
-// up to the padded width); m[r] and l[r] updated, alpha[r] = e^(m_old - m_new), the factor the row's
-// accumulator is scaled by. The RB rows go through each pass together, so that their dependency chains
-// (the max, the exponentials' sum, the reductions) overlap, and their alphas take one vector exponential
-// instead of a libm call each: one row at a time, a decode tile's softmax waited on each row's chains in
-// turn (about 2.7 ns a key and kv head in a loop of it alone on a 2-core Zen 4, AVX2 path, 8 q / 2 kv
-// heads of 64 and 64-key tiles; 1.5 ns this way). In the kernel the rest of the tile's work hides most
-// of that: the small and warm calls gain (docs/kernels.md, "Small warm calls").
+// Rows r < RB of the scores, row r at s + r * lds: keys k0 .. k0 + n - 1, of which [lo, hi) are visible
+// (visible(r, lo, hi)). Each row turns into probabilities relative to its new running max (0 outside
+// [lo, hi) and up to the padded width); m[r] and l[r] are updated and alpha[r] = e^(m_old - m_new), the
+// factor the row's accumulator is scaled by. The RB rows go through each pass together, so that their
+// dependency chains (the max, the exponentials' sum, the reductions) overlap, and their alphas take one
+// vector exponential instead of a libm call each: one row at a time, a decode tile's softmax waited on
+// each row's chains in turn (about 2.7 ns a key and kv head in a loop of it alone on a 2-core Zen 4, AVX2
+// path, 8 q / 2 kv heads of 64, 64-key tiles; 1.5 ns this way). In the kernel the rest of a tile's work
+// hides most of that: 1-3% faster at some points, within noise at most (docs/kernels.md, "Small warm
+// calls: the softmax of a tile's rows").
 template <int RB, class Visible>
 inline void softmax_rows(float* s, int64_t lds, int64_t n, Visible visible, float softcap, float* m, float* l,
                          float* alpha) {
