@@ -65,11 +65,11 @@ def test_window_softcap_scale(isa: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_short_chunks_whose_rows_see_different_keys(isa: str, dtype: torch.dtype) -> None:
-    """Chunks of 1-3 queries (at most 8 rows a kv head: the decode loop, whose softmax takes a tile's rows
-    four at a time) whose queries straddle key-tile edges (tiles of 8-128 keys end at 63/64 and 127/128),
-    under sliding windows of 1-3 and a soft cap: rows of one block see different keys, and in a tile one
-    row may see none while the rows beside it do. 2 and 3 query heads a kv head put two queries' rows in
-    one block of four."""
+    """Chunks of 1-3 queries whose queries straddle key-tile edges (tiles of 8-128 keys end at 63/64 and
+    127/128), under sliding windows of 1-3 and a soft cap: rows of one block see different keys, and in a
+    tile one row may see none while the rows beside it do. Chunks of at most 8 rows a kv head run the
+    decode loop, whose softmax takes a tile's rows four at a time (3 queries of 3 or 4 query heads a kv
+    head run the prefill path); 2 and 3 query heads a kv head put two queries' rows in one block of four."""
     batch = AttentionBatch([0, 1, 2, 3], [63, 127, 31, 64], [2, 3, 2, 1])
     for heads_q, heads_kv in ((4, 2), (12, 4), (8, 2)):  # 2, 3 and 4 query heads a kv head
         case = DenseCase(batch, heads_q, heads_kv, 64, dtype, max_len=140, seed=heads_q)
