@@ -64,8 +64,8 @@ def build(compiler: str, machine: str, out: Path, link: list[str], scalar_unit: 
     (``scalar_unit``: a source to build in place of kernel_scalar.cpp; ``sanitize``: every object and the
     link with SANITIZERS)."""
     flags = SETUP.isa_flags(machine)
-    common = ["-std=c++17", SANITIZED_OPT if sanitize else "-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers", f"-I{SRC}",
-              f"-I{ROOT / 'tests' / 'kernels'}", *(SANITIZERS if sanitize else ["-Werror"])]
+    common = ["-std=c++17", SANITIZED_OPT if sanitize else "-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers",
+              f"-I{SRC}", f"-I{ROOT / 'tests' / 'kernels'}", *(SANITIZERS if sanitize else ["-Werror"])]
     sources = {u: SRC / f"{u}.cpp" for u in UNITS}
     if scalar_unit is not None:
         sources["kernel_scalar"] = scalar_unit
