@@ -57,7 +57,8 @@ import time
 from typing import Any
 
 import torch
-from harness import describe_ratio, machine, machine_slug, pyplot, ratio_summary, round_order, save_plot, write_json
+from harness import (ROOT, describe_ratio, git_revision, machine, machine_slug, pyplot, ratio_summary, round_order,
+                     save_plot, write_json)
 
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
@@ -242,7 +243,8 @@ def main() -> int:
     m = machine()
     name = f"engine_e2e_{args.tag + '_' if args.tag else ''}{machine_slug(m)}"
     path = write_json(name, {
-        "benchmark": "engine_e2e", "machine": m, "model": "tiny" if args.tiny else "Llama-3.2-1B shape, random weights",
+        "benchmark": "engine_e2e", "revision": git_revision(ROOT), "machine": m,
+        "model": "tiny" if args.tiny else "Llama-3.2-1B shape, random weights",
         "config": shape, "device": str(device), "dtype": args.dtype, "requests": args.requests, "batch": args.batch,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "rounds": args.rounds, "aa": args.aa,
         "order": "every cache once per round, the order reversed every other round",
