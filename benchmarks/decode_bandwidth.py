@@ -20,7 +20,14 @@ the last-level cache where that is larger: on a 2-core Zen 4 (32 MiB of L3) a
 64 MiB flush left part of a point's K/V in the L3, whose replacement keeps
 lines that were read before against a stream of new ones; the plain read of
 1-8 MiB ran 15-36 GB/s "cold" there against 9-17 GB/s after 256 MiB.
-The read runs twice a round (``read-again``: the A/A pair). Reported per point:
+The read runs twice a round (``read-again``: the A/A pair). Two more reads load
+the same bytes in the order a decode item of the kernel does (tiles of
+``--tile-kib`` KiB of K; in each, every head's K rows head by head, then its V
+rows): ``by-head`` with no requests (the hardware prefetchers alone) and
+``by-head-requested`` asking for lines ahead as the kernel's decode loops do
+(half a tile ahead for 16-bit caches, a whole tile for fp32; into L2 where the
+kernel's info() says its requests go there): how much of the decode's gap to
+the plain read the order of its loads explains. Reported per point:
 median, min and max microseconds of each, the GB/s of the medians, and the
 decode's share of the read bandwidth (read time / decode time; the goal is at
 least 2/3), of the medians and within each round (median and 95% bootstrap
@@ -45,7 +52,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from attention_ab import Case, model_shape
@@ -90,6 +97,9 @@ def build_probe(isa: str, out: Path) -> ctypes.CDLL:
     probe.kv_read.restype = ctypes.c_int64
     probe.kv_read.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
                               ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    probe.kv_read_by_head.restype = ctypes.c_int64
+    probe.kv_read_by_head.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
+                                      ctypes.POINTER(ctypes.c_int64), *[ctypes.c_int64] * 6, ctypes.c_int, ctypes.c_int]
     if probe.kv_read_vector_bytes() != vector_bytes:
         raise SystemExit(f"the {isa} probe loads {probe.kv_read_vector_bytes()}-byte vectors, not {vector_bytes}")
     return probe
@@ -100,9 +110,24 @@ def spread(seconds: list[float]) -> dict[str, float]:
     return {k: round(f(seconds) * 1e6, 2) for k, f in (("median", statistics.median), ("min", min), ("max", max))}
 
 
+def default_tile_kib(isa: str) -> int:
+    """KiB of K per tile of a narrow decode item (a token's K rows of at most 2 KiB) on ``isa``'s path:
+    16 on 8-float vectors, 64 on 16-float ones (run_item_typed, csrc/cpu_attn/kernel_impl.h)."""
+    return 16 if PROBE_UNIT[isa][1] == 32 else 64
+
+
+def tile_tokens(tile_kib: int, token_bytes: int) -> int:
+    """Tokens per decode tile of at most ``tile_kib`` KiB of K: a power of two from 8 to 128 (key_tile,
+    csrc/cpu_attn/cpu_attn.h)."""
+    tokens = 128
+    while tokens > 8 and tokens * token_bytes > tile_kib << 10:
+        tokens //= 2
+    return tokens
+
+
 def measure(probe: ctypes.CDLL, isa: str, batch: int, ctx: int, dtype: torch.dtype, shape: tuple[int, int, int],
-            flush: torch.Tensor, rounds: int) -> dict[str, Any]:
-    """One point: the probe's read and the kernel's decode on ``isa``, cold and warm, alternated."""
+            flush: torch.Tensor, rounds: int, tile_kib: int) -> dict[str, Any]:
+    """One point: the probe's reads and the kernel's decode on ``isa``, cold and warm, alternated."""
     case = Case("decode", "per_layer", batch, ctx, 1, "cpu", dtype, [], shape)
     try:
         b, k, v = case.batch, case.k_cache, case.v_cache
@@ -114,6 +139,10 @@ def measure(probe: ctypes.CDLL, isa: str, batch: int, ctx: int, dtype: torch.dty
         v_rows = (ctypes.c_void_p * batch)(*[v[r].data_ptr() for r in b.reqids])
         tokens = (ctypes.c_int64 * batch)(*seq_lens)
         token_stride = k.stride(1) * k.element_size()
+        heads, head_bytes, head_stride = k.shape[2], k.shape[3] * k.element_size(), k.stride(2) * k.element_size()
+        tile = tile_tokens(tile_kib, row_bytes)
+        ahead = 1 if k.element_size() < 4 else 2  # the kernel's decode: half a tile ahead for 16-bit K/V
+        to_l2 = int(_cpu_attn.info()["decode_prefetch"] == "l2")
         plan = _cpu_attn.Plan(list(b.reqids), list(b.cached_lens), list(b.query_lens))
         out = torch.empty_like(case.q)
         args = (plan, to_dlpack(case.q), to_dlpack(k), to_dlpack(v), to_dlpack(out), None, None, None,
@@ -126,7 +155,13 @@ def measure(probe: ctypes.CDLL, isa: str, batch: int, ctx: int, dtype: torch.dty
         def read() -> None:
             probe.kv_read(k_rows, v_rows, tokens, batch, token_stride, row_bytes)
 
-        sides = {"read": read, "decode": decode, "read-again": read}  # the read twice: the A/A pair
+        def by_head(requests_ahead: int) -> Callable[[], None]:
+            return lambda: probe.kv_read_by_head(k_rows, v_rows, tokens, batch, token_stride, heads, head_stride,
+                                                 head_bytes, tile, requests_ahead, to_l2)
+
+        # the read twice: the A/A pair
+        sides = {"read": read, "by-head": by_head(0), "by-head-requested": by_head(ahead), "decode": decode,
+                 "read-again": read}
         for call in sides.values():
             call()
         cold: dict[str, list[float]] = {s: [] for s in sides}
@@ -142,13 +177,19 @@ def measure(probe: ctypes.CDLL, isa: str, batch: int, ctx: int, dtype: torch.dty
                 warm[side].append(time.perf_counter() - t)
         kv_bytes = 2 * sum(seq_lens) * row_bytes
         row: dict[str, Any] = {"batch": batch, "ctx": ctx, "dtype": str(dtype).removeprefix("torch."),
-                               "kv_bytes": kv_bytes, "rounds": rounds}
+                               "kv_bytes": kv_bytes, "rounds": rounds, "tile_tokens": tile,
+                               "requests_ahead": ["none", "half a tile", "a whole tile"][ahead],
+                               "requests_to": "l2" if to_l2 else "l1"}
         for temp, times in (("cold", cold), ("warm", warm)):
             us = {s: spread(times[s]) for s in sides}
             row[temp] = {"us": us, "gb_per_s": {s: round(kv_bytes / us[s]["median"] / 1e3, 2) for s in sides},
                          "decode_share": round(us["read"]["median"] / us["decode"]["median"], 3),
                          # within each round: read time / decode time, and the A/A pair read / read-again
                          "decode_share_per_round": ratio_summary([r / d for r, d in zip(times["read"], times["decode"])]),
+                         # the decode's order against the address order, within each round: read / by-head
+                         "by_head_share_per_round": {
+                             s: ratio_summary([r / b for r, b in zip(times["read"], times[s])])
+                             for s in ("by-head", "by-head-requested")},
                          "read_aa_per_round": ratio_summary([r / a for r, a in zip(times["read"], times["read-again"])])}
         return row
     finally:
@@ -192,6 +233,9 @@ def main() -> None:
     p.add_argument("--flush-mb", type=int, default=default_flush_mb(),
                    help="MiB written before each cold call (default: 256, or 8 x the last-level cache if larger)")
     p.add_argument("--rounds", type=int, default=100, help="rounds per point")
+    p.add_argument("--tile-kib", type=int, default=None,
+                   help="KiB of K per tile of the by-head reads (default: a narrow decode item's on each path, "
+                        "16 on AVX2, 64 on AVX-512)")
     p.add_argument("--tag", default="", help="names the result files decode_bandwidth_<isa>_<tag>_<machine>.*")
     p.add_argument("--replot", action="store_true", help="only redraw the plots from this machine's JSON")
     args = p.parse_args()
@@ -218,7 +262,8 @@ def main() -> None:
             probe = build_probe(isa, Path(tmp))
             rows = []
             for batch, ctx, dtype in points:
-                row = measure(probe, isa, batch, ctx, getattr(torch, dtype), shape, flush, args.rounds)
+                row = measure(probe, isa, batch, ctx, getattr(torch, dtype), shape, flush, args.rounds,
+                              args.tile_kib or default_tile_kib(isa))
                 rows.append(row)
                 print(f"[{time.perf_counter() - started:5.0f}s] {isa:11s} {dtype:8s} B={batch:<3d} ctx={ctx:<6d} "
                       + "  ".join(f"{t} read {row[t]['gb_per_s']['read']:6.1f} decode {row[t]['gb_per_s']['decode']:6.1f}"
@@ -226,6 +271,9 @@ def main() -> None:
                 for t in ("cold", "warm"):
                     print("    " + describe_ratio(f"{t} share per round", row[t]["decode_share_per_round"])
                           + "; " + describe_ratio("A/A read / read-again", row[t]["read_aa_per_round"]), flush=True)
+                    print(f"    {t} by head {row[t]['gb_per_s']['by-head']:.1f} GB/s, requested "
+                          f"{row[t]['gb_per_s']['by-head-requested']:.1f} GB/s ({row['tile_tokens']}-token tiles)",
+                          flush=True)
             payload = {
                 "benchmark": "decode_bandwidth",
                 "machine": machine(),
@@ -238,7 +286,10 @@ def main() -> None:
                 "unit": "us per call (median, min, max over rounds); GB/s of the medians; decode_share: read time / "
                         "decode time of the medians (1: the decode reads as fast as a plain read); "
                         "decode_share_per_round: the same within each round, median and 95% bootstrap interval; "
-                        "read_aa_per_round: the read against itself (read / read-again), the A/A pair",
+                        "read_aa_per_round: the read against itself (read / read-again), the A/A pair; "
+                        "by-head, by-head-requested: the same bytes read in a decode item's order (tile_tokens), "
+                        "without and with requests ahead (requests_ahead, into requests_to); "
+                        "by_head_share_per_round: read time / that read's time within each round",
                 "results": rows,
             }
             name = result_name(isa, args.tag)
@@ -253,8 +304,12 @@ def plot(payload: dict, name: str) -> None:
     labels = [point_label(r) for r in rows]
     xs = range(len(rows))
     fig, (bw, share) = plt.subplots(1, 2, figsize=(max(9, 1.6 * len(rows)), 4))
-    for i, (temp, side) in enumerate((("cold", "read"), ("cold", "decode"), ("warm", "read"), ("warm", "decode"))):
-        bw.bar([x - 0.3 + 0.2 * i for x in xs], [r[temp]["gb_per_s"][side] for r in rows], 0.2,
+    # the reads in the decode's order where the file has them (runs before they were added do not)
+    bars = [("cold", "read"), *[("cold", s) for s in ("by-head", "by-head-requested") if s in rows[0]["cold"]["gb_per_s"]],
+            ("cold", "decode"), ("warm", "read"), ("warm", "decode")]
+    width = 0.8 / len(bars)
+    for i, (temp, side) in enumerate(bars):
+        bw.bar([x - 0.4 + width * (i + 0.5) for x in xs], [r[temp]["gb_per_s"][side] for r in rows], width,
                label=f"{side} ({temp})")
     bw.set_xticks(list(xs), labels, fontsize=7)
     bw.set_ylabel("GB/s of K/V (medians)")

@@ -3,7 +3,9 @@ times beside the kernel's decode: built with setup.py's flags of each x86
 kernel unit this CPU runs, it loads vectors of that unit's width and reads
 every byte of every request's K and V rows exactly once (its result, the XOR of
 the words it read, is the XOR of the words it was given: a byte missed or read
-twice changes it), for contiguous and strided rows of any length."""
+twice changes it), for contiguous and strided rows of any length; and so does
+its read in a decode item's order (kv_read_by_head), head by head in tiles,
+with and without requests ahead."""
 
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ def isa_flags() -> dict[str, list[str]]:
     return load_setup().isa_flags(platform.machine())
 
 
-@pytest.fixture(params=BUILDS, ids=[b[1] for b in BUILDS])
-def probe(request, tmp_path) -> tuple[ctypes.CDLL, int]:
+@pytest.fixture(scope="module", params=BUILDS, ids=[b[1] for b in BUILDS])
+def probe(request, tmp_path_factory) -> tuple[ctypes.CDLL, int]:
     unit, isa, vector_bytes = request.param
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip(f"needs an x86-64 CPU: the probe's vector widths are x86's, this is {platform.machine()}")
@@ -39,7 +41,7 @@ def probe(request, tmp_path) -> tuple[ctypes.CDLL, int]:
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("needs g++: the probe is built per ISA with the kernel's flags")
-    library = tmp_path / f"probe_{isa}.so"
+    library = tmp_path_factory.mktemp("probe") / f"probe_{isa}.so"
     flags = isa_flags().get(unit, []) if unit else []
     proc = subprocess.run([cxx, "-std=c++17", "-O2", "-Wall", "-Werror", "-shared", "-fPIC", *flags, str(PROBE),
                            "-o", str(library)], capture_output=True, text=True)
@@ -48,6 +50,9 @@ def probe(request, tmp_path) -> tuple[ctypes.CDLL, int]:
     lib.kv_read.restype = ctypes.c_int64
     lib.kv_read.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
                             ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    lib.kv_read_by_head.restype = ctypes.c_int64
+    lib.kv_read_by_head.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
+                                    ctypes.POINTER(ctypes.c_int64), *[ctypes.c_int64] * 6, ctypes.c_int, ctypes.c_int]
     return lib, vector_bytes
 
 
@@ -56,16 +61,47 @@ def probe(request, tmp_path) -> tuple[ctypes.CDLL, int]:
 def test_reads_every_byte_of_every_row_once(probe, row_words: int, stride_words: int) -> None:
     lib, vector_bytes = probe
     assert lib.kv_read_vector_bytes() == vector_bytes
-    gen = torch.Generator().manual_seed(row_words * 1000 + stride_words)
-    tokens = [1, 7, 33, 130]
-    k = torch.randint(-2**31, 2**31 - 1, (len(tokens), 130, stride_words), dtype=torch.int32, generator=gen)
-    v = torch.randint(-2**31, 2**31 - 1, (len(tokens), 130, stride_words), dtype=torch.int32, generator=gen)
+    k, v = random_cache(row_words * 1000 + stride_words, stride_words)
+    expected = xor_of(k, v, [slice(0, row_words)])
+    assert lib.kv_read(*rows_of(k, v), len(TOKENS), stride_words * 4, row_words * 4) == expected
+
+
+TOKENS = [1, 7, 33, 130]  # tokens of each request: under, at and over a tile's, and a partial last tile
+
+
+def random_cache(seed: int, stride_words: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of len(TOKENS) requests, 130 tokens of stride_words random words each."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(-2**31, 2**31 - 1, (len(TOKENS), 130, stride_words), dtype=torch.int32, generator=gen)
+                 for _ in range(2))
+
+
+def xor_of(k: torch.Tensor, v: torch.Tensor, words: list[slice]) -> int:
+    """The XOR of the given words of each request's first TOKENS[r] tokens of K and V."""
     expected = 0
     for t in (k, v):
-        for r, n in enumerate(tokens):
-            for word in t[r, :n, :row_words].flatten().tolist():
-                expected ^= word & 0xFFFFFFFF
-    k_rows = (ctypes.c_void_p * len(tokens))(*[k[r].data_ptr() for r in range(len(tokens))])
-    v_rows = (ctypes.c_void_p * len(tokens))(*[v[r].data_ptr() for r in range(len(tokens))])
-    counts = (ctypes.c_int64 * len(tokens))(*tokens)
-    assert lib.kv_read(k_rows, v_rows, counts, len(tokens), stride_words * 4, row_words * 4) == expected
+        for r, n in enumerate(TOKENS):
+            for w in words:
+                for word in t[r, :n, w].flatten().tolist():
+                    expected ^= word & 0xFFFFFFFF
+    return expected
+
+
+def rows_of(k: torch.Tensor, v: torch.Tensor) -> tuple:
+    return ((ctypes.c_void_p * len(TOKENS))(*[k[r].data_ptr() for r in range(len(TOKENS))]),
+            (ctypes.c_void_p * len(TOKENS))(*[v[r].data_ptr() for r in range(len(TOKENS))]),
+            (ctypes.c_int64 * len(TOKENS))(*TOKENS))
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 2], ids=["no-requests", "half-a-tile", "a-whole-tile"])
+@pytest.mark.parametrize("heads,head_words,head_stride_words,tile_tokens,to_l2",
+                         [(2, 32, 32, 8, 1), (2, 25, 40, 32, 0), (4, 16, 16, 128, 1), (1, 64, 64, 4, 0)],
+                         ids=["2-heads", "2-strided-heads-tail", "4-heads-one-tile", "1-head"])
+def test_the_decode_order_reads_every_head_row_once(probe, heads: int, head_words: int, head_stride_words: int,
+                                                    tile_tokens: int, ahead: int, to_l2: int) -> None:
+    lib, _ = probe
+    stride_words = heads * head_stride_words + 3  # tokens further apart than their heads
+    k, v = random_cache(heads * 1000 + head_words, stride_words)
+    expected = xor_of(k, v, [slice(h * head_stride_words, h * head_stride_words + head_words) for h in range(heads)])
+    assert lib.kv_read_by_head(*rows_of(k, v), len(TOKENS), stride_words * 4, heads, head_stride_words * 4,
+                               head_words * 4, tile_tokens, ahead, to_l2) == expected
