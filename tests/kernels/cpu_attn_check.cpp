@@ -102,12 +102,21 @@ int run_case(std::mt19937_64& rng, int index, int64_t max_cached, int64_t max_kv
   // cache [num_reqids, L, Hkv, D] inside a buffer of `layers` layers: token stride layers * Hkv * D
   const int64_t token_stride = layers * Hkv * D, slice_stride = L * token_stride;
   const int64_t layer_offset = all_layers ? Hkv * D : 0;
+  // NaN wherever the call must not read: the other layers' rows, the rows past each request's new tokens and
+  // the slice no request holds (under vattn such rows may be unmapped); a NaN read there reaches the output
   Store kbuf(dtype, num_reqids * slice_stride), vbuf(dtype, num_reqids * slice_stride);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
   for (size_t i = 0; i < kbuf.bytes.size() / (dtype == DType::kF32 ? 4 : 2); ++i) {
-    kbuf.set(i, normal(rng));
-    vbuf.set(i, normal(rng));
+    kbuf.set(i, NAN);
+    vbuf.set(i, NAN);
   }
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t i = 0; i < nreq; ++i)  // the cached history; the call writes the new rows
+    for (int64_t t = 0; t < cached[i]; ++t)
+      for (int64_t e = 0; e < Hkv * D; ++e) {
+        const size_t at = static_cast<size_t>(reqids[i] * slice_stride + t * token_stride + layer_offset + e);
+        kbuf.set(at, normal(rng));
+        vbuf.set(at, normal(rng));
+      }
   Store q(dtype, T * Hq * D), knew(dtype, T * Hkv * D), vnew(dtype, T * Hkv * D);
   for (int64_t i = 0; i < T * Hq * D; ++i) q.set(i, normal(rng));
   for (int64_t i = 0; i < T * Hkv * D; ++i) {
@@ -149,29 +158,37 @@ int run_case(std::mt19937_64& rng, int index, int64_t max_cached, int64_t max_kv
                         vnew.data() + ((start + j) * Hkv * D + h * D + x) * (dtype == DType::kF32 ? 4 : 2),
                         dtype == DType::kF32 ? 4 : 2);
           }
+      // the request's K and V rows of each kv head in double, once (not converted again for every query)
+      const int64_t seq = cached[i] + qlens[i];
+      std::vector<double> kd(Hkv * seq * D), vd(Hkv * seq * D), qd(D), s(seq), o(D);
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t t = 0; t < seq; ++t)
+          for (int64_t x = 0; x < D; ++x) {
+            kd[(h * seq + t) * D + x] = kref.get(cache_index(reqids[i], t, h, x));
+            vd[(h * seq + t) * D + x] = vref.get(cache_index(reqids[i], t, h, x));
+          }
       for (int64_t j = 0; j < qlens[i]; ++j) {
         const int64_t pos = cached[i] + j;
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
         for (int64_t hq = 0; hq < Hq; ++hq) {
-          const int64_t h = hq / G;
-          std::vector<double> s(pos + 1 - lo);
+          const double* kh = kd.data() + hq / G * seq * D;
+          const double* vh = vd.data() + hq / G * seq * D;
+          for (int64_t x = 0; x < D; ++x)
+            qd[x] = static_cast<double>(static_cast<float>(q.get((start + j) * Hq * D + hq * D + x)) * scale);
           double m = -INFINITY;
           for (int64_t t = lo; t <= pos; ++t) {
             double dot = 0;
-            for (int64_t x = 0; x < D; ++x)
-              dot += static_cast<double>(static_cast<float>(q.get((start + j) * Hq * D + hq * D + x)) * scale) *
-                     kref.get(cache_index(reqids[i], t, h, x));
+            for (int64_t x = 0; x < D; ++x) dot += qd[x] * kh[t * D + x];
             if (softcap > 0) dot = softcap * std::tanh(dot / softcap);
-            s[t - lo] = dot;
+            s[t] = dot;
             m = std::max(m, dot);
           }
           double l = 0;
-          for (double& e : s) l += (e = std::exp(e - m));
-          for (int64_t x = 0; x < D; ++x) {
-            double o = 0;
-            for (int64_t t = lo; t <= pos; ++t) o += s[t - lo] * vref.get(cache_index(reqids[i], t, h, x));
-            want[(start + j) * Hq * D + hq * D + x] = o / l;
-          }
+          for (int64_t t = lo; t <= pos; ++t) l += (s[t] = std::exp(s[t] - m));
+          std::fill(o.begin(), o.end(), 0.0);
+          for (int64_t t = lo; t <= pos; ++t)  // each output element summed over t in order, as a dot product
+            for (int64_t x = 0; x < D; ++x) o[x] += s[t] * vh[t * D + x];
+          for (int64_t x = 0; x < D; ++x) want[(start + j) * Hq * D + hq * D + x] = o[x] / l;
           want_lse[(start + j) * Hq + hq] = m + std::log(l);
         }
       }
