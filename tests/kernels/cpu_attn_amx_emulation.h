@@ -94,20 +94,28 @@ inline void emulated_dpbf16ps(int c, int a, int b) {
   const int m_rows = tile_rows(c), n_cols = tile_colsb(c) / 4, k_pairs = tile_colsb(a) / 4;
   if (tile_rows(a) != m_rows || tile_rows(b) != k_pairs || tile_colsb(b) != tile_colsb(c))
     tile_fault("tdpbf16ps shapes disagree (A rows = C rows, B rows = A colsb / 4, B colsb = C colsb)");
-  for (int m = 0; m < m_rows; ++m)
+  // the inputs read once (a product of 16 x 16 tiles reads each element 16 times), the same fmaf sequence
+  EmulatedTiles& tiles = emulated_tiles;
+  float bt[16][16][2];  // [n][k]: column n of B as pairs
+  for (int k = 0; k < k_pairs; ++k)
+    for (int n = 0; n < n_cols; ++n)
+      for (int i = 0; i < 2; ++i) bt[n][k][i] = bf16_input(tiles.data[b][k] + 4 * n + 2 * i);
+  for (int m = 0; m < m_rows; ++m) {
+    float at[16][2];
+    for (int k = 0; k < k_pairs; ++k)
+      for (int i = 0; i < 2; ++i) at[k][i] = bf16_input(tiles.data[a][m] + 4 * k + 2 * i);
     for (int n = 0; n < n_cols; ++n) {
       float acc;
-      memcpy(&acc, emulated_tiles.data[c][m] + 4 * n, 4);
+      memcpy(&acc, tiles.data[c][m] + 4 * n, 4);
       for (int k = 0; k < k_pairs; ++k) {
-        const unsigned char* x = emulated_tiles.data[a][m] + 4 * k;
-        const unsigned char* y = emulated_tiles.data[b][k] + 4 * n;
-        acc = fmaf(bf16_input(x), bf16_input(y), acc);
-        acc = fmaf(bf16_input(x + 2), bf16_input(y + 2), acc);
+        acc = fmaf(at[k][0], bt[n][k][0], acc);
+        acc = fmaf(at[k][1], bt[n][k][1], acc);
       }
       if (fabsf(acc) < 1.17549435e-38f) acc = copysignf(0.0f, acc);  // results flushed to zero
-      memcpy(emulated_tiles.data[c][m] + 4 * n, &acc, 4);
-      ++vattn_amx_emulated_products;
+      memcpy(tiles.data[c][m] + 4 * n, &acc, 4);
     }
+  }
+  vattn_amx_emulated_products += m_rows * n_cols;
 }
 
 #define _tile_loadconfig(config) emulated_loadconfig(config)
