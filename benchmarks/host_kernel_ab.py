@@ -126,7 +126,7 @@ def twin_outputs(like: torch.Tensor, n: int) -> list[torch.Tensor]:
     """``n`` disjoint tensors shaped like ``like`` whose addresses agree modulo 4 KiB, 2 KiB away from
     ``like``'s: each side's output relates alike to the query and the cache it reads. Outputs taken one
     after the other from the allocator sit at different page offsets, and for calls of a few microseconds
-    with the K/V warm that alone read up to 1.13x between two equal builds (the side with the later
+    with the K/V warm that alone read 1.00-1.13x between two equal builds (the side with the later
     allocation faster)."""
     page, size = 4096, like.numel() * like.element_size()
     stride = -(-size // page) * page  # bytes from one output to the next: whole pages
