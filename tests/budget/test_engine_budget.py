@@ -49,13 +49,14 @@ def test_two_engines_in_two_processes_share_one_budget(budget_name):
         while any(p.poll() is None for p in engines):
             held = budget.held_bytes
             peak = max(peak, held)
-            # The limit is a live setting: twice, 2 page ids for 0.5 s (a request needs up to 3), then back.
-            # A window opens while the engines hold 4 ids or more, 1 s or more after the last opened: requests
-            # are running then, so the lowered limit preempts one, not only refuses newcomers (windows set
-            # by the clock alone met the engines between requests under a loaded machine's timing).
+            # The limit is a live setting: up to six times, 2 page ids for 0.5 s (a request needs up to 3), then
+            # back. A window opens while the engines hold 4 ids or more, 1 s or more after the last opened:
+            # requests are running then, so the lowered limit preempts one, not only refuses newcomers (windows
+            # set by the clock alone met the engines between requests under a loaded machine's timing; with at
+            # most two windows, one run on a loaded 2-core VM opened one, which refused but preempted nothing).
             now = time.monotonic()
             low = bool(lows) and now - lows[-1] < 0.5
-            if not low and len(lows) < 2 and held >= 4 * ID_BYTES and (not lows or now - lows[-1] >= 1.0):
+            if not low and len(lows) < 6 and held >= 4 * ID_BYTES and (not lows or now - lows[-1] >= 1.0):
                 lows.append(now)
                 low = True
             if low != (budget.limit < limit):
