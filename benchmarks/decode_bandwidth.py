@@ -97,6 +97,8 @@ def build_probe(isa: str, out: Path) -> ctypes.CDLL:
     probe.kv_read.restype = ctypes.c_int64
     probe.kv_read.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
                               ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    probe.kv_decode_tile_tokens.restype = ctypes.c_int64
+    probe.kv_decode_tile_tokens.argtypes = [ctypes.c_int64, ctypes.c_int64]
     probe.kv_read_by_head.restype = ctypes.c_int64
     probe.kv_read_by_head.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
                                       ctypes.POINTER(ctypes.c_int64), *[ctypes.c_int64] * 6, ctypes.c_int, ctypes.c_int]
@@ -116,15 +118,6 @@ def default_tile_kib(isa: str) -> int:
     return 16 if PROBE_UNIT[isa][1] == 32 else 64
 
 
-def tile_tokens(tile_kib: int, token_bytes: int) -> int:
-    """Tokens per decode tile of at most ``tile_kib`` KiB of K: a power of two from 8 to 128 (key_tile,
-    csrc/cpu_attn/cpu_attn.h)."""
-    tokens = 128
-    while tokens > 8 and tokens * token_bytes > tile_kib << 10:
-        tokens //= 2
-    return tokens
-
-
 def measure(probe: ctypes.CDLL, isa: str, batch: int, ctx: int, dtype: torch.dtype, shape: tuple[int, int, int],
             flush: torch.Tensor, rounds: int, tile_kib: int) -> dict[str, Any]:
     """One point: the probe's reads and the kernel's decode on ``isa``, cold and warm, alternated."""
@@ -140,7 +133,7 @@ def measure(probe: ctypes.CDLL, isa: str, batch: int, ctx: int, dtype: torch.dty
         tokens = (ctypes.c_int64 * batch)(*seq_lens)
         token_stride = k.stride(1) * k.element_size()
         heads, head_bytes, head_stride = k.shape[2], k.shape[3] * k.element_size(), k.stride(2) * k.element_size()
-        tile = tile_tokens(tile_kib, row_bytes)
+        tile = probe.kv_decode_tile_tokens(row_bytes, tile_kib << 10)  # the kernel's key_tile
         ahead = 1 if k.element_size() < 4 else 2  # the kernel's decode: half a tile ahead for 16-bit K/V
         to_l2 = int(_cpu_attn.info()["decode_prefetch"] == "l2")
         plan = _cpu_attn.Plan(list(b.reqids), list(b.cached_lens), list(b.query_lens))

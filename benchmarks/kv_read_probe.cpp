@@ -11,6 +11,7 @@
 #include <cstring>
 #include <initializer_list>
 
+#include "../csrc/cpu_attn/cpu_attn.h"  // key_tile: the decode's tiles, for kv_read_by_head's order
 #include "probe_vector.h"
 
 namespace {
@@ -79,6 +80,12 @@ int64_t kv_read(const char* const* k, const char* const* v, const int64_t* token
   return fold(acc, tail);
 }
 
+// Tokens per tile of a decode item whose K rows take token_bytes a token, with at most max_bytes of K a
+// tile: the kernel's own rule (key_tile, csrc/cpu_attn/cpu_attn.h).
+int64_t kv_decode_tile_tokens(int64_t token_bytes, int64_t max_bytes) {
+  return vattn::cpu_attn::key_tile(1, token_bytes, max_bytes);
+}
+
 // Reads the same rows as kv_read, per head: for each request r < requests, head h < heads of each token
 // t < tokens[r] is the head_bytes bytes at t * token_stride_bytes + h * head_stride_bytes from k[r] (and
 // v[r]). The order is a host-kernel decode item's over all of a request's heads: tiles of tile_tokens
@@ -99,15 +106,12 @@ int64_t kv_read_by_head(const char* const* k, const char* const* v, const int64_
   const auto row = [&](const char* base, int64_t t, int64_t h) {
     return base + t * token_stride_bytes + h * head_stride_bytes;
   };
-  const auto tile_up_front = [&](int64_t r) {
-    const int64_t n = tokens[r] < tile_tokens ? tokens[r] : tile_tokens;
-    for (int64_t t = 0; t < n; ++t)
+  if (ahead != 0 && requests > 0)  // the first request's first tile, up front
+    for (int64_t t = 0; t < tokens[0] && t < tile_tokens; ++t)
       for (int64_t h = 0; h < heads; ++h) {
-        request(row(k[r], t, h), head_bytes, false);
-        if (ahead == 2) request(row(v[r], t, h), head_bytes, false);
+        request(row(k[0], t, h), head_bytes, false);
+        if (ahead == 2) request(row(v[0], t, h), head_bytes, false);
       }
-  };
-  if (ahead != 0 && requests > 0) tile_up_front(0);
   for (int64_t r = 0; r < requests; ++r)
     for (int64_t t0 = 0; t0 < tokens[r]; t0 += tile_tokens) {
       const int64_t n = tokens[r] - t0 < tile_tokens ? tokens[r] - t0 : tile_tokens;

@@ -50,6 +50,8 @@ def probe(request, tmp_path_factory) -> tuple[ctypes.CDLL, int]:
     lib.kv_read.restype = ctypes.c_int64
     lib.kv_read.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
                             ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    lib.kv_decode_tile_tokens.restype = ctypes.c_int64
+    lib.kv_decode_tile_tokens.argtypes = [ctypes.c_int64, ctypes.c_int64]
     lib.kv_read_by_head.restype = ctypes.c_int64
     lib.kv_read_by_head.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
                                     ctypes.POINTER(ctypes.c_int64), *[ctypes.c_int64] * 6, ctypes.c_int, ctypes.c_int]
@@ -105,3 +107,12 @@ def test_the_decode_order_reads_every_head_row_once(probe, heads: int, head_word
     expected = xor_of(k, v, [slice(h * head_stride_words, h * head_stride_words + head_words) for h in range(heads)])
     assert lib.kv_read_by_head(*rows_of(k, v), len(TOKENS), stride_words * 4, heads, head_stride_words * 4,
                                head_words * 4, tile_tokens, ahead, to_l2) == expected
+
+
+def test_the_decode_tiles_are_the_kernels(probe) -> None:
+    # powers of two from 8 to 128 tokens under the bytes of K a tile may take (key_tile)
+    lib, _ = probe
+    assert lib.kv_decode_tile_tokens(256, 16 << 10) == 64  # 2 kv heads of 64 in bf16, AVX2's narrow tiles
+    assert lib.kv_decode_tile_tokens(256, 64 << 10) == 128  # capped at 128 tokens
+    assert lib.kv_decode_tile_tokens(512, 16 << 10) == 32
+    assert lib.kv_decode_tile_tokens(8192, 16 << 10) == 8  # never under 8
