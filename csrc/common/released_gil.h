@@ -22,8 +22,9 @@ class ReleasedGil {
   ReleasedGil() : state_(PyEval_SaveThread()) {}
   ReleasedGil(const ReleasedGil&) = delete;
   ReleasedGil& operator=(const ReleasedGil&) = delete;
-  // noexcept(false): the unwinding passes through, also while the call's own exception unwinds
-  // (tests/core/test_threads_at_exit.py, "raising")
+  // noexcept(false): the unwinding passes through. Not while the call's own exception unwinds: a
+  // second unwinding begun in a destructor that the first runs ends in std::terminate whatever this
+  // declares (tests/core/test_threads_at_exit.py, "raising", aborts now and then; docs/design.md)
   ~ReleasedGil() noexcept(false) { PyEval_RestoreThread(state_); }
 
  private:
