@@ -18,7 +18,7 @@
 
 namespace py = pybind11;
 using namespace vattn::cpu_attn;
-using vattn::ReleasedGil;
+using vattn::without_gil;
 
 namespace {
 
@@ -92,11 +92,9 @@ std::string attention_binding(const BatchPlan& plan, py::handle q, py::handle k_
   call.softcap = static_cast<float>(softcap);
   call.window = window;
   const Isa wanted = isa_arg(isa);
-  Isa used;
-  {
-    ReleasedGil released;
-    used = attention(plan, call, k.is_none() ? nullptr : &k_ref, v.is_none() ? nullptr : &v_ref, wanted);
-  }
+  const TensorRef* k_in = k.is_none() ? nullptr : &k_ref;
+  const TensorRef* v_in = v.is_none() ? nullptr : &v_ref;
+  const Isa used = without_gil([&] { return attention(plan, call, k_in, v_in, wanted); });
   return isa_name(used);
 }
 

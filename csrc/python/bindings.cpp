@@ -171,8 +171,7 @@ template <typename Op>
 auto on_page_range(Op op) {
   return [op](VmmBackend& b, uint32_t first, uint32_t count) {
     auto ids = page_range(b, first, count);
-    ReleasedGil released;
-    (b.*op)(ids.data(), ids.size());
+    without_gil([&] { (b.*op)(ids.data(), ids.size()); });
   };
 }
 
@@ -202,8 +201,7 @@ auto per_reqid_call(Method method, const char* api, const char* values_name) {
     read_ints(values_obj, values_name, values);
     if (values.size() != reqids.size())
       throw std::invalid_argument(std::string(api) + ": reqids and " + values_name + " must have equal lengths");
-    ReleasedGil released;
-    (pm.*method)(reqids.data(), values.data(), reqids.size());
+    without_gil([&] { (pm.*method)(reqids.data(), values.data(), reqids.size()); });
   };
 }
 
@@ -330,18 +328,15 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("granularity", &VmmBackend::granularity)
       .def_property_readonly("page_size", &VmmBackend::page_size)
       .def_property_readonly("num_pages", &VmmBackend::num_pages)
-      .def("reserve", &VmmBackend::reserve, py::arg("nbytes"),
-           py::call_guard<ReleasedGil>())
-      .def("free_reservation", &VmmBackend::free_reservation, py::arg("base"), py::arg("nbytes"),
-           py::call_guard<ReleasedGil>())
+      .def("reserve", gil_released(&VmmBackend::reserve), py::arg("nbytes"))
+      .def("free_reservation", gil_released(&VmmBackend::free_reservation), py::arg("base"), py::arg("nbytes"))
       .def("create_pages", on_page_range(&VmmBackend::create_pages), py::arg("first"),
            py::arg("count"), "Create pages [first, first + count).")
       .def(
           "release_pages",
           [](VmmBackend& b, uint32_t first, uint32_t count) {
             auto ids = page_range(b, first, count);
-            ReleasedGil released;
-            return b.release_pages(ids.data(), ids.size());
+            return without_gil([&] { return b.release_pages(ids.data(), ids.size()); });
           },
           py::arg("first"), py::arg("count"),
           "Release pages [first, first + count); returns how many kept their memory (the release failed).")
@@ -357,37 +352,37 @@ PYBIND11_MODULE(_C, m) {
                                             std::to_string(b.num_pages()) + " pages");
               maps.push_back(PageMapping{addr, page});
             }
-            ReleasedGil released;
-            size_t done = 0;
-            b.map(maps.data(), maps.size(), &done);
+            without_gil([&] {
+              size_t done = 0;
+              b.map(maps.data(), maps.size(), &done);
+            });
           },
           py::arg("mappings"), "Map [(address, page), ...] in one call.")
       .def(
           "unmap",
           [](VmmBackend& b, const std::vector<uintptr_t>& addrs) {
-            ReleasedGil released;
-            size_t done = 0;
-            b.unmap(addrs.data(), addrs.size(), &done);
+            without_gil([&] {
+              size_t done = 0;
+              b.unmap(addrs.data(), addrs.size(), &done);
+            });
           },
           py::arg("addresses"))
       .def(
           "populate",
           [](VmmBackend& b, const std::vector<uintptr_t>& addrs) {
-            ReleasedGil released;
-            b.populate(addrs.data(), addrs.size());
+            without_gil([&] { b.populate(addrs.data(), addrs.size()); });
           },
           py::arg("addresses"),
           "Make the page-table entries of the mapped pages at these addresses now (host: "
           "MADV_POPULATE_READ; a hint, no error).")
-      .def("synchronize", &VmmBackend::synchronize, py::call_guard<ReleasedGil>())
-      .def("set_sync_streams", &VmmBackend::set_sync_streams, py::arg("streams"),
-           py::call_guard<ReleasedGil>(),
+      .def("synchronize", gil_released(&VmmBackend::synchronize))
+      .def("set_sync_streams", gil_released(&VmmBackend::set_sync_streams), py::arg("streams"),
            "Raw stream handles whose work may read mapped pages: read fences and synchronize() "
            "wait for events on those instead of the whole device. Empty: the whole device.")
       // Blocks until the other threads' driver calls under way are done.
-      .def("suspend_driver_calls", &VmmBackend::suspend_driver_calls, py::call_guard<ReleasedGil>())
+      .def("suspend_driver_calls", gil_released(&VmmBackend::suspend_driver_calls))
       .def("resume_driver_calls", &VmmBackend::resume_driver_calls)
-      .def("capture_begin", &VmmBackend::capture_begin, py::call_guard<ReleasedGil>(),
+      .def("capture_begin", gil_released(&VmmBackend::capture_begin),
            "A CUDA graph capture began in this process: calls that reach the driver fail until "
            "capture_end (counted). Waits for the calls under way.")
       .def("capture_end", &VmmBackend::capture_end)
@@ -405,10 +400,11 @@ PYBIND11_MODULE(_C, m) {
       "make_backend",
       [](const std::string& name, int device_index, size_t page_size, size_t num_pages,
          const std::string& driver_path) {
-        return make_backend(name, BackendParams{device_index, page_size, num_pages, driver_path});
+        return without_gil(
+            [&] { return make_backend(name, BackendParams{device_index, page_size, num_pages, driver_path}); });
       },
       py::arg("name"), py::arg("device_index"), py::arg("page_size"), py::arg("num_pages"),
-      py::arg("driver_path") = "", py::call_guard<ReleasedGil>(),
+      py::arg("driver_path") = "",
       "The C++ backend registered as `name` (see backend_registry.h) for one cache: pages of "
       "page_size bytes, a pool of num_pages pages, on device `device_index` of its kind; "
       "driver_path: the driver library, for backends that load one (\"\": their default).");
@@ -417,11 +413,8 @@ PYBIND11_MODULE(_C, m) {
       "backend_probe",
       [](const std::string& backend, const std::string& probe, const py::kwargs& kwargs) {
         ProbeData args = probe_args(backend + "." + probe, kwargs);
-        ProbeData answer;
-        {
-          ReleasedGil released;  // probes call drivers and open devices
-          answer = run_backend_probe(backend, probe, args);
-        }
+        // probes call drivers and open devices
+        ProbeData answer = without_gil([&] { return run_backend_probe(backend, probe, args); });
         py::dict d;
         for (const auto& [key, value] : answer) d[py::str(key)] = py::cast(value);
         return d;
@@ -460,8 +453,10 @@ PYBIND11_MODULE(_C, m) {
                        double idle_release_s) {
              PageManagerConfig c{num_buffers, num_reqids, slice_bytes, bytes_per_token, max_tokens, external_ids,
                                  preallocate};
-             ReleasedGil released;  // preallocation creates pages; a budget's lock may be slow
-             return new PageManager(std::move(backend), c, policy, BudgetLink{std::move(budget), idle_release_s});
+             // preallocation creates pages; a budget's lock may be slow
+             return without_gil([&] {
+               return new PageManager(std::move(backend), c, policy, BudgetLink{std::move(budget), idle_release_s});
+             });
            }),
            py::arg("backend"), py::arg("num_buffers"), py::arg("num_reqids"),
            py::arg("slice_bytes"), py::arg("bytes_per_token"), py::arg("max_tokens"),
@@ -470,25 +465,22 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly(
           "policy", [](const PageManager& pm) { return pm.policy(); },
           "The policy the manager runs with (a copy: it is fixed at construction).")
-      .def("pause_mapper", &PageManager::pause_mapper, py::arg("paused"),
-           py::call_guard<ReleasedGil>())  // waits for the round in flight
-      .def("pause_for_capture", &PageManager::pause_for_capture, py::arg("begin"),
-           py::call_guard<ReleasedGil>(),
+      // waits for the round in flight
+      .def("pause_mapper", gil_released(&PageManager::pause_mapper), py::arg("paused"))
+      .def("pause_for_capture", gil_released(&PageManager::pause_for_capture), py::arg("begin"),
            "A CUDA graph capture in this process began (True; waits for the round in flight) or ended "
            "(False): counted; meanwhile the mapper and the keeper start no driver work.")
-      .def("wait_idle", &PageManager::wait_idle, py::call_guard<ReleasedGil>(),
+      .def("wait_idle", gil_released(&PageManager::wait_idle),
            "Block until the background mapper has nothing left to do.")
-      .def("alloc_reqid", &PageManager::alloc_reqid, py::arg("prompt_tokens") = -1,
-           py::arg("wanted_reqid") = -1, py::call_guard<ReleasedGil>())
-      .def("free_reqid", &PageManager::free_reqid, py::arg("reqid"),
-           py::call_guard<ReleasedGil>())
+      .def("alloc_reqid", gil_released(&PageManager::alloc_reqid), py::arg("prompt_tokens") = -1,
+           py::arg("wanted_reqid") = -1)
+      .def("free_reqid", gil_released(&PageManager::free_reqid), py::arg("reqid"))
       .def(
           "step",
           [](PageManager& pm, py::handle seq_lens) {
             thread_local std::vector<int64_t> lens;
             read_ints(seq_lens, "seq_lens", lens);
-            ReleasedGil released;
-            return pm.step(lens.data(), lens.size());
+            return without_gil([&] { return pm.step(lens.data(), lens.size()); });
           },
           py::arg("seq_lens"))
       .def(
@@ -496,8 +488,7 @@ PYBIND11_MODULE(_C, m) {
           [](PageManager& pm, size_t max_pages) {
             size_t nb = pm.config().num_buffers;
             size_t ids = max_pages / nb + (max_pages % nb != 0);  // every buffer's page of an id goes together
-            ReleasedGil released;
-            return pm.reclaim(ids);
+            return without_gil([&] { return pm.reclaim(ids); });
           },
           py::arg("max_pages"))
       .def(
@@ -505,8 +496,7 @@ PYBIND11_MODULE(_C, m) {
           [](PageManager& pm, size_t max_pages) {
             size_t nb = pm.config().num_buffers;
             size_t ids = max_pages / nb + (max_pages % nb != 0);
-            ReleasedGil released;
-            return pm.release_free(ids);
+            return without_gil([&] { return pm.release_free(ids); });
           },
           py::arg("max_pages"), "Release up to max_pages free pages (whole page ids); returns the pages released.")
       .def(
@@ -515,21 +505,15 @@ PYBIND11_MODULE(_C, m) {
             std::vector<int64_t> raw;
             read_ints(page_ids, "page_ids", raw);
             std::vector<uint32_t> ids = to_ids(raw, "release_pages", "page_ids", pm.num_ids());
-            ReleasedGil released;
-            return pm.release_external(ids.data(), ids.size());
+            return without_gil([&] { return pm.release_external(ids.data(), ids.size()); });
           },
           py::arg("page_ids"),
           "External ids: release the pages of the given created, unreferenced ids; returns the ids released.")
-      .def("wait_for_budget", &PageManager::wait_for_budget, py::arg("timeout_s"),
-           py::call_guard<ReleasedGil>(),
+      .def("wait_for_budget", gil_released(&PageManager::wait_for_budget), py::arg("timeout_s"),
            "After a step the budget refused: block until memory may have come free there, or timeout_s.")
       .def("budget_share",
            [](const PageManager& pm) {
-             BudgetShare share;
-             {
-               ReleasedGil released;
-               share = pm.budget_share();
-             }
+             BudgetShare share = without_gil([&] { return pm.budget_share(); });
              py::dict d;
              d["budget"] = share.budget;
              d["held_bytes"] = share.held_bytes;
@@ -538,15 +522,11 @@ PYBIND11_MODULE(_C, m) {
              d["detached"] = share.detached;
              return d;
            })
-      .def("reclaim_freed", &PageManager::reclaim_freed, py::arg("wait"), py::call_guard<ReleasedGil>())
-      .def("fork", &PageManager::fork, py::arg("src"), py::arg("num_tokens"),
-           py::call_guard<ReleasedGil>())
-      .def("retain_prefix", &PageManager::retain_prefix, py::arg("reqid"), py::arg("num_tokens"),
-           py::call_guard<ReleasedGil>())
-      .def("attach_prefix", &PageManager::attach_prefix, py::arg("handle"), py::arg("reqid"),
-           py::call_guard<ReleasedGil>())
-      .def("release_prefix", &PageManager::release_prefix, py::arg("handle"),
-           py::call_guard<ReleasedGil>())
+      .def("reclaim_freed", gil_released(&PageManager::reclaim_freed), py::arg("wait"))
+      .def("fork", gil_released(&PageManager::fork), py::arg("src"), py::arg("num_tokens"))
+      .def("retain_prefix", gil_released(&PageManager::retain_prefix), py::arg("reqid"), py::arg("num_tokens"))
+      .def("attach_prefix", gil_released(&PageManager::attach_prefix), py::arg("handle"), py::arg("reqid"))
+      .def("release_prefix", gil_released(&PageManager::release_prefix), py::arg("handle"))
       .def("prefix_ids", &PageManager::prefix_ids, py::arg("handle"))
       .def(
           "map_pages",
@@ -570,8 +550,9 @@ PYBIND11_MODULE(_C, m) {
                 throw std::invalid_argument("map_pages: counts overflow");
             }
             std::vector<uint32_t> ids = to_ids(raw_ids, "map_pages", "page_ids", pm.num_ids());
-            ReleasedGil released;
-            pm.map_pages(reqids.data(), starts.data(), offsets.data(), reqids.size(), ids.data(), ids.size());
+            without_gil([&] {
+              pm.map_pages(reqids.data(), starts.data(), offsets.data(), reqids.size(), ids.data(), ids.size());
+            });
           },
           py::arg("reqids"), py::arg("starts"), py::arg("counts"), py::arg("page_ids"))
       .def("unmap_pages", per_reqid_call(&PageManager::unmap_pages, "unmap_pages", "keep"), py::arg("reqids"),
@@ -588,8 +569,8 @@ PYBIND11_MODULE(_C, m) {
           },
           "Every (address, physical page) the page table holds, orphans included.")
       .def("check_usable", &PageManager::check_usable)
-      .def("check_invariants", &PageManager::check_invariants, py::call_guard<ReleasedGil>())
-      .def("close", &PageManager::close, py::call_guard<ReleasedGil>())
+      .def("check_invariants", gil_released(&PageManager::check_invariants))
+      .def("close", gil_released(&PageManager::close))
       .def_property_readonly("closed", &PageManager::closed)
       .def("mapped_pages", &PageManager::mapped_pages, py::arg("reqid"))
       .def("reqid_allocated", &PageManager::reqid_allocated, py::arg("reqid"))

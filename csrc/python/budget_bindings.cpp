@@ -62,18 +62,17 @@ py::dict usage_dict(const BudgetUsage& u) {
 
 void bind_budget(py::module_& m) {
   register_budget_error();
-  using release_gil = py::call_guard<ReleasedGil>;
 
   py::class_<Budget, std::shared_ptr<Budget>>(m, "Budget",
                                               "A machine-wide memory budget in shared memory (see vattn.Budget).")
-      .def_static("create", &Budget::create, py::arg("name"), py::arg("limit_bytes"), py::arg("device"),
+      .def_static("create", gil_released(&Budget::create), py::arg("name"), py::arg("limit_bytes"), py::arg("device"),
                   py::arg("max_members") = budget::kDefaultMaxMembers,
-                  py::arg("lock_timeout_s") = Budget::kDefaultLockTimeoutSeconds, release_gil())
-      .def_static("attach", &Budget::attach, py::arg("name"),
-                  py::arg("lock_timeout_s") = Budget::kDefaultLockTimeoutSeconds, release_gil())
-      .def_static("remove", &Budget::remove, py::arg("name"), py::arg("force") = false, release_gil())
-      .def_static("names", &Budget::names, release_gil())
-      .def_static("remove_leftovers", &Budget::remove_leftovers, release_gil())
+                  py::arg("lock_timeout_s") = Budget::kDefaultLockTimeoutSeconds)
+      .def_static("attach", gil_released(&Budget::attach), py::arg("name"),
+                  py::arg("lock_timeout_s") = Budget::kDefaultLockTimeoutSeconds)
+      .def_static("remove", gil_released(&Budget::remove), py::arg("name"), py::arg("force") = false)
+      .def_static("names", gil_released(&Budget::names))
+      .def_static("remove_leftovers", gil_released(&Budget::remove_leftovers))
       .def_property_readonly("name", &Budget::name)
       .def_property_readonly("device", &Budget::device)
       .def_property_readonly("max_members", &Budget::max_members)
@@ -82,26 +81,21 @@ void bind_budget(py::module_& m) {
       .def_property_readonly("limit_bytes", [](const Budget& b) { return b.check_intact(), b.limit_bytes(); })
       .def_property_readonly("held_bytes", [](const Budget& b) { return b.check_intact(), b.held_bytes(); })
       .def_property_readonly("available_bytes", [](const Budget& b) { return b.check_intact(), b.available_bytes(); })
-      .def("set_limit", &Budget::set_limit, py::arg("limit_bytes"), release_gil())
+      .def("set_limit", gil_released(&Budget::set_limit), py::arg("limit_bytes"))
       .def("usage",
            [](Budget& b) {
-             BudgetUsage u;
-             {
-               ReleasedGil released;
-               u = b.usage();
-             }
-             return usage_dict(u);
+             return usage_dict(without_gil([&] { return b.usage(); }));
            })
-      .def("join", &Budget::join, py::arg("label"), release_gil());
+      .def("join", gil_released(&Budget::join), py::arg("label"));
 
   py::class_<BudgetMember, std::shared_ptr<BudgetMember>>(m, "BudgetMember", "One KV cache manager's share of a budget.")
-      .def("try_grant", &BudgetMember::try_grant, py::arg("nbytes"), py::arg("record_wait") = true, release_gil())
-      .def("release", &BudgetMember::release, py::arg("nbytes"), release_gil())
-      .def("report", &BudgetMember::report, py::arg("in_use_bytes"), py::arg("free_held_bytes"), release_gil())
-      .def("pressure", &BudgetMember::pressure, release_gil())
-      .def("clear_wait", &BudgetMember::clear_wait, release_gil())
-      .def("wait_for_memory", &BudgetMember::wait_for_memory, py::arg("timeout_s"), release_gil())
-      .def("leave", &BudgetMember::leave, release_gil())
+      .def("try_grant", gil_released(&BudgetMember::try_grant), py::arg("nbytes"), py::arg("record_wait") = true)
+      .def("release", gil_released(&BudgetMember::release), py::arg("nbytes"))
+      .def("report", gil_released(&BudgetMember::report), py::arg("in_use_bytes"), py::arg("free_held_bytes"))
+      .def("pressure", gil_released(&BudgetMember::pressure))
+      .def("clear_wait", gil_released(&BudgetMember::clear_wait))
+      .def("wait_for_memory", gil_released(&BudgetMember::wait_for_memory), py::arg("timeout_s"))
+      .def("leave", gil_released(&BudgetMember::leave))
       .def_property_readonly("held_bytes", &BudgetMember::held_bytes)
       .def_property_readonly("id", &BudgetMember::id)
       .def_property_readonly("label", &BudgetMember::label)

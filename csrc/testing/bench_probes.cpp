@@ -240,14 +240,13 @@ void busy_wait(double seconds, int threads) {
 }
 
 void bind_bench_probes(py::module_& m) {
-  m.def("busy_wait", &busy_wait, py::arg("seconds"), py::arg("threads") = 1, py::call_guard<ReleasedGil>(),
+  m.def("busy_wait", gil_released(&busy_wait), py::arg("seconds"), py::arg("threads") = 1,
         "Spins `threads` threads (1-64: the calling one, and threads - 1 helpers started once) until `seconds` "
         "(0-60) from the call, touching no memory, with the GIL released.");
-  m.def("raw_cuda_seconds", &raw_cuda_seconds, py::arg("driver_path"), py::arg("device"), py::arg("page_size"),
-        py::arg("count"), py::call_guard<ReleasedGil>(),
+  m.def("raw_cuda_seconds", gil_released(&raw_cuda_seconds), py::arg("driver_path"), py::arg("device"),
+        py::arg("page_size"), py::arg("count"),
         "Benchmark floor: [create, map + set access, unmap, release] seconds per page of raw CUDA driver calls.");
-  m.def("raw_mmap_seconds", &raw_mmap_seconds, py::arg("page_size"), py::arg("count"),
-        py::call_guard<ReleasedGil>(),
+  m.def("raw_mmap_seconds", gil_released(&raw_mmap_seconds), py::arg("page_size"), py::arg("count"),
         "Benchmark floor: [map, first touch, unmap] seconds per page of raw mmap calls on a memfd.");
 }
 

@@ -94,11 +94,11 @@ uint64_t start_ticks(int32_t pid) {
 }  // namespace
 
 void bind_budget_hooks(py::module_& m) {
-  m.def("budget_lock_raw", &lock_raw, py::arg("name"), py::call_guard<ReleasedGil>(),
+  m.def("budget_lock_raw", gil_released(&lock_raw), py::arg("name"),
         "Takes budget `name`'s lock and keeps it (until budget_unlock_raw or the process dies); returns 0.");
   m.def("budget_unlock_raw", &unlock_raw, py::arg("name"));
-  m.def("budget_add_entry", &add_entry, py::arg("name"), py::arg("pid"), py::arg("start_ticks"), py::arg("label"),
-        py::arg("held_bytes"), py::call_guard<ReleasedGil>(),
+  m.def("budget_add_entry", gil_released(&add_entry), py::arg("name"), py::arg("pid"), py::arg("start_ticks"),
+        py::arg("label"), py::arg("held_bytes"),
         "Writes a live member entry for (pid, start_ticks) holding held_bytes; returns its entry index.");
   m.def("budget_process_start_ticks", &start_ticks, py::arg("pid"),
         "Process `pid`'s start time in clock ticks since boot (/proc/PID/stat field 22).");

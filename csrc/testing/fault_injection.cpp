@@ -229,10 +229,12 @@ void bind_fault_injection(py::module_& m) {
       "make_faulty_host_backend",
       [](size_t page_size, size_t num_pages, std::shared_ptr<FaultPlan> plan) -> std::shared_ptr<VmmBackend> {
         if (!plan) throw std::invalid_argument("plan must not be None");
-        auto host = make_host_backend(page_size, num_pages, std::make_shared<FaultyHostCalls>(plan));
-        return std::make_shared<FaultInjectingBackend>(std::move(host), std::move(plan));
+        return without_gil([&]() -> std::shared_ptr<VmmBackend> {
+          auto host = make_host_backend(page_size, num_pages, std::make_shared<FaultyHostCalls>(plan));
+          return std::make_shared<FaultInjectingBackend>(std::move(host), std::move(plan));
+        });
       },
-      py::arg("page_size"), py::arg("num_pages"), py::arg("plan"), py::call_guard<ReleasedGil>(),
+      py::arg("page_size"), py::arg("num_pages"), py::arg("plan"),
       "A host backend (pages of page_size bytes, a pool of num_pages) whose calls and system calls fail "
       "or are slow as `plan` says.");
 }

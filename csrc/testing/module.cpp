@@ -10,4 +10,5 @@ PYBIND11_MODULE(_testing, m) {
   vattn::bind_fault_injection(m);
   vattn::bind_budget_hooks(m);
   vattn::bind_page_table(m);
+  vattn::bind_finalization_hooks(m);
 }

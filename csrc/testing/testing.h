@@ -15,5 +15,6 @@ void bind_bench_probes(py::module_& m);
 void bind_fault_injection(py::module_& m);  // fault_injection.cpp
 void bind_budget_hooks(py::module_& m);     // budget_hooks.cpp
 void bind_page_table(py::module_& m);       // page_table_probe.cpp: the page table and the policy alone
+void bind_finalization_hooks(py::module_& m);  // finalization_hooks.cpp
 
 }  // namespace vattn

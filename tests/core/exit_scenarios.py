@@ -10,6 +10,8 @@ main thread returns.
   a torch matmul, whose binding releases the GIL pybind11's way: it must be stopped before finalization.
 - ``raising``: another process holds BUDGET's lock; the thread's operations wait 50 ms for it and raise
   BudgetError, so the interpreter finalizes while a call unwinds its exception.
+- ``raising-when-finalizing``: the thread's call (a test hook) waits without the GIL for the interpreter to
+  begin finalizing and raises then, every time: the GIL is taken back with the exception pending.
 """
 
 from __future__ import annotations
@@ -81,6 +83,17 @@ def raising(name: str, inside: threading.Event) -> None:
             raise AssertionError("the budget's lock was free")
 
 
+def raising_when_finalizing(_: str, inside: threading.Event) -> None:
+    import vattn._testing as hooks
+
+    while True:
+        inside.set()
+        try:
+            hooks.raise_when_finalizing(0.05)
+        except RuntimeError:
+            pass
+
+
 class SlowFinalization:
     """Held by this module until the interpreter clears it while finalizing: the finalization then lasts
     longer than one of the thread's calls, which returns meanwhile (and takes the GIL back then)."""
@@ -100,7 +113,8 @@ def main(mode: str, name: str) -> None:
     if mode == "background-thread":
         background_thread(name, inside)
     else:
-        body = dict(budget_wait=budget_wait, attention=attention, raising=raising)[mode.replace("-", "_")]
+        body = dict(budget_wait=budget_wait, attention=attention, raising=raising,
+                    raising_when_finalizing=raising_when_finalizing)[mode.replace("-", "_")]
         threading.Thread(target=body, args=(name, inside), daemon=True).start()
     assert inside.wait(60)
     inside.clear()
