@@ -62,7 +62,9 @@ auto without_gil(Body&& body) -> std::invoke_result_t<Body&> {
       try {
         body();
       } catch (abi::__forced_unwind&) {
-        throw;  // a thread cancelled inside the body: let it end
+        // A thread cancelled inside the body: let it end. (Should the interpreter begin to finalize
+        // meanwhile, that unwinding takes the GIL back as a raised one did; vattn cancels no thread.)
+        throw;
       } catch (...) {
         error = std::current_exception();
       }
