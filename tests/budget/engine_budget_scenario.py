@@ -4,8 +4,8 @@ Llama generates a workload greedily in fp32 without a budget, then, started
 together with the other engine, under the shared budget.
 
 It says ``ready``, waits for a line, serves until two of its requests are
-decoding with a page crossing ahead of each (or 3 s passed), says ``paused N``
-(N such requests) and waits for a line: the test lowers the budget's limit
+decoding with a page crossing ahead of each (or 3 s passed), gives its free
+pages back, says ``paused N`` (N such requests) and waits for a line: the test lowers the budget's limit
 then. It serves to the end, saying ``preempted N`` each time its preemption
 count grows, and prints one JSON line."""
 
@@ -61,6 +61,10 @@ def main(budget: str, seed: int) -> None:
 
         until = time.monotonic() + 3.0
         serve_while(lambda: crossing_ahead(engine) < 2 and time.monotonic() < until)
+        # Free pages go back first (what idle_release_s does after 0.2 s): a crossing after the pause then
+        # needs a page the budget must grant, not one the engine still holds.
+        engine.kv.reclaim_freed(wait=True)
+        engine.kv.release_free_memory()
         print(f"paused {crossing_ahead(engine)}", flush=True)
         sys.stdin.readline()
         serve_while(lambda: True)
