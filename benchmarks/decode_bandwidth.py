@@ -89,11 +89,8 @@ def compile_probe(source: Path, unit: str, library: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(library))
 
 
-def build_probe(isa: str, out: Path) -> ctypes.CDLL:
-    """kv_read_probe.cpp built with the flags of ``isa``'s kernel unit; refuses a build that loads
-    another vector width than that ISA's."""
-    unit, vector_bytes = PROBE_UNIT[isa]
-    probe = compile_probe(PROBE_SOURCE, unit, out / f"kv_read_probe_{isa}.so")
+def declare_probe(probe: ctypes.CDLL) -> ctypes.CDLL:
+    """``probe`` (kv_read_probe.cpp loaded) with its functions' argument and result types set."""
     probe.kv_read.restype = ctypes.c_int64
     probe.kv_read.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
                               ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
@@ -102,6 +99,14 @@ def build_probe(isa: str, out: Path) -> ctypes.CDLL:
     probe.kv_read_by_head.restype = ctypes.c_int64
     probe.kv_read_by_head.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
                                       ctypes.POINTER(ctypes.c_int64), *[ctypes.c_int64] * 6, ctypes.c_int, ctypes.c_int]
+    return probe
+
+
+def build_probe(isa: str, out: Path) -> ctypes.CDLL:
+    """kv_read_probe.cpp built with the flags of ``isa``'s kernel unit; refuses a build that loads
+    another vector width than that ISA's."""
+    unit, vector_bytes = PROBE_UNIT[isa]
+    probe = declare_probe(compile_probe(PROBE_SOURCE, unit, out / f"kv_read_probe_{isa}.so"))
     if probe.kv_read_vector_bytes() != vector_bytes:
         raise SystemExit(f"the {isa} probe loads {probe.kv_read_vector_bytes()}-byte vectors, not {vector_bytes}")
     return probe

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_setup
+from conftest import load_benchmark, load_setup
 
 from vattn.attention import host_attention_info
 
@@ -46,15 +46,7 @@ def probe(request, tmp_path_factory) -> tuple[ctypes.CDLL, int]:
     proc = subprocess.run([cxx, "-std=c++17", "-O2", "-Wall", "-Werror", "-shared", "-fPIC", *flags, str(PROBE),
                            "-o", str(library)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lib = ctypes.CDLL(str(library))
-    lib.kv_read.restype = ctypes.c_int64
-    lib.kv_read.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
-                            ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-    lib.kv_decode_tile_tokens.restype = ctypes.c_int64
-    lib.kv_decode_tile_tokens.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    lib.kv_read_by_head.restype = ctypes.c_int64
-    lib.kv_read_by_head.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
-                                    ctypes.POINTER(ctypes.c_int64), *[ctypes.c_int64] * 6, ctypes.c_int, ctypes.c_int]
+    lib = load_benchmark("decode_bandwidth").declare_probe(ctypes.CDLL(str(library)))
     return lib, vector_bytes
 
 
