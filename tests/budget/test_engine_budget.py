@@ -1,6 +1,7 @@
 """Two serving engines in two processes under one budget: the budget fits a
 few requests of one engine, never both engines' peaks, and its limit is
-lowered below what they hold while requests decode, until one is preempted. Both finish
+lowered below what they hold while requests decode (it grants nothing then), until one is
+preempted. Both finish
 every request with the greedy fp32 tokens they produce alone (none fails),
 the budget's total never passes its limit, and the contention shows as
 refused page creations and preemptions
@@ -54,32 +55,45 @@ def test_two_engines_in_two_processes_share_one_budget(budget_name):
         # an engine says so (or 10 s passed). (Windows set by the clock or by the bytes held met the
         # engines between such moments on a loaded 2-core VM, or the whole workload ran inside one.)
         lines: list[list[str]] = [[], []]  # each engine's lines: ``preempted N`` (contention may preempt
-        for p, out in zip(engines, lines):  # before the pause too), ``paused N``, ..., its JSON line
-            while not (out and out[-1].startswith("paused ")):
-                out.append(p.stdout.readline().strip())
-                assert out[-1], out  # the engine ended
-        assert max(int(out[-1].split()[1]) for out in lines) >= 2, lines
-        paused_at = [len(out) for out in lines]
-        peak = budget.held_bytes
-        budget.set_limit(2 * ID_BYTES)
-        lowered = time.monotonic()
-        tell_all()
+        # before the pause too), ``paused N``, ..., its JSON line; read by a thread apiece
         readers = [threading.Thread(target=lambda p=p, out=out: out.extend(line.strip() for line in p.stdout))
                    for p, out in zip(engines, lines)]
         for r in readers:
             r.start()
+        peak = 0
+        paused_at: list[int] | None = None  # each engine's lines before the limit dropped
+        lowered = 0.0
+        held_when_lowered = held_while_low = 0  # bytes the engines held as the limit dropped, and after
+
+        def preempted_since_lowered() -> bool:
+            return paused_at is not None and any(
+                line.startswith("preempted") for out, i in zip(lines, paused_at) for line in out[i:])
+
         while any(p.poll() is None for p in engines):
-            peak = max(peak, budget.held_bytes)
-            preempted = any(line.startswith("preempted") for out, i in zip(lines, paused_at) for line in out[i:])
-            if budget.limit < limit and (preempted or time.monotonic() - lowered >= 10.0):
+            held = budget.held_bytes
+            peak = max(peak, held)  # the whole run, the contention before the pause included
+            if paused_at is not None and budget.limit < limit:
+                held_while_low = max(held_while_low, held)
+            if paused_at is None and any(p.poll() is not None for p in engines):
+                break  # one ended before its pause: the other waits for a line that will not come
+            if paused_at is None and all(any(line.startswith("paused ") for line in out) for out in lines):
+                paused_at = [len(out) for out in lines]
+                held_when_lowered = budget.held_bytes  # both engines wait: nothing moves meanwhile
+                budget.set_limit(2 * ID_BYTES)
+                lowered = time.monotonic()
+                tell_all()
+            elif (paused_at is not None and budget.limit < limit
+                  and (preempted_since_lowered() or time.monotonic() - lowered >= 10.0)):
                 budget.set_limit(limit)
             time.sleep(0.002)
         budget.set_limit(limit)
         for r in readers:
             r.join(30)
-        assert [p.returncode for p in engines] == [0, 0] and all(lines), lines
+        assert [p.returncode for p in engines] == [0, 0] and paused_at is not None and all(lines), lines
+        paused = [next(line for line in out if line.startswith("paused ")) for out in lines]
+        assert max(int(line.split()[1]) for line in paused) >= 2, lines
         results = [json.loads(out[-1]) for out in lines]
-        preempted = any(line.startswith("preempted") for out, i in zip(lines, paused_at) for line in out[i:])
+        preempted = preempted_since_lowered()
     finally:
         for p in engines:
             if p.poll() is None:
@@ -88,6 +102,9 @@ def test_two_engines_in_two_processes_share_one_budget(budget_name):
     assert all(r["equal"] for r in results), results
     assert [r["label"] for r in results] == ["engine", "engine"]
     assert 0 < peak <= limit
+    # below what they held, the lowered limit grants nothing: a page the engines use meanwhile is one they hold
+    assert 2 * ID_BYTES < held_when_lowered and 0 < held_while_low <= held_when_lowered, (held_when_lowered,
+                                                                                         held_while_low)
     assert sum(r["refused"] for r in results) > 0 and preempted, (results, lines)
     assert budget.usage().members == ()
 
