@@ -224,14 +224,6 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
   if (count != config_.num_reqids)
     throw std::invalid_argument("step: seq_lens must have max_batch_size = " + std::to_string(config_.num_reqids) +
                                 " entries, got " + std::to_string(count));
-  if (budget_) {
-    last_step_ns_ = steady_ns();
-    if (idle_released_) {  // busy again: the mapper may run ahead again
-      idle_released_ = false;
-      work_epoch_++;
-      sync_->wake.notify_one();
-    }
-  }
   // Per-thread scratch: several threads may step at once, and a step can wait
   // (releasing the mutex) between computing and using it.
   thread_local std::vector<size_t> need;
@@ -264,6 +256,15 @@ bool PageManager::step(const int64_t* seq_lens, size_t count) {
     wait_for_round(lock);
     table_.counters().step_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                                        std::chrono::steady_clock::now() - t0).count();
+  }
+  // A step that passed its checks is activity; one refused above changed nothing (not the idle clock either).
+  if (budget_) {
+    last_step_ns_ = steady_ns();
+    if (idle_released_) {  // busy again: the mapper may run ahead again
+      idle_released_ = false;
+      work_epoch_++;
+      sync_->wake.notify_one();
+    }
   }
   PageStats& stats = table_.counters();
   stats.step_calls++;

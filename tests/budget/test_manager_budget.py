@@ -136,6 +136,32 @@ def test_idle_release_gives_the_memory_back_on_its_own(budget_name):
     assert budget.held_bytes == 0
 
 
+def test_a_refused_step_is_not_activity_after_an_idle_release(budget_name):
+    """A step refused for its input changes nothing: not the idle clock, and the mapper stays asleep (it
+    had woken and created the eager pages again, charging them to the budget)."""
+    budget = vattn.Budget.create(budget_name, 32 * ID_BYTES)
+    with make_kv(budget=budget_name, idle_release_s=1.0) as kv:  # mapper and eager pages on
+        a = kv.alloc_reqid()
+        assert kv.step(pages(a, 2 * TOKENS_PER_PAGE))
+        kv.free_reqid(a)
+        wait_until(lambda: budget.held_bytes == 0, what="idle release")
+        created = kv.stats()["pages_created"]
+        bad = [0] * 4
+        for index, value, match in ((a, -1, r"seq_lens\[\d\] must be in \[0, \d+\]"),
+                                    ((a + 1) % 4, 5, "is not allocated")):
+            bad[index] = value
+            with pytest.raises(ValueError, match=match):
+                kv.step(bad)
+            bad[index] = 0
+        deadline = time.monotonic() + 0.5  # half the idle time: the mapper wakes within milliseconds
+        while time.monotonic() < deadline:
+            assert budget.held_bytes == 0 and kv.stats()["pages_created"] == created, "a refused step woke the mapper"
+            time.sleep(0.01)
+        assert kv.step(bad)  # an accepted step is activity: the eager pages come back
+        wait_until(lambda: budget.held_bytes > 0, what="the eager pages after a step")
+        assert_invariants(kv)
+
+
 def test_a_lowered_limit_takes_free_pages_not_pages_under_requests(budget_name):
     budget = vattn.Budget.create(budget_name, 32 * ID_BYTES)
     with make_kv(budget=budget_name, idle_release_s=None, **quiet()) as kv:
