@@ -44,10 +44,40 @@ int64_t PageManager::fork(int64_t src, int64_t num_tokens) {
     throw OutOfPages("fork: the page pool cannot supply the " + std::to_string(fresh) +
                      " page(s) per buffer the copied tail of " + std::to_string(num_tokens) +
                      " tokens needs; free requests or raise physical_memory");
+  // The tail's pages that no created id will supply are created before dst is touched: a creation the
+  // budget or the device refuses leaves everything as it was (OutOfPages, nothing changed), and
+  // other free reqids' cached pages stand in for the refused ones, as in step.
+  const auto created_free = [&] { return table_.available() - table_.uncreated().size(); };
+  const size_t to_make = fresh > created_free() + own ? fresh - created_free() - own : 0;
+  if (to_make > 0) {
+    std::vector<uint32_t> made = table_.take_uncreated(to_make);
+    // what creation cannot cover (too few uncreated ids, or a refusal) must come from reclaiming
+    const auto reclaim_covers = [&](size_t ids) {
+      return ids == 0 || plan_reclaim(table_, ids, dst, SIZE_MAX).freed_ids >= ids;
+    };
+    if (!reclaim_covers(to_make - made.size())) {
+      table_.return_fresh(made);
+      throw OutOfPages("fork: the page pool cannot supply the " + std::to_string(fresh) +
+                       " page(s) per buffer the copied tail of " + std::to_string(num_tokens) +
+                       " tokens needs; free requests or raise physical_memory");
+    }
+    try {
+      create_ids(made, true);
+      table_.mark_created(made);
+    } catch (const OutOfPages& refused) {
+      table_.return_fresh(made);  // uncreated again
+      made.clear();
+      if (!reclaim_covers(to_make)) throw OutOfPages(std::string("fork: ") + refused.what());
+    } catch (...) {
+      table_.return_fresh(made);
+      throw;
+    }
+    table_.return_fresh(made);  // created ones into the free pool, which claim takes first
+  }
   if (table_.orphans_of(d)) settle_orphans_locked(dst);
   unmap_tails_locked({{d, 0}});
-  if (table_.available() < fresh) reclaim_locked(fresh - table_.available(), dst);
-  if (table_.available() < fresh) throw OutOfPages("fork: the page pool ran out while reclaiming");
+  if (created_free() < fresh) reclaim_locked(fresh - created_free(), dst);
+  if (created_free() < fresh) throw OutOfPages("fork: the page pool ran out while reclaiming");
   const std::vector<uint32_t>& src_ids = table_.ids(static_cast<size_t>(src));
   std::vector<uint32_t> to_create;
   std::vector<MapJob> jobs;

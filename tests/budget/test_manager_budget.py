@@ -243,6 +243,57 @@ def test_out_of_memory_at_creation_is_a_full_pool_on_the_host(host_faults):
         assert_invariants(kv)
 
 
+def test_a_fork_refused_at_creation_changes_nothing(budget_name, host_faults):
+    """fork creates its copied tail's new pages before it empties the destination reqid: a creation that
+    the budget or the host refuses raises OutOfPages with every reqid's pages as they were (the
+    destination's cached pages were unmapped first, and stayed so), and another free reqid's cached pages
+    stand in for refused ones, as in step."""
+    budget = vattn.Budget.create(budget_name, 32 * ID_BYTES)
+    tail = 2 * TOKENS_PER_PAGE + TOKENS_PER_PAGE // 2  # two whole pages shared, the half page copied to a new one
+
+    def lens(**by_reqid):
+        return [by_reqid.get(f"r{r}", 0) for r in range(kv.config.max_batch_size)]
+
+    def state():
+        s = kv.stats()
+        return ([kv.page_ids(r) for r in range(kv.config.max_batch_size)], s["pages_created"], s["pages_mapped"],
+                s["forks"], s["reqids_allocated"], budget.held_bytes)
+
+    with make_kv(backend="host_faulty", budget=budget_name, max_batch_size=2, **quiet()) as kv:
+        a = kv.alloc_reqid()
+        assert kv.step(lens(**{f"r{a}": tail}))
+        d = kv.fork(a, 2 * TOKENS_PER_PAGE)  # shares a's two whole pages
+        kv.free_reqid(d)  # keeps them mapped (deferred reclaim): the next fork's destination, the only free reqid
+        assert len(kv.page_ids(d)) == 2
+        budget.set_limit(budget.held_bytes)
+        before = state()
+        with pytest.raises(vattn.OutOfPages, match="cannot grant"):
+            kv.fork(a, tail)
+        assert state() == before
+        budget.set_limit(32 * ID_BYTES)
+        host_faults.fail("fallocate", times=-1, errno=errno.ENOMEM)
+        with pytest.raises(vattn.OutOfPages, match="host has no memory left"):
+            kv.fork(a, tail)
+        assert state() == before
+        host_faults.clear()
+        assert kv.fork(a, tail) == d and len(kv.page_ids(d)) == 3
+        assert_invariants(kv)
+
+    with make_kv(budget=budget_name, max_batch_size=3, **quiet()) as kv:
+        a, c = kv.alloc_reqid(), kv.alloc_reqid()
+        assert kv.step(lens(**{f"r{a}": tail, f"r{c}": 3 * TOKENS_PER_PAGE}))
+        kv.layer(0)[0][a, :tail] = torch.arange(tail, dtype=torch.float32)[:, None, None]
+        kv.free_reqid(c)  # its 3 pages stay cached in its free slot
+        d = kv.fork(a, 2 * TOKENS_PER_PAGE)
+        kv.free_reqid(d)  # 2 shared pages: the emptier free reqid, the next destination
+        budget.set_limit(budget.held_bytes)
+        held = budget.held_bytes
+        assert kv.fork(a, tail) == d  # the new page is refused: one of c's cached pages stands in
+        assert budget.held_bytes == held and len(kv.page_ids(d)) == 3 and len(kv.page_ids(c)) == 2
+        assert torch.equal(kv.layer(0)[0][d, :tail], kv.layer(0)[0][a, :tail])
+        assert_invariants(kv)
+
+
 def test_out_of_memory_at_creation_gives_the_charge_back(budget_name, host_faults):
     budget = vattn.Budget.create(budget_name, 32 * ID_BYTES)
     with make_kv(backend="host_faulty", budget=budget_name, **quiet()) as kv:
