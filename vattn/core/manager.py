@@ -360,7 +360,9 @@ class KVCacheManager(CudaStreams, SharedPages):
 
     def reclaim(self, max_pages: int | None = None) -> int:
         """Unmaps up to ``max_pages`` pages (all buffers counted) held by freed
-        reqids; all of them when None. Returns the number of pages returned to
+        reqids; all of them when None. A page id goes whole (one page in each
+        of the ``num_buffers`` buffers), so ``max_pages`` is rounded up to a
+        multiple of ``num_buffers``. Returns the number of pages returned to
         the pool."""
         limit = 2**63 - 1 if max_pages is None else _as_int("max_pages", max_pages)
         if not 0 <= limit < 2**63:
@@ -381,6 +383,8 @@ class KVCacheManager(CudaStreams, SharedPages):
     def release_free_memory(self, max_bytes: int | None = None) -> int:
         """Gives free physical memory back to the OS or device (and to the budget): up to ``max_bytes``
         bytes (all when None) of the free pool, then of freed reqids' and eager pages (unmapped first).
+        A page id goes whole (``page_size`` bytes in each of the ``num_buffers`` buffers), so
+        ``max_bytes`` is rounded up to a multiple of ``page_size * num_buffers``.
         Pages under requests or prefix handles stay. Returns the bytes released (taken out of the pool: a
         page whose release the driver or the OS refused is among them, and counted in
         ``stats()["pages_release_failed"]``; it stays charged to the budget). What ``idle_release_s``
