@@ -475,6 +475,11 @@ PageStats PageManager::stats() const {
   return out;
 }
 
+uint64_t PageManager::shrinks() const {
+  check_process();
+  return table_.shrinks();
+}
+
 std::vector<TableEntry> PageManager::table() const {
   check_process();
   Lock lock(sync_->mu);

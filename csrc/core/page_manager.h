@@ -240,6 +240,9 @@ class PageManager {
   // tokens[i]) of each request. One lock for the whole batch.
   void check_mapped(const int64_t* reqids, const int64_t* tokens, size_t count, const std::string& what) const;
   PageStats stats() const;
+  // stats().shrinks without the lock (one atomic read; close() counts as one): the kernels' per-layer
+  // mapping check asks the core again only when it moved.
+  uint64_t shrinks() const;
   // Every mapping the table holds, orphans included.
   std::vector<TableEntry> table() const;
   // Waits for the mapper's round, then checks every bookkeeping invariant

@@ -47,7 +47,7 @@ void PageTable::release(size_t reqid) {
   reqid_allocated_[reqid] = 0;
   reqid_tokens_[reqid] = 0;
   stats_.reqids_allocated--;
-  stats_.shrinks++;
+  note_shrink();
 }
 
 // ---- reference counts ---------------------------------------------------------------
@@ -222,7 +222,7 @@ void PageTable::cut_tail(size_t reqid, size_t keep, std::vector<Cut>& cuts) {
   cut_runs(reqid, keep, ids.size(), cuts);
   drop_request_refs(reqid, keep, ids.size());
   ids.resize(keep);
-  stats_.shrinks++;
+  note_shrink();
 }
 
 void PageTable::unmap_pages_below(size_t reqid, size_t first, std::vector<Cut>& cuts) {
@@ -231,7 +231,7 @@ void PageTable::unmap_pages_below(size_t reqid, size_t first, std::vector<Cut>& 
   cut_runs(reqid, 0, upto, cuts);
   drop_request_refs(reqid, 0, upto);
   std::fill(ids.begin(), ids.begin() + upto, kHole);
-  if (upto > 0) stats_.shrinks++;
+  if (upto > 0) note_shrink();
   if (first > ids.size()) ids.resize(first, kHole);
 }
 
@@ -304,7 +304,7 @@ void PageTable::release_all_handles() {
 }
 
 void PageTable::clear() {
-  stats_.shrinks++;
+  note_shrink();
   for (size_t s = 0; s < reqid_page_ids_.size(); ++s) {
     reqid_page_ids_[s].clear();
     reqid_allocated_[s] = 0;

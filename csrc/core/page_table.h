@@ -25,6 +25,7 @@
 // until a retry unmaps them: its id is never handed out twice.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -205,6 +206,9 @@ class PageTable {
   PageStats stats() const;
   // The counters the caller bumps (the event counters).
   PageStats& counters() { return stats_; }
+  // stats().shrinks, read without the manager's lock: the kernels' mapping check reads it per layer, and a
+  // reader that waited for the lock (a step mapping pages holds it for milliseconds) would stall its forward.
+  uint64_t shrinks() const { return shrinks_.load(std::memory_order_acquire); }
 
   // Checks every invariant: reference counts against the positions, orphans
   // and handles; each managed id in exactly one place; the occupancy
@@ -223,6 +227,7 @@ class PageTable {
   // Runs of ids (holes skipped) among positions [from, to) of `reqid`, as cuts.
   void cut_runs(size_t reqid, size_t from, size_t to, std::vector<Cut>& cuts) const;
   void note_in_use();
+  void note_shrink() { shrinks_.store(++stats_.shrinks, std::memory_order_release); }
 
   const size_t num_buffers_;
   const bool external_ids_;
@@ -240,6 +245,7 @@ class PageTable {
   std::map<uint64_t, std::vector<uint32_t>> handles_;
   uint64_t next_handle_ = 1;
   PageStats stats_;
+  std::atomic<uint64_t> shrinks_{0};  // stats_.shrinks, published for shrinks()
 };
 
 }  // namespace vattn

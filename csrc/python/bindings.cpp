@@ -527,7 +527,7 @@ PYBIND11_MODULE(_C, m) {
       .def("retain_prefix", gil_released(&PageManager::retain_prefix), py::arg("reqid"), py::arg("num_tokens"))
       .def("attach_prefix", gil_released(&PageManager::attach_prefix), py::arg("handle"), py::arg("reqid"))
       .def("release_prefix", gil_released(&PageManager::release_prefix), py::arg("handle"))
-      .def("prefix_ids", &PageManager::prefix_ids, py::arg("handle"))
+      .def("prefix_ids", gil_released(&PageManager::prefix_ids), py::arg("handle"))
       .def(
           "map_pages",
           [](PageManager& pm, py::handle reqids_obj, py::handle starts_obj, py::handle counts_obj,
@@ -559,22 +559,22 @@ PYBIND11_MODULE(_C, m) {
            py::arg("keep"))
       .def("unmap_pages_below", per_reqid_call(&PageManager::unmap_pages_below, "unmap_pages_below", "first"), py::arg("reqids"),
            py::arg("first"))
-      .def("reqid_page_ids", &PageManager::reqid_page_ids, py::arg("reqid"))
+      .def("reqid_page_ids", gil_released(&PageManager::reqid_page_ids), py::arg("reqid"))
       .def(
           "table",
           [](const PageManager& pm) {
             std::vector<std::pair<uintptr_t, uint32_t>> out;
-            for (const TableEntry& e : pm.table()) out.emplace_back(e.addr, e.page);
+            for (const TableEntry& e : without_gil([&] { return pm.table(); })) out.emplace_back(e.addr, e.page);
             return out;
           },
           "Every (address, physical page) the page table holds, orphans included.")
-      .def("check_usable", &PageManager::check_usable)
+      .def("check_usable", gil_released(&PageManager::check_usable))
       .def("check_invariants", gil_released(&PageManager::check_invariants))
       .def("close", gil_released(&PageManager::close))
-      .def_property_readonly("closed", &PageManager::closed)
-      .def("mapped_pages", &PageManager::mapped_pages, py::arg("reqid"))
-      .def("reqid_allocated", &PageManager::reqid_allocated, py::arg("reqid"))
-      .def("reads_done", &PageManager::reads_done, py::arg("reqid"))
+      .def_property_readonly("closed", gil_released(&PageManager::closed))
+      .def("mapped_pages", gil_released(&PageManager::mapped_pages), py::arg("reqid"))
+      .def("reqid_allocated", gil_released(&PageManager::reqid_allocated), py::arg("reqid"))
+      .def("reads_done", gil_released(&PageManager::reads_done), py::arg("reqid"))
       .def(
           "check_mapped",
           [](const PageManager& pm, py::handle reqids_obj, py::handle tokens_obj, const std::string& what) {
@@ -584,21 +584,23 @@ PYBIND11_MODULE(_C, m) {
             if (tokens.size() != reqids.size())
               throw std::invalid_argument(what + ": reqids and seq_lens must have equal lengths, got " +
                                           std::to_string(reqids.size()) + " and " + std::to_string(tokens.size()));
-            pm.check_mapped(reqids.data(), tokens.data(), reqids.size(), what);
+            without_gil([&] { pm.check_mapped(reqids.data(), tokens.data(), reqids.size(), what); });
           },
           py::arg("reqids"), py::arg("seq_lens"), py::arg("what"))
-      .def("stats", [](const PageManager& pm) { return stats_dict(pm.stats(), pm.page_size()); })
+      .def("stats", [](const PageManager& pm) { return stats_dict(without_gil([&] { return pm.stats(); }), pm.page_size()); })
       // Read once per forward by the vLLM worker: one number, without building the stats dict.
       .def_property_readonly("bytes_mapped",
-                             [](const PageManager& pm) { return pm.stats().pages_mapped * pm.page_size(); })
+                             [](const PageManager& pm) { return without_gil([&] { return pm.stats(); }).pages_mapped * pm.page_size(); })
       .def_property_readonly("bytes_in_requests",
-                             [](const PageManager& pm) { return pm.stats().pages_in_requests * pm.page_size(); })
-      // Read per layer by the kernels' mapping check: unchanged since a check passed, the check holds.
-      .def_property_readonly("shrinks", [](const PageManager& pm) { return pm.stats().shrinks; })
+                             [](const PageManager& pm) {
+                               return without_gil([&] { return pm.stats(); }).pages_in_requests * pm.page_size();
+                             })
+      // Read per layer by the kernels' mapping check: unchanged since a check passed, the check holds. No lock.
+      .def_property_readonly("shrinks", &PageManager::shrinks)
       .def_property_readonly("page_size", &PageManager::page_size)
       .def_property_readonly("num_ids", &PageManager::num_ids)
       .def_property_readonly("buffer_bytes", &PageManager::buffer_bytes)
-      .def_property_readonly("memory", &PageManager::memory)
+      .def_property_readonly("memory", gil_released(&PageManager::memory))
       .def_property_readonly("backend_name", [](const PageManager& pm) { return pm.backend().name(); });
 
   m.attr("build_info") = py::dict(

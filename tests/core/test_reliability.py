@@ -8,6 +8,8 @@ import errno
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +57,55 @@ def test_concurrent_steps_of_disjoint_reqids_always_map_what_they_return():
 
 def test_cleanup_while_calls_wait_on_a_mapper_batch():
     run_scenario("cleanup_while_waiting", reps=2)
+
+
+def test_calls_waiting_for_the_managers_lock_let_other_python_threads_run(host_faults):
+    """Every call that takes the manager's lock waits for it without the GIL: while a step holds the lock in
+    slow driver calls, reads on other threads (stats, page_ids, a forward's mapping check ...) wait, and the
+    rest of the interpreter runs on. (They waited holding the GIL: every Python thread stalled for as long as
+    the step took.)"""
+    with make(backend=FAULTY_HOST, policy={"eager": False}) as kv:
+        r = kv.alloc_reqid()
+        tokens = PAGE // (2 * 32 * 4)  # one page
+        assert kv.step(only(r, tokens))
+        handle = kv.retain_prefix(r, tokens)
+        k, v = kv.layer(0)
+        check = kv.mapped_check([r], [tokens], "forward")
+        probes = {"stats": kv.stats, "is_allocated": lambda: kv.is_allocated(r),
+                  "mapped_tokens": lambda: kv.mapped_tokens(r), "page_ids": lambda: kv.page_ids(r),
+                  "reads_done": lambda: kv.reads_done(r), "bytes_mapped": lambda: kv.bytes_mapped,
+                  "bytes_in_requests": lambda: kv.bytes_in_requests, "closed": lambda: kv.closed,
+                  "check_mapped": lambda: kv.check_mapped(k, [r], [tokens]), "mapped_check": lambda: check(k, v, "forward"),
+                  "prefix page_ids": lambda: handle.page_ids}
+        host_faults.delay(150_000)  # each page creation and map run: the next step holds the lock ~1 s
+        stepper = threading.Thread(target=kv.step, args=(only(r, 2 * tokens),))
+        stepper.start()
+        time.sleep(0.05)  # the step is inside the backend now, holding the lock
+        errors: list[BaseException] = []
+
+        def read(probe):
+            try:
+                probe()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        readers = [threading.Thread(target=read, args=(p,)) for p in probes.values()]
+        clock = [time.perf_counter()]  # this thread's clock, read after each start and each short sleep
+        for t in readers:
+            t.start()
+            clock.append(time.perf_counter())
+        while any(t.is_alive() for t in readers):
+            time.sleep(0.001)
+            clock.append(time.perf_counter())
+        waited, longest = clock[-1] - clock[0], max(b - a for a, b in zip(clock, clock[1:]))
+        stepper.join()
+        host_faults.delay(0)
+        assert not errors, errors
+        assert waited > 0.3, f"the readers did not wait for the step ({waited:.3f} s): the step was not holding the lock"
+        assert longest < waited / 2, (f"this thread stalled {longest:.3f} s of the {waited:.3f} s the readers waited: "
+                                      f"one of {sorted(probes)} waits for the lock holding the GIL")
+        handle.release()
+        assert_invariants(kv)
 
 
 def test_concurrent_cleanup_init_and_dropped_managers_leak_nothing():
