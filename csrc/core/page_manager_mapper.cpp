@@ -128,10 +128,12 @@ void PageManager::mapper_loop() {
 void PageManager::wait_idle() {
   check_process();
   Lock lock(sync_->mu);
+  check_open();
   if (!policy_.background) return;
   sync_->round_done.wait(lock, [&] {
     return stop_ || (!inflight_ && (background_paused() || (mapper_idle_ && mapper_seen_epoch_ == work_epoch_)));
   });
+  if (stop_) throw ClosedError("wait_idle: the KV cache manager was cleaned up while waiting");
 }
 
 void PageManager::pause_mapper(bool paused) {

@@ -337,7 +337,8 @@ def test_use_after_cleanup_raises():
     kv.cleanup()
     assert kv.closed
     for call in (kv.alloc_reqid, lambda: kv.step([0] * 4), lambda: kv.free_reqid(r), lambda: kv.layer(0),
-                 lambda: kv.reclaim(), lambda: kv.mapped_tokens(0)):
+                 lambda: kv.reclaim(), lambda: kv.mapped_tokens(0), kv.stats, kv.wait_idle,
+                 lambda: kv.wait_for_budget(0), lambda: kv.page_ids(0), lambda: kv.is_allocated(0)):
         with pytest.raises(vattn.ClosedError):
             call()
     kv.cleanup()  # idempotent on the object
