@@ -106,10 +106,14 @@ del init
 
 
 def get_manager() -> KVCacheManager:
-    """The default manager; raises :class:`ClosedError` before init / after cleanup."""
-    if _default is None or _default.closed:
+    """The default manager; raises :class:`ClosedError` before init / after cleanup, and
+    :class:`ForkedError` in a forked child whose parent made it (``init`` in the child makes its own)."""
+    manager = _default
+    if manager is not None:
+        manager._check_process()  # the parent's: ForkedError, not "call init first"
+    if manager is None or manager.closed:
         raise ClosedError("no vattn cache: call vattn.init(...) first")
-    return _default
+    return manager
 
 
 def layer(index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,10 +147,14 @@ def stats() -> dict[str, Any]:
 
 
 def cleanup() -> None:
-    """Releases the default manager's memory; its tensors must not be used after."""
+    """Releases the default manager's memory; its tensors must not be used after. In a forked child
+    whose parent made the default manager: :class:`ForkedError`, nothing changed."""
     global _default
     with _default_lock:
-        manager, _default = _default, None
+        manager = _default
+        if manager is not None:
+            manager._check_process()
+        _default = None
     if manager is None or manager.closed:
         raise ClosedError("no vattn cache to clean up: call vattn.init(...) first")
     manager.cleanup()

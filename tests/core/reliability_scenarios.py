@@ -287,6 +287,50 @@ def fork_child_cannot_touch_parent(reps: int) -> None:
             faults.delay(0)
 
 
+def module_level_in_forked_child(reps: int) -> None:
+    """After vattn.init, a forked child's module-level calls each raise ForkedError (they had said "call
+    vattn.init first", a ClosedError), vattn.cleanup() there changes nothing, and vattn.init() in the child
+    makes the child a cache of its own; the parent's default manager goes on."""
+    shape = dict(num_layers=1, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_batch_size=B,
+                 max_context_len=L, page_size=PAGE)
+    for _ in range(reps):
+        kv = vattn.init(**shape)
+        r = vattn.alloc_reqid()
+        lens = [0] * B
+        lens[r] = 40
+        assert vattn.step(lens)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            calls = [lambda: vattn.step(lens), vattn.alloc_reqid, lambda: vattn.free_reqid(r), vattn.stats,
+                     lambda: vattn.layer(0), lambda: vattn.fork(r, 10), vattn.get_manager, vattn.cleanup,
+                     vattn.get_manager]  # the refused cleanup left the default in place
+            for i, call in enumerate(calls):
+                try:
+                    call()
+                    code = code or 10 + i
+                except vattn.ForkedError:
+                    pass
+                except BaseException:  # noqa: BLE001
+                    code = code or 30 + i
+            if not code:
+                try:
+                    child = vattn.init(**shape)
+                    assert vattn.get_manager() is child is not kv
+                    c = vattn.alloc_reqid()
+                    child_lens = [0] * B
+                    child_lens[c] = 20
+                    assert vattn.step(child_lens)
+                    vattn.cleanup()
+                except BaseException:  # noqa: BLE001
+                    code = 50
+            os._exit(code) if code else sys.exit(0)  # sys.exit runs atexit and destructors
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+        assert vattn.get_manager() is kv and vattn.step(lens)
+        vattn.cleanup()
+
+
 # ---- resource limits ---------------------------------------------------------------
 
 
@@ -381,7 +425,8 @@ def max_map_count(reps: int) -> None:
 
 
 SCENARIOS = {f.__name__: f for f in (disjoint_steps, cleanup_while_waiting, concurrent_cleanup_and_drop,
-                                     fork_child_cannot_touch_parent, rlimit_fsize, rlimit_as, max_map_count)}
+                                     fork_child_cannot_touch_parent, module_level_in_forked_child, rlimit_fsize,
+                                     rlimit_as, max_map_count)}
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]](int(sys.argv[2]) if len(sys.argv) > 2 else 1)

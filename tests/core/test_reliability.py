@@ -402,6 +402,10 @@ def test_a_forked_child_cannot_touch_the_parent_and_exits_normally():
     run_scenario("fork_child_cannot_touch_parent", reps=2)
 
 
+def test_module_level_calls_in_a_forked_child_raise_forked_error():
+    run_scenario("module_level_in_forked_child", reps=2)
+
+
 def test_steps_last_resort_reclaim_settles_orphans_left_in_free_slots(host_faults):
     """A free slot's cached pages whose unmap failed stay orphans; once the driver works again, a step that
     needs those pages settles them and maps, instead of reporting a full pool (it did: the reclaim plan only

@@ -583,7 +583,10 @@ class KVCacheManager(CudaStreams, SharedPages):
 
     def __repr__(self) -> str:
         c = self.config
-        state = "closed" if self.closed else f"{self._pages.stats()['pages_mapped']} pages mapped"
+        if os.getpid() != self._pid:
+            state = "another process's (inherited by fork)"
+        else:
+            state = "closed" if self.closed else f"{self._pages.stats()['pages_mapped']} pages mapped"
         return (
             f"KVCacheManager(layers={c.num_layers}, kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, "
             f"dtype={c.dtype}, B={c.max_batch_size}, L={c.max_context_len}, layout={c.layout}, "
