@@ -144,10 +144,7 @@ bool PageManager::wait_for_budget(double timeout_s) {
   if (!(timeout_s >= 0 && timeout_s <= 3600))
     throw std::invalid_argument("wait_for_budget: timeout_s must be in [0, 3600] seconds, got " +
                                 std::to_string(timeout_s));
-  {
-    Lock lock(sync_->mu);
-    check_open();
-  }
+  check_usable();  // ClosedError after cleanup
   if (!budget_) return false;
   return budget_->wait_for_memory(timeout_s);  // the budget's futex: neither mu nor the budget's lock is held
 }

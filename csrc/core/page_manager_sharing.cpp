@@ -40,14 +40,16 @@ int64_t PageManager::fork(int64_t src, int64_t num_tokens) {
   size_t reclaimable = 0;
   if (table_.available() + own < fresh)
     reclaimable = plan_reclaim(table_, fresh - table_.available() - own, dst, SIZE_MAX).freed_ids;
-  if (table_.available() + own + reclaimable < fresh)
-    throw OutOfPages("fork: the page pool cannot supply the " + std::to_string(fresh) +
-                     " page(s) per buffer the copied tail of " + std::to_string(num_tokens) +
-                     " tokens needs; free requests or raise physical_memory");
+  const auto pool_short = [&] {
+    return OutOfPages("fork: the page pool cannot supply the " + std::to_string(fresh) +
+                      " page(s) per buffer the copied tail of " + std::to_string(num_tokens) +
+                      " tokens needs; free requests or raise physical_memory");
+  };
+  if (table_.available() + own + reclaimable < fresh) throw pool_short();
   // The tail's pages that no created id will supply are created before dst is touched: a creation the
   // budget or the device refuses leaves everything as it was (OutOfPages, nothing changed), and
   // other free reqids' cached pages stand in for the refused ones, as in step.
-  const auto created_free = [&] { return table_.available() - table_.uncreated().size(); };
+  const auto created_free = [&] { return table_.free_ids().size(); };
   const size_t to_make = fresh > created_free() + own ? fresh - created_free() - own : 0;
   if (to_make > 0) {
     std::vector<uint32_t> made = table_.take_uncreated(to_make);
@@ -57,9 +59,7 @@ int64_t PageManager::fork(int64_t src, int64_t num_tokens) {
     };
     if (!reclaim_covers(to_make - made.size())) {
       table_.return_fresh(made);
-      throw OutOfPages("fork: the page pool cannot supply the " + std::to_string(fresh) +
-                       " page(s) per buffer the copied tail of " + std::to_string(num_tokens) +
-                       " tokens needs; free requests or raise physical_memory");
+      throw pool_short();
     }
     try {
       create_ids(made, true);

@@ -205,6 +205,11 @@ auto per_reqid_call(Method method, const char* api, const char* values_name) {
   };
 }
 
+// The counters, taken under the manager's lock without the GIL (a step mapping pages may hold the lock).
+PageStats stats_without_gil(const PageManager& pm) {
+  return without_gil([&] { return pm.stats(); });
+}
+
 py::dict stats_dict(const PageStats& s, size_t page_size) {
   py::dict d;
   d["pages_total"] = s.pages_total;
@@ -587,13 +592,13 @@ PYBIND11_MODULE(_C, m) {
             without_gil([&] { pm.check_mapped(reqids.data(), tokens.data(), reqids.size(), what); });
           },
           py::arg("reqids"), py::arg("seq_lens"), py::arg("what"))
-      .def("stats", [](const PageManager& pm) { return stats_dict(without_gil([&] { return pm.stats(); }), pm.page_size()); })
+      .def("stats", [](const PageManager& pm) { return stats_dict(stats_without_gil(pm), pm.page_size()); })
       // Read once per forward by the vLLM worker: one number, without building the stats dict.
       .def_property_readonly("bytes_mapped",
-                             [](const PageManager& pm) { return without_gil([&] { return pm.stats(); }).pages_mapped * pm.page_size(); })
+                             [](const PageManager& pm) { return stats_without_gil(pm).pages_mapped * pm.page_size(); })
       .def_property_readonly("bytes_in_requests",
                              [](const PageManager& pm) {
-                               return without_gil([&] { return pm.stats(); }).pages_in_requests * pm.page_size();
+                               return stats_without_gil(pm).pages_in_requests * pm.page_size();
                              })
       // Read per layer by the kernels' mapping check: unchanged since a check passed, the check holds. No lock.
       .def_property_readonly("shrinks", &PageManager::shrinks)
