@@ -154,7 +154,7 @@ class Budget::Locked {
  private:
   [[noreturn]] void timed_out(Budget& b) {
     const int32_t holder = header_->lock.holder_pid.load();
-    throw BudgetError(quoted(b.name()) + ": its lock has been held for over " + seconds_text(b.lock_timeout_s()) +
+    throw BudgetLockTimeout(quoted(b.name()) + ": its lock has been held for over " + seconds_text(b.lock_timeout_s()) +
                       " s by pid " + std::to_string(holder) + " (a stopped or stuck process?); operations hold it " +
                       "for microseconds: resume or end that process");
   }
@@ -526,6 +526,10 @@ void Budget::leave(const BudgetMember& member) noexcept {
       refresh_locked(false, true);  // the header's sums without it
       if (held) bump_epoch_locked();
     }
+  } catch (const BudgetLockTimeout&) {
+    // A stuck holder: the entry cannot be cleared now. Its liveness lock goes instead, so the next
+    // operation that checks liveness drops it as a dead member's, with its bytes.
+    segment_.unlock_byte(budget::member_byte(member.entry_index_));
   } catch (...) {
     // A corrupt or truncated segment: nothing to give back to.
   }

@@ -13,6 +13,13 @@ class BudgetError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The budget's lock was held past lock_timeout_s (a stopped or stuck holder): the budget is sound and
+// usable again once the holder goes on, so a cache counts it as a refusal, never as a reason to leave.
+class BudgetLockTimeout : public BudgetError {
+ public:
+  using BudgetError::BudgetError;
+};
+
 // The segment itself is damaged (corrupt, truncated, overwritten): nothing in
 // it can be trusted, so `budget rm` unlinks it without counting members.
 class BudgetCorrupt : public BudgetError {

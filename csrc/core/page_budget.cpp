@@ -37,6 +37,10 @@ bool PageBudget::charge(size_t ids, bool demand) {
   if (!detached_.load(std::memory_order_acquire)) {
     try {
       if (!member_->try_grant(bytes, demand)) return false;
+    } catch (const BudgetLockTimeout&) {
+      // A stopped or stuck holder of the budget's lock: the budget is sound, and what this cache holds
+      // must stay within it, so this is a refusal (the caller answers or waits as for a full budget).
+      return false;
     } catch (const BudgetError& e) {
       // A budget no one can use any more must not stop a cache's requests
       // (docs/elastic.md, "When a budget is removed or damaged"): the cache
@@ -67,12 +71,26 @@ void PageBudget::uncharge(size_t ids) noexcept {
   do {
     take = std::min(ids, had);
   } while (!charged_.compare_exchange_weak(had, had - take, std::memory_order_acq_rel));
+  give_back(take);
+}
+
+void PageBudget::give_back(size_t ids) noexcept {
+  ids += unreturned_.exchange(0, std::memory_order_acq_rel);
+  if (ids == 0) return;
   try {
-    member_->release(static_cast<uint64_t>(take) * id_bytes_);
+    member_->release(static_cast<uint64_t>(ids) * id_bytes_);
+  } catch (const BudgetLockTimeout&) {
+    // A stuck holder of the budget's lock: the pages are gone but the budget still counts them; given
+    // back by the keeper's next tick (retry_give_back) or the next uncharge.
+    unreturned_.fetch_add(ids, std::memory_order_acq_rel);
   } catch (...) {
     // The member was dropped (its budget was removed and created again, or is
     // corrupt): there is no share left to return.
   }
+}
+
+void PageBudget::retry_give_back() noexcept {
+  if (unreturned_.load(std::memory_order_acquire) != 0) give_back(0);
 }
 
 size_t PageBudget::pressure_ids() {

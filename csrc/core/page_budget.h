@@ -31,14 +31,20 @@ class PageBudget {
   // budget refuses; `demand` (a caller needs them now, not the mapper ahead
   // of time) records the refusal as a wait, which makes the budget's other
   // members give free pages back. When the budget cannot be used (removed,
-  // truncated, corrupt, a stuck lock holder, this member dropped) the cache
-  // detaches from it, once and logged, and goes on without a budget: every
-  // charge after that is granted (the pool bounds it) and counted here only.
+  // truncated, corrupt, this member dropped) the cache detaches from it, once
+  // and logged, and goes on without a budget: every charge after that is
+  // granted (the pool bounds it) and counted here only. A lock held past
+  // lock_timeout_s (a stopped or stuck holder) is a refusal instead: the
+  // budget is sound, and the cache stays within it.
   bool charge(size_t ids, bool demand);
   // Gives `ids` charged ids back (their pages were released, or never
   // created). Never throws: a budget that cannot be reached has nothing to
-  // give back to.
+  // give back to; one whose lock is stuck gets them at a later retry.
   void uncharge(size_t ids) noexcept;
+  // Gives back what a stuck lock kept uncharge from returning (the keeper, every tick).
+  void retry_give_back() noexcept;
+  // Page ids released here that the budget still counts (its lock was stuck when they went).
+  size_t unreturned_ids() const { return unreturned_.load(std::memory_order_acquire); }
   // Page ids to give back now: others' waits and a lowered limit, beyond
   // what is free within the limit (rounded up to whole ids). Lock-free when 0.
   size_t pressure_ids();
@@ -75,10 +81,12 @@ class PageBudget {
   std::shared_ptr<BudgetMember> member_;
   const uint64_t id_bytes_;
   std::atomic<size_t> charged_{0};
+  std::atomic<size_t> unreturned_{0};  // uncharged here, still counted by the budget (give_back retries)
   std::atomic<bool> detached_{false};
   mutable std::mutex detached_mu_;
   std::string detached_reason_;  // guarded by detached_mu_
   void detach(const std::string& why) noexcept;
+  void give_back(size_t ids) noexcept;  // member_->release of ids and of what is unreturned
 };
 
 }  // namespace vattn

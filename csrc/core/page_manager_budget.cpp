@@ -13,6 +13,7 @@
 
 #include "common/errors.h"
 #include "core/page_manager.h"
+#include "budget/budget_error.h"
 
 namespace vattn {
 
@@ -158,6 +159,9 @@ void PageManager::keeper_loop() {
     if (stop_) break;
     try {
       keeper_tick(lock);
+    } catch (const BudgetLockTimeout&) {
+      // A stopped or stuck holder of the budget's lock: the next tick tries again (a step that needs
+      // pages meanwhile is refused, as by a full budget).
     } catch (...) {
       // A driver error while releasing (the pages stay, retried later) or a
       // budget that cannot be used: the next step raises it. Not when the
@@ -179,6 +183,7 @@ void PageManager::keeper_tick(Lock& lock) {
     lock.lock();
     return;
   }
+  budget_->retry_give_back();  // what a stuck lock kept a release from giving back
   try {
     if (!config_.preallocate && !config_.external_ids) want = budget_->pressure_ids();
   } catch (...) {

@@ -344,3 +344,45 @@ def test_vattn_budget_in_the_environment_joins_without_code(budget_name):
     assert got["share"] == dict(budget=budget_name, held_bytes=held, in_use_bytes=held, free_held_bytes=0, detached="")
     assert got["members"] == [[got["pid"], "kv 2x1x64 float32", held]]
     assert vattn.Budget.attach(budget_name).usage().members == ()  # it left when it exited
+
+
+STUCK_HOLDER = ("import sys, vattn._testing as hooks; hooks.budget_lock_raw(sys.argv[1]); print('held', flush=True); "
+                "sys.stdin.readline(); hooks.budget_unlock_raw(sys.argv[1]); print('released', flush=True)")
+
+
+def test_a_stuck_lock_holder_is_a_refusal_not_a_reason_to_leave_the_budget(budget_name):
+    """Another process holds the budget's lock past lock_timeout_s (stopped, stuck): a step that needs pages
+    is refused (the manager had detached from the budget for good and created pages nobody counted, past
+    the limit), pages released meanwhile are given back once the lock is free (they had stayed charged),
+    and a manager closed meanwhile leaves (its entry had stayed, with its bytes)."""
+    budget = vattn.Budget.create(budget_name, 8 * ID_BYTES, lock_timeout_s=0.2)
+    quiet = dict(budget=budget, idle_release_s=None,
+                 policy={"background": False, "eager": False, "deferred_reclaim": False})
+    kv, other = make_kv(budget_label="kv", **quiet), make_kv(budget_label="other", **quiet)
+    a, b = kv.alloc_reqid(), other.alloc_reqid()
+    assert kv.step(pages(a, 4 * TOKENS_PER_PAGE)) and other.step(pages(b, 2 * TOKENS_PER_PAGE))
+    kv.free_reqid(a)  # its 4 ids stay created, in the pool, charged
+    holder = subprocess.Popen([sys.executable, "-c", STUCK_HOLDER, budget_name], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        c = kv.alloc_reqid()
+        assert kv.step(pages(c, 6 * TOKENS_PER_PAGE)) is False  # 2 ids more than the pool's 4: refused
+        assert kv.budget_share()["detached"] == ""
+        assert kv.release_free_memory() == 4 * ID_BYTES  # the pages go; the budget's lock is not to be had
+        other.cleanup()  # it cannot clear its entry now
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "released"
+        # the keeper gives the released ids back; the closed manager's entry goes at the next sweep
+        wait_until(lambda: budget.held_bytes == 0 and [m.label for m in budget.usage().members] == ["kv"],
+                   what="the released pages and the closed member given back")
+        assert kv.step(pages(c, 8 * TOKENS_PER_PAGE))  # the whole limit
+        assert kv.step(pages(c, 9 * TOKENS_PER_PAGE)) is False  # beyond it: still in the budget
+        assert budget.held_bytes == 8 * ID_BYTES == kv.stats()["bytes_created"]
+        assert kv.budget_share()["detached"] == ""
+    finally:
+        holder.kill()
+        holder.wait()
+        kv.cleanup()
+        other.cleanup()
