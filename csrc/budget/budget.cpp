@@ -192,6 +192,8 @@ size_t Budget::remove(const std::string& name, bool force) {
   std::shared_ptr<Budget> budget;
   try {
     budget = attach(name);
+  } catch (const BudgetSystemError&) {
+    throw;  // this process could not open it (no descriptor or memory left): its members are not counted
   } catch (const BudgetError&) {
     // Missing: unlink says so. Unreadable (corrupt, another version or
     // user, already marked removed): nobody can use it, so it goes as it is.

@@ -20,6 +20,13 @@ class BudgetLockTimeout : public BudgetError {
   using BudgetError::BudgetError;
 };
 
+// A system call on the budget's file failed (out of descriptors or memory, ...): the segment itself may be
+// sound, so `budget rm` never takes it for an unreadable one.
+class BudgetSystemError : public BudgetError {
+ public:
+  using BudgetError::BudgetError;
+};
+
 // The segment itself is damaged (corrupt, truncated, overwritten): nothing in
 // it can be trusted, so `budget rm` unlinks it without counting members.
 class BudgetCorrupt : public BudgetError {

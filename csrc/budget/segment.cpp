@@ -34,7 +34,7 @@ static_assert(sizeof(Header) % 64 == 0 && offsetof(Header, lock) == sizeof(Heade
 static_assert(offsetof(Entry, label) + kLabelChars == sizeof(Entry), "the label ends an entry");
 
 [[noreturn]] void throw_os(const std::string& name, const std::string& call, int err) {
-  throw BudgetError(quoted(name) + ": " + call + " failed: " + std::strerror(err) + " (errno " +
+  throw BudgetSystemError(quoted(name) + ": " + call + " failed: " + std::strerror(err) + " (errno " +
                     std::to_string(err) + ")");
 }
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -337,6 +339,38 @@ def test_a_label_that_is_not_text_makes_the_budget_corrupt(budget_name):
     with pytest.raises(vattn.BudgetError, match=_corrupt_message(budget_name)) as info:
         b.usage()
     assert "label" in str(info.value)
+
+
+OUT_OF_DESCRIPTORS = """
+import os, resource, sys
+import vattn
+from vattn.budget import budget as vbudget
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+fds = []
+try:
+    while True:
+        fds.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+try:
+    vbudget.remove(sys.argv[1])
+    print("removed")
+except vattn.BudgetError as e:
+    print("refused:", e)
+"""
+
+
+def test_remove_out_of_descriptors_refuses_instead_of_unlinking_a_live_budget(budget_name):
+    """A process that cannot open the segment (no descriptor left) cannot count its members: remove raises
+    the system's error. (It took the budget for an unreadable one and unlinked it under a live member.)"""
+    b = vattn.Budget.create(budget_name, 4 * MiB)
+    m = b.join("user")
+    assert m.try_grant(MiB)
+    out = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS, budget_name], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.startswith("refused:") and "Too many open files" in out.stdout, out.stdout + out.stderr
+    assert budget_name in vbudget.names() and m.held_bytes == MiB and [u.label for u in b.usage().members] == ["user"]
+    m.leave()
 
 
 def test_a_limit_of_zero_is_refused_at_creation(budget_name):

@@ -144,6 +144,10 @@ def test_errors_are_reported_not_raised(budget_name, capsys):
     assert "size 'four' is not understood" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["top", "--interval", "0"])
+    for interval in ("inf", "nan", "1e300"):  # time.sleep would raise after the first snapshot
+        with pytest.raises(SystemExit):
+            main(["top", "--interval", interval])
+        assert "must be in (0, 86400]" in capsys.readouterr().err
     assert main(["budget", "create", budget_name, "--limit", "1GiB"]) == 0
     assert main(["budget", "create", budget_name, "--limit", "1GiB"]) == 1
     assert "already exists" in capsys.readouterr().err

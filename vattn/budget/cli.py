@@ -102,11 +102,12 @@ class _CommandParser(argparse.ArgumentParser):
         super().error(message)
 
 
-def _positive(kind: type):
+def _positive(kind: type, at_most: float | None = None):
     def parse(text: str):
         value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if not value > 0 or (at_most is not None and not value <= at_most):
+            accepted = "> 0" if at_most is None else f"in (0, {at_most:g}]"
+            raise argparse.ArgumentTypeError(f"must be {accepted}, got {text}")
         return value
 
     return parse
@@ -145,7 +146,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                      help="one budget and its per-device budgets (default: every budget on this machine)")
     top.add_argument("--once", action="store_true", help="print one snapshot and exit")
     top.add_argument("--json", action="store_true", help="print JSON (with --once: one snapshot for scripts)")
-    top.add_argument("--interval", type=_positive(float), default=1.0, help="seconds between refreshes (default 1)")
+    top.add_argument("--interval", type=_positive(float, at_most=86400), default=1.0,
+                     help="seconds between refreshes, up to a day (default 1)")
     top.add_argument("-n", "--iterations", type=_positive(int), help="exit after this many refreshes")
     top.set_defaults(run_command=lambda args: run_top(args.name, args.once, args.json, args.interval, args.iterations))
 
