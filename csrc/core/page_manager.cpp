@@ -450,19 +450,28 @@ bool PageManager::reads_done(int64_t reqid) const {
   return !table_.allocated(s) && backend_->reads_done(reqid_reads_[s]);
 }
 
-void PageManager::check_mapped(const int64_t* reqids, const int64_t* tokens, size_t count,
-                               const std::string& what) const {
+void PageManager::check_mapped(const int64_t* reqids, const int64_t* tokens, size_t count, const std::string& what,
+                               const int64_t* firsts) const {
   check_process();
   Lock lock(sync_->mu);
   check_open();
   for (size_t i = 0; i < count; ++i) {
     check_allocated(reqids[i], what.c_str());
-    const int64_t mapped = geometry_.tokens_in_positions(table_.mapped(static_cast<size_t>(reqids[i])));
+    const size_t s = static_cast<size_t>(reqids[i]);
+    const int64_t mapped = geometry_.tokens_in_positions(table_.mapped(s));
     if (tokens[i] < 0 || tokens[i] > mapped)
       throw std::invalid_argument(what + ": reqid " + std::to_string(reqids[i]) + " would read " +
                                   std::to_string(tokens[i]) + " tokens but has " + std::to_string(mapped) +
                                   " mapped (step() it to at least " + std::to_string(tokens[i]) +
                                   " tokens before attending)");
+    const int64_t first = firsts ? firsts[i] : 0;
+    const size_t holes = table_.leading_holes(s);
+    if (holes > 0 && tokens[i] > first && first < geometry_.tokens_in_positions(holes))
+      throw std::invalid_argument(what + ": reqid " + std::to_string(reqids[i]) + " would read rows from " +
+                                  std::to_string(first) + " on, but its rows below " +
+                                  std::to_string(geometry_.tokens_in_positions(holes)) +
+                                  " are unmapped (unmap_pages_below): only a sliding window that starts at or "
+                                  "above them may read this request");
   }
 }
 

@@ -235,10 +235,13 @@ class PageManager {
   // nothing. An allocated reqid is still read: false.
   bool reads_done(int64_t reqid) const;
   // Throws std::invalid_argument (message prefixed with `what`) unless every
-  // reqids[i] is allocated and has at least tokens[i] tokens mapped in every
-  // buffer: what an attention kernel checks before it reads rows [0,
-  // tokens[i]) of each request. One lock for the whole batch.
-  void check_mapped(const int64_t* reqids, const int64_t* tokens, size_t count, const std::string& what) const;
+  // reqids[i] is allocated and rows [firsts[i], tokens[i]) are mapped in every
+  // buffer (firsts null: from row 0): what an attention kernel checks before it
+  // reads them. Rows below a slice's holes (unmap_pages_below) are unmapped:
+  // only a sliding window that starts above them may read the slice. One lock
+  // for the whole batch.
+  void check_mapped(const int64_t* reqids, const int64_t* tokens, size_t count, const std::string& what,
+                    const int64_t* firsts = nullptr) const;
   PageStats stats() const;
   // stats().shrinks without the lock (one atomic read; close() counts as one): the kernels' per-layer
   // mapping check asks the core again only when it moved.

@@ -235,6 +235,12 @@ void PageTable::unmap_pages_below(size_t reqid, size_t first, std::vector<Cut>& 
   if (first > ids.size()) ids.resize(first, kHole);
 }
 
+size_t PageTable::leading_holes(size_t reqid) const {
+  const auto& ids = reqid_page_ids_[reqid];
+  return static_cast<size_t>(
+      std::partition_point(ids.begin(), ids.end(), [](uint32_t id) { return id == kHole; }) - ids.begin());
+}
+
 bool PageTable::maps_below(size_t reqid, size_t first) const {
   const auto& ids = reqid_page_ids_[reqid];
   const size_t upto = std::min(first, ids.size());
@@ -336,6 +342,10 @@ std::string PageTable::check_invariants() const {
   size_t mappings = 0, allocated = 0;
   for (size_t s = 0; s < reqid_page_ids_.size(); ++s) {
     allocated += reqid_allocated_[s];
+    const auto& slice_ids = reqid_page_ids_[s];
+    const auto first_mapped = std::find_if(slice_ids.begin(), slice_ids.end(), [](uint32_t id) { return id != kHole; });
+    if (std::find(first_mapped, slice_ids.end(), kHole) != slice_ids.end())
+      return "reqid " + std::to_string(s) + " has a hole after a mapped position (holes form a prefix)";
     for (uint32_t id : reqid_page_ids_[s]) {
       if (id == kHole) {
         if (!external_ids_) return "reqid " + std::to_string(s) + " has a hole, but its ids are managed";

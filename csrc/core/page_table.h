@@ -172,6 +172,9 @@ class PageTable {
   void unmap_pages_below(size_t reqid, size_t first, std::vector<Cut>& cuts);
   // Whether positions [0, first) of `reqid` hold any page.
   bool maps_below(size_t reqid, size_t first) const;
+  // Positions at the front of `reqid` that are holes (unmap_pages_below): holes only ever form a prefix
+  // (check_invariants holds it), so a binary search finds the first mapped position.
+  size_t leading_holes(size_t reqid) const;
   // `addrs` page-sized mappings went away (the unmap counters).
   void count_unmapped(size_t addrs);
   // Drops one mapping reference of `id` (a cut position fully unmapped).

@@ -582,16 +582,23 @@ PYBIND11_MODULE(_C, m) {
       .def("reads_done", gil_released(&PageManager::reads_done), py::arg("reqid"))
       .def(
           "check_mapped",
-          [](const PageManager& pm, py::handle reqids_obj, py::handle tokens_obj, const std::string& what) {
-            std::vector<int64_t> reqids, tokens;
+          [](const PageManager& pm, py::handle reqids_obj, py::handle tokens_obj, const std::string& what,
+             py::handle firsts_obj) {
+            std::vector<int64_t> reqids, tokens, firsts;
             read_ints(reqids_obj, "reqids", reqids);
             read_ints(tokens_obj, "seq_lens", tokens);
-            if (tokens.size() != reqids.size())
-              throw std::invalid_argument(what + ": reqids and seq_lens must have equal lengths, got " +
-                                          std::to_string(reqids.size()) + " and " + std::to_string(tokens.size()));
-            without_gil([&] { pm.check_mapped(reqids.data(), tokens.data(), reqids.size(), what); });
+            if (!firsts_obj.is_none()) read_ints(firsts_obj, "first_rows", firsts);
+            if (tokens.size() != reqids.size() || (!firsts_obj.is_none() && firsts.size() != reqids.size()))
+              throw std::invalid_argument(what + ": reqids, seq_lens and first_rows must have equal lengths, got " +
+                                          std::to_string(reqids.size()) + ", " + std::to_string(tokens.size()) +
+                                          " and " + std::to_string(firsts.size()));
+            without_gil([&] {
+              pm.check_mapped(reqids.data(), tokens.data(), reqids.size(), what,
+                              firsts_obj.is_none() ? nullptr : firsts.data());
+            });
           },
-          py::arg("reqids"), py::arg("seq_lens"), py::arg("what"))
+          py::arg("reqids"), py::arg("seq_lens"), py::arg("what"), py::arg("first_rows") = py::none(),
+          "Raises ValueError unless each reqid's rows [first_rows[i] (default 0), seq_lens[i]) are mapped.")
       .def("stats", [](const PageManager& pm) { return stats_dict(stats_without_gil(pm), pm.page_size()); })
       // Read once per forward by the vLLM worker: one number, without building the stats dict.
       .def_property_readonly("bytes_mapped",

@@ -131,3 +131,37 @@ def test_errors_name_the_argument_and_change_nothing():
         with pytest.raises(ValueError, match=r"only a manager whose page ids the caller owns "
                                              r"\(page_allocator='external'\) leaves holes"):
             managed.unmap_pages_below([0], [1])
+
+
+def test_attention_reads_a_slice_with_holes_only_through_a_window_above_them():
+    """The mapping check knows the holes: attention whose rows reach below them raises ValueError (the
+    kernels read the unmapped rows and the process died of SIGSEGV), a sliding window that starts above
+    them reads the slice and equals attention on a dense copy of what it sees, and writing the new rows
+    needs nothing below them."""
+    from vattn.attention import AttentionBatch, host_attention, sdpa_attention, write_kv
+
+    kv = make()
+    kv.map_pages([0], [0], [[4, 5, 6]])  # 3 pages: rows 0-47
+    k, v = kv.layer(0)
+    torch.manual_seed(0)
+    k[0, :3 * TOKENS], v[0, :3 * TOKENS] = torch.randn(3 * TOKENS, 2, 32), torch.randn(3 * TOKENS, 2, 32)
+    kv.unmap_pages_below([0], [2])  # rows 0-31 are holes
+    batch = AttentionBatch(reqids=[0], cached_lens=[3 * TOKENS - 1], query_lens=[1], cache=kv)
+    q = torch.randn(1, 4, 32)
+    out = host_attention(q, k, v, batch, sliding_window=TOKENS)  # the query at row 47 sees rows 32-47
+    seen_k, seen_v = (t[0, 2 * TOKENS:3 * TOKENS].repeat_interleave(2, dim=1).transpose(0, 1) for t in (k, v))
+    dense = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), seen_k, seen_v)
+    torch.testing.assert_close(out, dense.transpose(0, 1), rtol=1e-5, atol=1e-5)
+    for window in (None, TOKENS + 1, 5 * TOKENS):
+        with pytest.raises(ValueError, match=r"host kernel: reqid 0 would read rows from \d+ on, but its rows "
+                                             r"below 32 are unmapped"):
+            host_attention(q, k, v, batch, sliding_window=window)
+    with pytest.raises(ValueError, match="rows below 32 are unmapped"):
+        sdpa_attention(q, k, v, batch)
+    with pytest.raises(ValueError, match="rows below 32 are unmapped"):
+        kv.check_mapped(k, [0], [3 * TOKENS])
+    kv.check_mapped(k, [0], [3 * TOKENS], first_rows=[2 * TOKENS])
+    write_kv(k, v, batch, torch.ones(1, 2, 32), torch.ones(1, 2, 32))  # row 47 only
+    assert torch.all(k[0, 3 * TOKENS - 1] == 1.0)
+    assert_invariants(kv)
+    kv.cleanup()

@@ -463,7 +463,7 @@ class KVCacheManager(CudaStreams, SharedPages):
         return self._pages.reads_done(self._reqid(reqid))
 
     def check_mapped(self, view: torch.Tensor, reqids: IntArray, seq_lens: IntArray,
-                     what: str = "check_mapped") -> None:
+                     what: str = "check_mapped", first_rows: IntArray | None = None) -> None:
         """Raises unless a kernel may read rows ``[0, seq_lens[i])`` of
         ``view[reqids[i]]``: each reqid allocated, with that many tokens mapped.
 
@@ -473,15 +473,20 @@ class KVCacheManager(CudaStreams, SharedPages):
             reqids: indices into ``view``'s first dimension.
             seq_lens: tokens read from each (0 .. ``max_context_len``).
             what: the caller's name, which starts the error message.
+            first_rows: the first row read of each (None: row 0). Rows below
+                the holes :meth:`unmap_pages_below` left are unmapped: a read
+                from under them raises.
 
         Raises ``ValueError`` naming the reqid (not allocated; fewer tokens
         mapped), or when ``view``'s strides are not the cache's (reqid and token
         strides of :meth:`layer`). One call into the core for the whole batch.
         """
         origin = view_origin(self._span, view, what)
-        self._pages.check_mapped(*MappedCheck.rows(reqids, seq_lens, origin), what)
+        rows, tokens = MappedCheck.rows(reqids, seq_lens, origin)
+        self._pages.check_mapped(rows, tokens, what, MappedCheck.first_rows(first_rows, origin))
 
-    def mapped_check(self, reqids: IntArray, seq_lens: IntArray, what: str, first_reqid: int = 0) -> ViewsCheck:
+    def mapped_check(self, reqids: IntArray, seq_lens: IntArray, what: str, first_reqid: int = 0,
+                     cached_lens: IntArray | None = None) -> ViewsCheck:
         """:meth:`check_mapped` prepared for one forward, built once and
         carried by its plan: ``check(k_cache, v_cache, what)`` raises as
         :meth:`check_mapped` would for layer views whose row 0 is reqid
@@ -489,11 +494,14 @@ class KVCacheManager(CudaStreams, SharedPages):
         pages or a reqid was freed since it last passed (a counter the core
         keeps), so a layer costs a comparison of its views' addresses and
         strides and one read of that counter. Views of anything else are
-        looked up by address (:class:`vattn.core.mapped_check.ViewsCheck`)."""
+        looked up by address (:class:`vattn.core.mapped_check.ViewsCheck`).
+        With ``cached_lens`` (tokens cached before this forward, per request),
+        ``check(k_cache, v_cache, what, sliding_window)`` checks the rows a
+        sliding window reads, from ``cached_len - sliding_window + 1`` on."""
         first = _bounded_int("first_reqid", first_reqid, self.config.max_batch_size)
         if first not in self._bindings:  # one per origin for the cache's life: a forward's check points at it
             self._bindings[first] = ViewsBinding(self._span, (first, 0), self.config.element_bytes)
-        return ViewsCheck(reqids, seq_lens, what, self._bindings[first])
+        return ViewsCheck(reqids, seq_lens, what, self._bindings[first], cached_lens)
 
     def _reqid(self, value: object, name: str = "reqid") -> int:
         return _bounded_int(name, value, self.config.max_batch_size)

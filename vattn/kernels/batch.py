@@ -124,8 +124,8 @@ class AttentionBatch:
         self.max_reqid, self.max_seq_len = max(reqids), max(seq_lens)  # what every layer's shapes are checked against
         # the rows' mapping check, which every plan of the batch carries
         rows, lens = arrays if arrays is not None else (reqids, seq_lens)
-        self.mapped: ViewsCheck = (ViewsCheck(rows, lens, "attention") if cache is None
-                                   else cache.mapped_check(rows, lens, "attention", first_reqid))
+        self.mapped: ViewsCheck = (ViewsCheck(rows, lens, "attention", cached_lens=cached_lens) if cache is None
+                                   else cache.mapped_check(rows, lens, "attention", first_reqid, cached_lens))
         self._tensors: dict[str, torch.Tensor] = {}
         self._plans: dict[Any, Any] = {}  # per (kernel, case key): see plan
 
@@ -190,19 +190,23 @@ class AttentionBatch:
             self._plans[key] = plan
         return plan
 
-    def check_mapped(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
+    def check_mapped(self, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str,
+                     sliding_window: int | None = None) -> None:
         """Raises ``ValueError`` (starting with ``what``) unless every request
         may be read: when a cache is a view of a :class:`vattn.KVCacheManager`'s
         memory, each reqid must be allocated there with at least ``seq_len``
-        tokens mapped (rows past that are unmapped: a read would fault). Other
-        tensors are bounded by their shape, which the kernels check.
+        tokens mapped (rows past that are unmapped: a read would fault), and
+        no hole (:meth:`vattn.KVCacheManager.unmap_pages_below`) among the rows
+        read: all from row 0, or with ``sliding_window`` (tokens) those from
+        ``cached_len - sliding_window + 1`` on. Other tensors are bounded by
+        their shape, which the kernels check.
 
         Checked on every call, so a request freed between two layers is caught
         too; the core is asked again only when a slice lost pages or a reqid
         was freed since the last check passed (:attr:`mapped`, the check every
         plan of the batch carries).
         """
-        self.mapped(k_cache, v_cache, what)
+        self.mapped(k_cache, v_cache, what, sliding_window)
 
     def check_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Raises unless both caches are ``[B_max, L, H, D]`` and hold every
@@ -254,7 +258,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
     """
     batch.check_cache(k_cache, v_cache)
     check_new_kv(k_cache, batch.num_tokens, k, v)
-    batch.check_mapped(k_cache, v_cache, "write_kv")
+    batch.check_mapped(k_cache, v_cache, "write_kv", sliding_window=1)  # it writes rows [cached_len, seq_len) only
     write_rows(k_cache, v_cache, batch, k, v)
 
 

@@ -311,10 +311,10 @@ class FlashAttentionKernel(Kernel):
         (k_rows, _), (v_rows, _) = cache_rows(k_cache), cache_rows(v_cache)
         return LayerViews(k_cache, v_cache, pages[0], pages[1], k_rows, v_rows, tokens, self.module())
 
-    def check_forward(self, plan: KernelPlan, views: LayerViews) -> None:
+    def check_forward(self, plan: KernelPlan, views: LayerViews, sliding_window: int | None = None) -> None:
         """:meth:`Kernel.check_forward`, and that a plan's padding slice is
         one of the cache's."""
-        check_views(self, plan, views.k_cache, views.v_cache)
+        check_views(self, plan, views.k_cache, views.v_cache, sliding_window)
         padding = getattr(plan, "padding_reqid", None)
         if padding is not None and not 0 <= padding < views.k_cache.shape[0]:
             raise ValueError(f"the plan's padding slice {padding} is not in this cache's "

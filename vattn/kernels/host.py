@@ -91,7 +91,7 @@ class HostKernel(Kernel):
         # match each, about a microsecond per call in all); the extension checks the shapes
         if not isinstance(plan, HostPlan):
             raise TypeError(f"plan must be the host kernel's plan (HostKernel.plan), got {type(plan).__name__}")
-        check_layer(self, plan, q, k_cache, v_cache, k, v, out, shapes=False)
+        check_layer(self, plan, q, k_cache, v_cache, k, v, out, sliding_window=sliding_window, shapes=False)
         if out is None:
             out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32) if return_lse else None

@@ -242,13 +242,14 @@ class Kernel(abc.ABC):
         check_cache_shapes(k_cache, v_cache)
         return LayerViews(k_cache, v_cache, k_cache, v_cache)
 
-    def check_forward(self, plan: KernelPlan, views: LayerViews) -> None:
+    def check_forward(self, plan: KernelPlan, views: LayerViews, sliding_window: int | None = None) -> None:
         """What :meth:`run` checks per layer and depends on the forward and
         the cache alone, once per forward for every layer whose views share
         ``views``' geometry and mapping (the layers of one cache): the caches'
         shapes against the plan's batch and the plan's mapping check
-        (:func:`check_views`). Raises as :meth:`run` would."""
-        check_views(self, plan, views.k_cache, views.v_cache)
+        (:func:`check_views`; of the rows the layers' ``sliding_window``
+        reads, where they have one). Raises as :meth:`run` would."""
+        check_views(self, plan, views.k_cache, views.v_cache, sliding_window)
 
     def run_layer(self, plan: KernelPlan, views: LayerViews, q: torch.Tensor, k: torch.Tensor | None,
                   v: torch.Tensor | None, out: torch.Tensor, softmax_scale: float | None,
@@ -345,20 +346,22 @@ def check_layer(kernel: Kernel, plan: KernelPlan, q: torch.Tensor, k_cache: torc
         if k is not None or v is not None:
             check_new_kv(k_cache, tokens, k, v)
     if plan.check is not None:
-        plan.check(k_cache, v_cache, kernel.name)
+        plan.check(k_cache, v_cache, kernel.name, sliding_window)
 
 
-def check_views(kernel: Kernel, plan: KernelPlan, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def check_views(kernel: Kernel, plan: KernelPlan, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                sliding_window: int | None = None) -> None:
     """The part of :func:`check_layer` that depends on the caches and the
     plan alone: the caches' shapes against the plan's batch (any batch when
-    the plan is padding only), then the plan's mapping check. What
+    the plan is padding only), then the plan's mapping check (of the rows a
+    ``sliding_window`` reads, where one is given). What
     :meth:`Kernel.check_forward` runs once per forward."""
     if plan.batch is not None:
         plan.batch.check_cache(k_cache, v_cache)
     else:
         check_cache_shapes(k_cache, v_cache)
     if plan.check is not None:
-        plan.check(k_cache, v_cache, kernel.name)
+        plan.check(k_cache, v_cache, kernel.name, sliding_window)
 
 
 def load_module(module: str, what: str) -> Any:

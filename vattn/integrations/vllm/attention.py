@@ -186,7 +186,7 @@ class ForwardPlanner:
         else:
             md = self._plan_into(batch, inputs.padded)
         if self.first_views is not None:
-            cache.kernel.check_forward(md.plan, self.first_views)
+            cache.kernel.check_forward(md.plan, self.first_views, self.case.sliding_window)
         late = cache.late_copies(self.group)
         if late is not None:
             md.late = LateCopies.of(late, reqids, inputs.seq_lens, inputs.query_lens, self.device)
