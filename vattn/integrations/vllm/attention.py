@@ -139,6 +139,7 @@ class ForwardPlanner:
                  max_num_tokens: int, num_splits: int = 0, split_tokens: int = 0) -> None:
         self.cache, self.group, self.device = cache, group, device
         self.first_reqid = cache.groups[group].placer.first_reqid  # the manager's reqid of the views' row 0
+        self.window = cache.groups[group].window  # tokens its layers' queries see; None: every token
         self.num_splits, self.split_tokens = num_splits, split_tokens
         self.buffers: FlashAttentionBuffers | None = None
         self.padding: int | None = None  # the group's padding slice, in its cache views
@@ -186,7 +187,7 @@ class ForwardPlanner:
         else:
             md = self._plan_into(batch, inputs.padded)
         if self.first_views is not None:
-            cache.kernel.check_forward(md.plan, self.first_views, self.case.sliding_window)
+            cache.kernel.check_forward(md.plan, self.first_views, self.window)  # the rows its window reads
         late = cache.late_copies(self.group)
         if late is not None:
             md.late = LateCopies.of(late, reqids, inputs.seq_lens, inputs.query_lens, self.device)
