@@ -210,6 +210,11 @@ size_t Budget::remove(const std::string& name, bool force) {
 
 size_t Budget::mark_removed(bool force) {
   Locked lock(*this);
+  // The members counted below are this file's: the name must still be its name, not that of a budget
+  // created under it after this one was removed by force meanwhile.
+  if (segment_.header()->removed.load(std::memory_order_acquire) || !segment_.named_here())
+    throw BudgetError(quoted(name()) + " was removed (and perhaps created again) while this removal ran: "
+                      "run it again");
   refresh_locked(true, true);
   std::set<int32_t> pids;
   size_t members = 0;
@@ -324,10 +329,14 @@ bool Budget::refresh_locked(bool force_liveness, bool allow_removed) {
   return liveness;
 }
 
-Entry& Budget::entry_locked(const BudgetMember& member) {
+void Budget::check_owner(const BudgetMember& member) const {
   if (member.owner_pid_ != static_cast<int32_t>(getpid()))
     throw BudgetError(quoted(name()) + ": member '" + member.label_ + "' belongs to process " +
                       std::to_string(member.owner_pid_) + " (inherited through fork): join the budget in this process");
+}
+
+Entry& Budget::entry_locked(const BudgetMember& member) {
+  check_owner(member);
   Entry& e = *segment_.entry(member.entry_index_);
   if (member.left_.load() || e.state.load(std::memory_order_acquire) != kEntryLive ||
       e.generation != member.generation_) {
@@ -489,6 +498,7 @@ void Budget::report(const BudgetMember& member, uint64_t in_use_bytes, uint64_t 
 }
 
 uint64_t Budget::pressure(const BudgetMember& member) {
+  check_owner(member);  // the lock-free answer below reads the entry: the parent's, in a forked child
   const Header* h = segment_.header();
   const Entry& own = *segment_.entry(member.entry_index_);
   if (h->removed.load(std::memory_order_acquire)) throw_removed(name());
@@ -560,6 +570,7 @@ bool BudgetMember::contended() const {
 void BudgetMember::clear_wait() { budget_->clear_wait(*this); }
 
 bool BudgetMember::wait_for_memory(double timeout_s) {
+  budget_->check_owner(*this);
   return budget_->wait_for_release(refused_epoch_.load(std::memory_order_acquire), timeout_s);
 }
 
@@ -577,6 +588,7 @@ void BudgetMember::leave() {
 }
 
 uint64_t BudgetMember::held_bytes() const {
+  budget_->check_owner(*this);
   const Entry& e = *budget_->segment_.entry(entry_index_);
   if (left_.load() || e.state.load(std::memory_order_acquire) != kEntryLive || e.generation != generation_) return 0;
   return e.held_bytes.load(std::memory_order_acquire);

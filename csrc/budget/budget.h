@@ -167,6 +167,8 @@ class Budget : public std::enable_shared_from_this<Budget> {
   bool try_grant(const BudgetMember& member, uint64_t bytes, bool record_wait);
   void release(const BudgetMember& member, uint64_t bytes);
   void report(const BudgetMember& member, uint64_t in_use_bytes, uint64_t free_held_bytes);
+  // BudgetError unless `member` was joined by this process (not inherited through fork).
+  void check_owner(const BudgetMember& member) const;
   uint64_t pressure(const BudgetMember& member);
   void clear_wait(const BudgetMember& member);
   void leave(const BudgetMember& member) noexcept;

@@ -336,6 +336,13 @@ std::string Segment::damage() const {
   return "";
 }
 
+bool Segment::named_here() const {
+  struct stat mine, named;
+  if (fstat(files_->probe_fd, &mine) != 0) return false;
+  if (stat(path_of(name_).c_str(), &named) != 0) return false;
+  return mine.st_dev == named.st_dev && mine.st_ino == named.st_ino;
+}
+
 std::timed_mutex& Segment::process_mutex() const { return *files_->mu.load(std::memory_order_acquire); }
 
 bool Segment::usable_in_this_process() const { return files_->fd >= 0 && !files_->forked_badly; }

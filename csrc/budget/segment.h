@@ -139,6 +139,9 @@ class Segment {
   static Segment open(const std::string& name);
   // Unlinks budget `name` (mapped copies stay mapped until unmapped).
   static void unlink(const std::string& name);
+  // Whether the budget's name still names this segment's file (not one created
+  // under the name after this one was removed).
+  bool named_here() const;
   // Names of the budgets in /dev/shm, sorted.
   static std::vector<std::string> list();
   // Removes the staging files of creators that died half-way (SIGKILL during

@@ -8,15 +8,18 @@ import json
 import os
 import random
 import struct
+import subprocess
 import sys
+import threading
 import time
 
 import pytest
 from budget_helpers import (Child, budget_name, prepare_thread_exit, read_prefix, run_in_child,  # noqa: F401 (fixture)
-                            run_in_fresh_process)
+                            run_in_fresh_process, segment_path)
 
 import vattn
 import vattn._testing as hooks
+from vattn.budget import budget as vbudget
 
 MiB = 1 << 20
 
@@ -182,18 +185,23 @@ def test_a_member_inherited_through_fork_stays_the_parents(budget_name):
     assert m.try_grant(MiB)
 
     def body(c: Child) -> None:
-        try:
-            m.try_grant(MiB)
-            c.send("granted")
-        except vattn.BudgetError as e:
-            c.send(str(e))
+        # every operation refuses, the lock-free ones too (pressure answered 0 from the parent's entry,
+        # wait_for_memory waited, held_bytes showed the parent's share)
+        for name, op in (("try_grant", lambda: m.try_grant(MiB)), ("pressure", m.pressure),
+                         ("wait_for_memory", lambda: m.wait_for_memory(0.2)), ("held_bytes", lambda: m.held_bytes)):
+            try:
+                op()
+                c.send(f"{name} went through")
+            except vattn.BudgetError as e:
+                c.send(str(e))
         own = b.join("child")  # the inherited mapping works for its own member
         c.send(str(own.try_grant(MiB)))
         # exiting destroys nothing of the parent's: the inherited member does not leave
 
     child = Child(body)
     try:
-        assert "inherited through fork" in child.recv()
+        for _ in range(4):
+            assert "inherited through fork" in child.recv()
         assert child.recv() == "True"
         assert child.wait() == 0
     finally:
@@ -404,3 +412,50 @@ def test_crafted_lock_bytes_never_abort(budget_name):
     assert run_in_child(ls, timeout_s=10) == "ok"
     with pytest.raises(vattn.BudgetError, match="corrupt"):
         b.usage()
+
+
+OTHER_REMOVER = """
+import os, sys, vattn._testing as hooks
+name, path = sys.argv[1], sys.argv[2]
+hooks.budget_lock_raw(name); print("held", flush=True)
+sys.stdin.readline(); os.unlink(path); print("unlinked", flush=True)
+sys.stdin.readline(); hooks.budget_unlock_raw(name); print("unlocked", flush=True)
+"""
+
+
+def test_a_removal_never_unlinks_a_budget_created_under_the_name_meanwhile(budget_name):
+    """remove counts the members of the file it opened; if that file was removed (by force) and a budget
+    created under the name while remove waited for the lock, the new budget is not the one counted: remove
+    raises instead of unlinking it (it unlinked the new budget, members and all)."""
+    vattn.Budget.create(budget_name, MiB)
+    other = subprocess.Popen([sys.executable, "-c", OTHER_REMOVER, budget_name, str(segment_path(budget_name))],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        outcome: list[BaseException | int] = []
+
+        def remove() -> None:
+            try:
+                outcome.append(vbudget.remove(budget_name))
+            except BaseException as e:  # noqa: BLE001
+                outcome.append(e)
+
+        remover = threading.Thread(target=remove)
+        remover.start()
+        time.sleep(0.3)  # it opened the file and waits for its lock
+        other.stdin.write("\n")
+        other.stdin.flush()
+        assert other.stdout.readline().strip() == "unlinked"
+        new = vattn.Budget.create(budget_name, MiB)
+        member = new.join("user of the new budget")
+        assert member.try_grant(4096)
+        other.stdin.write("\n")
+        other.stdin.flush()
+        remover.join(30)
+        assert len(outcome) == 1 and isinstance(outcome[0], vattn.BudgetError), outcome
+        assert "was removed (and perhaps created again) while this removal ran" in str(outcome[0])
+        assert budget_name in vbudget.names() and [m.label for m in new.usage().members] == ["user of the new budget"]
+        member.leave()
+    finally:
+        other.kill()
+        other.wait()
