@@ -209,6 +209,17 @@ def test_adapter_input_errors():
         with pytest.raises(ValueError, match="k must be"):
             sdpa_attention(q, k_cache, v_cache, AttentionBatch([0], [0], [3]), k=torch.zeros(3, 2, 8),
                            v=torch.zeros(3, 2, 16))
+        # a dtype other than the cache's: TypeError naming the tensor (torch's RuntimeError came from deep inside)
+        batch = AttentionBatch([0], [0], [3], cache=kv)
+        assert kv.alloc_reqid() == 0 and kv.step([3, 0])
+        new = torch.zeros(3, 2, 16)
+        for dtype in (torch.float64, torch.bfloat16, torch.int64):
+            with pytest.raises(TypeError, match=rf"q must have the cache's dtype \(float32\), got {str(dtype)[6:]}"):
+                sdpa_attention(q.to(dtype), k_cache, v_cache, batch, k=new, v=new)
+            with pytest.raises(TypeError, match=rf"k must have the cache's dtype \(float32\), got {str(dtype)[6:]}"):
+                sdpa_attention(q, k_cache, v_cache, batch, k=new.to(dtype), v=new)
+            with pytest.raises(TypeError, match=rf"v must have the cache's dtype \(float32\), got {str(dtype)[6:]}"):
+                write_kv(k_cache, v_cache, batch, new, new.to(dtype))
 
 
 def test_gpu_adapters_refuse_cpu_tensors():

@@ -288,7 +288,11 @@ def check_cache_shapes(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 
 def check_query(q: torch.Tensor, k_cache: torch.Tensor, num_tokens: int) -> None:
-    """Raises unless ``q`` is ``[num_tokens, H_q, D]`` with ``H_q`` a multiple of the cache's heads."""
+    """Raises unless ``q`` is ``[num_tokens, H_q, D]`` with ``H_q`` a multiple of the cache's heads, of the
+    cache's dtype (``TypeError``: the libraries these kernels call take one dtype for all three)."""
+    if q.dtype != k_cache.dtype:
+        raise TypeError(f"q must have the cache's dtype ({str(k_cache.dtype).removeprefix('torch.')}), "
+                        f"got {str(q.dtype).removeprefix('torch.')}")
     heads_kv, head_dim = k_cache.shape[2:]
     if q.dim() != 3 or q.shape[0] != num_tokens or q.shape[2] != head_dim:
         raise ValueError(f"q must be [{num_tokens}, num_qo_heads, {head_dim}] "
@@ -298,12 +302,15 @@ def check_query(q: torch.Tensor, k_cache: torch.Tensor, num_tokens: int) -> None
 
 
 def check_new_kv(k_cache: torch.Tensor, num_tokens: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
-    """Raises unless ``k`` and ``v`` are ``[num_tokens, H_kv, D]``."""
+    """Raises unless ``k`` and ``v`` are ``[num_tokens, H_kv, D]`` of the cache's dtype (``TypeError``)."""
     want = (num_tokens, *k_cache.shape[2:])
     for name, t in (("k", k), ("v", v)):
         if t is None or tuple(t.shape) != want:
             got = None if t is None else tuple(t.shape)
             raise ValueError(f"{name} must be {list(want)} (new tokens, kv heads, head_dim), got {got}")
+        if t.dtype != k_cache.dtype:
+            raise TypeError(f"{name} must have the cache's dtype ({str(k_cache.dtype).removeprefix('torch.')}), "
+                            f"got {str(t.dtype).removeprefix('torch.')}")
 
 
 def int_list(name: str, values: Sequence[int] | torch.Tensor) -> list[int]:
