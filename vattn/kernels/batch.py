@@ -287,10 +287,10 @@ def check_cache_shapes(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
 
 
-def check_query(q: torch.Tensor, k_cache: torch.Tensor, num_tokens: int) -> None:
-    """Raises unless ``q`` is ``[num_tokens, H_q, D]`` with ``H_q`` a multiple of the cache's heads, of the
-    cache's dtype (``TypeError``: the libraries these kernels call take one dtype for all three)."""
-    if q.dtype != k_cache.dtype:
+def check_query(q: torch.Tensor, k_cache: torch.Tensor, num_tokens: int, cache_dtype: bool = True) -> None:
+    """Raises unless ``q`` is ``[num_tokens, H_q, D]`` with ``H_q`` a multiple of the cache's heads, and with
+    ``cache_dtype`` of the cache's dtype (``TypeError``: the libraries such kernels call take one dtype)."""
+    if cache_dtype and q.dtype != k_cache.dtype:
         raise TypeError(f"q must have the cache's dtype ({str(k_cache.dtype).removeprefix('torch.')}), "
                         f"got {str(q.dtype).removeprefix('torch.')}")
     heads_kv, head_dim = k_cache.shape[2:]

@@ -44,6 +44,7 @@ class _FlashInfer(Kernel):
 
     devices = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16)
+    q_takes_cache_dtype = False  # q_data_type and kv_data_type are FlashInfer's plan's own
 
     def module(self) -> Any:
         return load_module("flashinfer", INSTALL_HINT)

@@ -173,6 +173,7 @@ class Kernel(abc.ABC):
     head_dim_max: int | None = None  # None: no upper bound
     head_dim_multiple: int = 1
     has_sliding_window: ClassVar[bool] = False
+    q_takes_cache_dtype: ClassVar[bool] = True  # q of the cache's dtype only (False: the library takes both)
     has_logits_soft_cap: ClassVar[bool] = False
     # Serves the whole batch in a few calls per layer, with no loop over requests in Python.
     batched: ClassVar[bool] = False
@@ -342,7 +343,7 @@ def check_layer(kernel: Kernel, plan: KernelPlan, q: torch.Tensor, k_cache: torc
         else:
             check_cache_shapes(k_cache, v_cache)
         tokens = batch.num_tokens if num_tokens is None else num_tokens
-        check_query(q, k_cache, tokens)
+        check_query(q, k_cache, tokens, kernel.q_takes_cache_dtype)
         if k is not None or v is not None:
             check_new_kv(k_cache, tokens, k, v)
     if plan.check is not None:
