@@ -250,3 +250,16 @@ def test_prefix_cache_outputs_equal_no_cache(model, options):
         assert engine.generate([prompts[0]], max_new_tokens=8) == [want[0]]
         assert engine.generate([prompts[0]], max_new_tokens=8) == [want[0]]
         assert engine.stats()["prefix_cache_hit_tokens"] > 0
+
+
+def test_generate_keeps_what_add_request_queued_for_the_next_step(model, reference):
+    """Requests queued by add_request run alongside generate; those that finish meanwhile come out of the
+    next step (generate dropped them: no later step returned them)."""
+    prompts, news, expected = reference
+    with Engine(model, max_batch_size=4, max_context_len=128, page_size=PAGE) as engine:
+        queued = [engine.add_request(prompts[i], news[i]) for i in range(2)]
+        assert engine.generate(prompts[2:4], max_new_tokens=list(news[2:4])) == expected[2:4]
+        finished = {}
+        while engine.has_unfinished():
+            finished.update((out.request_id, out.output) for out in engine.step())
+        assert finished == {queued[0]: expected[0], queued[1]: expected[1]}

@@ -360,6 +360,8 @@ class Engine:
         Every prompt is checked before any is queued. Raises
         :class:`GenerateError` (a RuntimeError) when a request finished with an
         error: the others still ran to the end, and its ``outputs`` has theirs.
+        Requests queued by :meth:`add_request` run alongside; those that finish
+        meanwhile are returned by the next :meth:`step`.
         """
         self._check_open()
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
@@ -389,10 +391,16 @@ class Engine:
         ids = [r.request_id for r in requests]
         mine = set(ids)
         results: dict[tuple[int, int], RequestOutput] = {}
-        while len(results) < len(ids) * n:
-            for out in self.step():
-                if out.request_id in mine:  # not a request queued by add_request
-                    results[out.request_id, out.sample_index] = out
+        others: list[RequestOutput] = []  # requests queued by add_request: the next step() returns them
+        try:
+            while len(results) < len(ids) * n:
+                for out in self.step():
+                    if out.request_id in mine:
+                        results[out.request_id, out.sample_index] = out
+                    else:
+                        others.append(out)
+        finally:
+            self._undelivered[:0] = others
         failed = [out for out in results.values() if out.error]
         bad = {out.request_id for out in failed}
         if n == 1:
