@@ -125,7 +125,7 @@ class Budget : public std::enable_shared_from_this<Budget> {
   bool wait_for_release(uint32_t seen, double timeout_s);
 
   const std::string& name() const { return segment_.name(); }
-  std::string device() const { return segment_.header()->device; }
+  std::string device() const { return segment_.device(); }
   uint32_t max_members() const { return segment_.max_members(); }
   double lock_timeout_s() const { return static_cast<double>(lock_timeout_ns_) / 1e9; }
   // Lock-free reads, for polling.

@@ -336,6 +336,12 @@ std::string Segment::damage() const {
   return "";
 }
 
+std::string Segment::device() const {
+  const char* field = header_->device;
+  if (!valid_device(field, kDeviceChars)) throw_corrupt(name_, "the device field is not a device name");
+  return std::string(field, strnlen(field, kDeviceChars));
+}
+
 bool Segment::named_here() const {
   struct stat mine, named;
   if (fstat(files_->probe_fd, &mine) != 0) return false;

@@ -139,6 +139,10 @@ class Segment {
   static Segment open(const std::string& name);
   // Unlinks budget `name` (mapped copies stay mapped until unmapped).
   static void unlink(const std::string& name);
+  // The device the budget is for, checked again at every read (its field is a
+  // byte array any writer of the file can change): BudgetCorrupt if it is not
+  // a device name any more.
+  std::string device() const;
   // Whether the budget's name still names this segment's file (not one created
   // under the name after this one was removed).
   bool named_here() const;

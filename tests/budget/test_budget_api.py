@@ -341,6 +341,20 @@ def test_a_label_that_is_not_text_makes_the_budget_corrupt(budget_name):
     assert "label" in str(info.value)
 
 
+def test_a_device_field_overwritten_under_an_attached_budget_makes_it_corrupt(budget_name):
+    """The device is read again at every use: bytes written over it after attach give BudgetError (usage()
+    raised UnicodeDecodeError, and the command line printed a traceback)."""
+    b = vattn.Budget.create(budget_name, MiB)
+    assert b.device == "cpu"
+    with open(segment_path(budget_name), "r+b") as f:
+        f.seek(32)  # the header's device field: after the 24-byte prefix, the lock kind and a reserved word
+        f.write(b"\xff\xfe\x80" + b"x" * 61)  # not text, and no terminating NUL in its 64 bytes
+    for read in (lambda: b.device, b.usage):
+        with pytest.raises(vattn.BudgetError, match=_corrupt_message(budget_name)) as info:
+            read()
+        assert "device field" in str(info.value)
+
+
 OUT_OF_DESCRIPTORS = """
 import os, resource, sys
 import vattn
