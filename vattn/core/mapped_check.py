@@ -109,8 +109,7 @@ class ViewsCheck:
     def __init__(self, reqids: IntArray, seq_lens: IntArray, what: str, binding: ViewsBinding | None = None,
                  cached_lens: IntArray | None = None, first_rows: np.ndarray | None = None) -> None:
         self.reqids, self.seq_lens, self.what = reqids, seq_lens, what
-        self.cached_lens = None if cached_lens is None else np.asarray(int_array("cached_lens", cached_lens),
-                                                                       dtype=np.int64)
+        self.cached_lens = cached_lens  # read by a window's check only (none per forward without one)
         self.first_rows = first_rows  # the first row read per request (None: row 0)
         self.windows: dict[int, ViewsCheck] = {}  # the same rows seen through a sliding window, per window
         self.others: dict[tuple[int, tuple[int, int]], MappedCheck] = {}  # found by address: (id of pages, origin)
@@ -142,7 +141,8 @@ class ViewsCheck:
         """The check of the rows a window of ``sliding_window`` tokens reads, made once per window."""
         check = self.windows.get(sliding_window)
         if check is None:  # two threads may both make it: either is right
-            first_rows = np.maximum(self.cached_lens - (sliding_window - 1), 0)
+            cached = np.asarray(int_array("cached_lens", self.cached_lens), dtype=np.int64)
+            first_rows = np.maximum(cached - (sliding_window - 1), 0)
             check = ViewsCheck(self.reqids, self.seq_lens, self.what, self.binding, first_rows=first_rows)
             self.windows[sliding_window] = check
         return check
