@@ -154,9 +154,10 @@ class Budget::Locked {
  private:
   [[noreturn]] void timed_out(Budget& b) {
     const int32_t holder = header_->lock.holder_pid.load();
-    throw BudgetLockTimeout(quoted(b.name()) + ": its lock has been held for over " + seconds_text(b.lock_timeout_s()) +
-                      " s by pid " + std::to_string(holder) + " (a stopped or stuck process?); operations hold it " +
-                      "for microseconds: resume or end that process");
+    throw BudgetLockTimeout(quoted(b.name()) + ": its lock has been held for over " +
+                            seconds_text(b.lock_timeout_s()) + " s by pid " + std::to_string(holder) +
+                            " (a stopped or stuck process?); operations hold it for microseconds: resume or end "
+                            "that process");
   }
   void unlock() noexcept {
     if (file_locked_) segment_.unlock_byte(budget::kLockByte);

@@ -35,7 +35,7 @@ static_assert(offsetof(Entry, label) + kLabelChars == sizeof(Entry), "the label 
 
 [[noreturn]] void throw_os(const std::string& name, const std::string& call, int err) {
   throw BudgetSystemError(quoted(name) + ": " + call + " failed: " + std::strerror(err) + " (errno " +
-                    std::to_string(err) + ")");
+                          std::to_string(err) + ")");
 }
 
 // A device string fit for the header: printable ASCII without spaces.
