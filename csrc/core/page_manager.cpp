@@ -465,11 +465,11 @@ void PageManager::check_mapped(const int64_t* reqids, const int64_t* tokens, siz
                                   " mapped (step() it to at least " + std::to_string(tokens[i]) +
                                   " tokens before attending)");
     const int64_t first = firsts ? firsts[i] : 0;
-    const size_t holes = table_.leading_holes(s);
-    if (holes > 0 && tokens[i] > first && first < geometry_.tokens_in_positions(holes))
+    const int64_t unmapped_below = geometry_.tokens_in_positions(table_.leading_holes(s));  // rows of the holes
+    if (tokens[i] > first && first < unmapped_below)
       throw std::invalid_argument(what + ": reqid " + std::to_string(reqids[i]) + " would read rows from " +
                                   std::to_string(first) + " on, but its rows below " +
-                                  std::to_string(geometry_.tokens_in_positions(holes)) +
+                                  std::to_string(unmapped_below) +
                                   " are unmapped (unmap_pages_below): only a sliding window that starts at or "
                                   "above them may read this request");
   }

@@ -75,7 +75,8 @@ def test_calls_waiting_for_the_managers_lock_let_other_python_threads_run(host_f
                   "mapped_tokens": lambda: kv.mapped_tokens(r), "page_ids": lambda: kv.page_ids(r),
                   "reads_done": lambda: kv.reads_done(r), "bytes_mapped": lambda: kv.bytes_mapped,
                   "bytes_in_requests": lambda: kv.bytes_in_requests, "closed": lambda: kv.closed,
-                  "check_mapped": lambda: kv.check_mapped(k, [r], [tokens]), "mapped_check": lambda: check(k, v, "forward"),
+                  "check_mapped": lambda: kv.check_mapped(k, [r], [tokens]),
+                  "mapped_check": lambda: check(k, v, "forward"),
                   "prefix page_ids": lambda: handle.page_ids}
         host_faults.delay(150_000)  # each page creation and map run: the next step holds the lock ~1 s
         stepper = threading.Thread(target=kv.step, args=(only(r, 2 * tokens),))
@@ -101,7 +102,7 @@ def test_calls_waiting_for_the_managers_lock_let_other_python_threads_run(host_f
         stepper.join()
         host_faults.delay(0)
         assert not errors, errors
-        assert waited > 0.3, f"the readers did not wait for the step ({waited:.3f} s): the step was not holding the lock"
+        assert waited > 0.3, f"the readers did not wait for the step ({waited:.3f} s): it was not holding the lock"
         assert longest < waited / 2, (f"this thread stalled {longest:.3f} s of the {waited:.3f} s the readers waited: "
                                       f"one of {sorted(probes)} waits for the lock holding the GIL")
         handle.release()

@@ -290,9 +290,8 @@ def check_cache_shapes(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 def check_query(q: torch.Tensor, k_cache: torch.Tensor, num_tokens: int, cache_dtype: bool = True) -> None:
     """Raises unless ``q`` is ``[num_tokens, H_q, D]`` with ``H_q`` a multiple of the cache's heads, and with
     ``cache_dtype`` of the cache's dtype (``TypeError``: the libraries such kernels call take one dtype)."""
-    if cache_dtype and q.dtype != k_cache.dtype:
-        raise TypeError(f"q must have the cache's dtype ({str(k_cache.dtype).removeprefix('torch.')}), "
-                        f"got {str(q.dtype).removeprefix('torch.')}")
+    if cache_dtype:
+        check_cache_dtype("q", q, k_cache)
     heads_kv, head_dim = k_cache.shape[2:]
     if q.dim() != 3 or q.shape[0] != num_tokens or q.shape[2] != head_dim:
         raise ValueError(f"q must be [{num_tokens}, num_qo_heads, {head_dim}] "
@@ -308,9 +307,14 @@ def check_new_kv(k_cache: torch.Tensor, num_tokens: int, k: torch.Tensor | None,
         if t is None or tuple(t.shape) != want:
             got = None if t is None else tuple(t.shape)
             raise ValueError(f"{name} must be {list(want)} (new tokens, kv heads, head_dim), got {got}")
-        if t.dtype != k_cache.dtype:
-            raise TypeError(f"{name} must have the cache's dtype ({str(k_cache.dtype).removeprefix('torch.')}), "
-                            f"got {str(t.dtype).removeprefix('torch.')}")
+        check_cache_dtype(name, t, k_cache)
+
+
+def check_cache_dtype(name: str, t: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """``TypeError`` naming ``name`` unless ``t`` has the cache's dtype."""
+    if t.dtype != k_cache.dtype:
+        want, got = (str(d).removeprefix("torch.") for d in (k_cache.dtype, t.dtype))
+        raise TypeError(f"{name} must have the cache's dtype ({want}), got {got}")
 
 
 def int_list(name: str, values: Sequence[int] | torch.Tensor) -> list[int]:
