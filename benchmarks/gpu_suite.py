@@ -81,6 +81,12 @@ packages, for every stage. The choices and the numbers each gives:
                 a release VAttnCache is checked against; without it
                 engine_e2e runs on the image's release, outside that range,
                 and the summary says so.
+  setuptools    carried: setuptools-84.2.1-py3-none-any.whl, 0.9 MB, pure
+                Python. The build stage's ``setup.py build_ext`` reads
+                pyproject.toml, whose license is an SPDX expression that
+                setuptools before 77 refuses; the image's version is not
+                known ahead, and the summary records the one the stages
+                import.
   FlashAttention-2  not carried: flash-attn has no wheel on PyPI for any
                 torch (source only, hours to build). Every FlashAttention-2
                 number comes from torch's own kernel instead
@@ -103,8 +109,8 @@ packages, for every stage. The choices and the numbers each gives:
   vLLM          not carried (gigabytes, and it needs its own torch): the
                 vLLM integration's GPU path stays unmeasured.
 
-On such a machine, from the repository root, with the wheel downloaded here
-(``pip download --no-deps --only-binary=:all: transformers==5.23.0 -d .whl``,
+On such a machine, from the repository root, with the wheels downloaded here
+(``pip download --no-deps --only-binary=:all: transformers==5.23.0 setuptools==84.2.1 -d .whl``,
 .whl ignored through .git/info/exclude and carried):
 
     benchmarks/gpu_suite.sh /tmp/suite --wheels .whl --archive "$OUT"
@@ -139,7 +145,7 @@ CUDA_TESTS = ["tests/backends/test_cuda_real.py", "tests/backends/test_cuda_driv
               "tests/backends/test_cuda_header_abi.py", "tests/kernels/test_attention.py",
               "tests/integrations/test_vllm_planner_gpu.py"]
 # packages the stages may use, reported with their versions (None: not importable)
-PACKAGES = ["torch", "triton", "transformers", "flash_attn", "flashinfer", "vllm"]
+PACKAGES = ["torch", "triton", "transformers", "flash_attn", "flashinfer", "vllm", "setuptools"]
 TRANSFORMERS_CHECKED = ((5, 22), (5, 24))  # pyproject.toml's range: >= 5.22, < 5.24
 ARCHIVED = (".json", ".png", ".xml", ".log")
 # the ISA harness first: it runs in child processes (native AMX under the sanitizers among them), so a crash

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ParamSpec
 
 from vattn.common.errors import BackendUnavailable, BudgetError, ClosedError, DriverError, ForkedError, OutOfPages
-from vattn.common.errors import OutOfReqids, VAttnError
+from vattn.common.errors import BudgetLockTimeout, OutOfReqids, VAttnError
 from vattn.common.deprecation import warn_renamed
 from vattn.common.install_check import check_extension, check_torch
 from vattn.common.version import VERSION as __version__
@@ -52,6 +52,7 @@ __all__ = [
     "PrefixHandle",
     "Budget",
     "BudgetError",
+    "BudgetLockTimeout",
     "init",
     "layer",
     "alloc_reqid",

@@ -20,9 +20,13 @@ void register_budget_error() {
   // py::object would be decref'd after the interpreter is gone.
   static PyObject* budget_error =
       py::object(py::module_::import("vattn.common.errors").attr("BudgetError")).release().ptr();
+  static PyObject* lock_timeout =
+      py::object(py::module_::import("vattn.common.errors").attr("BudgetLockTimeout")).release().ptr();
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
+    } catch (const BudgetLockTimeout& e) {  // a subclass: caught first
+      PyErr_SetString(lock_timeout, e.what());
     } catch (const BudgetError& e) {
       PyErr_SetString(budget_error, e.what());
     }

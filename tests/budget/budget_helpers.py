@@ -3,11 +3,15 @@ the segment's file, and children forked to act as other processes."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
 import struct
+import subprocess
+import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -197,3 +201,27 @@ def prepare_thread_exit() -> None:
         assert time.monotonic() < deadline, "a thread did not end by pthread_exit"
         time.sleep(0.001)
     _thread_exit_ready = True
+
+
+_STUCK_HOLDER = ("import sys, vattn._testing as hooks; hooks.budget_lock_raw(sys.argv[1]); print('held', flush=True); "
+                 "sys.stdin.readline(); hooks.budget_unlock_raw(sys.argv[1]); print('released', flush=True)")
+
+
+@contextlib.contextmanager
+def stuck_lock_holder(name: str) -> Iterator[Callable[[], None]]:
+    """Another process holds budget ``name``'s lock (a stopped or stuck holder) from entry until the
+    function yielded is called (or the block ends: the holder is killed, which frees the lock)."""
+    holder = subprocess.Popen([sys.executable, "-c", _STUCK_HOLDER, name], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+
+    def let_go() -> None:
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "released"
+
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield let_go
+    finally:
+        holder.kill()
+        holder.wait()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from budget_helpers import _counter
+from budget_helpers import _counter, stuck_lock_holder
 
 import vattn
 from vattn.budget import budget as vbudget
@@ -210,6 +210,44 @@ def test_a_budget_removed_on_one_device_raises_and_the_others_still_get_their_sh
     assert a.held_bytes == 4 * KiB
     member.leave()
     assert a.held_bytes == 0
+
+
+def test_a_device_whose_budget_lock_is_stuck_refuses_and_is_owed_its_releases(family_name):
+    """Another process holds device B's budget lock past lock_timeout_s (stopped, stuck): a grant is
+    refused with A's part undone, a release keeps B's part owed (still charged there) and gives A its
+    own, a report says it was not recorded; the calls after the first do not wait on B's lock again
+    until ``recover`` finds it free, which gives B its part back. (Every call had raised the timeout as
+    a BudgetError, which an engine took for a budget no one could use, and left.)"""
+    devices.create_for_devices(family_name, 64 * KiB, [UUID_A, UUID_B])
+    shares = []
+    for uuid, unit in ((UUID_A, 4 * KiB), (UUID_B, 2 * KiB)):
+        budget = vattn.Budget.attach(devices.device_budget_name(family_name, uuid), lock_timeout_s=0.2)
+        shares.append(devices.DeviceShare(budget, budget.join("engine tp2"), unit))
+    member = devices.DeviceMember(family_name, shares)
+    assert member.try_grant(4 * member.unit_bytes)
+    assert held(family_name) == (16 * KiB, 8 * KiB)
+    with stuck_lock_holder(devices.device_budget_name(family_name, UUID_B)) as let_go:
+        assert not member.try_grant(member.unit_bytes)  # A granted, B timed out: A's part undone
+        assert held(family_name) == (16 * KiB, 8 * KiB) and member.refused is shares[1]
+        assert member.counters["lock_timeouts"] == 1 and member.stalled
+        member.release(2 * member.unit_bytes)  # A's part now, B's owed
+        assert held(family_name) == (8 * KiB, 8 * KiB) and member.unreturned_bytes == 4 * KiB
+        assert member.held_by_device() == {UUID_A: 8 * KiB, UUID_B: 8 * KiB}  # B still charged for it
+        assert member.report(member.unit_bytes, member.unit_bytes) is False
+        assert member.pressure() == 0
+        member.clear_wait()
+        assert not member.try_grant(member.unit_bytes)
+        assert member.counters["lock_timeouts"] == 1  # no call since the first waited on B's lock
+        member.recover()  # the keeper's look: B's lock still held
+        assert member.counters["lock_timeouts"] == 2 and member.unreturned_bytes == 4 * KiB
+        let_go()
+    member.recover()
+    assert not member.stalled and member.unreturned_bytes == 0
+    assert held(family_name) == (8 * KiB, 4 * KiB)
+    assert member.report(member.unit_bytes, member.unit_bytes) is True
+    assert member.try_grant(member.unit_bytes) and held(family_name) == (12 * KiB, 6 * KiB)
+    member.leave()
+    assert held(family_name) == (0, 0)
 
 
 def test_one_device_is_that_budgets_own_figures(family_name):

@@ -17,7 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from budget_helpers import Child, budget_name, prepare_thread_exit, run_in_fresh_process, segment_path  # noqa: F401
+from budget_helpers import (Child, budget_name, prepare_thread_exit, run_in_fresh_process, segment_path,  # noqa: F401
+                            stuck_lock_holder)
 from manager_helpers import B, ID_BYTES, TOKENS_PER_PAGE, make_kv, pages, wait_until
 
 import vattn
@@ -346,10 +347,6 @@ def test_vattn_budget_in_the_environment_joins_without_code(budget_name):
     assert vattn.Budget.attach(budget_name).usage().members == ()  # it left when it exited
 
 
-STUCK_HOLDER = ("import sys, vattn._testing as hooks; hooks.budget_lock_raw(sys.argv[1]); print('held', flush=True); "
-                "sys.stdin.readline(); hooks.budget_unlock_raw(sys.argv[1]); print('released', flush=True)")
-
-
 def test_a_stuck_lock_holder_is_a_refusal_not_a_reason_to_leave_the_budget(budget_name):
     """Another process holds the budget's lock past lock_timeout_s (stopped, stuck): a step that needs pages
     is refused (the manager had detached from the budget for good and created pages nobody counted, past
@@ -362,18 +359,14 @@ def test_a_stuck_lock_holder_is_a_refusal_not_a_reason_to_leave_the_budget(budge
     a, b = kv.alloc_reqid(), other.alloc_reqid()
     assert kv.step(pages(a, 4 * TOKENS_PER_PAGE)) and other.step(pages(b, 2 * TOKENS_PER_PAGE))
     kv.free_reqid(a)  # its 4 ids stay created, in the pool, charged
-    holder = subprocess.Popen([sys.executable, "-c", STUCK_HOLDER, budget_name], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "held"
-        c = kv.alloc_reqid()
-        assert kv.step(pages(c, 6 * TOKENS_PER_PAGE)) is False  # 2 ids more than the pool's 4: refused
-        assert kv.budget_share()["detached"] == ""
-        assert kv.release_free_memory() == 4 * ID_BYTES  # the pages go; the budget's lock is not to be had
-        other.cleanup()  # it cannot clear its entry now
-        holder.stdin.write("\n")
-        holder.stdin.flush()
-        assert holder.stdout.readline().strip() == "released"
+        with stuck_lock_holder(budget_name) as let_go:
+            c = kv.alloc_reqid()
+            assert kv.step(pages(c, 6 * TOKENS_PER_PAGE)) is False  # 2 ids more than the pool's 4: refused
+            assert kv.budget_share()["detached"] == ""
+            assert kv.release_free_memory() == 4 * ID_BYTES  # the pages go; the budget's lock is not to be had
+            other.cleanup()  # it cannot clear its entry now
+            let_go()
         # the keeper gives the released ids back; the closed manager's entry goes at the next sweep
         wait_until(lambda: budget.held_bytes == 0 and [m.label for m in budget.usage().members] == ["kv"],
                    what="the released pages and the closed member given back")
@@ -382,7 +375,5 @@ def test_a_stuck_lock_holder_is_a_refusal_not_a_reason_to_leave_the_budget(budge
         assert budget.held_bytes == 8 * ID_BYTES == kv.stats()["bytes_created"]
         assert kv.budget_share()["detached"] == ""
     finally:
-        holder.kill()
-        holder.wait()
         kv.cleanup()
         other.cleanup()

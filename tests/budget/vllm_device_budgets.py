@@ -13,24 +13,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
-from vllm_scheduler_budget import BLOCK, make_config, make_scheduler  # noqa: E402
+from vllm_scheduler_budget import BLOCK, make_config, make_scheduler, step  # noqa: E402
 
 UUID_A = "GPU-0a0a0a0a-1111-2222-3333-aaaaaaaaaaaa"
 UUID_B = "GPU-0b0b0b0b-1111-2222-3333-bbbbbbbbbbbb"
 RANK_BLOCK_BYTES = BLOCK * 512  # the test model's 1 KiB a token, half on each rank
-
-
-def step(scheduler) -> list[str]:
-    """One schedule and its output: a token for every request past its prompt. Returns the ids scheduled."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    out = scheduler.schedule()
-    ids = list(out.num_scheduled_tokens)
-    tokens = [[7] if scheduler.requests[rid].num_computed_tokens + out.num_scheduled_tokens[rid]
-              >= scheduler.requests[rid].num_prompt_tokens else [] for rid in ids]
-    scheduler.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                                        sampled_token_ids=tokens))
-    return ids
 
 
 def main(model: str, name: str) -> dict:

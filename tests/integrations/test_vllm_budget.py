@@ -13,6 +13,7 @@ import json
 import os
 import random
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,6 +25,9 @@ from test_vllm import SCENARIO, TOKEN_BYTES, needs_vllm, run_scenario, two_cpus_
 from test_vllm_models import GROUP_WINDOWS, long_unless_in_suite
 from workloads.vllm_models import ENGINE as MODEL_ENGINE
 from workloads.vllm_models import phases as model_phases
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "budget"))
+from budget_helpers import stuck_lock_holder  # noqa: E402
 
 BLOCK = 32
 BLOCK_BYTES = BLOCK * TOKEN_BYTES  # one block's pages, K and V of both layers
@@ -352,3 +356,54 @@ def test_vllms_scheduler_under_the_hooks_against_the_reference(tiny_model, tmp_p
             if got[0] == "error":
                 assert "more than the budget's limit of" in got[2], got
     assert reasons.count("error") >= 3 and reasons.count("length") >= 20, reasons  # both sides exercised
+
+
+@needs_vllm
+def test_a_stuck_budget_lock_keeps_the_engine_in_the_budget_and_serving(tiny_model, tmp_path):
+    """Another process holds the budget's lock past lock_timeout_s (stopped, stuck) while vLLM's scheduler
+    runs under the hooks (vllm_budget_lock.py): a request that needs new blocks waits (no grant can be
+    had) and then runs on blocks that have pages, releases made meanwhile stay charged and are given back
+    once the lock is free, and the engine stays in the budget. (The timeout was a BudgetError like a
+    removed budget's: the engine detached for good and charged nothing from then on.)"""
+    script = Path(__file__).with_name("vllm_budget_lock.py")
+    block_bytes = BLOCK * 1024  # the script's: the test model's 1 KiB a token
+    budget = vattn.Budget.create(f"vllm-lock-{os.getpid()}", 6 * block_bytes)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("VATTN_VLLM", "VATTN_BUDGET"))}
+    proc = subprocess.Popen([vllm_python(), str(script), str(tiny_model), budget.name], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=environ, cwd=tmp_path)
+    try:
+        lines = iter(proc.stdout)
+
+        def until(said: str) -> None:
+            for line in lines:
+                if line.strip() == said:
+                    return
+            raise AssertionError(f"the script ended before saying {said!r} (exit {proc.wait()})")
+
+        until("hold")
+        with stuck_lock_holder(budget.name) as let_go:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            until("let go")
+            let_go()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        result = json.loads(list(lines)[-1])
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        budget.remove(force=True)
+    stages = result["stages"]
+    assert all(stage["detached"] is None for stage in stages.values()), stages
+    assert stages["first admitted"]["held"] == 4 * block_bytes
+    waits = stages["second waits"]
+    assert waits["scheduled"] == [["first"]] and waits["lock_timeouts"] >= 1 and waits["held"] == 4 * block_bytes
+    reuse = stages["second on first's blocks"]
+    assert ["second"] in reuse["scheduled"] and reuse["finished"] == ["first", "second"], reuse
+    assert reuse["held"] == 4 * block_bytes  # nothing granted or given back while the lock is held
+    released = stages["released"]
+    assert released["held"] == 4 * block_bytes and released["unreturned"] == 4 * block_bytes, released
+    assert stages["lock free"]["held"] == 0 and stages["lock free"]["unreturned"] == 0, stages["lock free"]
+    assert stages["third admitted"]["scheduled"] == [["third"]] and stages["third admitted"]["held"] == 5 * block_bytes
+    assert result["held_after_close"] == 0

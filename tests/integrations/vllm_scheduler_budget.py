@@ -46,6 +46,19 @@ def make_scheduler(config, num_blocks: int):
     return Scheduler(config, kv_config, StructuredOutputManager(config), block_size=BLOCK)
 
 
+def step(scheduler) -> list[str]:
+    """One schedule and its output: a token for every request past its prompt. Returns the ids scheduled."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    out = scheduler.schedule()
+    ids = list(out.num_scheduled_tokens)
+    tokens = [[7] if scheduler.requests[rid].num_computed_tokens + out.num_scheduled_tokens[rid]
+              >= scheduler.requests[rid].num_prompt_tokens else [] for rid in ids]
+    scheduler.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                        sampled_token_ids=tokens))
+    return ids
+
+
 def simulate(config, budget, block_bytes: int, arrivals, limits, iterations: int) -> dict[str, list]:
     from vllm import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput

@@ -328,8 +328,9 @@ class Budget:
         whoever can write it can take every member's memory away).
 
         Operations hold the budget's lock for microseconds; one that waits
-        more than ``lock_timeout_s`` seconds for it raises BudgetError naming
-        the holder's pid (a stopped or stuck process) instead of hanging.
+        more than ``lock_timeout_s`` seconds for it raises BudgetLockTimeout (a
+        BudgetError) naming the holder's pid (a stopped or stuck process)
+        instead of hanging; it did nothing and may be made again.
         """
         return cls(_C.Budget.attach(_check_str(name, "name"), _check_timeout(lock_timeout_s)))
 

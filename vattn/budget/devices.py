@@ -18,19 +18,31 @@ interface of :class:`~vattn.budget.budget.BudgetMember` (``try_grant``,
 for callers that count in blocks: every amount is bytes over all devices
 together, split among them in proportion to the bytes one block holds on
 each (``unit_bytes``). A grant succeeds on every device or on none.
+
+A device's budget whose lock another process holds past ``lock_timeout_s``
+(:class:`~vattn.common.errors.BudgetLockTimeout`: stopped or stuck, the
+budget sound) is, for a :class:`DeviceMember`, what it is for a cache's
+member: a grant is refused, a release is kept and given back once the lock is
+free, and the member does not leave. Its calls do not wait on that lock again
+until :meth:`DeviceMember.recover` (or ``LOCK_RETRY_S`` later, a call) finds
+it free: an engine's scheduler pays one ``lock_timeout_s``, not one per call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from vattn.common.errors import BudgetError
+from vattn.common.errors import BudgetError, BudgetLockTimeout
 
 from .budget import Budget, BudgetMember, names, resolve_device
 
+LOCK_RETRY_S = 1.0  # after a lock timeout: how long a device's lock is left alone unless recover() finds it free
 SUFFIX_HEX_DIGITS = 12  # of a UUID in a per-device segment's name: the UUID's last group
 _SUFFIX = re.compile(r"\.(GPU|MIG)-[0-9a-f]{%d}$" % SUFFIX_HEX_DIGITS)
 
@@ -190,7 +202,13 @@ class DeviceMember:
 
     A grant asks each device in turn; when one refuses, those granted before it are released
     again (nothing half-granted is left) and the refusal is recorded as a wait on the device
-    that refused. :attr:`budget` is the devices' budgets as one (:class:`DeviceBudgets`)."""
+    that refused. :attr:`budget` is the devices' budgets as one (:class:`DeviceBudgets`).
+
+    A device whose budget's lock timed out (``BudgetLockTimeout``) is *stalled*: grants are
+    refused there, releases are kept (``unreturned_bytes``, still charged) and given back by
+    the next call that finds the lock free, reports and ``clear_wait`` are skipped, and its
+    ``pressure`` counts 0, each at once, without waiting on the lock again, until
+    :meth:`recover` (the caller's keeper) finds it free, or for ``LOCK_RETRY_S`` seconds."""
 
     def __init__(self, name: str, shares: Sequence[DeviceShare]) -> None:
         if not shares:
@@ -203,7 +221,11 @@ class DeviceMember:
         self.budget = DeviceBudgets(name, self.shares)
         self.unit_bytes = self.budget.unit_bytes
         self.refused: DeviceShare | None = None  # the device that refused the last grant
-        self.counters = dict(grants_undone=0)  # grants one device refused after others granted theirs
+        # grants one device refused after others granted theirs; calls that met a stuck lock
+        self.counters = dict(grants_undone=0, lock_timeouts=0)
+        self.unreturned = [0] * len(self.shares)  # per device: bytes released while its lock was stuck
+        self.stalled_until = [0.0] * len(self.shares)  # per device: monotonic time its lock is left alone till
+        self._unreturned_lock = threading.Lock()  # the keeper's recover() and the caller's releases
 
     @property
     def label(self) -> str:
@@ -228,46 +250,127 @@ class DeviceMember:
                              f"{len(self.shares)} devices, got {nbytes}")
         return [units * s.unit_bytes for s in self.shares]
 
+    @property
+    def unreturned_bytes(self) -> int:
+        """Bytes released while a device's lock was stuck, not given back yet (still charged)."""
+        return sum(self.unreturned)
+
+    @property
+    def stalled(self) -> bool:
+        """Whether a device's budget lock timed out and no call has found it free since."""
+        return any(until > 0.0 for until in self.stalled_until)
+
+    def _on_device(self, index: int, operation: Any, probe: bool = False) -> tuple[bool, Any]:
+        """``(True, operation())`` on device ``index``; ``(False, None)`` when its budget's lock is
+        stuck: it timed out now, or did before and ``probe`` is False and neither ``LOCK_RETRY_S``
+        seconds nor a probe that found the lock free have passed since. Other errors are raised."""
+        if not probe and time.monotonic() < self.stalled_until[index]:
+            return False, None
+        if probe or self.stalled_until[index]:
+            self.stalled_until[index] = math.inf  # other threads' calls meanwhile do not wait on it too
+        try:
+            result = operation()
+        except BudgetLockTimeout:
+            self.stalled_until[index] = time.monotonic() + LOCK_RETRY_S
+            self.counters["lock_timeouts"] += 1
+            return False, None
+        except BaseException:
+            self.stalled_until[index] = 0.0
+            raise
+        self.stalled_until[index] = 0.0
+        return True, result
+
     def try_grant(self, nbytes: int, record_wait: bool = True) -> bool:
         """Grants ``nbytes`` when every device's budget grants its part; else grants nothing
-        (the parts granted before the refusal are released again) and returns False."""
+        (the parts granted before the refusal are released again) and returns False. A device
+        whose lock is stuck refuses."""
         parts = self.split(nbytes)
-        granted: list[tuple[DeviceShare, int]] = []
+        self._give_back()
+        granted: list[tuple[int, int]] = []
         try:
-            for share, part in zip(self.shares, parts):
-                if not share.member.try_grant(part, record_wait):
+            for index, (share, part) in enumerate(zip(self.shares, parts)):
+                answered, ok = self._on_device(index, lambda: share.member.try_grant(part, record_wait))
+                if not (answered and ok):
                     self.refused = share
                     if granted:
                         self.counters["grants_undone"] += 1
                     self._undo(granted)
                     return False
-                granted.append((share, part))
+                granted.append((index, part))
         except BaseException:
             self._undo(granted)
             raise
         self.refused = None
         return True
 
-    @staticmethod
-    def _undo(granted: list[tuple[DeviceShare, int]]) -> None:
-        for share, part in granted:
-            share.member.release(part)
+    def _undo(self, granted: list[tuple[int, int]]) -> None:
+        parts = [0] * len(self.shares)
+        for index, part in granted:
+            parts[index] = part
+        self._owe(parts)
 
     def release(self, nbytes: int) -> None:
-        """Gives back ``nbytes`` (each device its part). A device whose budget raises does not keep
-        the others from theirs; the first error is raised after."""
-        self._each(lambda share, part: share.member.release(part), self.split(nbytes))
+        """Gives back ``nbytes`` (each device its part). A device whose lock is stuck keeps its
+        part (``unreturned_bytes``) until a later call finds the lock free. A device whose budget
+        raises does not keep the others from theirs; the first error is raised after."""
+        self._owe(self.split(nbytes))
 
-    def report(self, in_use_bytes: int, free_held_bytes: int) -> None:
-        """Records the split of what is held, each device its part."""
+    def _owe(self, parts: Sequence[int]) -> None:
+        """Adds ``parts`` (bytes per device) to what each device is owed, and gives back all it can."""
+        with self._unreturned_lock:
+            for index, part in enumerate(parts):
+                self.unreturned[index] += part
+        self._give_back()
+
+    def _give_back(self, probe: bool = False) -> None:
+        """Releases what each device is owed (``unreturned``); a stuck lock keeps it owed."""
+        def give(index: int, share: DeviceShare) -> None:
+            with self._unreturned_lock:
+                part, self.unreturned[index] = self.unreturned[index], 0
+            if not part:
+                return
+            # an error (the budget removed or damaged) leaves nothing owed: there is nothing to give back to
+            answered, _ = self._on_device(index, lambda: share.member.release(part), probe)
+            if not answered:
+                with self._unreturned_lock:
+                    self.unreturned[index] += part
+
+        self._each(give)
+
+    def recover(self) -> None:
+        """For the caller's keeper (its own thread): waits on each stalled device's lock, up to its
+        ``lock_timeout_s``, giving back what that device is owed (or asking nothing of it, a
+        probe); a device whose lock is free again is no longer stalled. Returns at once when no
+        device is stalled or owed."""
+        def ask_nothing(index: int, share: DeviceShare) -> None:
+            if self.unreturned[index]:
+                return  # the give-back just now timed out
+            if self.stalled_until[index] and self.stalled_until[index] != math.inf:  # none under way elsewhere
+                self._on_device(index, lambda: share.member.try_grant(0, False), probe=True)
+
+        self._give_back(probe=True)
+        self._each(ask_nothing)
+
+    def report(self, in_use_bytes: int, free_held_bytes: int) -> bool:
+        """Records the split of what is held, each device its part; False when a device's lock
+        was stuck (its part not recorded: report again later)."""
         in_use, free = self.split(in_use_bytes), self.split(free_held_bytes)
-        self._each(lambda share, part: share.member.report(*part), list(zip(in_use, free)))
+        recorded = []
 
-    def _each(self, operation: Any, parts: Sequence[Any]) -> None:
+        def report(index: int, share: DeviceShare) -> None:
+            answered, _ = self._on_device(index, lambda: share.member.report(in_use[index], free[index]))
+            recorded.append(answered)
+
+        self._each(report)
+        return all(recorded)
+
+    def _each(self, operation: Any) -> None:
+        """``operation(index, share)`` for every device; one that raises ``BudgetError`` does not keep
+        the others from theirs: the first error is raised after."""
         error: BaseException | None = None
-        for share, part in zip(self.shares, parts):
+        for index, share in enumerate(self.shares):
             try:
-                operation(share, part)
+                operation(index, share)
             except BudgetError as e:
                 error = error or e
         if error is not None:
@@ -275,12 +378,14 @@ class DeviceMember:
 
     def pressure(self) -> int:
         """The bytes over every device to give back so that the device most asked gets its
-        pressure (rounded up to whole units' worth)."""
-        return max(-(-s.member.pressure() * self.unit_bytes // s.unit_bytes) for s in self.shares)
+        pressure (rounded up to whole units' worth); a device whose lock is stuck counts 0."""
+        asked = [self._on_device(i, s.member.pressure) for i, s in enumerate(self.shares)]
+        return max(-(-(bytes_ if answered else 0) * self.unit_bytes // s.unit_bytes)
+                   for (answered, bytes_), s in zip(asked, self.shares))
 
     def clear_wait(self) -> None:
-        for share in self.shares:
-            share.member.clear_wait()
+        """Clears the wait on every device (skipped on one whose lock is stuck: it expires there)."""
+        self._each(lambda index, share: self._on_device(index, share.member.clear_wait))
 
     def wait_for_memory(self, timeout_s: float) -> bool:
         """Blocks on the budget of the device that refused the last grant (the first device when
@@ -288,9 +393,12 @@ class DeviceMember:
         return (self.refused or self.shares[0]).member.wait_for_memory(timeout_s)
 
     def leave(self) -> None:
-        """Leaves every device's budget. Idempotent."""
+        """Leaves every device's budget (with its entry goes all it holds, owed releases too; a
+        device whose lock is stuck frees the entry at its next sweep). Idempotent."""
         for share in self.shares:
             share.member.leave()
+        with self._unreturned_lock:
+            self.unreturned = [0] * len(self.shares)
 
     close = leave
 

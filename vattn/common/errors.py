@@ -72,5 +72,16 @@ class BudgetError(VAttnError):
     """
 
 
+class BudgetLockTimeout(BudgetError):
+    """The budget's lock was held longer than ``lock_timeout_s`` by another process
+    (stopped or stuck; the message names its pid).
+
+    The budget itself is sound and the call did nothing: it can be made again
+    once that process goes on or ends. vattn's own members take it for a
+    refusal, never for a reason to leave the budget: a cache's step answers
+    False as at the limit, and releases are given back once the lock is free.
+    """
+
+
 # OutOfSlots: the name before the glossary's (docs/design.md); reading it warns.
 __getattr__ = module_aliases(__name__, {"OutOfSlots": "OutOfReqids"}, lambda new: globals()[new])

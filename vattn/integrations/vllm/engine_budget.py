@@ -69,6 +69,12 @@ asked of the executor when the pool is attached.
 - **Waits** (requests over the limit, an engine idle while refused): :mod:`.engine_wait`.
 - **A budget removed or damaged** never stops the engine: at the first
   ``BudgetError`` it logs once that it serves on without it (vLLM's own pool).
+- **A budget's lock held by a stopped or stuck process** past its
+  ``lock_timeout_s`` (``BudgetLockTimeout``) is no such error: the budget is
+  sound, and the engine stays within it. Grants are refused (requests wait,
+  or go on in blocks that have pages), uncharges are kept and made once the
+  lock is free, and the scheduler waits on that lock once, not per call: the
+  keeper looks for it to come free (:class:`~vattn.budget.devices.DeviceMember`).
 - **Padding.** vLLM's null block is charged only where a worker created its
   pages (the padding slice of a kernel that runs in CUDA graphs).
 
@@ -553,6 +559,7 @@ class BudgetedBlockPool:
         return True
 
     def _keeper_tick(self) -> None:
+        self.member.recover()  # a stuck budget lock: waited on here, not by the scheduler; owed uncharges made
         with self.lock:
             wake = self.waits.keeper_tick()
         if wake and self.wake is not None:
@@ -579,8 +586,7 @@ class BudgetedBlockPool:
         with_pages, _ = self._free_split()
         in_use = self.pool.num_gpu_blocks - 1 - self.pool.free_block_queue.num_free_blocks
         split = (in_use * self.block_bytes, with_pages * self.block_bytes)
-        if split != self.last_report and sum(split) <= self.member.held_bytes:
-            self.member.report(*split)
+        if split != self.last_report and sum(split) <= self.member.held_bytes and self.member.report(*split):
             self.last_report = split
 
     def note_activity(self) -> None:
@@ -606,7 +612,9 @@ class BudgetedBlockPool:
                         free_blocks_with_pages=with_pages, free_blocks_without_pages=without,
                         block_bytes=self.block_bytes, padding_bytes=self.padding_bytes,
                         held_bytes=self.member.held_bytes, held_by_device=self.member.held_by_device(),
-                        grants_undone=self.member.counters["grants_undone"], budget=self.budget.name,
+                        grants_undone=self.member.counters["grants_undone"],
+                        lock_timeouts=self.member.counters["lock_timeouts"],
+                        unreturned_bytes=self.member.unreturned_bytes, budget=self.budget.name,
                         label=self.member.label,
                         world_size=self.world_size, idle_release_s=self.idle_release_s, detached=self.detached)
 
