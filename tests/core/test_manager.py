@@ -439,6 +439,18 @@ def test_fits_alone_is_the_pool_not_the_free_pages():
         assert kv.fits_alone(6 * 16) and kv.fits_alone(0)
 
 
+def test_fits_alone_checks_its_argument_and_the_context_length():
+    """A length step() refuses (above max_context_len) never fits, however large the pool; a negative or
+    non-integer length is an error naming ``tokens`` (they had answered True, or raised from inside)."""
+    with make(page_size=4 * KiB, max_context_len=64) as kv:  # a pool far larger than one request
+        assert kv.fits_alone(64) and not kv.fits_alone(65) and not kv.fits_alone(2**40)
+        with pytest.raises(ValueError, match="tokens must be at least 0, got -100"):
+            kv.fits_alone(-100)
+        for bad in (1.5, "3", True):
+            with pytest.raises(TypeError, match="tokens must be an int"):
+                kv.fits_alone(bad)
+
+
 def test_release_pages_is_a_method_for_external_ids_only():
     with make(page_allocator="external", page_size=4 * KiB, physical_memory=8 * 3 * 2 * 4 * KiB) as kv:
         r = kv.alloc_reqid()

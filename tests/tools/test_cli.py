@@ -121,6 +121,22 @@ def test_demo_options_that_give_no_cache_end_in_one_line(capsys):
         "physical_memory must be at least one page per buffer" in line and "got 4096" in line
 
 
+def test_demo_with_a_pool_too_small_for_its_requests_says_so(capsys):
+    """A valid pool (one page per buffer and more) that holds none of the trace's requests ends in one
+    line, exit status 2; one that holds some serves those and counts the others. (The report had ended
+    in a StatisticsError traceback when no request was served, and counted failed requests as finished.)"""
+    assert main(["demo", "--quick", "--page-size", "4KiB", "--physical-memory", "32KiB", "--rate", "1e9"]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]  # after the progress bar's
+    assert line.startswith("python -m vattn demo: error: no request could be served with these options") and \
+        "more than the physical pool holds (32768 bytes)" in line
+    assert main(["demo", "--quick", "--page-size", "4KiB", "--physical-memory", "160KiB", "--rate", "1e9"]) == 0
+    out, err = capsys.readouterr()
+    failed = int(re.search(r"(\d+) of 12 requests could not be served", out).group(1))
+    assert 0 < failed < 12 and f"finished {12 - failed} requests" in out, out
+
+
 def test_demo_gives_the_cache_its_eager_tokens(monkeypatch, capsys):
     import vattn.engine
 

@@ -225,6 +225,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"trace: {n} requests arriving over {trace[-1][0]:.1f} s, prompts {min(prompts)}-{max(prompts)} "
               f"tokens, outputs {min(outs)}-{max(outs)} tokens")
         results, t0 = serve(engine, trace)
+        failed = [o for o in results.values() if o.finish_reason == "error"]
+        if len(failed) == len(results):  # the pool, valid on its own, holds no request of this trace
+            print(f"python -m vattn demo: error: no request could be served with these options (--page-size, "
+                  f"--physical-memory, --max-context-len): {failed[0].error}", file=sys.stderr)
+            return 2
         report(engine, results, trace, t0)
         if args.plot:
             plot(engine, t0, args.plot)
@@ -262,7 +267,9 @@ def serve(engine: Any, trace: list[tuple[float, list[int], int]]) -> tuple[dict,
 
 
 def report(engine: Any, results: dict, trace: list, t0: float) -> None:
-    outs = list(results.values())
+    """Prints the run's figures; those of time and tokens over the requests served (at least one)."""
+    outs = [o for o in results.values() if o.finish_reason != "error"]
+    failed = [o for o in results.values() if o.finish_reason == "error"]
     elapsed = max(o.finish_time for o in outs) - t0
     generated = sum(len(o.output) for o in outs)
     prompt_tokens = sum(len(o.prompt) for o in outs)
@@ -287,6 +294,9 @@ def report(engine: Any, results: dict, trace: list, t0: float) -> None:
     print(f"fragmentation: {100 * statistics.fmean(waste):.0f}% of the pages running requests needed held no "
           f"token on average (the partly filled last page of each request)")
     print(f"{s['preemptions']} preemptions (requests recomputed after running out of pages)")
+    if failed:
+        print(f"{len(failed)} of {len(results)} requests could not be served, e.g. request "
+              f"{failed[0].request_id}: {failed[0].error}")
     print(f"In plain words: serving this trace, vattn committed at most {100 * peak / static:.1f}% of the "
           f"memory a static max-length reservation would have held, and attention read the cache as plain "
           f"dense tensors, with no block table.")

@@ -414,8 +414,14 @@ class KVCacheManager(CudaStreams, SharedPages):
         """Whether one request of ``tokens`` tokens could ever be mapped here: its pages fit the
         physical pool. A budget's limit does not decide it: the limit is a live setting (lowered for
         a moment, raised again), so in a budget a request that fits the pool waits when ``step``
-        refuses it; one that does not fit the pool can never run."""
-        return self.config.pages_for(tokens, self.page_size) <= self.num_page_ids  # page ids, one a position
+        refuses it; one that does not fit the pool can never run. False above ``max_context_len``
+        (``step`` refuses those lengths); ``tokens`` below 0 raises ValueError."""
+        count = _as_int("tokens", tokens)
+        if count < 0:
+            raise ValueError(f"tokens must be at least 0, got {tokens}")
+        if count > self.config.max_context_len:
+            return False
+        return self.config.pages_for(count, self.page_size) <= self.num_page_ids  # page ids, one a position
 
     def budget_share(self) -> dict[str, Any] | None:
         """This manager's share of its budget now, in bytes: ``held_bytes``
