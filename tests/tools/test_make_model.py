@@ -69,6 +69,20 @@ def test_bad_shapes_are_refused_with_the_rule():
         make_model("/nonexistent", "gemma2", layers=3)
     with pytest.raises(ValueError, match="at least 259 tokens"):
         make_model("/nonexistent", vocab_size=200)
+    with pytest.raises(ValueError, match="sliding_window must be at least 1 token, got -3"):
+        make_model("/nonexistent", "mistral", sliding_window=-3)
+
+
+def test_a_file_in_the_way_is_refused_not_reported_as_written(tmp_path):
+    """The directory named is an existing file: an error, exit status 2, the file untouched (transformers'
+    save_pretrained had only logged it, and the command said it wrote the model, exit status 0)."""
+    target = tmp_path / "target"
+    target.write_text("not a dir")
+    out = subprocess.run([sys.executable, "-m", "vattn", "make-model", str(target), "--layers", "1", "--hidden", "32"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "wrote" not in out.stdout, out.stdout
+    assert out.stderr.strip() == f"python -m vattn make-model: error: {target} exists and is not a directory"
+    assert target.read_text() == "not a dir"
 
 
 def test_the_command_writes_a_model_and_says_what_it_is(tmp_path):

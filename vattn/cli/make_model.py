@@ -81,6 +81,8 @@ def model_config(arch: str = "llama", *, layers: int = 4, hidden: int = 256, que
     if hidden % query_heads or query_heads % kv_heads:
         raise ValueError(f"hidden ({hidden}) must be a multiple of query_heads ({query_heads}), and query_heads "
                          f"a multiple of kv_heads ({kv_heads})")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
     import transformers
 
     head_dim = hidden // query_heads
@@ -161,6 +163,8 @@ def make_model(path: str | Path, arch: str = "llama", *, layers: int = 4, hidden
     import torch
 
     path = Path(path)
+    if path.exists() and not path.is_dir():  # transformers only logs this and writes nothing
+        raise ValueError(f"{path} exists and is not a directory")
     fast = None
     if tokenizer:
         fast = train_tokenizer(vocab_size, max_positions)
