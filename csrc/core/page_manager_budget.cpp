@@ -49,6 +49,7 @@ size_t PageManager::release_free(size_t max_ids) {
   if (config_.external_ids)
     throw std::invalid_argument("release_free_memory: this manager's page ids are owned by the caller "
                                 "(page_allocator='external'): their pages keep their contents until cleanup");
+  if (config_.preallocate) return 0;  // its pool is kept whole until close
   const size_t released = shed_locked(lock, max_ids);
   if (released > 0) {
     work_epoch_++;  // the pool changed
@@ -69,6 +70,7 @@ std::vector<uint32_t> PageManager::release_external(const uint32_t* ids, size_t 
       throw std::invalid_argument("release_pages: page_ids[" + std::to_string(k) + "] must be in " +
                                   range_text(0, static_cast<int64_t>(num_ids_) - 1) + " (num_page_ids), got " +
                                   std::to_string(ids[k]));
+  if (config_.preallocate) return {};  // its pool is kept whole until close
   wait_for_round(lock);
   std::vector<uint32_t> released = table_.uncreate_unreferenced(ids, n);
   release_ids(released);

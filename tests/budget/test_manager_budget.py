@@ -92,7 +92,16 @@ def test_preallocate_creates_the_pool_up_front_and_keeps_it(budget_name):
         a = kv.alloc_reqid()
         assert kv.step(pages(a, 4 * TOKENS_PER_PAGE))
         assert kv.stats()["sync_page_maps"] == 8 and kv.stats()["pages_created"] == kv.stats()["pages_total"]
+        kv.free_reqid(a)
+        # kept whole until cleanup, asked or not (release_free_memory had released the pool)
+        assert kv.release_free_memory() == 0 and kv.stats()["pages_created"] == kv.stats()["pages_total"]
+        assert kv.stats()["pages_released"] == 0
         assert_invariants(kv)
+    with make_kv(preallocate=True, page_allocator="external", **quiet()) as kv:
+        assert kv.release_pages(list(range(kv.num_page_ids))) == []
+        assert kv.stats()["pages_created"] == kv.stats()["pages_total"]
+        with pytest.raises(ValueError, match="page_ids"):
+            kv.release_pages([kv.num_page_ids])  # a bad id is still an error
     budget = vattn.Budget.create(budget_name, 16 * ID_BYTES)
     with pytest.raises(vattn.OutOfPages, match=rf"preallocate: .*budget '{budget_name}'.*cannot grant 8388608"):
         make_kv(preallocate=True, budget=budget_name)  # 64 ids, 16 allowed

@@ -388,7 +388,8 @@ class KVCacheManager(CudaStreams, SharedPages):
         Pages under requests or prefix handles stay. Returns the bytes released (taken out of the pool: a
         page whose release the driver or the OS refused is among them, and counted in
         ``stats()["pages_release_failed"]``; it stays charged to the budget). What ``idle_release_s``
-        does on its own in a budget; not for ``page_allocator="external"`` (ValueError; see release_pages)."""
+        does on its own in a budget; not for ``page_allocator="external"`` (ValueError; see release_pages).
+        A preallocated pool (``preallocate=True``) is kept whole until cleanup: 0."""
         limit = 2**63 - 1 if max_bytes is None else _as_int("max_bytes", max_bytes)
         if not 0 <= limit < 2**63:
             raise ValueError(f"max_bytes must be in [0, 2^63), got {limit}")
@@ -399,7 +400,8 @@ class KVCacheManager(CudaStreams, SharedPages):
         the OS or device, and to the budget, for those that are created and mapped in no reqid (a
         framework's freed blocks whose contents are no longer wanted). A later :meth:`map_pages` of
         such an id creates (and charges) its pages again, with their contents gone. Ids still mapped
-        somewhere, or never created, are left as they are.
+        somewhere, or never created, are left as they are, and so is every id of a preallocated pool
+        (``preallocate=True``: kept whole until cleanup).
 
         Args:
             page_ids: ids in ``[0, num_page_ids)``, any order; repeats are released once.
