@@ -433,6 +433,15 @@ size_t PageManager::mapped_pages(int64_t reqid) const {
   return table_.mapped(static_cast<size_t>(reqid));
 }
 
+size_t PageManager::backed_pages(int64_t reqid) const {
+  check_process();
+  Lock lock(sync_->mu);
+  check_open();
+  check_reqid(reqid, "mapped_bytes");
+  const size_t s = static_cast<size_t>(reqid);
+  return table_.mapped(s) - table_.leading_holes(s);
+}
+
 bool PageManager::reqid_allocated(int64_t reqid) const {
   check_process();
   Lock lock(sync_->mu);
@@ -459,7 +468,10 @@ void PageManager::check_mapped(const int64_t* reqids, const int64_t* tokens, siz
     check_allocated(reqids[i], what.c_str());
     const size_t s = static_cast<size_t>(reqids[i]);
     const int64_t mapped = geometry_.tokens_in_positions(table_.mapped(s));
-    if (tokens[i] < 0 || tokens[i] > mapped)
+    if (tokens[i] < 0)  // (the row counts a view's origin moved: seq_lens less that origin's token)
+      throw std::invalid_argument(what + ": reqid " + std::to_string(reqids[i]) + " would read " +
+                                  std::to_string(tokens[i]) + " tokens: seq_lens must be at least 0");
+    if (tokens[i] > mapped)
       throw std::invalid_argument(what + ": reqid " + std::to_string(reqids[i]) + " would read " +
                                   std::to_string(tokens[i]) + " tokens but has " + std::to_string(mapped) +
                                   " mapped (step() it to at least " + std::to_string(tokens[i]) +

@@ -229,6 +229,7 @@ class PageManager {
 
   bool closed() const;
   size_t mapped_pages(int64_t reqid) const;  // positions (pages per buffer) mapped in reqid
+  size_t backed_pages(int64_t reqid) const;  // of those, the ones with a page behind (not a window's holes)
   bool reqid_allocated(int64_t reqid) const;
   // Whether the device is done with a free reqid's last reads (its fence
   // passed; asked without waiting), so unmapping its pages waits for

@@ -578,6 +578,7 @@ PYBIND11_MODULE(_C, m) {
       .def("close", gil_released(&PageManager::close))
       .def_property_readonly("closed", gil_released(&PageManager::closed))
       .def("mapped_pages", gil_released(&PageManager::mapped_pages), py::arg("reqid"))
+      .def("backed_pages", gil_released(&PageManager::backed_pages), py::arg("reqid"))
       .def("reqid_allocated", gil_released(&PageManager::reqid_allocated), py::arg("reqid"))
       .def("reads_done", gil_released(&PageManager::reads_done), py::arg("reqid"))
       .def(

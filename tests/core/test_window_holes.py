@@ -50,9 +50,13 @@ def test_the_front_unmaps_and_the_window_keeps_its_pages_and_addresses():
         kv.map_pages([0], [0], [1, 2, 3, 4, 5], [5])
         stamp(kv, 0, 0, 5 * TOKENS)
         k_before = kv.layer(0)[0][0, 2 * TOKENS].data_ptr()
+        assert kv.mapped_bytes(0) == 5 * 4 * PAGE
         kv.unmap_pages_below([0], [2])
         assert kv.page_ids(0) == [-1, -1, 3, 4, 5]
         assert kv.stats()["page_mappings"] == 3 * 4 and kv.stats()["pages_mapped"] == 3 * 4
+        # the pages behind it, not the holes (they had counted: 5 pages' bytes); its extent stays
+        assert kv.mapped_bytes(0) == 3 * 4 * PAGE == kv.stats()["bytes_in_requests"]
+        assert kv.mapped_tokens(0) == 5 * TOKENS
         assert kv.layer(0)[0][0, 2 * TOKENS].data_ptr() == k_before and reads(kv, 0, 2 * TOKENS, 3 * TOKENS)
         assert_invariants(kv)
         kv.map_pages([0], [2], [3, 4, 5, 6], [4])  # the window moves on: only the new page is mapped
@@ -161,6 +165,8 @@ def test_attention_reads_a_slice_with_holes_only_through_a_window_above_them():
     with pytest.raises(ValueError, match="rows below 32 are unmapped"):
         kv.check_mapped(k, [0], [3 * TOKENS])
     kv.check_mapped(k, [0], [3 * TOKENS], first_rows=[2 * TOKENS])
+    with pytest.raises(ValueError, match="would read -1 tokens: seq_lens must be at least 0"):  # not "step() it to
+        kv.check_mapped(k, [0], [-1])  # at least -1 tokens"
     write_kv(k, v, batch, torch.ones(1, 2, 32), torch.ones(1, 2, 32))  # row 47 only
     assert torch.all(k[0, 3 * TOKENS - 1] == 1.0)
     assert_invariants(kv)

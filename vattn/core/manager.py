@@ -450,14 +450,16 @@ class KVCacheManager(CudaStreams, SharedPages):
         return self._pages.wait_for_budget(float(timeout_s))
 
     def mapped_tokens(self, reqid: int) -> int:
-        """Tokens reqid can hold with its pages mapped now (per buffer)."""
+        """Tokens reqid can hold with its pages mapped now (per buffer): the end of its mapping,
+        over the holes a sliding window's front left below it (:meth:`mapped_bytes` counts pages)."""
         pages = self._pages.mapped_pages(self._reqid(reqid))
         return min(pages * self.page_size // self.config.token_bytes_per_buffer, self.config.max_context_len)
 
     def mapped_bytes(self, reqid: int) -> int:
         """Physical bytes mapped behind reqid's slices, all buffers together
-        (shared pages counted in full)."""
-        pages = self._pages.mapped_pages(self._reqid(reqid))
+        (shared pages counted in full; the holes a sliding window's front left
+        below it, :meth:`unmap_pages_below`, not at all)."""
+        pages = self._pages.backed_pages(self._reqid(reqid))
         return pages * self.page_size * self.config.num_buffers
 
     def is_allocated(self, reqid: int) -> bool:
