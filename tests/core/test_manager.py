@@ -439,6 +439,22 @@ def test_fits_alone_is_the_pool_not_the_free_pages():
         assert kv.fits_alone(6 * 16) and kv.fits_alone(0)
 
 
+def test_the_default_pool_never_exceeds_its_share_of_free_memory(monkeypatch):
+    """physical_memory=None takes half of MemAvailable; when one page per buffer needs more, the constructor
+    says so (it had silently made the pool one page per buffer, over the share: 16 GiB of 1 GiB pages where
+    half of MemAvailable was 12 GB), and a pool within the share is that share."""
+    import vattn.backends.host as host
+
+    monkeypatch.setattr(host, "host_meminfo", lambda: {"MemAvailable": 2 * 64 * KiB})  # a share of 64 KiB
+    with pytest.raises(ValueError, match=r"physical_memory=None .* 65536 bytes here, less than one page per "
+                                         r"buffer = 6 x 16384 = 98304 bytes; pass physical_memory"):
+        make(page_size=16 * KiB)
+    with make(page_size=4 * KiB) as kv:  # 16 page ids of 4 KiB in 6 buffers fit the share: 2 ids
+        assert kv.num_page_ids * 6 * 4 * KiB <= 64 * KiB and kv.num_page_ids == 2
+    with make(page_size=16 * KiB, physical_memory=96 * KiB) as kv:  # said explicitly: one page per buffer
+        assert kv.num_page_ids == 1
+
+
 def test_fits_alone_checks_its_argument_and_the_context_length():
     """A length step() refuses (above max_context_len) never fits, however large the pool; a negative or
     non-integer length is an error naming ``tokens`` (they had answered True, or raised from inside)."""

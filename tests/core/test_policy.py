@@ -134,6 +134,14 @@ def test_a_knob_keyword_is_a_deprecated_alias_of_policy(name):
         assert kv.policy[name] == value
     with pytest.warns(DeprecationWarning), make(**{name: value}, policy={name: KNOBS[name]["default"] or 3}) as kv:
         assert kv.policy[name] == (KNOBS[name]["default"] or 3)
+    # a vattn.Policy beside it: its fields off their default are named (they win), the others are not (the
+    # keyword had been dropped whenever a Policy came with it)
+    other = "max_round_ids"  # never a keyword
+    with pytest.warns(DeprecationWarning), make(**{name: value},
+                                                policy=vattn.Policy(**{other: other_value(KNOBS[other])})) as kv:
+        assert kv.policy[name] == value and kv.policy[other] == other_value(KNOBS[other])
+    with pytest.warns(DeprecationWarning), make(**{name: value}, policy=vattn.Policy(**{name: value})) as kv:
+        assert kv.policy[name] == value
 
 
 def test_every_knob_has_one_default_through_every_path():

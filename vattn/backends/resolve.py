@@ -80,6 +80,12 @@ def _resolve_with(defaults: BackendDefaults, entry: Any, backend: str | None, de
 
     min_budget = config.num_buffers * page_size  # one page in every buffer
     if physical_memory is None:
+        if 0 < defaults.budget < min_budget:  # (0: free memory unknown, one page per buffer it is)
+            raise ValueError(
+                f"physical_memory=None takes a share of free memory (half of MemAvailable on the host, 90% of "
+                f"free device memory on CUDA): {defaults.budget} bytes here, less than one page per buffer = "
+                f"{config.num_buffers} x {page_size} = {min_budget} bytes; pass physical_memory (at least "
+                f"{min_budget}) or a smaller page_size")
         budget = max(defaults.budget, min_budget)  # capped by pool_pages unless external
     elif isinstance(physical_memory, bool) or not hasattr(physical_memory, "__index__"):
         raise TypeError(f"physical_memory must be an int number of bytes or None, got {type(physical_memory).__name__}")

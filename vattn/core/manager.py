@@ -97,7 +97,8 @@ class KVCacheManager(CudaStreams, SharedPages):
             mapping of knob names to values, e.g. ``{"lookahead_tokens": 16}``;
             ``None``: the defaults. :attr:`policy` reads back what the core runs
             with. The knobs' keyword arguments (``background=``, ``eager=``, ...)
-            are deprecated aliases; a knob named in ``policy`` wins over them.
+            are deprecated aliases; a knob named in ``policy`` (a mapping's key, a
+            ``Policy`` field off its default) wins over them.
 
     Page ids: one page id names one physical page in every buffer (so it
     holds ``page_size`` bytes of each layer's K and V, ``page_tokens``

@@ -78,7 +78,10 @@ def resolve_policy(policy: Any, *, keywords: Mapping[str, Any], max_context_len:
     for name in keywords:
         warn_deprecated(f"KVCacheManager({name}=...) is deprecated; use policy=vattn.Policy({name}=...)")
     if isinstance(policy, Policy):
-        named = dataclasses.asdict(policy)
+        # a dataclass keeps no record of which fields were given: those off their default were, and win over
+        # a deprecated keyword; the rest yield to it (all of them had, dropping every such keyword)
+        defaults = dataclasses.asdict(Policy())
+        named = {k: v for k, v in dataclasses.asdict(policy).items() if v != defaults[k]}
     elif policy is None or isinstance(policy, Mapping):
         named = dict(policy or {})
         for old in RENAMED_KNOBS.keys() & named.keys():
