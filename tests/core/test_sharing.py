@@ -332,6 +332,10 @@ def test_errors_change_nothing(layout):
             (lambda: kv.fork(B, 1), ValueError, "src_reqid"),
             (lambda: kv.retain_prefix(free, 0), ValueError, "not allocated"),
             (lambda: kv.retain_prefix(src, 10**6), ValueError, "num_tokens"),
+            # beyond the core's int64: the same range as any other (it had said "below 4611686018427387904")
+            (lambda: kv.fork(src, 2**70), ValueError,
+             rf"fork: num_tokens must be in \[0, {kv.mapped_tokens(src)}\] \(tokens mapped for reqid {src}\)"),
+            (lambda: kv.retain_prefix(src, -2**70), ValueError, r"retain_prefix: num_tokens must be in \[0, "),
             (lambda: kv.attach_prefix(handle, busy), ValueError, "tokens"),
             (lambda: kv.attach_prefix(handle, free), ValueError, "not allocated"),
             (lambda: kv.attach_prefix(released, free), ValueError, "released"),

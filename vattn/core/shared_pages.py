@@ -21,9 +21,12 @@ class SharedPages:
     def fork(self, src_reqid: int, num_tokens: int) -> int:
         """A new reqid whose first ``num_tokens`` tokens are ``src_reqid``'s.
 
-        Whole pages below ``num_tokens`` are shared (the same physical page
-        mapped in both slices); the tail that does not fill a page is copied
-        into a fresh page (one copy per buffer). Call it after the device work
+        Whole pages below ``num_tokens`` that end on a token boundary are
+        shared (the same physical page mapped in both slices); the tail from
+        the last such boundary on is copied into fresh pages (one copy per
+        buffer). When tokens straddle pages (``page_tokens`` is None) the
+        shared part is the longest run of whole tokens that ends where a page
+        ends, possibly none: then every page is copied. Call it after the device work
         that wrote the source's tokens was queued (CUDA: on the current stream,
         which the copy waits for).
 
@@ -40,7 +43,7 @@ class SharedPages:
         ``[0, mapped_tokens(src_reqid)]``.
         """
         src = self._reqid(src_reqid, "src_reqid")
-        return self._pages.fork(src, _as_int("num_tokens", num_tokens, 2**62))
+        return self._pages.fork(src, self._prefix_tokens("fork", src, num_tokens))
 
     def retain_prefix(self, reqid: int, num_tokens: int) -> PrefixHandle:
         """Keeps the whole pages holding ``reqid``'s first ``num_tokens``
@@ -53,8 +56,17 @@ class SharedPages:
         ``with`` block; :meth:`cleanup` releases every handle.
         """
         r = self._reqid(reqid)
-        handle, tokens = self._pages.retain_prefix(r, _as_int("num_tokens", num_tokens, 2**62))
+        handle, tokens = self._pages.retain_prefix(r, self._prefix_tokens("retain_prefix", r, num_tokens))
         return PrefixHandle(self, handle, tokens)
+
+    def _prefix_tokens(self, what: str, reqid: int, num_tokens: int) -> int:
+        """``num_tokens`` as the core takes it: an int (TypeError), and one the core's int64 cannot hold
+        gets the range the core names for the others."""
+        try:
+            return _as_int("num_tokens", num_tokens, 2**62)
+        except ValueError:
+            raise ValueError(f"{what}: num_tokens must be in [0, {self.mapped_tokens(reqid)}] (tokens mapped for "
+                             f"reqid {reqid}), got {num_tokens}") from None
 
     def attach_prefix(self, handle: PrefixHandle, reqid: int) -> int:
         """Maps a prefix handle's pages at positions 0.. of ``reqid``, a
