@@ -24,8 +24,8 @@ A device's budget whose lock another process holds past ``lock_timeout_s``
 budget sound) is, for a :class:`DeviceMember`, what it is for a cache's
 member: a grant is refused, a release is kept and given back once the lock is
 free, and the member does not leave. Its calls do not wait on that lock again
-until :meth:`DeviceMember.recover` (or ``LOCK_RETRY_S`` later, a call) finds
-it free: an engine's scheduler pays one ``lock_timeout_s``, not one per call.
+until :meth:`DeviceMember.recover` finds it free (or ``LOCK_RETRY_S`` have
+passed): an engine's scheduler pays one ``lock_timeout_s``, not one per call.
 """
 
 from __future__ import annotations

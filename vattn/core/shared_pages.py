@@ -26,9 +26,9 @@ class SharedPages:
         the last such boundary on is copied into fresh pages (one copy per
         buffer). When tokens straddle pages (``page_tokens`` is None) the
         shared part is the longest run of whole tokens that ends where a page
-        ends, possibly none: then every page is copied. Call it after the device work
-        that wrote the source's tokens was queued (CUDA: on the current stream,
-        which the copy waits for).
+        ends, possibly none: then every page is copied. Call it after the
+        device work that wrote the source's tokens was queued (CUDA: on the
+        current stream, which the copy waits for).
 
         Immutability: GPUs have no copy-on-write faults for mapped pages, so
         the tokens in shared pages (``page_tokens`` x whole pages) are
