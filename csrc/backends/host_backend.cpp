@@ -49,6 +49,10 @@ void* HostSystemCalls::mmap_unmap(void* addr, size_t bytes) {
   return mmap(addr, bytes, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
 }
 
+void* HostSystemCalls::reserve_again(void* addr, size_t bytes) {
+  return mmap(addr, bytes, PROT_NONE, MAP_FIXED_NOREPLACE | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+}
+
 namespace {
 
 // ---- the pool -----------------------------------------------------------------
@@ -122,7 +126,12 @@ class HostBackend final : public VmmBackend {
   bool free_reservation(uintptr_t base, size_t bytes) noexcept override {
     // One munmap over whole mappings never needs a split, so it cannot hit
     // vm.max_map_count; it also drops any page an unmap failed to remove.
-    return munmap(reinterpret_cast<void*>(base), bytes) == 0;
+    // A lost range (unmap_run) is skipped: another mapping may hold it now.
+    bool ok = true;
+    outside_holes(base, bytes, [&](uintptr_t at, size_t n) {
+      ok = munmap(reinterpret_cast<void*>(at), n) == 0 && ok;
+    });
+    return ok;
   }
 
   void create_pages(const uint32_t* ids, size_t count) override {
@@ -205,13 +214,17 @@ class HostBackend final : public VmmBackend {
 
   void unmap(const uintptr_t* addrs, size_t count, size_t* done) override {
     *done = 0;
+    bool lost = false;
     for (size_t i = 0; i < count;) {
       size_t n = 1;
       while (i + n < count && addrs[i + n] == addrs[i] + n * page_size_) ++n;
-      unmap_run(addrs[i], n * page_size_);
+      lost = !unmap_run(addrs[i], n * page_size_) || lost;
       i += n;
-      *done = i;
+      *done = i;  // a lost range's pages are gone too: the table must not keep them
     }
+    if (lost)
+      throw DriverError("mmap(unmap page)", "the pages were unmapped but an address range could not be "
+                                            "reserved again; that range of the cache is lost");
   }
 
   void copy(uintptr_t dst, uintptr_t src, size_t bytes) override {
@@ -226,8 +239,9 @@ class HostBackend final : public VmmBackend {
   void detach_after_fork(uintptr_t base, size_t bytes) noexcept override {
     // The child's copies of the parent's shared mappings go; touching the
     // range in the child faults instead of writing the parent's pages.
-    mmap(reinterpret_cast<void*>(base), bytes, PROT_NONE,
-         MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    outside_holes(base, bytes, [](uintptr_t at, size_t n) {
+      mmap(reinterpret_cast<void*>(at), n, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    });
     if (pool_) pool_->forget();
   }
 
@@ -259,25 +273,45 @@ class HostBackend final : public VmmBackend {
   // mapping; then munmap (which needs none unless it splits one) frees the
   // pages first and the reservation is restored over the hole at once,
   // refusing to replace anything that took the hole in between.
-  void unmap_run(uintptr_t addr, size_t len) {
+  // Returns false when the pages went but the range could not be reserved
+  // again (recorded as lost: never mapped or unmapped by vattn again).
+  bool unmap_run(uintptr_t addr, size_t len) {
     void* want = reinterpret_cast<void*>(addr);
-    const int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
-    if (calls_->mmap_unmap(want, len) != MAP_FAILED) return;
+    if (calls_->mmap_unmap(want, len) != MAP_FAILED) return true;
     int err = errno;
     if (err != ENOMEM) throw_errno("mmap(unmap page)", err);
     if (munmap(want, len) != 0)
       throw DriverError("mmap(unmap page)",
                         "ENOMEM: unmapping would split a mapping and the process is at "
                         "vm.max_map_count; the page stays mapped and is retried later");
-    void* got = mmap(want, len, PROT_NONE, MAP_FIXED_NOREPLACE | flags, -1, 0);
-    if (got == want) return;
+    void* got = calls_->reserve_again(want, len);
+    if (got == want) return true;
     if (got != MAP_FAILED) munmap(got, len);  // an old kernel placed it elsewhere
-    // The pages are unmapped, but the reservation has a hole now: never map there.
+    // The pages are unmapped, but the reservation has a hole now, which another mapping of the
+    // process may take: never map, unmap or free there.
     std::lock_guard<std::mutex> lock(holes_mu_);
     holes_.push_back({addr, len});
     has_holes_ = true;
-    throw DriverError("mmap(unmap page)", "the page was unmapped but its address range could not be "
-                                          "reserved again; that range of the cache is lost");
+    return false;
+  }
+
+  // fn(at, n) for each piece of [base, base + bytes) outside the lost ranges, in order.
+  template <typename Fn>
+  void outside_holes(uintptr_t base, size_t bytes, Fn fn) noexcept {
+    std::vector<std::pair<uintptr_t, size_t>> holes;
+    if (has_holes_) {
+      std::lock_guard<std::mutex> lock(holes_mu_);
+      holes = holes_;
+    }
+    std::sort(holes.begin(), holes.end());
+    uintptr_t at = base;
+    const uintptr_t end = base + bytes;
+    for (auto [lo, n] : holes) {
+      if (lo + n <= at || lo >= end) continue;
+      if (lo > at) fn(at, lo - at);
+      at = std::max(at, lo + n);
+    }
+    if (at < end) fn(at, end - at);
   }
 
   bool in_hole(uintptr_t addr, size_t len) {

@@ -30,6 +30,9 @@ class HostSystemCalls {
   virtual int fallocate(int fd, off_t offset, off_t bytes);
   // Puts PROT_NONE anonymous memory over [addr, addr + bytes) (MAP_FIXED).
   virtual void* mmap_unmap(void* addr, size_t bytes);
+  // Reserves [addr, addr + bytes) again after munmap left it a hole: PROT_NONE, MAP_FIXED_NOREPLACE (it
+  // fails where another mapping of the process took the hole meanwhile).
+  virtual void* reserve_again(void* addr, size_t bytes);
 };
 
 // A host backend of `num_pages` pages of `page_size` bytes (a multiple of

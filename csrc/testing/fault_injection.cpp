@@ -19,7 +19,7 @@ const std::vector<std::string>& FaultPlan::calls() {
   static const std::vector<std::string> names = {
       "reserve", "free_reservation", "create_pages", "release_pages", "map", "unmap", "copy", "synchronize",
       "wait_reads",
-      "memfd_create", "ftruncate", "mmap_unmap", "fallocate"};
+      "memfd_create", "ftruncate", "mmap_unmap", "fallocate", "reserve_again"};
   return names;
 }
 
@@ -53,6 +53,12 @@ bool FaultPlan::fails(const char* call, int* err) {
   if (times_ > 0 && --times_ == 0) armed_ = false;
   *err = err_;
   return true;
+}
+
+bool FaultPlan::next_fails(const char* call) {
+  if (!armed_.load(std::memory_order_relaxed)) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  return times_ != 0 && skip_ == 0 && call_ == call;
 }
 
 void FaultPlan::pause() const {
@@ -197,7 +203,22 @@ void* FaultyHostCalls::mmap_unmap(void* addr, size_t bytes) {
     errno = err;
     return MAP_FAILED;
   }
+  if (plan_->next_fails("reserve_again")) {  // it follows only this ENOMEM: the process at vm.max_map_count
+    errno = ENOMEM;
+    return MAP_FAILED;
+  }
   return HostSystemCalls::mmap_unmap(addr, bytes);
+}
+
+void* FaultyHostCalls::reserve_again(void* addr, size_t bytes) {
+  int err = 0;
+  if (plan_->fails("reserve_again", &err)) {
+    // Another mapping of the process takes the hole first (read-write, one byte set, left there for the
+    // test to find intact): the reservation then fails as it would (EEXIST).
+    void* other = mmap(addr, bytes, PROT_READ | PROT_WRITE, MAP_FIXED_NOREPLACE | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (other == addr) *static_cast<unsigned char*>(other) = 0xA5;
+  }
+  return HostSystemCalls::reserve_again(addr, bytes);
 }
 
 // ---- bindings --------------------------------------------------------------------
@@ -211,8 +232,10 @@ void bind_fault_injection(py::module_& m) {
            "The next `skip` calls named `call` succeed, then `times` calls (-1: all) fail with `errno` "
            "(0 clears). Calls: the VmmBackend operations reserve, free_reservation, create_pages (per page), "
            "map (per run), unmap (per run), copy, synchronize, wait_reads; on the host backend also "
-           "memfd_create, ftruncate, mmap_unmap and fallocate (one page's commit: ENOSPC / ENOMEM there is "
-           "out of memory, which the page manager takes for a full pool).")
+           "memfd_create, ftruncate, mmap_unmap, fallocate (one page's commit: ENOSPC / ENOMEM there is "
+           "out of memory, which the page manager takes for a full pool) and reserve_again (mmap_unmap meets "
+           "ENOMEM, as at vm.max_map_count, and in the hole its munmap fallback leaves another mapping lands "
+           "first, read-write with 0xA5 in its first byte).")
       .def("clear", &FaultPlan::clear, "No call fails any more (the delay stays).")
       .def("delay", &FaultPlan::delay, py::arg("microseconds"),
            "Every map run and every page creation sleeps this long first (0: off).")

@@ -47,6 +47,8 @@ class FaultPlan {
 
   // True, with the errno to report in *err, when this call of `call` fails.
   bool fails(const char* call, int* err);
+  // Whether the next call of `call` fails (nothing counted).
+  bool next_fails(const char* call);
   // Sleeps for the plan's delay (a map run or a page creation).
   void pause() const;
 
@@ -81,6 +83,7 @@ class FaultInjectingBackend final : public VmmBackend {
   void copy(uintptr_t dst, uintptr_t src, size_t bytes) override;
   void synchronize() override;
   uint64_t record_reads() noexcept override { return inner_->record_reads(); }
+  bool reads_done(uint64_t ticket) noexcept override { return inner_->reads_done(ticket); }
   void wait_reads(uint64_t ticket) override;
   void close_pool() noexcept override { inner_->close_pool(); }
   void set_sync_streams(const std::vector<uintptr_t>& streams) override { inner_->set_sync_streams(streams); }
@@ -106,6 +109,7 @@ class FaultyHostCalls final : public HostSystemCalls {
   int ftruncate(int fd, off_t bytes) override;
   int fallocate(int fd, off_t offset, off_t bytes) override;
   void* mmap_unmap(void* addr, size_t bytes) override;
+  void* reserve_again(void* addr, size_t bytes) override;
 
  private:
   std::shared_ptr<FaultPlan> plan_;

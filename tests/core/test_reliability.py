@@ -174,6 +174,52 @@ def test_host_call_failures_keep_the_table_exact(call, layout, host_faults):
         assert_table_is_real(kv)
 
 
+def mapping_at(addr: int) -> str | None:
+    """The /proc/self/maps line of the mapping holding ``addr`` (None: nothing is mapped there)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return line.strip()
+    return None
+
+
+def test_a_range_lost_at_max_map_count_is_never_touched_again(host_faults):
+    """At vm.max_map_count an unmap falls back to munmap and then reserves the range again; when another
+    mapping of the process took the range in between, the range is lost to the cache. Its pages are gone, so
+    the table drops them (it had kept them as an orphan), and no retry, reclaim or cleanup maps over or
+    unmaps that other mapping (the retry had mapped the pool over it, and cleanup had unmapped it: a
+    crash for its owner)."""
+    import ctypes
+
+    kv = make(policy={"eager": False, "deferred_reclaim": False}, backend=FAULTY_HOST)
+    try:
+        a = kv.alloc_reqid()
+        assert kv.step(only(a, 3 * 16))  # 3 pages a buffer (16 tokens a 4 KiB page), one run of 3 in each
+        addr = kv.layer(0)[0][a].data_ptr()  # K of layer 0, reqid a's first page
+        host_faults.fail("reserve_again", 0, 1)
+        with pytest.raises(vattn.DriverError, match="could not be reserved again; that range of the cache is lost"):
+            kv.unmap_pages([a], [0])
+        host_faults.clear()
+        other = mapping_at(addr)
+        assert other is not None and " rw-p " in other and "vattn-kv-pool" not in other
+        assert ctypes.c_uint8.from_address(addr).value == 0xA5
+        # the lost pages are gone from the table as from memory; the buffers the error kept from being
+        # unmapped are orphans, still mapped
+        assert addr not in dict(kv._pages.table()) and kv.page_ids(a) == []
+        assert_table_is_real(kv)
+        assert_invariants(kv)
+        kv.reclaim()  # orphans' retries: none touches it
+        assert kv.stats()["pages_orphaned"] == 0
+        assert mapping_at(addr) == other and ctypes.c_uint8.from_address(addr).value == 0xA5
+        b = kv.alloc_reqid()
+        assert kv.step(only(b, 3 * 16))  # the pool's pages serve other slices
+        assert_table_is_real(kv)
+    finally:
+        kv.cleanup()
+    assert mapping_at(addr) == other and ctypes.c_uint8.from_address(addr).value == 0xA5  # cleanup left it
+
+
 def test_host_constructor_failures_leak_no_fd(host_faults):
     fds = len(os.listdir("/proc/self/fd"))
     for call in ("memfd_create", "ftruncate", "reserve"):
