@@ -426,37 +426,20 @@ bool PageManager::closed() const {
 }
 
 size_t PageManager::mapped_pages(int64_t reqid) const {
-  check_process();
-  Lock lock(sync_->mu);
-  check_open();
-  check_reqid(reqid, "mapped_pages");
-  return table_.mapped(static_cast<size_t>(reqid));
+  return read_reqid(reqid, "mapped_pages", [&](size_t s) { return table_.mapped(s); });
 }
 
 size_t PageManager::backed_pages(int64_t reqid) const {
-  check_process();
-  Lock lock(sync_->mu);
-  check_open();
-  check_reqid(reqid, "mapped_bytes");
-  const size_t s = static_cast<size_t>(reqid);
-  return table_.mapped(s) - table_.leading_holes(s);
+  return read_reqid(reqid, "mapped_bytes", [&](size_t s) { return table_.mapped(s) - table_.leading_holes(s); });
 }
 
 bool PageManager::reqid_allocated(int64_t reqid) const {
-  check_process();
-  Lock lock(sync_->mu);
-  check_open();
-  check_reqid(reqid, "is_allocated");
-  return table_.allocated(static_cast<size_t>(reqid));
+  return read_reqid(reqid, "is_allocated", [&](size_t s) { return table_.allocated(s); });
 }
 
 bool PageManager::reads_done(int64_t reqid) const {
-  check_process();
-  Lock lock(sync_->mu);
-  check_open();
-  check_reqid(reqid, "reads_done");
-  const size_t s = static_cast<size_t>(reqid);
-  return !table_.allocated(s) && backend_->reads_done(reqid_reads_[s]);
+  return read_reqid(reqid, "reads_done",
+                    [&](size_t s) { return !table_.allocated(s) && backend_->reads_done(reqid_reads_[s]); });
 }
 
 void PageManager::check_mapped(const int64_t* reqids, const int64_t* tokens, size_t count, const std::string& what,

@@ -313,6 +313,15 @@ class PageManager {
   void check_open() const;     // caller holds mu
   void check_reqid(int64_t reqid, const char* what) const;
   void check_allocated(int64_t reqid, const char* what) const;
+  // read(slice) under the lock, once the process, the cache and the reqid are checked: one reqid's reads.
+  template <typename Read>
+  auto read_reqid(int64_t reqid, const char* what, Read read) const {
+    check_process();
+    Lock lock(sync_->mu);
+    check_open();
+    check_reqid(reqid, what);
+    return read(static_cast<size_t>(reqid));
+  }
   uintptr_t address(size_t buffer, size_t reqid, size_t pos) const {
     return base_ + buffer * buffer_bytes() + reqid * config_.slice_bytes + pos * page_size_;
   }

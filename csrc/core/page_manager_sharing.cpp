@@ -301,11 +301,7 @@ void PageManager::unmap_pages_below(const int64_t* reqids, const int64_t* first,
 }
 
 std::vector<uint32_t> PageManager::reqid_page_ids(int64_t reqid) const {
-  check_process();
-  Lock lock(sync_->mu);
-  check_open();
-  check_reqid(reqid, "page_ids");
-  return table_.ids(static_cast<size_t>(reqid));
+  return read_reqid(reqid, "page_ids", [&](size_t s) { return table_.ids(s); });
 }
 
 }  // namespace vattn
