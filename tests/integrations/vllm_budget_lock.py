@@ -43,6 +43,7 @@ def main(model: str, name: str) -> dict:
     pool = BudgetedBlockPool(scheduler, budget.join("vllm sim"), budget, BLOCK_BYTES, 1, idle_release_s=1e9)
     setattr(scheduler, POOL_ATTRIBUTE, pool)
     stages: dict[str, dict] = {}
+    added: list[str] = []
 
     def note(stage: str, scheduled: list[list[str]]) -> None:
         stats = pool.stats()
@@ -50,8 +51,6 @@ def main(model: str, name: str) -> dict:
                              unreturned=stats["unreturned_bytes"], lock_timeouts=stats["lock_timeouts"],
                              finished=sorted(r for r in ("first", "second", "third") if r not in scheduler.requests
                                              and r in added))
-
-    added: list[str] = []
 
     def request(rid: str, blocks: int, max_tokens: int) -> None:
         # the prompt and every token decoded fit in ``blocks`` blocks: only admission asks the budget
