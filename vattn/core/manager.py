@@ -534,7 +534,9 @@ class KVCacheManager(CudaStreams, SharedPages):
         allocated reqids map (not what only freed reqids still map);
         ``bytes_created``: physical bytes held; ``bytes_reserved``: virtual
         bytes reserved; ``bytes_static``: what a static max-length
-        reservation would need.
+        reservation would need. A page id counts in every buffer while any
+        of its mappings lasts: an orphan (an unmap the driver or OS refused
+        in some buffers, retried later) counts its whole id until settled.
         """
         s = Stats(self._pages.stats())
         cfg = self.config
