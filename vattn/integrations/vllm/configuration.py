@@ -99,7 +99,7 @@ def configure(vllm_config: Any) -> None:
                          f"or unset {SWITCH}")
     if cache.cache_dtype not in ("auto", None):
         raise ValueError(f"vattn's vLLM integration stores K/V in the model dtype; kv_cache_dtype="
-                         f"{cache.cache_dtype!r} is not supported")
+                         f"{cache.cache_dtype!r} is not supported: drop --kv-cache-dtype, or unset {SWITCH}")
     engine_budget.check_config(vllm_config)
     device = runtime.platform_device()
     if model.use_mla:
@@ -110,18 +110,17 @@ def configure(vllm_config: Any) -> None:
     window = getattr(hf, "sliding_window", None) if not model.is_hybrid else None
     check_kernel(model.get_head_size(), device, sliding_window=window,
                  logits_soft_cap=getattr(hf, "attn_logit_softcapping", None))
-    page_bytes = page_bytes_setting()
+    page_bytes, layout = page_bytes_setting(), layout_setting()  # either refused here, whatever the model
     parallel = vllm_config.parallel_config
     shape = (model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
              model.dtype.itemsize)
     if page_bytes is not None:
         check_subpage_blocks(device, window, budget_name_from_environment())
-        page_geometry(*shape, cache.block_size, config_granularity(device), os.environ.get(LAYOUT_SETTING),
-                      page_bytes)
+        page_geometry(*shape, cache.block_size, config_granularity(device), layout, page_bytes)
     # Models whose sliding-window and global layers form several KV cache groups are checked in the
     # worker, which knows the groups (a page holds one group's layers); a single group is fitted here.
     elif not window:
-        fit_block_size(cache, *shape, config_granularity(device), os.environ.get(LAYOUT_SETTING))
+        fit_block_size(cache, *shape, config_granularity(device), layout)
     if device != "cpu" or window:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -211,6 +210,15 @@ def page_bytes_setting() -> int | None:
     if value <= 0:
         raise ValueError(f"{PAGE_BYTES_SETTING} must be a positive number of bytes, got {raw!r}")
     return value
+
+
+def layout_setting() -> str | None:
+    """``VATTN_VLLM_LAYOUT``: the layout of the K/V buffers (None: unset, the fitting one is chosen).
+    Raises ValueError naming the setting unless it names a layout."""
+    raw = os.environ.get(LAYOUT_SETTING) or None
+    if raw is not None and raw not in block_placer.LAYOUTS:
+        raise ValueError(f"{LAYOUT_SETTING} must be one of {block_placer.LAYOUTS}, got {raw!r}")
+    return raw
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from vattn.kernels import AttentionCase, Kernel
 from vattn.kernels import host as host_kernel
 from vattn.kernels.flash_attn import FlashAttentionKernel
 
-from .configuration import (LAYOUT_SETTING, SWITCH, granularity, loaded_kernel, page_bytes_setting, page_geometry,
+from .configuration import (SWITCH, granularity, layout_setting, loaded_kernel, page_bytes_setting, page_geometry,
                             serving_kernel)
 from .worker_budget import RELEASE_ATTRIBUTE, RUNNER_ATTRIBUTE, WorkerPages, block_bytes, padding_bytes, release_blocks
 from .worker_cache import WorkerCache
@@ -111,7 +110,7 @@ def cache_arguments(runner: Any, spec: Any, num_layers: int, num_blocks: int, nu
     flags that change it, where the reservation would pass
     ``ADDRESS_SPACE_BUDGET``."""
     geometry = page_geometry(num_layers, spec.num_kv_heads, spec.head_size, spec.dtype.itemsize, spec.block_size,
-                             granularity(runner.device), os.environ.get(LAYOUT_SETTING), page_bytes_setting())
+                             granularity(runner.device), layout_setting(), page_bytes_setting())
     layout, page_size = geometry.layout, geometry.page_size
     num_buffers = 2 * num_layers if layout == "per_layer" else 2
     shape = slice_shape(runner.input_batch.max_num_reqs, runner.max_model_len, num_blocks, spec.block_size,
