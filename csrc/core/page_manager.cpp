@@ -451,7 +451,7 @@ void PageManager::check_mapped(const int64_t* reqids, const int64_t* tokens, siz
     check_allocated(reqids[i], what.c_str());
     const size_t s = static_cast<size_t>(reqids[i]);
     const int64_t mapped = geometry_.tokens_in_positions(table_.mapped(s));
-    if (tokens[i] < 0)  // (the row counts a view's origin moved: seq_lens less that origin's token)
+    if (tokens[i] < 0)  // tokens = seq_lens + the view's first token: below 0 only for a negative seq_lens
       throw std::invalid_argument(what + ": reqid " + std::to_string(reqids[i]) + " would read " +
                                   std::to_string(tokens[i]) + " tokens: seq_lens must be at least 0");
     if (tokens[i] > mapped)

@@ -324,6 +324,9 @@ class DeviceMember:
 
     def _give_back(self, probe: bool = False) -> None:
         """Releases what each device is owed (``unreturned``); a stuck lock keeps it owed."""
+        if not any(self.unreturned):  # the common case: every grant asks, nothing is owed
+            return
+
         def give(index: int, share: DeviceShare) -> None:
             with self._unreturned_lock:
                 part, self.unreturned[index] = self.unreturned[index], 0
